@@ -1,0 +1,31 @@
+# Set-up and common jobs. `make test` and `make demo` install everything they need first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test demo clean
+
+# torch first, pinned: on these machines torch==2.13.0 is a CPU build on local disk; any other spec
+# pulls a multi-GB CUDA build. Elsewhere the same pin is the normal wheel from PyPI.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev,demo]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(VENV)/bin/cembed train configs/quickstart.yaml
+
+clean:
+	rm -rf $(VENV) runs
