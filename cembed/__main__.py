@@ -1,0 +1,3 @@
+from cembed.cli import main
+
+main()

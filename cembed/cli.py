@@ -1,0 +1,139 @@
+"""The ``cembed`` command line: a thin layer over functions in the other modules.
+
+User mistakes (:class:`cembed.errors.UserError`) print one or two lines in red and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cembed.errors import UserError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Fine-tune sentence-embedding models with contrastive losses at batch sizes far beyond GPU memory.",
+)
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+def user_errors(fn):
+    """Turn a UserError into a short red message and exit code 2 (never a traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as err:
+            err_console.print(f"[bold red]error:[/] {err}", highlight=False, markup=True, soft_wrap=True)
+            raise typer.Exit(err.exit_code) from None
+
+    return wrapper
+
+
+@app.command("suggest-lr")
+@user_errors
+def suggest_lr_cmd(
+    base_lr: float = typer.Option(..., "--base-lr", help="Learning rate tuned at --base-bs, e.g. 2e-5."),
+    base_bs: int = typer.Option(..., "--base-bs", help="Batch size the base LR was tuned at, e.g. 32."),
+    bs: int = typer.Option(..., "--bs", help="Samples per optimizer step now (batch x GPUs x accumulation)."),
+    rule: str = typer.Option("sqrt", "--rule", help="sqrt (default) or linear."),
+) -> None:
+    """Suggest a learning rate for a new batch size (sqrt rule by default) and a bracket to try."""
+    from cembed.lr import suggest_lr
+
+    s = suggest_lr(base_lr, base_bs, bs, rule)  # type: ignore[arg-type]
+    lo, hi = s.bracket
+    console.print(f"suggested learning_rate: [bold]{s.suggested:.3e}[/] ({s.rule} rule)", highlight=False)
+    console.print(f"  sqrt rule:   {s.sqrt:.3e} = {base_lr:g} x sqrt({bs}/{base_bs})", highlight=False)
+    console.print(f"  linear rule: {s.linear:.3e} = {base_lr:g} x ({bs}/{base_bs})", highlight=False)
+    console.print(f"  bracket to try: {lo:.3e} .. {hi:.3e} (x0.5, x2; halve/double from the suggestion)", highlight=False)
+
+
+def _load(config: Path, overrides: list[str] | None):
+    from cembed.config import load_config
+
+    return load_config(config, overrides or [])
+
+
+@app.command("validate")
+@user_errors
+def validate_cmd(
+    config: Path = typer.Argument(..., help="YAML config file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
+) -> None:
+    """Check config, data files and columns without training (no GPU needed)."""
+    from cembed.train import prepare
+
+    cfg = _load(config, overrides)
+    plan, data = prepare(cfg)
+    console.print("[bold]resolved config[/]")
+    console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    console.print(
+        f"device: {plan.device}   world size: {plan.world_size}   samples per optimizer step: {plan.samples_per_step}",
+        highlight=False,
+    )
+    console.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    console.print(
+        f"data: {data.rows_read} rows read, {data.rows_dropped} dropped, {len(data.dataset)} to train on; "
+        f"columns {data.roles}",
+        highlight=False,
+    )
+    first = data.dataset[0]
+    table = Table("role", "first training row")
+    for key, value in first.items():
+        table.add_row(key, str(value))
+    console.print(table)
+    console.print("[green]config OK[/]")
+
+
+@app.command("train")
+@user_errors
+def train_cmd(
+    config: Path = typer.Argument(..., help="YAML config file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
+) -> None:
+    """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
+    from cembed.train import prepare, run_training
+
+    cfg = _load(config, overrides)
+    plan, data = prepare(cfg)
+    console.print(
+        f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {cfg.batch.mini_batch_size}  "
+        f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
+        highlight=False,
+    )
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    summary = run_training(cfg, plan, data, console)
+    console.print(
+        f"[green]done[/]: {summary['steps']} steps, {summary['samples_seen']} samples in {summary['wall_time_s']:.1f}s "
+        f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
+        highlight=False,
+    )
+    console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("[red]interrupted[/]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Training data: load a file or hub dataset, map its columns to roles, check every cell.
+
+The output is a :class:`PreparedData` whose ``dataset`` has exactly the columns the loss embeds, in
+order: ``anchor``, ``positive``, then ``negative_1`` ... ``negative_k``. Nothing unnamed survives,
+so nothing unnamed is embedded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cembed.config import ColumnMap, DataSource
+from cembed.errors import UserError
+
+
+@dataclass
+class PreparedData:
+    """A checked dataset plus what the run summary reports about it."""
+
+    dataset: object  # datasets.Dataset with columns anchor, positive, negative_1..k
+    source: str
+    rows_read: int
+    rows_dropped: int = 0
+    roles: dict[str, str] = field(default_factory=dict)  # role column -> source column
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.dataset.column_names)
+
+
+def arrow_table(dataset) -> pa.Table:
+    """The dataset's rows as a pyarrow Table (selections applied), without copying when possible."""
+    return dataset.with_format("arrow")[:]
+
+
+def _builder_for(path: Path) -> tuple[str, dict]:
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith((".jsonl", ".json")):
+        return "json", {}
+    if name.endswith(".csv"):
+        return "csv", {}
+    if name.endswith(".tsv"):
+        return "csv", {"delimiter": "\t"}
+    if name.endswith(".parquet"):
+        return "parquet", {}
+    raise UserError(f"{path}: unsupported file type; use .jsonl[.gz], .json, .csv, .tsv or .parquet")
+
+
+def load_source(source: DataSource):
+    """Load a local file or a hub dataset as a ``datasets.Dataset``.
+
+    Raises:
+        UserError: missing file, unsupported extension, unreadable/corrupt content, or a hub dataset
+            that cannot be reached.
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    if source.is_local:
+        path = Path(source.path)
+        if not path.exists():
+            raise UserError(f"{path}: data file not found (data paths resolve relative to the config file)")
+        if path.stat().st_size == 0:
+            raise UserError(f"{path}: data file is empty")
+        builder, kwargs = _builder_for(path)
+        try:
+            return datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+        except Exception as err:  # datasets wraps parser errors in many types
+            first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+            raise UserError(f"{path}: cannot read as {builder}: {first[:300]}") from None
+    try:
+        return datasets.load_dataset(source.path, source.subset, split=source.split)
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+        raise UserError(
+            f"data: cannot load hub dataset {source.path!r} (subset={source.subset}, split={source.split}): "
+            f"{first[:300]}"
+        ) from None
+
+
+def role_columns(columns: ColumnMap) -> list[tuple[str, str]]:
+    """``(source column, role column)`` pairs in loss order: anchor, positive, negative_1..k."""
+    pairs = [(columns.anchor, "anchor"), (columns.positive, "positive")]
+    pairs += [(src, f"negative_{i + 1}") for i, src in enumerate(columns.negatives)]
+    return pairs
+
+
+def map_columns(dataset, columns: ColumnMap, source: str):
+    """Keep only the mapped columns, renamed to their roles, in loss order.
+
+    Raises:
+        UserError: a mapped column is missing (the message lists the columns that exist), or one
+            source column is mapped to two roles.
+    """
+    pairs = role_columns(columns)
+    config_key = {"anchor": "anchor", "positive": "positive"}
+    for src, role in pairs:
+        if src not in dataset.column_names:
+            key = f"data.columns.{config_key.get(role, 'negatives')}"
+            raise UserError(
+                f"{source}: column {src!r} ({key}) not found; the data has columns: "
+                f"{', '.join(dataset.column_names)}"
+            )
+    sources = [src for src, _ in pairs]
+    if len(set(sources)) != len(sources):
+        dup = next(s for s in sources if sources.count(s) > 1)
+        raise UserError(f"data.columns: column {dup!r} is mapped to two roles; each role needs its own column")
+    dataset = dataset.select_columns(sources)
+    # Rename through temporary names so swapped names (anchor<->positive) cannot collide.
+    dataset = dataset.rename_columns({src: f"__cembed_{i}" for i, (src, _) in enumerate(pairs)})
+    return dataset.rename_columns({f"__cembed_{i}": role for i, (_, role) in enumerate(pairs)})
+
+
+def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool):
+    """Refuse (or drop, with ``drop_invalid``) rows with a null, non-string, empty or blank cell.
+
+    Returns:
+        ``(dataset, rows_dropped)``.
+
+    Raises:
+        UserError: naming the column (role and source name) and the 1-based row of the first bad
+            cell, or a column whose type is not text at all.
+    """
+    table = arrow_table(dataset)
+    bad = None
+    first_bad: tuple[int, str, str] | None = None
+    for role in dataset.column_names:
+        arr = table.column(role)
+        src = roles.get(role, role)
+        if arr.type == pa.null():
+            reason_col = "only empty values"
+            raise UserError(f"{source}: column {src!r} (role {role}) holds {reason_col}; it must hold text")
+        if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+            raise UserError(
+                f"{source}: column {src!r} (role {role}) holds {arr.type} values; it must hold text "
+                "(map a text column in data.columns)"
+            )
+        null = pc.is_null(arr)
+        blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(arr), ""), False)
+        col_bad = pc.or_(null, blank)
+        if pc.any(col_bad).as_py():
+            idx = pc.index(col_bad, True).as_py()
+            kind = "empty (null/NaN)" if null[idx].as_py() else "empty or whitespace-only"
+            if first_bad is None or idx < first_bad[0]:
+                first_bad = (idx, f"column {src!r} (role {role})", kind)
+        bad = col_bad if bad is None else pc.or_(bad, col_bad)
+    if first_bad is None:
+        return dataset, 0
+    if not drop_invalid:
+        idx, col, kind = first_bad
+        raise UserError(
+            f"{source}: row {idx + 1}: {col} is {kind}; fix the data or set data.drop_invalid_rows: true to skip such rows"
+        )
+    keep = pc.invert(bad).to_numpy(zero_copy_only=False).nonzero()[0]
+    return dataset.select(keep).flatten_indices(), len(dataset) - len(keep)
+
+
+def prepare_data(source: DataSource, columns: ColumnMap, max_samples: int | None, drop_invalid: bool) -> PreparedData:
+    """Load, truncate to ``max_samples`` (first rows), map columns and check cells.
+
+    Raises:
+        UserError: see :func:`load_source`, :func:`map_columns`, :func:`check_cells`; also a file
+            with no rows.
+    """
+    raw = load_source(source)
+    label = source.path
+    if len(raw) == 0:
+        raise UserError(f"{label}: the data has no rows")
+    if max_samples is not None and max_samples < len(raw):
+        raw = raw.select(range(max_samples))
+    rows_read = len(raw)
+    roles = {role: src for src, role in role_columns(columns)}
+    dataset = map_columns(raw, columns, label)
+    dataset, dropped = check_cells(dataset, label, roles, drop_invalid)
+    if len(dataset) == 0:
+        raise UserError(f"{label}: every row was invalid and dropped; nothing is left to train on")
+    return PreparedData(dataset=dataset, source=label, rows_read=rows_read, rows_dropped=dropped, roles=roles)
+
+
+def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: bool) -> None:
+    """Refuse data that cannot fill one (duplicate-free) batch of ``global_batch_size`` rows.
+
+    Raises:
+        UserError: fewer rows than the batch, or (with ``no_duplicates``) a column with fewer distinct
+            texts than the batch, naming the column and its distinct count.
+    """
+    n = len(data.dataset)
+    if n < global_batch_size:
+        raise UserError(
+            f"{data.source}: {n} rows is fewer than one batch of {global_batch_size} "
+            "(batch.per_device_train_batch_size x world size); lower the batch size or add data"
+        )
+    if not no_duplicates:
+        return
+    table = arrow_table(data.dataset)
+    for role in data.columns:
+        distinct = pc.count_distinct(table.column(role)).as_py()
+        if distinct < global_batch_size:
+            raise UserError(
+                f"{data.source}: column {data.roles.get(role, role)!r} (role {role}) has only {distinct} distinct "
+                f"texts, so no duplicate-free batch of {global_batch_size} rows exists; lower "
+                f"batch.per_device_train_batch_size to at most {distinct} or set sampler.no_duplicates: false"
+            )

@@ -1,0 +1,78 @@
+"""The resolved plan: what a validated config means on this machine.
+
+Device, world size, samples per optimizer step and the effective learning rate are decided here,
+once, and every later stage reads them from the :class:`Plan` instead of re-deriving them from the
+config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from cembed.config import CembedConfig
+from cembed.errors import UserError
+from cembed.lr import derivation, scale_lr
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str  # "cpu" or "cuda"
+    world_size: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    samples_per_step: int  # per_device_train_batch_size x world_size x gradient_accumulation_steps
+    learning_rate: float  # effective (scaled) LR handed to the optimizer
+    lr_derivation: str
+    precision: str
+    warnings: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_device(requested: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` without a GPU is a UserError."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("model.device: cuda was requested but no CUDA device is visible; use auto or cpu")
+    return requested
+
+
+def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
+    """Resolve device, world size, samples per step and the effective LR for ``cfg``.
+
+    Args:
+        cfg: a validated config.
+        world_size: number of training processes; defaults to ``$WORLD_SIZE`` or 1.
+
+    Raises:
+        UserError: fp16 requested on CPU, or cuda requested without a GPU.
+    """
+    device = resolve_device(cfg.model.device)
+    if cfg.model.precision == "fp16" and device == "cpu":
+        raise UserError("model.precision: fp16 needs a CUDA device; use fp32 or bf16 on CPU")
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    b, o = cfg.batch, cfg.optim
+    samples = b.per_device_train_batch_size * world * b.gradient_accumulation_steps
+    warnings = []
+    if b.gradient_accumulation_steps > 1:
+        warnings.append(
+            f"batch.gradient_accumulation_steps={b.gradient_accumulation_steps}: accumulation adds no in-batch "
+            "negatives (each accumulated batch only sees its own); with loss cached_mnrl raise "
+            "per_device_train_batch_size instead"
+        )
+    return Plan(
+        device=device,
+        world_size=world,
+        per_device_train_batch_size=b.per_device_train_batch_size,
+        gradient_accumulation_steps=b.gradient_accumulation_steps,
+        samples_per_step=samples,
+        learning_rate=scale_lr(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
+        lr_derivation=derivation(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
+        precision=cfg.model.precision,
+        warnings=tuple(warnings),
+    )

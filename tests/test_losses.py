@@ -1,0 +1,85 @@
+"""The training result must not depend on mini_batch_size: cached loss == plain loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.losses.gradcache import _create_minibatch
+from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+from cembed.config import LossConfig
+from cembed.losses import build_loss
+
+TEXTS = {
+    "anchor": ["a man on a bus", "two dogs", "the red car", "a cat on a table", "people at the street", "white plate of food", "a train"],
+    "positive": ["man riding bus", "dogs playing", "car in red", "cat sitting on table", "street with people", "food on a plate", "train on track"],
+    "negative_1": ["a blue room", "large black dog", "small white car", "top of the bus", "near the table", "next to a woman", "the woman"],
+}
+
+
+def _features(model, columns):
+    return [model.tokenize(TEXTS[c]) for c in columns]
+
+
+def _loss_and_grads(model, loss, features):
+    model.zero_grad()
+    value = loss(features, labels=None)
+    value.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return value.detach(), grads
+
+
+def _rel(a, b):
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+@pytest.mark.parametrize("columns", [("anchor", "positive"), ("anchor", "positive", "negative_1")])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_cached_equals_plain_without_dropout(tiny_model_dir, columns, symmetric):
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    model.train()
+    features = _features(model, columns)
+    cfg = LossConfig(name="mnrl", symmetric=symmetric)
+    ref_loss, ref_grads = _loss_and_grads(model, build_loss(model, cfg, 1), features)
+    assert ref_grads.abs().sum() > 0
+    for mbs in (1, 3, len(TEXTS["anchor"])):
+        cached = build_loss(model, cfg.model_copy(update={"name": "cached_mnrl"}), mbs)
+        loss, grads = _loss_and_grads(model, cached, features)
+        assert _rel(loss, ref_loss) <= 1e-5, mbs
+        assert _rel(grads, ref_grads) <= 1e-5, mbs
+
+
+@pytest.mark.parametrize("mbs", [1, 3, 7])
+def test_cached_equals_plain_under_same_dropout_masks(tiny_dropout_model_dir, mbs):
+    """With dropout on, the cached loss replays each mini-batch's RNG state in its second forward.
+    The reference embeds the same mini-batches in the same order from the same seed (so it draws
+    the same masks) with gradients, and applies the plain loss to the concatenated embeddings."""
+    model = SentenceTransformer(str(tiny_dropout_model_dir), device="cpu")
+    model.train()
+    columns = ("anchor", "positive")
+    features = _features(model, columns)
+    n = len(TEXTS["anchor"])
+    plain = MultipleNegativesRankingLoss(model)
+
+    model.zero_grad()
+    torch.manual_seed(123)
+    reps = []
+    for feat in features:
+        # Same slicing as the cached loss (it also trims trailing padding, which changes mask shapes).
+        chunks = [model(_create_minibatch(feat, b, b + mbs))["sentence_embedding"] for b in range(0, n, mbs)]
+        reps.append(torch.cat(chunks))
+    ref_loss = plain.compute_loss_from_embeddings(reps, None)
+    ref_loss.backward()
+    ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    cached = build_loss(model, LossConfig(), mbs)
+    torch.manual_seed(123)
+    loss, grads = _loss_and_grads(model, cached, features)
+    assert _rel(loss, ref_loss.detach()) <= 1e-5
+    assert _rel(grads, ref_grads) <= 1e-5
+
+    # Sanity: dropout is really on, so a different seed changes the gradients.
+    torch.manual_seed(999)
+    _, other = _loss_and_grads(model, cached, features)
+    assert _rel(other, ref_grads) > 1e-3
