@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
+
+# Library progress bars (weights loading, shard writing) would interleave with cembed's own rich
+# progress; tqdm reads this at import time, so it is set before anything imports tqdm.
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from pathlib import Path
 from typing import List, Optional
 

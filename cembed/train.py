@@ -106,10 +106,13 @@ class RichProgressCallback(TrainerCallback):
         elapsed = time.perf_counter() - self.log.started
         return step * self.samples_per_step / elapsed if elapsed > 0 else 0.0
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def _refresh(self, step: int) -> None:
         if self.progress is not None:
-            info = f"loss {self._last['loss']:.4f}  lr {self._last['lr']:.2e}  {self._rate(state.global_step):.1f} samples/s"
-            self.progress.update(self.task, completed=state.global_step, info=info)
+            info = f"loss {self._last['loss']:.4f}  lr {self._last['lr']:.2e}  {self._rate(step):.1f} samples/s"
+            self.progress.update(self.task, completed=step, info=info)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._refresh(state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -119,6 +122,7 @@ class RichProgressCallback(TrainerCallback):
         if "learning_rate" in logs:
             self.log.learning_rates.append((state.global_step, float(logs["learning_rate"])))
             self._last["lr"] = float(logs["learning_rate"])
+        self._refresh(state.global_step)
         if self.progress is not None and "loss" in logs:
             self.progress.console.print(
                 f"step {state.global_step}/{state.max_steps}  loss {self._last['loss']:.4f}  "

@@ -1,0 +1,86 @@
+"""No-duplicates sampler: no text twice in a batch across columns; exact batch counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from datasets import Dataset
+
+from cembed.sampler import NoDuplicatesSampler, build_batches
+
+
+def _texts(ds, batch):
+    return [t for i in batch for t in ds[i].values()]
+
+
+def test_cross_column_duplicate_never_shares_a_batch():
+    # Row i's positive is row i+1's anchor: a text is the anchor of one row and the positive of another.
+    n = 40
+    ds = Dataset.from_dict({"anchor": [f"t{i}" for i in range(n)], "positive": [f"t{i + 1}" for i in range(n)]})
+    for seed in range(5):
+        sampler = NoDuplicatesSampler(ds, batch_size=8, drop_last=False, seed=seed)
+        batches = list(sampler)
+        assert len(batches) == len(sampler)
+        assert sorted(i for b in batches for i in b) == list(range(n))  # nothing dropped
+        for b in batches:
+            texts = _texts(ds, b)
+            assert len(texts) == len(set(texts))
+
+
+def test_duplicate_heavy_exact_counts_both_drop_last_settings():
+    # 30 rows, anchors from 6 topics x 5 rows each: at most one row per topic in a batch, so a
+    # batch of 6 needs every topic once -> exactly 5 full batches; with batch 4, 7 full batches
+    # (28 rows), 2 rows left for a final partial batch.
+    anchors = [f"topic {i % 6}" for i in range(30)]
+    ds = Dataset.from_dict({"anchor": anchors, "positive": [f"p{i}" for i in range(30)]})
+    for drop_last, bs, expected in [(True, 6, 5), (False, 6, 5), (True, 4, 7), (False, 4, 8)]:
+        sampler = NoDuplicatesSampler(ds, batch_size=bs, drop_last=drop_last, seed=1)
+        batches = list(sampler)
+        assert len(sampler) == len(batches) == expected, (drop_last, bs)
+        for b in batches:
+            assert len({ds[i]["anchor"] for i in b}) == len(b)
+        if not drop_last:
+            assert sorted(i for b in batches for i in b) == list(range(30))
+        else:
+            assert all(len(b) == bs for b in batches)
+            assert sampler.unplaced == 30 - bs * expected
+
+
+def test_same_seed_same_batches_new_epoch_new_batches():
+    ds = Dataset.from_dict({"anchor": [f"a{i}" for i in range(64)], "positive": [f"b{i}" for i in range(64)]})
+    s1 = NoDuplicatesSampler(ds, batch_size=8, drop_last=True, seed=3)
+    s2 = NoDuplicatesSampler(ds, batch_size=8, drop_last=True, seed=3)
+    assert list(s1) == list(s2)
+    first = list(s1)
+    s1.set_epoch(1)
+    assert list(s1) != first and len(s1) == 8
+
+
+def test_impossible_data_yields_no_batch():
+    h = np.array([[1, 2], [1, 3], [1, 4]], dtype=np.uint64)  # every row shares text 1
+    batches, unplaced = build_batches(h, batch_size=2, drop_last=True, seed=0)
+    assert batches == [] and unplaced == 3
+    batches, _ = build_batches(h, batch_size=2, drop_last=False, seed=0)
+    assert [len(b) for b in batches] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_optimizer_steps_equal_sampler_batches(tiny_model_dir, tmp_path, accum):
+    """Through the real trainer: the steps it runs in one epoch equal the batches the sampler yields."""
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    anchors = [f"topic {i % 9}" for i in range(45)]  # 9 distinct anchors, 5 rows each
+    ds = Dataset.from_dict({"anchor": anchors, "positive": [f"answer {i}" for i in range(45)]})
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=accum,
+        num_train_epochs=1, batch_sampler=NoDuplicatesSampler, dataloader_drop_last=True,
+        report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True, seed=7,
+    )
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=ds, loss=MultipleNegativesRankingLoss(model))
+    sampler = trainer.get_train_dataloader().batch_sampler
+    n_batches = len(list(sampler))
+    assert n_batches == len(sampler) == 11  # 45 rows -> 11 full batches of 4, 1 row left
+    trainer.train()
+    assert trainer.state.global_step == -(-n_batches // accum)
