@@ -72,6 +72,8 @@ class DataConfig(_Strict):
     columns: ColumnMap = Field(default_factory=ColumnMap)
     max_samples: PositiveInt | None = None
     drop_invalid_rows: bool = False
+    pretokenize: bool = True  # tokenize once, cache on disk, only pad in the collator
+    cache_dir: str | None = None  # default $CEMBED_CACHE_DIR or ~/.cache/cembed
 
     @model_validator(mode="before")
     @classmethod
@@ -90,6 +92,8 @@ class BatchConfig(_Strict):
     mini_batch_size: PositiveInt = 32
     gradient_accumulation_steps: PositiveInt = 1
     drop_last: bool = True
+    mini_batch_num_tokens: PositiveInt | None = None  # pack mini-batches by non-padding tokens instead
+    sort_by_length: bool = True  # sort each column by length before cutting mini-batches
 
     @model_validator(mode="after")
     def _mini_le_batch(self) -> BatchConfig:
@@ -127,6 +131,7 @@ class TrainConfig(_Strict):
     output_dir: str = "runs/cembed"
     logging_steps: PositiveInt = 10
     save_steps: PositiveInt | None = None
+    dataloader_num_workers: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
@@ -261,6 +266,8 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
         if source is not None and (source.is_local or (base / source.path).exists()):
             source.path = _resolve_path(source.path, base)
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
+    if cfg.data.cache_dir is not None:
+        cfg.data.cache_dir = _resolve_path(cfg.data.cache_dir, base)
     model_path = base / cfg.model.name_or_path
     if not Path(cfg.model.name_or_path).is_absolute() and model_path.exists():
         cfg.model.name_or_path = str(model_path.resolve())

@@ -132,7 +132,12 @@ class NoDuplicatesSampler(DefaultBatchSampler):
             seed=seed,
         )
         label_columns = set(valid_label_columns or []) | {"dataset_name"}
-        self.columns = [c for c in dataset.column_names if c not in label_columns]
+        # Only text columns: pre-tokenized datasets also carry <role>_input_ids lists.
+        self.columns = [
+            c
+            for c in dataset.column_names
+            if c not in label_columns and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
+        ]
         self.hashes = row_hashes(dataset, self.columns)
         self._cache: tuple[int, list[list[int]], int] | None = None
 

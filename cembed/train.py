@@ -22,8 +22,10 @@ from cembed.config import CembedConfig, ModelConfig
 from cembed.data import PreparedData, check_batchable, prepare_data
 from cembed.errors import UserError
 from cembed.losses import build_loss
+from cembed.meter import ThroughputMeter, plot_run
 from cembed.outputs import save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
+from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.sampler import NoDuplicatesSampler
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
@@ -124,15 +126,71 @@ class RichProgressCallback(TrainerCallback):
             self._last["lr"] = float(logs["learning_rate"])
         self._refresh(state.global_step)
         if self.progress is not None and "loss" in logs:
+            meter = ""
+            if "data_wait" in logs:
+                meter = (
+                    f"  {logs['tokens_per_s']:.0f} tok/s  data-wait {100 * logs['data_wait']:.1f}%  "
+                    f"padding {100 * logs['padded_share']:.1f}%"
+                )
             self.progress.console.print(
                 f"step {state.global_step}/{state.max_steps}  loss {self._last['loss']:.4f}  "
-                f"lr {self._last['lr']:.3e}  {self._rate(state.global_step):.1f} samples/s"
+                f"lr {self._last['lr']:.3e}  {self._rate(state.global_step):.1f} samples/s{meter}"
             )
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.ended = time.perf_counter()
         if self.progress is not None:
             self.progress.stop()
+
+
+def tokenize_stage(model, data: PreparedData, enabled: bool, cache_dir: str | None):
+    """Pre-tokenize the training data for ``model`` (cached), or leave tokenizing to the collator.
+
+    Returns:
+        ``(dataset, collator or None, info)``: ``collator`` is ``None`` when the stock
+        sentence-transformers collator (tokenizing on the fly) is used, and ``info`` says why.
+    """
+    roles = data.columns
+    if not enabled:
+        return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
+    collator = collator_for(model, roles)
+    if collator is None:
+        return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
+    started = time.perf_counter()
+    result = pretokenize(data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir)
+    if not matches_model_preprocessing(model, collator, result.dataset):
+        return data.dataset, None, {"pretokenized": False, "reason": "stored ids differ from the model's preprocessing"}
+    info = {
+        "pretokenized": True,
+        "from_cache": result.from_cache,
+        "cache_path": str(result.cache_path),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return result.dataset, collator, info
+
+
+def _trainer_class():
+    from sentence_transformers import SentenceTransformerTrainer
+
+    class CembedTrainer(SentenceTransformerTrainer):
+        """The sentence-transformers trainer, plus the throughput meter: it times every wait for
+        the next batch and adds data-wait, tokens/s and padded share to each training log."""
+
+        meter: ThroughputMeter | None = None
+
+        def get_batch_samples(self, *args, **kwargs):
+            started = time.perf_counter()
+            out = super().get_batch_samples(*args, **kwargs)
+            if self.meter is not None:
+                self.meter.waited(time.perf_counter() - started)
+            return out
+
+        def log(self, logs, *args, **kwargs):
+            if self.meter is not None and "loss" in logs:
+                logs = {**logs, **self.meter.snapshot(self.state.global_step)}
+            return super().log(logs, *args, **kwargs)
+
+    return CembedTrainer
 
 
 def build_training_args(cfg: CembedConfig, plan: Plan):
@@ -163,6 +221,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
         use_cpu=plan.device == "cpu",
         report_to="none",
         disable_tqdm=True,
+        dataloader_num_workers=t.dataloader_num_workers,
         **length,
     )
 
@@ -197,16 +256,27 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
         UserError: the model cannot be loaded, or the sampler yields no batch (a run never
             "succeeds" with 0 steps).
     """
-    from sentence_transformers import SentenceTransformerTrainer
     from transformers.trainer_callback import PrinterCallback
 
     console = console or Console()
     _quiet_libraries()
     model = load_model(cfg.model, plan.device)
-    loss = build_loss(model, cfg.loss, cfg.batch.mini_batch_size, gather_across_devices=plan.world_size > 1)
+    train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
+    b = cfg.batch
+    loss = build_loss(
+        model,
+        cfg.loss,
+        b.mini_batch_size,
+        gather_across_devices=plan.world_size > 1,
+        mini_batch_num_tokens=b.mini_batch_num_tokens,
+        sort_by_length=b.sort_by_length,
+    )
     args = build_training_args(cfg, plan)
     log = RunLog()
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data.dataset, loss=loss)
+    trainer = _trainer_class()(
+        model=model, args=args, train_dataset=train_dataset, loss=loss, data_collator=collator
+    )
+    trainer.meter = ThroughputMeter(loss.token_counts)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(RichProgressCallback(console, plan.samples_per_step, log, enabled=progress))
 
@@ -218,6 +288,7 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
             "rows; lower batch.per_device_train_batch_size"
         )
 
+    trainer.meter.start()
     result = trainer.train()
     state = trainer.state
     if state.global_step == 0:
@@ -249,10 +320,15 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
         "first_loss": log.losses[0][1] if log.losses else None,
         "last_loss": log.losses[-1][1] if log.losses else None,
         "losses": log.losses,
+        "throughput": trainer.meter.totals(),
+        "throughput_per_interval": trainer.meter.history,
+        "tokenization": token_info,
         "device": plan.device,
         "versions": _versions(),
         "output_dir": cfg.train.output_dir,
     }
+    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, Path(cfg.train.output_dir) / "training_curves.png")
+    summary["plot"] = str(plot) if plot else None
     write_json_atomic(Path(cfg.train.output_dir) / "run_summary.json", summary)
     return summary
 

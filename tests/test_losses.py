@@ -73,7 +73,7 @@ def test_cached_equals_plain_under_same_dropout_masks(tiny_dropout_model_dir, mb
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    cached = build_loss(model, LossConfig(), mbs)
+    cached = build_loss(model, LossConfig(), mbs, sort_by_length=False)
     torch.manual_seed(123)
     loss, grads = _loss_and_grads(model, cached, features)
     assert _rel(loss, ref_loss.detach()) <= 1e-5
@@ -83,3 +83,43 @@ def test_cached_equals_plain_under_same_dropout_masks(tiny_dropout_model_dir, mb
     torch.manual_seed(999)
     _, other = _loss_and_grads(model, cached, features)
     assert _rel(other, ref_grads) > 1e-3
+
+
+@pytest.mark.parametrize("mbs", [1, 3, 7])
+@pytest.mark.parametrize("columns", [("anchor", "positive"), ("anchor", "positive", "negative_1")])
+def test_length_sorted_equals_unsorted(tiny_model_dir, mbs, columns):
+    """Sorting rows by length before cutting mini-batches changes neither loss nor gradients."""
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    model.train()
+    features = _features(model, columns)
+    unsorted_loss, unsorted_grads = _loss_and_grads(model, build_loss(model, LossConfig(), mbs, sort_by_length=False), features)
+    sorted_obj = build_loss(model, LossConfig(), mbs, sort_by_length=True)
+    sorted_loss, sorted_grads = _loss_and_grads(model, sorted_obj, features)
+    assert _rel(sorted_loss, unsorted_loss) <= 1e-5
+    assert _rel(sorted_grads, unsorted_grads) <= 1e-5
+    counts = sorted_obj.token_counts
+    real = sum(int(f["attention_mask"].sum()) for f in features)
+    assert counts.real == real and counts.processed >= real
+    if mbs == 1:
+        assert counts.processed == real  # one row per mini-batch: no padding at all
+
+
+def test_sorting_reduces_padded_positions(tiny_model_dir):
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    texts = [("word " * (1 + (i * 7) % 23)).strip() for i in range(32)]
+    features = [model.tokenize(texts), model.tokenize(list(reversed(texts)))]
+    on, off = (build_loss(model, LossConfig(), 4, sort_by_length=s) for s in (True, False))
+    with torch.no_grad():
+        on(features, None)
+        off(features, None)
+    assert on.token_counts.real == off.token_counts.real
+    assert on.token_counts.processed < off.token_counts.processed
+
+
+def test_token_budget_minibatches(tiny_model_dir):
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    model.train()
+    features = _features(model, ("anchor", "positive"))
+    ref_loss, ref_grads = _loss_and_grads(model, build_loss(model, LossConfig(name="mnrl"), 1), features)
+    loss, grads = _loss_and_grads(model, build_loss(model, LossConfig(), 7, mini_batch_num_tokens=20), features)
+    assert _rel(loss, ref_loss) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5

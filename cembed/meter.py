@@ -1,0 +1,101 @@
+"""Throughput meter: how long training waited for data, tokens/s, and the padded share.
+
+Per logging interval (the trainer's ``logging_steps``):
+
+- ``data_wait``: share of the interval's wall time the training loop spent waiting for its next
+  batch (sampling, fetching and collating, when not hidden by dataloader workers);
+- ``tokens_per_s``: non-padding tokens embedded per second (each text counted once per step);
+- ``padded_share``: share of the token positions the encoder processed that were padding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cembed.losses import TokenCounts
+
+
+@dataclass
+class ThroughputMeter:
+    token_counts: TokenCounts
+    history: list[dict] = field(default_factory=list)
+    total_wait: float = 0.0
+    total_real: int = 0
+    total_processed: int = 0
+    _wait: float = 0.0
+    _start: float = field(default_factory=time.perf_counter)
+    _first: float | None = None
+
+    def start(self) -> None:
+        """Start the first interval (call when training begins)."""
+        self._start = self._first = time.perf_counter()
+        self._wait = 0.0
+        self.token_counts.reset()
+
+    def waited(self, seconds: float) -> None:
+        """Record ``seconds`` spent waiting for a batch."""
+        self._wait += seconds
+        self.total_wait += seconds
+
+    def snapshot(self, step: int) -> dict[str, float]:
+        """Close the current interval: its ``data_wait``, ``tokens_per_s`` and ``padded_share``."""
+        now = time.perf_counter()
+        wall = max(now - self._start, 1e-9)
+        real, processed = self.token_counts.real, self.token_counts.processed
+        stats = {
+            "data_wait": round(self._wait / wall, 4),
+            "tokens_per_s": round(real / wall, 1),
+            "padded_share": round(1 - real / processed, 4) if processed else 0.0,
+        }
+        self.total_real += real
+        self.total_processed += processed
+        self.history.append({"step": step, **stats})
+        self._start, self._wait = now, 0.0
+        self.token_counts.reset()
+        return stats
+
+    def totals(self) -> dict[str, float]:
+        """Whole-run ``data_wait`` share, ``tokens_per_s`` and ``padded_share``."""
+        wall = max(time.perf_counter() - (self._first or self._start), 1e-9)
+        real = self.total_real + self.token_counts.real
+        processed = self.total_processed + self.token_counts.processed
+        return {
+            "data_wait": round(self.total_wait / wall, 4),
+            "tokens_per_s": round(real / wall, 1),
+            "padded_share": round(1 - real / processed, 4) if processed else 0.0,
+        }
+
+
+def plot_run(losses: list[tuple[int, float]], meter_history: list[dict], samples_per_step: int, path: str | Path) -> Path | None:
+    """Write a PNG with loss, throughput (tokens/s) and data-wait share against the step.
+
+    Returns the path, or ``None`` when there is nothing to plot.
+    """
+    if not losses and not meter_history:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
+    if losses:
+        axes[0].plot([s for s, _ in losses], [v for _, v in losses], marker=".")
+    axes[0].set_ylabel("loss")
+    steps = [h["step"] for h in meter_history]
+    axes[1].plot(steps, [h["tokens_per_s"] for h in meter_history], marker=".", color="tab:green")
+    axes[1].set_ylabel("tokens/s")
+    axes[2].plot(steps, [100 * h["data_wait"] for h in meter_history], marker=".", color="tab:red")
+    axes[2].set_ylabel("data-wait %")
+    axes[2].set_xlabel(f"optimizer step ({samples_per_step} samples each)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
