@@ -105,6 +105,40 @@ def validate_cmd(
     console.print("[green]config OK[/]")
 
 
+@app.command("inspect-data")
+@user_errors
+def inspect_data_cmd(
+    config: Path = typer.Argument(..., help="YAML config file."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
+) -> None:
+    """Report duplicates in the training data and how the no-duplicates sampler will batch it."""
+    import pyarrow.compute as pc
+
+    from cembed.data import arrow_table, prepare_data
+    from cembed.plan import resolve_plan
+    from cembed.sampler import inspect_batches, row_hashes
+
+    cfg = _load(config, overrides)
+    plan = resolve_plan(cfg)
+    data = prepare_data(cfg.data.train, cfg.data.columns, cfg.data.max_samples, cfg.data.drop_invalid_rows)
+    table = arrow_table(data.dataset)
+    batch = plan.per_device_train_batch_size * plan.world_size
+    report = inspect_batches(row_hashes(data.dataset, data.columns), batch, cfg.batch.drop_last, cfg.train.seed)
+    out = Table("", "value", title=f"{data.source}", title_justify="left")
+    out.add_row("rows", f"{len(data.dataset)} ({data.rows_dropped} invalid dropped)")
+    for role in data.columns:
+        distinct = pc.count_distinct(table.column(role)).as_py()
+        out.add_row(f"distinct texts: {role} ({data.roles[role]})", str(distinct))
+    out.add_row("rows sharing a text with another row", f"{100 * report['colliding_share']:.2f}%")
+    out.add_row(
+        "largest duplicate-free batch",
+        f"{report['largest_batch']} found (at most {report['largest_batch_upper_bound']})",
+    )
+    out.add_row(f"batches per epoch at batch {batch}", str(report["batches_per_epoch"]))
+    out.add_row("rows left out per epoch (drop_last)", str(report["rows_unplaced"]))
+    console.print(out)
+
+
 @app.command("train")
 @user_errors
 def train_cmd(

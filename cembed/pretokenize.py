@@ -17,6 +17,7 @@ does not hold, the caller falls back to tokenizing in the collator.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -41,7 +42,15 @@ def default_cache_dir() -> Path:
 def tokenizer_fingerprint(tokenizer) -> str:
     """xxh64 of the fast tokenizer's full JSON (vocab, normalizer, special tokens, post-processor)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    if backend is None:
+        text = repr(sorted(tokenizer.get_vocab().items()))
+    else:
+        # The backend JSON also records the truncation/padding of the last call; those are call
+        # state, not the tokenizer, so they must not change the key.
+        spec = json.loads(backend.to_str())
+        spec.pop("truncation", None)
+        spec.pop("padding", None)
+        text = json.dumps(spec, sort_keys=True)
     return xxhash.xxh64_hexdigest(text.encode("utf-8"))
 
 

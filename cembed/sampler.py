@@ -157,3 +157,40 @@ class NoDuplicatesSampler(DefaultBatchSampler):
 
     def __len__(self) -> int:
         return len(self._epoch_batches()[0])
+
+
+def colliding_rows(hashes: np.ndarray) -> np.ndarray:
+    """Boolean mask, shape ``(rows,)``: rows sharing any text (in any column) with another row.
+    A text repeated inside one row (anchor == positive) does not count."""
+    n, k = hashes.shape
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    srt = np.sort(hashes, axis=1)
+    first = np.ones_like(srt, dtype=bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]  # one vote per distinct text per row
+    values = srt[first]
+    uniq, counts = np.unique(values, return_counts=True)
+    shared = counts[np.searchsorted(uniq, srt)] > 1
+    return (shared & first).any(axis=1)
+
+
+def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> dict:
+    """What ``cembed inspect-data`` reports about duplicate-free batching of ``hashes``.
+
+    Returns:
+        ``colliding_share`` (rows sharing a text with another row), ``largest_batch`` (size of a
+        maximal duplicate-free batch found greedily: a lower bound of the true maximum),
+        ``largest_batch_upper_bound`` (fewest distinct texts in any column), ``batches_per_epoch``
+        and ``rows_unplaced`` for ``batch_size`` (epoch 0, ``seed``).
+    """
+    n = hashes.shape[0]
+    greedy, _ = build_batches(hashes, batch_size=max(n, 1), drop_last=False, seed=seed)
+    batches, unplaced = build_batches(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
+    upper = min(len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])) if n else 0
+    return {
+        "colliding_share": float(colliding_rows(hashes).mean()) if n else 0.0,
+        "largest_batch": len(greedy[0]) if greedy else 0,
+        "largest_batch_upper_bound": upper,
+        "batches_per_epoch": len(batches),
+        "rows_unplaced": unplaced,
+    }

@@ -84,3 +84,38 @@ def test_optimizer_steps_equal_sampler_batches(tiny_model_dir, tmp_path, accum):
     assert n_batches == len(sampler) == 11  # 45 rows -> 11 full batches of 4, 1 row left
     trainer.train()
     assert trainer.state.global_step == -(-n_batches // accum)
+
+
+def test_inspect_batches_counts():
+    from cembed.sampler import colliding_rows, inspect_batches, row_hashes
+
+    ds = Dataset.from_dict(
+        {
+            "anchor": ["a", "b", "c", "d", "e", "f"],
+            "positive": ["x", "a", "y", "z", "e", "w"],  # row1 positive == row0 anchor; row4 anchor == positive
+        }
+    )
+    h = row_hashes(ds, ["anchor", "positive"])
+    assert colliding_rows(h).tolist() == [True, True, False, False, False, False]
+    for seed in range(6):
+        report = inspect_batches(h, batch_size=2, drop_last=True, seed=seed)
+        assert report["colliding_share"] == pytest.approx(2 / 6)
+        assert report["largest_batch"] == 5 and report["largest_batch_upper_bound"] == 6
+        # Greedy: 3 batches unless the colliding rows 0 and 1 are the last two left.
+        assert report["batches_per_epoch"] in (2, 3)
+        assert report["rows_unplaced"] == 6 - 2 * report["batches_per_epoch"]
+        assert report["batches_per_epoch"] == len(NoDuplicatesSampler(ds, batch_size=2, drop_last=True, seed=seed))
+
+
+def test_inspect_data_cli(write_config, pairs_file):
+    from typer.testing import CliRunner
+
+    from cembed.cli import app
+
+    rows = [{"anchor": f"topic {i % 5}", "positive": f"p{i}"} for i in range(20)]
+    path = write_config({"data": {"train": str(pairs_file(rows))}, "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2}})
+    r = CliRunner().invoke(app, ["inspect-data", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "distinct texts: anchor (anchor)" in r.output and "│ 5 " in r.output
+    assert "100.00%" in r.output  # every anchor repeats
+    assert "5 found (at most 5)" in r.output

@@ -1,0 +1,90 @@
+"""Pre-tokenization: identical ids to on-the-fly tokenization, cache reuse and invalidation,
+and training with dataloader workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
+
+from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
+
+ROWS = {
+    "anchor": ["A man on a bus.", "two dogs", "the RED car " * 30, "cat", "people at the street, near a table!"],
+    "positive": ["man riding bus", "Dogs playing in the snow", "car", "a cat sitting " * 20, "street"],
+    "negative_1": ["blue room", "large black dog", "small white car", "top of the bus", "the woman"],
+}
+ROLES = ["anchor", "positive", "negative_1"]
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    m = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    m.max_seq_length = 24  # the long rows above get truncated
+    return m
+
+
+def test_pretokenized_batches_equal_on_the_fly(model, tmp_path):
+    ds = Dataset.from_dict(ROWS)
+    result = pretokenize(ds, ROLES, model.tokenizer, model.max_seq_length, tmp_path)
+    collator = collator_for(model, ROLES)
+    assert collator is not None
+    stock = SentenceTransformerDataCollator(preprocess_fn=model.preprocess)
+    rows = list(result.dataset)
+    ours, ref = collator(rows), stock([{r: row[r] for r in ROLES} for row in rows])
+    assert set(ours) == set(ref)
+    for key, value in ref.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
+    assert ref["anchor_input_ids"].shape[1] == 24  # truncation really happened
+    assert matches_model_preprocessing(model, collator, result.dataset)
+
+
+def test_cache_reused_and_rebuilt_on_max_seq_length_change(model, tmp_path):
+    ds = Dataset.from_dict(ROWS)
+    first = pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)
+    second = pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)
+    assert not first.from_cache and second.from_cache
+    assert second.cache_path == first.cache_path
+    assert second.dataset["anchor_input_ids"] == first.dataset["anchor_input_ids"]
+    third = pretokenize(ds, ROLES, model.tokenizer, 16, tmp_path)
+    assert not third.from_cache and third.cache_path != first.cache_path
+    assert max(len(x) for x in third.dataset["anchor_input_ids"]) == 16
+    # Different data -> different entry.
+    other = pretokenize(Dataset.from_dict({k: v[::-1] for k, v in ROWS.items()}), ROLES, model.tokenizer, 24, tmp_path)
+    assert not other.from_cache
+
+
+def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
+    """dataloader_num_workers: 2 gives the same first-step loss as 0 workers."""
+    from cembed.config import load_config
+    from cembed.train import prepare, run_training
+
+    monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
+    rows = [{"anchor": f"question {i} about a {'red ' * (i % 7)}car", "positive": f"answer {i}"} for i in range(64)]
+    train = pairs_file(rows)
+    losses = []
+    for workers in (0, 2):
+        cfg = load_config(
+            write_config(
+                {
+                    "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+                    "data": {"train": str(train)},
+                    "batch": {"per_device_train_batch_size": 16, "mini_batch_size": 4},
+                    "train": {"max_steps": 2, "logging_steps": 1, "output_dir": str(tmp_path / f"w{workers}"),
+                              "dataloader_num_workers": workers},
+                }
+            )
+        )
+        plan, data = prepare(cfg)
+        summary = run_training(cfg, plan, data, progress=False)
+        assert summary["tokenization"]["pretokenized"] is True
+        assert summary["tokenization"]["from_cache"] is (workers == 2)  # second run reuses the cache
+        losses.append(summary["losses"][0][1])
+        assert 0.0 <= summary["throughput"]["padded_share"] < 1.0
+        assert (tmp_path / f"w{workers}" / "training_curves.png").exists()
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
