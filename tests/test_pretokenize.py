@@ -88,3 +88,24 @@ def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config,
         assert 0.0 <= summary["throughput"]["padded_share"] < 1.0
         assert (tmp_path / f"w{workers}" / "training_curves.png").exists()
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_meter_interval_arithmetic(monkeypatch):
+    """data_wait = waited / wall, tokens/s = real / wall, padded share = 1 - real / processed."""
+    import cembed.meter as meter_mod
+    from cembed.losses import TokenCounts
+    from cembed.meter import ThroughputMeter
+
+    clock = iter([100.0, 110.0, 130.0, 130.0])
+    monkeypatch.setattr(meter_mod.time, "perf_counter", lambda: next(clock))
+    counts = TokenCounts()
+    m = ThroughputMeter(counts)
+    m.start()  # t=100
+    m.waited(2.5)
+    counts.real, counts.processed = 1000, 1250
+    assert m.snapshot(step=5) == {"data_wait": 0.25, "tokens_per_s": 100.0, "padded_share": 0.2}  # t=110
+    m.waited(1.0)
+    counts.real, counts.processed = 400, 400
+    assert m.snapshot(step=10) == {"data_wait": 0.05, "tokens_per_s": 20.0, "padded_share": 0.0}  # t=130
+    assert m.totals() == {"data_wait": round(3.5 / 30, 4), "tokens_per_s": round(1400 / 30, 1), "padded_share": round(250 / 1650, 4)}
+    assert [h["step"] for h in m.history] == [5, 10]

@@ -1,0 +1,311 @@
+#!/usr/bin/env python
+"""Throughput benchmark: sentence-transformers' stock path vs cembed, side by side in one process.
+
+Stock path: ``SentenceTransformerDataCollator`` (tokenizes every batch), ``NoDuplicatesBatchSampler``
+and ``CachedMultipleNegativesRankingLoss``. cembed: pre-tokenized ids + ``PaddingCollator``,
+``NoDuplicatesSampler`` and ``LengthSortedCachedMNRL``. Every section runs both on the same model,
+data and batch, alternating, for several rounds, and prints medians and ratios.
+
+Sections (``--sections``, default all):
+  step      all-MiniLM-L6-v2 training step (forward + backward) at batch 1024, mini-batch 32, on
+            seeded skewed-length data and on the real COCO caption pairs; padded share of the
+            processed positions, and the loss of both paths (must agree to 1e-5 relative).
+  produce   producing one batch (sampler + fetch + collate) at batch 4096 and 16384.
+  datawait  share of wall time a training run waits for data with a 1-layer, hidden-32 model at
+            batch 16384 (a model whose step is faster than stock batch production).
+  sampler   one epoch of the sampler over 1M rows at batch 65536.
+
+Usage: ``python scripts/bench_throughput.py [--rounds 3] [--sections step,produce,datawait,sampler]``
+(``--quick`` shrinks every size for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+COCO = REPO.parent / "shared" / "data" / "coco_captions" / "caption_pairs_val2017.jsonl.gz"
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they "
+    "you were her she there been one all we their has would when if so what can more about model data protein cell "
+    "patients study results method analysis system network learning training retrieval embedding query document"
+).split()
+
+
+def skewed_pairs(n: int, seed: int = 0) -> dict[str, list[str]]:
+    """Seeded (anchor, positive) pairs with realistic, skewed lengths: short queries (lognormal,
+    median ~8 words) and long-tailed passages (lognormal, median ~40 words, up to ~400)."""
+    rng = np.random.default_rng(seed)
+    vocab = np.array(WORDS)
+
+    def texts(median: float, sigma: float, cap: int, tag: str) -> list[str]:
+        lengths = np.clip(rng.lognormal(np.log(median), sigma, n).astype(int), 1, cap)
+        return [f"{tag}{i} " + " ".join(rng.choice(vocab, size=k)) for i, k in enumerate(lengths)]
+
+    return {"anchor": texts(8, 0.6, 64, "q"), "positive": texts(40, 0.9, 400, "d")}
+
+
+def coco_pairs(n: int) -> dict[str, list[str]]:
+    rows = {"anchor": [], "positive": []}
+    with gzip.open(COCO, "rt", encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            rows["anchor"].append(r["anchor"])
+            rows["positive"].append(r["positive"])
+            if len(rows["anchor"]) >= n:
+                break
+    return rows
+
+
+def median(xs):
+    return statistics.median(xs)
+
+
+def load_minilm():
+    from sentence_transformers import SentenceTransformer
+
+    from cembed.train import resolve_model_path
+
+    model = SentenceTransformer(resolve_model_path("all-MiniLM-L6-v2"), device="cpu")
+    model.max_seq_length = 256
+    return model
+
+
+def tiny_model(tmp: Path):
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import make_tiny_model
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(make_tiny_model(tmp / "tiny", hidden=32, layers=1)), device="cpu")
+
+
+def prepare_paths(model, data: dict[str, list[str]], cache: Path):
+    """The two datasets and collators: stock (texts, tokenizing collator) and cembed (pre-tokenized)."""
+    from datasets import Dataset
+    from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
+
+    from cembed.pretokenize import collator_for, pretokenize
+
+    ds = Dataset.from_dict(data)
+    started = time.perf_counter()
+    pt = pretokenize(ds, ["anchor", "positive"], model.tokenizer, model.max_seq_length, cache)
+    tok_s = time.perf_counter() - started
+    return ds, SentenceTransformerDataCollator(preprocess_fn=model.preprocess), pt.dataset, collator_for(model, ["anchor", "positive"]), tok_s
+
+
+def features_of(batch: dict) -> list[dict]:
+    out = {}
+    for key, value in batch.items():
+        role, _, name = key.partition("_")
+        out.setdefault(role, {})[name] = value
+    return list(out.values())
+
+
+def processed_positions(features, mbs: int, sort: bool) -> tuple[int, int]:
+    from cembed.losses import TokenCounts, _count_tokens, _minibatch_ranges
+
+    counts = TokenCounts()
+    for f in features:
+        mask = f["attention_mask"]
+        if sort:
+            order = torch.argsort(mask.sum(1), descending=True, stable=True)
+            f = {"attention_mask": mask[order]}
+        _count_tokens(f, _minibatch_ranges(f, mbs), counts)
+    return counts.real, counts.processed
+
+
+def section_step(args, cache: Path) -> None:
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    from cembed.losses import LengthSortedCachedMNRL
+
+    model = load_minilm()
+    model.eval()  # dropout off, so both paths must give the same loss; gradients still flow
+    bs, mbs = args.step_batch, 32
+    print(f"\n## step: all-MiniLM-L6-v2, batch {bs}, mini-batch {mbs}, max_seq_length 256, {args.rounds} rounds (CPU, {torch.get_num_threads()} threads)")
+    print("| data | stock step s | cembed step s | speed-up | stock padding | cembed padding | padding-free bound | loss stock | loss cembed | rel. diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    datasets_ = [("skewed (seeded)", skewed_pairs(bs, seed=1))]
+    if COCO.exists():
+        datasets_.append(("COCO pairs", coco_pairs(bs)))
+    stock_loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mbs)
+    ours_loss = LengthSortedCachedMNRL(model, mini_batch_size=mbs)
+    for name, data in datasets_:
+        ds, stock_coll, pt_ds, our_coll, _ = prepare_paths(model, data, cache)
+        rows = list(range(bs))
+        stock_feats = features_of(stock_coll([{"anchor": a, "positive": p} for a, p in zip(data["anchor"], data["positive"])]))
+        our_feats = features_of(our_coll(pt_ds.select(rows).to_list()))
+        times = {"stock": [], "cembed": []}
+        losses = {}
+        for r in range(args.rounds):
+            for label, loss_fn, feats in (("stock", stock_loss, stock_feats), ("cembed", ours_loss, our_feats))[:: 1 if r % 2 == 0 else -1]:
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                value = loss_fn(feats, None)
+                value.backward()
+                times[label].append(time.perf_counter() - t0)
+                losses[label] = float(value.detach())
+        s_real, s_proc = processed_positions(stock_feats, mbs, sort=False)
+        c_real, c_proc = processed_positions(our_feats, mbs, sort=True)
+        ts, tc = median(times["stock"]), median(times["cembed"])
+        bound = ts * s_real / s_proc  # stock time scaled to zero padding (attention cost ignored)
+        rel = abs(losses["stock"] - losses["cembed"]) / abs(losses["stock"])
+        print(
+            f"| {name} | {ts:.2f} | {tc:.2f} | {ts / tc:.2f}x | {100 * (1 - s_real / s_proc):.1f}% | "
+            f"{100 * (1 - c_real / c_proc):.1f}% | {bound:.2f} s | {losses['stock']:.6f} | {losses['cembed']:.6f} | {rel:.1e} |"
+        )
+
+
+def time_batches(sampler, dataset, collate, n_batches: int) -> list[float]:
+    """Seconds to produce each of the first ``n_batches`` batches: sampler + fetch + collate."""
+    out = []
+    it = iter(sampler)
+    for _ in range(n_batches):
+        t0 = time.perf_counter()
+        idx = next(it)
+        collate(dataset.__getitems__(idx))
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def section_produce(args, cache: Path) -> None:
+    from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
+
+    from cembed.sampler import NoDuplicatesSampler
+
+    model = load_minilm()
+    sizes = [int(s) for s in args.produce_batches.split(",")]
+    n = max(sizes) * 3
+    data = skewed_pairs(n, seed=2)
+    ds, stock_coll, pt_ds, our_coll, tok_s = prepare_paths(model, data, cache)
+    print(f"\n## produce: one batch = sampler + fetch + collate, skewed data, {n} rows, all-MiniLM-L6-v2 tokenizer")
+    print(f"(one-off pre-tokenization of the {n} rows: {tok_s:.1f} s, cached for later runs)")
+    print("| batch | stock s/batch | cembed s/batch | speed-up |")
+    print("|---|---|---|---|")
+    for bs in sizes:
+        stock = NoDuplicatesBatchSampler(ds, batch_size=bs, drop_last=True, seed=0)
+        ours = NoDuplicatesSampler(pt_ds, batch_size=bs, drop_last=True, seed=0)
+        ts = median(time_batches(stock, ds, stock_coll, args.rounds))
+        tc = median(time_batches(ours, pt_ds, our_coll, args.rounds))
+        print(f"| {bs} | {ts:.3f} | {tc:.3f} | {ts / tc:.1f}x |")
+
+
+def section_datawait(args, cache: Path, tmp: Path) -> None:
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainingArguments
+    from transformers.trainer_callback import PrinterCallback
+    from sentence_transformers.base.sampler import BatchSamplers
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    from cembed.losses import LengthSortedCachedMNRL, TokenCounts
+    from cembed.meter import ThroughputMeter
+    from cembed.pretokenize import collator_for, pretokenize
+    from cembed.sampler import NoDuplicatesSampler
+    from cembed.train import _trainer_class
+
+    model = tiny_model(tmp)
+    bs, steps = args.wait_batch, args.wait_steps
+    data = skewed_pairs(bs * steps + 7, seed=3)
+    ds = Dataset.from_dict(data)
+    pt = pretokenize(ds, ["anchor", "positive"], model.tokenizer, model.max_seq_length, cache).dataset
+    print(f"\n## datawait: 1-layer hidden-32 BERT, batch {bs}, mini-batch {bs}, {steps} steps, CPU")
+    print("| path | workers | data-wait share | wall s | s/step |")
+    print("|---|---|---|---|---|")
+    runs = [
+        ("stock", 0, ds, None, BatchSamplers.NO_DUPLICATES, CachedMultipleNegativesRankingLoss(model, mini_batch_size=bs)),
+        ("cembed", 0, pt, collator_for(model, ["anchor", "positive"]), NoDuplicatesSampler, LengthSortedCachedMNRL(model, mini_batch_size=bs)),
+        ("cembed", 2, pt, collator_for(model, ["anchor", "positive"]), NoDuplicatesSampler, LengthSortedCachedMNRL(model, mini_batch_size=bs)),
+    ]
+    for label, workers, dataset, collator, sampler, loss in runs:
+        targs = SentenceTransformerTrainingArguments(
+            output_dir=str(tmp / f"dw-{label}-{workers}"), per_device_train_batch_size=bs, max_steps=steps,
+            batch_sampler=sampler, dataloader_drop_last=True, dataloader_num_workers=workers,
+            report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True, logging_steps=steps,
+            learning_rate=1e-4,
+        )
+        trainer = _trainer_class()(model=model, args=targs, train_dataset=dataset, loss=loss, data_collator=collator)
+        trainer.remove_callback(PrinterCallback)
+        trainer.meter = ThroughputMeter(getattr(loss, "token_counts", TokenCounts()))
+        trainer.meter.start()
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+        print(f"| {label} | {workers} | {100 * trainer.meter.totals()['data_wait']:.1f}% | {wall:.1f} | {wall / steps:.2f} |")
+
+
+def section_sampler(args) -> None:
+    from datasets import Dataset
+    from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
+
+    from cembed.sampler import NoDuplicatesSampler
+
+    n, bs = args.sampler_rows, args.sampler_batch
+    rng = np.random.default_rng(4)
+    # ~2% of anchors repeat another row's text, like real query logs.
+    anchors = [f"query {i}" for i in rng.integers(0, int(n * 0.98), n)]
+    ds = Dataset.from_dict({"anchor": anchors, "positive": [f"passage {i}" for i in range(n)]})
+    print(f"\n## sampler: one epoch over {n} rows at batch {bs}")
+    print("| sampler | construct s | epoch s | batches |")
+    print("|---|---|---|---|")
+    for label, make in (
+        ("stock NoDuplicatesBatchSampler", lambda: NoDuplicatesBatchSampler(ds, batch_size=bs, drop_last=True, seed=0)),
+        ("stock NoDuplicatesBatchSampler (precompute_hashes)", lambda: NoDuplicatesBatchSampler(ds, batch_size=bs, drop_last=True, seed=0, precompute_hashes=True, precompute_num_proc=1)),
+        ("cembed NoDuplicatesSampler", lambda: NoDuplicatesSampler(ds, batch_size=bs, drop_last=True, seed=0)),
+    ):
+        t0 = time.perf_counter()
+        sampler = make()
+        t1 = time.perf_counter()
+        batches = sum(1 for _ in sampler)
+        t2 = time.perf_counter()
+        print(f"| {label} | {t1 - t0:.2f} | {t2 - t1:.2f} | {batches} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sections", default="step,produce,datawait,sampler")
+    p.add_argument("--step-batch", type=int, default=1024)
+    p.add_argument("--produce-batches", default="4096,16384")
+    p.add_argument("--wait-batch", type=int, default=16384)
+    p.add_argument("--wait-steps", type=int, default=4)
+    p.add_argument("--sampler-rows", type=int, default=1_000_000)
+    p.add_argument("--sampler-batch", type=int, default=65536)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.step_batch, args.produce_batches = 1, 64, "256"
+        args.wait_batch, args.wait_steps, args.sampler_rows, args.sampler_batch = 256, 2, 20_000, 1024
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cache = tmp / "cache"
+        sections = args.sections.split(",")
+        if "step" in sections:
+            section_step(args, cache)
+        if "produce" in sections:
+            section_produce(args, cache)
+        if "datawait" in sections:
+            section_datawait(args, cache, tmp)
+        if "sampler" in sections:
+            section_sampler(args)
+
+
+if __name__ == "__main__":
+    main()
