@@ -144,8 +144,12 @@ def inspect_data_cmd(
 def train_cmd(
     config: Path = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output_dir."),
+    resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished model in output_dir."),
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
+    from cembed.checkpoint import RunInterrupted
     from cembed.train import prepare, run_training
 
     cfg = _load(config, overrides)
@@ -157,7 +161,16 @@ def train_cmd(
     )
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
-    summary = run_training(cfg, plan, data, console)
+    try:
+        summary = run_training(cfg, plan, data, console, resume=resume, resume_from=resume_from, overwrite=overwrite)
+    except RunInterrupted as stop:
+        extra = " ".join(overrides or [])
+        err_console.print(
+            f"[yellow]{stop}[/]: checkpoint saved to {stop.checkpoint}\n"
+            f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume",
+            highlight=False,
+        )
+        raise typer.Exit(stop.exit_code) from None
     console.print(
         f"[green]done[/]: {summary['steps']} steps, {summary['samples_seen']} samples in {summary['wall_time_s']:.1f}s "
         f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",

@@ -131,6 +131,8 @@ class TrainConfig(_Strict):
     output_dir: str = "runs/cembed"
     logging_steps: PositiveInt = 10
     save_steps: PositiveInt | None = None
+    save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
+    nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     dataloader_num_workers: int = Field(0, ge=0)
 
     @model_validator(mode="after")

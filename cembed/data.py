@@ -7,6 +7,10 @@ so nothing unnamed is embedded.
 
 from __future__ import annotations
 
+import csv
+import gzip
+import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +19,10 @@ import pyarrow.compute as pc
 
 from cembed.config import ColumnMap, DataSource
 from cembed.errors import UserError
+
+
+# A text cell over 1 MB is a data error (a whole file pasted into a cell), not a sentence.
+MAX_TEXT_BYTES = 1_000_000
 
 
 @dataclass
@@ -64,14 +72,27 @@ def load_source(source: DataSource):
         path = Path(source.path)
         if not path.exists():
             raise UserError(f"{path}: data file not found (data paths resolve relative to the config file)")
+        if path.is_dir():
+            raise UserError(f"{path}: is a folder; data.train must name a file")
         if path.stat().st_size == 0:
             raise UserError(f"{path}: data file is empty")
         builder, kwargs = _builder_for(path)
+        if builder == "csv":
+            # pandas fills short rows with NaN silently; a ragged row must be named instead.
+            problem = diagnose_file(path)
+            if problem:
+                raise UserError(f"{path}: {problem}")
         try:
-            return datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+            # The JSON reader can pass invalid UTF-8 through into string columns; catch it here.
+            dataset.data.table.validate(full=True)
+            return dataset
         except Exception as err:  # datasets wraps parser errors in many types
-            first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-            raise UserError(f"{path}: cannot read as {builder}: {first[:300]}") from None
+            problem = diagnose_file(path)
+            if problem is None:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+                problem = f"cannot read as {builder}: {first[:300]}"
+            raise UserError(f"{path}: {problem}") from None
     try:
         return datasets.load_dataset(source.path, source.subset, split=source.split)
     except Exception as err:
@@ -80,6 +101,79 @@ def load_source(source: DataSource):
             f"data: cannot load hub dataset {source.path!r} (subset={source.subset}, split={source.split}): "
             f"{first[:300]}"
         ) from None
+
+
+def _text_lines(path: Path):
+    """Yield ``(line_number, text)``; raises ValueError naming the line for bad gzip or UTF-8."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    yield number, raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(
+                        f"line {number}: bytes that are not UTF-8 at column {err.start + 1}; re-encode the file as UTF-8"
+                    ) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise ValueError(f"corrupt or truncated gzip ({err.__class__.__name__}: {err}); re-create the file") from None
+    except PermissionError:
+        raise ValueError("cannot read the file: permission denied") from None
+
+
+def diagnose_file(path: Path) -> str | None:
+    """Scan a local data file with the standard library and describe its first problem, or return
+    ``None`` when it parses: corrupt/truncated gzip, non-UTF-8 bytes, invalid JSON on line N, a JSON
+    line that is not an object, a CSV/TSV row whose field count differs from the header's, no rows."""
+    name = path.name.lower().removesuffix(".gz")
+    try:
+        if name.endswith(".jsonl") or name.endswith(".json"):
+            lines = list(_text_lines(path))
+            if name.endswith(".json"):
+                text = "".join(t for _, t in lines)
+                try:
+                    data = json.loads(text)
+                except json.JSONDecodeError as err:
+                    # Not one JSON document: maybe JSON Lines in a .json file; check line by line.
+                    if "Extra data" not in err.msg:
+                        return f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}"
+                else:
+                    if isinstance(data, list) and not all(isinstance(r, dict) for r in data):
+                        return "a JSON array must hold one object per row"
+                    return None if data else "the file holds no rows"
+            rows = 0
+            for number, text in lines:
+                if not text.strip():
+                    continue
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as err:
+                    return f"invalid JSON on line {number}, column {err.colno}: {err.msg}"
+                if not isinstance(obj, dict):
+                    return f"line {number} is a JSON {type(obj).__name__}, expected an object per line"
+                rows += 1
+            return None if rows else "the file holds no rows"
+        if name.endswith((".csv", ".tsv")):
+            delimiter = "\t" if name.endswith(".tsv") else ","
+            text_lines = (t for _, t in _text_lines(path))
+            reader = csv.reader(text_lines, delimiter=delimiter)
+            header = next(reader, None)
+            if not header:
+                return "the file has no header row"
+            for row in reader:
+                if row and len(row) != len(header):
+                    return (
+                        f"line {reader.line_num}: {len(row)} fields, but the header has {len(header)} "
+                        f"({', '.join(header)}); quote fields that contain the delimiter"
+                    )
+            if reader.line_num <= 1:
+                return "the file holds a header but no rows"
+            return None
+    except ValueError as err:
+        return str(err)
+    except csv.Error as err:
+        return f"malformed CSV: {err}"
+    return None
 
 
 def role_columns(columns: ColumnMap) -> list[tuple[str, str]]:
@@ -116,7 +210,7 @@ def map_columns(dataset, columns: ColumnMap, source: str):
 
 
 def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool):
-    """Refuse (or drop, with ``drop_invalid``) rows with a null, non-string, empty or blank cell.
+    """Refuse (or drop, with ``drop_invalid``) rows with a null, empty, blank or over-1-MB cell.
 
     Returns:
         ``(dataset, rows_dropped)``.
@@ -141,10 +235,16 @@ def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool)
             )
         null = pc.is_null(arr)
         blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(arr), ""), False)
-        col_bad = pc.or_(null, blank)
+        too_long = pc.fill_null(pc.greater(pc.binary_length(arr), MAX_TEXT_BYTES), False)
+        col_bad = pc.or_(pc.or_(null, blank), too_long)
         if pc.any(col_bad).as_py():
             idx = pc.index(col_bad, True).as_py()
-            kind = "empty (null/NaN)" if null[idx].as_py() else "empty or whitespace-only"
+            if null[idx].as_py():
+                kind = "empty (null/NaN)"
+            elif too_long[idx].as_py():
+                kind = f"longer than 1 MB ({pc.binary_length(arr)[idx].as_py()} bytes)"
+            else:
+                kind = "empty or whitespace-only"
             if first_bad is None or idx < first_bad[0]:
                 first_bad = (idx, f"column {src!r} (role {role})", kind)
         bad = col_bad if bad is None else pc.or_(bad, col_bad)

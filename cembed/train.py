@@ -8,12 +8,15 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import shutil
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import TrainerCallback
@@ -21,9 +24,20 @@ from transformers import TrainerCallback
 from cembed.config import CembedConfig, ModelConfig
 from cembed.data import PreparedData, check_batchable, prepare_data
 from cembed.errors import UserError
+from cembed.checkpoint import (
+    STAGING,
+    InterruptCallback,
+    RunFailed,
+    RunInterrupted,
+    check_output_dir,
+    latest_complete,
+    mark_complete,
+    remove_incomplete,
+    resolve_resume,
+)
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
-from cembed.outputs import save_model_atomic, write_json_atomic
+from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.sampler import NoDuplicatesSampler
@@ -79,8 +93,11 @@ class RunLog:
 class RichProgressCallback(TrainerCallback):
     """Progress bar (step, loss, LR, samples/s, ETA) and one log line per logging interval."""
 
-    def __init__(self, console: Console, samples_per_step: int, log: RunLog, enabled: bool = True) -> None:
+    def __init__(
+        self, console: Console, samples_per_step: int, log: RunLog, enabled: bool = True, log_path: Path | None = None
+    ) -> None:
         self.console = console
+        self.log_path = log_path
         self.samples_per_step = samples_per_step
         self.log = log
         self.enabled = enabled
@@ -125,17 +142,21 @@ class RichProgressCallback(TrainerCallback):
             self.log.learning_rates.append((state.global_step, float(logs["learning_rate"])))
             self._last["lr"] = float(logs["learning_rate"])
         self._refresh(state.global_step)
-        if self.progress is not None and "loss" in logs:
+        if "loss" in logs and state.is_world_process_zero:
             meter = ""
             if "data_wait" in logs:
                 meter = (
                     f"  {logs['tokens_per_s']:.0f} tok/s  data-wait {100 * logs['data_wait']:.1f}%  "
                     f"padding {100 * logs['padded_share']:.1f}%"
                 )
-            self.progress.console.print(
+            line = (
                 f"step {state.global_step}/{state.max_steps}  loss {self._last['loss']:.4f}  "
                 f"lr {self._last['lr']:.3e}  {self._rate(state.global_step):.1f} samples/s{meter}"
             )
+            if self.progress is not None:
+                self.progress.console.print(line)
+            if self.log_path is not None:
+                append_log(self.log_path, line)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.ended = time.perf_counter()
@@ -190,6 +211,65 @@ def _trainer_class():
                 logs = {**logs, **self.meter.snapshot(self.state.global_step)}
             return super().log(logs, *args, **kwargs)
 
+        # --- non-finite loss: stop naming the step and the last good checkpoint, or skip ---
+        nonfinite_policy: str = "stop"
+        nonfinite_skipped: int = 0
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            value = out[0] if return_outputs else out
+            if bool(torch.isfinite(value.detach()).all()):
+                return out
+            step = self.state.global_step + 1
+            if self.nonfinite_policy == "skip":
+                # A fresh leaf: backward reaches no parameter, so the optimizer step changes nothing.
+                self.nonfinite_skipped += 1
+                zero = torch.zeros((), device=value.device, requires_grad=True)
+                return (zero, out[1]) if return_outputs else zero
+            last = latest_complete(self.args.output_dir)
+            raise RunFailed(
+                f"loss is {float(value.detach())} at step {step}; training stopped. Last good checkpoint: "
+                f"{last or 'none (set train.save_steps to keep checkpoints)'}. Lower optim.learning_rate and "
+                "resume with --resume, or set train.nonfinite_loss: skip"
+            )
+
+        # --- atomic checkpoints: staged, marked complete, then renamed into place ---
+        _staging_root: str | None = None
+        last_checkpoint: str | None = None
+
+        def _get_output_dir(self, trial):
+            return self._staging_root or super()._get_output_dir(trial)
+
+        def _save_checkpoint(self, model, trial):
+            from transformers.trainer_utils import rotate_checkpoints
+
+            run_dir = super()._get_output_dir(trial)
+            name = f"checkpoint-{self.state.global_step}"
+            staging_root = os.path.join(run_dir, STAGING)
+            staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+            if self.args.should_save:
+                shutil.rmtree(staged, ignore_errors=True)
+            self._staging_root = staging_root
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self._staging_root = None
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                mark_complete(staged, self.state.global_step)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(staged, final)
+                best = self.state.best_model_checkpoint
+                if best and best.startswith(staging_root):
+                    self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+                rotate_checkpoints(
+                    output_dir=run_dir,
+                    save_total_limit=self.args.save_total_limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint,
+                )
+            self.accelerator.wait_for_everyone()
+            self.last_checkpoint = final
+
     return CembedTrainer
 
 
@@ -214,6 +294,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
         logging_first_step=True,
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
+        save_total_limit=t.save_total_limit,
         batch_sampler=NoDuplicatesSampler if cfg.sampler.no_duplicates else BatchSamplers.BATCH_SAMPLER,
         dataloader_drop_last=cfg.batch.drop_last,
         bf16=plan.precision == "bf16",
@@ -246,17 +327,42 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Console | None = None, progress: bool = True) -> dict:
+def run_training(
+    cfg: CembedConfig,
+    plan: Plan,
+    data: PreparedData,
+    console: Console | None = None,
+    progress: bool = True,
+    resume: bool = False,
+    resume_from: str | None = None,
+    overwrite: bool = False,
+) -> dict:
     """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
+
+    Args:
+        resume: continue from the newest complete checkpoint in ``train.output_dir``.
+        resume_from: continue from this checkpoint folder instead.
+        overwrite: allow an ``output_dir`` that already holds a finished model.
 
     Returns:
         The run summary (also written to ``<output_dir>/run_summary.json``).
 
     Raises:
-        UserError: the model cannot be loaded, or the sampler yields no batch (a run never
-            "succeeds" with 0 steps).
+        UserError: the model cannot be loaded, the output folder holds a finished model, there is
+            no checkpoint to resume, or the sampler yields no batch (a run never "succeeds" with 0
+            steps).
+        RunFailed: a non-finite loss (``train.nonfinite_loss: stop``); the summary says "failed".
+        RunInterrupted: SIGINT/SIGTERM; a checkpoint was saved and the summary says "interrupted".
     """
     from transformers.trainer_callback import PrinterCallback
+
+    out = Path(cfg.train.output_dir)
+    check_output_dir(out, overwrite, resume or bool(resume_from))
+    checkpoint = resolve_resume(out, resume, resume_from)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
+    log_path = out / "train.log"
+    append_log(log_path, f"start: {'resume from ' + checkpoint if checkpoint else 'fresh run'}; lr {plan.lr_derivation}")
 
     console = console or Console()
     _quiet_libraries()
@@ -277,8 +383,11 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
         model=model, args=args, train_dataset=train_dataset, loss=loss, data_collator=collator
     )
     trainer.meter = ThroughputMeter(loss.token_counts)
+    trainer.nonfinite_policy = cfg.train.nonfinite_loss
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(RichProgressCallback(console, plan.samples_per_step, log, enabled=progress))
+    trainer.add_callback(RichProgressCallback(console, plan.samples_per_step, log, enabled=progress, log_path=log_path))
+    interrupt = InterruptCallback()
+    trainer.add_callback(interrupt)
 
     sampler = trainer.get_train_dataloader().batch_sampler
     batches_per_epoch = len(sampler)
@@ -288,17 +397,7 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
             "rows; lower batch.per_device_train_batch_size"
         )
 
-    trainer.meter.start()
-    result = trainer.train()
-    state = trainer.state
-    if state.global_step == 0:
-        raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
-
-    save_model_atomic(model, cfg.train.output_dir)
-    wall = (log.ended or time.perf_counter()) - log.started
-    samples_seen = state.global_step * plan.samples_per_step
-    summary = {
-        "status": "completed",
+    base = {
         "config": cfg.model_dump(mode="json"),
         "plan": plan.to_dict(),
         "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
@@ -311,6 +410,44 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
             "batches_per_epoch": batches_per_epoch,
             "rows_unplaced_first_epoch": getattr(sampler, "unplaced", 0),
         },
+        "resumed_from": checkpoint,
+        "tokenization": token_info,
+        "device": plan.device,
+        "versions": _versions(),
+        "output_dir": str(out),
+    }
+    summary_path = out / "run_summary.json"
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        interrupt.install()
+    trainer.meter.start()
+    try:
+        result = trainer.train(resume_from_checkpoint=checkpoint)
+    except RunFailed as err:
+        append_log(log_path, f"failed: {err}")
+        write_json_atomic(summary_path, {**base, "status": "failed", "error": str(err), "steps": trainer.state.global_step})
+        raise
+    finally:
+        if main_thread:
+            interrupt.uninstall()
+    state = trainer.state
+    if interrupt.signum is not None:
+        err = RunInterrupted(interrupt.signum, state.global_step, trainer.last_checkpoint)
+        append_log(log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
+        write_json_atomic(
+            summary_path,
+            {**base, "status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint},
+        )
+        raise err
+    if state.global_step == 0:
+        raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
+
+    save_model_atomic(model, out)
+    wall = (log.ended or time.perf_counter()) - log.started
+    samples_seen = state.global_step * plan.samples_per_step
+    summary = {
+        "status": "completed",
+        **base,
         "steps": state.global_step,
         "epochs": state.epoch,
         "samples_seen": samples_seen,
@@ -320,16 +457,14 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
         "first_loss": log.losses[0][1] if log.losses else None,
         "last_loss": log.losses[-1][1] if log.losses else None,
         "losses": log.losses,
+        "nonfinite_steps_skipped": trainer.nonfinite_skipped,
         "throughput": trainer.meter.totals(),
         "throughput_per_interval": trainer.meter.history,
-        "tokenization": token_info,
-        "device": plan.device,
-        "versions": _versions(),
-        "output_dir": cfg.train.output_dir,
     }
-    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, Path(cfg.train.output_dir) / "training_curves.png")
+    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, out / "training_curves.png")
     summary["plot"] = str(plot) if plot else None
-    write_json_atomic(Path(cfg.train.output_dir) / "run_summary.json", summary)
+    write_json_atomic(summary_path, summary)
+    append_log(log_path, f"completed: {state.global_step} steps; model in {out}")
     return summary
 
 

@@ -1,0 +1,167 @@
+"""Checkpoints, resume, interruption and run failures: nothing is lost, nothing half-written is used.
+
+- A checkpoint is written by the trainer into a staging folder, marked complete, then renamed to
+  ``checkpoint-<step>``; a folder without the marker (a killed save, a copy in progress) is never
+  resumed from.
+- ``--resume`` picks the newest complete checkpoint; the trainer restores weights, optimizer, LR
+  schedule, RNG states and skips the batches already trained in the epoch (the sampler's batches are
+  a pure function of seed and epoch, so the order is the same).
+- SIGINT/SIGTERM finish the current optimizer step, save a checkpoint and stop; a second signal
+  abandons the step at once.
+- A non-finite loss stops the run naming the step and the last good checkpoint (or, with
+  ``train.nonfinite_loss: skip``, skips that step and counts it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from cembed.errors import UserError
+
+MARKER = "cembed_checkpoint_complete.json"
+STAGING = ".staging"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class RunFailed(UserError):
+    """Training stopped on a problem in the run (non-finite loss); exit code 3."""
+
+    exit_code = 3
+
+
+class RunInterrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving a checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # shell convention: 130 for SIGINT, 143 for SIGTERM
+
+
+def mark_complete(checkpoint_dir: str | Path, step: int) -> None:
+    """Write the completion marker (atomically) into a fully written checkpoint folder."""
+    path = Path(checkpoint_dir) / MARKER
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"step": step, "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def is_complete(checkpoint_dir: str | Path) -> bool:
+    return (Path(checkpoint_dir) / MARKER).is_file()
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """``checkpoint-<step>`` folders in ``output_dir``, oldest step first (complete or not)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_complete(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint that carries the completion marker, or ``None``."""
+    complete = [p for p in checkpoints(output_dir) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def remove_incomplete(output_dir: str | Path) -> list[Path]:
+    """Delete checkpoint folders without the marker and any staging leftovers; return them."""
+    removed = [p for p in checkpoints(output_dir) if not is_complete(p)]
+    staging = Path(output_dir) / STAGING
+    for p in removed + ([staging] if staging.exists() else []):
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None) -> str | None:
+    """The checkpoint to resume from, or ``None`` for a fresh run.
+
+    Raises:
+        UserError: ``--resume`` with no complete checkpoint in ``output_dir``, or a
+            ``--resume-from`` path that is not a complete checkpoint.
+    """
+    if resume_from:
+        path = Path(resume_from)
+        if not is_complete(path):
+            raise UserError(f"--resume-from {path}: not a complete cembed checkpoint (no {MARKER})")
+        return str(path)
+    if not resume:
+        return None
+    found = latest_complete(output_dir)
+    if found is None:
+        raise UserError(f"--resume: no complete checkpoint in {output_dir}; start without --resume")
+    return str(found)
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
+    """Refuse to train into a folder that holds a finished model unless told to.
+
+    Raises:
+        UserError: ``output_dir`` holds a finished model (a completed ``run_summary.json`` or a saved
+            SentenceTransformer) and neither ``--overwrite`` nor ``--resume`` was given.
+    """
+    out = Path(output_dir)
+    if overwrite or resuming or not out.is_dir():
+        return
+    summary = out / "run_summary.json"
+    finished = (out / "modules.json").exists()
+    if summary.exists():
+        try:
+            finished = finished or json.loads(summary.read_text()).get("status") == "completed"
+        except (OSError, ValueError):
+            pass
+    if finished:
+        raise UserError(
+            f"train.output_dir {out} holds a finished model; pass --overwrite to replace it, "
+            "--resume to continue it, or choose another output_dir"
+        )
+
+
+class InterruptCallback(TrainerCallback):
+    """On SIGINT/SIGTERM: finish the current optimizer step, save a checkpoint, stop training.
+
+    Install with :meth:`install` (main thread only) and undo with :meth:`uninstall`. A second
+    signal restores the default handler's behaviour (KeyboardInterrupt / termination) at once.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.step = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # second signal: give up on the step
+            self.uninstall()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step = state.global_step
+        if self.signum is not None:
+            control.should_save = True
+            control.should_training_stop = True
+        return control

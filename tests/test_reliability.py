@@ -1,0 +1,206 @@
+"""Reliability: resume equals uninterrupted, signals save work, NaN stops cleanly, bad input never
+crashes, finished models are not overwritten."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from cembed.checkpoint import MARKER, RunFailed, latest_complete, remove_incomplete, resolve_resume
+from cembed.cli import app
+from cembed.config import load_config
+from cembed.errors import UserError
+from cembed.train import prepare, run_training
+from conftest import REPO, distinct_pairs
+
+ROWS = [{"anchor": f"question {i} about a {'red ' * (i % 5)}car", "positive": f"answer {i} on the street"} for i in range(96)]
+
+
+def _config(write_config, tmp_path, model_dir, out, **train):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return write_config(
+        {
+            "model": {"name_or_path": str(model_dir), "device": "cpu"},
+            "data": {"train": str(data), "pretokenize": False},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 3},
+            "optim": {"learning_rate": 1e-3, "base_batch_size": 8},
+            "train": {"max_steps": 6, "logging_steps": 1, "output_dir": str(out), "seed": 5, **train},
+        },
+        name=f"{out.name}.yaml",
+    )
+
+
+KILL_AT_STEP_3 = textwrap.dedent(
+    """
+    import os, signal, sys
+    import cembed.train as T
+
+    class SigtermAtStep3(T.InterruptCallback):
+        # Delivers a real SIGTERM to this process at the end of step 3, through the real handler.
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3 and self.signum is None:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().on_step_end(args, state, control, **kw)
+
+    T.InterruptCallback = SigtermAtStep3
+    from cembed.cli import main
+    sys.argv = ["cembed", "train", sys.argv[1]]
+    main()
+    """
+)
+
+
+def _weights(folder):
+    return load_file(str(next(folder.glob("model.safetensors"))))
+
+
+def test_sigterm_then_resume_equals_uninterrupted(tiny_dropout_model_dir, write_config, tmp_path):
+    env_run = dict(cwd=REPO, capture_output=True, text=True, timeout=600)
+    straight = _config(write_config, tmp_path, tiny_dropout_model_dir, tmp_path / "straight")
+    r = subprocess.run([sys.executable, "-m", "cembed", "train", str(straight)], **env_run)
+    assert r.returncode == 0, r.stderr
+
+    killed = _config(write_config, tmp_path, tiny_dropout_model_dir, tmp_path / "killed")
+    r = subprocess.run([sys.executable, "-c", KILL_AT_STEP_3, str(killed)], **env_run)
+    assert r.returncode == 143, r.stdout + r.stderr  # 128 + SIGTERM
+    assert "interrupted by SIGTERM at step 3" in r.stderr and "--resume" in r.stderr
+    ckpt = tmp_path / "killed" / "checkpoint-3"
+    assert (ckpt / MARKER).exists()
+    assert json.loads((tmp_path / "killed" / "run_summary.json").read_text())["status"] == "interrupted"
+    assert not (tmp_path / "killed" / "model.safetensors").exists()  # no final model for unfinished work
+
+    r = subprocess.run([sys.executable, "-m", "cembed", "train", str(killed), "--resume"], **env_run)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "killed" / "run_summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 6 and summary["resumed_from"].endswith("checkpoint-3")
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
+    max_dw = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert max_dw <= 1e-6, max_dw
+    # Dropout is on: a different seed would give different weights, so the equality is not vacuous.
+    assert "train.log" in {p.name for p in (tmp_path / "killed").iterdir()}
+    assert "interrupted by SIGTERM at step 3" in (tmp_path / "killed" / "train.log").read_text()
+
+
+def test_checkpoint_without_marker_is_ignored(tmp_path):
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / MARKER).write_text("{}")
+    (tmp_path / "checkpoint-4").mkdir()  # killed while saving: no marker
+    (tmp_path / "checkpoint-4" / "model.safetensors").write_bytes(b"half")
+    assert latest_complete(tmp_path) == tmp_path / "checkpoint-2"
+    assert resolve_resume(tmp_path, resume=True, resume_from=None) == str(tmp_path / "checkpoint-2")
+    with pytest.raises(UserError, match="not a complete cembed checkpoint"):
+        resolve_resume(tmp_path, resume=False, resume_from=str(tmp_path / "checkpoint-4"))
+    assert remove_incomplete(tmp_path) == [tmp_path / "checkpoint-4"]
+    assert not (tmp_path / "checkpoint-4").exists() and (tmp_path / "checkpoint-2").exists()
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        resolve_resume(tmp_path / "empty", resume=True, resume_from=None)
+
+
+def _nan_at_call(n):
+    import cembed.train as T
+
+    real = T.build_loss
+
+    def build(*args, **kwargs):
+        loss = real(*args, **kwargs)
+        forward = loss.forward
+        calls = {"n": 0}
+
+        def patched(features, labels):
+            calls["n"] += 1
+            value = forward(features, labels)
+            return value * float("nan") if calls["n"] == n else value
+
+        loss.forward = patched
+        return loss
+
+    return build
+
+
+def test_nan_loss_stops_naming_step_and_checkpoint(tiny_model_dir, write_config, tmp_path, monkeypatch):
+    monkeypatch.setattr("cembed.train.build_loss", _nan_at_call(2))
+    cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "nan", save_steps=1))
+    plan, data = prepare(cfg)
+    with pytest.raises(RunFailed, match=r"loss is nan at step 2; .*Last good checkpoint: .*checkpoint-1") as err:
+        run_training(cfg, plan, data, progress=False)
+    assert err.value.exit_code == 3
+    summary = json.loads((tmp_path / "nan" / "run_summary.json").read_text())
+    assert summary["status"] == "failed" and "step 2" in summary["error"]
+
+
+def test_nan_loss_skip_policy_counts(tiny_model_dir, write_config, tmp_path, monkeypatch):
+    monkeypatch.setattr("cembed.train.build_loss", _nan_at_call(2))
+    cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "skip", nonfinite_loss="skip"))
+    plan, data = prepare(cfg)
+    summary = run_training(cfg, plan, data, progress=False)
+    assert summary["status"] == "completed" and summary["steps"] == 6 and summary["nonfinite_steps_skipped"] == 1
+
+
+def test_finished_output_dir_not_overwritten(tiny_model_dir, write_config, tmp_path):
+    path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "done", max_steps=1)
+    cfg = load_config(path)
+    plan, data = prepare(cfg)
+    run_training(cfg, plan, data, progress=False)
+    before = (tmp_path / "done" / "model.safetensors").read_bytes()
+    r = CliRunner().invoke(app, ["train", str(path)])
+    assert r.exit_code == 2 and "holds a finished model; pass --overwrite" in r.output
+    assert (tmp_path / "done" / "model.safetensors").read_bytes() == before
+    summary = run_training(cfg, plan, data, progress=False, overwrite=True)
+    assert summary["status"] == "completed"
+
+
+def _validate(write_config, train_path, **data):
+    path = write_config({"data": {"train": str(train_path), **data}, "batch": {"per_device_train_batch_size": 2, "mini_batch_size": 1}})
+    return CliRunner().invoke(app, ["validate", str(path)])
+
+
+def _gz(path, payload: bytes):
+    path.write_bytes(gzip.compress(payload))
+    return path
+
+
+BAD_INPUTS = {
+    "empty file": (lambda p: (p / "e.jsonl").write_text("") and None or p / "e.jsonl", "data file is empty"),
+    "corrupt gzip": (lambda p: (p / "c.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00garbage-not-deflate") and None or p / "c.jsonl.gz", "corrupt or truncated gzip"),
+    "truncated gzip": (lambda p: (p / "t.jsonl.gz").write_bytes(gzip.compress(b'{"anchor": "a", "positive": "b"}\n' * 200)[:60]) and None or p / "t.jsonl.gz", "corrupt or truncated gzip"),
+    "invalid JSON on line 3": (lambda p: (p / "j.jsonl").write_text('{"anchor": "a", "positive": "b"}\n{"anchor": "c", "positive": "d"}\n{"anchor": "e", "positive": \n') and None or p / "j.jsonl", "invalid JSON on line 3"),
+    "ragged CSV": (lambda p: (p / "r.csv").write_text("anchor,positive\na,b\nc,d,e\nf,g\n") and None or p / "r.csv", "line 3: 3 fields, but the header has 2"),
+    "short CSV row": (lambda p: (p / "s.csv").write_text("anchor,positive\na,b\nc\nf,g\n") and None or p / "s.csv", "line 3: 1 fields, but the header has 2"),
+    "list column": (lambda p: (p / "l.jsonl").write_text("".join(json.dumps({"anchor": [f"a{i}"], "positive": f"b{i}"}) + "\n" for i in range(4))) and None or p / "l.jsonl", "holds list"),
+    "number column": (lambda p: (p / "n.jsonl").write_text("".join(json.dumps({"anchor": i, "positive": f"b{i}"}) + "\n" for i in range(4))) and None or p / "n.jsonl", "holds int64 values; it must hold text"),
+    "text over 1 MB": (lambda p: (p / "big.jsonl").write_text("".join(json.dumps({"anchor": ("x" * 1_000_001 if i == 2 else f"a{i}"), "positive": f"b{i}"}) + "\n" for i in range(4))) and None or p / "big.jsonl", "row 3: column 'anchor' (role anchor) is longer than 1 MB"),
+    "non-UTF-8 bytes": (lambda p: (p / "u.jsonl").write_bytes(b'{"anchor": "a", "positive": "b"}\n{"anchor": "caf\xe9", "positive": "d"}\n') and None or p / "u.jsonl", "line 2: bytes that are not UTF-8"),
+    "a folder": (lambda p: (p / "folder.jsonl").mkdir() or p / "folder.jsonl", "is a folder"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_clear_error(case, write_config, tmp_path):
+    make, expected = BAD_INPUTS[case]
+    r = _validate(write_config, make(tmp_path))
+    assert r.exit_code == 2, r.output
+    assert expected in r.output, r.output
+    assert "Traceback" not in r.output and not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit)
+
+
+def test_bad_rows_dropped_and_counted(write_config, pairs_file):
+    rows = distinct_pairs(8)
+    rows[1]["anchor"] = "x" * 1_000_001
+    rows[4]["positive"] = None
+    r = _validate(write_config, pairs_file(rows), drop_invalid_rows=True)
+    assert r.exit_code == 0, r.output
+    assert "8 rows read, 2 dropped, 6 to train on" in r.output
+
+
+def test_config_that_is_a_list(write_config):
+    r = CliRunner().invoke(app, ["validate", str(write_config("- data\n- batch\n"))])
+    assert r.exit_code == 2 and "must be a mapping of sections" in r.output
