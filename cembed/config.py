@@ -87,13 +87,13 @@ class DataConfig(_Strict):
 
 class BatchConfig(_Strict):
     per_device_train_batch_size: PositiveInt = 64
-    mini_batch_size: PositiveInt = 32
+    mini_batch_size: PositiveInt | Literal["auto"] = 32  # auto: `cembed train` probes it first
     gradient_accumulation_steps: PositiveInt = 1
     drop_last: bool = True
 
     @model_validator(mode="after")
     def _mini_le_batch(self) -> BatchConfig:
-        if self.mini_batch_size > self.per_device_train_batch_size:
+        if self.mini_batch_size != "auto" and self.mini_batch_size > self.per_device_train_batch_size:
             raise ValueError(
                 f"mini_batch_size ({self.mini_batch_size}) is larger than per_device_train_batch_size "
                 f"({self.per_device_train_batch_size}); set it to at most the batch size"
