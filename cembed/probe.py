@@ -20,6 +20,7 @@ probe measures it in the worst case instead of guessing:
 from __future__ import annotations
 
 import gc
+import math
 import os
 import re
 import resource
@@ -154,7 +155,7 @@ def search_mini_batch(
         raise UserError(f"--margin: must be in [0, 1), got {margin}")
     if cap < 1:
         raise UserError(f"--max: must be at least 1, got {cap}")
-    limit = int((1 - margin) * capacity_bytes)
+    limit = (1 - margin) * capacity_bytes
     records: list[TrialRecord] = []
 
     def attempt(size: int) -> bool:
@@ -196,7 +197,7 @@ def search_mini_batch(
             "model.precision bf16, or give more memory (--max-memory / --margin)"
         )
     recommended, reason = choose_recommendation(records, lo, knee_fraction)
-    return ProbeResult(recommended, lo, reason, int(capacity_bytes), margin, limit, cap, records)
+    return ProbeResult(recommended, lo, reason, int(capacity_bytes), margin, int(limit), cap, records)
 
 
 def choose_recommendation(records: list[TrialRecord], max_fit: int, knee_fraction: float | None) -> tuple[int, str]:
@@ -213,8 +214,8 @@ def choose_recommendation(records: list[TrialRecord], max_fit: int, knee_fractio
     pct = 100 * knee.samples_per_s / best.samples_per_s
     return knee.size, (
         f"throughput knee: {knee.size} reaches {pct:.0f}% of the best measured {best.samples_per_s:.1f} samples/s "
-        f"(size {best.size}); larger sizes (up to {max_fit} fits) buy < {100 * (1 - knee_fraction):.0f}% speed for "
-        "more memory"
+        f"(at {best.size}); larger fitting sizes (up to {max_fit}) are not >{100 * (1 - knee_fraction):.0f}% faster "
+        "and use more memory"
     )
 
 
@@ -285,7 +286,7 @@ def worst_case_step(model, loss_cfg, n_columns: int, batch_size: int, mini_batch
         batch_size: ``per_device_train_batch_size``, rows.
         mini_batch_size: rows embedded at once.
         precision: fp32 | bf16 | fp16 (autocast, as the trainer runs it).
-        repeats: with-grad mini-batches run (the last one is timed; >= 1).
+        repeats: no-grad and with-grad mini-batch passes run; the fastest of each is timed (>= 1).
 
     Returns:
         Estimated rows per second of a full cached step: ``n_columns`` no-grad and with-grad
@@ -310,19 +311,23 @@ def worst_case_step(model, loss_cfg, n_columns: int, batch_size: int, mini_batch
     optimizer.zero_grad(set_to_none=True)
 
     length = model.max_seq_length
-    one = model.tokenize(["a " * (4 * length + 8)])  # truncated to max_seq_length tokens
+    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    one = preprocess(["a " * (4 * length + 8)])  # truncated to max_seq_length tokens
     features = [
         {k: v.expand(batch_size, *v.shape[1:]).contiguous().to(device) if torch.is_tensor(v) else v for k, v in one.items()}
         for _ in range(n_columns)
     ]
     loss = build_loss(model, loss_cfg, mini_batch_size)
     mini = min(mini_batch_size, batch_size)
+    repeats = max(1, repeats)
     with autocast():
-        sync()
-        t0 = time.perf_counter()
-        emb, _ = loss.embed_minibatch(features[0], 0, mini, with_grad=False, copy_random_state=False)
-        sync()
-        t_nograd = time.perf_counter() - t0
+        t_nograd = math.inf  # the fastest of `repeats` runs (the first one warms up)
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            emb, _ = loss.embed_minibatch(features[0], 0, mini, with_grad=False, copy_random_state=False)
+            sync()
+            t_nograd = min(t_nograd, time.perf_counter() - t0)
         emb = emb.detach()
         reps = [
             [emb[: min(b + mini, batch_size) - b].clone().requires_grad_() for b in range(0, batch_size, mini)]
@@ -334,8 +339,8 @@ def worst_case_step(model, loss_cfg, n_columns: int, batch_size: int, mini_batch
         loss.calculate_loss(reps, None, with_backward=True)
         sync()
         t_loss = time.perf_counter() - t0
-        t_grad = 0.0
-        for i in range(max(1, repeats)):
+        t_grad = math.inf
+        for i in range(repeats):
             col = i % n_columns
             sync()
             t0 = time.perf_counter()
@@ -343,7 +348,7 @@ def worst_case_step(model, loss_cfg, n_columns: int, batch_size: int, mini_batch
             surrogate = torch.dot(reps_mb.flatten().float(), reps[col][0].grad.flatten().float())
             surrogate.backward()
             sync()
-            t_grad = time.perf_counter() - t0
+            t_grad = min(t_grad, time.perf_counter() - t0)
             del reps_mb, surrogate
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -719,7 +724,7 @@ def probe_table(result: ProbeResult):
         if r.error and r.error.startswith("over budget") and r.peak_bytes:
             peak = ">" + peak
         sps = f"{r.samples_per_s:.1f}" if r.samples_per_s else "-"
-        fits = "[green]yes[/]" if r.fits else f"[red]no[/] {r.error or 'over the limit'}"
+        fits = "[green]yes[/]" if r.fits else f"[red]no[/] ({r.error or 'over the limit'})"
         mark = " *" if r.size == result.recommended else ""
         table.add_row(f"{r.size}{mark}", peak, pct, sps, fits)
     return table
@@ -786,3 +791,74 @@ def summary_record(result: ProbeResult) -> dict:
     d["override"] = f"batch.mini_batch_size={result.recommended}"
     return d
 
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI glue (kept here so cli.py stays a thin layer)
+
+
+def model_config_from_flags(base, model: str | None, max_seq_length: int | None, precision: str | None, device: str | None):
+    """``base`` (a ModelConfig, or None for the defaults) with the given CLI flags applied.
+
+    Raises:
+        UserError: a flag value the config would reject, naming the flag.
+    """
+    from pydantic import ValidationError
+
+    from cembed.config import ModelConfig
+
+    fields = base.model_dump() if base is not None else {}
+    flags = {"name_or_path": ("--model", model), "max_seq_length": ("--max-seq-length", max_seq_length),
+             "precision": ("--precision", precision), "device": ("--device", device)}
+    for key, (_, value) in flags.items():
+        if value is not None:
+            fields[key] = value
+    try:
+        return ModelConfig(**fields)
+    except ValidationError as err:
+        e = err.errors()[0]
+        flag = flags.get(str(e["loc"][0]), (str(e["loc"][0]), None))[0]
+        raise UserError(f"{flag}: {e['msg']} (got {e.get('input')!r})") from None
+
+
+def print_probe(console, result: ProbeResult) -> None:
+    """Print the probe table, the recommendation with its reason, notes and the override line."""
+    console.print(probe_table(result))
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    console.print(f"recommended mini_batch_size: [bold]{result.recommended}[/] ({result.reason})", highlight=False)
+    console.print(f"override: batch.mini_batch_size={result.recommended}", highlight=False)
+
+
+def print_truncation(console, model_cfg, data) -> None:
+    """Print the truncation table of ``data`` for ``model_cfg``; a model that cannot be loaded
+    only skips the report (validate must not need the model)."""
+    try:
+        length, report = model_truncation_report(model_cfg, data)
+    except UserError as err:
+        console.print(f"[yellow]truncation report skipped:[/] {err}", highlight=False)
+        return
+    console.print(truncation_table(length, report))
+
+
+def resolve_auto(cfg, plan, data, console, max_memory: str | None = None, margin: float = DEFAULT_MARGIN):
+    """For ``batch.mini_batch_size: auto``: probe on ``plan.device`` and return ``(cfg with the
+    recommended size, run-summary record)``. Other values return ``(cfg, None)`` unchanged.
+
+    Raises:
+        UserError: see :func:`run_probe`.
+    """
+    if cfg.batch.mini_batch_size != "auto":
+        return cfg, None
+    cfg = cfg.model_copy(deep=True)
+    if cfg.loss.name != "cached_mnrl":
+        cfg.batch.mini_batch_size = plan.per_device_train_batch_size
+        console.print("[yellow]note:[/] mini_batch_size: auto has no effect with loss mnrl", highlight=False)
+        return cfg, None
+    budget = parse_bytes(max_memory) if max_memory else None
+    console.print(f"probing mini_batch_size on {plan.device} (batch.mini_batch_size: auto)", highlight=False)
+    result = run_probe(cfg.model, cfg.loss, plan.per_device_train_batch_size, len(data.columns), plan.device,
+                       margin=margin, max_memory=budget)
+    print_probe(console, result)
+    cfg.batch.mini_batch_size = result.recommended
+    return cfg, summary_record(result)

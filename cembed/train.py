@@ -187,8 +187,12 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Console | None = None, progress: bool = True) -> dict:
-    """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
+def run_training(
+    cfg: CembedConfig, plan: Plan, data: PreparedData, console: Console | None = None, progress: bool = True,
+    extra_summary: dict | None = None,
+) -> dict:
+    """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``
+    (``extra_summary`` entries, e.g. the mini-batch probe, are added to it).
 
     Returns:
         The run summary (also written to ``<output_dir>/run_summary.json``).
@@ -253,6 +257,7 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
         "versions": _versions(),
         "output_dir": cfg.train.output_dir,
     }
+    summary.update(extra_summary or {})
     write_json_atomic(Path(cfg.train.output_dir) / "run_summary.json", summary)
     return summary
 
