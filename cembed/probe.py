@@ -19,6 +19,7 @@ probe measures it in the worst case instead of guessing:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -443,6 +444,27 @@ def _cuda_other_bytes() -> int:
     return _CUDA_OTHER
 
 
+@contextlib.contextmanager
+def _main_not_reimported():
+    """Keep multiprocessing from re-running the caller's ``__main__`` script in the child (a script
+    without a ``__main__`` guard, or stdin, would break it); the child only needs ``cembed.probe``.
+    multiprocessing skips the re-import when the main module's spec is named ``__main__``."""
+    import sys
+    import types
+
+    main = sys.modules["__main__"]
+    missing = object()
+    saved = main.__dict__.get("__spec__", missing)
+    main.__spec__ = types.SimpleNamespace(name="__main__")
+    try:
+        yield
+    finally:
+        if saved is missing:
+            del main.__spec__
+        else:
+            main.__spec__ = saved
+
+
 class SubprocessTrial:
     """Run each trial in a fresh child process.
 
@@ -470,7 +492,8 @@ class SubprocessTrial:
     def __call__(self, size: int) -> TrialOutcome:
         recv, send = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(target=_trial_child, args=(self.spec, size, send), daemon=True)
-        proc.start()
+        with _main_not_reimported():
+            proc.start()
         send.close()
         msg, seen, started = None, 0, time.monotonic()
         try:
