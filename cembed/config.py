@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cembed.errors import UserError
 
@@ -90,6 +100,17 @@ class BatchConfig(_Strict):
     mini_batch_size: PositiveInt | Literal["auto"] = 32  # auto: `cembed train` probes it first
     gradient_accumulation_steps: PositiveInt = 1
     drop_last: bool = True
+
+    @field_validator("mini_batch_size", mode="before")
+    @classmethod
+    def _auto_or_positive(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's two union-branch errors.
+        if value == "auto":
+            return value
+        try:
+            return TypeAdapter(PositiveInt).validate_python(value)
+        except ValidationError as err:
+            raise ValueError(f"{err.errors()[0]['msg']}, or auto (run the probe)") from None
 
     @model_validator(mode="after")
     def _mini_le_batch(self) -> BatchConfig:
