@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 
 from cembed.config import CembedConfig, ModelConfig
 from cembed.data import PreparedData, check_batchable, prepare_data
+from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
 from cembed.errors import UserError
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
@@ -200,6 +201,11 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
 
     t = cfg.train
     length = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.num_train_epochs}
+    ddp = {}
+    if plan.world_size > 1:
+        # run_training froze the parameters that get no gradient, so DDP needs no unused-parameter
+        # search; every rank needs full, equal batches (the sampler only yields whole global batches).
+        ddp = {"ddp_backend": backend_for(plan.device), "ddp_find_unused_parameters": False}
     return SentenceTransformerTrainingArguments(
         output_dir=t.output_dir,
         per_device_train_batch_size=plan.per_device_train_batch_size,
@@ -215,7 +221,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
         batch_sampler=NoDuplicatesSampler if cfg.sampler.no_duplicates else BatchSamplers.BATCH_SAMPLER,
-        dataloader_drop_last=cfg.batch.drop_last,
+        dataloader_drop_last=cfg.batch.drop_last or plan.world_size > 1,
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
         use_cpu=plan.device == "cpu",
@@ -223,6 +229,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
         disable_tqdm=True,
         dataloader_num_workers=t.dataloader_num_workers,
         **length,
+        **ddp,
     )
 
 
@@ -249,8 +256,12 @@ def _quiet_libraries() -> None:
 def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Console | None = None, progress: bool = True) -> dict:
     """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
 
+    In a multi-process job (``plan.world_size > 1``, started by :func:`cembed.distributed.launch`)
+    every rank runs this; each joins the process group, trains on its slice of every global batch,
+    and only rank 0 prints progress, saves the model and writes the summary.
+
     Returns:
-        The run summary (also written to ``<output_dir>/run_summary.json``).
+        The run summary (also written to ``<output_dir>/run_summary.json`` by rank 0).
 
     Raises:
         UserError: the model cannot be loaded, or the sampler yields no batch (a run never
@@ -260,17 +271,39 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
 
     console = console or Console()
     _quiet_libraries()
-    model = load_model(cfg.model, plan.device)
-    train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
+    rank = dist_info()
+    device = init_distributed(plan.device)
+    model = load_model(cfg.model, device)
+    with local_main_first():  # one process per node fills the tokenization cache, the others load it
+        train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
     b = cfg.batch
     loss = build_loss(
         model,
         cfg.loss,
         b.mini_batch_size,
-        gather_across_devices=plan.world_size > 1,
+        gather_across_devices=plan.gather_across_devices,
         mini_batch_num_tokens=b.mini_batch_num_tokens,
         sort_by_length=b.sort_by_length,
     )
+    distributed = None
+    if plan.world_size > 1:
+        frozen = freeze_unused_parameters(model, data.dataset[:2]["anchor"])
+        distributed = {
+            "world_size": plan.world_size,
+            "backend": backend_for(plan.device),
+            "gather_across_devices": plan.gather_across_devices,
+            "frozen_unused_parameters": frozen,
+            "find_unused_parameters": False,
+        }
+        if rank.is_main:
+            shown = ", ".join(frozen[:4]) + (f" and {len(frozen) - 4} more" if len(frozen) > 4 else "")
+            console.print(
+                f"distributed: {plan.world_size} processes ({distributed['backend']}), gather_across_devices="
+                f"{str(plan.gather_across_devices).lower()}; "
+                + (f"froze {len(frozen)} parameters that never receive a gradient ({shown}), " if frozen else "every parameter receives a gradient, ")
+                + "DDP unused-parameter detection off",
+                highlight=False,
+            )
     args = build_training_args(cfg, plan)
     log = RunLog()
     trainer = _trainer_class()(
@@ -281,7 +314,8 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
     trainer.add_callback(RichProgressCallback(console, plan.samples_per_step, log, enabled=progress))
 
     sampler = trainer.get_train_dataloader().batch_sampler
-    batches_per_epoch = len(sampler)
+    batches_per_epoch = len(sampler)  # per rank (accelerate's shard wrapper) = optimizer steps per epoch
+    sampler = getattr(sampler, "batch_sampler", sampler)
     if batches_per_epoch == 0:
         raise UserError(
             f"{data.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
@@ -294,7 +328,8 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
     if state.global_step == 0:
         raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
 
-    save_model_atomic(model, cfg.train.output_dir)
+    if rank.is_main:
+        save_model_atomic(model, cfg.train.output_dir)
     wall = (log.ended or time.perf_counter()) - log.started
     samples_seen = state.global_step * plan.samples_per_step
     summary = {
@@ -324,9 +359,12 @@ def run_training(cfg: CembedConfig, plan: Plan, data: PreparedData, console: Con
         "throughput_per_interval": trainer.meter.history,
         "tokenization": token_info,
         "device": plan.device,
+        "distributed": distributed,
         "versions": _versions(),
         "output_dir": cfg.train.output_dir,
     }
+    if not rank.is_main:
+        return summary
     plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, Path(cfg.train.output_dir) / "training_curves.png")
     summary["plot"] = str(plot) if plot else None
     write_json_atomic(Path(cfg.train.output_dir) / "run_summary.json", summary)
