@@ -50,8 +50,11 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         cfg: a validated config.
         world_size: number of training processes; defaults to ``$WORLD_SIZE`` or 1.
 
+    ``gather_across_devices`` is ``loss.gather_across_devices``, or ``world_size > 1`` when unset.
+    The LR is scaled from the global samples per step (``per_device x world_size x accumulation``).
+
     Raises:
-        UserError: fp16 requested on CPU, or cuda requested without a GPU.
+        UserError: fp16 requested on CPU, cuda requested without a GPU, or a world size below 1.
     """
     device = resolve_device(cfg.model.device)
     if cfg.model.precision == "fp16" and device == "cpu":
