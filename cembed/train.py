@@ -205,7 +205,8 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
     if plan.world_size > 1:
         # run_training froze the parameters that get no gradient, so DDP needs no unused-parameter
         # search; every rank needs full, equal batches (the sampler only yields whole global batches).
-        ddp = {"ddp_backend": backend_for(plan.device), "ddp_find_unused_parameters": False}
+        # The process group (nccl/gloo) is joined by init_distributed; accelerate reuses it.
+        ddp = {"ddp_find_unused_parameters": False}
     return SentenceTransformerTrainingArguments(
         output_dir=t.output_dir,
         per_device_train_batch_size=plan.per_device_train_batch_size,
