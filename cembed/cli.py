@@ -19,6 +19,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cembed.errors import UserError
@@ -41,7 +42,8 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as err:
-            err_console.print(f"[bold red]error:[/] {err}", highlight=False, markup=True, soft_wrap=True)
+            where = escape(f"[rank {os.environ['RANK']}] ") if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+            err_console.print(f"{where}[bold red]error:[/] {err}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(err.exit_code) from None
 
     return wrapper
@@ -72,24 +74,47 @@ def _load(config: Path, overrides: list[str] | None):
     return load_config(config, overrides or [])
 
 
+NPROC_HELP = "Processes (GPUs) per node; >1 launches them through torch.distributed.run (torchrun)."
+NNODES_HELP = "Machines taking part; run the same command on each with its own --node-rank."
+
+
+def _world_size(nproc_per_node: int | None, nnodes: int) -> int | None:
+    """World size asked for on the command line, or None (then $WORLD_SIZE or 1)."""
+    if nproc_per_node is None and nnodes == 1:
+        return None
+    if (nproc_per_node or 1) < 1 or nnodes < 1:
+        raise UserError(f"--nproc-per-node {nproc_per_node} / --nnodes {nnodes}: both must be at least 1")
+    return (nproc_per_node or 1) * nnodes
+
+
+def _print_scale(plan, cfg, out: Console) -> None:
+    per_node = f" ({plan.world_size} processes)" if plan.world_size > 1 else ""
+    out.print(
+        f"world size: {plan.world_size}{per_node}   effective batch: {plan.per_device_train_batch_size} per device x "
+        f"{plan.world_size} x {plan.gradient_accumulation_steps} accumulation = {plan.samples_per_step} samples per "
+        f"optimizer step   gather_across_devices: {str(plan.gather_across_devices).lower()}",
+        highlight=False,
+    )
+    out.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
+
+
 @app.command("validate")
 @user_errors
 def validate_cmd(
     config: Path = typer.Argument(..., help="YAML config file."),
     overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Check for this many processes per node."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Check for this many nodes."),
 ) -> None:
     """Check config, data files and columns without training (no GPU needed)."""
     from cembed.train import prepare
 
     cfg = _load(config, overrides)
-    plan, data = prepare(cfg)
+    plan, data = prepare(cfg, _world_size(nproc_per_node, nnodes))
     console.print("[bold]resolved config[/]")
     console.print_json(json.dumps(cfg.model_dump(mode="json")))
-    console.print(
-        f"device: {plan.device}   world size: {plan.world_size}   samples per optimizer step: {plan.samples_per_step}",
-        highlight=False,
-    )
-    console.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
+    console.print(f"device: {plan.device}", highlight=False)
+    _print_scale(plan, cfg, console)
     for w in plan.warnings:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
     console.print(
@@ -151,41 +176,95 @@ def train_cmd(
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished model in output_dir."),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help=NPROC_HELP),
+    nnodes: int = typer.Option(1, "--nnodes", help=NNODES_HELP),
+    node_rank: int = typer.Option(0, "--node-rank", help="This machine's index, 0 .. nnodes-1 (multi-node)."),
+    rdzv_endpoint: Optional[str] = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of node 0, reachable from every node (multi-node)."
+    ),
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     from cembed.checkpoint import RunInterrupted
+    from cembed.distributed import dist_info, is_worker, record_worker_error
     from cembed.probe import resolve_auto
     from cembed.train import prepare, run_training
 
-    cfg = _load(config, overrides)
-    plan, data = prepare(cfg)
-    cfg, probe_record = resolve_auto(cfg, plan, data, console, max_memory)
-    console.print(
-        f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {cfg.batch.mini_batch_size}  "
-        f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
-        highlight=False,
+    world = _world_size(nproc_per_node, nnodes)
+    if is_worker() and world is not None:
+        raise UserError("--nproc-per-node/--nnodes: this process was already started by a launcher (torchrun); drop them")
+    # Flags every worker process must see as well.
+    worker_flags = (
+        (["--resume"] if resume else [])
+        + (["--resume-from", resume_from] if resume_from else [])
+        + (["--overwrite"] if overwrite else [])
+        + (["--max-memory", max_memory] if max_memory else [])
     )
-    for w in plan.warnings:
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    if world is not None and world > 1:
+        cfg = _load(config, overrides)
+        _launch_training(cfg, config, (overrides or []) + worker_flags, world, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint)
+        return
+    out = console if dist_info().is_main else Console(quiet=True)  # only rank 0 prints
     try:
+        cfg = _load(config, overrides)
+        plan, data = prepare(cfg)
+        cfg, probe_record = resolve_auto(cfg, plan, data, out, max_memory)
+        out.print(
+            f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {cfg.batch.mini_batch_size}  "
+            f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
+            highlight=False,
+        )
+        for w in plan.warnings:
+            out.print(f"[yellow]warning:[/] {w}", highlight=False)
         summary = run_training(
-            cfg, plan, data, console, resume=resume, resume_from=resume_from, overwrite=overwrite,
+            cfg, plan, data, out, resume=resume, resume_from=resume_from, overwrite=overwrite,
             extra_summary={"mini_batch_probe": probe_record} if probe_record else None,
         )
     except RunInterrupted as stop:
-        extra = " ".join(overrides or [])
-        err_console.print(
-            f"[yellow]{stop}[/]: checkpoint saved to {stop.checkpoint}\n"
-            f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume",
-            highlight=False,
-        )
+        if dist_info().is_main:
+            extra = " ".join(overrides or [])
+            err_console.print(
+                f"[yellow]{stop}[/]: checkpoint saved to {stop.checkpoint}\n"
+                f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume",
+                highlight=False,
+            )
         raise typer.Exit(stop.exit_code) from None
-    console.print(
+    except Exception as err:  # in a launched worker: let the launcher show this rank's error
+        record_worker_error(err)
+        raise
+    out.print(
         f"[green]done[/]: {summary['steps']} steps, {summary['samples_seen']} samples in {summary['wall_time_s']:.1f}s "
         f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
         highlight=False,
     )
-    console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
+    out.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
+
+
+def _launch_training(cfg, config: Path, overrides: list[str], world: int, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+    """Check config and data here (a user mistake exits 2 before any process starts), then run
+    ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run."""
+    from cembed.distributed import WorkerFailed, launch, launcher_args
+    from cembed.train import prepare
+
+    launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
+    plan, _ = prepare(cfg, world)
+    _print_scale(plan, cfg, console)
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    console.print(
+        f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
+        highlight=False,
+    )
+    try:
+        launch(["train", str(config.resolve()), *overrides], nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    except WorkerFailed as err:
+        err_console.print(
+            f"[bold red]error:[/] rank {err.rank} failed (exit code {err.exitcode}): {escape(err.message)}; "
+            "the other processes were stopped",
+            highlight=False,
+            markup=True,
+            soft_wrap=True,
+        )
+        raise typer.Exit(2 if err.exitcode == 2 else 1) from None
 
 
 @app.command("probe-minibatch")

@@ -139,6 +139,9 @@ class LossConfig(_Strict):
     name: Literal["cached_mnrl", "mnrl"] = "cached_mnrl"
     scale: PositiveFloat = 20.0
     symmetric: bool = False
+    # Gather every rank's embeddings so each anchor is contrasted with the whole global batch.
+    # None: true when training runs in more than one process.
+    gather_across_devices: bool | None = None
 
 
 class SamplerConfig(_Strict):

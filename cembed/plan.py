@@ -27,6 +27,7 @@ class Plan:
     learning_rate: float  # effective (scaled) LR handed to the optimizer
     lr_derivation: str
     precision: str
+    gather_across_devices: bool = False  # each anchor sees all ranks' candidates (world_size > 1)
     warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -49,13 +50,18 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         cfg: a validated config.
         world_size: number of training processes; defaults to ``$WORLD_SIZE`` or 1.
 
+    ``gather_across_devices`` is ``loss.gather_across_devices``, or ``world_size > 1`` when unset.
+    The LR is scaled from the global samples per step (``per_device x world_size x accumulation``).
+
     Raises:
-        UserError: fp16 requested on CPU, or cuda requested without a GPU.
+        UserError: fp16 requested on CPU, cuda requested without a GPU, or a world size below 1.
     """
     device = resolve_device(cfg.model.device)
     if cfg.model.precision == "fp16" and device == "cpu":
         raise UserError("model.precision: fp16 needs a CUDA device; use fp32 or bf16 on CPU")
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1:
+        raise UserError(f"world size {world}: --nproc-per-node x --nnodes (or $WORLD_SIZE) must be at least 1")
     b, o = cfg.batch, cfg.optim
     samples = b.per_device_train_batch_size * world * b.gradient_accumulation_steps
     warnings = []
@@ -64,6 +70,18 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
             f"batch.gradient_accumulation_steps={b.gradient_accumulation_steps}: accumulation adds no in-batch "
             "negatives (each accumulated batch only sees its own); with loss cached_mnrl raise "
             "per_device_train_batch_size instead"
+        )
+    gather = cfg.loss.gather_across_devices
+    gather = world > 1 if gather is None else gather
+    if world > 1 and not gather:
+        warnings.append(
+            f"loss.gather_across_devices=false with {world} processes: each anchor only sees the "
+            f"{b.per_device_train_batch_size} rows of its own rank as negatives, not the whole global batch"
+        )
+    if world > 1 and not b.drop_last:
+        warnings.append(
+            f"batch.drop_last=false has no effect with {world} processes: every rank needs a full batch of the "
+            "same size, so rows that cannot fill a whole global batch at the end of an epoch are left out"
         )
     return Plan(
         device=device,
@@ -74,5 +92,6 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         learning_rate=scale_lr(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
         lr_derivation=derivation(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
         precision=cfg.model.precision,
+        gather_across_devices=gather,
         warnings=tuple(warnings),
     )

@@ -13,6 +13,13 @@ Contract:
 
 Each text is hashed once (xxh64) at construction; an epoch's batches are then built in one pass
 over a permutation (first-fit with a FIFO of deferred rows), about linear in the number of rows.
+
+Distributed training (``world_size`` processes): the duplicate-free batch is the *global* batch of
+``batch_size x world_size`` rows, built identically on every rank (same hashes, same seed). The
+sampler yields each global batch as ``world_size`` consecutive per-device slices; accelerate's
+``BatchSamplerShard`` (applied by the trainer) deals batch ``i`` to rank ``i % world_size``, so rank
+``r`` trains on slice ``r`` of every global batch and all ranks run ``len(sampler) / world_size``
+steps. Only whole global batches are used then (every rank needs the same batch shape to gather).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections import deque
 import numpy as np
 import xxhash
 from sentence_transformers.base.sampler import DefaultBatchSampler
+from sentence_transformers.util import get_world_size
 
 from cembed.data import arrow_table
 
@@ -112,6 +120,11 @@ class NoDuplicatesSampler(DefaultBatchSampler):
     Pass the class as ``batch_sampler`` in the training arguments; the trainer constructs it with
     ``(dataset, batch_size, drop_last, valid_label_columns, generator, seed)`` and calls
     :meth:`set_epoch` before each epoch.
+
+    ``batch_size`` is the per-device batch. ``world_size`` (default: the initialized
+    torch.distributed group's size, else 1) makes the duplicate-free unit the global batch of
+    ``batch_size x world_size`` rows, yielded as ``world_size`` consecutive per-device slices (see
+    the module docstring); with ``world_size > 1`` a short last global batch is always dropped.
     """
 
     def __init__(
@@ -122,6 +135,7 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         valid_label_columns: list[str] | None = None,
         generator=None,
         seed: int = 0,
+        world_size: int | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -139,13 +153,23 @@ class NoDuplicatesSampler(DefaultBatchSampler):
             if c not in label_columns and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
         ]
         self.hashes = row_hashes(dataset, self.columns)
+        self.world_size = world_size or get_world_size()
         self._cache: tuple[int, list[list[int]], int] | None = None
 
     def _epoch_batches(self) -> tuple[list[list[int]], int]:
         if self._cache is None or self._cache[0] != self.epoch:
-            batches, unplaced = build_batches(self.hashes, self.batch_size, self.drop_last, self.seed + self.epoch)
+            batches, unplaced = build_batches(
+                self.hashes,
+                self.batch_size * self.world_size,
+                self.drop_last or self.world_size > 1,
+                self.seed + self.epoch,
+            )
             self._cache = (self.epoch, batches, unplaced)
         return self._cache[1], self._cache[2]
+
+    def global_batches(self) -> list[list[int]]:
+        """This epoch's duplicate-free global batches (``batch_size x world_size`` row indices each)."""
+        return self._epoch_batches()[0]
 
     @property
     def unplaced(self) -> int:
@@ -153,10 +177,17 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         return self._epoch_batches()[1]
 
     def __iter__(self):
-        yield from self._epoch_batches()[0]
+        size = self.batch_size
+        for batch in self._epoch_batches()[0]:
+            if self.world_size == 1:
+                yield batch
+            else:
+                for rank in range(self.world_size):
+                    yield batch[rank * size : (rank + 1) * size]
 
     def __len__(self) -> int:
-        return len(self._epoch_batches()[0])
+        """Per-device batches yielded this epoch: ``world_size x`` the number of global batches."""
+        return len(self._epoch_batches()[0]) * self.world_size
 
 
 def colliding_rows(hashes: np.ndarray) -> np.ndarray:

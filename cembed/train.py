@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 
 from cembed.config import CembedConfig, ModelConfig
 from cembed.data import PreparedData, check_batchable, prepare_data
+from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
 from cembed.errors import UserError
 from cembed.checkpoint import (
     STAGING,
@@ -280,6 +281,12 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
 
     t = cfg.train
     length = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.num_train_epochs}
+    ddp = {}
+    if plan.world_size > 1:
+        # run_training froze the parameters that get no gradient, so DDP needs no unused-parameter
+        # search; every rank needs full, equal batches (the sampler only yields whole global batches).
+        # The process group (nccl/gloo) is joined by init_distributed; accelerate reuses it.
+        ddp = {"ddp_find_unused_parameters": False}
     return SentenceTransformerTrainingArguments(
         output_dir=t.output_dir,
         per_device_train_batch_size=plan.per_device_train_batch_size,
@@ -296,7 +303,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
         save_steps=t.save_steps or 500,
         save_total_limit=t.save_total_limit,
         batch_sampler=NoDuplicatesSampler if cfg.sampler.no_duplicates else BatchSamplers.BATCH_SAMPLER,
-        dataloader_drop_last=cfg.batch.drop_last,
+        dataloader_drop_last=cfg.batch.drop_last or plan.world_size > 1,
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
         use_cpu=plan.device == "cpu",
@@ -304,6 +311,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
         disable_tqdm=True,
         dataloader_num_workers=t.dataloader_num_workers,
         **length,
+        **ddp,
     )
 
 
@@ -340,6 +348,10 @@ def run_training(
 ) -> dict:
     """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
 
+    In a multi-process job (``plan.world_size > 1``, started by :func:`cembed.distributed.launch`)
+    every rank runs this; each joins the process group, trains on its slice of every global batch,
+    and only rank 0 prints progress, saves the model and writes the summary.
+
     Args:
         resume: continue from the newest complete checkpoint in ``train.output_dir``.
         resume_from: continue from this checkpoint folder instead.
@@ -347,7 +359,7 @@ def run_training(
         extra_summary: entries added to the summary (e.g. the mini-batch probe's record).
 
     Returns:
-        The run summary (also written to ``<output_dir>/run_summary.json``).
+        The run summary (also written to ``<output_dir>/run_summary.json`` by rank 0).
 
     Raises:
         UserError: the model cannot be loaded, the output folder holds a finished model, there is
@@ -358,27 +370,50 @@ def run_training(
     """
     from transformers.trainer_callback import PrinterCallback
 
+    rank = dist_info()
     out = Path(cfg.train.output_dir)
     check_output_dir(out, overwrite, resume or bool(resume_from))
     checkpoint = resolve_resume(out, resume, resume_from)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
     log_path = out / "train.log"
-    append_log(log_path, f"start: {'resume from ' + checkpoint if checkpoint else 'fresh run'}; lr {plan.lr_derivation}")
+    if rank.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
+        append_log(log_path, f"start: {'resume from ' + checkpoint if checkpoint else 'fresh run'}; lr {plan.lr_derivation}")
 
     console = console or Console()
     _quiet_libraries()
-    model = load_model(cfg.model, plan.device)
-    train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
+    device = init_distributed(plan.device)
+    model = load_model(cfg.model, device)
+    with local_main_first():  # one process per node fills the tokenization cache, the others load it
+        train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
     b = cfg.batch
     loss = build_loss(
         model,
         cfg.loss,
         b.mini_batch_size,
-        gather_across_devices=plan.world_size > 1,
+        gather_across_devices=plan.gather_across_devices,
         mini_batch_num_tokens=b.mini_batch_num_tokens,
         sort_by_length=b.sort_by_length,
     )
+    distributed = None
+    if plan.world_size > 1:
+        frozen = freeze_unused_parameters(model, data.dataset[:2]["anchor"])
+        distributed = {
+            "world_size": plan.world_size,
+            "backend": backend_for(plan.device),
+            "gather_across_devices": plan.gather_across_devices,
+            "frozen_unused_parameters": frozen,
+            "find_unused_parameters": False,
+        }
+        if rank.is_main:
+            shown = ", ".join(frozen[:4]) + (f" and {len(frozen) - 4} more" if len(frozen) > 4 else "")
+            console.print(
+                f"distributed: {plan.world_size} processes ({distributed['backend']}), gather_across_devices="
+                f"{str(plan.gather_across_devices).lower()}; "
+                + (f"froze {len(frozen)} parameters that never receive a gradient ({shown}), " if frozen else "every parameter receives a gradient, ")
+                + "DDP unused-parameter detection off",
+                highlight=False,
+            )
     args = build_training_args(cfg, plan)
     log = RunLog()
     trainer = _trainer_class()(
@@ -387,12 +422,15 @@ def run_training(
     trainer.meter = ThroughputMeter(loss.token_counts)
     trainer.nonfinite_policy = cfg.train.nonfinite_loss
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(RichProgressCallback(console, plan.samples_per_step, log, enabled=progress, log_path=log_path))
+    trainer.add_callback(
+        RichProgressCallback(console, plan.samples_per_step, log, enabled=progress, log_path=log_path if rank.is_main else None)
+    )
     interrupt = InterruptCallback()
     trainer.add_callback(interrupt)
 
     sampler = trainer.get_train_dataloader().batch_sampler
-    batches_per_epoch = len(sampler)
+    batches_per_epoch = len(sampler)  # per rank (accelerate's shard wrapper) = optimizer steps per epoch
+    sampler = getattr(sampler, "batch_sampler", sampler)
     if batches_per_epoch == 0:
         raise UserError(
             f"{data.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
@@ -415,6 +453,7 @@ def run_training(
         "resumed_from": checkpoint,
         "tokenization": token_info,
         "device": plan.device,
+        "distributed": distributed,
         "versions": _versions(),
         "output_dir": str(out),
         **(extra_summary or {}),
@@ -427,8 +466,9 @@ def run_training(
     try:
         result = trainer.train(resume_from_checkpoint=checkpoint)
     except RunFailed as err:
-        append_log(log_path, f"failed: {err}")
-        write_json_atomic(summary_path, {**base, "status": "failed", "error": str(err), "steps": trainer.state.global_step})
+        if rank.is_main:
+            append_log(log_path, f"failed: {err}")
+            write_json_atomic(summary_path, {**base, "status": "failed", "error": str(err), "steps": trainer.state.global_step})
         raise
     finally:
         if main_thread:
@@ -436,16 +476,18 @@ def run_training(
     state = trainer.state
     if interrupt.signum is not None:
         err = RunInterrupted(interrupt.signum, state.global_step, trainer.last_checkpoint)
-        append_log(log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
-        write_json_atomic(
-            summary_path,
-            {**base, "status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint},
-        )
+        if rank.is_main:
+            append_log(log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
+            write_json_atomic(
+                summary_path,
+                {**base, "status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint},
+            )
         raise err
     if state.global_step == 0:
         raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
 
-    save_model_atomic(model, out)
+    if rank.is_main:
+        save_model_atomic(model, out)
     wall = (log.ended or time.perf_counter()) - log.started
     samples_seen = state.global_step * plan.samples_per_step
     summary = {
@@ -464,6 +506,8 @@ def run_training(
         "throughput": trainer.meter.totals(),
         "throughput_per_interval": trainer.meter.history,
     }
+    if not rank.is_main:
+        return summary
     plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, out / "training_curves.png")
     summary["plot"] = str(plot) if plot else None
     write_json_atomic(summary_path, summary)

@@ -1,0 +1,277 @@
+"""Multi-process (multi-GPU, multi-node) training on torch.distributed.
+
+cembed does not run its own process engine: ``cembed train --nproc-per-node N`` hands the command to
+torch's elastic launcher (``torch.distributed.run``, the code behind ``torchrun``), which starts N
+workers per node running ``python -m cembed train ...`` with ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set. Each worker joins the process group (NCCL on
+CUDA, gloo on CPU) and trains through the sentence-transformers trainer, which wraps the model in
+``DistributedDataParallel`` via accelerate.
+
+What this module adds around that:
+
+- :func:`launch`: build the launcher's arguments (``--nnodes``, ``--node-rank``,
+  ``--rdzv-endpoint`` passed through) and turn a failed worker into :class:`WorkerFailed` naming the
+  rank and its error. The launcher stops the other workers as soon as one fails.
+- :func:`init_distributed`: join the group early and pick this rank's device, so that the
+  pre-tokenization cache can be written by one process per node (:func:`local_main_first`).
+- :func:`freeze_unused_parameters`: parameters that never receive a gradient (the BERT pooler under
+  mean pooling) are found with one small forward/backward before training and frozen, so DDP runs
+  without unused-parameter detection (no per-forward graph walk, and an error rather than silence if
+  a parameter is ever skipped).
+- :func:`record_worker_error`: write a worker's exception where the launcher reads it, so the
+  launching process can show the failing rank's message.
+
+Exactness: sentence-transformers' gathered MNRL gives each rank the mean loss over *its own* anchors
+(scored against all ranks' candidates), and the all-gather's backward sums the gradients that every
+rank's loss sends to each embedding, so each rank's parameter gradient is ``world_size x`` its share
+of the full-batch gradient; DDP's average over ranks then yields exactly the gradient of the
+full-batch loss (the mean of the per-rank losses). ``tests/test_distributed.py`` checks loss and
+updated weights against one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from cembed.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job, from the launcher's environment (1 process when unset)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one process that prints progress and writes outputs."""
+        return self.rank == 0
+
+
+def dist_info() -> DistInfo:
+    """Read ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (set by torchrun)."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    return DistInfo(
+        rank=int(env.get("RANK", "0")),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        world_size=world,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
+    )
+
+
+def is_worker() -> bool:
+    """True inside a process started by the launcher for a job of more than one process."""
+    return dist_info().world_size > 1 and "RANK" in os.environ
+
+
+def backend_for(device: str) -> str:
+    """``nccl`` for CUDA devices, ``gloo`` for CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_distributed(device: str) -> str:
+    """Join the launcher's process group (``env://``) and return this rank's device.
+
+    Args:
+        device: the plan's device, ``cpu`` or ``cuda``.
+
+    Returns:
+        ``cuda:<LOCAL_RANK>`` for CUDA (also made the current device), else ``device`` unchanged.
+        Without a multi-process environment nothing is initialized and ``device`` is returned.
+
+    Raises:
+        UserError: more processes on this node than visible GPUs.
+    """
+    import torch.distributed as dist
+
+    info = dist_info()
+    if info.world_size == 1:
+        return device
+    if device.startswith("cuda"):
+        visible = torch.cuda.device_count()
+        if info.local_world_size > visible:
+            raise UserError(
+                f"--nproc-per-node {info.local_world_size}: only {visible} CUDA device(s) are visible on this node; "
+                f"start at most {visible} processes per node"
+            )
+        torch.cuda.set_device(info.local_rank)
+        device = f"cuda:{info.local_rank}"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device))
+    return device
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+@contextmanager
+def local_main_first():
+    """Run the body on each node's local rank 0 first, then on the node's other ranks.
+
+    For work that fills an on-disk cache (pre-tokenization): the first process writes it, the
+    others load it. A no-op without an initialized multi-process group.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield
+        return
+    first = dist_info().local_rank == 0
+    if not first:
+        _barrier()
+    try:
+        yield
+    finally:
+        if first:
+            _barrier()
+
+
+def unused_parameters(model, texts: list[str]) -> list[str]:
+    """Names of the trainable parameters of ``model`` that receive no gradient when it embeds ``texts``.
+
+    One forward and backward of ``len(texts)`` rows (a few suffice: which parameters are reached
+    does not depend on the text). The RNG state (dropout) and existing ``.grad`` values are
+    restored afterwards.
+
+    Args:
+        model: a SentenceTransformer (not DDP-wrapped).
+        texts: sample input texts, e.g. the first rows' anchors.
+
+    Returns:
+        Parameter names as in ``model.named_parameters()``; empty when every parameter is used.
+    """
+    from sentence_transformers.util import batch_to_device
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    saved = [p.grad for _, p in params]
+    for _, p in params:
+        p.grad = None
+    devices = [model.device.index or 0] if model.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            features = batch_to_device(model.tokenize(list(texts)), model.device)
+            embeddings = model(features)["sentence_embedding"]
+            embeddings.float().sum().backward()
+        unused = [n for n, p in params if p.grad is None]
+    finally:
+        for (_, p), grad in zip(params, saved):
+            p.grad = grad
+    return unused
+
+
+def freeze_unused_parameters(model, texts: list[str]) -> list[str]:
+    """Freeze (``requires_grad=False``) the parameters :func:`unused_parameters` finds, and return
+    their names. Frozen parameters keep their values, which is what training would have done to
+    them anyway (no gradient, so neither an update nor, in AdamW, weight decay)."""
+    names = unused_parameters(model, texts)
+    wanted = set(names)
+    for name, param in model.named_parameters():
+        if name in wanted:
+            param.requires_grad_(False)
+    return names
+
+
+def record_worker_error(err: BaseException) -> None:
+    """Write ``err`` to the error file the launcher reads (``$TORCHELASTIC_ERROR_FILE``), so the
+    launching process can name the failing rank and show its message. A no-op outside a launcher."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    handler = get_error_handler()
+    handler.initialize()
+    handler.record_exception(err)
+
+
+class WorkerFailed(Exception):
+    """A worker process failed; the launcher has stopped the others.
+
+    Attributes:
+        rank: global rank of the first worker that failed.
+        exitcode: its exit code (negative: killed by that signal).
+        message: its recorded error (``Type: message``), or a pointer to its output above.
+    """
+
+    def __init__(self, rank: int, exitcode: int, message: str) -> None:
+        self.rank, self.exitcode, self.message = rank, exitcode, message
+        super().__init__(f"rank {rank} failed with exit code {exitcode}: {message}")
+
+
+def launcher_args(
+    module: str,
+    module_args: list[str],
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+) -> list[str]:
+    """The ``torchrun`` command line (without the program name) that runs ``python -m module module_args``
+    in ``nproc_per_node`` processes on each of ``nnodes`` nodes.
+
+    Raises:
+        UserError: a count below 1, a node rank outside ``[0, nnodes)``, or several nodes without
+            ``--rdzv-endpoint`` (every node must know where rank 0's node listens).
+    """
+    if nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node {nproc_per_node}: give at least 1 process per node")
+    if nnodes < 1:
+        raise UserError(f"--nnodes {nnodes}: give at least 1 node")
+    if not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank {node_rank}: must be between 0 and --nnodes - 1 ({nnodes - 1})")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise UserError(
+            f"--nnodes {nnodes}: also give --rdzv-endpoint HOST:PORT, the address of node 0 that every node can reach"
+        )
+    argv = ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    if rdzv_endpoint:
+        argv += ["--rdzv-endpoint", rdzv_endpoint]
+    return argv + ["--module", module, *module_args]
+
+
+def launch(
+    module_args: list[str],
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    module: str = "cembed",
+) -> None:
+    """Run ``python -m <module> <module_args>`` in ``nproc_per_node`` worker processes through torch's
+    elastic launcher, exactly as ``torchrun <launcher_args(...)>`` would, and wait for all of them.
+
+    Single node without ``rdzv_endpoint``: the launcher picks a free local port. Several nodes: run
+    the same command on every node with its own ``node_rank`` and node 0's ``rdzv_endpoint``.
+
+    Raises:
+        UserError: see :func:`launcher_args`.
+        WorkerFailed: a worker exited non-zero; the launcher has already stopped the others.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    argv = launcher_args(module, module_args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    args = get_args_parser().parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):  # the error file's {"message": ..., "extraInfo": ...}
+            message = message.get("message", "")
+        if not isinstance(message, str) or "elastic/errors.html" in message or not message.strip():
+            message = "see its output above"
+        raise WorkerFailed(rank, failure.exitcode, message.strip()) from None
