@@ -24,8 +24,6 @@ steps. Only whole global batches are used then (every rank needs the same batch 
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 import xxhash
 from sentence_transformers.base.sampler import DefaultBatchSampler
@@ -50,8 +48,35 @@ def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
     return out
 
 
+def _fits(hashes: np.ndarray, candidates: np.ndarray, used: np.ndarray) -> np.ndarray:
+    """Which candidate rows can join a batch whose texts are ``used`` (sorted), taking the candidates in
+    order: a row is refused if any of its texts is in ``used`` or in an earlier candidate row
+    (refusing also after an earlier row that was itself refused: conservative, never wrong).
+    A text repeated inside one row does not count. Shape ``(len(candidates),)`` bool."""
+    h = hashes[candidates]  # (m, k)
+    m, k = h.shape
+    if m == 0:
+        return np.zeros(0, dtype=bool)
+    if used.size:
+        at = np.minimum(np.searchsorted(used, h), used.size - 1)
+        clash = (used[at] == h).any(axis=1)
+    else:
+        clash = np.zeros(m, dtype=bool)
+    flat = h.ravel()
+    row_of = np.repeat(np.arange(m), k)
+    uniq, first = np.unique(flat, return_index=True)
+    first_row = row_of[first][np.searchsorted(uniq, flat)]
+    clash |= (first_row != row_of).reshape(m, k).any(axis=1)
+    return ~clash
+
+
 def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> tuple[list[list[int]], int]:
     """Duplicate-free batches for one epoch.
+
+    First fit over a seeded permutation, with a FIFO of deferred rows: each new batch first offers
+    a place to the rows deferred so far (oldest first), then takes rows from the permutation; a row
+    that shares a text with the batch is deferred. The checks run vectorized on whole candidate
+    chunks, so an epoch costs a few numpy passes per batch (about linear in the rows).
 
     Args:
         hashes: ``(rows, columns)`` text hashes, see :func:`row_hashes`.
@@ -65,52 +90,46 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
     """
     n = hashes.shape[0]
     order = np.random.default_rng(seed).permutation(n)
-    rows = hashes.tolist()  # Python ints: set look-ups on them are much faster than on numpy scalars
     batches: list[list[int]] = []
-    deferred: deque[int] = deque()
-    batch: list[int] = []
-    seen: set[int] = set()
+    deferred = np.empty(0, dtype=np.int64)
+    pos = 0
+    rows: list[np.ndarray] = []
+    used = np.empty(0, dtype=hashes.dtype)
 
-    def try_add(i: int) -> bool:
-        texts = rows[i]
-        for t in texts:
-            if t in seen:
-                return False
-        seen.update(texts)
-        batch.append(i)
-        return True
+    def offer(candidates: np.ndarray) -> np.ndarray:
+        """Add the fitting candidates (up to the space left); return the others, in order."""
+        nonlocal used
+        space = batch_size - sum(len(r) for r in rows)
+        ok = _fits(hashes, candidates, used)
+        ok[np.cumsum(ok) > space] = False
+        taken = candidates[ok]
+        if taken.size:
+            rows.append(taken)
+            used = np.sort(np.concatenate([used, hashes[taken].ravel()]))
+        return candidates[~ok]
 
-    stream = iter(order.tolist())
-    exhausted = False
+    def filled() -> int:
+        return sum(len(r) for r in rows)
+
     while True:
-        # A fresh batch first offers a place to every deferred row, oldest first, once.
-        for _ in range(len(deferred)):
-            i = deferred.popleft()
-            if len(batch) >= batch_size or not try_add(i):
-                deferred.append(i)
-        while len(batch) < batch_size and not exhausted:
-            i = next(stream, None)
-            if i is None:
-                exhausted = True
-            elif not try_add(i):
-                deferred.append(i)
-        if len(batch) == batch_size:
-            batches.append(batch)
-            batch, seen = [], set()
+        deferred = offer(deferred)
+        while filled() < batch_size and pos < n:
+            chunk = order[pos : pos + batch_size - filled()]
+            pos += len(chunk)
+            deferred = np.concatenate([deferred, offer(chunk)])
+        if filled() == batch_size:
+            batches.append(np.concatenate(rows).tolist())
+            rows, used = [], np.empty(0, dtype=hashes.dtype)
             continue
-        if exhausted:
-            break
+        break  # permutation exhausted and the batch cannot be filled
     if drop_last:
-        return batches, len(batch) + len(deferred)
+        return batches, filled() + len(deferred)
     # Keep every row: the partial batch, then duplicate-free batches out of what was deferred.
-    while batch or deferred:
-        if batch:
-            batches.append(batch)
-        batch, seen = [], set()
-        for _ in range(len(deferred)):
-            i = deferred.popleft()
-            if len(batch) >= batch_size or not try_add(i):
-                deferred.append(i)
+    while rows or len(deferred):
+        if rows:
+            batches.append(np.concatenate(rows).tolist())
+        rows, used = [], np.empty(0, dtype=hashes.dtype)
+        deferred = offer(deferred)
     return batches, 0
 
 
