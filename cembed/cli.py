@@ -314,6 +314,29 @@ def probe_minibatch_cmd(
         console.print(f"wrote batch.mini_batch_size: {result.recommended} to {config}", highlight=False)
 
 
+@app.command("eval")
+@user_errors
+def eval_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="Saved model folder, a run's output_dir, or all-MiniLM-L6-v2."),
+    retrieval: Optional[List[Path]] = typer.Option(None, "--retrieval", "-r", help="BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/). Repeatable."),
+    sts: Optional[List[Path]] = typer.Option(None, "--sts", help="STS file (STS Benchmark TSV, sentence1/sentence2/score TSV or JSONL). Repeatable."),
+    split: str = typer.Option("test", "--split", help="qrels split of the retrieval sets: qrels/<split>.tsv."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every metric to this JSON file."),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Encoding batch size."),
+    max_seq_length: Optional[int] = typer.Option(None, "--max-seq-length", min=1, help="Override the model's max_seq_length."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Corpus-embedding cache (default $CEMBED_CACHE_DIR or ~/.cache/cembed/embeddings)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Encode the corpus even when cached, and do not write the cache."),
+) -> None:
+    """Score a model on retrieval (NDCG@10, MRR@10, MAP@100, Recall@10/100) and STS (cosine Spearman) sets."""
+    from cembed.evaluate import run_eval_cli
+
+    run_eval_cli(
+        console, model, list(retrieval or []), list(sts or []), split, json_out, batch_size, max_seq_length,
+        device, None if no_cache else cache_dir, no_cache,
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

@@ -148,6 +148,9 @@ class SamplerConfig(_Strict):
     no_duplicates: bool = True
 
 
+REPORT_TO = ("none", "all", "tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "clearml", "neptune", "dvclive", "swanlab")
+
+
 class TrainConfig(_Strict):
     num_train_epochs: PositiveFloat | None = None
     max_steps: PositiveInt | None = None
@@ -158,11 +161,70 @@ class TrainConfig(_Strict):
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     dataloader_num_workers: int = Field(0, ge=0)
+    # Experiment trackers, through the trainer's own integrations (each needs its package installed).
+    report_to: list[Literal[REPORT_TO]] = Field(default_factory=lambda: ["none"])  # type: ignore[valid-type]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _report_to_list(cls, data: Any) -> Any:
+        # `report_to: tensorboard` is shorthand for `report_to: [tensorboard]`.
+        if isinstance(data, dict) and isinstance(data.get("report_to"), str):
+            data = {**data, "report_to": [data["report_to"]]}
+        return data
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
         if self.num_train_epochs is None and self.max_steps is None:
             self.__dict__["num_train_epochs"] = 1.0
+        return self
+
+
+class RetrievalEvalSet(_Strict):
+    """A BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/<split>.tsv) and the qrels split."""
+
+    path: str
+    split: str = "test"
+    name: str | None = None  # metric prefix; default <folder name>-<split>
+
+
+class StsEvalSet(_Strict):
+    """An STS file: STS Benchmark TSV, 3-column TSV (sentence1, sentence2, score) or JSONL."""
+
+    path: str
+    name: str | None = None  # metric prefix; default the file name without extension
+
+
+class EvalConfig(_Strict):
+    """Evaluation before, during (every ``eval_steps``) and after training."""
+
+    retrieval: list[RetrievalEvalSet] = Field(default_factory=list)
+    sts: list[StsEvalSet] = Field(default_factory=list)
+    eval_steps: PositiveInt | None = None  # None: evaluate only before and after training
+    metric_for_best_model: str | None = None  # e.g. scifact-test_cosine_ndcg@10; keeps the best checkpoint
+    greater_is_better: bool | None = None  # default: False for a loss, True otherwise
+    save_total_limit: PositiveInt | None = 2  # checkpoints kept; the best one is never deleted
+    batch_size: PositiveInt = 32  # encoding batch size
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_shorthand(cls, data: Any) -> Any:
+        # `retrieval: dir` / `sts: [file, ...]` are shorthand for {path: ...} entries.
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in ("retrieval", "sts"):
+                value = data.get(key)
+                if isinstance(value, (str, dict)):
+                    value = [value]
+                if isinstance(value, list):
+                    data[key] = [{"path": v} if isinstance(v, str) else v for v in value]
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalConfig:
+        if not self.retrieval and not self.sts:
+            raise ValueError("the eval section needs at least one 'retrieval' folder or 'sts' file")
+        if self.metric_for_best_model is not None and self.eval_steps is None:
+            raise ValueError("metric_for_best_model needs eval_steps (checkpoints are compared at each evaluation)")
         return self
 
 
@@ -176,6 +238,7 @@ class CembedConfig(_Strict):
     loss: LossConfig = Field(default_factory=LossConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,6 +357,9 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
     if cfg.data.cache_dir is not None:
         cfg.data.cache_dir = _resolve_path(cfg.data.cache_dir, base)
+    if cfg.eval is not None:
+        for item in [*cfg.eval.retrieval, *cfg.eval.sts]:
+            item.path = _resolve_path(item.path, base)
     model_path = base / cfg.model.name_or_path
     if not Path(cfg.model.name_or_path).is_absolute() and model_path.exists():
         cfg.model.name_or_path = str(model_path.resolve())

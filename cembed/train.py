@@ -274,8 +274,13 @@ def _trainer_class():
     return CembedTrainer
 
 
-def build_training_args(cfg: CembedConfig, plan: Plan):
-    """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR)."""
+def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = None):
+    """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR);
+    ``eval_args`` (from :func:`cembed.evaluate.training_eval_args`) override the save/eval settings.
+
+    Raises:
+        UserError: a ``train.report_to`` tracker whose package is missing.
+    """
     from sentence_transformers import SentenceTransformerTrainingArguments
     from sentence_transformers.base.sampler import BatchSamplers
 
@@ -287,7 +292,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
         # search; every rank needs full, equal batches (the sampler only yields whole global batches).
         # The process group (nccl/gloo) is joined by init_distributed; accelerate reuses it.
         ddp = {"ddp_find_unused_parameters": False}
-    return SentenceTransformerTrainingArguments(
+    kwargs = dict(
         output_dir=t.output_dir,
         per_device_train_batch_size=plan.per_device_train_batch_size,
         gradient_accumulation_steps=plan.gradient_accumulation_steps,
@@ -307,12 +312,19 @@ def build_training_args(cfg: CembedConfig, plan: Plan):
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
         use_cpu=plan.device == "cpu",
-        report_to="none",
+        report_to="none" if t.report_to == ["none"] else list(t.report_to),
         disable_tqdm=True,
         dataloader_num_workers=t.dataloader_num_workers,
         **length,
         **ddp,
     )
+    kwargs.update(eval_args or {})
+    try:
+        return SentenceTransformerTrainingArguments(**kwargs)
+    except (ValueError, ImportError, RuntimeError) as err:
+        if t.report_to != ["none"] and any(name in str(err) for name in t.report_to):
+            raise UserError(f"train.report_to: {str(err).strip().splitlines()[0][:300]}") from None
+        raise
 
 
 def _versions() -> dict[str, str]:
@@ -414,10 +426,27 @@ def run_training(
                 + "DDP unused-parameter detection off",
                 highlight=False,
             )
-    args = build_training_args(cfg, plan)
+    evaluation = None
+    if cfg.eval is not None:
+        from cembed.evaluate import TrainingEvaluation
+
+        evaluation = TrainingEvaluation.from_config(
+            cfg.eval, cfg.train.save_steps, console if (progress and rank.is_main) else None
+        )
+    args = build_training_args(cfg, plan, evaluation.training_args if evaluation else None)
     log = RunLog()
+    eval_before = None
+    if evaluation and rank.is_main and not checkpoint:  # the base model's corpus embeddings are cached across runs
+        from cembed.evaluate import default_cache_dir
+
+        eval_before = evaluation.evaluate(model, "before training", cache_dir=default_cache_dir())
     trainer = _trainer_class()(
-        model=model, args=args, train_dataset=train_dataset, loss=loss, data_collator=collator
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        loss=loss,
+        data_collator=collator,
+        evaluator=evaluation.evaluator if evaluation else None,
     )
     trainer.meter = ThroughputMeter(loss.token_counts)
     trainer.nonfinite_policy = cfg.train.nonfinite_loss
@@ -427,6 +456,8 @@ def run_training(
     )
     interrupt = InterruptCallback()
     trainer.add_callback(interrupt)
+    if evaluation:
+        trainer.add_callback(evaluation.callback)
 
     sampler = trainer.get_train_dataloader().batch_sampler
     batches_per_epoch = len(sampler)  # per rank (accelerate's shard wrapper) = optimizer steps per epoch
@@ -486,8 +517,10 @@ def run_training(
     if state.global_step == 0:
         raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
 
+    model = trainer.model  # the best checkpoint when eval.metric_for_best_model is set
     if rank.is_main:
         save_model_atomic(model, out)
+    eval_after = evaluation.evaluate(model, "after training") if evaluation and rank.is_main else None
     wall = (log.ended or time.perf_counter()) - log.started
     samples_seen = state.global_step * plan.samples_per_step
     summary = {
@@ -505,6 +538,7 @@ def run_training(
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
         "throughput": trainer.meter.totals(),
         "throughput_per_interval": trainer.meter.history,
+        "eval": evaluation.summary(eval_before, eval_after, state) if evaluation else None,
     }
     if not rank.is_main:
         return summary
@@ -520,4 +554,9 @@ def prepare(cfg: CembedConfig, world_size: int | None = None) -> tuple[Plan, Pre
     plan = resolve_plan(cfg, world_size)
     data = prepare_data(cfg.data.train, cfg.data.columns, cfg.data.max_samples, cfg.data.drop_invalid_rows)
     check_batchable(data, plan.per_device_train_batch_size * plan.world_size, cfg.sampler.no_duplicates)
+    if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
+        from cembed.evaluate import check_metric_name, load_eval_sets, training_eval_args
+
+        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval))
+        training_eval_args(cfg.eval, metric, cfg.train.save_steps)
     return plan, data

@@ -219,11 +219,13 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     from cembed.train import _trainer_class
 
     model = tiny_model(tmp)
+    # Short sequences keep this model's CPU step below stock batch production, as a fast GPU's is.
+    model.max_seq_length = args.wait_seq
     bs, steps = args.wait_batch, args.wait_steps
     data = skewed_pairs(bs * steps + 7, seed=3)
     ds = Dataset.from_dict(data)
     pt = pretokenize(ds, ["anchor", "positive"], model.tokenizer, model.max_seq_length, cache).dataset
-    print(f"\n## datawait: 1-layer hidden-32 BERT, batch {bs}, mini-batch {bs}, {steps} steps, CPU")
+    print(f"\n## datawait: 1-layer hidden-32 BERT, max_seq_length {args.wait_seq}, batch {bs}, mini-batch {bs}, {steps} steps, CPU")
     print("| path | workers | data-wait share | wall s | s/step |")
     print("|---|---|---|---|---|")
     runs = [
@@ -283,6 +285,7 @@ def main() -> None:
     p.add_argument("--produce-batches", default="4096,16384")
     p.add_argument("--wait-batch", type=int, default=16384)
     p.add_argument("--wait-steps", type=int, default=4)
+    p.add_argument("--wait-seq", type=int, default=32)
     p.add_argument("--sampler-rows", type=int, default=1_000_000)
     p.add_argument("--sampler-batch", type=int, default=65536)
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
