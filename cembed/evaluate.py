@@ -370,19 +370,9 @@ def cache_path(cache_dir: str | Path, model_fp: str, corpus_fp: str) -> Path:
 
 
 def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    import tempfile
+    from cembed.outputs import write_atomic
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npy", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda f: np.save(f, array), binary=True)
 
 
 def _load_cached(path: Path, rows: int, dim: int | None) -> np.ndarray | None:

@@ -8,18 +8,18 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` as indented JSON to ``path`` via a temporary file and ``os.replace``."""
+def write_atomic(path: str | Path, write: Callable[[IO], None], binary: bool = False) -> Path:
+    """Write a file through ``write(f)`` into a temporary sibling, fsync, then ``os.replace`` it onto
+    ``path``: readers see the old file or the whole new one, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, default=str)
-            f.write("\n")
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -27,6 +27,11 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON to ``path`` atomically (see :func:`write_atomic`)."""
+    return write_atomic(path, lambda f: (json.dump(obj, f, indent=2, default=str), f.write("\n")))
 
 
 def save_model_atomic(model, output_dir: str | Path) -> Path:
