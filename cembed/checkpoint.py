@@ -94,6 +94,8 @@ def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None
     """
     if resume_from:
         path = Path(resume_from)
+        if not path.is_dir():
+            raise UserError(f"--resume-from {path}: no such checkpoint folder")
         if not is_complete(path):
             raise UserError(f"--resume-from {path}: not a complete cembed checkpoint (no {MARKER})")
         return str(path)
@@ -123,9 +125,35 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) ->
         except (OSError, ValueError):
             pass
     if finished:
+        resumable = ", --resume to continue it" if latest_complete(out) else ""
         raise UserError(
-            f"train.output_dir {out} holds a finished model; pass --overwrite to replace it, "
-            "--resume to continue it, or choose another output_dir"
+            f"train.output_dir {out} holds a finished model; pass --overwrite to replace it{resumable}, "
+            "or choose another output_dir"
+        )
+
+
+def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
+    """Refuse a resume that cannot continue the checkpoint's run as it was.
+
+    Raises:
+        UserError: the checkpoint is already at (or past) ``train.max_steps``, or ``train.max_steps``
+            differs from the one the checkpoint's LR schedule was built for.
+    """
+    state_file = Path(checkpoint) / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{checkpoint}: no readable trainer_state.json; resume from another checkpoint") from None
+    step, planned = int(state.get("global_step", 0)), int(state.get("max_steps", 0))
+    if max_steps is not None and step >= max_steps:
+        raise UserError(
+            f"{checkpoint} is at step {step}, already at train.max_steps={max_steps}; nothing to resume "
+            "(raise train.max_steps only for a fresh run with --overwrite)"
+        )
+    if max_steps is not None and planned and planned != max_steps:
+        raise UserError(
+            f"{checkpoint} belongs to a run of {planned} steps, but train.max_steps is {max_steps}; its LR "
+            f"schedule cannot be stretched: resume with train.max_steps={planned}, or start fresh with --overwrite"
         )
 
 

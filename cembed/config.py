@@ -78,7 +78,6 @@ class ColumnMap(_Strict):
 
 class DataConfig(_Strict):
     train: DataSource
-    eval: DataSource | None = None
     columns: ColumnMap = Field(default_factory=ColumnMap)
     max_samples: PositiveInt | None = None
     drop_invalid_rows: bool = False
@@ -91,9 +90,8 @@ class DataConfig(_Strict):
         # `train: file.jsonl` is shorthand for `train: {path: file.jsonl}`.
         if isinstance(data, dict):
             data = dict(data)
-            for key in ("train", "eval"):
-                if isinstance(data.get(key), str):
-                    data[key] = {"path": data[key]}
+            if isinstance(data.get("train"), str):
+                data["train"] = {"path": data["train"]}
         return data
 
 
@@ -318,7 +316,10 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(current, "model_fields", {}))
 
 
-def _format_validation_error(err: ValidationError, source: str, lines: dict[tuple[str, ...], int]) -> str:
+def _format_validation_error(
+    err: ValidationError, source: str, lines: dict[tuple[str, ...], int], overrides: list[str] | None = None
+) -> str:
+    by_key = {item.partition("=")[0].strip(): item for item in overrides or []}
     messages = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
@@ -327,6 +328,9 @@ def _format_validation_error(err: ValidationError, source: str, lines: dict[tupl
         dotted = ".".join(loc) or "(top level)"
         line = lines.get(loc) or lines.get(loc[:-1])
         where = f"{source}:{line}" if line else source
+        override = next((by_key[k] for k in (".".join(loc[:i]) for i in range(len(loc), 0, -1)) if k in by_key), None)
+        if override is not None:  # the value came from the command line, not from the file
+            where = f"override {override!r}"
         if e["type"] == "extra_forbidden":
             known = _known_fields(CembedConfig, loc[:-1])
             close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
@@ -351,9 +355,9 @@ def _resolve_path(value: str, base: Path) -> str:
 def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
     """Make local paths absolute relative to ``base`` (the config file's folder)."""
     cfg = cfg.model_copy(deep=True)
-    for source in (cfg.data.train, cfg.data.eval):
-        if source is not None and (source.is_local or (base / source.path).exists()):
-            source.path = _resolve_path(source.path, base)
+    source = cfg.data.train
+    if source.is_local or (base / source.path).exists():
+        source.path = _resolve_path(source.path, base)
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
     if cfg.data.cache_dir is not None:
         cfg.data.cache_dir = _resolve_path(cfg.data.cache_dir, base)
@@ -366,7 +370,9 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
     return cfg
 
 
-def config_from_dict(data: Any, source: str = "<config>", base: Path | None = None, text: str = "") -> CembedConfig:
+def config_from_dict(
+    data: Any, source: str = "<config>", base: Path | None = None, text: str = "", overrides: list[str] | None = None
+) -> CembedConfig:
     """Validate a mapping into a :class:`CembedConfig`; errors name ``source``, line and field."""
     if data is None:
         raise UserError(f"{source}: the config is empty; it needs at least a 'data.train' file")
@@ -378,7 +384,7 @@ def config_from_dict(data: Any, source: str = "<config>", base: Path | None = No
     try:
         cfg = CembedConfig.model_validate(data)
     except ValidationError as err:
-        raise UserError(_format_validation_error(err, source, _line_index(text))) from None
+        raise UserError(_format_validation_error(err, source, _line_index(text), overrides)) from None
     return resolve_paths(cfg, base or Path.cwd())
 
 
@@ -401,6 +407,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> CembedC
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a folder; give the YAML config file") from None
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: cannot read the config ({err.__class__.__name__}: {err})") from None
     data = parse_yaml(text, str(path))
@@ -408,4 +416,4 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> CembedC
         if data is not None and not isinstance(data, dict):
             raise UserError(f"{path}: the config must be a mapping of sections, not a {type(data).__name__}")
         data = apply_overrides(data or {}, overrides)
-    return config_from_dict(data, str(path), path.resolve().parent, text)
+    return config_from_dict(data, str(path), path.resolve().parent, text, overrides)

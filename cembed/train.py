@@ -31,6 +31,7 @@ from cembed.checkpoint import (
     RunFailed,
     RunInterrupted,
     check_output_dir,
+    check_resume_point,
     latest_complete,
     mark_complete,
     remove_incomplete,
@@ -384,8 +385,12 @@ def run_training(
 
     rank = dist_info()
     out = Path(cfg.train.output_dir)
-    check_output_dir(out, overwrite, resume or bool(resume_from))
+    # Resuming a checkpoint of another folder into a finished output_dir still needs --overwrite.
+    continuing = resume or bool(resume_from and Path(resume_from).resolve().parent == out.resolve())
+    check_output_dir(out, overwrite, continuing)
     checkpoint = resolve_resume(out, resume, resume_from)
+    if checkpoint:
+        check_resume_point(checkpoint, cfg.train.max_steps)
     log_path = out / "train.log"
     if rank.is_main:
         out.mkdir(parents=True, exist_ok=True)

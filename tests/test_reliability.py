@@ -205,3 +205,34 @@ def test_bad_rows_dropped_and_counted(write_config, pairs_file):
 def test_config_that_is_a_list(write_config):
     r = CliRunner().invoke(app, ["validate", str(write_config("- data\n- batch\n"))])
     assert r.exit_code == 2 and "must be a mapping of sections" in r.output
+
+
+def test_resume_refuses_finished_or_changed_schedule(tiny_model_dir, write_config, tmp_path):
+    path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "short", max_steps=2, save_steps=1)
+    cfg = load_config(path)
+    plan, data = prepare(cfg)
+    run_training(cfg, plan, data, progress=False)
+    with pytest.raises(UserError, match=r"checkpoint-2 is at step 2, already at train.max_steps=2; nothing to resume"):
+        run_training(cfg, plan, data, progress=False, resume=True)
+    longer = load_config(path, ["train.max_steps=4"])
+    with pytest.raises(UserError, match=r"belongs to a run of 2 steps, but train.max_steps is 4"):
+        run_training(longer, plan, data, progress=False, resume_from=str(tmp_path / "short" / "checkpoint-1"))
+    with pytest.raises(UserError, match=r"--resume-from .*checkpoint-9: no such checkpoint folder"):
+        run_training(cfg, plan, data, progress=False, resume_from=str(tmp_path / "short" / "checkpoint-9"))
+    # A finished folder without checkpoints does not suggest --resume.
+    nockpt = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "nockpt", max_steps=1)
+    c2 = load_config(nockpt)
+    run_training(c2, plan, data, progress=False)
+    with pytest.raises(UserError) as err:
+        run_training(c2, plan, data, progress=False)
+    assert "pass --overwrite to replace it, or choose" in str(err.value) and "--resume" not in str(err.value)
+
+
+def test_override_errors_name_the_override(write_config, pairs_file):
+    path = write_config({"data": {"train": str(pairs_file(distinct_pairs(8)))}, "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2}})
+    with pytest.raises(UserError, match=r"^override 'batch.per_device_train_batch_size=abc': batch.per_device_train_batch_size: "):
+        load_config(path, ["batch.per_device_train_batch_size=abc"])
+    with pytest.raises(UserError, match=r"^override 'optim.lr=1e-4': unknown key 'optim.lr'"):
+        load_config(path, ["optim.lr=1e-4"])
+    with pytest.raises(UserError, match=r"is a folder; give the YAML config file"):
+        load_config(path.parent)
