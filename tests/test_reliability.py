@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
