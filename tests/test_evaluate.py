@@ -408,7 +408,6 @@ def test_reproduces_mteb_scifact_ndcg_at_10(tmp_path):
     on the abstracts that can reach a top 10 (see the comment above)."""
     import dataclasses
 
-
     published = json.loads((REFERENCE / "mteb_all-MiniLM-L6-v2_SciFact.json").read_text())["scores"]["test"][0]
     subset = json.loads(SCIFACT_SUBSET.read_text())
     model = _packaged_model()
