@@ -87,7 +87,6 @@ class RunLog:
     """What the progress callback saw: logged losses and timing."""
 
     losses: list[tuple[int, float]] = field(default_factory=list)
-    learning_rates: list[tuple[int, float]] = field(default_factory=list)
     started: float = 0.0
     ended: float = 0.0
 
@@ -141,7 +140,6 @@ class RichProgressCallback(TrainerCallback):
             self.log.losses.append((state.global_step, float(logs["loss"])))
             self._last["loss"] = float(logs["loss"])
         if "learning_rate" in logs:
-            self.log.learning_rates.append((state.global_step, float(logs["learning_rate"])))
             self._last["lr"] = float(logs["learning_rate"])
         self._refresh(state.global_step)
         if "loss" in logs and state.is_world_process_zero:
@@ -200,6 +198,14 @@ def _trainer_class():
         the next batch and adds data-wait, tokens/s and padded share to each training log."""
 
         meter: ThroughputMeter | None = None
+        _train_dataloader = None
+
+        def get_train_dataloader(self):
+            # Built once: its sampler hashes every text, and run_training reads its length before
+            # train() asks for it again.
+            if self._train_dataloader is None:
+                self._train_dataloader = super().get_train_dataloader()
+            return self._train_dataloader
 
         def get_batch_samples(self, *args, **kwargs):
             started = time.perf_counter()
