@@ -188,7 +188,15 @@ class InterruptCallback(TrainerCallback):
         self._previous.clear()
 
     def on_step_end(self, args, state, control, **kwargs):
+        from cembed.distributed import max_over_ranks
+
         self.step = state.global_step
+        # In a multi-process job all ranks stop at the same step and report the same signal, even
+        # if it reached only some of them (a rank that stopped alone would leave the others waiting
+        # in the next all-reduce).
+        seen = max_over_ranks(self.signum or 0)
+        if seen and self.signum is None:  # a peer was signalled (re-read: the handler may have run meanwhile)
+            self.signum = seen
         if self.signum is not None:
             control.should_save = True
             control.should_training_stop = True

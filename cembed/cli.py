@@ -185,7 +185,7 @@ def train_cmd(
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     from cembed.checkpoint import RunInterrupted
-    from cembed.distributed import dist_info, is_worker, record_worker_error
+    from cembed.distributed import dist_info, is_worker, leave_process_group, record_worker_error
     from cembed.probe import resolve_auto
     from cembed.train import prepare, run_training
 
@@ -220,6 +220,7 @@ def train_cmd(
             extra_summary={"mini_batch_probe": probe_record} if probe_record else None,
         )
     except RunInterrupted as stop:
+        leave_process_group()  # every rank stopped at the same step (InterruptCallback)
         if dist_info().is_main:
             extra = " ".join(overrides or [])
             err_console.print(
@@ -231,6 +232,7 @@ def train_cmd(
     except Exception as err:  # in a launched worker: let the launcher show this rank's error
         record_worker_error(err)
         raise
+    leave_process_group()
     out.print(
         f"[green]done[/]: {summary['steps']} steps, {summary['samples_seen']} samples in {summary['wall_time_s']:.1f}s "
         f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",

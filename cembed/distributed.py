@@ -118,6 +118,40 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` over all ranks (a one-element max all-reduce); ``value`` itself without
+    an initialized multi-process group. Every rank must call it at the same point.
+
+    Used for decisions that all ranks must take together, e.g. stopping on a signal that reached
+    only some of them: a rank that stops alone leaves the others waiting in the next all-reduce.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def leave_process_group() -> None:
+    """Shut this process's group down (``torch.distributed.destroy_process_group``) before it exits.
+
+    Call once per process, on every rank, after its last collective, and only when no rank failed
+    (NCCL's teardown is collective: a failed rank waiting in it would hang instead of exiting). No
+    barrier is needed: after training, nothing uses the group, and NCCL's teardown itself waits for
+    the other ranks, e.g. for rank 0 to finish saving and evaluating. Why at all: left to interpreter
+    exit, a gloo/NCCL thread that still needs the GIL while Python finalizes aborts the process
+    ("terminate called without an active exception", SIGABRT), which the launcher reports as a
+    failed rank although training succeeded. A no-op without an initialized group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @contextmanager
 def local_main_first():
     """Run the body on each node's local rank 0 first, then on the node's other ranks.
@@ -265,6 +299,9 @@ def launch(
 
     argv = launcher_args(module, module_args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     args = get_args_parser().parse_args(argv)
+    # A worker killed by a fatal signal (SIGSEGV, SIGABRT from native code) prints every thread's
+    # Python stack first, so the launcher's "rank N failed" comes with where it happened.
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     try:
         run(args)
     except ChildFailedError as err:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,20 @@ def _epoch_config(tmp: Path, model_dir: Path) -> dict:
     }
 
 
+class _SignalAt:
+    """A trainer callback that sends this process SIGTERM when optimizer step ``step`` ends."""
+
+    def __new__(cls, step: int):
+        from transformers import TrainerCallback
+
+        class SignalAt(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == step:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        return SignalAt()
+
+
 def _install_recording(monkeypatch=None):
     """Train with plain SGD (see the module docstring), keep the trainer, and record the row
     indices each rank's data loader hands out, per epoch."""
@@ -115,6 +131,8 @@ def _install_recording(monkeypatch=None):
 
             def train(self, *args, **kwargs):
                 record["trainers"].append(self)
+                if record.get("signal_at"):
+                    self.add_callback(_SignalAt(record["signal_at"]))
                 return super().train(*args, **kwargs)
 
         return SGDTrainer
@@ -148,6 +166,12 @@ def _run(cfg_dict: dict, base: Path):
 
 
 def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a native crash prints the Python stacks (see cembed.distributed.launch)
+    guard = threading.Timer(600, os._exit, (3,))  # a hung collective fails the test, not the CI job
+    guard.daemon = True
+    guard.start()
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
@@ -166,7 +190,22 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     summary = _run(_epoch_config(tmp_path, model_path), tmp_path)
     trained_epoch = [b for b in record["batches"] if b][-1]
     results["epoch"] = {"steps": summary["steps"], "batches": trained_epoch, "batches_per_epoch": summary["data"]["batches_per_epoch"]}
+
+    # SIGTERM reaches rank 1 only, when step 2 ends: both ranks must stop after the same step.
+    from cembed.checkpoint import RunInterrupted
+
+    record["signal_at"] = 2 if rank == 1 else None
+    cfg = _epoch_config(tmp_path, model_path)
+    cfg["train"].update(max_steps=6, output_dir=str(tmp_path / "interrupted"))
+    try:
+        summary = _run(cfg, tmp_path)
+        results["interrupt"] = {"status": "completed", "steps": summary["steps"]}
+    except RunInterrupted as stop:
+        results["interrupt"] = {"status": "interrupted", "step": stop.step, "signum": stop.signum, "checkpoint": stop.checkpoint}
     (tmp_path / f"results-rank{rank}.json").write_text(json.dumps(results))
+    from cembed.distributed import leave_process_group
+
+    leave_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +263,19 @@ def test_global_batches_have_no_duplicates_and_equal_steps(two_rank_results):
         for row_texts in per_row:
             assert not (row_texts & seen), f"step {step}: a text repeats in the global batch"
             seen |= row_texts
+
+
+def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(two_rank_results):
+    """The launcher may deliver SIGTERM to some ranks only (or at different times): the stop
+    decision is shared, so both ranks save one checkpoint after the same step and report it."""
+    tmp, results = two_rank_results
+    stops = [r["interrupt"] for r in results]
+    assert all(s["status"] == "interrupted" for s in stops), stops
+    assert stops[0]["step"] == stops[1]["step"] == 3  # signalled as step 2 ended; seen at step 3's end
+    assert stops[0]["signum"] == stops[1]["signum"] == signal.SIGTERM
+    checkpoint = Path(stops[0]["checkpoint"])
+    assert checkpoint.name == "checkpoint-3" and (checkpoint / "model.safetensors").exists()
+    assert stops[1]["checkpoint"] == stops[0]["checkpoint"]
 
 
 def test_sampler_shards_global_batches_through_accelerate(pairs_file):
