@@ -119,7 +119,7 @@ def markdown(results: list[dict], baseline: float, args, command: str, n_pairs: 
     ]
     for r in sorted(results, key=lambda r: (r["batch_size"], r["lr_scaling"])):
         lines.append(
-            f"| {r['batch_size']} | {r['lr_scaling']} | {r['learning_rate']:.2e} | {r['steps']} | {r['train_seconds']:.0f} "
+            f"| {r['batch_size']} | {r['lr_scaling']}{' (same run as ' + r['same_run_as'] + ')' if r.get('same_run_as') else ''} | {r['learning_rate']:.2e} | {r['steps']} | {r['train_seconds']:.0f} "
             f"| {r['ndcg@10']:.5f} | {r['ndcg@10'] - baseline:+.5f} | {r['ndcg@10'] - PUBLISHED_NDCG10:+.5f} |"
         )
     lines += ["", "![NDCG@10 vs batch size](batch_size_study.png)", "", "Command:", "", "```bash", command, "```", ""]
