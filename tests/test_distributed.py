@@ -95,18 +95,16 @@ def _epoch_config(tmp: Path, model_dir: Path) -> dict:
     }
 
 
-class _SignalAt:
+def _signal_at(step: int):
     """A trainer callback that sends this process SIGTERM when optimizer step ``step`` ends."""
+    from transformers import TrainerCallback
 
-    def __new__(cls, step: int):
-        from transformers import TrainerCallback
+    class SignalAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                os.kill(os.getpid(), signal.SIGTERM)
 
-        class SignalAt(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step == step:
-                    os.kill(os.getpid(), signal.SIGTERM)
-
-        return SignalAt()
+    return SignalAt()
 
 
 def _install_recording(monkeypatch=None):
@@ -132,7 +130,7 @@ def _install_recording(monkeypatch=None):
             def train(self, *args, **kwargs):
                 record["trainers"].append(self)
                 if record.get("signal_at"):
-                    self.add_callback(_SignalAt(record["signal_at"]))
+                    self.add_callback(_signal_at(record["signal_at"]))
                 return super().train(*args, **kwargs)
 
         return SGDTrainer
