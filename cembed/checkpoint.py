@@ -25,6 +25,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from cembed.errors import UserError
+from cembed.outputs import write_json_atomic
 
 MARKER = "cembed_checkpoint_complete.json"
 STAGING = ".staging"
@@ -51,10 +52,7 @@ class RunInterrupted(Exception):
 
 def mark_complete(checkpoint_dir: str | Path, step: int) -> None:
     """Write the completion marker (atomically) into a fully written checkpoint folder."""
-    path = Path(checkpoint_dir) / MARKER
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "time": time.time()}))
-    os.replace(tmp, path)
+    write_json_atomic(Path(checkpoint_dir) / MARKER, {"step": step, "time": time.time()})
 
 
 def is_complete(checkpoint_dir: str | Path) -> bool:

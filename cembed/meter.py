@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cembed.losses import TokenCounts
+from cembed.outputs import write_atomic
 
 
 @dataclass
@@ -93,9 +94,6 @@ def plot_run(losses: list[tuple[int, float]], meter_history: list[dict], samples
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    path = write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100), binary=True)
     plt.close(fig)
-    tmp.replace(path)
     return path

@@ -95,9 +95,10 @@ def plot(results: list[dict], baseline: float, png: Path) -> None:
     ax.set_title("Fine-tuning on SciFact train pairs")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = png.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, png)
+    from cembed.outputs import write_atomic
+
+    write_atomic(png, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
+    plt.close(fig)
 
 
 def markdown(results: list[dict], baseline: float, args, command: str, n_pairs: int) -> str:
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from cembed.config import config_from_dict
     from cembed.errors import UserError
     from cembed.evaluate import default_cache_dir
+    from cembed.outputs import write_atomic, write_json_atomic
     from cembed.train import prepare, run_training
 
     console = Console()
@@ -195,10 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             # Write after every run, so a long study that is stopped keeps what it measured.
             report = {"command": command, "baseline_ndcg@10": baseline, "published_ndcg@10": PUBLISHED_NDCG10,
                       "train_pairs": len(pairs), "args": {k: str(v) for k, v in vars(args).items()}, "results": results}
-            from cembed.outputs import write_json_atomic
-
             write_json_atomic(results_file, report)
-            (args.out / "batch_size_study.md").write_text(markdown(results, baseline, args, command, len(pairs)))
+            table = markdown(results, baseline, args, command, len(pairs))
+            write_atomic(args.out / "batch_size_study.md", lambda f: f.write(table))
             plot(results, baseline, args.out / "batch_size_study.png")
     if not results:
         console.print("[red]no run finished[/]")
