@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo clean
+.PHONY: install lint test demo clean
 
 # torch first, pinned: on these machines torch==2.13.0 is a CPU build on local disk; any other spec
 # pulls a multi-GB CUDA build. Elsewhere the same pin is the normal wheel from PyPI.
@@ -20,6 +20,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff check cembed tests scripts
+	$(VENV)/bin/ruff format --check cembed tests scripts
 
 test: install
 	$(PY) -m pytest -q

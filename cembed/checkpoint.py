@@ -32,24 +32,6 @@ STAGING = ".staging"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-class RunFailed(UserError):
-    """Training stopped on a problem in the run (non-finite loss); exit code 3."""
-
-    exit_code = 3
-
-
-class RunInterrupted(Exception):
-    """Training stopped on SIGINT/SIGTERM after saving a checkpoint."""
-
-    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}")
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum  # shell convention: 130 for SIGINT, 143 for SIGTERM
-
-
 def mark_complete(checkpoint_dir: str | Path, step: int) -> None:
     """Write the completion marker (atomically) into a fully written checkpoint folder."""
     write_json_atomic(Path(checkpoint_dir) / MARKER, {"step": step, "time": time.time()})

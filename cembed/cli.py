@@ -6,7 +6,6 @@ User mistakes (:class:`cembed.errors.UserError`) print one or two lines in red a
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 
@@ -15,14 +14,13 @@ import sys
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from cembed.errors import UserError
+from cembed.errors import RunInterrupted, UserError, WorkerFailed
 
 app = typer.Typer(
     add_completion=False,
@@ -34,6 +32,10 @@ console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
 
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config file.")]
+OverridesArg = Annotated[Optional[List[str]], typer.Argument(help="section.field=value overrides.")]
+
+
 def user_errors(fn):
     """Turn a UserError into a short red message and exit code 2 (never a traceback)."""
 
@@ -42,7 +44,11 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as err:
-            where = escape(f"[rank {os.environ['RANK']}] ") if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ else ""
+            where = (
+                escape(f"[rank {os.environ['RANK']}] ")
+                if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+                else ""
+            )
             err_console.print(f"{where}[bold red]error:[/] {err}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(err.exit_code) from None
 
@@ -59,17 +65,13 @@ def suggest_lr_cmd(
 ) -> None:
     """Suggest a learning rate for a new batch size (sqrt rule by default) and a bracket to try."""
     from cembed.lr import suggest_lr
+    from cembed.report import print_suggestion
 
-    s = suggest_lr(base_lr, base_bs, bs, rule)  # type: ignore[arg-type]
-    lo, hi = s.bracket
-    console.print(f"suggested learning_rate: [bold]{s.suggested:.3e}[/] ({s.rule} rule)", highlight=False)
-    console.print(f"  sqrt rule:   {s.sqrt:.3e} = {base_lr:g} x sqrt({bs}/{base_bs})", highlight=False)
-    console.print(f"  linear rule: {s.linear:.3e} = {base_lr:g} x ({bs}/{base_bs})", highlight=False)
-    console.print(f"  bracket to try: {lo:.3e} .. {hi:.3e} (x0.5, x2; halve/double from the suggestion)", highlight=False)
+    print_suggestion(console, suggest_lr(base_lr, base_bs, bs, rule), base_lr, base_bs, bs)  # type: ignore[arg-type]
 
 
 def _load(config: Path, overrides: list[str] | None):
-    from cembed.config import load_config
+    from cembed.configfile import load_config
 
     return load_config(config, overrides or [])
 
@@ -87,95 +89,65 @@ def _world_size(nproc_per_node: int | None, nnodes: int) -> int | None:
     return (nproc_per_node or 1) * nnodes
 
 
-def _print_scale(plan, cfg, out: Console) -> None:
-    per_node = f" ({plan.world_size} processes)" if plan.world_size > 1 else ""
-    out.print(
-        f"world size: {plan.world_size}{per_node}   effective batch: {plan.per_device_train_batch_size} per device x "
-        f"{plan.world_size} x {plan.gradient_accumulation_steps} accumulation = {plan.samples_per_step} samples per "
-        f"optimizer step   gather_across_devices: {str(plan.gather_across_devices).lower()}",
-        highlight=False,
-    )
-    out.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
-
-
 @app.command("validate")
 @user_errors
 def validate_cmd(
-    config: Path = typer.Argument(..., help="YAML config file."),
-    overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Check for this many processes per node."),
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    nproc_per_node: Optional[int] = typer.Option(
+        None, "--nproc-per-node", help="Check for this many processes per node."
+    ),
     nnodes: int = typer.Option(1, "--nnodes", help="Check for this many nodes."),
 ) -> None:
     """Check config, data files and columns without training (no GPU needed)."""
-    from cembed.train import prepare
+    from cembed.report import print_truncation, print_validation
+    from cembed.train import check_run_inputs
 
     cfg = _load(config, overrides)
-    plan, data = prepare(cfg, _world_size(nproc_per_node, nnodes))
-    console.print("[bold]resolved config[/]")
-    console.print_json(json.dumps(cfg.model_dump(mode="json")))
-    console.print(f"device: {plan.device}", highlight=False)
-    _print_scale(plan, cfg, console)
-    for w in plan.warnings:
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
-    console.print(
-        f"data: {data.rows_read} rows read, {data.rows_dropped} dropped, {len(data.dataset)} to train on; "
-        f"columns {data.roles}",
-        highlight=False,
-    )
-    first = data.dataset[0]
-    table = Table("role", "first training row")
-    for key, value in first.items():
-        table.add_row(key, str(value))
-    console.print(table)
-    from cembed.probe import print_truncation
-
-    print_truncation(console, cfg.model, data)
+    plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes))
+    print_validation(console, cfg, plan, data)
+    print_truncation(console, _truncation(cfg.model, data))
     console.print("[green]config OK[/]")
+
+
+def _truncation(model_cfg, data):
+    """``(max_seq_length, report)``, or the UserError of a model that cannot be loaded: validate
+    and probe-minibatch must not need the model, so that only skips the report."""
+    from cembed.data import model_truncation_report
+
+    try:
+        return model_truncation_report(model_cfg, data)
+    except UserError as err:
+        return err
 
 
 @app.command("inspect-data")
 @user_errors
-def inspect_data_cmd(
-    config: Path = typer.Argument(..., help="YAML config file."),
-    overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
-) -> None:
+def inspect_data_cmd(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """Report duplicates in the training data and how the no-duplicates sampler will batch it."""
-    import pyarrow.compute as pc
-
-    from cembed.data import arrow_table, prepare_data
+    from cembed.data import prepare_data
     from cembed.plan import resolve_plan
-    from cembed.sampler import inspect_batches, row_hashes
+    from cembed.report import print_data_report
+    from cembed.sampler import inspect_data
 
     cfg = _load(config, overrides)
     plan = resolve_plan(cfg)
-    data = prepare_data(cfg.data.train, cfg.data.columns, cfg.data.max_samples, cfg.data.drop_invalid_rows)
-    table = arrow_table(data.dataset)
+    data = prepare_data(cfg.data)
     batch = plan.per_device_train_batch_size * plan.world_size
-    report = inspect_batches(row_hashes(data.dataset, data.columns), batch, cfg.batch.drop_last, cfg.train.seed)
-    out = Table("", "value", title=f"{data.source}", title_justify="left")
-    out.add_row("rows", f"{len(data.dataset)} ({data.rows_dropped} invalid dropped)")
-    for role in data.columns:
-        distinct = pc.count_distinct(table.column(role)).as_py()
-        out.add_row(f"distinct texts: {role} ({data.roles[role]})", str(distinct))
-    out.add_row("rows sharing a text with another row", f"{100 * report['colliding_share']:.2f}%")
-    out.add_row(
-        "largest duplicate-free batch",
-        f"{report['largest_batch']} found (at most {report['largest_batch_upper_bound']})",
-    )
-    out.add_row(f"batches per epoch at batch {batch}", str(report["batches_per_epoch"]))
-    out.add_row("rows left out per epoch (drop_last)", str(report["rows_unplaced"]))
-    console.print(out)
+    print_data_report(console, inspect_data(data, batch, cfg.batch.drop_last, cfg.train.seed))
 
 
 @app.command("train")
 @user_errors
 def train_cmd(
-    config: Path = typer.Argument(..., help="YAML config file."),
-    overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
+    config: ConfigArg,
+    overrides: OverridesArg = None,
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output_dir."),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished model in output_dir."),
-    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."),
+    max_memory: Optional[str] = typer.Option(
+        None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."
+    ),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help=NPROC_HELP),
     nnodes: int = typer.Option(1, "--nnodes", help=NNODES_HELP),
     node_rank: int = typer.Option(0, "--node-rank", help="This machine's index, 0 .. nnodes-1 (multi-node)."),
@@ -184,14 +156,16 @@ def train_cmd(
     ),
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
-    from cembed.checkpoint import RunInterrupted
     from cembed.distributed import dist_info, is_worker, leave_process_group, record_worker_error
     from cembed.probe import resolve_auto
-    from cembed.train import prepare, run_training
+    from cembed.report import print_probe, warn
+    from cembed.train import check_run_inputs, run_training
 
     world = _world_size(nproc_per_node, nnodes)
     if is_worker() and world is not None:
-        raise UserError("--nproc-per-node/--nnodes: this process was already started by a launcher (torchrun); drop them")
+        raise UserError(
+            "--nproc-per-node/--nnodes: this process was already started by a launcher (torchrun); drop them"
+        )
     # Flags every worker process must see as well.
     worker_flags = (
         (["--resume"] if resume else [])
@@ -201,24 +175,27 @@ def train_cmd(
     )
     if world is not None and world > 1:
         cfg = _load(config, overrides)
-        _launch_training(cfg, config, (overrides or []) + worker_flags, world, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint)
+        _launch_training(
+            cfg, config, (overrides or []) + worker_flags, world, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint
+        )
         return
     out = console if dist_info().is_main else Console(quiet=True)  # only rank 0 prints
     try:
         cfg = _load(config, overrides)
-        plan, data = prepare(cfg)
-        cfg, probe_record = resolve_auto(cfg, plan, data, out, max_memory)
+        plan, data = check_run_inputs(cfg)
+        if cfg.batch.mini_batch_size == "auto":
+            out.print(f"probing mini_batch_size on {plan.device} (batch.mini_batch_size: auto)", highlight=False)
+        plan, probe = resolve_auto(plan, cfg.model, cfg.loss, len(data.columns), max_memory)
+        if probe is not None:
+            print_probe(out, probe)
         out.print(
-            f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {cfg.batch.mini_batch_size}  "
+            f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}  "
             f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
             highlight=False,
         )
         for w in plan.warnings:
-            out.print(f"[yellow]warning:[/] {w}", highlight=False)
-        summary = run_training(
-            cfg, plan, data, out, resume=resume, resume_from=resume_from, overwrite=overwrite,
-            extra_summary={"mini_batch_probe": probe_record} if probe_record else None,
-        )
+            warn(out, w)
+        summary = run_training(cfg, plan, data, out, resume=resume, resume_from=resume_from, overwrite=overwrite)
     except RunInterrupted as stop:
         leave_process_group()  # every rank stopped at the same step (InterruptCallback)
         if dist_info().is_main:
@@ -241,17 +218,25 @@ def train_cmd(
     out.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
 
 
-def _launch_training(cfg, config: Path, overrides: list[str], world: int, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+def _launch_training(
+    cfg,
+    config: Path,
+    overrides: list[str],
+    world: int,
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+) -> None:
     """Check config and data here (a user mistake exits 2 before any process starts), then run
     ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run."""
-    from cembed.distributed import WorkerFailed, launch, launcher_args
-    from cembed.train import prepare
+    from cembed.distributed import launch, launcher_args
+    from cembed.report import print_plan
+    from cembed.train import check_run_inputs
 
     launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
-    plan, _ = prepare(cfg, world)
-    _print_scale(plan, cfg, console)
-    for w in plan.warnings:
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    plan, _ = check_run_inputs(cfg, world)
+    print_plan(console, plan)
     console.print(
         f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
         highlight=False,
@@ -273,25 +258,37 @@ def _launch_training(cfg, config: Path, overrides: list[str], world: int, nproc_
 @user_errors
 def probe_minibatch_cmd(
     config: Optional[Path] = typer.Argument(None, help="YAML config file (optional: or give --model etc.)."),
-    overrides: Optional[List[str]] = typer.Argument(None, help="section.field=value overrides."),
+    overrides: OverridesArg = None,
     model: Optional[str] = typer.Option(None, "--model", help="Model folder or name (overrides model.name_or_path)."),
-    max_seq_length: Optional[int] = typer.Option(None, "--max-seq-length", help="Tokens per text (every text is probed at this length)."),
+    max_seq_length: Optional[int] = typer.Option(
+        None, "--max-seq-length", help="Tokens per text (every text is probed at this length)."
+    ),
     precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | bf16 | fp16."),
     device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda: where training would run."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="per_device_train_batch_size (default: the config's)."),
+    batch_size: Optional[int] = typer.Option(
+        None, "--batch-size", help="per_device_train_batch_size (default: the config's)."
+    ),
     max_size: int = typer.Option(65536, "--max", help="Largest mini_batch_size to try."),
-    margin: float = typer.Option(0.10, "--margin", help="Headroom: a size fits if its peak stays under (1 - margin) x memory."),
-    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory budget, e.g. 8GiB (CPU default: physical memory)."),
-    write: bool = typer.Option(False, "--write", help="Store the recommendation as batch.mini_batch_size in the config file."),
+    margin: float = typer.Option(
+        0.10, "--margin", help="Headroom: a size fits if its peak stays under (1 - margin) x memory."
+    ),
+    max_memory: Optional[str] = typer.Option(
+        None, "--max-memory", help="Memory budget, e.g. 8GiB (CPU default: physical memory)."
+    ),
+    write: bool = typer.Option(
+        False, "--write", help="Store the recommendation as batch.mini_batch_size in the config file."
+    ),
 ) -> None:
     """Measure the largest mini_batch_size whose cached-loss step fits (worst case, with headroom)."""
     from cembed.config import CembedConfig, LossConfig
-    from cembed.probe import model_config_from_flags, parse_bytes, print_probe, print_truncation, run_probe, write_mini_batch_size
+    from cembed.configfile import set_yaml_value
+    from cembed.probe import parse_bytes, run_probe
+    from cembed.report import print_probe, print_truncation
 
     if write and config is None:
         raise UserError("--write: needs a config file to write batch.mini_batch_size into")
     cfg: CembedConfig | None = _load(config, overrides) if config is not None else None
-    model_cfg = model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
+    model_cfg = _model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
     batch = batch_size or (cfg.batch.per_device_train_batch_size if cfg else 64)
@@ -300,42 +297,100 @@ def probe_minibatch_cmd(
     if cfg is not None:
         from cembed.data import prepare_data
 
-        d = cfg.data
-        print_truncation(console, model_cfg, prepare_data(d.train, d.columns, d.max_samples, d.drop_invalid_rows))
+        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data)))
     console.print(
         f"probing {model_cfg.name_or_path} (max_seq_length {model_cfg.max_seq_length or 'model default'}, "
         f"{model_cfg.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",
         highlight=False,
     )
-    result = run_probe(model_cfg, cfg.loss if cfg else LossConfig(), batch, n_columns, model_cfg.device,
-                       max_size=max_size, margin=margin, max_memory=budget,
-                       on_trial=lambda r: console.print(f"  tried {r.size}: {'fits' if r.fits else 'does not fit'}", highlight=False))
+    result = run_probe(
+        model_cfg,
+        cfg.loss if cfg else LossConfig(),
+        batch,
+        n_columns,
+        model_cfg.device,
+        max_size=max_size,
+        margin=margin,
+        max_memory=budget,
+        on_trial=lambda r: console.print(f"  tried {r.size}: {'fits' if r.fits else 'does not fit'}", highlight=False),
+    )
     print_probe(console, result)
     if write:
-        write_mini_batch_size(config, result.recommended)
+        set_yaml_value(config, ("batch", "mini_batch_size"), result.recommended)
         console.print(f"wrote batch.mini_batch_size: {result.recommended} to {config}", highlight=False)
+
+
+def _model_config_from_flags(
+    base, model: str | None, max_seq_length: int | None, precision: str | None, device: str | None
+):
+    """``base`` (a ModelConfig, or None for the defaults) with the given CLI flags applied.
+
+    Raises:
+        UserError: a flag value the config would reject, naming the flag.
+    """
+    from pydantic import ValidationError
+
+    from cembed.config import ModelConfig
+
+    fields = base.model_dump() if base is not None else {}
+    flags = {
+        "name_or_path": ("--model", model),
+        "max_seq_length": ("--max-seq-length", max_seq_length),
+        "precision": ("--precision", precision),
+        "device": ("--device", device),
+    }
+    for key, (_, value) in flags.items():
+        if value is not None:
+            fields[key] = value
+    try:
+        return ModelConfig(**fields)
+    except ValidationError as err:
+        e = err.errors()[0]
+        flag = flags.get(str(e["loc"][0]), (str(e["loc"][0]), None))[0]
+        raise UserError(f"{flag}: {e['msg']} (got {e.get('input')!r})") from None
 
 
 @app.command("eval")
 @user_errors
 def eval_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="Saved model folder, a run's output_dir, or all-MiniLM-L6-v2."),
-    retrieval: Optional[List[Path]] = typer.Option(None, "--retrieval", "-r", help="BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/). Repeatable."),
-    sts: Optional[List[Path]] = typer.Option(None, "--sts", help="STS file (STS Benchmark TSV, sentence1/sentence2/score TSV or JSONL). Repeatable."),
+    model: str = typer.Option(
+        ..., "--model", "-m", help="Saved model folder, a run's output_dir, or all-MiniLM-L6-v2."
+    ),
+    retrieval: Optional[List[Path]] = typer.Option(
+        None, "--retrieval", "-r", help="BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/). Repeatable."
+    ),
+    sts: Optional[List[Path]] = typer.Option(
+        None, "--sts", help="STS file (STS Benchmark TSV, sentence1/sentence2/score TSV or JSONL). Repeatable."
+    ),
     split: str = typer.Option("test", "--split", help="qrels split of the retrieval sets: qrels/<split>.tsv."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every metric to this JSON file."),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Encoding batch size."),
-    max_seq_length: Optional[int] = typer.Option(None, "--max-seq-length", min=1, help="Override the model's max_seq_length."),
+    max_seq_length: Optional[int] = typer.Option(
+        None, "--max-seq-length", min=1, help="Override the model's max_seq_length."
+    ),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Corpus-embedding cache (default $CEMBED_CACHE_DIR or ~/.cache/cembed/embeddings)."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Encode the corpus even when cached, and do not write the cache."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Corpus-embedding cache (default $CEMBED_CACHE_DIR or ~/.cache/cembed/embeddings)."
+    ),
+    no_cache: bool = typer.Option(
+        False, "--no-cache", help="Encode the corpus even when cached, and do not write the cache."
+    ),
 ) -> None:
     """Score a model on retrieval (NDCG@10, MRR@10, MAP@100, Recall@10/100) and STS (cosine Spearman) sets."""
     from cembed.evaluate import run_eval_cli
 
     run_eval_cli(
-        console, model, list(retrieval or []), list(sts or []), split, json_out, batch_size, max_seq_length,
-        device, None if no_cache else cache_dir, no_cache,
+        console,
+        model,
+        list(retrieval or []),
+        list(sts or []),
+        split,
+        json_out,
+        batch_size,
+        max_seq_length,
+        device,
+        None if no_cache else cache_dir,
+        no_cache,
     )
 
 

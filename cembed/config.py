@@ -1,19 +1,15 @@
-"""YAML config -> validated pydantic model.
+"""The config schema: one strict pydantic model per YAML section.
 
-``load_config(path, overrides)`` is the only entry point: it parses the YAML (syntax errors name the
-line and column), applies ``dotted.key=value`` overrides (values parsed as YAML), validates the
-result with pydantic (unknown keys are rejected with a did-you-mean), and resolves every path
-relative to the config file. Every failure is a :class:`cembed.errors.UserError` whose message names
-the file, line and dotted field.
+Unknown keys are refused (``extra="forbid"``); :mod:`cembed.configfile` turns a YAML file plus
+overrides into a :class:`CembedConfig` and every validation error into a message naming the file,
+line and dotted field.
 """
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -25,8 +21,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from cembed.errors import UserError
 
 # Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
 LOCAL_EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".tsv", ".parquet", ".csv.gz", ".tsv.gz")
@@ -146,7 +140,19 @@ class SamplerConfig(_Strict):
     no_duplicates: bool = True
 
 
-REPORT_TO = ("none", "all", "tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "clearml", "neptune", "dvclive", "swanlab")
+REPORT_TO = (
+    "none",
+    "all",
+    "tensorboard",
+    "trackio",
+    "wandb",
+    "mlflow",
+    "comet_ml",
+    "clearml",
+    "neptune",
+    "dvclive",
+    "swanlab",
+)
 
 
 class TrainConfig(_Strict):
@@ -237,183 +243,3 @@ class CembedConfig(_Strict):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig | None = None
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-
-def _line_index(text: str) -> dict[tuple[str, ...], int]:
-    """Map each dotted key path in a YAML document to its 1-based line, for error messages."""
-    index: dict[tuple[str, ...], int] = {}
-
-    def walk(node: yaml.Node, prefix: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                path = prefix + (str(key_node.value),)
-                index[path] = key_node.start_mark.line + 1
-                walk(value_node, path)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                index[prefix + (str(i),)] = item.start_mark.line + 1
-                walk(item, prefix + (str(i),))
-
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return index
-    if root is not None:
-        walk(root, ())
-    return index
-
-
-def parse_yaml(text: str, source: str) -> Any:
-    """Parse YAML text; a syntax error becomes a UserError naming ``source``, line and column."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise UserError(f"{where}: YAML syntax error: {problem}") from None
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with each ``dotted.key=value`` set (value parsed as YAML).
-
-    Raises:
-        UserError: an override without ``=``, or one that descends into a non-mapping value.
-    """
-    out = yaml.safe_load(yaml.safe_dump(data)) if data else {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"override {item!r}: expected section.field=value, e.g. batch.mini_batch_size=64")
-        value = parse_yaml(raw, f"override {item!r}")
-        parts = key.strip().split(".")
-        node = out
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise UserError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
-            node = child
-        node[parts[-1]] = value
-    return out
-
-
-def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """The field names valid at ``loc`` (the parent of an unknown key), for did-you-mean."""
-    current: Any = model
-    for part in loc:
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        annotation = field.annotation
-        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)]
-        current = next((c for c in candidates if issubclass(c, BaseModel)), None)
-        if current is None:
-            return []
-    return list(getattr(current, "model_fields", {}))
-
-
-def _format_validation_error(
-    err: ValidationError, source: str, lines: dict[tuple[str, ...], int], overrides: list[str] | None = None
-) -> str:
-    by_key = {item.partition("=")[0].strip(): item for item in overrides or []}
-    messages = []
-    for e in err.errors():
-        loc = tuple(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-        # pydantic reports union members as extra loc parts (e.g. 'DataSource'); drop them.
-        loc = tuple(p for p in loc if not p[:1].isupper())
-        dotted = ".".join(loc) or "(top level)"
-        line = lines.get(loc) or lines.get(loc[:-1])
-        where = f"{source}:{line}" if line else source
-        override = next((by_key[k] for k in (".".join(loc[:i]) for i in range(len(loc), 0, -1)) if k in by_key), None)
-        if override is not None:  # the value came from the command line, not from the file
-            where = f"override {override!r}"
-        if e["type"] == "extra_forbidden":
-            known = _known_fields(CembedConfig, loc[:-1])
-            close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
-            hint = f"; did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else ""
-            allowed = f" (allowed: {', '.join(known)})" if known and not close else ""
-            messages.append(f"{where}: unknown key '{dotted}'{hint}{allowed}")
-        elif e["type"] == "missing":
-            messages.append(f"{where}: missing required field '{dotted}'")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            shown = e.get("input")
-            got = f" (got {shown!r})" if not isinstance(shown, (dict, list)) else ""
-            messages.append(f"{where}: {dotted}: {msg}{got}")
-    return "\n".join(messages[:3]) + (f"\n... and {len(messages) - 3} more" if len(messages) > 3 else "")
-
-
-def _resolve_path(value: str, base: Path) -> str:
-    p = Path(value).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
-def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
-    """Make local paths absolute relative to ``base`` (the config file's folder)."""
-    cfg = cfg.model_copy(deep=True)
-    source = cfg.data.train
-    if source.is_local or (base / source.path).exists():
-        source.path = _resolve_path(source.path, base)
-    cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
-    if cfg.data.cache_dir is not None:
-        cfg.data.cache_dir = _resolve_path(cfg.data.cache_dir, base)
-    if cfg.eval is not None:
-        for item in [*cfg.eval.retrieval, *cfg.eval.sts]:
-            item.path = _resolve_path(item.path, base)
-    model_path = base / cfg.model.name_or_path
-    if not Path(cfg.model.name_or_path).is_absolute() and model_path.exists():
-        cfg.model.name_or_path = str(model_path.resolve())
-    return cfg
-
-
-def config_from_dict(
-    data: Any, source: str = "<config>", base: Path | None = None, text: str = "", overrides: list[str] | None = None
-) -> CembedConfig:
-    """Validate a mapping into a :class:`CembedConfig`; errors name ``source``, line and field."""
-    if data is None:
-        raise UserError(f"{source}: the config is empty; it needs at least a 'data.train' file")
-    if not isinstance(data, dict):
-        raise UserError(
-            f"{source}: the config must be a mapping of sections (model, data, batch, ...), "
-            f"not a {type(data).__name__}"
-        )
-    try:
-        cfg = CembedConfig.model_validate(data)
-    except ValidationError as err:
-        raise UserError(_format_validation_error(err, source, _line_index(text), overrides)) from None
-    return resolve_paths(cfg, base or Path.cwd())
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> CembedConfig:
-    """Read, override, validate and path-resolve a YAML config.
-
-    Args:
-        path: the YAML file.
-        overrides: ``section.field=value`` strings, values parsed as YAML, applied after the file.
-
-    Returns:
-        The validated config with absolute local paths.
-
-    Raises:
-        UserError: unreadable file, YAML syntax error (line:column), unknown key (did-you-mean),
-            a wrong type or range (dotted field and line).
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: config file not found") from None
-    except IsADirectoryError:
-        raise UserError(f"{path}: is a folder; give the YAML config file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read the config ({err.__class__.__name__}: {err})") from None
-    data = parse_yaml(text, str(path))
-    if overrides:
-        if data is not None and not isinstance(data, dict):
-            raise UserError(f"{path}: the config must be a mapping of sections, not a {type(data).__name__}")
-        data = apply_overrides(data or {}, overrides)
-    return config_from_dict(data, str(path), path.resolve().parent, text, overrides)

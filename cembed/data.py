@@ -17,9 +17,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cembed.config import ColumnMap, DataSource
+from cembed.config import ColumnMap, DataConfig, DataSource
 from cembed.errors import UserError
-
+from cembed.model import load_model, quiet_libraries
 
 # A text cell over 1 MB is a data error (a whole file pasted into a cell), not a sentence.
 MAX_TEXT_BYTES = 1_000_000
@@ -196,8 +196,7 @@ def map_columns(dataset, columns: ColumnMap, source: str):
         if src not in dataset.column_names:
             key = f"data.columns.{config_key.get(role, 'negatives')}"
             raise UserError(
-                f"{source}: column {src!r} ({key}) not found; the data has columns: "
-                f"{', '.join(dataset.column_names)}"
+                f"{source}: column {src!r} ({key}) not found; the data has columns: {', '.join(dataset.column_names)}"
             )
     sources = [src for src, _ in pairs]
     if len(set(sources)) != len(sources):
@@ -259,23 +258,25 @@ def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool)
     return dataset.select(keep).flatten_indices(), len(dataset) - len(keep)
 
 
-def prepare_data(source: DataSource, columns: ColumnMap, max_samples: int | None, drop_invalid: bool) -> PreparedData:
-    """Load, truncate to ``max_samples`` (first rows), map columns and check cells.
+def prepare_data(cfg: DataConfig) -> PreparedData:
+    """Load ``cfg.train``, keep its first ``cfg.max_samples`` rows, map ``cfg.columns`` to roles and
+    check every cell (dropping bad rows with ``cfg.drop_invalid_rows``).
 
     Raises:
         UserError: see :func:`load_source`, :func:`map_columns`, :func:`check_cells`; also a file
             with no rows.
     """
+    source, columns = cfg.train, cfg.columns
     raw = load_source(source)
     label = source.path
     if len(raw) == 0:
         raise UserError(f"{label}: the data has no rows")
-    if max_samples is not None and max_samples < len(raw):
-        raw = raw.select(range(max_samples))
+    if cfg.max_samples is not None and cfg.max_samples < len(raw):
+        raw = raw.select(range(cfg.max_samples))
     rows_read = len(raw)
     roles = {role: src for src, role in role_columns(columns)}
     dataset = map_columns(raw, columns, label)
-    dataset, dropped = check_cells(dataset, label, roles, drop_invalid)
+    dataset, dropped = check_cells(dataset, label, roles, cfg.drop_invalid_rows)
     if len(dataset) == 0:
         raise UserError(f"{label}: every row was invalid and dropped; nothing is left to train on")
     return PreparedData(dataset=dataset, source=label, rows_read=rows_read, rows_dropped=dropped, roles=roles)
@@ -305,3 +306,57 @@ def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: b
                 f"texts, so no duplicate-free batch of {global_batch_size} rows exists; lower "
                 f"batch.per_device_train_batch_size to at most {distinct} or set sampler.no_duplicates: false"
             )
+
+
+# --- truncation report -----------------------------------------------------------------------
+
+
+@dataclass
+class ColumnTruncation:
+    """How many rows of one column are longer than ``max_seq_length`` tokens (they get cut)."""
+
+    column: str  # role column (anchor, positive, negative_1, ...)
+    source: str  # the data's column name
+    rows: int  # rows checked
+    truncated: int  # rows with more than max_seq_length tokens
+    max_tokens: int  # longest row, tokens (special tokens included)
+
+    @property
+    def fraction(self) -> float:
+        return self.truncated / self.rows if self.rows else 0.0
+
+
+def truncation_report(
+    dataset, tokenizer, max_seq_length: int, roles: dict[str, str] | None = None, sample_rows: int = 20000
+) -> list[ColumnTruncation]:
+    """Per column, the rows whose token count (special tokens included, as the model tokenizes)
+    exceeds ``max_seq_length``, over the first ``sample_rows`` rows of ``dataset``.
+
+    Args:
+        dataset: a ``datasets.Dataset`` of text columns.
+        tokenizer: a Hugging Face tokenizer (``model.tokenizer``).
+        max_seq_length: tokens kept per text.
+        roles: role column -> source column name, for display.
+        sample_rows: rows checked (the first ones), to bound the time on big data.
+    """
+    n = min(len(dataset), sample_rows)
+    out = []
+    for col in dataset.column_names:
+        texts = [str(t) for t in dataset[col][:n]] if n < len(dataset) else [str(t) for t in dataset[col]]
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]]
+        over = sum(1 for x in lengths if x > max_seq_length)
+        out.append(ColumnTruncation(col, (roles or {}).get(col, col), n, over, max(lengths, default=0)))
+    return out
+
+
+def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> tuple[int, list[ColumnTruncation]]:
+    """Load ``model_cfg``'s tokenizer (the model, on CPU) and report truncation of ``data``
+    (a PreparedData). Returns ``(max_seq_length, per-column report)``.
+
+    Raises:
+        UserError: the model cannot be loaded.
+    """
+    quiet_libraries()
+    model = load_model(model_cfg, "cpu")
+    length = int(model.max_seq_length)
+    return length, truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows)

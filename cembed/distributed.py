@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cembed.errors import UserError
+from cembed.errors import UserError, WorkerFailed
 
 
 @dataclass(frozen=True)
@@ -229,20 +229,6 @@ def record_worker_error(err: BaseException) -> None:
     handler = get_error_handler()
     handler.initialize()
     handler.record_exception(err)
-
-
-class WorkerFailed(Exception):
-    """A worker process failed; the launcher has stopped the others.
-
-    Attributes:
-        rank: global rank of the first worker that failed.
-        exitcode: its exit code (negative: killed by that signal).
-        message: its recorded error (``Type: message``), or a pointer to its output above.
-    """
-
-    def __init__(self, rank: int, exitcode: int, message: str) -> None:
-        self.rank, self.exitcode, self.message = rank, exitcode, message
-        super().__init__(f"rank {rank} failed with exit code {exitcode}: {message}")
 
 
 def launcher_args(

@@ -1,14 +1,60 @@
-"""The one exception type for user mistakes.
+"""Every exception cembed raises on purpose, and the one helper that shortens a foreign one.
 
-Anything the user can fix (a config value, a data file, a CLI argument) raises :class:`UserError`
-with a one- or two-line message that names the file, line or field and says how to fix it. The CLI
-prints the message and exits with code 2; it never shows a traceback for these.
+- :class:`UserError`: anything the user can fix (a config value, a data file, a CLI argument). Its
+  message is one or two lines naming the file, line or field and how to fix it; the CLI prints it
+  and exits with code 2, never with a traceback.
+- :class:`RunFailed`: training stopped on a problem in the run itself (a non-finite loss); exit 3.
+- :class:`RunInterrupted`: SIGINT/SIGTERM stopped training after a checkpoint; exit 128 + signal.
+- :class:`WorkerFailed`: a launched worker process failed and the launcher stopped the others.
 """
 
 from __future__ import annotations
+
+import signal
 
 
 class UserError(Exception):
     """A mistake in user input. ``str(err)`` is the full message shown to the user."""
 
     exit_code = 2
+
+
+class RunFailed(UserError):
+    """Training stopped on a problem in the run (non-finite loss); exit code 3.
+
+    A subclass of :class:`UserError` so that the CLI prints it as one line, not a traceback."""
+
+    exit_code = 3
+
+
+class RunInterrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving a checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # shell convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class WorkerFailed(Exception):
+    """A worker process failed; the launcher has stopped the others.
+
+    Attributes:
+        rank: global rank of the first worker that failed.
+        exitcode: its exit code (negative: killed by that signal).
+        message: its recorded error (``Type: message``), or a pointer to its output above.
+    """
+
+    def __init__(self, rank: int, exitcode: int, message: str) -> None:
+        self.rank, self.exitcode, self.message = rank, exitcode, message
+        super().__init__(f"rank {rank} failed with exit code {exitcode}: {message}")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of ``str(exc)`` cut to ``limit`` characters, or the exception's
+    class name when it has no message: how a library's error is quoted inside a one-line message."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return text[:limit] or exc.__class__.__name__

@@ -35,6 +35,7 @@ import numpy as np
 from transformers import TrainerCallback
 
 from cembed.errors import UserError
+from cembed.model import load_eval_model, tokenizer_spec
 
 # Bumped whenever the way documents are turned into text or encoded changes, so old caches miss.
 CACHE_FORMAT = "cembed-corpus-v1"
@@ -102,7 +103,9 @@ def _read_jsonl(path: Path, required: tuple[str, ...]):
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise UserError(f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object") from None
+                    raise UserError(
+                        f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object"
+                    ) from None
                 if not isinstance(obj, dict):
                     raise UserError(f"{path}:{n}: expected a JSON object per line, got {type(obj).__name__}")
                 missing = [k for k in required if k not in obj]
@@ -177,7 +180,9 @@ def load_beir(folder: str | Path, split: str = "test", name: str | None = None) 
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise UserError(f"{folder}: retrieval folder not found (expected a BEIR folder with corpus.jsonl[.gz], queries.jsonl, qrels/)")
+        raise UserError(
+            f"{folder}: retrieval folder not found (expected a BEIR folder with corpus.jsonl[.gz], queries.jsonl, qrels/)"
+        )
     corpus_path = _find(folder, ("corpus.jsonl", "corpus.jsonl.gz"), "the documents")
     queries_path = _find(folder, ("queries.jsonl", "queries.jsonl.gz"), "the queries")
     qrels_path = folder / "qrels" / f"{split}.tsv"
@@ -198,17 +203,21 @@ def load_beir(folder: str | Path, split: str = "test", name: str | None = None) 
         raise UserError(f"{corpus_path}: the corpus has no documents")
 
     all_queries: dict[str, str] = {}
-    for n, obj in _read_jsonl(queries_path, ("_id", "text")):
+    for _, obj in _read_jsonl(queries_path, ("_id", "text")):
         all_queries[str(obj["_id"])] = str(obj["text"])
 
     qrels = load_qrels(qrels_path)
     relevant: dict[str, set[str]] = {}
     for qid, docs in qrels.items():
         if qid not in all_queries:
-            raise UserError(f"{qrels_path}: query-id {qid!r} is not in {queries_path.name}; fix the qrels or the queries file")
+            raise UserError(
+                f"{qrels_path}: query-id {qid!r} is not in {queries_path.name}; fix the qrels or the queries file"
+            )
         for cid, score in docs.items():
             if cid not in corpus:
-                raise UserError(f"{qrels_path}: corpus-id {cid!r} (query {qid!r}) is not in {corpus_path.name}; fix the qrels or the corpus")
+                raise UserError(
+                    f"{qrels_path}: corpus-id {cid!r} (query {qid!r}) is not in {corpus_path.name}; fix the qrels or the corpus"
+                )
             if score > 0:
                 relevant.setdefault(qid, set()).add(cid)
     if not relevant:
@@ -333,13 +342,8 @@ def model_fingerprint(model) -> str:
         h.update(f"{key}|{t.dtype}|{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     tokenizer = getattr(model, "tokenizer", None)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        # The backend JSON also holds the truncation/padding state of the last call; leave it out.
-        spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
-        h.update(json.dumps(spec, sort_keys=True).encode())
-    elif tokenizer is not None and hasattr(tokenizer, "get_vocab"):
-        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    if tokenizer is not None:
+        h.update(tokenizer_spec(tokenizer).encode())
     prompts = getattr(model, "prompts", None)
     h.update(json.dumps(prompts or {}, sort_keys=True).encode())
     return h.hexdigest()
@@ -448,7 +452,9 @@ def corpus_embeddings(
     path = None
     if cache_dir is not None:
         path = cache_path(cache_dir, model_fp or model_fingerprint(model), corpus_fingerprint(corpus))
-        get_dim = getattr(model, "get_embedding_dimension", None) or getattr(model, "get_sentence_embedding_dimension", None)
+        get_dim = getattr(model, "get_embedding_dimension", None) or getattr(
+            model, "get_sentence_embedding_dimension", None
+        )
         dim = get_dim() if get_dim else None
         cached = _load_cached(path, len(texts), dim)
         if cached is not None:
@@ -462,7 +468,9 @@ def corpus_embeddings(
         try:
             _save_npy_atomic(path, emb)
         except OSError as err:
-            raise UserError(f"{path.parent}: cannot write the embedding cache ({err}); use another --cache-dir or --no-cache") from None
+            raise UserError(
+                f"{path.parent}: cannot write the embedding cache ({err}); use another --cache-dir or --no-cache"
+            ) from None
     return CorpusEmbeddings(emb, str(path) if path else None, False, seconds)
 
 
@@ -546,43 +554,6 @@ def headline(metrics: dict[str, float], name: str, kind: str) -> dict[str, float
 
 
 # ----------------------------------------------------------------------------------------------
-# Models
-
-
-def load_eval_model(name_or_path: str, device: str = "auto", max_seq_length: int | None = None, flag: str = "--model"):
-    """Load a SentenceTransformer to evaluate: a saved model folder, a run's ``output_dir`` (the
-    final model is saved there) or the packaged short name ``all-MiniLM-L6-v2``.
-
-    Raises:
-        UserError: the path is not a folder with a saved model (naming ``flag``), or it fails to load.
-    """
-    from cembed.config import ModelConfig
-    from cembed.plan import resolve_device
-    from cembed.train import load_model, resolve_model_path
-
-    path = Path(resolve_model_path(name_or_path)).expanduser()
-    if path.exists():
-        if not path.is_dir() or not any((path / f).exists() for f in ("modules.json", "config.json")):
-            raise UserError(
-                f"{flag} {name_or_path}: not a saved model folder (no modules.json/config.json); give a run's "
-                "output_dir after training finished, a saved model folder or all-MiniLM-L6-v2"
-            )
-    elif not _looks_like_hub_id(name_or_path):
-        raise UserError(
-            f"{flag} {name_or_path}: no such folder; give a saved model folder, a run's output_dir or all-MiniLM-L6-v2"
-        )
-    try:
-        return load_model(ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length), resolve_device(device))
-    except UserError as err:
-        raise UserError(str(err).replace("model.name_or_path", flag, 1)) from None
-
-
-def _looks_like_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
-
-
-# ----------------------------------------------------------------------------------------------
 # Evaluation during training
 
 
@@ -600,6 +571,7 @@ def load_eval_sets(eval_cfg) -> EvalSets:
     Raises:
         UserError: as :func:`load_beir` / :func:`load_sts`; also two sets with the same name.
     """
+
     def named(field: str, i: int, load):
         try:
             return load()
@@ -607,7 +579,10 @@ def load_eval_sets(eval_cfg) -> EvalSets:
             raise UserError(f"eval.{field}[{i}]: {err}") from None
 
     sets = EvalSets(
-        retrieval=[named("retrieval", i, lambda r=r: load_beir(r.path, r.split, r.name)) for i, r in enumerate(eval_cfg.retrieval)],
+        retrieval=[
+            named("retrieval", i, lambda r=r: load_beir(r.path, r.split, r.name))
+            for i, r in enumerate(eval_cfg.retrieval)
+        ],
         sts=[named("sts", i, lambda s=s: load_sts(s.path, s.name)) for i, s in enumerate(eval_cfg.sts)],
     )
     names = [s.name for s in sets.retrieval] + [s.name for s in sets.sts]
@@ -711,7 +686,11 @@ class EvalLogCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
-        metrics = {k.removeprefix("eval_"): float(v) for k, v in logs.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+        metrics = {
+            k.removeprefix("eval_"): float(v)
+            for k, v in logs.items()
+            if k.startswith("eval_") and isinstance(v, (int, float))
+        }
         metrics = {k: v for k, v in metrics.items() if k not in ("runtime", "samples_per_second", "steps_per_second")}
         if not metrics:
             return
@@ -800,7 +779,14 @@ class TrainingEvaluation:
             }
         return {
             "sets": [
-                {"name": r.name, "kind": "retrieval", "path": r.path, "split": r.split, "queries": len(r.queries), "documents": len(r.corpus)}
+                {
+                    "name": r.name,
+                    "kind": "retrieval",
+                    "path": r.path,
+                    "split": r.split,
+                    "queries": len(r.queries),
+                    "documents": len(r.corpus),
+                }
                 for r in self.sets.retrieval
             ]
             + [{"name": s.name, "kind": "sts", "path": s.path, "pairs": len(s.scores)} for s in self.sets.sts],
@@ -838,11 +824,18 @@ def run_eval_cli(
         UserError: no set given, or any loader/model error (see :func:`load_beir`, :func:`load_sts`,
             :func:`load_eval_model`).
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.table import Table
 
+    from cembed.model import quiet_libraries
     from cembed.outputs import write_json_atomic
-    from cembed.train import _quiet_libraries
 
     if not retrieval and not sts:
         raise UserError("cembed eval: give at least one --retrieval FOLDER or --sts FILE")
@@ -855,7 +848,7 @@ def run_eval_cli(
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         raise UserError(f"cembed eval: two sets are named {dup!r}; rename one folder/file")
-    _quiet_libraries()
+    quiet_libraries()
     model = load_eval_model(model_name, device, max_seq_length)
     fp = model_fingerprint(model)
     cache = None if no_cache else (cache_dir or default_cache_dir())
@@ -870,27 +863,47 @@ def run_eval_cli(
     }
     for rs in rsets:
         with Progress(
-            TextColumn(f"[bold]encode {rs.name} corpus"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TimeRemainingColumn(), console=console, transient=True,
+            TextColumn(f"[bold]encode {rs.name} corpus"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
         ) as bar:
             task = bar.add_task("encode", total=len(rs.corpus))
             metrics, ce = evaluate_retrieval(
                 model, rs, batch_size, cache, lambda done, total: bar.update(task, completed=done), model_fp=fp
             )
         report["sets"][rs.name] = {
-            "kind": "retrieval", "path": rs.path, "split": rs.split, "queries": len(rs.queries),
-            "documents": len(rs.corpus), "headline": headline(metrics, rs.name, "retrieval"), "metrics": metrics,
-            "corpus_cache": ce.cache_file, "corpus_cache_hit": ce.cache_hit, "encode_seconds": round(ce.encode_seconds, 2),
+            "kind": "retrieval",
+            "path": rs.path,
+            "split": rs.split,
+            "queries": len(rs.queries),
+            "documents": len(rs.corpus),
+            "headline": headline(metrics, rs.name, "retrieval"),
+            "metrics": metrics,
+            "corpus_cache": ce.cache_file,
+            "corpus_cache_hit": ce.cache_hit,
+            "encode_seconds": round(ce.encode_seconds, 2),
         }
     for ss in ssets:
         metrics = evaluate_sts(model, ss, batch_size)
         report["sets"][ss.name] = {
-            "kind": "sts", "path": ss.path, "pairs": len(ss.scores), "headline": headline(metrics, ss.name, "sts"), "metrics": metrics,
+            "kind": "sts",
+            "path": ss.path,
+            "pairs": len(ss.scores),
+            "headline": headline(metrics, ss.name, "sts"),
+            "metrics": metrics,
         }
 
     table = Table("set", "size", "metric", "value", title=f"{model_name}  (fingerprint {fp[:12]})")
     for name, entry in report["sets"].items():
-        size = f"{entry['queries']} q / {entry['documents']} docs" if entry["kind"] == "retrieval" else f"{entry['pairs']} pairs"
+        size = (
+            f"{entry['queries']} q / {entry['documents']} docs"
+            if entry["kind"] == "retrieval"
+            else f"{entry['pairs']} pairs"
+        )
         for i, (label, value) in enumerate(entry["headline"].items()):
             table.add_row(name if i == 0 else "", size if i == 0 else "", label, f"{value:.5f}")
         if entry["kind"] == "retrieval":

@@ -50,7 +50,11 @@ def _count_tokens(feature: dict, ranges: list[tuple[int, int]] | None, counts: T
 def _take_rows(feature: dict, order: torch.Tensor) -> dict:
     n = order.numel()
     return {
-        k: (v.index_select(0, order.to(v.device)) if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == n else v)
+        k: (
+            v.index_select(0, order.to(v.device))
+            if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == n
+            else v
+        )
         for k, v in feature.items()
     }
 
@@ -170,7 +174,9 @@ def build_loss(
         An ``nn.Module`` loss usable by ``SentenceTransformerTrainer``; it has a ``token_counts``
         attribute (:class:`TokenCounts`).
     """
-    common = dict(scale=cfg.scale, gather_across_devices=gather_across_devices, directions=loss_directions(cfg.symmetric))
+    common = dict(
+        scale=cfg.scale, gather_across_devices=gather_across_devices, directions=loss_directions(cfg.symmetric)
+    )
     if cfg.name == "cached_mnrl":
         return LengthSortedCachedMNRL(
             model,

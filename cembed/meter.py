@@ -69,7 +69,9 @@ class ThroughputMeter:
         }
 
 
-def plot_run(losses: list[tuple[int, float]], meter_history: list[dict], samples_per_step: int, path: str | Path) -> Path | None:
+def plot_run(
+    losses: list[tuple[int, float]], meter_history: list[dict], samples_per_step: int, path: str | Path
+) -> Path | None:
     """Write a PNG with loss, throughput (tokens/s) and data-wait share against the step.
 
     Returns the path, or ``None`` when there is nothing to plot.

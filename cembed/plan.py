@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-import torch
-
 from cembed.config import CembedConfig
 from cembed.errors import UserError
 from cembed.lr import derivation, scale_lr
+from cembed.model import resolve_device
 
 
 @dataclass(frozen=True)
@@ -29,18 +28,13 @@ class Plan:
     precision: str
     gather_across_devices: bool = False  # each anchor sees all ranks' candidates (world_size > 1)
     warnings: tuple[str, ...] = ()
+    # Rows embedded at once by a cached loss; None until the probe fills batch.mini_batch_size: auto
+    # (cembed.probe.resolve_auto), which also records its measurements here.
+    mini_batch_size: int | None = None
+    mini_batch_probe: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def resolve_device(requested: str) -> str:
-    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` without a GPU is a UserError."""
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UserError("model.device: cuda was requested but no CUDA device is visible; use auto or cpu")
-    return requested
 
 
 def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
@@ -94,4 +88,5 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         precision=cfg.model.precision,
         gather_across_devices=gather,
         warnings=tuple(warnings),
+        mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
     )

@@ -17,7 +17,6 @@ does not hold, the caller falls back to tokenizing in the collator.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -28,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+
+from cembed.model import tokenizer_spec
 
 # Bump when the stored layout changes, so old caches are not reused.
 FORMAT_VERSION = "1"
@@ -40,18 +41,9 @@ def default_cache_dir() -> Path:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """xxh64 of the fast tokenizer's full JSON (vocab, normalizer, special tokens, post-processor)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        text = repr(sorted(tokenizer.get_vocab().items()))
-    else:
-        # The backend JSON also records the truncation/padding of the last call; those are call
-        # state, not the tokenizer, so they must not change the key.
-        spec = json.loads(backend.to_str())
-        spec.pop("truncation", None)
-        spec.pop("padding", None)
-        text = json.dumps(spec, sort_keys=True)
-    return xxhash.xxh64_hexdigest(text.encode("utf-8"))
+    """xxh64 of the tokenizer's definition (:func:`cembed.model.tokenizer_spec`: vocab, normalizer,
+    special tokens, post-processor; not the state of its last call)."""
+    return xxhash.xxh64_hexdigest(tokenizer_spec(tokenizer).encode("utf-8"))
 
 
 def cache_key(data_fingerprint: str, tokenizer, max_seq_length: int, roles: list[str]) -> str:

@@ -26,10 +26,11 @@ import os
 import re
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from cembed.errors import UserError
+from cembed.errors import UserError, first_line
+from cembed.model import load_model, quiet_libraries, resolve_device
 
 DEFAULT_MARGIN = 0.10
 DEFAULT_CAP = 65536
@@ -112,9 +113,9 @@ def is_device_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and bool(_DEVICE_FAILURE.search(str(exc)))
 
 
-def _first_line(exc: BaseException) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {text[:160]}"
+def _describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` (160 characters at most), for the probe table."""
+    return f"{type(exc).__name__}: {first_line(exc, 160)}"
 
 
 def search_mini_batch(
@@ -165,7 +166,7 @@ def search_mini_batch(
         except Exception as exc:  # noqa: BLE001 - classified just below
             if not is_device_failure(exc):
                 raise
-            out = TrialOutcome(error=_first_line(exc))
+            out = TrialOutcome(error=_describe(exc))
         fits = out.error is None and out.peak_bytes is not None and out.peak_bytes <= limit
         rec = TrialRecord(size, fits, out.peak_bytes, out.samples_per_s, out.error)
         records.append(rec)
@@ -238,8 +239,22 @@ def agree_across_ranks(size: int) -> int:
 # Units
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 
 
 def parse_bytes(text: str, flag: str = "--max-memory") -> int:
@@ -268,7 +283,9 @@ def format_bytes(n: int | float | None) -> str:
 # One worst-case cached-loss step
 
 
-def worst_case_step(model, loss_cfg, n_columns: int, batch_size: int, mini_batch_size: int, precision: str, repeats: int = 2) -> float:
+def worst_case_step(
+    model, loss_cfg, n_columns: int, batch_size: int, mini_batch_size: int, precision: str, repeats: int = 2
+) -> float:
     """Run the memory worst case of one ``cached_mnrl`` training step at ``mini_batch_size``.
 
     What is alive at the peak is what training holds: AdamW states (allocated by a real step), the
@@ -315,7 +332,10 @@ def worst_case_step(model, loss_cfg, n_columns: int, batch_size: int, mini_batch
     preprocess = getattr(model, "preprocess", None) or model.tokenize
     one = preprocess(["a " * (4 * length + 8)])  # truncated to max_seq_length tokens
     features = [
-        {k: v.expand(batch_size, *v.shape[1:]).contiguous().to(device) if torch.is_tensor(v) else v for k, v in one.items()}
+        {
+            k: v.expand(batch_size, *v.shape[1:]).contiguous().to(device) if torch.is_tensor(v) else v
+            for k, v in one.items()
+        }
         for _ in range(n_columns)
     ]
     loss = build_loss(model, loss_cfg, mini_batch_size)
@@ -371,22 +391,8 @@ class TrialSpec:
     repeats: int = 2
 
 
-def _quiet() -> None:
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import logging
-    import warnings
-
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-
-
 def _load(spec: TrialSpec):
     from cembed.config import ModelConfig
-    from cembed.train import load_model
 
     return load_model(ModelConfig(**spec.model), spec.device)
 
@@ -409,13 +415,21 @@ def _trial_child(spec: TrialSpec, size: int, conn) -> None:
         # Forked from a server that imported the libraries: pages it touched are shared and not yet
         # counted in this process. Count them: peak = own growth + the server's resident memory.
         offset = max(0, _proc_rss(os.getppid()) - _proc_rss())
-        _quiet()
+        quiet_libraries()
         import torch
 
         model = _load(spec)
         from cembed.config import LossConfig
 
-        sps = worst_case_step(model, LossConfig(**spec.loss), spec.n_columns, spec.batch_size, size, spec.model.get("precision", "fp32"), spec.repeats)
+        sps = worst_case_step(
+            model,
+            LossConfig(**spec.loss),
+            spec.n_columns,
+            spec.batch_size,
+            size,
+            spec.model.get("precision", "fp32"),
+            spec.repeats,
+        )
         if spec.device == "cuda":
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
         else:
@@ -424,7 +438,7 @@ def _trial_child(spec: TrialSpec, size: int, conn) -> None:
     except UserError as err:
         conn.send({"user_error": str(err)})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which classifies it
-        conn.send({"error": _first_line(exc), "device_failure": is_device_failure(exc)})
+        conn.send({"error": _describe(exc), "device_failure": is_device_failure(exc)})
     finally:
         conn.close()
 
@@ -485,7 +499,7 @@ class SubprocessTrial:
         self.timeout_s = timeout_s
         if spec.device == "cpu":
             self.ctx = mp.get_context("forkserver")
-            self.ctx.set_forkserver_preload(["torch", "sentence_transformers", "cembed.probe", "cembed.train"])
+            self.ctx.set_forkserver_preload(["torch", "sentence_transformers", "cembed.probe", "cembed.model"])
         else:
             self.ctx = mp.get_context("spawn")
 
@@ -558,8 +572,13 @@ class CudaTrial:
         self._clean()
         try:
             sps = worst_case_step(
-                self.model, LossConfig(**self.spec.loss), self.spec.n_columns, self.spec.batch_size, size,
-                self.spec.model.get("precision", "fp32"), self.spec.repeats,
+                self.model,
+                LossConfig(**self.spec.loss),
+                self.spec.n_columns,
+                self.spec.batch_size,
+                size,
+                self.spec.model.get("precision", "fp32"),
+                self.spec.repeats,
             )
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
             return TrialOutcome(peak_bytes=int(peak), samples_per_s=sps)
@@ -636,8 +655,6 @@ def run_probe(
     Raises:
         UserError: a plain (uncached) loss, fp16 on CPU, a model that cannot load, nothing fits.
     """
-    from cembed.plan import resolve_device
-
     if loss_cfg.name != "cached_mnrl":
         raise UserError("loss.name: probe-minibatch measures the cached loss; with 'mnrl' mini_batch_size is unused")
     if max_size < 1:
@@ -645,7 +662,9 @@ def run_probe(
     dev = resolve_device(device)
     if model_cfg.precision == "fp16" and dev == "cpu":
         raise UserError("model.precision: fp16 needs a CUDA device; use fp32 or bf16 on CPU")
-    spec = TrialSpec(model=model_cfg.model_dump(), loss=loss_cfg.model_dump(), n_columns=n_columns, batch_size=batch_size, device=dev)
+    spec = TrialSpec(
+        model=model_cfg.model_dump(), loss=loss_cfg.model_dump(), n_columns=n_columns, batch_size=batch_size, device=dev
+    )
     cap = min(max_size, batch_size)
     notes = []
     if dev == "cuda":
@@ -673,141 +692,6 @@ def run_probe(
     return result
 
 
-# ----------------------------------------------------------------------------------------------
-# Truncation report
-
-
-@dataclass
-class ColumnTruncation:
-    """How many rows of one column are longer than ``max_seq_length`` tokens (they get cut)."""
-
-    column: str  # role column (anchor, positive, negative_1, ...)
-    source: str  # the data's column name
-    rows: int  # rows checked
-    truncated: int  # rows with more than max_seq_length tokens
-    max_tokens: int  # longest row, tokens (special tokens included)
-
-    @property
-    def fraction(self) -> float:
-        return self.truncated / self.rows if self.rows else 0.0
-
-
-def truncation_report(dataset, tokenizer, max_seq_length: int, roles: dict[str, str] | None = None, sample_rows: int = 20000) -> list[ColumnTruncation]:
-    """Per column, the rows whose token count (special tokens included, as the model tokenizes)
-    exceeds ``max_seq_length``, over the first ``sample_rows`` rows of ``dataset``.
-
-    Args:
-        dataset: a ``datasets.Dataset`` of text columns.
-        tokenizer: a Hugging Face tokenizer (``model.tokenizer``).
-        max_seq_length: tokens kept per text.
-        roles: role column -> source column name, for display.
-        sample_rows: rows checked (the first ones), to bound the time on big data.
-    """
-    n = min(len(dataset), sample_rows)
-    out = []
-    for col in dataset.column_names:
-        texts = [str(t) for t in dataset[col][:n]] if n < len(dataset) else [str(t) for t in dataset[col]]
-        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]]
-        over = sum(1 for x in lengths if x > max_seq_length)
-        out.append(ColumnTruncation(col, (roles or {}).get(col, col), n, over, max(lengths, default=0)))
-    return out
-
-
-def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> tuple[int, list[ColumnTruncation]]:
-    """Load ``model_cfg``'s tokenizer (the model, on CPU) and report truncation of ``data``
-    (a PreparedData). Returns ``(max_seq_length, per-column report)``.
-
-    Raises:
-        UserError: the model cannot be loaded.
-    """
-    import transformers
-
-    from cembed.train import load_model
-
-    transformers.logging.set_verbosity_error()
-    model = load_model(model_cfg, "cpu")
-    length = int(model.max_seq_length)
-    return length, truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows)
-
-
-# ----------------------------------------------------------------------------------------------
-# Presentation and --write
-
-
-def probe_table(result: ProbeResult):
-    """A rich Table: size, peak memory, % of the limit, samples/s, fits (in trial order)."""
-    from rich.table import Table
-
-    table = Table("mini_batch_size", "peak memory", "of limit", "samples/s", "fits", title=(
-        f"probe on {result.device or '?'}: limit {format_bytes(result.limit_bytes)} = "
-        f"(1 - {result.margin:g}) x {format_bytes(result.capacity_bytes)}"))
-    for r in result.trials:
-        pct = f"{100 * r.peak_bytes / result.limit_bytes:.0f}%" if r.peak_bytes and result.limit_bytes else "-"
-        peak = format_bytes(r.peak_bytes) if r.peak_bytes else "-"
-        if r.error and r.error.startswith("over budget") and r.peak_bytes:
-            peak = ">" + peak
-        sps = f"{r.samples_per_s:.1f}" if r.samples_per_s else "-"
-        fits = "[green]yes[/]" if r.fits else f"[red]no[/] ({r.error or 'over the limit'})"
-        mark = " *" if r.size == result.recommended else ""
-        table.add_row(f"{r.size}{mark}", peak, pct, sps, fits)
-    return table
-
-
-def truncation_table(max_seq_length: int, report: list[ColumnTruncation]):
-    """A rich Table of :func:`truncation_report`."""
-    from rich.table import Table
-
-    rows = report[0].rows if report else 0
-    table = Table("column", "rows > max_seq_length", "fraction", "longest (tokens)",
-                  title=f"truncation at max_seq_length {max_seq_length} ({rows} rows checked)")
-    for c in report:
-        name = c.column if c.column == c.source else f"{c.column} ({c.source})"
-        table.add_row(name, str(c.truncated), f"{100 * c.fraction:.1f}%", str(c.max_tokens))
-    return table
-
-
-def write_mini_batch_size(path, value: int) -> None:
-    """Set ``batch.mini_batch_size: value`` in the YAML file at ``path``, keeping its other lines
-    and comments: the existing line is edited in place, or the key is added to the ``batch`` section
-    (which is created when missing).
-
-    Raises:
-        UserError: the file cannot be read or written.
-    """
-    from pathlib import Path
-
-    from cembed.config import _line_index
-
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise UserError(f"{path}: cannot read the config for --write ({err})") from None
-    lines = text.splitlines(keepends=True)
-    index = _line_index(text)
-    line_no = index.get(("batch", "mini_batch_size"))
-    if line_no is not None:
-        old = lines[line_no - 1]
-        lines[line_no - 1] = re.sub(r"(mini_batch_size\s*:\s*)([^\s#,}]+)", rf"\g<1>{value}", old, count=1)
-    elif ("batch",) in index:
-        at = index[("batch",)]
-        if "{" in lines[at - 1]:
-            raise UserError(f"{path}:{at}: batch is a flow mapping; add mini_batch_size: {value} to it by hand")
-        child_indent = next(
-            (re.match(r"\s*", lines[n - 1]).group(0) for k, n in index.items() if len(k) == 2 and k[0] == "batch"),
-            "  ",
-        )
-        lines.insert(at, f"{child_indent}mini_batch_size: {value}\n")
-    else:
-        if lines and not lines[-1].endswith("\n"):
-            lines[-1] += "\n"
-        lines += ["batch:\n", f"  mini_batch_size: {value}\n"]
-    try:
-        path.write_text("".join(lines), encoding="utf-8")
-    except OSError as err:
-        raise UserError(f"{path}: cannot write the config for --write ({err})") from None
-
-
 def summary_record(result: ProbeResult) -> dict:
     """The ``mini_batch_probe`` entry of ``run_summary.json``."""
     d = result.to_dict()
@@ -815,73 +699,29 @@ def summary_record(result: ProbeResult) -> dict:
     return d
 
 
+def resolve_auto(
+    plan, model_cfg, loss_cfg, n_columns: int, max_memory: str | None = None, margin: float = DEFAULT_MARGIN
+):
+    """Fill ``plan.mini_batch_size`` when the config says ``batch.mini_batch_size: auto``.
 
-# ----------------------------------------------------------------------------------------------
-# CLI glue (kept here so cli.py stays a thin layer)
-
-
-def model_config_from_flags(base, model: str | None, max_seq_length: int | None, precision: str | None, device: str | None):
-    """``base`` (a ModelConfig, or None for the defaults) with the given CLI flags applied.
-
-    Raises:
-        UserError: a flag value the config would reject, naming the flag.
-    """
-    from pydantic import ValidationError
-
-    from cembed.config import ModelConfig
-
-    fields = base.model_dump() if base is not None else {}
-    flags = {"name_or_path": ("--model", model), "max_seq_length": ("--max-seq-length", max_seq_length),
-             "precision": ("--precision", precision), "device": ("--device", device)}
-    for key, (_, value) in flags.items():
-        if value is not None:
-            fields[key] = value
-    try:
-        return ModelConfig(**fields)
-    except ValidationError as err:
-        e = err.errors()[0]
-        flag = flags.get(str(e["loc"][0]), (str(e["loc"][0]), None))[0]
-        raise UserError(f"{flag}: {e['msg']} (got {e.get('input')!r})") from None
-
-
-def print_probe(console, result: ProbeResult) -> None:
-    """Print the probe table, the recommendation with its reason, notes and the override line."""
-    console.print(probe_table(result))
-    for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
-    console.print(f"recommended mini_batch_size: [bold]{result.recommended}[/] ({result.reason})", highlight=False)
-    console.print(f"override: batch.mini_batch_size={result.recommended}", highlight=False)
-
-
-def print_truncation(console, model_cfg, data) -> None:
-    """Print the truncation table of ``data`` for ``model_cfg``; a model that cannot be loaded
-    only skips the report (validate must not need the model)."""
-    try:
-        length, report = model_truncation_report(model_cfg, data)
-    except UserError as err:
-        console.print(f"[yellow]truncation report skipped:[/] {err}", highlight=False)
-        return
-    console.print(truncation_table(length, report))
-
-
-def resolve_auto(cfg, plan, data, console, max_memory: str | None = None, margin: float = DEFAULT_MARGIN):
-    """For ``batch.mini_batch_size: auto``: probe on ``plan.device`` and return ``(cfg with the
-    recommended size, run-summary record)``. Other values return ``(cfg, None)`` unchanged.
+    Probes on ``plan.device`` for ``plan.per_device_train_batch_size`` rows of ``n_columns`` texts
+    and returns ``(plan with the recommended size and its run-summary record, ProbeResult)``. A plan
+    whose size is already set comes back unchanged with ``None``; so does a loss without mini-batches
+    (its size becomes the batch size, with a warning).
 
     Raises:
-        UserError: see :func:`run_probe`.
+        UserError: see :func:`run_probe`; also an unparsable ``max_memory``.
     """
-    if cfg.batch.mini_batch_size != "auto":
-        return cfg, None
-    cfg = cfg.model_copy(deep=True)
-    if cfg.loss.name != "cached_mnrl":
-        cfg.batch.mini_batch_size = plan.per_device_train_batch_size
-        console.print("[yellow]note:[/] mini_batch_size: auto has no effect with loss mnrl", highlight=False)
-        return cfg, None
+    if plan.mini_batch_size is not None:
+        return plan, None
+    if loss_cfg.name != "cached_mnrl":
+        return replace(
+            plan,
+            mini_batch_size=plan.per_device_train_batch_size,
+            warnings=plan.warnings + (f"batch.mini_batch_size: auto has no effect with loss {loss_cfg.name}",),
+        ), None
     budget = parse_bytes(max_memory) if max_memory else None
-    console.print(f"probing mini_batch_size on {plan.device} (batch.mini_batch_size: auto)", highlight=False)
-    result = run_probe(cfg.model, cfg.loss, plan.per_device_train_batch_size, len(data.columns), plan.device,
-                       margin=margin, max_memory=budget)
-    print_probe(console, result)
-    cfg.batch.mini_batch_size = result.recommended
-    return cfg, summary_record(result)
+    result = run_probe(
+        model_cfg, loss_cfg, plan.per_device_train_batch_size, n_columns, plan.device, margin=margin, max_memory=budget
+    )
+    return replace(plan, mini_batch_size=result.recommended, mini_batch_probe=summary_record(result)), result

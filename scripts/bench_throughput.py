@@ -79,7 +79,7 @@ def median(xs):
 def load_minilm():
     from sentence_transformers import SentenceTransformer
 
-    from cembed.train import resolve_model_path
+    from cembed.model import resolve_model_path
 
     model = SentenceTransformer(resolve_model_path("all-MiniLM-L6-v2"), device="cpu")
     model.max_seq_length = 256
@@ -105,7 +105,13 @@ def prepare_paths(model, data: dict[str, list[str]], cache: Path):
     started = time.perf_counter()
     pt = pretokenize(ds, ["anchor", "positive"], model.tokenizer, model.max_seq_length, cache)
     tok_s = time.perf_counter() - started
-    return ds, SentenceTransformerDataCollator(preprocess_fn=model.preprocess), pt.dataset, collator_for(model, ["anchor", "positive"]), tok_s
+    return (
+        ds,
+        SentenceTransformerDataCollator(preprocess_fn=model.preprocess),
+        pt.dataset,
+        collator_for(model, ["anchor", "positive"]),
+        tok_s,
+    )
 
 
 def features_of(batch: dict) -> list[dict]:
@@ -137,8 +143,12 @@ def section_step(args, cache: Path) -> None:
     model = load_minilm()
     model.eval()  # dropout off, so both paths must give the same loss; gradients still flow
     bs, mbs = args.step_batch, 32
-    print(f"\n## step: all-MiniLM-L6-v2, batch {bs}, mini-batch {mbs}, max_seq_length 256, {args.rounds} rounds (CPU, {torch.get_num_threads()} threads)")
-    print("| data | stock step s | cembed step s | speed-up | stock padding | cembed padding | padding-free bound | loss stock | loss cembed | rel. diff |")
+    print(
+        f"\n## step: all-MiniLM-L6-v2, batch {bs}, mini-batch {mbs}, max_seq_length 256, {args.rounds} rounds (CPU, {torch.get_num_threads()} threads)"
+    )
+    print(
+        "| data | stock step s | cembed step s | speed-up | stock padding | cembed padding | padding-free bound | loss stock | loss cembed | rel. diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     datasets_ = [("skewed (seeded)", skewed_pairs(bs, seed=1))]
     if COCO.exists():
@@ -148,12 +158,16 @@ def section_step(args, cache: Path) -> None:
     for name, data in datasets_:
         ds, stock_coll, pt_ds, our_coll, _ = prepare_paths(model, data, cache)
         rows = list(range(bs))
-        stock_feats = features_of(stock_coll([{"anchor": a, "positive": p} for a, p in zip(data["anchor"], data["positive"])]))
+        stock_feats = features_of(
+            stock_coll([{"anchor": a, "positive": p} for a, p in zip(data["anchor"], data["positive"])])
+        )
         our_feats = features_of(our_coll(pt_ds.select(rows).to_list()))
         times = {"stock": [], "cembed": []}
         losses = {}
         for r in range(args.rounds):
-            for label, loss_fn, feats in (("stock", stock_loss, stock_feats), ("cembed", ours_loss, our_feats))[:: 1 if r % 2 == 0 else -1]:
+            for label, loss_fn, feats in (("stock", stock_loss, stock_feats), ("cembed", ours_loss, our_feats))[
+                :: 1 if r % 2 == 0 else -1
+            ]:
                 model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
                 value = loss_fn(feats, None)
@@ -208,9 +222,9 @@ def section_produce(args, cache: Path) -> None:
 def section_datawait(args, cache: Path, tmp: Path) -> None:
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainingArguments
-    from transformers.trainer_callback import PrinterCallback
     from sentence_transformers.base.sampler import BatchSamplers
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+    from transformers.trainer_callback import PrinterCallback
 
     from cembed.losses import LengthSortedCachedMNRL, TokenCounts
     from cembed.meter import ThroughputMeter
@@ -225,19 +239,50 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     data = skewed_pairs(bs * steps + 7, seed=3)
     ds = Dataset.from_dict(data)
     pt = pretokenize(ds, ["anchor", "positive"], model.tokenizer, model.max_seq_length, cache).dataset
-    print(f"\n## datawait: 1-layer hidden-32 BERT, max_seq_length {args.wait_seq}, batch {bs}, mini-batch {bs}, {steps} steps, CPU")
+    print(
+        f"\n## datawait: 1-layer hidden-32 BERT, max_seq_length {args.wait_seq}, batch {bs}, mini-batch {bs}, {steps} steps, CPU"
+    )
     print("| path | workers | data-wait share | wall s | s/step |")
     print("|---|---|---|---|---|")
     runs = [
-        ("stock", 0, ds, None, BatchSamplers.NO_DUPLICATES, CachedMultipleNegativesRankingLoss(model, mini_batch_size=bs)),
-        ("cembed", 0, pt, collator_for(model, ["anchor", "positive"]), NoDuplicatesSampler, LengthSortedCachedMNRL(model, mini_batch_size=bs)),
-        ("cembed", 2, pt, collator_for(model, ["anchor", "positive"]), NoDuplicatesSampler, LengthSortedCachedMNRL(model, mini_batch_size=bs)),
+        (
+            "stock",
+            0,
+            ds,
+            None,
+            BatchSamplers.NO_DUPLICATES,
+            CachedMultipleNegativesRankingLoss(model, mini_batch_size=bs),
+        ),
+        (
+            "cembed",
+            0,
+            pt,
+            collator_for(model, ["anchor", "positive"]),
+            NoDuplicatesSampler,
+            LengthSortedCachedMNRL(model, mini_batch_size=bs),
+        ),
+        (
+            "cembed",
+            2,
+            pt,
+            collator_for(model, ["anchor", "positive"]),
+            NoDuplicatesSampler,
+            LengthSortedCachedMNRL(model, mini_batch_size=bs),
+        ),
     ]
     for label, workers, dataset, collator, sampler, loss in runs:
         targs = SentenceTransformerTrainingArguments(
-            output_dir=str(tmp / f"dw-{label}-{workers}"), per_device_train_batch_size=bs, max_steps=steps,
-            batch_sampler=sampler, dataloader_drop_last=True, dataloader_num_workers=workers,
-            report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True, logging_steps=steps,
+            output_dir=str(tmp / f"dw-{label}-{workers}"),
+            per_device_train_batch_size=bs,
+            max_steps=steps,
+            batch_sampler=sampler,
+            dataloader_drop_last=True,
+            dataloader_num_workers=workers,
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="no",
+            use_cpu=True,
+            logging_steps=steps,
             learning_rate=1e-4,
         )
         trainer = _trainer_class()(model=model, args=targs, train_dataset=dataset, loss=loss, data_collator=collator)
@@ -247,7 +292,9 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0
-        print(f"| {label} | {workers} | {100 * trainer.meter.totals()['data_wait']:.1f}% | {wall:.1f} | {wall / steps:.2f} |")
+        print(
+            f"| {label} | {workers} | {100 * trainer.meter.totals()['data_wait']:.1f}% | {wall:.1f} | {wall / steps:.2f} |"
+        )
 
 
 def section_sampler(args) -> None:
@@ -266,7 +313,12 @@ def section_sampler(args) -> None:
     print("|---|---|---|---|")
     for label, make in (
         ("stock NoDuplicatesBatchSampler", lambda: NoDuplicatesBatchSampler(ds, batch_size=bs, drop_last=True, seed=0)),
-        ("stock NoDuplicatesBatchSampler (precompute_hashes)", lambda: NoDuplicatesBatchSampler(ds, batch_size=bs, drop_last=True, seed=0, precompute_hashes=True, precompute_num_proc=1)),
+        (
+            "stock NoDuplicatesBatchSampler (precompute_hashes)",
+            lambda: NoDuplicatesBatchSampler(
+                ds, batch_size=bs, drop_last=True, seed=0, precompute_hashes=True, precompute_num_proc=1
+            ),
+        ),
         ("cembed NoDuplicatesSampler", lambda: NoDuplicatesSampler(ds, batch_size=bs, drop_last=True, seed=0)),
     ):
         t0 = time.perf_counter()

@@ -18,10 +18,11 @@ import os, time
 import torch
 from datasets import Dataset
 from rich.console import Console
-from cembed.config import config_from_dict
+from cembed.configfile import config_from_dict
 from cembed.data import PreparedData
 from cembed.plan import resolve_plan
-from cembed.probe import format_bytes, print_probe, run_probe
+from cembed.probe import format_bytes, run_probe
+from cembed.report import print_probe
 from cembed.train import run_training
 
 B, SEQ, STEPS, PREC, DEV = (int(os.environ["BATCH"]), int(os.environ["SEQ"]), int(os.environ["STEPS"]),

@@ -5,7 +5,7 @@ Training pairs: ``qrels/train.tsv`` joined to ``queries.jsonl`` (anchor = claim)
 ``corpus.jsonl.gz`` (positive = ``(title + " " + text).strip()``): 919 pairs, 565 distinct abstracts,
 so a duplicate-free batch holds at most 565 rows (the no-duplicates sampler refuses more).
 
-Each run goes through cembed itself (config -> prepare -> run_training), then the saved model is
+Each run goes through cembed itself (config -> check_run_inputs -> run_training), then the saved model is
 scored with ``cembed.evaluate.evaluate_retrieval`` on the SciFact test split (full corpus). The
 untrained model is scored the same way as the baseline, next to the published MTEB 0.64508.
 
@@ -52,9 +52,17 @@ def scifact_train_pairs(scifact: Path) -> list[dict]:
 
 def run_config(args, bs: int, rule: str, pairs_file: Path, out_dir: Path) -> dict:
     return {
-        "model": {"name_or_path": args.model, "max_seq_length": args.train_max_seq_length or args.max_seq_length, "device": args.device},
+        "model": {
+            "name_or_path": args.model,
+            "max_seq_length": args.train_max_seq_length or args.max_seq_length,
+            "device": args.device,
+        },
         "data": {"train": str(pairs_file), "columns": {"anchor": "anchor", "positive": "positive"}},
-        "batch": {"per_device_train_batch_size": bs, "mini_batch_size": min(bs, args.mini_batch_size), "drop_last": True},
+        "batch": {
+            "per_device_train_batch_size": bs,
+            "mini_batch_size": min(bs, args.mini_batch_size),
+            "drop_last": True,
+        },
         "optim": {
             "learning_rate": args.base_lr,
             "base_batch_size": args.base_batch_size,
@@ -146,15 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "docs")
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "study_batch_size")
     args = p.parse_args(argv)
-    command = "python scripts/study_batch_size.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python scripts/study_batch_size.py " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
 
     from rich.console import Console
 
-    from cembed.config import config_from_dict
+    from cembed.configfile import config_from_dict
     from cembed.errors import UserError
     from cembed.evaluate import default_cache_dir
     from cembed.outputs import write_atomic, write_json_atomic
-    from cembed.train import prepare, run_training
+    from cembed.train import check_run_inputs, run_training
 
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -174,11 +184,13 @@ def main(argv: list[str] | None = None) -> int:
             out_dir = args.work_dir / f"bs{bs}-{rule}"
             cfg = config_from_dict(run_config(args, bs, rule, pairs_file, out_dir), "study", REPO)
             try:
-                plan, data = prepare(cfg)
+                plan, data = check_run_inputs(cfg)
             except UserError as err:
                 console.print(f"[yellow]skip batch {bs} ({rule}): {err}[/]")
                 continue
-            same = next((r for r in results if r["batch_size"] == bs and r["learning_rate"] == plan.learning_rate), None)
+            same = next(
+                (r for r in results if r["batch_size"] == bs and r["learning_rate"] == plan.learning_rate), None
+            )
             if same is not None:  # e.g. batch == base_batch_size: sqrt and fixed are the same run
                 results.append({**same, "lr_scaling": rule, "same_run_as": same["lr_scaling"]})
                 continue
@@ -188,15 +200,29 @@ def main(argv: list[str] | None = None) -> int:
             ndcg, eval_s = evaluate_model(str(out_dir), args, cache_dir)
             results.append(
                 {
-                    "batch_size": bs, "lr_scaling": rule, "learning_rate": plan.learning_rate, "steps": summary["steps"],
-                    "train_seconds": round(train_s, 1), "eval_seconds": round(eval_s, 1), "ndcg@10": ndcg,
-                    "first_loss": summary["first_loss"], "last_loss": summary["last_loss"],
+                    "batch_size": bs,
+                    "lr_scaling": rule,
+                    "learning_rate": plan.learning_rate,
+                    "steps": summary["steps"],
+                    "train_seconds": round(train_s, 1),
+                    "eval_seconds": round(eval_s, 1),
+                    "ndcg@10": ndcg,
+                    "first_loss": summary["first_loss"],
+                    "last_loss": summary["last_loss"],
                 }
             )
-            console.print(f"batch {bs} {rule}: lr {plan.learning_rate:.2e}, {summary['steps']} steps, NDCG@10 {ndcg:.5f}")
+            console.print(
+                f"batch {bs} {rule}: lr {plan.learning_rate:.2e}, {summary['steps']} steps, NDCG@10 {ndcg:.5f}"
+            )
             # Write after every run, so a long study that is stopped keeps what it measured.
-            report = {"command": command, "baseline_ndcg@10": baseline, "published_ndcg@10": PUBLISHED_NDCG10,
-                      "train_pairs": len(pairs), "args": {k: str(v) for k, v in vars(args).items()}, "results": results}
+            report = {
+                "command": command,
+                "baseline_ndcg@10": baseline,
+                "published_ndcg@10": PUBLISHED_NDCG10,
+                "train_pairs": len(pairs),
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "results": results,
+            }
             write_json_atomic(results_file, report)
             table = markdown(results, baseline, args, command, len(pairs))
             write_atomic(args.out / "batch_size_study.md", lambda f: f.write(table))

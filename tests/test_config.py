@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cembed.config import load_config
+from cembed.configfile import load_config
 from cembed.errors import UserError
 
 
@@ -67,7 +67,9 @@ def test_mini_batch_size_not_positive_int(write_config, value):
 def test_mini_batch_larger_than_batch(write_config):
     cfg = _base()
     cfg["batch"]["mini_batch_size"] = 16
-    with pytest.raises(UserError, match=r"batch: mini_batch_size \(16\) is larger than per_device_train_batch_size \(8\)"):
+    with pytest.raises(
+        UserError, match=r"batch: mini_batch_size \(16\) is larger than per_device_train_batch_size \(8\)"
+    ):
         load_config(write_config(cfg))
 
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-
 import pytest
+from conftest import distinct_pairs
 from typer.testing import CliRunner
 
 from cembed.cli import app
-from cembed.config import load_config
+from cembed.configfile import load_config
 from cembed.errors import UserError
-from cembed.train import prepare
-from conftest import distinct_pairs
+from cembed.train import check_run_inputs
 
 
 def _cfg(write_config, train, bs=4, **extra):
-    cfg = {"data": {"train": str(train), **extra.pop("data", {})}, "batch": {"per_device_train_batch_size": bs, "mini_batch_size": 2}}
+    cfg = {
+        "data": {"train": str(train), **extra.pop("data", {})},
+        "batch": {"per_device_train_batch_size": bs, "mini_batch_size": 2},
+    }
     cfg.update(extra)
     return load_config(write_config(cfg))
 
@@ -28,7 +30,7 @@ def test_bad_cell_names_column_and_row(write_config, pairs_file, bad, kind):
     rows[6]["positive"] = bad
     cfg = _cfg(write_config, pairs_file(rows))
     with pytest.raises(UserError, match=rf"row 7: column 'positive' \(role positive\) is {kind}; .*drop_invalid_rows"):
-        prepare(cfg)
+        check_run_inputs(cfg)
 
 
 def test_drop_invalid_rows_counts_them(write_config, pairs_file):
@@ -36,7 +38,7 @@ def test_drop_invalid_rows_counts_them(write_config, pairs_file):
     rows[2]["anchor"] = None
     rows[5]["positive"] = " "
     cfg = _cfg(write_config, pairs_file(rows), data={"drop_invalid_rows": True})
-    _, data = prepare(cfg)
+    _, data = check_run_inputs(cfg)
     assert data.rows_dropped == 2 and len(data.dataset) == 8
     assert "question number 2" not in data.dataset["anchor"]
 
@@ -44,48 +46,58 @@ def test_drop_invalid_rows_counts_them(write_config, pairs_file):
 def test_non_text_column_refused(write_config, pairs_file):
     rows = [{"anchor": i, "positive": f"p{i}"} for i in range(10)]
     with pytest.raises(UserError, match=r"column 'anchor' \(role anchor\) holds int64 values; it must hold text"):
-        prepare(_cfg(write_config, pairs_file(rows)))
+        check_run_inputs(_cfg(write_config, pairs_file(rows)))
 
 
 def test_missing_column_lists_existing(write_config, pairs_file):
     rows = [{"question": f"q{i}", "answer": f"a{i}", "id": i} for i in range(10)]
-    with pytest.raises(UserError, match=r"column 'anchor' \(data.columns.anchor\) not found; the data has columns: question, answer, id"):
-        prepare(_cfg(write_config, pairs_file(rows)))
+    with pytest.raises(
+        UserError,
+        match=r"column 'anchor' \(data.columns.anchor\) not found; the data has columns: question, answer, id",
+    ):
+        check_run_inputs(_cfg(write_config, pairs_file(rows)))
 
 
 def test_column_mapping_drops_unnamed_columns_and_orders_roles(write_config, pairs_file):
     rows = [{"q": f"q{i}", "a": f"a{i}", "n": f"n{i}", "junk": "x"} for i in range(10)]
     cfg = _cfg(write_config, pairs_file(rows), data={"columns": {"anchor": "q", "positive": "a", "negatives": ["n"]}})
-    _, data = prepare(cfg)
+    _, data = check_run_inputs(cfg)
     assert data.columns == ["anchor", "positive", "negative_1"]
     assert data.dataset[3] == {"anchor": "q3", "positive": "a3", "negative_1": "n3"}
 
 
 def test_missing_data_file(write_config, tmp_path):
     with pytest.raises(UserError, match=r"missing\.jsonl: data file not found"):
-        prepare(_cfg(write_config, tmp_path / "missing.jsonl"))
+        check_run_inputs(_cfg(write_config, tmp_path / "missing.jsonl"))
 
 
 def test_batch_larger_than_dataset(write_config, pairs_file):
     with pytest.raises(UserError, match=r"6 rows is fewer than one batch of 8"):
-        prepare(_cfg(write_config, pairs_file(distinct_pairs(6)), bs=8))
+        check_run_inputs(_cfg(write_config, pairs_file(distinct_pairs(6)), bs=8))
 
 
 def test_one_anchor_everywhere_is_refused(write_config, pairs_file):
     rows = [{"anchor": "the same question", "positive": f"answer {i}"} for i in range(20)]
-    with pytest.raises(UserError, match=r"column 'anchor' \(role anchor\) has only 1 distinct texts, so no duplicate-free batch of 4"):
-        prepare(_cfg(write_config, pairs_file(rows)))
+    with pytest.raises(
+        UserError, match=r"column 'anchor' \(role anchor\) has only 1 distinct texts, so no duplicate-free batch of 4"
+    ):
+        check_run_inputs(_cfg(write_config, pairs_file(rows)))
 
 
 def test_tsv_and_csv_load(write_config, tmp_path):
     tsv = tmp_path / "pairs.tsv"
     tsv.write_text("anchor\tpositive\n" + "".join(f"q {i}\ta {i}\n" for i in range(8)))
-    _, data = prepare(_cfg(write_config, tsv))
+    _, data = check_run_inputs(_cfg(write_config, tsv))
     assert data.dataset[7] == {"anchor": "q 7", "positive": "a 7"}
 
 
 def test_validate_cli_prints_lr_and_first_row(write_config, pairs_file):
-    path = write_config({"data": {"train": str(pairs_file(distinct_pairs(64)))}, "batch": {"per_device_train_batch_size": 32, "mini_batch_size": 8}})
+    path = write_config(
+        {
+            "data": {"train": str(pairs_file(distinct_pairs(64)))},
+            "batch": {"per_device_train_batch_size": 32, "mini_batch_size": 8},
+        }
+    )
     r = CliRunner().invoke(app, ["validate", str(path)])
     assert r.exit_code == 0, r.output
     assert "effective learning_rate: 2.000e-05 = 2e-05 x sqrt(32/32) (lr_scaling: sqrt)" in r.output
@@ -95,7 +107,9 @@ def test_validate_cli_prints_lr_and_first_row(write_config, pairs_file):
 def test_cli_user_error_exit_code_2_no_traceback(write_config, pairs_file):
     rows = distinct_pairs(10)
     rows[3]["anchor"] = None
-    path = write_config({"data": {"train": str(pairs_file(rows))}, "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2}})
+    path = write_config(
+        {"data": {"train": str(pairs_file(rows))}, "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2}}
+    )
     r = CliRunner().invoke(app, ["validate", str(path)])
     assert r.exit_code == 2
     assert "row 4: column 'anchor'" in r.output and "Traceback" not in r.output

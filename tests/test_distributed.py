@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import COCO_PAIRS, REPO
 
 WORLD = 2
@@ -51,7 +50,10 @@ def _rows(negatives: bool) -> list[dict]:
     words = "man woman dog cat train table street car room plate food bus".split()
     rows = []
     for i in range(ROWS):
-        row = {"anchor": f"a {words[i]} on the {words[-1 - i]}", "positive": f"the {words[i]} next to a {words[(i + 3) % 12]}"}
+        row = {
+            "anchor": f"a {words[i]} on the {words[-1 - i]}",
+            "positive": f"the {words[i]} next to a {words[(i + 3) % 12]}",
+        }
         if negatives:
             row["negative"] = f"two {words[(i + 5) % 12]} near the {words[(i + 7) % 12]}"
         rows.append(row)
@@ -60,7 +62,10 @@ def _rows(negatives: bool) -> list[dict]:
 
 def _duplicate_heavy_rows(n: int = 96) -> list[dict]:
     # 12 distinct anchors, positives that repeat every 20 rows and sometimes equal an anchor text.
-    return [{"anchor": f"topic {i % 12}", "positive": f"topic {12 + (i * 7) % 20}" if i % 3 else f"topic {(i + 5) % 12}"} for i in range(n)]
+    return [
+        {"anchor": f"topic {i % 12}", "positive": f"topic {12 + (i * 7) % 20}" if i % 3 else f"topic {(i + 5) % 12}"}
+        for i in range(n)
+    ]
 
 
 def _case_config(tmp: Path, model_dir: Path, name: str, world: int) -> dict:
@@ -76,7 +81,13 @@ def _case_config(tmp: Path, model_dir: Path, name: str, world: int) -> dict:
             "cache_dir": str(tmp / "cache"),
         },
         "batch": {"per_device_train_batch_size": ROWS // world, "mini_batch_size": 2},
-        "optim": {"learning_rate": 0.5, "lr_scaling": "none", "warmup_ratio": 0.0, "weight_decay": 0.0, "lr_scheduler_type": "constant"},
+        "optim": {
+            "learning_rate": 0.5,
+            "lr_scaling": "none",
+            "warmup_ratio": 0.0,
+            "weight_decay": 0.0,
+            "lr_scheduler_type": "constant",
+        },
         "loss": {"name": loss, "symmetric": symmetric, "scale": 20},
         "train": {"max_steps": 1, "logging_steps": 1, "output_dir": str(tmp / f"{name}-w{world}")},
     }
@@ -155,11 +166,11 @@ def _install_recording(monkeypatch=None):
 def _run(cfg_dict: dict, base: Path):
     from rich.console import Console
 
-    from cembed.config import config_from_dict
-    from cembed.train import prepare, run_training
+    from cembed.configfile import config_from_dict
+    from cembed.train import check_run_inputs, run_training
 
     cfg = config_from_dict(cfg_dict, base=base)
-    plan, data = prepare(cfg)
+    plan, data = check_run_inputs(cfg)
     return run_training(cfg, plan, data, Console(quiet=True), progress=False)
 
 
@@ -171,8 +182,14 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     guard.daemon = True
     guard.start()
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1", TQDM_DISABLE="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        TQDM_DISABLE="1",
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
@@ -182,15 +199,25 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     for name in CASES:
         summary = _run(_case_config(tmp_path, model_path, name, WORLD), tmp_path)
         trainer = record["trainers"][-1]
-        torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, tmp_path / f"{name}-rank{rank}.pt")
-        results[name] = {"loss": summary["first_loss"], "steps": summary["steps"], "distributed": summary["distributed"]}
+        torch.save(
+            {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, tmp_path / f"{name}-rank{rank}.pt"
+        )
+        results[name] = {
+            "loss": summary["first_loss"],
+            "steps": summary["steps"],
+            "distributed": summary["distributed"],
+        }
     record["batches"].clear()
     summary = _run(_epoch_config(tmp_path, model_path), tmp_path)
     trained_epoch = [b for b in record["batches"] if b][-1]
-    results["epoch"] = {"steps": summary["steps"], "batches": trained_epoch, "batches_per_epoch": summary["data"]["batches_per_epoch"]}
+    results["epoch"] = {
+        "steps": summary["steps"],
+        "batches": trained_epoch,
+        "batches_per_epoch": summary["data"]["batches_per_epoch"],
+    }
 
     # SIGTERM reaches rank 1 only, when step 2 ends: both ranks must stop after the same step.
-    from cembed.checkpoint import RunInterrupted
+    from cembed.errors import RunInterrupted
 
     record["signal_at"] = 2 if rank == 1 else None
     cfg = _epoch_config(tmp_path, model_path)
@@ -199,7 +226,12 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
         summary = _run(cfg, tmp_path)
         results["interrupt"] = {"status": "completed", "steps": summary["steps"]}
     except RunInterrupted as stop:
-        results["interrupt"] = {"status": "interrupted", "step": stop.step, "signum": stop.signum, "checkpoint": stop.checkpoint}
+        results["interrupt"] = {
+            "status": "interrupted",
+            "step": stop.step,
+            "signum": stop.signum,
+            "checkpoint": stop.checkpoint,
+        }
     (tmp_path / f"results-rank{rank}.json").write_text(json.dumps(results))
     from cembed.distributed import leave_process_group
 
@@ -287,7 +319,9 @@ def test_sampler_shards_global_batches_through_accelerate(pairs_file):
     ds = Dataset.from_list(rows)
     for drop_last in (True, False):
         sampler = NoDuplicatesSampler(ds, batch_size=4, drop_last=drop_last, seed=3, world_size=2)
-        shards = [list(BatchSamplerShard(sampler, num_processes=2, process_index=r, even_batches=False)) for r in range(2)]
+        shards = [
+            list(BatchSamplerShard(sampler, num_processes=2, process_index=r, even_batches=False)) for r in range(2)
+        ]
         globals_ = sampler.global_batches()
         assert len(shards[0]) == len(shards[1]) == len(globals_) == len(sampler) // 2
         for g, b0, b1 in zip(globals_, *shards):
@@ -308,7 +342,10 @@ def test_cli_train_nproc_per_node_2_on_coco_slice(tiny_model_dir, write_config, 
     )
     r = subprocess.run(
         [sys.executable, "-m", "cembed", "train", str(cfg), "--nproc-per-node", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     summaries = list(out.rglob("run_summary.json"))
@@ -335,7 +372,7 @@ dist.barrier()  # rank 0 would wait here forever if the launcher did not stop it
 def test_failing_rank_stops_the_job(tmp_path):
     (tmp_path / "failing_worker.py").write_text(FAILING_WORKER)
     code = (
-        "from cembed.distributed import launch, WorkerFailed\n"
+        "from cembed.distributed import launch\nfrom cembed.errors import WorkerFailed\n"
         "try:\n    launch([], 2, module='failing_worker')\n"
         "except WorkerFailed as e:\n    print('FAILED', e.rank, e.exitcode, e.message)\n"
     )
@@ -352,8 +389,18 @@ def test_launcher_args_and_validate_show_world_size(write_config, pairs_file, tm
     from cembed.errors import UserError
 
     assert launcher_args("cembed", ["train", "c.yaml"], 4, 2, 1, "node0:29400") == [
-        "--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "node0:29400",
-        "--module", "cembed", "train", "c.yaml",
+        "--nproc-per-node",
+        "4",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-endpoint",
+        "node0:29400",
+        "--module",
+        "cembed",
+        "train",
+        "c.yaml",
     ]
     with pytest.raises(UserError, match="--rdzv-endpoint"):
         launcher_args("cembed", [], 2, nnodes=2)

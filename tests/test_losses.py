@@ -12,9 +12,33 @@ from cembed.config import LossConfig
 from cembed.losses import build_loss
 
 TEXTS = {
-    "anchor": ["a man on a bus", "two dogs", "the red car", "a cat on a table", "people at the street", "white plate of food", "a train"],
-    "positive": ["man riding bus", "dogs playing", "car in red", "cat sitting on table", "street with people", "food on a plate", "train on track"],
-    "negative_1": ["a blue room", "large black dog", "small white car", "top of the bus", "near the table", "next to a woman", "the woman"],
+    "anchor": [
+        "a man on a bus",
+        "two dogs",
+        "the red car",
+        "a cat on a table",
+        "people at the street",
+        "white plate of food",
+        "a train",
+    ],
+    "positive": [
+        "man riding bus",
+        "dogs playing",
+        "car in red",
+        "cat sitting on table",
+        "street with people",
+        "food on a plate",
+        "train on track",
+    ],
+    "negative_1": [
+        "a blue room",
+        "large black dog",
+        "small white car",
+        "top of the bus",
+        "near the table",
+        "next to a woman",
+        "the woman",
+    ],
 }
 
 
@@ -92,7 +116,9 @@ def test_length_sorted_equals_unsorted(tiny_model_dir, mbs, columns):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
     features = _features(model, columns)
-    unsorted_loss, unsorted_grads = _loss_and_grads(model, build_loss(model, LossConfig(), mbs, sort_by_length=False), features)
+    unsorted_loss, unsorted_grads = _loss_and_grads(
+        model, build_loss(model, LossConfig(), mbs, sort_by_length=False), features
+    )
     sorted_obj = build_loss(model, LossConfig(), mbs, sort_by_length=True)
     sorted_loss, sorted_grads = _loss_and_grads(model, sorted_obj, features)
     assert _rel(sorted_loss, unsorted_loss) <= 1e-5

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cembed.cli import app
-from cembed.config import config_from_dict
+from cembed.configfile import config_from_dict
 from cembed.errors import UserError
 from cembed.lr import scale_lr, suggest_lr
 from cembed.plan import resolve_plan
@@ -35,7 +35,9 @@ def test_cli_suggest_lr():
     assert "suggested learning_rate: 9.051e-04 (sqrt rule)" in r.output
     assert "linear rule: 4.096e-02" in r.output
     assert "4.525e-04 .. 1.810e-03" in r.output
-    r = CliRunner().invoke(app, ["suggest-lr", "--base-lr", "2e-5", "--base-bs", "32", "--bs", "65536", "--rule", "linear"])
+    r = CliRunner().invoke(
+        app, ["suggest-lr", "--base-lr", "2e-5", "--base-bs", "32", "--bs", "65536", "--rule", "linear"]
+    )
     assert "suggested learning_rate: 4.096e-02 (linear rule)" in r.output
     r = CliRunner().invoke(app, ["suggest-lr", "--base-lr", "-1", "--base-bs", "32", "--bs", "64"])
     assert r.exit_code == 2

@@ -61,8 +61,8 @@ def test_cache_reused_and_rebuilt_on_max_seq_length_change(model, tmp_path):
 
 def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
     """dataloader_num_workers: 2 gives the same first-step loss as 0 workers."""
-    from cembed.config import load_config
-    from cembed.train import prepare, run_training
+    from cembed.configfile import load_config
+    from cembed.train import check_run_inputs, run_training
 
     monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
     rows = [{"anchor": f"question {i} about a {'red ' * (i % 7)}car", "positive": f"answer {i}"} for i in range(64)]
@@ -75,12 +75,16 @@ def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config,
                     "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
                     "data": {"train": str(train)},
                     "batch": {"per_device_train_batch_size": 16, "mini_batch_size": 4},
-                    "train": {"max_steps": 2, "logging_steps": 1, "output_dir": str(tmp_path / f"w{workers}"),
-                              "dataloader_num_workers": workers},
+                    "train": {
+                        "max_steps": 2,
+                        "logging_steps": 1,
+                        "output_dir": str(tmp_path / f"w{workers}"),
+                        "dataloader_num_workers": workers,
+                    },
                 }
             )
         )
-        plan, data = prepare(cfg)
+        plan, data = check_run_inputs(cfg)
         summary = run_training(cfg, plan, data, progress=False)
         assert summary["tokenization"]["pretokenized"] is True
         assert summary["tokenization"]["from_cache"] is (workers == 2)  # second run reuses the cache
@@ -107,5 +111,9 @@ def test_meter_interval_arithmetic(monkeypatch):
     m.waited(1.0)
     counts.real, counts.processed = 400, 400
     assert m.snapshot(step=10) == {"data_wait": 0.05, "tokens_per_s": 20.0, "padded_share": 0.0}  # t=130
-    assert m.totals() == {"data_wait": round(3.5 / 30, 4), "tokens_per_s": round(1400 / 30, 1), "padded_share": round(250 / 1650, 4)}
+    assert m.totals() == {
+        "data_wait": round(3.5 / 30, 4),
+        "tokens_per_s": round(1400 / 30, 1),
+        "padded_share": round(250 / 1650, 4),
+    }
     assert [h["step"] for h in m.history] == [5, 10]

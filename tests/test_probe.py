@@ -9,10 +9,13 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, distinct_pairs
 from typer.testing import CliRunner
 
 from cembed.cli import app
-from cembed.config import LossConfig, ModelConfig, load_config
+from cembed.config import LossConfig, ModelConfig
+from cembed.configfile import load_config, set_yaml_value
+from cembed.data import truncation_report
 from cembed.errors import UserError
 from cembed.probe import (
     SubprocessTrial,
@@ -20,10 +23,7 @@ from cembed.probe import (
     TrialSpec,
     parse_bytes,
     search_mini_batch,
-    truncation_report,
-    write_mini_batch_size,
 )
-from conftest import REPO, distinct_pairs
 
 FITS_UP_TO = 37
 PER_ROW = 900  # fake bytes per row: 37 x 900 = 33300 = 0.9 x 37000, so with margin 10% exactly 37 fits
@@ -116,7 +116,10 @@ def test_parse_bytes():
 def test_cpu_budget_mode_tiny_model(tiny_model_dir):
     spec = TrialSpec(
         model=ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=128, device="cpu").model_dump(),
-        loss=LossConfig().model_dump(), n_columns=2, batch_size=256, device="cpu",
+        loss=LossConfig().model_dump(),
+        n_columns=2,
+        batch_size=256,
+        device="cpu",
     )
     trial = SubprocessTrial(spec)
     small, large = trial(64), trial(128)
@@ -146,7 +149,10 @@ def test_mini_batch_size_auto_trains_end_to_end_on_cpu(tiny_model_dir, write_con
     assert load_config(cfg).batch.mini_batch_size == "auto"
     r = subprocess.run(
         [sys.executable, "-m", "cembed", "train", str(cfg), "--max-memory", "8GiB"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "run_summary.json").read_text())
@@ -162,14 +168,22 @@ def test_mini_batch_size_auto_trains_end_to_end_on_cpu(tiny_model_dir, write_con
 
 def test_write_keeps_comments_and_adds_missing_key(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("data:\n  train: x.jsonl\nbatch:\n  per_device_train_batch_size: 64  # negatives\n  mini_batch_size: auto   # probe\n")
-    write_mini_batch_size(p, 48)
-    assert p.read_text() == "data:\n  train: x.jsonl\nbatch:\n  per_device_train_batch_size: 64  # negatives\n  mini_batch_size: 48   # probe\n"
+    p.write_text(
+        "data:\n  train: x.jsonl\nbatch:\n  per_device_train_batch_size: 64  # negatives\n  mini_batch_size: auto   # probe\n"
+    )
+    set_yaml_value(p, ("batch", "mini_batch_size"), 48)
+    assert (
+        p.read_text()
+        == "data:\n  train: x.jsonl\nbatch:\n  per_device_train_batch_size: 64  # negatives\n  mini_batch_size: 48   # probe\n"
+    )
     p.write_text("data:\n  train: x.jsonl\nbatch:\n    per_device_train_batch_size: 64\n")
-    write_mini_batch_size(p, 12)
-    assert p.read_text() == "data:\n  train: x.jsonl\nbatch:\n    mini_batch_size: 12\n    per_device_train_batch_size: 64\n"
+    set_yaml_value(p, ("batch", "mini_batch_size"), 12)
+    assert (
+        p.read_text()
+        == "data:\n  train: x.jsonl\nbatch:\n    mini_batch_size: 12\n    per_device_train_batch_size: 64\n"
+    )
     p.write_text("data:\n  train: x.jsonl")
-    write_mini_batch_size(p, 7)
+    set_yaml_value(p, ("batch", "mini_batch_size"), 7)
     assert p.read_text() == "data:\n  train: x.jsonl\nbatch:\n  mini_batch_size: 7\n"
 
 

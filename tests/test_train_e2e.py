@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from sentence_transformers import SentenceTransformer
-
 from conftest import COCO_PAIRS, REPO
+from sentence_transformers import SentenceTransformer
 
 
 @pytest.mark.skipif(not COCO_PAIRS.exists(), reason="../shared/data is not present")
@@ -29,7 +28,18 @@ def test_cli_train_on_coco_slice(tiny_model_dir, write_config, tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "run_summary.json").read_text())
-    for key in ("config", "learning_rate", "steps", "samples_seen", "wall_time_s", "samples_per_s", "first_loss", "last_loss", "device", "versions"):
+    for key in (
+        "config",
+        "learning_rate",
+        "steps",
+        "samples_seen",
+        "wall_time_s",
+        "samples_per_s",
+        "first_loss",
+        "last_loss",
+        "device",
+        "versions",
+    ):
         assert key in summary, key
     assert summary["device"] == "cpu" and summary["status"] == "completed"
     assert summary["steps"] == 3 * summary["data"]["batches_per_epoch"]

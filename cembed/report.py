@@ -1,0 +1,147 @@
+"""Everything cembed prints to the terminal, in one place.
+
+Library functions return values (dataclasses, dicts) that tests check; the CLI hands them to the
+functions here, which render them with rich. Only this module and :mod:`cembed.cli` import rich.
+"""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from cembed.probe import ProbeResult, format_bytes
+
+
+def warn(console: Console, text: str) -> None:
+    """One yellow ``warning:`` line."""
+    console.print(f"[yellow]warning:[/] {text}", highlight=False)
+
+
+def note(console: Console, text: str) -> None:
+    """One yellow ``note:`` line."""
+    console.print(f"[yellow]note:[/] {text}", highlight=False)
+
+
+# --- suggest-lr, validate, the plan -------------------------------------------------------------
+
+
+def print_suggestion(console: Console, s, base_lr: float, base_bs: int, bs: int) -> None:
+    """The ``cembed suggest-lr`` answer: suggestion, both rules and the bracket to try."""
+    lo, hi = s.bracket
+    console.print(f"suggested learning_rate: [bold]{s.suggested:.3e}[/] ({s.rule} rule)", highlight=False)
+    console.print(f"  sqrt rule:   {s.sqrt:.3e} = {base_lr:g} x sqrt({bs}/{base_bs})", highlight=False)
+    console.print(f"  linear rule: {s.linear:.3e} = {base_lr:g} x ({bs}/{base_bs})", highlight=False)
+    console.print(
+        f"  bracket to try: {lo:.3e} .. {hi:.3e} (x0.5, x2; halve/double from the suggestion)", highlight=False
+    )
+
+
+def print_plan(console: Console, plan) -> None:
+    """World size, effective batch, gathering, the LR derivation and the plan's warnings."""
+    per_node = f" ({plan.world_size} processes)" if plan.world_size > 1 else ""
+    console.print(
+        f"world size: {plan.world_size}{per_node}   effective batch: {plan.per_device_train_batch_size} per device x "
+        f"{plan.world_size} x {plan.gradient_accumulation_steps} accumulation = {plan.samples_per_step} samples per "
+        f"optimizer step   gather_across_devices: {str(plan.gather_across_devices).lower()}",
+        highlight=False,
+    )
+    console.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
+    for w in plan.warnings:
+        warn(console, w)
+
+
+def print_validation(console: Console, cfg, plan, data) -> None:
+    """What ``cembed validate`` found: resolved config, device, plan, data counts, first row."""
+    console.print("[bold]resolved config[/]")
+    console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    console.print(f"device: {plan.device}", highlight=False)
+    print_plan(console, plan)
+    console.print(
+        f"data: {data.rows_read} rows read, {data.rows_dropped} dropped, {len(data.dataset)} to train on; "
+        f"columns {data.roles}",
+        highlight=False,
+    )
+    table = Table("role", "first training row")
+    for key, value in data.dataset[0].items():
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+def print_data_report(console: Console, report) -> None:
+    """The ``cembed inspect-data`` table (a :class:`cembed.sampler.DataReport`)."""
+    out = Table("", "value", title=report.source, title_justify="left")
+    out.add_row("rows", f"{report.rows} ({report.rows_dropped} invalid dropped)")
+    for role, (source, distinct) in report.distinct.items():
+        out.add_row(f"distinct texts: {role} ({source})", str(distinct))
+    b = report.batching
+    out.add_row("rows sharing a text with another row", f"{100 * b['colliding_share']:.2f}%")
+    out.add_row(
+        "largest duplicate-free batch", f"{b['largest_batch']} found (at most {b['largest_batch_upper_bound']})"
+    )
+    out.add_row(f"batches per epoch at batch {report.batch_size}", str(b["batches_per_epoch"]))
+    out.add_row("rows left out per epoch (drop_last)", str(b["rows_unplaced"]))
+    console.print(out)
+
+
+# --- truncation and the mini-batch probe --------------------------------------------------------
+
+
+def truncation_table(max_seq_length: int, report: list) -> Table:
+    """A table of :func:`cembed.data.truncation_report` (``ColumnTruncation`` rows)."""
+    rows = report[0].rows if report else 0
+    table = Table(
+        "column",
+        "rows > max_seq_length",
+        "fraction",
+        "longest (tokens)",
+        title=f"truncation at max_seq_length {max_seq_length} ({rows} rows checked)",
+    )
+    for c in report:
+        name = c.column if c.column == c.source else f"{c.column} ({c.source})"
+        table.add_row(name, str(c.truncated), f"{100 * c.fraction:.1f}%", str(c.max_tokens))
+    return table
+
+
+def print_truncation(console: Console, truncation) -> None:
+    """The truncation table, or why it was skipped (``truncation`` is ``(max_seq_length, report)``
+    or the :class:`~cembed.errors.UserError` that kept the model from loading)."""
+    if isinstance(truncation, Exception):
+        console.print(f"[yellow]truncation report skipped:[/] {truncation}", highlight=False)
+        return
+    console.print(truncation_table(*truncation))
+
+
+def probe_table(result: ProbeResult) -> Table:
+    """Size, peak memory, % of the limit, samples/s, fits (in trial order); ``*`` marks the pick."""
+    table = Table(
+        "mini_batch_size",
+        "peak memory",
+        "of limit",
+        "samples/s",
+        "fits",
+        title=(
+            f"probe on {result.device or '?'}: limit {format_bytes(result.limit_bytes)} = "
+            f"(1 - {result.margin:g}) x {format_bytes(result.capacity_bytes)}"
+        ),
+    )
+    for r in result.trials:
+        pct = f"{100 * r.peak_bytes / result.limit_bytes:.0f}%" if r.peak_bytes and result.limit_bytes else "-"
+        peak = format_bytes(r.peak_bytes) if r.peak_bytes else "-"
+        if r.error and r.error.startswith("over budget") and r.peak_bytes:
+            peak = ">" + peak
+        sps = f"{r.samples_per_s:.1f}" if r.samples_per_s else "-"
+        fits = "[green]yes[/]" if r.fits else f"[red]no[/] ({r.error or 'over the limit'})"
+        mark = " *" if r.size == result.recommended else ""
+        table.add_row(f"{r.size}{mark}", peak, pct, sps, fits)
+    return table
+
+
+def print_probe(console: Console, result: ProbeResult) -> None:
+    """The probe table, notes, the recommendation with its reason and the override line."""
+    console.print(probe_table(result))
+    for text in result.notes:
+        note(console, text)
+    console.print(f"recommended mini_batch_size: [bold]{result.recommended}[/] ({result.reason})", highlight=False)
+    console.print(f"override: batch.mini_batch_size={result.recommended}", highlight=False)
