@@ -8,7 +8,7 @@ line and dotted field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,7 @@ from pydantic import (
     PositiveInt,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -50,42 +51,86 @@ class ModelConfig(_Strict):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
-class DataSource(_Strict):
-    """A local file (.jsonl[.gz], .json, .csv, .tsv, .parquet) or a datasets hub id."""
+class FileSource(_Strict):
+    """A local data file: .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet."""
 
-    path: str
-    split: str = "train"
-    subset: str | None = None
+    kind: Literal["file"] = Field("file", description="source kind; inferred from path when not given")
+    path: str = Field(description="the file; a relative path resolves against the config file's folder")
+    split: str = Field("train", description="accepted for symmetry with hub sources; a file is one split")
+    subset: str | None = Field(None, description="accepted for symmetry with hub sources; ignored for a file")
 
     @property
-    def is_local(self) -> bool:
-        return Path(self.path).exists() or self.path.lower().endswith(LOCAL_EXTENSIONS)
+    def label(self) -> str:
+        """How messages and the run summary name this source."""
+        return self.path
+
+
+class HubSource(_Strict):
+    """A dataset on the datasets hub (or any id ``datasets.load_dataset`` accepts)."""
+
+    kind: Literal["hub"] = Field("hub", description="source kind; inferred from path when not given")
+    path: str = Field(description="the dataset id, e.g. sentence-transformers/all-nli")
+    split: str = Field("train", description="the split to train on")
+    subset: str | None = Field(None, description="the dataset's configuration (subset) name, if it has several")
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source."""
+        return self.path
+
+
+# One class per kind of training data; `kind` picks it (inferred by DataConfig when not given).
+DataSource = Annotated[FileSource | HubSource, Field(discriminator="kind")]
+
+
+def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
+    """``file`` when ``path`` exists (relative to the working folder or to ``base``, the config
+    file's folder) or ends with one of :data:`LOCAL_EXTENSIONS`; ``hub`` otherwise."""
+    if path.lower().endswith(LOCAL_EXTENSIONS) or Path(path).exists():
+        return "file"
+    if base is not None and (base / path).exists():
+        return "file"
+    return "hub"
 
 
 class ColumnMap(_Strict):
     """Source column names for the roles the loss expects; every other column is dropped."""
 
-    anchor: str = "anchor"
-    positive: str = "positive"
-    negatives: list[str] = Field(default_factory=list)
+    anchor: str = Field("anchor", description="column holding the anchor (query) text")
+    positive: str = Field("positive", description="column holding the positive text for the anchor")
+    negatives: list[str] = Field(
+        default_factory=list, description="columns holding hard negatives, one role (negative_1..k) each"
+    )
 
 
 class DataConfig(_Strict):
-    train: DataSource
-    columns: ColumnMap = Field(default_factory=ColumnMap)
-    max_samples: PositiveInt | None = None
-    drop_invalid_rows: bool = False
-    pretokenize: bool = True  # tokenize once, cache on disk, only pad in the collator
-    cache_dir: str | None = None  # default $CEMBED_CACHE_DIR or ~/.cache/cembed
+    """The training data: where it comes from, which columns feed the loss, how it is checked."""
+
+    train: DataSource = Field(description="a file path, a hub id, or {kind, path, split, subset}")
+    columns: ColumnMap = Field(default_factory=ColumnMap, description="data column -> loss role")
+    max_samples: PositiveInt | None = Field(None, description="train on the first N rows only")
+    drop_invalid_rows: bool = Field(False, description="drop rows with an empty/over-1-MB cell instead of refusing")
+    pretokenize: bool = Field(True, description="tokenize once, cache on disk, only pad in the collator")
+    cache_dir: str | None = Field(None, description="default $CEMBED_CACHE_DIR or ~/.cache/cembed")
 
     @model_validator(mode="before")
     @classmethod
-    def _path_shorthand(cls, data: Any) -> Any:
-        # `train: file.jsonl` is shorthand for `train: {path: file.jsonl}`.
+    def _path_shorthand(cls, data: Any, info: ValidationInfo) -> Any:
+        # `train: file.jsonl` is shorthand for `train: {path: file.jsonl}`; a `train` without `kind`
+        # gets it from infer_source_kind (config_from_dict passes the config's folder as context base).
         if isinstance(data, dict):
             data = dict(data)
-            if isinstance(data.get("train"), str):
-                data["train"] = {"path": data["train"]}
+            train = data.get("train")
+            if isinstance(train, str):
+                train = {"path": train}
+            if isinstance(train, dict) and "kind" not in train:
+                path = train.get("path")
+                base = (info.context or {}).get("base")
+                # Without a usable path any kind reports the same error (missing or not a string).
+                kind = infer_source_kind(path, base) if isinstance(path, str) else "file"
+                train = {"kind": kind, **train}
+            if isinstance(train, dict):
+                data["train"] = train
         return data
 
 

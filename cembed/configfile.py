@@ -12,12 +12,12 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cembed.config import CembedConfig
+from cembed.config import CembedConfig, FileSource
 from cembed.errors import UserError
 
 
@@ -94,6 +94,27 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(current, "model_fields", {}))
 
 
+def _without_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:
+    """Drop the tag pydantic puts after a discriminated-union field (``data.train.file.path`` ->
+    ``data.train.path``): it is the value of ``kind``, not a YAML key."""
+    out: list[str] = []
+    current: Any = CembedConfig
+    tag_next = False
+    for part in loc:
+        if tag_next:
+            tag_next = False
+            continue
+        out.append(part)
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:  # a list index, or past the schema
+            continue
+        tag_next = field.discriminator is not None
+        args = get_args(field.annotation) or (field.annotation,)
+        args = [inner for a in args for inner in (get_args(a) or (a,))]  # list[Model] -> Model
+        current = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return tuple(out)
+
+
 def _format_validation_error(
     err: ValidationError, source: str, lines: dict[tuple[str, ...], int], overrides: list[str] | None = None
 ) -> str:
@@ -101,8 +122,10 @@ def _format_validation_error(
     messages = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-        # pydantic reports union members as extra loc parts (e.g. 'DataSource'); drop them.
-        loc = tuple(p for p in loc if not p[:1].isupper())
+        # pydantic reports union members as extra loc parts (a class name, or a discriminated union's tag); drop them.
+        loc = _without_union_tags(tuple(p for p in loc if not p[:1].isupper()))
+        if e["type"] == "union_tag_invalid":  # an unknown `kind`: name the kind key (and its line)
+            loc += (e["ctx"]["discriminator"].strip("'"),)
         dotted = ".".join(loc) or "(top level)"
         line = lines.get(loc) or lines.get(loc[:-1])
         where = f"{source}:{line}" if line else source
@@ -115,6 +138,9 @@ def _format_validation_error(
             hint = f"; did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else ""
             allowed = f" (allowed: {', '.join(known)})" if known and not close else ""
             messages.append(f"{where}: unknown key '{dotted}'{hint}{allowed}")
+        elif e["type"] == "union_tag_invalid":
+            ctx = e["ctx"]
+            messages.append(f"{where}: {dotted}: unknown value {ctx['tag']!r}; allowed: {ctx['expected_tags']}")
         elif e["type"] == "missing":
             messages.append(f"{where}: missing required field '{dotted}'")
         else:
@@ -134,7 +160,7 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
     """Make local paths absolute relative to ``base`` (the config file's folder)."""
     cfg = cfg.model_copy(deep=True)
     source = cfg.data.train
-    if source.is_local or (base / source.path).exists():
+    if isinstance(source, FileSource):  # a hub id is not a path
         source.path = _resolve_path(source.path, base)
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
     if cfg.data.cache_dir is not None:
@@ -159,7 +185,8 @@ def config_from_dict(
             f"{source}: the config must be a mapping of sections (model, data, batch, ...), not a {type(data).__name__}"
         )
     try:
-        cfg = CembedConfig.model_validate(data)
+        # The config's folder lets DataConfig infer `kind: file` for a relative path that exists there.
+        cfg = CembedConfig.model_validate(data, context={"base": base or Path.cwd()})
     except ValidationError as err:
         raise UserError(_format_validation_error(err, source, line_index(text), overrides)) from None
     return resolve_paths(cfg, base or Path.cwd())

@@ -1,4 +1,4 @@
-"""Training data: load a file or hub dataset, map its columns to roles, check every cell.
+"""Training data: load the source (:mod:`cembed.sources`), map its columns to roles, check every cell.
 
 The output is a :class:`PreparedData` whose ``dataset`` has exactly the columns the loss embeds, in
 order: ``anchor``, ``positive``, then ``negative_1`` ... ``negative_k``. Nothing unnamed survives,
@@ -7,19 +7,15 @@ so nothing unnamed is embedded.
 
 from __future__ import annotations
 
-import csv
-import gzip
-import json
-import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cembed.config import ColumnMap, DataConfig, DataSource
+from cembed.config import ColumnMap, DataConfig
 from cembed.errors import UserError
 from cembed.model import load_model, quiet_libraries
+from cembed.sources import load_source
 
 # A text cell over 1 MB is a data error (a whole file pasted into a cell), not a sentence.
 MAX_TEXT_BYTES = 1_000_000
@@ -43,137 +39,6 @@ class PreparedData:
 def arrow_table(dataset) -> pa.Table:
     """The dataset's rows as a pyarrow Table (selections applied), without copying when possible."""
     return dataset.with_format("arrow")[:]
-
-
-def _builder_for(path: Path) -> tuple[str, dict]:
-    name = path.name.lower().removesuffix(".gz")
-    if name.endswith((".jsonl", ".json")):
-        return "json", {}
-    if name.endswith(".csv"):
-        return "csv", {}
-    if name.endswith(".tsv"):
-        return "csv", {"delimiter": "\t"}
-    if name.endswith(".parquet"):
-        return "parquet", {}
-    raise UserError(f"{path}: unsupported file type; use .jsonl[.gz], .json, .csv, .tsv or .parquet")
-
-
-def load_source(source: DataSource):
-    """Load a local file or a hub dataset as a ``datasets.Dataset``.
-
-    Raises:
-        UserError: missing file, unsupported extension, unreadable/corrupt content, or a hub dataset
-            that cannot be reached.
-    """
-    import datasets
-
-    datasets.disable_progress_bars()
-    if source.is_local:
-        path = Path(source.path)
-        if not path.exists():
-            raise UserError(f"{path}: data file not found (data paths resolve relative to the config file)")
-        if path.is_dir():
-            raise UserError(f"{path}: is a folder; data.train must name a file")
-        if path.stat().st_size == 0:
-            raise UserError(f"{path}: data file is empty")
-        builder, kwargs = _builder_for(path)
-        if builder == "csv":
-            # pandas fills short rows with NaN silently; a ragged row must be named instead.
-            problem = diagnose_file(path)
-            if problem:
-                raise UserError(f"{path}: {problem}")
-        try:
-            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
-            # The JSON reader can pass invalid UTF-8 through into string columns; catch it here.
-            dataset.data.table.validate(full=True)
-            return dataset
-        except Exception as err:  # datasets wraps parser errors in many types
-            problem = diagnose_file(path)
-            if problem is None:
-                first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-                problem = f"cannot read as {builder}: {first[:300]}"
-            raise UserError(f"{path}: {problem}") from None
-    try:
-        return datasets.load_dataset(source.path, source.subset, split=source.split)
-    except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-        raise UserError(
-            f"data: cannot load hub dataset {source.path!r} (subset={source.subset}, split={source.split}): "
-            f"{first[:300]}"
-        ) from None
-
-
-def _text_lines(path: Path):
-    """Yield ``(line_number, text)``; raises ValueError naming the line for bad gzip or UTF-8."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    try:
-        with opener(path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
-                try:
-                    yield number, raw.decode("utf-8")
-                except UnicodeDecodeError as err:
-                    raise ValueError(
-                        f"line {number}: bytes that are not UTF-8 at column {err.start + 1}; re-encode the file as UTF-8"
-                    ) from None
-    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-        raise ValueError(f"corrupt or truncated gzip ({err.__class__.__name__}: {err}); re-create the file") from None
-    except PermissionError:
-        raise ValueError("cannot read the file: permission denied") from None
-
-
-def diagnose_file(path: Path) -> str | None:
-    """Scan a local data file with the standard library and describe its first problem, or return
-    ``None`` when it parses: corrupt/truncated gzip, non-UTF-8 bytes, invalid JSON on line N, a JSON
-    line that is not an object, a CSV/TSV row whose field count differs from the header's, no rows."""
-    name = path.name.lower().removesuffix(".gz")
-    try:
-        if name.endswith(".jsonl") or name.endswith(".json"):
-            lines = list(_text_lines(path))
-            if name.endswith(".json"):
-                text = "".join(t for _, t in lines)
-                try:
-                    data = json.loads(text)
-                except json.JSONDecodeError as err:
-                    # Not one JSON document: maybe JSON Lines in a .json file; check line by line.
-                    if "Extra data" not in err.msg:
-                        return f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}"
-                else:
-                    if isinstance(data, list) and not all(isinstance(r, dict) for r in data):
-                        return "a JSON array must hold one object per row"
-                    return None if data else "the file holds no rows"
-            rows = 0
-            for number, text in lines:
-                if not text.strip():
-                    continue
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as err:
-                    return f"invalid JSON on line {number}, column {err.colno}: {err.msg}"
-                if not isinstance(obj, dict):
-                    return f"line {number} is a JSON {type(obj).__name__}, expected an object per line"
-                rows += 1
-            return None if rows else "the file holds no rows"
-        if name.endswith((".csv", ".tsv")):
-            delimiter = "\t" if name.endswith(".tsv") else ","
-            text_lines = (t for _, t in _text_lines(path))
-            reader = csv.reader(text_lines, delimiter=delimiter)
-            header = next(reader, None)
-            if not header:
-                return "the file has no header row"
-            for row in reader:
-                if row and len(row) != len(header):
-                    return (
-                        f"line {reader.line_num}: {len(row)} fields, but the header has {len(header)} "
-                        f"({', '.join(header)}); quote fields that contain the delimiter"
-                    )
-            if reader.line_num <= 1:
-                return "the file holds a header but no rows"
-            return None
-    except ValueError as err:
-        return str(err)
-    except csv.Error as err:
-        return f"malformed CSV: {err}"
-    return None
 
 
 def role_columns(columns: ColumnMap) -> list[tuple[str, str]]:
@@ -263,12 +128,12 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     check every cell (dropping bad rows with ``cfg.drop_invalid_rows``).
 
     Raises:
-        UserError: see :func:`load_source`, :func:`map_columns`, :func:`check_cells`; also a file
+        UserError: see :func:`cembed.sources.load_source`, :func:`map_columns`, :func:`check_cells`; also a file
             with no rows.
     """
     source, columns = cfg.train, cfg.columns
     raw = load_source(source)
-    label = source.path
+    label = source.label
     if len(raw) == 0:
         raise UserError(f"{label}: the data has no rows")
     if cfg.max_samples is not None and cfg.max_samples < len(raw):

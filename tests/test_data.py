@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 from conftest import distinct_pairs
 from typer.testing import CliRunner
 
 from cembed.cli import app
+from cembed.config import DataSource, FileSource, HubSource
 from cembed.configfile import load_config
 from cembed.errors import UserError
+from cembed.sources import LOADERS
 from cembed.train import check_run_inputs
 
 
@@ -113,3 +117,31 @@ def test_cli_user_error_exit_code_2_no_traceback(write_config, pairs_file):
     r = CliRunner().invoke(app, ["validate", str(path)])
     assert r.exit_code == 2
     assert "row 4: column 'anchor'" in r.output and "Traceback" not in r.output
+
+
+def test_source_kind_inferred_from_path(write_config, pairs_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)  # relative paths must resolve against the config, not the cwd
+    pairs_file(distinct_pairs(4), name="x.jsonl")
+    (tmp_path / "pairs_no_extension").write_text("")
+    bs = {"per_device_train_batch_size": 4, "mini_batch_size": 2}
+    file_cfg = load_config(write_config({"data": {"train": "x.jsonl"}, "batch": bs}))
+    assert isinstance(file_cfg.data.train, FileSource) and file_cfg.data.train.path == str(tmp_path / "x.jsonl")
+    bare = load_config(write_config({"data": {"train": "pairs_no_extension"}, "batch": bs}))
+    assert isinstance(bare.data.train, FileSource) and bare.data.train.path == str(tmp_path / "pairs_no_extension")
+    hub = load_config(write_config({"data": {"train": {"path": "org/name", "split": "train"}}, "batch": bs}))
+    assert isinstance(hub.data.train, HubSource) and hub.data.train.path == "org/name"
+    forced = load_config(write_config({"data": {"train": {"kind": "hub", "path": "pairs.jsonl"}}, "batch": bs}))
+    assert isinstance(forced.data.train, HubSource) and forced.data.train.path == "pairs.jsonl"
+
+
+def test_unknown_source_kind_names_field_line_and_kinds(write_config):
+    path = write_config("data:\n  train:\n    kind: s3\n    path: bucket/pairs.jsonl\n")
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert f"{path}:3: data.train.kind: unknown value 's3'" in msg
+    assert "'file', 'hub'" in msg
+
+
+def test_every_source_kind_has_a_loader():
+    assert set(LOADERS) == set(get_args(get_args(DataSource)[0]))

@@ -1,0 +1,179 @@
+"""Training-data sources: one loader per source kind, each returning a ``datasets.Dataset``.
+
+A source kind is a pydantic class in :mod:`cembed.config` (:class:`~cembed.config.FileSource`,
+:class:`~cembed.config.HubSource`) plus a loader here registered in :data:`LOADERS`;
+:func:`load_source` dispatches on the source's class. A file is scanned with the standard library
+(:func:`diagnose_file`) so a malformed one is refused with its line, not a parser traceback.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cembed.config import FileSource, HubSource
+from cembed.errors import UserError
+
+
+def _builder_for(path: Path) -> tuple[str, dict]:
+    """The ``datasets`` builder and its options for a file, by extension; UserError if unsupported."""
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith((".jsonl", ".json")):
+        return "json", {}
+    if name.endswith(".csv"):
+        return "csv", {}
+    if name.endswith(".tsv"):
+        return "csv", {"delimiter": "\t"}
+    if name.endswith(".parquet"):
+        return "parquet", {}
+    raise UserError(f"{path}: unsupported file type; use .jsonl[.gz], .json, .csv, .tsv or .parquet")
+
+
+def load_file(source: FileSource):
+    """Load a local data file as a ``datasets.Dataset`` (one split, all rows).
+
+    Raises:
+        UserError: missing file, a folder, an empty file, unsupported extension, or unreadable/corrupt
+            content (named by :func:`diagnose_file` where it can: line, column, cause).
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(source.path)
+    if not path.exists():
+        raise UserError(f"{path}: data file not found (data paths resolve relative to the config file)")
+    if path.is_dir():
+        raise UserError(f"{path}: is a folder; data.train must name a file")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: data file is empty")
+    builder, kwargs = _builder_for(path)
+    if builder == "csv":
+        # pandas fills short rows with NaN silently; a ragged row must be named instead.
+        problem = diagnose_file(path)
+        if problem:
+            raise UserError(f"{path}: {problem}")
+    try:
+        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+        # The JSON reader can pass invalid UTF-8 through into string columns; catch it here.
+        dataset.data.table.validate(full=True)
+        return dataset
+    except Exception as err:  # datasets wraps parser errors in many types
+        problem = diagnose_file(path)
+        if problem is None:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+            problem = f"cannot read as {builder}: {first[:300]}"
+        raise UserError(f"{path}: {problem}") from None
+
+
+def load_hub(source: HubSource):
+    """Load ``source.split`` of a hub dataset (``source.subset`` its configuration) as a ``datasets.Dataset``.
+
+    Raises:
+        UserError: the dataset, subset or split cannot be loaded (unreachable hub, unknown id, ...).
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(source.path, source.subset, split=source.split)
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+        raise UserError(
+            f"data: cannot load hub dataset {source.path!r} (subset={source.subset}, split={source.split}): "
+            f"{first[:300]}"
+        ) from None
+
+
+# Source class -> its loader. A new kind of source is one class in cembed.config and one entry here.
+LOADERS: dict[type, Callable[[Any], Any]] = {FileSource: load_file, HubSource: load_hub}
+
+
+def load_source(source: FileSource | HubSource):
+    """Load any training-data source as a ``datasets.Dataset``, through its entry in :data:`LOADERS`.
+
+    Raises:
+        UserError: see :func:`load_file` and :func:`load_hub`.
+        TypeError: a source class with no registered loader (a programming error, not a user one).
+    """
+    loader = LOADERS.get(type(source))
+    if loader is None:
+        raise TypeError(f"no loader registered for {type(source).__name__} in cembed.sources.LOADERS")
+    return loader(source)
+
+
+def _text_lines(path: Path):
+    """Yield ``(line_number, text)``; raises ValueError naming the line for bad gzip or UTF-8."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    yield number, raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(
+                        f"line {number}: bytes that are not UTF-8 at column {err.start + 1}; re-encode the file as UTF-8"
+                    ) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise ValueError(f"corrupt or truncated gzip ({err.__class__.__name__}: {err}); re-create the file") from None
+    except PermissionError:
+        raise ValueError("cannot read the file: permission denied") from None
+
+
+def diagnose_file(path: Path) -> str | None:
+    """Scan a local data file with the standard library and describe its first problem, or return
+    ``None`` when it parses: corrupt/truncated gzip, non-UTF-8 bytes, invalid JSON on line N, a JSON
+    line that is not an object, a CSV/TSV row whose field count differs from the header's, no rows."""
+    name = path.name.lower().removesuffix(".gz")
+    try:
+        if name.endswith(".jsonl") or name.endswith(".json"):
+            lines = list(_text_lines(path))
+            if name.endswith(".json"):
+                text = "".join(t for _, t in lines)
+                try:
+                    data = json.loads(text)
+                except json.JSONDecodeError as err:
+                    # Not one JSON document: maybe JSON Lines in a .json file; check line by line.
+                    if "Extra data" not in err.msg:
+                        return f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}"
+                else:
+                    if isinstance(data, list) and not all(isinstance(r, dict) for r in data):
+                        return "a JSON array must hold one object per row"
+                    return None if data else "the file holds no rows"
+            rows = 0
+            for number, text in lines:
+                if not text.strip():
+                    continue
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as err:
+                    return f"invalid JSON on line {number}, column {err.colno}: {err.msg}"
+                if not isinstance(obj, dict):
+                    return f"line {number} is a JSON {type(obj).__name__}, expected an object per line"
+                rows += 1
+            return None if rows else "the file holds no rows"
+        if name.endswith((".csv", ".tsv")):
+            delimiter = "\t" if name.endswith(".tsv") else ","
+            text_lines = (t for _, t in _text_lines(path))
+            reader = csv.reader(text_lines, delimiter=delimiter)
+            header = next(reader, None)
+            if not header:
+                return "the file has no header row"
+            for row in reader:
+                if row and len(row) != len(header):
+                    return (
+                        f"line {reader.line_num}: {len(row)} fields, but the header has {len(header)} "
+                        f"({', '.join(header)}); quote fields that contain the delimiter"
+                    )
+            if reader.line_num <= 1:
+                return "the file holds a header but no rows"
+            return None
+    except ValueError as err:
+        return str(err)
+    except csv.Error as err:
+        return f"malformed CSV: {err}"
+    return None
