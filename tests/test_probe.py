@@ -17,13 +17,8 @@ from cembed.config import LossConfig, ModelConfig
 from cembed.configfile import load_config, set_yaml_value
 from cembed.data import truncation_report
 from cembed.errors import UserError
-from cembed.probe import (
-    SubprocessTrial,
-    TrialOutcome,
-    TrialSpec,
-    parse_bytes,
-    search_mini_batch,
-)
+from cembed.probe import parse_bytes, search_mini_batch
+from cembed.probe_trials import SubprocessTrial, TrialOutcome, TrialSpec
 
 FITS_UP_TO = 37
 PER_ROW = 900  # fake bytes per row: 37 x 900 = 33300 = 0.9 x 37000, so with margin 10% exactly 37 fits
