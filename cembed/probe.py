@@ -277,8 +277,10 @@ def run_probe(
     Raises:
         UserError: a plain (uncached) loss, fp16 on CPU, a model that cannot load, nothing fits.
     """
-    if loss_cfg.name != "cached_mnrl":
-        raise UserError("loss.name: probe-minibatch measures the cached loss; with 'mnrl' mini_batch_size is unused")
+    if not loss_cfg.uses_gradient_cache:
+        raise UserError(
+            f"loss.name: probe-minibatch measures the cached loss; with {loss_cfg.name!r} mini_batch_size is unused"
+        )
     if max_size < 1:
         raise UserError(f"--max: must be at least 1, got {max_size}")
     dev = resolve_device(device)
@@ -336,7 +338,7 @@ def resolve_auto(
     """
     if plan.mini_batch_size is not None:
         return plan, None
-    if loss_cfg.name != "cached_mnrl":
+    if not loss_cfg.uses_gradient_cache:
         return replace(
             plan,
             mini_batch_size=plan.per_device_train_batch_size,

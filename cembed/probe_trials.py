@@ -131,7 +131,7 @@ def worst_case_step(
         }
         for _ in range(n_columns)
     ]
-    loss = build_loss(model, loss_cfg, mini_batch_size)
+    loss = build_loss(model, loss_cfg, mini_batch_size).module
     mini = min(mini_batch_size, batch_size)
     repeats = max(1, repeats)
     with autocast():

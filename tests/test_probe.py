@@ -204,3 +204,16 @@ def test_truncation_report_counts_rows_over_max_seq_length(tiny_model_dir):
         ("positive", "answer", 3, 0, 3),
     ]
     assert report[0].fraction == pytest.approx(1 / 3)
+
+
+def test_probe_asks_the_loss_whether_it_caches():
+    from cembed.plan import Plan
+    from cembed.probe import resolve_auto, run_probe
+
+    model_cfg = ModelConfig(name_or_path="x", device="cpu")
+    with pytest.raises(UserError, match=r"loss\.name: probe-minibatch measures the cached loss; with 'mnrl' mini_"):
+        run_probe(model_cfg, LossConfig(name="mnrl"), 8)
+    plan = Plan("cpu", 1, 8, 1, 8, 1e-5, "", "fp32")
+    resolved, probe = resolve_auto(plan, model_cfg, LossConfig(name="mnrl"), 2)
+    assert probe is None and resolved.mini_batch_size == 8
+    assert resolved.warnings[-1] == "batch.mini_batch_size: auto has no effect with loss mnrl"
