@@ -8,7 +8,7 @@ line and dotted field.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -16,15 +16,19 @@ from pydantic import (
     Field,
     PositiveFloat,
     PositiveInt,
+    SerializeAsAny,
     TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticUndefined
 
 # Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
 LOCAL_EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".tsv", ".parquet", ".csv.gz", ".tsv.gz")
+
+DEFAULT_LOSS = "cached_mnrl"
 
 SCHEDULERS = (
     "linear",
@@ -173,12 +177,91 @@ class OptimConfig(_Strict):
 
 
 class LossConfig(_Strict):
-    name: Literal["cached_mnrl", "mnrl"] = "cached_mnrl"
+    """The ``loss`` section: the fields every loss has, plus ``name``, which picks the concrete class.
+
+    Each loss is a subclass with ``name: Literal["<name>"] = "<name>"``, its own fields, and the
+    ``uses_gradient_cache`` capability (True: the loss embeds in mini-batches of
+    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it). Subclasses are
+    registered by name in :data:`LOSS_CONFIGS` (:func:`register_loss_config`, or
+    ``cembed.losses.register_loss`` with its builder). ``LossConfig(name=..., ...)`` and
+    ``LossConfig.model_validate(...)`` return an instance of the registered class for ``name``.
+    """
+
+    uses_gradient_cache: ClassVar[bool] = False
+
+    name: str = DEFAULT_LOSS
     scale: PositiveFloat = 20.0
     symmetric: bool = False
     # Gather every rank's embeddings so each anchor is contrasted with the whole global batch.
     # None: true when training runs in more than one process.
     gather_across_devices: bool | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LossConfig:
+        # LossConfig(name="mnrl") builds the registered class; subclasses (and copies) build themselves.
+        if cls is LossConfig:
+            cls = loss_config_class(kwargs.get("name", DEFAULT_LOSS))
+        return super().__new__(cls)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> LossConfig:
+        """Validate ``obj`` into the registered class for its ``name`` (when called on the base)."""
+        if cls is LossConfig and isinstance(obj, dict):
+            return loss_config_class(obj.get("name", DEFAULT_LOSS)).model_validate(obj, **kwargs)
+        return super().model_validate(obj, **kwargs)
+
+
+class CachedMNRLLossConfig(LossConfig):
+    """``cached_mnrl``: in-batch negatives InfoNCE with GradCache (memory set by ``mini_batch_size``)."""
+
+    uses_gradient_cache: ClassVar[bool] = True
+
+    name: Literal["cached_mnrl"] = "cached_mnrl"
+
+
+class MNRLLossConfig(LossConfig):
+    """``mnrl``: plain in-batch negatives InfoNCE, the whole batch embedded at once."""
+
+    name: Literal["mnrl"] = "mnrl"
+
+
+# name -> LossConfig subclass; `loss.name` in a config picks one.
+LOSS_CONFIGS: dict[str, type[LossConfig]] = {}
+
+
+def register_loss_config(cls: type[LossConfig]) -> type[LossConfig]:
+    """Register a :class:`LossConfig` subclass under its ``name`` default (usable as a decorator).
+
+    Raises:
+        TypeError: ``cls`` is not a LossConfig subclass with a one-value ``Literal`` name.
+        ValueError: the name is already registered to another class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, LossConfig)) or cls is LossConfig:
+        raise TypeError(f"{cls!r}: a loss config must be a subclass of cembed.config.LossConfig")
+    field = cls.model_fields["name"]
+    values = get_args(field.annotation)
+    if len(values) != 1 or not isinstance(values[0], str) or field.default not in (values[0], PydanticUndefined):
+        raise TypeError(f"{cls.__name__}.name: declare it as name: Literal['<name>'] = '<name>'")
+    name = values[0]
+    if LOSS_CONFIGS.get(name, cls) is not cls:
+        raise ValueError(f"loss {name!r} is already registered ({LOSS_CONFIGS[name].__name__})")
+    LOSS_CONFIGS[name] = cls
+    return cls
+
+
+def loss_config_class(name: Any) -> type[LossConfig]:
+    """The registered :class:`LossConfig` subclass for ``name``.
+
+    Raises:
+        ValueError: an unknown name; the message lists the known ones.
+    """
+    cls = LOSS_CONFIGS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSS_CONFIGS)}")
+    return cls
+
+
+register_loss_config(CachedMNRLLossConfig)
+register_loss_config(MNRLLossConfig)
 
 
 class SamplerConfig(_Strict):
@@ -284,7 +367,23 @@ class CembedConfig(_Strict):
     data: DataConfig
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    loss: LossConfig = Field(default_factory=LossConfig)
+    loss: SerializeAsAny[LossConfig] = Field(default_factory=CachedMNRLLossConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig | None = None
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _loss_class(cls, value: Any) -> Any:
+        # `loss.name` picks the registered class, which then validates (only) its own fields; its
+        # errors keep their location (loss.<field>).
+        if not isinstance(value, dict):
+            return value
+        name = value.get("name", DEFAULT_LOSS)
+        try:
+            loss_cls = loss_config_class(name)
+        except ValueError as err:
+            raise ValidationError.from_exception_data(
+                "LossConfig", [{"type": "value_error", "loc": ("name",), "input": name, "ctx": {"error": err}}]
+            ) from None
+        return loss_cls.model_validate(value)

@@ -17,7 +17,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cembed.config import CembedConfig, FileSource
+from cembed.config import DEFAULT_LOSS, LOSS_CONFIGS, CembedConfig, FileSource, LossConfig
 from cembed.errors import UserError
 
 
@@ -79,18 +79,26 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """The field names valid at ``loc`` (the parent of an unknown key), for did-you-mean."""
+def _known_fields(model: type[BaseModel], loc: tuple[Any, ...], data: Any = None) -> list[str]:
+    """The field names valid at ``loc`` (the parent of an unknown key), for did-you-mean.
+
+    ``data`` is the validated mapping: under ``loss`` its ``name`` picks the registered loss class,
+    whose own fields are the valid ones (the schema only names the :class:`LossConfig` base).
+    """
     current: Any = model
     for part in loc:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
             return []
+        data = data.get(part) if isinstance(data, dict) else None
         annotation = field.annotation
         candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)]
         current = next((c for c in candidates if issubclass(c, BaseModel)), None)
         if current is None:
             return []
+        if current is LossConfig:
+            name = data.get("name", DEFAULT_LOSS) if isinstance(data, dict) else DEFAULT_LOSS
+            current = LOSS_CONFIGS.get(name, LossConfig) if isinstance(name, str) else LossConfig
     return list(getattr(current, "model_fields", {}))
 
 
@@ -116,7 +124,11 @@ def _without_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _format_validation_error(
-    err: ValidationError, source: str, lines: dict[tuple[str, ...], int], overrides: list[str] | None = None
+    err: ValidationError,
+    source: str,
+    lines: dict[tuple[str, ...], int],
+    overrides: list[str] | None = None,
+    data: Any = None,
 ) -> str:
     by_key = {item.partition("=")[0].strip(): item for item in overrides or []}
     messages = []
@@ -133,7 +145,7 @@ def _format_validation_error(
         if override is not None:  # the value came from the command line, not from the file
             where = f"override {override!r}"
         if e["type"] == "extra_forbidden":
-            known = _known_fields(CembedConfig, loc[:-1])
+            known = _known_fields(CembedConfig, loc[:-1], data)
             close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.5)
             hint = f"; did you mean '{'.'.join(loc[:-1] + (close[0],))}'?" if close else ""
             allowed = f" (allowed: {', '.join(known)})" if known and not close else ""
@@ -188,7 +200,7 @@ def config_from_dict(
         # The config's folder lets DataConfig infer `kind: file` for a relative path that exists there.
         cfg = CembedConfig.model_validate(data, context={"base": base or Path.cwd()})
     except ValidationError as err:
-        raise UserError(_format_validation_error(err, source, line_index(text), overrides)) from None
+        raise UserError(_format_validation_error(err, source, line_index(text), overrides, data)) from None
     return resolve_paths(cfg, base or Path.cwd())
 
 

@@ -1,25 +1,45 @@
-"""The in-batch-negatives losses, built from sentence-transformers.
+"""The contrastive losses, and the seam a new loss plugs into.
 
-``cached_mnrl`` is sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache, Gao et
-al. 2021, arXiv:2101.06983): memory depends on ``mini_batch_size`` only, the loss and gradients do
-not. cembed subclasses it to sort each column's rows by token length before cutting mini-batches
-(:class:`LengthSortedCachedMNRL`), which removes most padded positions without changing the loss.
-``mnrl`` is the plain ``MultipleNegativesRankingLoss`` (InfoNCE with in-batch negatives, Henderson
-et al. 2017, arXiv:1705.00652).
+The contract. A loss is three things, and nothing else in cembed names it:
+
+* a config class, a subclass of :class:`cembed.config.LossConfig` with
+  ``name: Literal["<name>"] = "<name>"``, its own fields, and the class-level capability
+  ``uses_gradient_cache`` (True when it embeds in mini-batches of ``mini_batch_size`` rows);
+* a builder ``builder(model, cfg, settings: LossSettings) -> nn.Module``: ``cfg`` is the validated
+  config instance, ``settings`` the run's mini-batching and gathering (:class:`LossSettings`). The
+  module is called by the sentence-transformers trainer as ``module(features, labels)``, where
+  ``features`` holds one dict per input column (anchor, positive, negatives...) with
+  ``input_ids`` / ``attention_mask`` of shape ``(rows, seq_len)``, and it returns a scalar loss.
+  The model turns a feature dict into ``sentence_embedding`` of shape ``(rows, dim)``. A module
+  should carry ``token_counts`` (:class:`TokenCounts`) for the throughput meter. A module whose
+  ``uses_gradient_cache`` is True must be a sentence-transformers ``CachedLossMixin`` loss
+  (``embed_minibatch``, ``calculate_loss``): the probe measures its memory with them;
+* one :func:`register_loss` call. :func:`build_loss` then returns a :class:`BuiltLoss`.
+
+The built-in losses are both InfoNCE with in-batch negatives (``MultipleNegativesRankingLoss``,
+Henderson et al. 2017, arXiv:1705.00652):
+
+* ``cached_mnrl`` is sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache, Gao
+  et al. 2021, arXiv:2101.06983): memory depends on ``mini_batch_size`` only, the loss and gradients
+  do not. cembed sorts each column's rows by token length before cutting mini-batches
+  (:class:`LengthSortedMixin`), which removes most padded positions without changing the loss;
+* ``mnrl`` is the plain loss, the whole batch embedded at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, get_args
 
 import torch
-from sentence_transformers.base.losses.gradcache import _minibatch_ranges
+from sentence_transformers.base.losses.gradcache import _minibatch_ranges, uses_gradient_cache
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
 )
+from torch import nn
 
-from cembed.config import LossConfig
+from cembed.config import CachedMNRLLossConfig, LossConfig, MNRLLossConfig, register_loss_config
 
 
 @dataclass
@@ -59,9 +79,13 @@ def _take_rows(feature: dict, order: torch.Tensor) -> dict:
     }
 
 
-class LengthSortedCachedMNRL(CachedMultipleNegativesRankingLoss):
-    """``CachedMultipleNegativesRankingLoss`` with each column's rows sorted by token length
-    (longest first) before they are cut into mini-batches.
+class LengthSortedMixin:
+    """Sorts each column's rows by token length (longest first) before a cached loss cuts them
+    into mini-batches, and counts real vs processed token positions (``token_counts``).
+
+    Put it before a sentence-transformers ``CachedLossMixin`` loss in the bases, e.g.
+    ``class LengthSortedCachedGIST(LengthSortedMixin, CachedGISTEmbedLoss): pass``; the constructor
+    takes ``sort_by_length`` (default True) on top of the loss's own arguments.
 
     The embeddings are put back in the original row order before the loss, so loss and gradients
     equal the unsorted loss's (the positive of row i stays on the diagonal) while mini-batches of
@@ -70,6 +94,9 @@ class LengthSortedCachedMNRL(CachedMultipleNegativesRankingLoss):
     works on the sorted rows.
     """
 
+    mini_batch_size: int
+    mini_batch_num_tokens: int | None
+
     def __init__(self, *args, sort_by_length: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.sort_by_length = sort_by_length
@@ -77,6 +104,7 @@ class LengthSortedCachedMNRL(CachedMultipleNegativesRankingLoss):
         self._inverse: list[torch.Tensor | None] = []
 
     def forward(self, sentence_features, labels):
+        """Sort each column by length, count its tokens per mini-batch, then run the cached loss."""
         features = list(sentence_features)
         self._inverse = []
         if self.sort_by_length:
@@ -101,7 +129,7 @@ class LengthSortedCachedMNRL(CachedMultipleNegativesRankingLoss):
     def calculate_loss(self, reps, labels=None, *, with_backward: bool = False):
         """Run the parent's loss on the embeddings in original row order.
 
-        The parent back-propagates chunk by chunk, so the reordering cannot be a shared autograd
+        The parent may back-propagate chunk by chunk, so the reordering cannot be a shared autograd
         graph: each column is reordered into a fresh leaf, and the leaf's gradient is scattered
         back onto the sorted mini-batch embeddings whose ``.grad`` is the GradCache cache.
         """
@@ -132,6 +160,10 @@ class LengthSortedCachedMNRL(CachedMultipleNegativesRankingLoss):
         return loss
 
 
+class LengthSortedCachedMNRL(LengthSortedMixin, CachedMultipleNegativesRankingLoss):
+    """``CachedMultipleNegativesRankingLoss`` with length-sorted mini-batches (:class:`LengthSortedMixin`)."""
+
+
 class CountingMNRL(MultipleNegativesRankingLoss):
     """Plain ``MultipleNegativesRankingLoss`` that also counts real vs processed token positions."""
 
@@ -140,6 +172,7 @@ class CountingMNRL(MultipleNegativesRankingLoss):
         self.token_counts = TokenCounts()
 
     def forward(self, sentence_features, labels):
+        """Count the tokens of each column (one padded forward each), then run the plain loss."""
         features = list(sentence_features)
         for feature in features:
             _count_tokens(feature, None, self.token_counts)
@@ -151,38 +184,131 @@ def loss_directions(symmetric: bool) -> tuple[str, ...]:
     return ("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",)
 
 
+# ----------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What a builder gets besides its config: the run's mini-batching and gathering.
+
+    Attributes:
+        mini_batch_size: rows embedded at once by a cached loss (memory only, never the result).
+        gather_across_devices: gather embeddings from all ranks so each anchor sees every rank's
+            candidates (already resolved from ``loss.gather_across_devices`` and the world size).
+        mini_batch_num_tokens: if set, a cached loss packs mini-batches by non-padding tokens.
+        sort_by_length: sort each column by token length before cutting mini-batches.
+    """
+
+    mini_batch_size: int
+    gather_across_devices: bool = False
+    mini_batch_num_tokens: int | None = None
+    sort_by_length: bool = True
+
+
+LossBuilder = Callable[..., nn.Module]  # (model, cfg: LossConfig, settings: LossSettings) -> nn.Module
+
+# name -> builder; filled by register_loss.
+LOSS_BUILDERS: dict[str, LossBuilder] = {}
+
+
+@dataclass
+class BuiltLoss:
+    """A loss ready for the trainer.
+
+    Attributes:
+        module: the ``nn.Module`` the trainer calls as ``module(features, labels)``.
+        token_counts: the module's token counter (a fresh, never-filled one if it has none).
+        cached: whether the module defers its backward to GradCache mini-batches
+            (sentence-transformers' ``uses_gradient_cache``).
+    """
+
+    module: nn.Module
+    token_counts: TokenCounts
+    cached: bool
+
+
+def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBuilder:
+    """Make ``loss.name: <name>`` usable: register ``config_cls`` (see
+    :func:`cembed.config.register_loss_config`) and its ``builder`` under the config's name.
+
+    Returns:
+        ``builder``, unchanged.
+
+    Raises:
+        TypeError, ValueError: see :func:`cembed.config.register_loss_config`.
+    """
+    register_loss_config(config_cls)
+    (name,) = get_args(config_cls.model_fields["name"].annotation)
+    LOSS_BUILDERS[name] = builder
+    return builder
+
+
+def _mnrl_kwargs(cfg: LossConfig, settings: LossSettings) -> dict:
+    return dict(
+        scale=cfg.scale,
+        gather_across_devices=settings.gather_across_devices,
+        directions=loss_directions(cfg.symmetric),
+    )
+
+
+def _build_cached_mnrl(model, cfg: CachedMNRLLossConfig, settings: LossSettings) -> nn.Module:
+    return LengthSortedCachedMNRL(
+        model,
+        mini_batch_size=settings.mini_batch_size,
+        mini_batch_num_tokens=settings.mini_batch_num_tokens,
+        sort_by_length=settings.sort_by_length,
+        **_mnrl_kwargs(cfg, settings),
+    )
+
+
+def _build_mnrl(model, cfg: MNRLLossConfig, settings: LossSettings) -> nn.Module:
+    return CountingMNRL(model, **_mnrl_kwargs(cfg, settings))
+
+
+register_loss(CachedMNRLLossConfig, _build_cached_mnrl)
+register_loss(MNRLLossConfig, _build_mnrl)
+
+
 def build_loss(
     model,
-    cfg: LossConfig,
+    loss_cfg: LossConfig,
     mini_batch_size: int,
     gather_across_devices: bool = False,
     mini_batch_num_tokens: int | None = None,
     sort_by_length: bool = True,
-):
-    """Build the configured loss for ``model``.
+) -> BuiltLoss:
+    """Build the configured loss for ``model`` through the builder registered for ``loss_cfg.name``.
 
     Args:
         model: a SentenceTransformer.
-        cfg: the ``loss`` config section (name, scale = 1/temperature, symmetric).
-        mini_batch_size: rows embedded at once by the cached loss (memory only, never the result).
+        loss_cfg: the ``loss`` config section (a registered :class:`LossConfig` subclass).
+        mini_batch_size: rows embedded at once by a cached loss (memory only, never the result).
         gather_across_devices: gather embeddings from all ranks so each anchor sees every rank's
             candidates.
-        mini_batch_num_tokens: if set, the cached loss packs mini-batches by non-padding tokens.
+        mini_batch_num_tokens: if set, a cached loss packs mini-batches by non-padding tokens.
         sort_by_length: sort each column by token length before cutting mini-batches.
 
     Returns:
-        An ``nn.Module`` loss usable by ``SentenceTransformerTrainer``; it has a ``token_counts``
-        attribute (:class:`TokenCounts`).
+        A :class:`BuiltLoss`: the module for ``SentenceTransformerTrainer``, its token counter and
+        whether it caches gradients.
+
+    Raises:
+        ValueError: no builder is registered for ``loss_cfg.name``.
+        TypeError: the module's ``uses_gradient_cache`` contradicts the config class's.
     """
-    common = dict(
-        scale=cfg.scale, gather_across_devices=gather_across_devices, directions=loss_directions(cfg.symmetric)
-    )
-    if cfg.name == "cached_mnrl":
-        return LengthSortedCachedMNRL(
-            model,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            sort_by_length=sort_by_length,
-            **common,
+    builder = LOSS_BUILDERS.get(loss_cfg.name)
+    if builder is None:
+        raise ValueError(f"no builder registered for loss {loss_cfg.name!r}; known: {', '.join(LOSS_BUILDERS)}")
+    settings = LossSettings(mini_batch_size, gather_across_devices, mini_batch_num_tokens, sort_by_length)
+    module = builder(model, loss_cfg, settings)
+    cached = bool(uses_gradient_cache(module))
+    if cached != type(loss_cfg).uses_gradient_cache:
+        raise TypeError(
+            f"loss {loss_cfg.name!r}: the built {type(module).__name__} has uses_gradient_cache={cached}, but "
+            f"{type(loss_cfg).__name__}.uses_gradient_cache is {type(loss_cfg).uses_gradient_cache}"
         )
-    return CountingMNRL(model, **common)
+    token_counts = getattr(module, "token_counts", None)
+    if not isinstance(token_counts, TokenCounts):
+        token_counts = TokenCounts()
+    return BuiltLoss(module, token_counts, cached)

@@ -362,7 +362,7 @@ def run_training(
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
         train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
     b = cfg.batch
-    loss = build_loss(
+    built = build_loss(
         model,
         cfg.loss,
         plan.mini_batch_size,
@@ -411,11 +411,11 @@ def run_training(
         model=model,
         args=args,
         train_dataset=train_dataset,
-        loss=loss,
+        loss=built.module,
         data_collator=collator,
         evaluator=evaluation.evaluator if evaluation else None,
     )
-    trainer.meter = ThroughputMeter(loss.token_counts)
+    trainer.meter = ThroughputMeter(built.token_counts)
     trainer.nonfinite_policy = cfg.train.nonfinite_loss
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(

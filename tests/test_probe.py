@@ -17,13 +17,8 @@ from cembed.config import LossConfig, ModelConfig
 from cembed.configfile import load_config, set_yaml_value
 from cembed.data import truncation_report
 from cembed.errors import UserError
-from cembed.probe import (
-    SubprocessTrial,
-    TrialOutcome,
-    TrialSpec,
-    parse_bytes,
-    search_mini_batch,
-)
+from cembed.probe import parse_bytes, search_mini_batch
+from cembed.probe_trials import SubprocessTrial, TrialOutcome, TrialSpec
 
 FITS_UP_TO = 37
 PER_ROW = 900  # fake bytes per row: 37 x 900 = 33300 = 0.9 x 37000, so with margin 10% exactly 37 fits
@@ -209,3 +204,16 @@ def test_truncation_report_counts_rows_over_max_seq_length(tiny_model_dir):
         ("positive", "answer", 3, 0, 3),
     ]
     assert report[0].fraction == pytest.approx(1 / 3)
+
+
+def test_probe_asks_the_loss_whether_it_caches():
+    from cembed.plan import Plan
+    from cembed.probe import resolve_auto, run_probe
+
+    model_cfg = ModelConfig(name_or_path="x", device="cpu")
+    with pytest.raises(UserError, match=r"loss\.name: probe-minibatch measures the cached loss; with 'mnrl' mini_"):
+        run_probe(model_cfg, LossConfig(name="mnrl"), 8)
+    plan = Plan("cpu", 1, 8, 1, 8, 1e-5, "", "fp32")
+    resolved, probe = resolve_auto(plan, model_cfg, LossConfig(name="mnrl"), 2)
+    assert probe is None and resolved.mini_batch_size == 8
+    assert resolved.warnings[-1] == "batch.mini_batch_size: auto has no effect with loss mnrl"

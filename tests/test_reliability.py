@@ -116,8 +116,8 @@ def _nan_at_call(n):
     real = T.build_loss
 
     def build(*args, **kwargs):
-        loss = real(*args, **kwargs)
-        forward = loss.forward
+        built = real(*args, **kwargs)
+        forward = built.module.forward
         calls = {"n": 0}
 
         def patched(features, labels):
@@ -125,8 +125,8 @@ def _nan_at_call(n):
             value = forward(features, labels)
             return value * float("nan") if calls["n"] == n else value
 
-        loss.forward = patched
-        return loss
+        built.module.forward = patched
+        return built
 
     return build
 
