@@ -377,10 +377,10 @@ def eval_cmd(
     ),
 ) -> None:
     """Score a model on retrieval (NDCG@10, MRR@10, MAP@100, Recall@10/100) and STS (cosine Spearman) sets."""
-    from cembed.evaluate import run_eval_cli
+    from cembed.evaluate import score_model
+    from cembed.report import encode_progress, print_eval_report
 
-    run_eval_cli(
-        console,
+    report = score_model(
         model,
         list(retrieval or []),
         list(sts or []),
@@ -391,7 +391,9 @@ def eval_cmd(
         device,
         None if no_cache else cache_dir,
         no_cache,
+        progress=encode_progress(console),
     )
+    print_eval_report(console, report)
 
 
 def main() -> None:

@@ -145,3 +145,64 @@ def print_probe(console: Console, result: ProbeResult) -> None:
         note(console, text)
     console.print(f"recommended mini_batch_size: [bold]{result.recommended}[/] ({result.reason})", highlight=False)
     console.print(f"override: batch.mini_batch_size={result.recommended}", highlight=False)
+
+
+# --- cembed eval ---------------------------------------------------------------------------------
+
+from typing import TYPE_CHECKING  # noqa: E402 - kept with the section that needs it (type hints only)
+
+if TYPE_CHECKING:
+    from cembed.evaluate import EvalReport
+
+
+def encode_progress(console: Console):
+    """A ``progress`` factory for :func:`cembed.evaluate.score_model`: for each retrieval set, a
+    transient rich bar ``encode <set> corpus`` (done/total documents, elapsed, remaining)."""
+    from contextlib import contextmanager
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    @contextmanager
+    def bar(name: str, total: int):
+        with Progress(
+            TextColumn(f"[bold]encode {name} corpus"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        ) as p:
+            task = p.add_task("encode", total=total)
+            yield lambda done, _total: p.update(task, completed=done)
+
+    return bar
+
+
+def print_eval_report(console: Console, report: EvalReport) -> None:
+    """The ``cembed eval`` table (set, size, headline metrics, where the corpus embeddings came from)
+    and, when the report was written as JSON, where to."""
+    table = Table(
+        "set", "size", "metric", "value", title=f"{report.model}  (fingerprint {report.model_fingerprint[:12]})"
+    )
+    for name, entry in report.sets.items():
+        size = (
+            f"{entry['queries']} q / {entry['documents']} docs"
+            if entry["kind"] == "retrieval"
+            else f"{entry['pairs']} pairs"
+        )
+        for i, (label, value) in enumerate(entry["headline"].items()):
+            table.add_row(name if i == 0 else "", size if i == 0 else "", label, f"{value:.5f}")
+        if entry["kind"] == "retrieval":
+            how = "from cache" if entry["corpus_cache_hit"] else f"encoded in {entry['encode_seconds']:.1f}s"
+            table.add_row("", "", "corpus", how)
+    console.print(table)
+    if report.json_out is not None:
+        console.print(f"metrics written to {report.json_out}", highlight=False)

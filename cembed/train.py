@@ -398,13 +398,15 @@ def run_training(
         from cembed.evaluate import TrainingEvaluation
 
         evaluation = TrainingEvaluation.from_config(
-            cfg.eval, cfg.train.save_steps, console if (progress and rank.is_main) else None
+            cfg.eval,
+            cfg.train.save_steps,
+            on_line=(lambda line: console.print(line, highlight=False)) if (progress and rank.is_main) else None,
         )
     args = build_training_args(cfg, plan, evaluation.training_args if evaluation else None)
     log = RunLog()
     eval_before = None
     if evaluation and rank.is_main and not checkpoint:  # the base model's corpus embeddings are cached across runs
-        from cembed.evaluate import default_cache_dir
+        from cembed.embedding_cache import default_cache_dir
 
         eval_before = evaluation.evaluate(model, "before training", cache_dir=default_cache_dir())
     trainer = _trainer_class()(

@@ -39,7 +39,7 @@ PUBLISHED_NDCG10 = 0.64508  # MTEB results, sentence-transformers__all-MiniLM-L6
 
 def scifact_train_pairs(scifact: Path) -> list[dict]:
     """(claim, abstract) rows from qrels/train.tsv in file order; only qrels score > 0."""
-    from cembed.evaluate import load_beir, load_qrels
+    from cembed.evalsets import load_beir, load_qrels
 
     rs = load_beir(scifact, "train")
     rows = []
@@ -76,7 +76,9 @@ def run_config(args, bs: int, rule: str, pairs_file: Path, out_dir: Path) -> dic
 
 
 def evaluate_model(path: str, args, cache_dir: Path) -> tuple[float, float]:
-    from cembed.evaluate import evaluate_retrieval, load_beir, load_eval_model
+    from cembed.evalsets import load_beir
+    from cembed.evaluate import evaluate_retrieval
+    from cembed.model import load_eval_model
 
     model = load_eval_model(path, args.device, args.max_seq_length)
     t0 = time.perf_counter()
@@ -161,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from cembed.configfile import config_from_dict
+    from cembed.embedding_cache import default_cache_dir
     from cembed.errors import UserError
-    from cembed.evaluate import default_cache_dir
     from cembed.outputs import write_atomic, write_json_atomic
     from cembed.train import check_run_inputs, run_training
 

@@ -17,17 +17,10 @@ import torch
 from conftest import REPO, SHARED_DATA
 
 from cembed.configfile import load_config
+from cembed.embedding_cache import corpus_embeddings, model_fingerprint
 from cembed.errors import UserError
-from cembed.evaluate import (
-    check_metric_name,
-    corpus_embeddings,
-    evaluate_retrieval,
-    evaluate_sts,
-    load_beir,
-    load_eval_sets,
-    load_sts,
-    model_fingerprint,
-)
+from cembed.evalsets import load_beir, load_eval_sets, load_sts
+from cembed.evaluate import check_metric_name, evaluate_retrieval, evaluate_sts
 
 SCIFACT = SHARED_DATA / "scifact"
 STS_TEST = SHARED_DATA / "stsbenchmark" / "sts-test.csv"
