@@ -157,8 +157,7 @@ def train_cmd(
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     from cembed.distributed import dist_info, is_worker, leave_process_group, record_worker_error
-    from cembed.probe import resolve_auto
-    from cembed.report import print_probe, warn
+    from cembed.report import make_console, print_done
     from cembed.train import check_run_inputs, run_training
 
     world = _world_size(nproc_per_node, nnodes)
@@ -179,23 +178,13 @@ def train_cmd(
             cfg, config, (overrides or []) + worker_flags, world, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint
         )
         return
-    out = console if dist_info().is_main else Console(quiet=True)  # only rank 0 prints
+    out = console if dist_info().is_main else make_console(quiet=True)  # only rank 0 prints
     try:
         cfg = _load(config, overrides)
         plan, data = check_run_inputs(cfg)
-        if cfg.batch.mini_batch_size == "auto":
-            out.print(f"probing mini_batch_size on {plan.device} (batch.mini_batch_size: auto)", highlight=False)
-        plan, probe = resolve_auto(plan, cfg.model, cfg.loss, len(data.columns), max_memory)
-        if probe is not None:
-            print_probe(out, probe)
-        out.print(
-            f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}  "
-            f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
-            highlight=False,
+        summary = run_training(
+            cfg, plan, data, out, resume=resume, resume_from=resume_from, overwrite=overwrite, max_memory=max_memory
         )
-        for w in plan.warnings:
-            warn(out, w)
-        summary = run_training(cfg, plan, data, out, resume=resume, resume_from=resume_from, overwrite=overwrite)
     except RunInterrupted as stop:
         leave_process_group()  # every rank stopped at the same step (InterruptCallback)
         if dist_info().is_main:
@@ -210,12 +199,7 @@ def train_cmd(
         record_worker_error(err)
         raise
     leave_process_group()
-    out.print(
-        f"[green]done[/]: {summary['steps']} steps, {summary['samples_seen']} samples in {summary['wall_time_s']:.1f}s "
-        f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
-        highlight=False,
-    )
-    out.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
+    print_done(out, summary)
 
 
 def _launch_training(
@@ -280,7 +264,7 @@ def probe_minibatch_cmd(
     ),
 ) -> None:
     """Measure the largest mini_batch_size whose cached-loss step fits (worst case, with headroom)."""
-    from cembed.config import CembedConfig, LossConfig
+    from cembed.config import CachedMNRLLossConfig, CembedConfig
     from cembed.configfile import set_yaml_value
     from cembed.probe import parse_bytes, run_probe
     from cembed.report import print_probe, print_truncation
@@ -305,7 +289,7 @@ def probe_minibatch_cmd(
     )
     result = run_probe(
         model_cfg,
-        cfg.loss if cfg else LossConfig(),
+        cfg.loss if cfg else CachedMNRLLossConfig(),
         batch,
         n_columns,
         model_cfg.device,

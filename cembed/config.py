@@ -183,8 +183,8 @@ class LossConfig(_Strict):
     ``uses_gradient_cache`` capability (True: the loss embeds in mini-batches of
     ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it). Subclasses are
     registered by name in :data:`LOSS_CONFIGS` (:func:`register_loss_config`, or
-    ``cembed.losses.register_loss`` with its builder). ``LossConfig(name=..., ...)`` and
-    ``LossConfig.model_validate(...)`` return an instance of the registered class for ``name``.
+    ``cembed.losses.register_loss`` with its builder); :func:`loss_config` builds the registered
+    class for a ``name``.
     """
 
     uses_gradient_cache: ClassVar[bool] = False
@@ -195,19 +195,6 @@ class LossConfig(_Strict):
     # Gather every rank's embeddings so each anchor is contrasted with the whole global batch.
     # None: true when training runs in more than one process.
     gather_across_devices: bool | None = None
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> LossConfig:
-        # LossConfig(name="mnrl") builds the registered class; subclasses (and copies) build themselves.
-        if cls is LossConfig:
-            cls = loss_config_class(kwargs.get("name", DEFAULT_LOSS))
-        return super().__new__(cls)
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> LossConfig:
-        """Validate ``obj`` into the registered class for its ``name`` (when called on the base)."""
-        if cls is LossConfig and isinstance(obj, dict):
-            return loss_config_class(obj.get("name", DEFAULT_LOSS)).model_validate(obj, **kwargs)
-        return super().model_validate(obj, **kwargs)
 
 
 class CachedMNRLLossConfig(LossConfig):
@@ -258,6 +245,15 @@ def loss_config_class(name: Any) -> type[LossConfig]:
     if cls is None:
         raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSS_CONFIGS)}")
     return cls
+
+
+def loss_config(**fields: Any) -> LossConfig:
+    """The registered loss config for ``fields["name"]`` (default ``cached_mnrl``), validated.
+
+    Raises:
+        ValueError: unknown name (listing the known ones); pydantic's ValidationError for bad fields.
+    """
+    return loss_config_class(fields.get("name", DEFAULT_LOSS)).model_validate(fields)
 
 
 register_loss_config(CachedMNRLLossConfig)

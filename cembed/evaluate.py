@@ -264,23 +264,15 @@ class TrainingEvaluation:
     batch_size: int = 32
 
     @classmethod
-    def from_config(
-        cls, eval_cfg, save_steps: int | None, console=None, *, on_line: LineFn | None = None
-    ) -> TrainingEvaluation:
+    def from_config(cls, eval_cfg, save_steps: int | None, on_line: LineFn | None = None) -> TrainingEvaluation:
         """Load the sets of ``eval_cfg`` and build evaluator, training-argument overrides and log
         callback.
 
-        ``on_line`` receives the evaluation lines (see :class:`EvalLogCallback` and :meth:`evaluate`);
-        ``console`` is the older spelling: any object with a rich-style ``print`` gets those lines
-        as ``console.print(line, highlight=False)``. Give at most one of them.
+        ``on_line`` receives the evaluation lines (see :class:`EvalLogCallback` and :meth:`evaluate`).
 
         Raises:
             UserError: see :func:`load_eval_sets`, :func:`check_metric_name`, :func:`training_eval_args`.
         """
-        if console is not None:
-            if on_line is not None:
-                raise TypeError("TrainingEvaluation.from_config: give console or on_line, not both")
-            on_line = lambda line: console.print(line, highlight=False)  # noqa: E731
         sets = load_eval_sets(eval_cfg)
         metric = check_metric_name(eval_cfg.metric_for_best_model, sets)
         return cls(

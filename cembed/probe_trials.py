@@ -212,11 +212,11 @@ def _trial_child(spec: TrialSpec, size: int, conn) -> None:
         import torch
 
         model = _load(spec)
-        from cembed.config import LossConfig
+        from cembed.config import loss_config
 
         sps = worst_case_step(
             model,
-            LossConfig(**spec.loss),
+            loss_config(**spec.loss),
             spec.n_columns,
             spec.batch_size,
             size,
@@ -355,7 +355,7 @@ class CudaTrial:
     def __call__(self, size: int) -> TrialOutcome:
         import torch
 
-        from cembed.config import LossConfig
+        from cembed.config import loss_config
 
         if self.fallback is not None:
             return self.fallback(size)
@@ -366,7 +366,7 @@ class CudaTrial:
         try:
             sps = worst_case_step(
                 self.model,
-                LossConfig(**self.spec.loss),
+                loss_config(**self.spec.loss),
                 self.spec.n_columns,
                 self.spec.batch_size,
                 size,

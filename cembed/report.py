@@ -7,11 +7,23 @@ functions here, which render them with rich. Only this module and :mod:`cembed.c
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from transformers import TrainerCallback
 
 from cembed.probe import ProbeResult, format_bytes
+
+if TYPE_CHECKING:
+    from cembed.evaluate import EvalReport
+
+
+def make_console(quiet: bool = False) -> Console:
+    """A console for cembed's output (``quiet``: prints nothing, for ranks other than 0)."""
+    return Console(soft_wrap=True, quiet=quiet)
 
 
 def warn(console: Console, text: str) -> None:
@@ -85,6 +97,95 @@ def print_data_report(console: Console, report) -> None:
     console.print(out)
 
 
+# --- a training run ----------------------------------------------------------------------------
+
+
+def print_run_header(console: Console, cfg, plan) -> None:
+    """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR."""
+    console.print(
+        f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}  "
+        f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
+        highlight=False,
+    )
+    for w in plan.warnings:
+        warn(console, w)
+
+
+def print_distributed(console: Console, info: dict) -> None:
+    """Processes, backend, gathering and the parameters frozen for DDP (``run_summary['distributed']``)."""
+    frozen = info["frozen_unused_parameters"]
+    shown = ", ".join(frozen[:4]) + (f" and {len(frozen) - 4} more" if len(frozen) > 4 else "")
+    console.print(
+        f"distributed: {info['world_size']} processes ({info['backend']}), gather_across_devices="
+        f"{str(info['gather_across_devices']).lower()}; "
+        + (
+            f"froze {len(frozen)} parameters that never receive a gradient ({shown}), "
+            if frozen
+            else "every parameter receives a gradient, "
+        )
+        + "DDP unused-parameter detection off",
+        highlight=False,
+    )
+
+
+def print_done(console: Console, summary: dict) -> None:
+    """The closing lines of a completed run."""
+    console.print(
+        f"[green]done[/]: {summary['steps']} steps, {summary['samples_seen']} samples in {summary['wall_time_s']:.1f}s "
+        f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
+        highlight=False,
+    )
+    console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
+
+
+class RichProgressCallback(TrainerCallback):
+    """Progress bar (step, loss, LR, samples/s, ETA) on the main process, reading the run's
+    :class:`~cembed.trainer.RunLog`; :meth:`print_line` prints a log line above the bar."""
+
+    def __init__(self, console: Console, log, samples_per_step: int) -> None:
+        self.console = console
+        self.log = log
+        self.samples_per_step = samples_per_step
+        self.progress: Progress | None = None
+        self.task = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=state.max_steps, info="")
+
+    def _refresh(self, step: int) -> None:
+        if self.progress is not None:
+            rate = self.log.samples_per_s(step, self.samples_per_step)
+            info = f"loss {self.log.last_loss:.4f}  lr {self.log.last_lr:.2e}  {rate:.1f} samples/s"
+            self.progress.update(self.task, completed=step, info=info)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._refresh(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._refresh(state.global_step)
+
+    def print_line(self, line: str) -> None:
+        """Print ``line`` above the bar (ignored before the bar starts or off the main process)."""
+        if self.progress is not None:
+            self.progress.console.print(line, highlight=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.stop()
+
+
 # --- truncation and the mini-batch probe --------------------------------------------------------
 
 
@@ -138,6 +239,11 @@ def probe_table(result: ProbeResult) -> Table:
     return table
 
 
+def print_probe_start(console: Console, device: str) -> None:
+    """The line printed before ``mini_batch_size: auto`` is probed at the start of training."""
+    console.print(f"probing mini_batch_size on {device} (batch.mini_batch_size: auto)", highlight=False)
+
+
 def print_probe(console: Console, result: ProbeResult) -> None:
     """The probe table, notes, the recommendation with its reason and the override line."""
     console.print(probe_table(result))
@@ -149,17 +255,10 @@ def print_probe(console: Console, result: ProbeResult) -> None:
 
 # --- cembed eval ---------------------------------------------------------------------------------
 
-from typing import TYPE_CHECKING  # noqa: E402 - kept with the section that needs it (type hints only)
-
-if TYPE_CHECKING:
-    from cembed.evaluate import EvalReport
-
 
 def encode_progress(console: Console):
     """A ``progress`` factory for :func:`cembed.evaluate.score_model`: for each retrieval set, a
     transient rich bar ``encode <set> corpus`` (done/total documents, elapsed, remaining)."""
-    from contextlib import contextmanager
-
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,

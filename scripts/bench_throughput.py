@@ -230,7 +230,7 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     from cembed.meter import ThroughputMeter
     from cembed.pretokenize import collator_for, pretokenize
     from cembed.sampler import NoDuplicatesSampler
-    from cembed.train import _trainer_class
+    from cembed.trainer import CembedTrainer
 
     model = tiny_model(tmp)
     # Short sequences keep this model's CPU step below stock batch production, as a fast GPU's is.
@@ -285,9 +285,11 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
             logging_steps=steps,
             learning_rate=1e-4,
         )
-        trainer = _trainer_class()(model=model, args=targs, train_dataset=dataset, loss=loss, data_collator=collator)
+        meter = ThroughputMeter(getattr(loss, "token_counts", TokenCounts()))
+        trainer = CembedTrainer(
+            model=model, args=targs, train_dataset=dataset, loss=loss, data_collator=collator, meter=meter
+        )
         trainer.remove_callback(PrinterCallback)
-        trainer.meter = ThroughputMeter(getattr(loss, "token_counts", TokenCounts()))
         trainer.meter.start()
         t0 = time.perf_counter()
         trainer.train()

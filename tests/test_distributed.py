@@ -123,28 +123,24 @@ def _install_recording(monkeypatch=None):
     indices each rank's data loader hands out, per epoch."""
     import accelerate.data_loader as adl
 
-    import cembed.train as train
+    from cembed.trainer import CembedTrainer
 
     record: dict = {"trainers": [], "batches": []}
-    make = train._trainer_class
 
-    def trainer_class():
-        base = make()
+    class SGDTrainer(CembedTrainer):
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                self.optimizer = torch.optim.SGD(params, lr=self.args.learning_rate)
+            return self.optimizer
 
-        class SGDTrainer(base):
-            def create_optimizer(self, model=None):
-                if self.optimizer is None:
-                    params = [p for p in self.model.parameters() if p.requires_grad]
-                    self.optimizer = torch.optim.SGD(params, lr=self.args.learning_rate)
-                return self.optimizer
+        def train(self, *args, **kwargs):
+            record["trainers"].append(self)
+            if record.get("signal_at"):
+                self.add_callback(_signal_at(record["signal_at"]))
+            return super().train(*args, **kwargs)
 
-            def train(self, *args, **kwargs):
-                record["trainers"].append(self)
-                if record.get("signal_at"):
-                    self.add_callback(_signal_at(record["signal_at"]))
-                return super().train(*args, **kwargs)
-
-        return SGDTrainer
+    record["trainer_cls"] = SGDTrainer
 
     original_iter = adl.BatchSamplerShard.__iter__
 
@@ -155,15 +151,12 @@ def _install_recording(monkeypatch=None):
             epoch.append(list(batch))
             yield batch
 
-    if monkeypatch is not None:
-        monkeypatch.setattr(train, "_trainer_class", trainer_class)
-    else:
-        train._trainer_class = trainer_class
+    if monkeypatch is None:
         adl.BatchSamplerShard.__iter__ = recording_iter
     return record
 
 
-def _run(cfg_dict: dict, base: Path):
+def _run(cfg_dict: dict, base: Path, trainer_cls=None):
     from rich.console import Console
 
     from cembed.configfile import config_from_dict
@@ -171,7 +164,8 @@ def _run(cfg_dict: dict, base: Path):
 
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
-    return run_training(cfg, plan, data, Console(quiet=True), progress=False)
+    kwargs = {"trainer_cls": trainer_cls} if trainer_cls else {}
+    return run_training(cfg, plan, data, Console(quiet=True), progress=False, **kwargs)
 
 
 def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
@@ -197,7 +191,7 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     record = _install_recording()
     results = {}
     for name in CASES:
-        summary = _run(_case_config(tmp_path, model_path, name, WORLD), tmp_path)
+        summary = _run(_case_config(tmp_path, model_path, name, WORLD), tmp_path, record["trainer_cls"])
         trainer = record["trainers"][-1]
         torch.save(
             {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, tmp_path / f"{name}-rank{rank}.pt"
@@ -208,7 +202,7 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
             "distributed": summary["distributed"],
         }
     record["batches"].clear()
-    summary = _run(_epoch_config(tmp_path, model_path), tmp_path)
+    summary = _run(_epoch_config(tmp_path, model_path), tmp_path, record["trainer_cls"])
     trained_epoch = [b for b in record["batches"] if b][-1]
     results["epoch"] = {
         "steps": summary["steps"],
@@ -223,7 +217,7 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     cfg = _epoch_config(tmp_path, model_path)
     cfg["train"].update(max_steps=6, output_dir=str(tmp_path / "interrupted"))
     try:
-        summary = _run(cfg, tmp_path)
+        summary = _run(cfg, tmp_path, record["trainer_cls"])
         results["interrupt"] = {"status": "completed", "steps": summary["steps"]}
     except RunInterrupted as stop:
         results["interrupt"] = {
@@ -253,7 +247,7 @@ def two_rank_results(tiny_model_dir, tmp_path_factory):
 def test_two_ranks_gathered_equal_one_process(name, two_rank_results, tiny_model_dir, monkeypatch):
     tmp, results = two_rank_results
     record = _install_recording(monkeypatch)
-    ref = _run(_case_config(tmp, tiny_model_dir, name, 1), tmp)
+    ref = _run(_case_config(tmp, tiny_model_dir, name, 1), tmp, record["trainer_cls"])
     ref_weights = record["trainers"][-1].model.state_dict()
     from sentence_transformers import SentenceTransformer
 

@@ -13,7 +13,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-from cembed.config import LOSS_CONFIGS, CachedMNRLLossConfig, LossConfig, MNRLLossConfig
+from cembed.config import LOSS_CONFIGS, CachedMNRLLossConfig, LossConfig, MNRLLossConfig, loss_config
 from cembed.configfile import config_from_dict, load_config
 from cembed.errors import UserError
 from cembed.losses import (
@@ -112,7 +112,7 @@ def test_cached_equals_plain_under_same_dropout_masks(tiny_dropout_model_dir, mb
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    cached = build_loss(model, LossConfig(), mbs, sort_by_length=False).module
+    cached = build_loss(model, loss_config(), mbs, sort_by_length=False).module
     torch.manual_seed(123)
     loss, grads = _loss_and_grads(model, cached, features)
     assert _rel(loss, ref_loss.detach()) <= 1e-5
@@ -132,9 +132,9 @@ def test_length_sorted_equals_unsorted(tiny_model_dir, mbs, columns):
     model.train()
     features = _features(model, columns)
     unsorted_loss, unsorted_grads = _loss_and_grads(
-        model, build_loss(model, LossConfig(), mbs, sort_by_length=False).module, features
+        model, build_loss(model, loss_config(), mbs, sort_by_length=False).module, features
     )
-    sorted_obj = build_loss(model, LossConfig(), mbs, sort_by_length=True)
+    sorted_obj = build_loss(model, loss_config(), mbs, sort_by_length=True)
     sorted_loss, sorted_grads = _loss_and_grads(model, sorted_obj.module, features)
     assert _rel(sorted_loss, unsorted_loss) <= 1e-5
     assert _rel(sorted_grads, unsorted_grads) <= 1e-5
@@ -149,7 +149,7 @@ def test_sorting_reduces_padded_positions(tiny_model_dir):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     texts = [("word " * (1 + (i * 7) % 23)).strip() for i in range(32)]
     features = [model.tokenize(texts), model.tokenize(list(reversed(texts)))]
-    on, off = (build_loss(model, LossConfig(), 4, sort_by_length=s).module for s in (True, False))
+    on, off = (build_loss(model, loss_config(), 4, sort_by_length=s).module for s in (True, False))
     with torch.no_grad():
         on(features, None)
         off(features, None)
@@ -161,8 +161,8 @@ def test_token_budget_minibatches(tiny_model_dir):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
     features = _features(model, ("anchor", "positive"))
-    ref_loss, ref_grads = _loss_and_grads(model, build_loss(model, LossConfig(name="mnrl"), 1).module, features)
-    loss, grads = _loss_and_grads(model, build_loss(model, LossConfig(), 7, mini_batch_num_tokens=20).module, features)
+    ref_loss, ref_grads = _loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
+    loss, grads = _loss_and_grads(model, build_loss(model, loss_config(), 7, mini_batch_num_tokens=20).module, features)
     assert _rel(loss, ref_loss) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
 
 
@@ -229,7 +229,7 @@ def test_unknown_loss_name_lists_known_names(write_config):
     assert ":4: loss.name: unknown loss 'infonce'" in msg
     assert "cached_mnrl" in msg and "mnrl" in msg
     with pytest.raises(ValueError, match=r"unknown loss 'infonce'; known: cached_mnrl, mnrl"):
-        LossConfig(name="infonce")
+        loss_config(name="infonce")
 
 
 def test_loss_field_errors_keep_their_line(write_config):
@@ -242,7 +242,7 @@ def test_loss_field_errors_keep_their_line(write_config):
 
 def test_built_loss_reports_caching(tiny_model_dir):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
-    cached, plain = build_loss(model, LossConfig(), 4), build_loss(model, LossConfig(name="mnrl"), 4)
+    cached, plain = build_loss(model, loss_config(), 4), build_loss(model, loss_config(name="mnrl"), 4)
     assert cached.cached and isinstance(cached.module, LengthSortedCachedMNRL)
     assert not plain.cached and isinstance(plain.module, CountingMNRL)
     assert cached.token_counts is cached.module.token_counts

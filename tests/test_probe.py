@@ -13,7 +13,7 @@ from conftest import REPO, distinct_pairs
 from typer.testing import CliRunner
 
 from cembed.cli import app
-from cembed.config import LossConfig, ModelConfig
+from cembed.config import ModelConfig, loss_config
 from cembed.configfile import load_config, set_yaml_value
 from cembed.data import truncation_report
 from cembed.errors import UserError
@@ -111,7 +111,7 @@ def test_parse_bytes():
 def test_cpu_budget_mode_tiny_model(tiny_model_dir):
     spec = TrialSpec(
         model=ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=128, device="cpu").model_dump(),
-        loss=LossConfig().model_dump(),
+        loss=loss_config().model_dump(),
         n_columns=2,
         batch_size=256,
         device="cpu",
@@ -212,8 +212,8 @@ def test_probe_asks_the_loss_whether_it_caches():
 
     model_cfg = ModelConfig(name_or_path="x", device="cpu")
     with pytest.raises(UserError, match=r"loss\.name: probe-minibatch measures the cached loss; with 'mnrl' mini_"):
-        run_probe(model_cfg, LossConfig(name="mnrl"), 8)
+        run_probe(model_cfg, loss_config(name="mnrl"), 8)
     plan = Plan("cpu", 1, 8, 1, 8, 1e-5, "", "fp32")
-    resolved, probe = resolve_auto(plan, model_cfg, LossConfig(name="mnrl"), 2)
+    resolved, probe = resolve_auto(plan, model_cfg, loss_config(name="mnrl"), 2)
     assert probe is None and resolved.mini_batch_size == 8
     assert resolved.warnings[-1] == "batch.mini_batch_size: auto has no effect with loss mnrl"

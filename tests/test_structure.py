@@ -55,3 +55,19 @@ def test_find_cycles_sees_a_cycle():
 
 def test_cembed_imports_have_no_cycle():
     assert find_cycles(import_graph()) == []
+
+
+def test_only_cli_and_report_import_rich():
+    printers = set()
+    for path in PKG.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if any(n and n.split(".")[0] == "rich" for n in names):
+                printers.add(path.stem)
+    assert printers <= {"cli", "report"}, printers
+
+
+def test_no_module_over_450_lines():
+    sizes = {p.name: len(p.read_text().splitlines()) for p in PKG.glob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 450} == {}
