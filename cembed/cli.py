@@ -105,18 +105,23 @@ def validate_cmd(
 
     cfg = _load(config, overrides)
     plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes))
-    print_validation(console, cfg, plan, data)
-    print_truncation(console, _truncation(cfg.model, data))
+    truncation = _truncation(cfg.model, data)
+    print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
+    print_truncation(console, truncation)
     console.print("[green]config OK[/]")
 
 
 def _truncation(model_cfg, data):
-    """``(max_seq_length, report)``, or the UserError of a model that cannot be loaded: validate
-    and probe-minibatch must not need the model, so that only skips the report."""
+    """A ``ModelTruncation``, or the UserError of a model that cannot be loaded: validate and
+    probe-minibatch must not need the model, so that only skips the report. A model cembed refuses
+    (ModelRefused: remote code without the option, a kind it cannot train) fails the command."""
     from cembed.data import model_truncation_report
+    from cembed.errors import ModelRefused
 
     try:
         return model_truncation_report(model_cfg, data)
+    except ModelRefused:
+        raise
     except UserError as err:
         return err
 

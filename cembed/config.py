@@ -53,6 +53,15 @@ class ModelConfig(_Strict):
     max_seq_length: PositiveInt | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    trust_remote_code: bool = Field(False, description="run the model's own code (config.json auto_map); never implied")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) to pin")
+    model_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="passed to the transformers model, e.g. attn_implementation, torch_dtype"
+    )
+    tokenizer_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to the tokenizer")
+    pooling: Literal["mean", "cls", "lasttoken"] = Field(
+        "mean", description="pooling for a plain transformers checkpoint (no modules.json); ignored otherwise"
+    )
 
 
 class FileSource(_Strict):
@@ -83,8 +92,21 @@ class HubSource(_Strict):
         return self.path
 
 
+class BeirSource(_Strict):
+    """A BEIR folder's qrels as (query, document) training pairs; YAML ``{beir: folder, split: train}``."""
+
+    kind: Literal["beir"] = Field("beir", description="source kind; set by the `beir:` key")
+    path: str = Field(description="the BEIR folder; a relative path resolves against the config file's folder")
+    split: str = Field("train", description="the qrels file to read, qrels/<split>.tsv")
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source."""
+        return f"{self.path} (BEIR, qrels/{self.split}.tsv)"
+
+
 # One class per kind of training data; `kind` picks it (inferred by DataConfig when not given).
-DataSource = Annotated[FileSource | HubSource, Field(discriminator="kind")]
+DataSource = Annotated[FileSource | HubSource | BeirSource, Field(discriminator="kind")]
 
 
 def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
@@ -110,7 +132,7 @@ class ColumnMap(_Strict):
 class DataConfig(_Strict):
     """The training data: where it comes from, which columns feed the loss, how it is checked."""
 
-    train: DataSource = Field(description="a file path, a hub id, or {kind, path, split, subset}")
+    train: DataSource = Field(description="a file path, a hub id, {kind, path, split, subset} or {beir, split}")
     columns: ColumnMap = Field(default_factory=ColumnMap, description="data column -> loss role")
     max_samples: PositiveInt | None = Field(None, description="train on the first N rows only")
     drop_invalid_rows: bool = Field(False, description="drop rows with an empty/over-1-MB cell instead of refusing")
@@ -127,6 +149,11 @@ class DataConfig(_Strict):
             train = data.get("train")
             if isinstance(train, str):
                 train = {"path": train}
+            if isinstance(train, dict) and "beir" in train:
+                # `train: {beir: folder, split: ...}` is the BEIR source's YAML form.
+                if "path" in train or train.get("kind", "beir") != "beir":
+                    raise ValueError("data.train: give the BEIR folder as `beir: <folder>` without `path` or `kind`")
+                train = {k: v for k, v in train.items() if k != "beir"} | {"kind": "beir", "path": train["beir"]}
             if isinstance(train, dict) and "kind" not in train:
                 path = train.get("path")
                 base = (info.context or {}).get("base")

@@ -17,7 +17,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cembed.config import DEFAULT_LOSS, LOSS_CONFIGS, CembedConfig, FileSource, LossConfig
+from cembed.config import DEFAULT_LOSS, LOSS_CONFIGS, BeirSource, CembedConfig, FileSource, LossConfig
 from cembed.errors import UserError
 
 
@@ -172,7 +172,7 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
     """Make local paths absolute relative to ``base`` (the config file's folder)."""
     cfg = cfg.model_copy(deep=True)
     source = cfg.data.train
-    if isinstance(source, FileSource):  # a hub id is not a path
+    if isinstance(source, (FileSource, BeirSource)):  # a hub id is not a path
         source.path = _resolve_path(source.path, base)
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
     if cfg.data.cache_dir is not None:

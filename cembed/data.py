@@ -7,15 +7,17 @@ so nothing unnamed is embedded.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from cembed.config import ColumnMap, DataConfig
 from cembed.errors import UserError
-from cembed.model import load_model, quiet_libraries
-from cembed.sources import load_source
+from cembed.model import load_model, pooling_in_effect, quiet_libraries
+from cembed.sources import load_source, row_locator
 
 # A text cell over 1 MB is a data error (a whole file pasted into a cell), not a sentence.
 MAX_TEXT_BYTES = 1_000_000
@@ -73,25 +75,59 @@ def map_columns(dataset, columns: ColumnMap, source: str):
     return dataset.rename_columns({f"__cembed_{i}": role for i, (_, role) in enumerate(pairs)})
 
 
-def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool):
-    """Refuse (or drop, with ``drop_invalid``) rows with a null, empty, blank or over-1-MB cell.
+def _describe(cell: str) -> str:
+    """What a non-text JSON cell (its JSON text) holds, for messages: ``a number (42)``, ``a list``."""
+    value = json.loads(cell)
+    shown = cell if len(cell) <= 40 else cell[:37] + "..."
+    if isinstance(value, bool):
+        return f"a boolean ({shown})"
+    if isinstance(value, (int, float)):
+        return f"a number ({shown})"
+    return f"{'a list' if isinstance(value, list) else 'an object'} ({shown})"
+
+
+def _text_cells(arr) -> tuple[pa.Array, pa.Array | None, list[str | None] | None]:
+    """A column of JSON cells (pyarrow's ``json`` type: the reader found text and non-text values)
+    as ``(text column with non-text cells null, mask of non-text cells, their descriptions)``;
+    a text column passes through as ``(arr, None, None)``."""
+    if not (isinstance(arr.type, pa.BaseExtensionType) and pa.types.is_string(arr.type.storage_type)):
+        return arr, None, None
+    cells = pa.chunked_array([c.storage for c in arr.chunks], arr.type.storage_type).to_pylist()
+    texts, kinds = [], []
+    for cell in cells:
+        value = None if cell is None else json.loads(cell)
+        texts.append(value if isinstance(value, str) else None)
+        kinds.append(None if value is None or isinstance(value, str) else _describe(cell))
+    return pa.array(texts, pa.string()), pa.array([k is not None for k in kinds]), kinds
+
+
+def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool, locate=None):
+    """Refuse (or drop, with ``drop_invalid``) rows with a null, empty, blank or over-1-MB cell, or
+    a number, boolean, list or object in a text column (a JSON file mixing them with text).
+
+    Args:
+        locate: 0-based row index -> how to name it (``line N`` for JSON Lines, see
+            :func:`cembed.sources.row_locator`); default ``row N``.
 
     Returns:
-        ``(dataset, rows_dropped)``.
+        ``(dataset, rows_dropped)``; a column that held non-text cells comes back as text.
 
     Raises:
-        UserError: naming the column (role and source name) and the 1-based row of the first bad
+        UserError: naming the row (or line), the column (role and source name) and the first bad
             cell, or a column whose type is not text at all.
     """
+    locate = locate or (lambda index: f"row {index + 1}")
     table = arrow_table(dataset)
     bad = None
-    first_bad: tuple[int, str, str] | None = None
+    first_bad: tuple[int, str] | None = None
+    replaced = {}
     for role in dataset.column_names:
-        arr = table.column(role)
         src = roles.get(role, role)
+        arr, non_text, kinds = _text_cells(table.column(role))
+        if non_text is not None:
+            replaced[role] = arr
         if arr.type == pa.null():
-            reason_col = "only empty values"
-            raise UserError(f"{source}: column {src!r} (role {role}) holds {reason_col}; it must hold text")
+            raise UserError(f"{source}: column {src!r} (role {role}) holds only empty values; it must hold text")
         if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
             raise UserError(
                 f"{source}: column {src!r} (role {role}) holds {arr.type} values; it must hold text "
@@ -103,21 +139,31 @@ def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool)
         col_bad = pc.or_(pc.or_(null, blank), too_long)
         if pc.any(col_bad).as_py():
             idx = pc.index(col_bad, True).as_py()
-            if null[idx].as_py():
-                kind = "empty (null/NaN)"
+            if kinds is not None and kinds[idx] is not None:
+                problem = f"column {src!r} (role {role}) holds {kinds[idx]}; it must hold text"
+            elif null[idx].as_py():
+                problem = f"column {src!r} (role {role}) is empty (null/NaN)"
             elif too_long[idx].as_py():
-                kind = f"longer than 1 MB ({pc.binary_length(arr)[idx].as_py()} bytes)"
+                problem = (
+                    f"column {src!r} (role {role}) is longer than 1 MB ({pc.binary_length(arr)[idx].as_py()} bytes)"
+                )
             else:
-                kind = "empty or whitespace-only"
+                problem = f"column {src!r} (role {role}) is empty or whitespace-only"
             if first_bad is None or idx < first_bad[0]:
-                first_bad = (idx, f"column {src!r} (role {role})", kind)
+                first_bad = (idx, problem)
         bad = col_bad if bad is None else pc.or_(bad, col_bad)
+    if replaced:
+        import datasets
+
+        for role, arr in replaced.items():
+            table = table.set_column(table.column_names.index(role), role, arr)
+        dataset = datasets.Dataset(datasets.table.InMemoryTable(table))
     if first_bad is None:
         return dataset, 0
     if not drop_invalid:
-        idx, col, kind = first_bad
+        idx, problem = first_bad
         raise UserError(
-            f"{source}: row {idx + 1}: {col} is {kind}; fix the data or set data.drop_invalid_rows: true to skip such rows"
+            f"{source}: {locate(idx)}: {problem}; fix the data or set data.drop_invalid_rows: true to skip such rows"
         )
     keep = pc.invert(bad).to_numpy(zero_copy_only=False).nonzero()[0]
     return dataset.select(keep).flatten_indices(), len(dataset) - len(keep)
@@ -141,7 +187,7 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     rows_read = len(raw)
     roles = {role: src for src, role in role_columns(columns)}
     dataset = map_columns(raw, columns, label)
-    dataset, dropped = check_cells(dataset, label, roles, cfg.drop_invalid_rows)
+    dataset, dropped = check_cells(dataset, label, roles, cfg.drop_invalid_rows, row_locator(source))
     if len(dataset) == 0:
         raise UserError(f"{label}: every row was invalid and dropped; nothing is left to train on")
     return PreparedData(dataset=dataset, source=label, rows_read=rows_read, rows_dropped=dropped, roles=roles)
@@ -214,14 +260,24 @@ def truncation_report(
     return out
 
 
-def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> tuple[int, list[ColumnTruncation]]:
-    """Load ``model_cfg``'s tokenizer (the model, on CPU) and report truncation of ``data``
-    (a PreparedData). Returns ``(max_seq_length, per-column report)``.
+class ModelTruncation(NamedTuple):
+    """:func:`model_truncation_report`'s answer: the length, the per-column report and the pooling
+    in effect (:func:`cembed.model.pooling_in_effect`)."""
+
+    max_seq_length: int
+    columns: list[ColumnTruncation]
+    pooling: str
+
+
+def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> ModelTruncation:
+    """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
+    the pooling the model uses.
 
     Raises:
-        UserError: the model cannot be loaded.
+        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it.
     """
     quiet_libraries()
     model = load_model(model_cfg, "cpu")
     length = int(model.max_seq_length)
-    return length, truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows)
+    report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows)
+    return ModelTruncation(length, report, pooling_in_effect(model, model_cfg))

@@ -3,6 +3,7 @@
 - :class:`UserError`: anything the user can fix (a config value, a data file, a CLI argument). Its
   message is one or two lines naming the file, line or field and how to fix it; the CLI prints it
   and exits with code 2, never with a traceback.
+- :class:`ModelRefused`: a model that needs remote code without the option, or one cembed cannot train; exit 2.
 - :class:`RunFailed`: training stopped on a problem in the run itself (a non-finite loss); exit 3.
 - :class:`RunInterrupted`: SIGINT/SIGTERM stopped training after a checkpoint; exit 128 + signal.
 - :class:`WorkerFailed`: a launched worker process failed and the launcher stopped the others.
@@ -17,6 +18,12 @@ class UserError(Exception):
     """A mistake in user input. ``str(err)`` is the full message shown to the user."""
 
     exit_code = 2
+
+
+class ModelRefused(UserError):
+    """A model cembed will not load as configured: it needs its own code without
+    ``model.trust_remote_code``, or it is a kind cembed cannot train. Unlike a model that cannot be
+    reached (which only skips ``validate``'s truncation report), this fails ``validate`` too."""
 
 
 class RunFailed(UserError):

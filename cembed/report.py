@@ -64,11 +64,14 @@ def print_plan(console: Console, plan) -> None:
         warn(console, w)
 
 
-def print_validation(console: Console, cfg, plan, data) -> None:
-    """What ``cembed validate`` found: resolved config, device, plan, data counts, first row."""
+def print_validation(console: Console, cfg, plan, data, pooling: str | None = None) -> None:
+    """What ``cembed validate`` found: resolved config, device, pooling, plan, data counts, first row."""
     console.print("[bold]resolved config[/]")
     console.print_json(json.dumps(cfg.model_dump(mode="json")))
     console.print(f"device: {plan.device}", highlight=False)
+    console.print(
+        f"pooling: {pooling or cfg.model.pooling + ' (model.pooling; the model was not loaded)'}", highlight=False
+    )
     print_plan(console, plan)
     console.print(
         f"data: {data.rows_read} rows read, {data.rows_dropped} dropped, {len(data.dataset)} to train on; "
@@ -206,12 +209,13 @@ def truncation_table(max_seq_length: int, report: list) -> Table:
 
 
 def print_truncation(console: Console, truncation) -> None:
-    """The truncation table, or why it was skipped (``truncation`` is ``(max_seq_length, report)``
-    or the :class:`~cembed.errors.UserError` that kept the model from loading)."""
+    """The truncation table, or why it was skipped (``truncation`` is a
+    :class:`cembed.data.ModelTruncation` or the :class:`~cembed.errors.UserError` that kept the model
+    from loading)."""
     if isinstance(truncation, Exception):
         console.print(f"[yellow]truncation report skipped:[/] {truncation}", highlight=False)
         return
-    console.print(truncation_table(*truncation))
+    console.print(truncation_table(truncation.max_seq_length, truncation.columns))
 
 
 def probe_table(result: ProbeResult) -> Table:

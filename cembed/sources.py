@@ -1,7 +1,8 @@
 """Training-data sources: one loader per source kind, each returning a ``datasets.Dataset``.
 
 A source kind is a pydantic class in :mod:`cembed.config` (:class:`~cembed.config.FileSource`,
-:class:`~cembed.config.HubSource`) plus a loader here registered in :data:`LOADERS`;
+:class:`~cembed.config.HubSource`, :class:`~cembed.config.BeirSource`) plus a loader here registered
+in :data:`LOADERS`;
 :func:`load_source` dispatches on the source's class. A file is scanned with the standard library
 (:func:`diagnose_file`) so a malformed one is refused with its line, not a parser traceback.
 """
@@ -16,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cembed.config import FileSource, HubSource
+from cembed.config import BeirSource, FileSource, HubSource
 from cembed.errors import UserError
+from cembed.evalsets import beir_files, qrels_lines, read_corpus, read_queries
 
 
 def _builder_for(path: Path) -> tuple[str, dict]:
@@ -64,6 +66,9 @@ def load_file(source: FileSource):
         return dataset
     except Exception as err:  # datasets wraps parser errors in many types
         problem = diagnose_file(path)
+        if problem is None and path.name.lower().removesuffix(".gz").endswith(".jsonl"):
+            # datasets' mixed-type fallback chokes on blank lines; the standard library does not.
+            return _read_jsonl_rows(path)
         if problem is None:
             first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
             problem = f"cannot read as {builder}: {first[:300]}"
@@ -89,15 +94,95 @@ def load_hub(source: HubSource):
         ) from None
 
 
+def _read_jsonl_rows(path: Path):
+    """A JSON Lines file read with the standard library (it parsed in :func:`diagnose_file`) as a
+    ``datasets.Dataset``: a column of text (or null) cells is a string column; any other column is
+    kept as JSON text in pyarrow's ``json`` type, as ``datasets`` does for mixed columns, so the cell
+    checks can name its non-text cells."""
+    import datasets
+    import pyarrow as pa
+
+    rows = [json.loads(text) for _, text in _text_lines(path) if text.strip()]
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    columns = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if all(v is None or isinstance(v, str) for v in values):
+            columns[name] = pa.array(values, type=pa.string())
+        else:
+            cells = [None if v is None or v != v else json.dumps(v, ensure_ascii=False) for v in values]
+            columns[name] = pa.array(cells, type=pa.json_())
+    return datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)))
+
+
+def load_beir_pairs(source: BeirSource):
+    """(query, document) training pairs from a BEIR folder's ``qrels/<split>.tsv``, in file order:
+    ``anchor`` is the query text, ``positive`` the document as ``(title + " " + text).strip()`` (the
+    evaluator's rule, :func:`cembed.evalsets.document_text`), plus ``query_id`` and ``doc_id``. Rows
+    with score <= 0 are left out; a repeated (query, document) line counts once (its last score).
+    A document relevant to several queries appears in several rows: the no-duplicates sampler keeps
+    them in different batches.
+
+    Raises:
+        UserError: a missing folder or file (see :func:`cembed.evalsets.beir_files`), a bad corpus,
+            queries or qrels line, a qrels line naming a query or document that does not exist (file
+            and line), or no pair with a positive score.
+    """
+    import datasets
+
+    corpus_path, queries_path, qrels_path = beir_files(source.path, source.split)
+    corpus, queries = read_corpus(corpus_path), read_queries(queries_path)
+    pairs: dict[tuple[str, str], int] = {}
+    for n, qid, cid, score in qrels_lines(qrels_path):
+        if qid not in queries:
+            raise UserError(f"{qrels_path}:{n}: query-id {qid!r} is not in {queries_path.name}")
+        if cid not in corpus:
+            raise UserError(f"{qrels_path}:{n}: corpus-id {cid!r} (query {qid!r}) is not in {corpus_path.name}")
+        pairs.pop((qid, cid), None)  # a repeated line takes the later position and score
+        pairs[(qid, cid)] = score
+    kept = [key for key, score in pairs.items() if score > 0]
+    if not kept:
+        raise UserError(f"{qrels_path}: no (query, document) pair with score > 0; nothing to train on")
+    return datasets.Dataset.from_dict(
+        {
+            "anchor": [queries[q] for q, _ in kept],
+            "positive": [corpus[d] for _, d in kept],
+            "query_id": [q for q, _ in kept],
+            "doc_id": [d for _, d in kept],
+        }
+    )
+
+
 # Source class -> its loader. A new kind of source is one class in cembed.config and one entry here.
-LOADERS: dict[type, Callable[[Any], Any]] = {FileSource: load_file, HubSource: load_hub}
+LOADERS: dict[type, Callable[[Any], Any]] = {FileSource: load_file, HubSource: load_hub, BeirSource: load_beir_pairs}
 
 
-def load_source(source: FileSource | HubSource):
+def row_locator(source) -> Callable[[int], str]:
+    """How messages name a row of ``source``'s data by its 0-based index: ``line N`` for a JSON
+    Lines file (blank lines skipped, as the reader does), ``row N`` (1-based) otherwise."""
+    path = Path(source.path)
+    if not (isinstance(source, FileSource) and path.name.lower().removesuffix(".gz").endswith(".jsonl")):
+        return lambda index: f"row {index + 1}"
+
+    def locate(index: int) -> str:
+        rows = -1
+        try:
+            for number, text in _text_lines(path):
+                rows += bool(text.strip())
+                if rows == index:
+                    return f"line {number}"
+        except ValueError:
+            pass
+        return f"row {index + 1}"
+
+    return locate
+
+
+def load_source(source: FileSource | HubSource | BeirSource):
     """Load any training-data source as a ``datasets.Dataset``, through its entry in :data:`LOADERS`.
 
     Raises:
-        UserError: see :func:`load_file` and :func:`load_hub`.
+        UserError: see :func:`load_file`, :func:`load_hub` and :func:`load_beir_pairs`.
         TypeError: a source class with no registered loader (a programming error, not a user one).
     """
     loader = LOADERS.get(type(source))

@@ -1,8 +1,9 @@
 """Batch-size study: fine-tune on the SciFact train pairs at several per-device batch sizes, with the
 learning rate scaled by the sqrt rule vs. held fixed, and report SciFact test NDCG@10.
 
-Training pairs: ``qrels/train.tsv`` joined to ``queries.jsonl`` (anchor = claim) and
-``corpus.jsonl.gz`` (positive = ``(title + " " + text).strip()``): 919 pairs, 565 distinct abstracts,
+Training pairs: cembed's BEIR source, ``data.train: {beir: <scifact>, split: train}``: ``qrels/train.tsv``
+joined to ``queries.jsonl`` (anchor = claim) and ``corpus.jsonl.gz`` (positive =
+``(title + " " + text).strip()``): 919 pairs, 565 distinct abstracts,
 so a duplicate-free batch holds at most 565 rows (the no-duplicates sampler refuses more).
 
 Each run goes through cembed itself (config -> check_run_inputs -> run_training), then the saved model is
@@ -20,7 +21,6 @@ cores at max_seq_length 256). A smoke run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -38,26 +38,26 @@ PUBLISHED_NDCG10 = 0.64508  # MTEB results, sentence-transformers__all-MiniLM-L6
 
 
 def scifact_train_pairs(scifact: Path) -> list[dict]:
-    """(claim, abstract) rows from qrels/train.tsv in file order; only qrels score > 0."""
-    from cembed.evalsets import load_beir, load_qrels
+    """(claim, abstract) rows from qrels/train.tsv in file order, only qrels score > 0: cembed's BEIR
+    training source (``data.train: {beir: <folder>, split: train}``)."""
+    from cembed.config import BeirSource
+    from cembed.sources import load_source
 
-    rs = load_beir(scifact, "train")
-    rows = []
-    for qid, docs in load_qrels(scifact / "qrels" / "train.tsv").items():
-        for cid, score in docs.items():
-            if score > 0:
-                rows.append({"anchor": rs.queries[qid], "positive": rs.corpus[cid], "query_id": qid, "doc_id": cid})
-    return rows
+    return load_source(BeirSource(path=str(scifact), split="train")).to_list()
 
 
-def run_config(args, bs: int, rule: str, pairs_file: Path, out_dir: Path) -> dict:
+def run_config(args, bs: int, rule: str, out_dir: Path) -> dict:
     return {
         "model": {
             "name_or_path": args.model,
             "max_seq_length": args.train_max_seq_length or args.max_seq_length,
             "device": args.device,
         },
-        "data": {"train": str(pairs_file), "columns": {"anchor": "anchor", "positive": "positive"}},
+        "data": {
+            "train": {"beir": str(SCIFACT), "split": "train"},
+            "columns": {"anchor": "anchor", "positive": "positive"},
+            "max_samples": args.max_train_pairs,
+        },
         "batch": {
             "per_device_train_batch_size": bs,
             "mini_batch_size": min(bs, args.mini_batch_size),
@@ -173,8 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     cache_dir = default_cache_dir()
     pairs = scifact_train_pairs(SCIFACT)[: args.max_train_pairs]
-    pairs_file = args.work_dir / "scifact_train_pairs.jsonl"
-    pairs_file.write_text("".join(json.dumps(r) + "\n" for r in pairs))
     console.print(f"{len(pairs)} training pairs, {len({r['positive'] for r in pairs})} distinct positives")
 
     baseline, secs = evaluate_model(args.model, args, cache_dir)
@@ -184,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     for bs in args.batch_sizes:
         for rule in args.rules:
             out_dir = args.work_dir / f"bs{bs}-{rule}"
-            cfg = config_from_dict(run_config(args, bs, rule, pairs_file, out_dir), "study", REPO)
+            cfg = config_from_dict(run_config(args, bs, rule, out_dir), "study", REPO)
             try:
                 plan, data = check_run_inputs(cfg)
             except UserError as err:

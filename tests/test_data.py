@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import get_args
 
 import pytest
@@ -33,7 +34,7 @@ def test_bad_cell_names_column_and_row(write_config, pairs_file, bad, kind):
     rows = distinct_pairs(10)
     rows[6]["positive"] = bad
     cfg = _cfg(write_config, pairs_file(rows))
-    with pytest.raises(UserError, match=rf"row 7: column 'positive' \(role positive\) is {kind}; .*drop_invalid_rows"):
+    with pytest.raises(UserError, match=rf"line 7: column 'positive' \(role positive\) is {kind}; .*drop_invalid_rows"):
         check_run_inputs(cfg)
 
 
@@ -116,7 +117,7 @@ def test_cli_user_error_exit_code_2_no_traceback(write_config, pairs_file):
     )
     r = CliRunner().invoke(app, ["validate", str(path)])
     assert r.exit_code == 2
-    assert "row 4: column 'anchor'" in r.output and "Traceback" not in r.output
+    assert "line 4: column 'anchor'" in r.output and "Traceback" not in r.output
 
 
 def test_source_kind_inferred_from_path(write_config, pairs_file, tmp_path, monkeypatch):
@@ -145,3 +146,49 @@ def test_unknown_source_kind_names_field_line_and_kinds(write_config):
 
 def test_every_source_kind_has_a_loader():
     assert set(LOADERS) == set(get_args(get_args(DataSource)[0]))
+
+
+def _mixed_file(tmp_path, lines: list[str]):
+    p = tmp_path / "mixed.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+@pytest.mark.parametrize(
+    "cell, described",
+    [
+        ("42", "a number (42)"),
+        ('["x", "y"]', 'a list (["x","y"])'),
+        ("true", "a boolean (true)"),
+        ('{"a": 1}', "an object"),
+    ],
+)
+def test_non_text_cell_in_jsonl_names_line_and_column(write_config, tmp_path, cell, described):
+    lines = [json.dumps(r) for r in distinct_pairs(6)]
+    lines[1] = f'{{"anchor": "a1", "positive": {cell}}}'
+    cfg = _cfg(write_config, _mixed_file(tmp_path, lines))
+    with pytest.raises(UserError) as err:
+        check_run_inputs(cfg)
+    assert f"line 2: column 'positive' (role positive) holds {described}" in str(err.value)
+    assert "it must hold text" in str(err.value) and "extension" not in str(err.value)
+
+
+def test_non_text_cell_after_a_blank_line_names_the_file_line(write_config, tmp_path):
+    lines = [json.dumps(r) for r in distinct_pairs(6)]
+    lines[2] = ""
+    lines[4] = '{"anchor": "a4", "positive": 42}'
+    cfg = _cfg(write_config, _mixed_file(tmp_path, lines))
+    with pytest.raises(UserError, match=r"line 5: column 'positive' \(role positive\) holds a number \(42\)"):
+        check_run_inputs(cfg)
+
+
+def test_drop_invalid_rows_skips_non_text_cells(write_config, tmp_path):
+    lines = [json.dumps(r) for r in distinct_pairs(10)]
+    lines[1] = '{"anchor": "a1", "positive": 42}'
+    lines[4] = '{"anchor": ["a", "b"], "positive": "p4"}'
+    lines[6] = '{"anchor": "a6", "positive": NaN}'
+    cfg = _cfg(write_config, _mixed_file(tmp_path, lines), data={"drop_invalid_rows": True})
+    _, data = check_run_inputs(cfg)
+    assert data.rows_dropped == 3 and len(data.dataset) == 7
+    assert data.dataset.features["positive"].dtype == "string" and data.dataset.features["anchor"].dtype == "string"
+    assert data.dataset["anchor"][:2] == ["question number 0", "question number 2"]

@@ -259,7 +259,7 @@ def test_cli_eval_table_json_and_cache(tiny_model_dir, tmp_path):
     "args, needle",
     [
         (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
-        (["--model", "MODEL", "-r", "/nonexistent/beir"], "retrieval folder not found"),
+        (["--model", "MODEL", "-r", "/nonexistent/beir"], "retrieval (BEIR) folder not found"),
         (["--model", "MODEL"], "give at least one --retrieval"),
     ],
 )

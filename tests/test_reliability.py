@@ -236,7 +236,7 @@ BAD_INPUTS = {
             and None
             or p / "big.jsonl"
         ),
-        "row 3: column 'anchor' (role anchor) is longer than 1 MB",
+        "line 3: column 'anchor' (role anchor) is longer than 1 MB",
     ),
     "non-UTF-8 bytes": (
         lambda p: (
