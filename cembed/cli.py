@@ -99,12 +99,14 @@ def validate_cmd(
     ),
     nnodes: int = typer.Option(1, "--nnodes", help="Check for this many nodes."),
 ) -> None:
-    """Check config, data files and columns without training (no GPU needed)."""
+    """Check config, data files and columns without training (no GPU needed).
+
+    A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
     from cembed.report import print_truncation, print_validation
     from cembed.train import check_run_inputs
 
     cfg = _load(config, overrides)
-    plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes))
+    plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes), allow_unloaded=True)
     truncation = _truncation(cfg.model, data)
     print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
     print_truncation(console, truncation)
@@ -124,6 +126,23 @@ def _truncation(model_cfg, data):
         raise
     except UserError as err:
         return err
+
+
+@app.command("init")
+@user_errors
+def init_cmd(
+    out: Path = typer.Argument(..., help="The config file to write (never overwritten)."),
+    data: Path = typer.Option(..., "--data", help="Training data: .jsonl[.gz], .json, .csv, .tsv or .parquet."),
+    model: str = typer.Option("all-MiniLM-L6-v2", "--model", help="Model folder or hub id to fine-tune."),
+) -> None:
+    """Write a commented starter config for a model and a data file: proposes the column roles and a
+    per_device_train_batch_size the no-duplicates sampler can fill."""
+    from cembed.report import print_starter
+    from cembed.starter import make_starter, write_starter
+
+    starter = make_starter(out, model, data)
+    write_starter(starter)
+    print_starter(console, starter)
 
 
 @app.command("inspect-data")

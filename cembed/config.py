@@ -318,6 +318,10 @@ class TrainConfig(_Strict):
     dataloader_num_workers: int = Field(0, ge=0)
     # Experiment trackers, through the trainer's own integrations (each needs its package installed).
     report_to: list[Literal[REPORT_TO]] = Field(default_factory=lambda: ["none"])  # type: ignore[valid-type]
+    # Publishing through the trainer: checkpoints as they are saved, the final model folder at the end.
+    push_to_hub: bool = False
+    hub_model_id: str | None = None  # the hub repo, e.g. your-name/minilm-coco (needed by push_to_hub)
+    hub_private_repo: bool | None = None  # create the repo private (None: the hub's default)
 
     @model_validator(mode="before")
     @classmethod
@@ -331,6 +335,10 @@ class TrainConfig(_Strict):
     def _one_length(self) -> TrainConfig:
         if self.num_train_epochs is None and self.max_steps is None:
             self.__dict__["num_train_epochs"] = 1.0
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError(
+                "push_to_hub: true needs train.hub_model_id, the hub repo to publish to (e.g. your-name/minilm-coco)"
+            )
         return self
 
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cembed.config import ColumnMap, DataConfig
-from cembed.errors import UserError
+from cembed.errors import HubUnavailable, UserError
 from cembed.model import load_model, pooling_in_effect, quiet_libraries
 from cembed.sources import load_source, row_locator
 
@@ -36,6 +36,20 @@ class PreparedData:
     @property
     def columns(self) -> list[str]:
         return list(self.dataset.column_names)
+
+
+@dataclass
+class UnloadedData:
+    """Training data that ``cembed validate`` could not load because the hub is offline or
+    unreachable: rows and columns unchecked; everything else is checked without them."""
+
+    source: str
+    reason: str  # e.g. "offline: HF_DATASETS_OFFLINE=1"
+
+    @property
+    def message(self) -> str:
+        """The warning ``validate`` prints."""
+        return f"data: hub dataset {self.source} not loaded ({self.reason}); rows and columns unchecked"
 
 
 def arrow_table(dataset) -> pa.Table:
@@ -193,6 +207,28 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     return PreparedData(dataset=dataset, source=label, rows_read=rows_read, rows_dropped=dropped, roles=roles)
 
 
+def prepare_checked_data(
+    cfg: DataConfig, global_batch_size: int, no_duplicates: bool, allow_unloaded: bool = False
+) -> PreparedData | UnloadedData:
+    """:func:`prepare_data`, then :func:`check_batchable` for ``global_batch_size`` rows.
+
+    Args:
+        allow_unloaded: (``validate``) a hub dataset the hub cannot serve (offline, unreachable)
+            gives :class:`UnloadedData` instead of the error.
+
+    Raises:
+        UserError: see :func:`prepare_data` and :func:`check_batchable`.
+    """
+    try:
+        data = prepare_data(cfg)
+    except HubUnavailable as err:
+        if not allow_unloaded:
+            raise
+        return UnloadedData(err.dataset_id, err.reason)
+    check_batchable(data, global_batch_size, no_duplicates)
+    return data
+
+
 def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: bool) -> None:
     """Refuse data that cannot fill one (duplicate-free) batch of ``global_batch_size`` rows.
 
@@ -271,7 +307,8 @@ class ModelTruncation(NamedTuple):
 
 def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> ModelTruncation:
     """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
-    the pooling the model uses.
+    the pooling the model uses; the per-column report is empty for :class:`UnloadedData` (only the
+    model is checked).
 
     Raises:
         UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it.
@@ -279,5 +316,8 @@ def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> ModelT
     quiet_libraries()
     model = load_model(model_cfg, "cpu")
     length = int(model.max_seq_length)
+    pooling = pooling_in_effect(model, model_cfg)
+    if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
+        return ModelTruncation(length, [], pooling)
     report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows)
-    return ModelTruncation(length, report, pooling_in_effect(model, model_cfg))
+    return ModelTruncation(length, report, pooling)

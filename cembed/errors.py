@@ -4,6 +4,8 @@
   message is one or two lines naming the file, line or field and how to fix it; the CLI prints it
   and exits with code 2, never with a traceback.
 - :class:`ModelRefused`: a model that needs remote code without the option, or one cembed cannot train; exit 2.
+- :class:`HubUnavailable`: a :class:`UserError` for a hub dataset the hub cannot serve (offline,
+  unreachable); ``validate`` warns and goes on, ``train`` stops.
 - :class:`RunFailed`: training stopped on a problem in the run itself (a non-finite loss); exit 3.
 - :class:`RunInterrupted`: SIGINT/SIGTERM stopped training after a checkpoint; exit 128 + signal.
 - :class:`WorkerFailed`: a launched worker process failed and the launcher stopped the others.
@@ -24,6 +26,16 @@ class ModelRefused(UserError):
     """A model cembed will not load as configured: it needs its own code without
     ``model.trust_remote_code``, or it is a kind cembed cannot train. Unlike a model that cannot be
     reached (which only skips ``validate``'s truncation report), this fails ``validate`` too."""
+
+
+class HubUnavailable(UserError):
+    """A hub dataset that cannot be loaded because the hub is offline or unreachable (not because
+    the id, subset or split is wrong). ``reason`` says which, e.g. ``offline: HF_DATASETS_OFFLINE=1``;
+    ``cembed validate`` reports it as a warning and checks everything else."""
+
+    def __init__(self, message: str, dataset_id: str, reason: str) -> None:
+        super().__init__(message)
+        self.dataset_id, self.reason = dataset_id, reason
 
 
 class RunFailed(UserError):

@@ -73,6 +73,9 @@ def print_validation(console: Console, cfg, plan, data, pooling: str | None = No
         f"pooling: {pooling or cfg.model.pooling + ' (model.pooling; the model was not loaded)'}", highlight=False
     )
     print_plan(console, plan)
+    if not hasattr(data, "dataset"):  # cembed.data.UnloadedData: the hub could not serve the rows
+        warn(console, data.message)
+        return
     console.print(
         f"data: {data.rows_read} rows read, {data.rows_dropped} dropped, {len(data.dataset)} to train on; "
         f"columns {data.roles}",
@@ -98,6 +101,25 @@ def print_data_report(console: Console, report) -> None:
     out.add_row(f"batches per epoch at batch {report.batch_size}", str(b["batches_per_epoch"]))
     out.add_row("rows left out per epoch (drop_last)", str(b["rows_unplaced"]))
     console.print(out)
+
+
+def print_starter(console: Console, s) -> None:
+    """What ``cembed init`` wrote (a :class:`cembed.starter.Starter`): data, roles, batch size."""
+    console.print(f"wrote {s.out} for {s.model}", highlight=False)
+    invalid = f", {s.rows_invalid} with an empty cell (skipped)" if s.rows_invalid else ""
+    console.print(f"data: {s.data} ({s.rows} rows{invalid}; columns {', '.join(s.columns)})", highlight=False)
+    table = Table("role", "column", "found")
+    for role, column in s.roles.items():
+        table.add_row(role, column, s.how[role])
+    for column in s.negatives:
+        table.add_row("negative", column, "by name")
+    console.print(table)
+    console.print(
+        f"per_device_train_batch_size: {s.batch_size} (largest duplicate-free batch found: {s.largest_batch}; "
+        f"at least 4 steps per epoch)",
+        highlight=False,
+    )
+    console.print(f"next: cembed validate {s.out}", highlight=False)
 
 
 # --- a training run ----------------------------------------------------------------------------
@@ -214,6 +236,11 @@ def print_truncation(console: Console, truncation) -> None:
     from loading)."""
     if isinstance(truncation, Exception):
         console.print(f"[yellow]truncation report skipped:[/] {truncation}", highlight=False)
+        return
+    if not truncation.columns:
+        console.print(
+            f"model loads; max_seq_length {truncation.max_seq_length}; truncation unchecked (no rows)", highlight=False
+        )
         return
     console.print(truncation_table(truncation.max_seq_length, truncation.columns))
 

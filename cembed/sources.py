@@ -12,13 +12,14 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import os
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cembed.config import BeirSource, FileSource, HubSource
-from cembed.errors import UserError
+from cembed.errors import HubUnavailable, UserError
 from cembed.evalsets import beir_files, qrels_lines, read_corpus, read_queries
 
 
@@ -79,7 +80,8 @@ def load_hub(source: HubSource):
     """Load ``source.split`` of a hub dataset (``source.subset`` its configuration) as a ``datasets.Dataset``.
 
     Raises:
-        UserError: the dataset, subset or split cannot be loaded (unreachable hub, unknown id, ...).
+        HubUnavailable: the hub is offline or unreachable (and the dataset is not cached).
+        UserError: the dataset, subset or split cannot be loaded (unknown id, ...).
     """
     import datasets
 
@@ -88,10 +90,28 @@ def load_hub(source: HubSource):
         return datasets.load_dataset(source.path, source.subset, split=source.split)
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-        raise UserError(
+        message = (
             f"data: cannot load hub dataset {source.path!r} (subset={source.subset}, split={source.split}): "
             f"{first[:300]}"
-        ) from None
+        )
+        # datasets raises the builtin ConnectionError both offline and when the hub cannot be reached.
+        if isinstance(err, ConnectionError):
+            raise HubUnavailable(message, source.path, hub_unavailable_reason(first)) from None
+        raise UserError(message) from None
+
+
+def hub_unavailable_reason(error_line: str) -> str:
+    """Why the hub could not serve a dataset: ``offline: HF_DATASETS_OFFLINE=1`` (naming the variable
+    that switched offline mode on), or ``hub unreachable: <the library's message>``."""
+    import datasets
+
+    if datasets.config.HF_HUB_OFFLINE:
+        for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+            value = os.environ.get(var, "")
+            if value.upper() in ("1", "ON", "YES", "TRUE"):
+                return f"offline: {var}={value}"
+        return "offline mode"
+    return f"hub unreachable: {error_line[:200]}"
 
 
 def _read_jsonl_rows(path: Path):

@@ -32,7 +32,7 @@ from cembed.checkpoint import (
     resolve_resume,
 )
 from cembed.config import CembedConfig
-from cembed.data import PreparedData, check_batchable, prepare_data
+from cembed.data import PreparedData, UnloadedData, prepare_checked_data
 from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.losses import build_loss
@@ -42,14 +42,17 @@ from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.probe import resolve_auto
-from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, build_training_args
+from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, add_card_facts, build_training_args, push_final_model
 
 
-def check_run_inputs(cfg: CembedConfig, world_size: int | None = None) -> tuple[Plan, PreparedData]:
-    """Resolve the plan and load/check the training data (everything ``validate`` checks)."""
+def check_run_inputs(
+    cfg: CembedConfig, world_size: int | None = None, allow_unloaded: bool = False
+) -> tuple[Plan, PreparedData | UnloadedData]:
+    """Resolve the plan and load/check the training data (everything ``validate`` checks); with
+    ``allow_unloaded`` (validate) a hub dataset the hub cannot serve gives UnloadedData, not an error."""
     plan = resolve_plan(cfg, world_size)
-    data = prepare_data(cfg.data)
-    check_batchable(data, plan.per_device_train_batch_size * plan.world_size, cfg.sampler.no_duplicates)
+    batch = plan.per_device_train_batch_size * plan.world_size
+    data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
         from cembed.evaluate import check_metric_name, load_eval_sets, training_eval_args
 
@@ -355,9 +358,11 @@ def write_summary(
     trainer, log, state = run.trainer, run.log, run.trainer.state
     is_main = dist_info().is_main
     model = trainer.model  # the best checkpoint when eval.metric_for_best_model is set
+    add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
     if is_main:
         save_model_atomic(model, run_dir.out)
     eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
+    push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started
     samples_seen = state.global_step * plan.samples_per_step
     summary = {

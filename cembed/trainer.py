@@ -80,6 +80,9 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         report_to="none" if t.report_to == ["none"] else list(t.report_to),
         disable_tqdm=True,
         dataloader_num_workers=t.dataloader_num_workers,
+        push_to_hub=t.push_to_hub,
+        hub_model_id=t.hub_model_id,
+        hub_private_repo=t.hub_private_repo,
         **length,
         **ddp,
     )
@@ -90,6 +93,49 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         if t.report_to != ["none"] and any(name in str(err) for name in t.report_to):
             raise UserError(f"train.report_to: {first_line(err)}") from None
         raise
+
+
+def card_facts(plan: Plan, rows_trained: int, steps: int) -> dict[str, str | int]:
+    """cembed's training facts for the model card: effective batch, mini-batch size, the LR with its
+    rule, the rows trained on and the optimizer steps (keys prefixed ``cembed_``)."""
+    return {
+        "cembed_effective_batch_size": (
+            f"{plan.samples_per_step} ({plan.per_device_train_batch_size} per device x {plan.world_size} "
+            f"processes x {plan.gradient_accumulation_steps} accumulation)"
+        ),
+        "cembed_mini_batch_size": str(plan.mini_batch_size),
+        "cembed_learning_rate": plan.lr_derivation,
+        "cembed_training_rows": rows_trained,
+        "cembed_steps": steps,
+    }
+
+
+def add_card_facts(model, plan: Plan, rows_trained: int, steps: int) -> None:
+    """Add :func:`card_facts` to the model card sentence-transformers writes into the model folder
+    (README.md) on every save, the final one and a push included: they join the card's "Training
+    Hyperparameters" lists, which its trainer callback filled when training began."""
+    facts = card_facts(plan, rows_trained, steps)
+    card = model.model_card_data
+    card.non_default_hyperparameters.update(facts)
+    card.all_hyperparameters.update(facts)
+
+
+def push_final_model(trainer) -> None:
+    """With ``train.push_to_hub``: upload ``output_dir`` (model, model card, run files; checkpoints
+    excluded) to ``train.hub_model_id``. Every rank calls it; rank 0 uploads. Nothing without it.
+
+    Raises:
+        UserError: the upload failed (the model stays saved in ``output_dir``).
+    """
+    if not trainer.args.push_to_hub:
+        return
+    try:
+        trainer.push_to_hub(commit_message=f"cembed: {trainer.state.global_step} steps")
+    except Exception as err:
+        raise UserError(
+            f"train.push_to_hub: the model is saved in {trainer.args.output_dir}, but uploading it to "
+            f"{trainer.args.hub_model_id} failed: {first_line(err)}"
+        ) from None
 
 
 class CembedTrainer(SentenceTransformerTrainer):
@@ -110,6 +156,16 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.last_checkpoint: str | None = None
         self._train_dataloader = None
         self._staging_root: str | None = None
+
+    def init_hf_repo(self, *args, **kwargs) -> None:
+        # Creating the hub repo (train.push_to_hub) needs the network and a token: say so in one line.
+        try:
+            super().init_hf_repo(*args, **kwargs)
+        except Exception as err:
+            raise UserError(
+                f"train.push_to_hub: cannot create or reach the hub repo {self.args.hub_model_id!r} "
+                f"(train.hub_model_id; needs network access and a token with write access): {first_line(err)}"
+            ) from None
 
     # --- the throughput meter ----------------------------------------------------------------
 
