@@ -32,9 +32,18 @@ STAGING = ".staging"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def mark_complete(checkpoint_dir: str | Path, step: int) -> None:
-    """Write the completion marker (atomically) into a fully written checkpoint folder."""
-    write_json_atomic(Path(checkpoint_dir) / MARKER, {"step": step, "time": time.time()})
+def mark_complete(checkpoint_dir: str | Path, step: int, run: dict | None = None) -> None:
+    """Write the completion marker (atomically) into a fully written checkpoint folder; ``run`` is
+    what the run that wrote it was (``cembed.preflight.training_record``), compared on resume."""
+    write_json_atomic(Path(checkpoint_dir) / MARKER, {"step": step, "time": time.time(), "run": run})
+
+
+def recorded_run(checkpoint_dir: str | Path) -> dict | None:
+    """The run record a checkpoint's marker holds, or None (an older checkpoint, an unreadable marker)."""
+    try:
+        return json.loads((Path(checkpoint_dir) / MARKER).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def is_complete(checkpoint_dir: str | Path) -> bool:

@@ -203,6 +203,7 @@ def train_cmd(
         )
         return
     out = console if dist_info().is_main else make_console(quiet=True)  # only rank 0 prints
+    cfg = None
     try:
         cfg = _load(config, overrides)
         plan, data = check_run_inputs(cfg)
@@ -219,11 +220,32 @@ def train_cmd(
                 highlight=False,
             )
         raise typer.Exit(stop.exit_code) from None
-    except Exception as err:  # in a launched worker: let the launcher show this rank's error
-        record_worker_error(err)
-        raise
+    except Exception as err:
+        record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
+        if isinstance(err, UserError):
+            raise
+        _unexpected(err, cfg.train.output_dir if cfg is not None else None)
     leave_process_group()
     print_done(out, summary)
+
+
+def _unexpected(err: Exception, output_dir: str | None) -> None:
+    """An exception that escaped every stage (e.g. while loading data): one line, the traceback in a
+    file (``output_dir`` when it exists, else the temp folder), exit code 1."""
+    import tempfile
+
+    from cembed.errors import first_line
+    from cembed.summary import save_traceback
+
+    folder = output_dir if output_dir and Path(output_dir).is_dir() else tempfile.mkdtemp(prefix="cembed-error-")
+    tb = save_traceback(err, folder)
+    err_console.print(
+        f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(first_line(err, 200))} (traceback in {tb})",
+        highlight=False,
+        markup=True,
+        soft_wrap=True,
+    )
+    raise typer.Exit(1) from None
 
 
 def _launch_training(

@@ -201,6 +201,9 @@ class OptimConfig(_Strict):
     warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
     weight_decay: float = Field(0.01, ge=0.0)
     lr_scheduler_type: Literal[SCHEDULERS] = "linear"  # type: ignore[valid-type]
+    # Extra arguments of the scheduler, e.g. {num_decay_steps: 100} (warmup_stable_decay), {lr_end: 1e-8}
+    # (polynomial); checked before training (cembed.preflight).
+    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class LossConfig(_Strict):
@@ -333,6 +336,13 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
+        # Both set: the trainer would stop at max_steps and silently ignore the epochs, so neither
+        # reading is safe to guess; the user keeps the one they mean.
+        if self.num_train_epochs is not None and self.max_steps is not None:
+            raise ValueError(
+                f"num_train_epochs ({self.num_train_epochs:g}) and max_steps ({self.max_steps}) are both set; "
+                "max_steps would win and the epochs be ignored: keep one (e.g. train.num_train_epochs=null)"
+            )
         if self.num_train_epochs is None and self.max_steps is None:
             self.__dict__["num_train_epochs"] = 1.0
         if self.push_to_hub and not self.hub_model_id:

@@ -160,16 +160,21 @@ def check_metric_name(metric: str | None, sets: EvalSets) -> str | None:
     is a metric the sets produce.
 
     Raises:
-        UserError: unknown metric, with a did-you-mean and the headline choices.
+        UserError: unknown metric (or `loss`, which no eval set produces), with a did-you-mean and choices.
     """
     import difflib
 
     if metric is None:
         return None
     bare = metric.removeprefix("eval_")
-    known = metric_names(sets) + ["loss"]
+    known = metric_names(sets)
     if bare in known:
         return bare
+    if bare == "loss":  # the trainer's eval_loss needs an eval dataset; cembed evaluates with evaluators only
+        raise UserError(
+            f"eval.metric_for_best_model: {metric!r} needs an evaluation loss, which the eval sets do not produce "
+            f"(they are scored, not trained on); pick one of their metrics, e.g. {known[0]!r}"
+        )
     close = difflib.get_close_matches(bare, known, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     choices = ", ".join(known[: 6 if sets.retrieval else 2])

@@ -15,11 +15,9 @@ model and writes the summary.
 
 from __future__ import annotations
 
-import platform
 import threading
 import time
-from dataclasses import dataclass
-from importlib import metadata
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,8 @@ from cembed.checkpoint import (
     InterruptCallback,
     check_output_dir,
     check_resume_point,
+    latest_complete,
+    recorded_run,
     remove_incomplete,
     resolve_resume,
 )
@@ -40,17 +40,25 @@ from cembed.meter import ThroughputMeter, plot_run
 from cembed.model import load_model, quiet_libraries
 from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
+from cembed.preflight import check_resume, preflight, raise_findings, training_record
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.probe import resolve_auto
+from cembed.summary import Attempt, failed_summary, failures_recorded, summary_base
 from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, add_card_facts, build_training_args, push_final_model
 
 
 def check_run_inputs(
     cfg: CembedConfig, world_size: int | None = None, allow_unloaded: bool = False
 ) -> tuple[Plan, PreparedData | UnloadedData]:
-    """Resolve the plan and load/check the training data (everything ``validate`` checks); with
-    ``allow_unloaded`` (validate) a hub dataset the hub cannot serve gives UnloadedData, not an error."""
+    """Resolve the plan, run the pre-flight checks (model limits, scheduler, tokenizer; see
+    :mod:`cembed.preflight`) and load/check the training data (everything ``validate`` checks); with
+    ``allow_unloaded`` (validate) a hub dataset the hub cannot serve gives UnloadedData, not an error.
+
+    Raises:
+        UserError: a config, data or pre-flight mistake, one line naming the field and the fix.
+    """
     plan = resolve_plan(cfg, world_size)
+    raise_findings(preflight(cfg, plan.learning_rate))
     batch = plan.per_device_train_batch_size * plan.world_size
     data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
@@ -63,10 +71,13 @@ def check_run_inputs(
 
 @dataclass
 class RunDir:
-    """Where a run writes, and the checkpoint it resumes from (None: a fresh run)."""
+    """Where a run writes, the checkpoint it resumes from (None: a fresh run), what the run is
+    (``preflight.training_record``, stored in its checkpoints) and the safe changes a resume applies."""
 
     out: Path
     checkpoint: str | None
+    record: dict | None = None
+    resume_changes: tuple[str, ...] = ()
 
     @property
     def log_path(self) -> Path:
@@ -78,27 +89,43 @@ class RunDir:
 
 
 def prepare_output(
-    output_dir: str, max_steps: int | None, plan: Plan, resume: bool, resume_from: str | None, overwrite: bool
+    output_dir: str,
+    max_steps: int | None,
+    plan: Plan,
+    resume: bool,
+    resume_from: str | None,
+    overwrite: bool,
+    record: dict | None = None,
 ) -> RunDir:
     """Check ``output_dir`` and find the resume point; on rank 0 create the folder, remove
     half-written checkpoints of a killed run and start the run's log.
 
+    Args:
+        record: this run's ``preflight.training_record``, compared with the checkpoint's on resume.
+
     Raises:
         UserError: the folder holds a finished model (without ``overwrite``), there is no checkpoint
-            to resume, or the checkpoint cannot be resumed under ``max_steps``.
+            to resume, the checkpoint cannot be resumed under ``max_steps``, or the config changes
+            what the checkpoint's run trains (naming each change).
     """
     out = Path(output_dir)
     # Resuming a checkpoint of another folder into a finished output_dir still needs --overwrite.
     continuing = resume or bool(resume_from and Path(resume_from).resolve().parent == out.resolve())
     check_output_dir(out, overwrite, continuing)
     checkpoint = resolve_resume(out, resume, resume_from)
+    changes: list[str] = []
     if checkpoint:
         check_resume_point(checkpoint, max_steps)
-    run = RunDir(out, checkpoint)
+        changes = check_resume(checkpoint, recorded_run(checkpoint), record) if record else []
+    run = RunDir(out, checkpoint, record, tuple(changes))
     if dist_info().is_main:
         out.mkdir(parents=True, exist_ok=True)
         remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
-        start = f"resume from {checkpoint}" if checkpoint else "fresh run"
+        start = (
+            f"resume from {checkpoint}" + (f" with {'; '.join(changes)}" if changes else "")
+            if checkpoint
+            else "fresh run"
+        )
         append_log(run.log_path, f"start: {start}; lr {plan.lr_derivation}")
     return run
 
@@ -241,6 +268,7 @@ def build_trainer(
         nonfinite_policy=cfg.train.nonfinite_loss,
     )
     trainer.remove_callback(PrinterCallback)
+    trainer.run_record = run_dir.record
     log = RunLog()
     display = report.RichProgressCallback(console, log, plan.samples_per_step) if progress else None
     on_line = display.print_line if display else None
@@ -260,45 +288,6 @@ def build_trainer(
             "rows; lower batch.per_device_train_batch_size"
         )
     return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0))
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in ("cembed", "torch", "transformers", "sentence-transformers", "datasets"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
-def summary_base(
-    cfg: CembedConfig, plan: Plan, data: PreparedData, parts: Components, run_dir: RunDir, run: Run
-) -> dict:
-    """The entries every ``run_summary.json`` has, whether the run completes, fails or stops."""
-    # The config as run: batch.mini_batch_size: auto shows the probed size.
-    as_run = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"mini_batch_size": plan.mini_batch_size})})
-    return {
-        "config": as_run.model_dump(mode="json"),
-        "plan": plan.to_dict(),
-        "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
-        "data": {
-            "source": data.source,
-            "rows_read": data.rows_read,
-            "rows_dropped_invalid": data.rows_dropped,
-            "rows_trained": len(data.dataset),
-            "columns": data.roles,
-            "batches_per_epoch": run.batches_per_epoch,
-            "rows_unplaced_first_epoch": run.rows_unplaced,
-        },
-        "resumed_from": run_dir.checkpoint,
-        "tokenization": parts.token_info,
-        "device": plan.device,
-        "distributed": parts.distributed,
-        "mini_batch_probe": plan.mini_batch_probe,
-        "versions": _versions(),
-        "output_dir": str(run_dir.out),
-    }
 
 
 def train(run: Run, run_dir: RunDir, base: dict):
@@ -323,8 +312,9 @@ def train(run: Run, run_dir: RunDir, base: dict):
     except RunFailed as err:
         if is_main:
             append_log(run_dir.log_path, f"failed: {err}")
-            failed = {**base, "status": "failed", "error": str(err), "steps": trainer.state.global_step}
-            write_json_atomic(run_dir.summary_path, failed)
+            last = latest_complete(run_dir.out)
+            step = trainer.state.global_step
+            write_json_atomic(run_dir.summary_path, failed_summary(base, err, step, str(last) if last else None, None))
         raise
     finally:
         if main_thread:
@@ -418,25 +408,32 @@ def run_training(
         The run summary (also written to ``<output_dir>/run_summary.json`` by rank 0).
 
     Raises:
-        UserError, RunFailed, RunInterrupted: see the stages.
+        UserError, RunInterrupted: see the stages.
+        RunFailed: a non-finite loss, or any unexpected exception in a stage (recorded in
+            ``run_summary.json``, ``train.log`` and ``error_traceback.txt``; see :mod:`cembed.summary`).
     """
     console = console or report.make_console()
     is_main = dist_info().is_main
-    run_dir = prepare_output(cfg.train.output_dir, cfg.train.max_steps, plan, resume, resume_from, overwrite)
+    record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset)
+    t = cfg.train
+    run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
+    plan = replace(plan, warnings=plan.warnings + tuple(f"resume applies {c}" for c in run_dir.resume_changes))
     quiet_libraries()
-    device, plan = resolve_runtime(cfg, plan, data, console, max_memory)
-    report.print_run_header(console, cfg, plan)
-    eval_lines = (lambda line: console.print(line, highlight=False)) if progress and is_main else None
-    parts = build_components(cfg, plan, data, device, eval_lines)
-    if parts.distributed and is_main:
-        report.print_distributed(console, parts.distributed)
-    run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
-    eval_before = None
-    if parts.evaluation and is_main and not run_dir.checkpoint:
-        # The base model's corpus embeddings are cached across runs.
-        from cembed.embedding_cache import default_cache_dir
+    with failures_recorded(run_dir.out, is_main, Attempt()) as attempt:
+        device, plan = resolve_runtime(cfg, plan, data, console, max_memory)
+        report.print_run_header(console, cfg, plan)
+        eval_lines = (lambda line: console.print(line, highlight=False)) if progress and is_main else None
+        parts = build_components(cfg, plan, data, device, eval_lines)
+        if parts.distributed and is_main:
+            report.print_distributed(console, parts.distributed)
+        run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
+        attempt.trainer = run.trainer
+        eval_before = None
+        if parts.evaluation and is_main and not run_dir.checkpoint:
+            # The base model's corpus embeddings are cached across runs.
+            from cembed.embedding_cache import default_cache_dir
 
-        eval_before = parts.evaluation.evaluate(parts.model, "before training", cache_dir=default_cache_dir())
-    base = summary_base(cfg, plan, data, parts, run_dir, run)
-    result = train(run, run_dir, base)
-    return write_summary(plan, run, run_dir, base, result, parts.evaluation, eval_before)
+            eval_before = parts.evaluation.evaluate(parts.model, "before training", cache_dir=default_cache_dir())
+        attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
+        result = train(run, run_dir, base)
+        return write_summary(plan, run, run_dir, base, result, parts.evaluation, eval_before)

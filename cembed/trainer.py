@@ -65,6 +65,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         warmup_ratio=cfg.optim.warmup_ratio,
         weight_decay=cfg.optim.weight_decay,
         lr_scheduler_type=cfg.optim.lr_scheduler_type,
+        lr_scheduler_kwargs=dict(cfg.optim.lr_scheduler_kwargs),
         seed=t.seed,
         data_seed=t.seed,
         logging_steps=t.logging_steps,
@@ -154,6 +155,7 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.nonfinite_policy = nonfinite_policy
         self.nonfinite_skipped = 0
         self.last_checkpoint: str | None = None
+        self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
         self._train_dataloader = None
         self._staging_root: str | None = None
 
@@ -229,7 +231,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             self._staging_root = None
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            mark_complete(staged, self.state.global_step)
+            mark_complete(staged, self.state.global_step, self.run_record)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staged, final)
             best = self.state.best_model_checkpoint

@@ -23,8 +23,11 @@ WORDS = (
 ).split()
 
 
-def make_tiny_model(path: Path, dropout: float = 0.0, seed: int = 0, hidden: int = 32, layers: int = 1) -> Path:
-    """Build and save a random 1-layer BERT + mean pooling SentenceTransformer at ``path``."""
+def make_tiny_model(
+    path: Path, dropout: float = 0.0, seed: int = 0, hidden: int = 32, layers: int = 1, positions: int = 256
+) -> Path:
+    """Build and save a random 1-layer BERT + mean pooling SentenceTransformer at ``path`` (its
+    position table has ``positions`` entries; max_seq_length min(64, positions))."""
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Pooling, Transformer
@@ -44,12 +47,12 @@ def make_tiny_model(path: Path, dropout: float = 0.0, seed: int = 0, hidden: int
         num_hidden_layers=layers,
         num_attention_heads=2,
         intermediate_size=2 * hidden,
-        max_position_embeddings=256,
+        max_position_embeddings=positions,
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
     )
     BertModel(config).save_pretrained(hf_dir)
-    transformer = Transformer(str(hf_dir), max_seq_length=64)
+    transformer = Transformer(str(hf_dir), max_seq_length=min(64, positions))
     model = SentenceTransformer(modules=[transformer, Pooling(hidden, "mean")], device="cpu")
     st_dir = path / "st"
     model.save(str(st_dir))

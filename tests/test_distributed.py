@@ -215,7 +215,7 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
 
     record["signal_at"] = 2 if rank == 1 else None
     cfg = _epoch_config(tmp_path, model_path)
-    cfg["train"].update(max_steps=6, output_dir=str(tmp_path / "interrupted"))
+    cfg["train"].update(num_train_epochs=None, max_steps=6, output_dir=str(tmp_path / "interrupted"))
     try:
         summary = _run(cfg, tmp_path, record["trainer_cls"])
         results["interrupt"] = {"status": "completed", "steps": summary["steps"]}

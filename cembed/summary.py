@@ -1,0 +1,122 @@
+"""``run_summary.json``: the entries every summary has, and what a failed run leaves behind.
+
+A run that stops on an unexpected exception (a library error, a bug) still ends with a summary
+whose status is ``failed`` (error type, message, step, last good checkpoint), a ``train.log`` line
+and the full traceback in ``output_dir/error_traceback.txt``; the exception reaches the CLI as a
+one-line :class:`~cembed.errors.RunFailed` (exit 3).
+"""
+
+from __future__ import annotations
+
+import platform
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from cembed.checkpoint import latest_complete
+from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
+from cembed.outputs import append_log, write_atomic, write_json_atomic
+
+TRACEBACK_FILE = "error_traceback.txt"
+
+
+def versions() -> dict[str, str]:
+    """Python and the library versions a run used (``not installed`` for a missing one)."""
+    out = {"python": platform.python_version()}
+    for pkg in ("cembed", "torch", "transformers", "sentence-transformers", "datasets"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
+    """The entries every ``run_summary.json`` has, whether the run completes, fails or stops.
+
+    Args: the recipe's stages' outputs (CembedConfig, Plan, PreparedData, Components, RunDir, Run).
+    """
+    # The config as run: batch.mini_batch_size: auto shows the probed size.
+    as_run = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"mini_batch_size": plan.mini_batch_size})})
+    return {
+        "config": as_run.model_dump(mode="json"),
+        "plan": plan.to_dict(),
+        "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
+        "data": {
+            "source": data.source,
+            "rows_read": data.rows_read,
+            "rows_dropped_invalid": data.rows_dropped,
+            "rows_trained": len(data.dataset),
+            "columns": data.roles,
+            "batches_per_epoch": run.batches_per_epoch,
+            "rows_unplaced_first_epoch": run.rows_unplaced,
+        },
+        "resumed_from": run_dir.checkpoint,
+        "resume_changes": list(run_dir.resume_changes),
+        "tokenization": parts.token_info,
+        "device": plan.device,
+        "distributed": parts.distributed,
+        "mini_batch_probe": plan.mini_batch_probe,
+        "versions": versions(),
+        "output_dir": str(run_dir.out),
+    }
+
+
+def save_traceback(err: BaseException, folder: str | Path) -> Path:
+    """Write ``err``'s full traceback to ``folder/error_traceback.txt`` and return the path."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return write_atomic(Path(folder) / TRACEBACK_FILE, lambda f: f.write(text))
+
+
+def failed_summary(base: dict, err: BaseException, step: int, checkpoint: str | None, tb: Path | None) -> dict:
+    """A ``failed`` summary: ``base`` plus the error's type and message, the step and the last good checkpoint."""
+    return {
+        **base,
+        "status": "failed",
+        "error": str(err),
+        "error_type": type(err).__name__,
+        "steps": step,
+        "last_good_checkpoint": checkpoint,
+        "traceback": str(tb) if tb else None,
+    }
+
+
+@dataclass
+class Attempt:
+    """What a run has built so far, for the failure record: the summary base and the trainer."""
+
+    base: dict | None = None
+    trainer: Any = None
+
+
+@contextmanager
+def failures_recorded(out: Path, is_main: bool, attempt: Attempt):
+    """Run a training's stages; turn an unexpected exception into a recorded failure.
+
+    UserError (RunFailed included: the ``train`` stage records it) and RunInterrupted pass through.
+    Any other exception: on rank 0 the traceback goes to ``out/error_traceback.txt``, a ``failed:``
+    line to ``train.log`` and a failed ``run_summary.json`` (see :func:`failed_summary`).
+
+    Raises:
+        RunFailed: one line naming the error type, message, step, last good checkpoint and the
+            traceback file, chained to the original exception.
+    """
+    try:
+        yield attempt
+    except (UserError, RunInterrupted):
+        raise
+    except Exception as err:
+        step = attempt.trainer.state.global_step if attempt.trainer is not None else 0
+        checkpoint = str(latest_complete(out)) if latest_complete(out) else None
+        tb = save_traceback(err, out) if is_main else None
+        message = (
+            f"run failed at step {step}: {type(err).__name__}: {first_line(err, 200)}; last good checkpoint: "
+            f"{checkpoint or 'none'}; traceback in {tb or out / TRACEBACK_FILE}"
+        )
+        if is_main:
+            append_log(out / "train.log", f"failed: {message}")
+            write_json_atomic(out / "run_summary.json", failed_summary(attempt.base or {}, err, step, checkpoint, tb))
+        raise RunFailed(message) from err

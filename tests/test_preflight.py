@@ -1,0 +1,183 @@
+"""Issue 12: what validate passes, train runs; what a run did, its summary says.
+
+Pre-flight checks (model limits, scheduler arguments, metric names, tokenizer padding), conflicting
+length settings, failures recorded whatever the exception, and resume refusing a changed config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import make_tiny_model
+from typer.testing import CliRunner
+
+from cembed.cli import app
+
+ROWS = [{"anchor": f"question {i} about a red car", "positive": f"answer {i} on the street"} for i in range(16)]
+STS = [{"sentence1": f"a {w} dog", "sentence2": f"the {w} dog", "score": float(i)} for i, w in enumerate("abcdef")]
+
+
+@pytest.fixture(scope="module")
+def short_model_dir(tmp_path_factory):
+    """A tiny BERT whose position table has 40 entries."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny40"), positions=40)
+
+
+def _cfg(model_dir, data, out, **sections):
+    cfg = {
+        "model": {"name_or_path": str(model_dir), "device": "cpu"},
+        "data": {"train": str(data), "pretokenize": False},
+        "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2},
+        "optim": {"learning_rate": 2e-5, "base_batch_size": 4},
+        "train": {"max_steps": 2, "logging_steps": 1, "output_dir": str(out), "seed": 3},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values} if values is not None else None
+    return cfg
+
+
+def _invoke(*args):
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in r.output, r.output
+    return r
+
+
+def _one_error(r, code: int, text: str):
+    assert r.exit_code == code, r.output
+    lines = [line for line in r.output.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and text in lines[0], r.output
+
+
+CASE_1 = {
+    "position table": (
+        {"model": {"max_seq_length": 128}},
+        "model.max_seq_length: 128 is longer than the model's position table (40 positions, bert); "
+        "set model.max_seq_length to at most 40",
+    ),
+    "warmup_stable_decay without its arguments": (
+        {"optim": {"lr_scheduler_type": "warmup_stable_decay"}},
+        "optim.lr_scheduler_kwargs: lr_scheduler_type warmup_stable_decay needs num_decay_steps",
+    ),
+    "polynomial end LR above the effective LR": (
+        {"optim": {"lr_scheduler_type": "polynomial", "learning_rate": 5e-8, "lr_scaling": "none"}},
+        "optim.learning_rate: the effective LR 5.000e-08 is not above the polynomial schedule's end LR 1e-07",
+    ),
+    "a scheduler argument it does not take": (
+        {"optim": {"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"bogus": 1}}},
+        "optim.lr_scheduler_kwargs: cosine does not accept these arguments",
+    ),
+    "metric loss without a loss-producing eval": (
+        {"eval": {"sts": "STS", "eval_steps": 1, "metric_for_best_model": "loss"}},
+        "eval.metric_for_best_model: 'loss' needs an evaluation loss, which the eval sets do not produce",
+    ),
+    "a tokenizer that cannot pad": (
+        {"model": {"tokenizer_kwargs": {"pad_token": None}}},
+        "model.tokenizer_kwargs: the tokenizer has no padding token",
+    ),
+    "num_train_epochs and max_steps both set": (
+        {"train": {"num_train_epochs": 3, "max_steps": 2}},
+        "num_train_epochs (3) and max_steps (2) are both set; max_steps would win",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASE_1))
+def test_knowable_mistakes_fail_validate_and_train_alike(case, short_model_dir, write_config, pairs_file, tmp_path):
+    sections, expected = CASE_1[case]
+    sts = pairs_file(STS, "sts.jsonl")
+    if "eval" in sections:
+        sections = {"eval": {**sections["eval"], "sts": str(sts)}}
+    path = write_config(_cfg(short_model_dir, pairs_file(ROWS), tmp_path / "run", **sections))
+    _one_error(_invoke("validate", path), 2, expected)
+    _one_error(_invoke("train", path), 2, expected)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_fixed_settings_train(short_model_dir, write_config, pairs_file, tmp_path):
+    # The fixes the messages name make the run train.
+    path = write_config(
+        _cfg(
+            short_model_dir,
+            pairs_file(ROWS),
+            tmp_path / "run",
+            model={"max_seq_length": 40},
+            optim={"lr_scheduler_type": "warmup_stable_decay", "lr_scheduler_kwargs": {"num_decay_steps": 1}},
+        )
+    )
+    r = _invoke("train", path)
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["steps"] == 2
+
+
+def _raise_at_call(n, exc):
+    import cembed.train as T
+
+    real = T.build_loss
+
+    def build(*args, **kwargs):
+        built = real(*args, **kwargs)
+        forward, calls = built.module.forward, {"n": 0}
+
+        def patched(features, labels):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise exc
+            return forward(features, labels)
+
+        built.module.forward = patched
+        return built
+
+    return build
+
+
+def test_unexpected_exception_is_recorded(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
+    monkeypatch.setattr("cembed.train.build_loss", _raise_at_call(2, RuntimeError("size of tensor a (109) vs b (40)")))
+    out = tmp_path / "run"
+    path = write_config(_cfg(tiny_model_dir, pairs_file(ROWS), out, train={"save_steps": 1}))
+    r = _invoke("train", path)
+    _one_error(r, 3, "run failed at step 1: RuntimeError: size of tensor a (109) vs b (40); last good checkpoint: ")
+    assert "checkpoint-1; traceback in " in r.output
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error_type"] == "RuntimeError" and summary["steps"] == 1
+    assert summary["last_good_checkpoint"].endswith("checkpoint-1") and summary["config"]["train"]["save_steps"] == 1
+    tb = (out / "error_traceback.txt").read_text()
+    assert tb.startswith("Traceback") and "size of tensor a (109)" in tb
+    assert "failed: run failed at step 1: RuntimeError" in (out / "train.log").read_text()
+
+
+def test_unexpected_exception_before_the_run(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("eval_loss")
+
+    monkeypatch.setattr("cembed.train.check_run_inputs", broken)
+    r = _invoke("train", write_config(_cfg(tiny_model_dir, pairs_file(ROWS), tmp_path / "run")))
+    _one_error(r, 1, "unexpected KeyError: 'eval_loss' (traceback in ")
+    tb = r.output.split("(traceback in ")[1].split(")")[0]
+    assert "KeyError" in open(tb).read()
+
+
+def test_resume_refuses_a_changed_config(tiny_model_dir, write_config, pairs_file, tmp_path):
+    out, data = tmp_path / "run", pairs_file(ROWS)
+    path = write_config(_cfg(tiny_model_dir, data, out, train={"max_steps": 4, "save_steps": 2}))
+    assert _invoke("train", path).exit_code == 0
+    ckpt = out / "checkpoint-2"
+    r = _invoke("train", path, "batch.per_device_train_batch_size=8", "optim.learning_rate=1e-3", "--resume-from", ckpt)
+    _one_error(r, 2, f"cannot resume {ckpt} with a changed config: ")
+    for change in (
+        "batch.per_device_train_batch_size 4 -> 8",
+        "effective_learning_rate 2e-05 -> 0.001",
+        "optim.learning_rate 2e-05 -> 0.001",
+        "samples_per_step 4 -> 8",
+    ):
+        assert change in r.output, r.output
+    # Changed data under the same path is a change too.
+    data.write_text(data.read_text() + json.dumps({"anchor": "new question", "positive": "new answer"}) + "\n")
+    _one_error(_invoke("train", path, "--resume-from", ckpt), 2, "data_fingerprint '16 rows, ")
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    # A change that does not alter training is applied and recorded.
+    r = _invoke("train", path, "train.logging_steps=2", "--resume-from", ckpt)
+    assert r.exit_code == 0, r.output
+    assert "resume applies train.logging_steps 1 -> 2" in r.output
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["resume_changes"] == ["train.logging_steps 1 -> 2"]
+    assert summary["steps"] == 4 and summary["samples_seen"] == 16 and summary["learning_rate"]["effective"] == 2e-5
