@@ -6,12 +6,18 @@ length settings, failures recorded whatever the exception, and resume refusing a
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
+import yaml
 from conftest import make_tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from cembed.cli import app
+from cembed.config import SCHEDULERS
 
 ROWS = [{"anchor": f"question {i} about a red car", "positive": f"answer {i} on the street"} for i in range(16)]
 STS = [{"sentence1": f"a {w} dog", "sentence2": f"the {w} dog", "score": float(i)} for i, w in enumerate("abcdef")]
@@ -181,3 +187,39 @@ def test_resume_refuses_a_changed_config(tiny_model_dir, write_config, pairs_fil
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["resume_changes"] == ["train.logging_steps 1 -> 2"]
     assert summary["steps"] == 4 and summary["samples_seen"] == 16 and summary["learning_rate"]["effective"] == 2e-5
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    scheduler=st.sampled_from(SCHEDULERS),
+    kwargs=st.sampled_from([{}, {"num_decay_steps": 1}, {"num_decay_steps": 1}, {"lr_end": 1e-4}, {"bogus": 1}]),
+    lr=st.sampled_from([5e-8, 2e-5, 1e-3]),
+    metric=st.sampled_from([None, None, "loss", "sts_spearman_cosine", "eval_sts_pearson_cosine", "nope"]),
+    length=st.sampled_from([(None, 1), (1, None), (0.5, None), (1, 1), (None, None)]),
+    max_seq_length=st.sampled_from([None, 8, 40, 40, 41, 128]),
+)
+def test_validate_ok_means_train_runs(short_model_dir, scheduler, kwargs, lr, metric, length, max_seq_length):
+    # Acceptance: a config either fails validate (exit 2) or trains (exit 0), never validate OK then a crash.
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:8]))
+        (tmp / "sts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in STS))
+        epochs, steps = length
+        cfg = _cfg(
+            short_model_dir,
+            tmp / "pairs.jsonl",
+            tmp / "run",
+            model={"max_seq_length": max_seq_length},
+            optim={"lr_scheduler_type": scheduler, "lr_scheduler_kwargs": kwargs, "learning_rate": lr},
+            train={"num_train_epochs": epochs, "max_steps": steps},
+        )
+        if metric:
+            cfg["eval"] = {"sts": str(tmp / "sts.jsonl"), "eval_steps": 1, "metric_for_best_model": metric}
+        (tmp / "c.yaml").write_text(yaml.safe_dump(cfg))
+        r = _invoke("validate", tmp / "c.yaml")
+        assert r.exit_code in (0, 2), r.output
+        if r.exit_code == 2:
+            return
+        r = _invoke("train", tmp / "c.yaml")
+        assert r.exit_code == 0, r.output
+        assert json.loads((tmp / "run" / "run_summary.json").read_text())["steps"] >= 1
