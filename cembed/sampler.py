@@ -3,7 +3,8 @@
 Contract:
 
 - No text appears twice in a batch, compared across all columns (anchor, positive, negatives): a
-  duplicate would be a false in-batch negative.
+  duplicate would be a false in-batch negative. Pre-tokenized columns are compared by their token
+  ids, as the model sees them ("A red car." and "a red car. " are one text to an uncased tokenizer).
 - A row that collides with the batch being filled is deferred to a later batch, never silently
   dropped. Only with ``drop_last`` can rows left at the end of an epoch (a short last batch, or
   rows that collide with everything left) go unused; :attr:`unplaced` counts them.
@@ -32,6 +33,7 @@ from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
 from cembed.data import PreparedData, arrow_table
+from cembed.pretokenize import TOKEN_SUFFIX
 
 
 def hash_texts(texts: list[str]) -> np.ndarray:
@@ -40,13 +42,33 @@ def hash_texts(texts: list[str]) -> np.ndarray:
     return np.fromiter((h(t.encode("utf-8")) for t in texts), dtype=np.uint64, count=len(texts))
 
 
+def hash_token_ids(column) -> np.ndarray:
+    """xxh64 of each row's token ids (an arrow list column), shape ``(rows,)`` uint64."""
+    lists = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    offsets = lists.offsets.to_numpy()
+    values = np.ascontiguousarray(lists.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
+    h = xxhash.xxh64_intdigest
+    return np.fromiter(
+        (h(values[offsets[i] : offsets[i + 1]].tobytes()) for i in range(len(offsets) - 1)),
+        dtype=np.uint64,
+        count=len(offsets) - 1,
+    )
+
+
 def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
-    """Hash every text cell: shape ``(rows, columns)`` uint64. ``None`` cells hash as ``''``."""
+    """Hash each of ``columns`` (None: every column but ``dataset_name``; ``[]``: none, shape
+    ``(rows, 0)``): shape ``(rows, columns)`` uint64. A column pre-tokenized as
+    ``<column>_input_ids`` is hashed by its token ids, the text as the model sees it (casing and
+    spacing an uncased tokenizer removes, truncation), else by its text; ``None`` hashes as ``''``."""
     table = arrow_table(dataset)
-    columns = columns or [c for c in table.column_names if c != "dataset_name"]
+    if columns is None:
+        columns = [c for c in table.column_names if c != "dataset_name"]
     out = np.empty((table.num_rows, len(columns)), dtype=np.uint64)
     for j, col in enumerate(columns):
-        out[:, j] = hash_texts(["" if t is None else str(t) for t in table.column(col).to_pylist()])
+        if col + TOKEN_SUFFIX in table.column_names:
+            out[:, j] = hash_token_ids(table.column(col + TOKEN_SUFFIX))
+        else:
+            out[:, j] = hash_texts(["" if t is None else str(t) for t in table.column(col).to_pylist()])
     return out
 
 
@@ -238,7 +260,7 @@ def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: 
     n = hashes.shape[0]
     greedy, _ = build_batches(hashes, batch_size=max(n, 1), drop_last=False, seed=seed)
     batches, unplaced = build_batches(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
-    upper = min(len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])) if n else 0
+    upper = min((len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])), default=n) if n else 0
     return {
         "colliding_share": float(colliding_rows(hashes).mean()) if n else 0.0,
         "largest_batch": len(greedy[0]) if greedy else 0,

@@ -135,3 +135,30 @@ def test_inspect_data_cli(write_config, pairs_file):
     assert "distinct texts: anchor (anchor)" in r.output and "│ 5 " in r.output
     assert "100.00%" in r.output  # every anchor repeats
     assert "5 found (at most 5)" in r.output
+
+
+def test_duplicates_compared_as_the_model_sees_them(tiny_model_dir, tmp_path):
+    # Issue 12 case 4: three spellings of one caption are one text to an uncased tokenizer.
+    from sentence_transformers import SentenceTransformer
+
+    from cembed.pretokenize import pretokenize
+    from cembed.sampler import row_hashes
+
+    same = ["A red car on the street.", "a red car on the street. ", "A RED CAR ON THE STREET."]
+    positives = same + [f"{w} dog" for w in "abcde"]
+    ds = Dataset.from_dict({"anchor": [f"question {i}" for i in range(8)], "positive": positives})
+    assert len(set(row_hashes(ds, ["positive"])[:3, 0])) == 3  # raw text: three different texts
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    tokenized = pretokenize(ds, ["anchor", "positive"], model.tokenizer, 64, tmp_path).dataset
+    assert len(set(row_hashes(tokenized, ["positive"])[:3, 0])) == 1  # token ids: one text
+    for seed in range(4):
+        sampler = NoDuplicatesSampler(tokenized, batch_size=3, drop_last=True, seed=seed)
+        for batch in sampler:
+            assert sum(i < 3 for i in batch) <= 1, batch
+
+
+def test_sampler_hashes_only_text_columns():
+    # No text column (a numeric column and a label column of equal values): nothing to compare, all batches built.
+    ds = Dataset.from_dict({"x": [1.0] * 8, "label": [1] * 8})
+    sampler = NoDuplicatesSampler(ds, batch_size=2, drop_last=True, valid_label_columns=["label"])
+    assert len(sampler) == 4 and sorted(i for b in sampler for i in b) == list(range(8))
