@@ -135,6 +135,48 @@ def max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def require_same_on_all_ranks(facts: dict[str, object]) -> None:
+    """Refuse, on every rank at once, a job whose ranks differ in any of ``facts``.
+
+    For everything that decides how many collectives a step issues (mini-batch size, token budget,
+    columns, rows per rank, accumulation, rows in the data): ranks that differ would pair up
+    mismatched collectives, which hangs until the process-group timeout or silently sums partial
+    gradients. One all-reduce of a fingerprint per fact finds a difference; only then are the values
+    gathered to name them. Every rank must call it at the same point; a no-op without an initialized
+    multi-process group.
+
+    Args:
+        facts: name -> a JSON-serializable value (compared by its JSON text).
+
+    Raises:
+        UserError: on every rank, naming each differing fact with each rank's value.
+    """
+    import json
+    import zlib
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    names = list(facts)
+    codes = [zlib.crc32(json.dumps(facts[n], sort_keys=True, default=str).encode()) for n in names]
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    highest, lowest = t[: len(names)].tolist(), [-v for v in t[len(names) :].tolist()]
+    differ = [n for n, hi, lo in zip(names, highest, lowest) if hi != lo]
+    if not differ:
+        return
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, {n: facts[n] for n in differ})
+    detail = "; ".join(f"{n}: " + ", ".join(f"rank {r} {v[n]!r}" for r, v in enumerate(values)) for n in differ)
+    raise UserError(
+        f"the ranks of this job disagree on what each training step does ({detail}); every rank must "
+        "run the same config on the same data (same files, same overrides), or their collectives would "
+        "not pair up"
+    )
+
+
 def leave_process_group() -> None:
     """Shut this process's group down (``torch.distributed.destroy_process_group``) before it exits.
 
