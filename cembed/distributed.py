@@ -56,7 +56,9 @@ class DistInfo:
 
 
 def dist_info() -> DistInfo:
-    """Read ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (set by torchrun)."""
+    """Read ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (set by torchrun;
+    ``LOCAL_WORLD_SIZE`` defaults to ``WORLD_SIZE``, which only holds on one node: init_distributed
+    checks ``LOCAL_RANK`` against the visible GPUs when it is missing)."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     return DistInfo(
@@ -88,7 +90,7 @@ def init_distributed(device: str) -> str:
         Without a multi-process environment nothing is initialized and ``device`` is returned.
 
     Raises:
-        UserError: more processes on this node than visible GPUs.
+        UserError: more processes on this node than visible GPUs, or CUDA without LOCAL_RANK.
     """
     import torch.distributed as dist
 
@@ -96,10 +98,21 @@ def init_distributed(device: str) -> str:
     if info.world_size == 1:
         return device
     if device.startswith("cuda"):
+        if "LOCAL_RANK" not in os.environ:
+            raise UserError(
+                f"WORLD_SIZE={info.world_size} but LOCAL_RANK is not set, so every process would use GPU 0: start "
+                "the job with `cembed train --nproc-per-node N` (or torchrun), or have the launcher set LOCAL_RANK "
+                "(the process's index on its node) and LOCAL_WORLD_SIZE (processes on the node)"
+            )
         visible = torch.cuda.device_count()
-        if info.local_world_size > visible:
+        if "LOCAL_WORLD_SIZE" in os.environ and info.local_world_size > visible:
             raise UserError(
                 f"--nproc-per-node {info.local_world_size}: only {visible} CUDA device(s) are visible on this node; "
+                f"start at most {visible} processes per node"
+            )
+        if info.local_rank >= visible:  # launchers that do not set LOCAL_WORLD_SIZE (e.g. srun)
+            raise UserError(
+                f"LOCAL_RANK {info.local_rank}: only {visible} CUDA device(s) are visible on this node; "
                 f"start at most {visible} processes per node"
             )
         torch.cuda.set_device(info.local_rank)
