@@ -229,22 +229,25 @@ def local_main_first():
             _barrier()
 
 
-def unused_parameters(model, texts: list[str]) -> list[str]:
+def unused_parameters(model, texts: list[str] | dict[str, list[str]], tasks: dict[str, str] | None = None) -> list[str]:
     """Names of the trainable parameters of ``model`` that receive no gradient when it embeds ``texts``.
 
-    One forward and backward of ``len(texts)`` rows (a few suffice: which parameters are reached
-    does not depend on the text). The RNG state (dropout) and existing ``.grad`` values are
-    restored afterwards.
+    One forward per column and one backward of their sum (a row or two per column suffice: which
+    parameters are reached does not depend on the text, but it can depend on the column, e.g. a
+    Router sending queries and documents through different modules). The RNG state (dropout) and
+    existing ``.grad`` values are restored afterwards.
 
     Args:
         model: a SentenceTransformer (not DDP-wrapped).
-        texts: sample input texts, e.g. the first rows' anchors.
+        texts: sample texts of every column (column -> texts, e.g. ``dataset[:1]``), or one list.
+        tasks: column -> the task (Router route) the column is embedded with, when it has one.
 
     Returns:
         Parameter names as in ``model.named_parameters()``; empty when every parameter is used.
     """
     from sentence_transformers.util import batch_to_device
 
+    columns = texts if isinstance(texts, dict) else {"texts": list(texts)}
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     saved = [p.grad for _, p in params]
     for _, p in params:
@@ -252,9 +255,13 @@ def unused_parameters(model, texts: list[str]) -> list[str]:
     devices = [model.device.index or 0] if model.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            features = batch_to_device(model.tokenize(list(texts)), model.device)
-            embeddings = model(features)["sentence_embedding"]
-            embeddings.float().sum().backward()
+            total = 0
+            for column, column_texts in columns.items():
+                task = (tasks or {}).get(column)
+                kwargs = {"task": task} if task else {}
+                features = batch_to_device(model.preprocess(list(column_texts), **kwargs), model.device)
+                total = total + model(features)["sentence_embedding"].float().sum()
+            total.backward()
         unused = [n for n, p in params if p.grad is None]
     finally:
         for (_, p), grad in zip(params, saved):
@@ -262,7 +269,7 @@ def unused_parameters(model, texts: list[str]) -> list[str]:
     return unused
 
 
-def freeze_unused_parameters(model, texts: list[str]) -> list[str]:
+def freeze_unused_parameters(model, texts: list[str] | dict[str, list[str]]) -> list[str]:
     """Freeze (``requires_grad=False``) the parameters :func:`unused_parameters` finds, and return
     their names. Frozen parameters keep their values, which is what training would have done to
     them anyway (no gradient, so neither an update nor, in AdamW, weight decay)."""
