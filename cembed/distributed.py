@@ -56,7 +56,9 @@ class DistInfo:
 
 
 def dist_info() -> DistInfo:
-    """Read ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (set by torchrun)."""
+    """Read ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` (set by torchrun;
+    ``LOCAL_WORLD_SIZE`` defaults to ``WORLD_SIZE``, which only holds on one node: init_distributed
+    checks ``LOCAL_RANK`` against the visible GPUs when it is missing)."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", "1"))
     return DistInfo(
@@ -88,7 +90,7 @@ def init_distributed(device: str) -> str:
         Without a multi-process environment nothing is initialized and ``device`` is returned.
 
     Raises:
-        UserError: more processes on this node than visible GPUs.
+        UserError: more processes on this node than visible GPUs, or CUDA without LOCAL_RANK.
     """
     import torch.distributed as dist
 
@@ -96,10 +98,21 @@ def init_distributed(device: str) -> str:
     if info.world_size == 1:
         return device
     if device.startswith("cuda"):
+        if "LOCAL_RANK" not in os.environ:
+            raise UserError(
+                f"WORLD_SIZE={info.world_size} but LOCAL_RANK is not set, so every process would use GPU 0: start "
+                "the job with `cembed train --nproc-per-node N` (or torchrun), or have the launcher set LOCAL_RANK "
+                "(the process's index on its node) and LOCAL_WORLD_SIZE (processes on the node)"
+            )
         visible = torch.cuda.device_count()
-        if info.local_world_size > visible:
+        if "LOCAL_WORLD_SIZE" in os.environ and info.local_world_size > visible:
             raise UserError(
                 f"--nproc-per-node {info.local_world_size}: only {visible} CUDA device(s) are visible on this node; "
+                f"start at most {visible} processes per node"
+            )
+        if info.local_rank >= visible:  # launchers that do not set LOCAL_WORLD_SIZE (e.g. srun)
+            raise UserError(
+                f"LOCAL_RANK {info.local_rank}: only {visible} CUDA device(s) are visible on this node; "
                 f"start at most {visible} processes per node"
             )
         torch.cuda.set_device(info.local_rank)
@@ -133,6 +146,48 @@ def max_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def require_same_on_all_ranks(facts: dict[str, object]) -> None:
+    """Refuse, on every rank at once, a job whose ranks differ in any of ``facts``.
+
+    For everything that decides how many collectives a step issues (mini-batch size, token budget,
+    columns, rows per rank, accumulation, rows in the data): ranks that differ would pair up
+    mismatched collectives, which hangs until the process-group timeout or silently sums partial
+    gradients. One all-reduce of a fingerprint per fact finds a difference; only then are the values
+    gathered to name them. Every rank must call it at the same point; a no-op without an initialized
+    multi-process group.
+
+    Args:
+        facts: name -> a JSON-serializable value (compared by its JSON text).
+
+    Raises:
+        UserError: on every rank, naming each differing fact with each rank's value.
+    """
+    import json
+    import zlib
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    names = list(facts)
+    codes = [zlib.crc32(json.dumps(facts[n], sort_keys=True, default=str).encode()) for n in names]
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(codes + [-c for c in codes], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    highest, lowest = t[: len(names)].tolist(), [-v for v in t[len(names) :].tolist()]
+    differ = [n for n, hi, lo in zip(names, highest, lowest) if hi != lo]
+    if not differ:
+        return
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, {n: facts[n] for n in differ})
+    detail = "; ".join(f"{n}: " + ", ".join(f"rank {r} {v[n]!r}" for r, v in enumerate(values)) for n in differ)
+    raise UserError(
+        f"the ranks of this job disagree on what each training step does ({detail}); every rank must "
+        "run the same config on the same data (same files, same overrides), or their collectives would "
+        "not pair up"
+    )
 
 
 def leave_process_group() -> None:
@@ -174,22 +229,25 @@ def local_main_first():
             _barrier()
 
 
-def unused_parameters(model, texts: list[str]) -> list[str]:
+def unused_parameters(model, texts: list[str] | dict[str, list[str]], tasks: dict[str, str] | None = None) -> list[str]:
     """Names of the trainable parameters of ``model`` that receive no gradient when it embeds ``texts``.
 
-    One forward and backward of ``len(texts)`` rows (a few suffice: which parameters are reached
-    does not depend on the text). The RNG state (dropout) and existing ``.grad`` values are
-    restored afterwards.
+    One forward per column and one backward of their sum (a row or two per column suffice: which
+    parameters are reached does not depend on the text, but it can depend on the column, e.g. a
+    Router sending queries and documents through different modules). The RNG state (dropout) and
+    existing ``.grad`` values are restored afterwards.
 
     Args:
         model: a SentenceTransformer (not DDP-wrapped).
-        texts: sample input texts, e.g. the first rows' anchors.
+        texts: sample texts of every column (column -> texts, e.g. ``dataset[:1]``), or one list.
+        tasks: column -> the task (Router route) the column is embedded with, when it has one.
 
     Returns:
         Parameter names as in ``model.named_parameters()``; empty when every parameter is used.
     """
     from sentence_transformers.util import batch_to_device
 
+    columns = texts if isinstance(texts, dict) else {"texts": list(texts)}
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     saved = [p.grad for _, p in params]
     for _, p in params:
@@ -197,9 +255,13 @@ def unused_parameters(model, texts: list[str]) -> list[str]:
     devices = [model.device.index or 0] if model.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            features = batch_to_device(model.tokenize(list(texts)), model.device)
-            embeddings = model(features)["sentence_embedding"]
-            embeddings.float().sum().backward()
+            total = 0
+            for column, column_texts in columns.items():
+                task = (tasks or {}).get(column)
+                kwargs = {"task": task} if task else {}
+                features = batch_to_device(model.preprocess(list(column_texts), **kwargs), model.device)
+                total = total + model(features)["sentence_embedding"].float().sum()
+            total.backward()
         unused = [n for n, p in params if p.grad is None]
     finally:
         for (_, p), grad in zip(params, saved):
@@ -207,7 +269,7 @@ def unused_parameters(model, texts: list[str]) -> list[str]:
     return unused
 
 
-def freeze_unused_parameters(model, texts: list[str]) -> list[str]:
+def freeze_unused_parameters(model, texts: list[str] | dict[str, list[str]]) -> list[str]:
     """Freeze (``requires_grad=False``) the parameters :func:`unused_parameters` finds, and return
     their names. Frozen parameters keep their values, which is what training would have done to
     them anyway (no gradient, so neither an update nor, in AdamW, weight decay)."""

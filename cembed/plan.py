@@ -8,6 +8,7 @@ config.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import asdict, dataclass
 
 from cembed.config import CembedConfig
@@ -48,11 +49,14 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
     The LR is scaled from the global samples per step (``per_device x world_size x accumulation``).
 
     Raises:
-        UserError: fp16 requested on CPU, cuda requested without a GPU, or a world size below 1.
+        UserError: fp16 requested on CPU, bf16 on a GPU without bf16, cuda requested without a GPU,
+            or a world size below 1.
     """
     device = resolve_device(cfg.model.device)
     if cfg.model.precision == "fp16" and device == "cpu":
         raise UserError("model.precision: fp16 needs a CUDA device; use fp32 or bf16 on CPU")
+    if cfg.model.precision == "bf16" and device == "cuda":
+        check_cuda_bf16()
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UserError(f"world size {world}: --nproc-per-node x --nnodes (or $WORLD_SIZE) must be at least 1")
@@ -77,6 +81,11 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
             f"batch.drop_last=false has no effect with {world} processes: every rank needs a full batch of the "
             "same size, so rows that cannot fill a whole global batch at the end of an epoch are left out"
         )
+    n_columns = 2 + len(cfg.data.columns.negatives)
+    shm = shm_warning(
+        b.per_device_train_batch_size, n_columns, cfg.model.max_seq_length, cfg.train.dataloader_num_workers
+    )
+    warnings += [shm] if shm else []
     return Plan(
         device=device,
         world_size=world,
@@ -89,4 +98,66 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         gather_across_devices=gather,
         warnings=tuple(warnings),
         mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
+    )
+
+
+def check_cuda_bf16() -> None:
+    """Refuse ``model.precision: bf16`` on a CUDA device without bf16 support (before compute
+    capability 8.0: V100, T4), naming the GPU and the fix.
+
+    Raises:
+        UserError: this process's GPU has no bf16.
+    """
+    import torch
+
+    if torch.cuda.is_bf16_supported():
+        return
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    raise UserError(
+        f"model.precision: bf16 is not supported by this GPU ({torch.cuda.get_device_name(index)}, compute "
+        f"capability {major}.{minor}; bf16 needs 8.0 or newer, e.g. A100, H100); use model.precision: fp16 "
+        "(mixed precision with loss scaling) or fp32"
+    )
+
+
+SHM_PATH = "/dev/shm"
+TOKEN_BYTES = 16  # the collator's int64 input_ids + int64 attention_mask per token
+PREFETCH = 2  # batches each data-loader worker keeps in flight (torch's default prefetch_factor)
+
+
+def shm_warning(
+    batch_rows: int, n_columns: int, max_seq_length: int | None, workers: int, path: str = SHM_PATH
+) -> str | None:
+    """A warning when data-loader workers would pass more batch data through shared memory than
+    ``path`` holds (a small ``/dev/shm``, Docker's default 64 MB, kills workers with "Bus error").
+
+    Args:
+        batch_rows: rows per device batch.
+        n_columns: texts per row (anchor, positive, negatives).
+        max_seq_length: the padded width's upper bound (None: 512 assumed).
+        workers: ``train.dataloader_num_workers`` (0: batches never pass through shared memory).
+        path: the shared-memory mount.
+
+    Returns:
+        The warning (the numbers and the fix), or None when it fits, there are no workers, or
+        ``path`` cannot be read.
+    """
+    if workers < 1:
+        return None
+    per_batch = batch_rows * n_columns * (max_seq_length or 512) * TOKEN_BYTES
+    need = per_batch * workers * PREFETCH
+    try:
+        size = shutil.disk_usage(path).total
+    except OSError:
+        return None
+    if need <= size:
+        return None
+    mib = 1024**2
+    return (
+        f"train.dataloader_num_workers={workers}: a batch of {batch_rows} rows x {n_columns} columns x "
+        f"{max_seq_length or 512} tokens is up to {per_batch / mib:.0f} MiB, and {workers} workers x {PREFETCH} "
+        f"batches in flight need up to {need / mib:.0f} MiB of shared memory, but {path} holds {size / mib:.0f} "
+        f"MiB: workers may die with 'Bus error'. Enlarge it (docker run --shm-size={-(-need // 1024**3) + 1}g, or "
+        f"mount -o remount,size=... {path}) or set train.dataloader_num_workers: 0"
     )

@@ -67,6 +67,8 @@ class ProbeResult:
             ``(1 - margin) * capacity``, the most a fitting trial may use.
         cap: the largest size the search was allowed to try.
         trials: every tried size, in order.
+        cuda_context_lost: a sticky CUDA error poisoned this process's context during the probe
+            (the answer stands, measured in child processes; this process cannot train on the GPU).
     """
 
     recommended: int
@@ -78,6 +80,7 @@ class ProbeResult:
     cap: int
     trials: list[TrialRecord] = field(default_factory=list)
     device: str = ""
+    cuda_context_lost: bool = False
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -306,7 +309,10 @@ def run_probe(
         result = search_mini_batch(trial, capacity, margin, cap, knee_fraction=knee_fraction, on_trial=on_trial)
     finally:
         if isinstance(trial, CudaTrial):
-            trial.close()
+            trial.close()  # never raises
+    if getattr(trial, "poisoned", False):
+        result.cuda_context_lost = True
+        notes.append("a CUDA error left this process's GPU context unusable; later trials ran in child processes")
     agreed = agree_across_ranks(result.recommended)
     if agreed != result.recommended:
         notes.append(f"this rank fits {result.recommended}; all ranks use the minimum, {agreed}")
@@ -334,7 +340,8 @@ def resolve_auto(
     (its size becomes the batch size, with a warning).
 
     Raises:
-        UserError: see :func:`run_probe`; also an unparsable ``max_memory``.
+        UserError: see :func:`run_probe`; also an unparsable ``max_memory``, or a CUDA error during
+            the probe that left this process unable to train on the GPU (the message gives the size).
     """
     if plan.mini_batch_size is not None:
         return plan, None
@@ -348,4 +355,10 @@ def resolve_auto(
     result = run_probe(
         model_cfg, loss_cfg, plan.per_device_train_batch_size, n_columns, plan.device, margin=margin, max_memory=budget
     )
+    if result.cuda_context_lost:
+        raise UserError(
+            "batch.mini_batch_size: auto: a CUDA error during the probe left this process unable to use the GPU; "
+            f"the probe's answer is {result.recommended}: set batch.mini_batch_size: {result.recommended} "
+            f"(or pass batch.mini_batch_size={result.recommended}) and run again"
+        )
     return replace(plan, mini_batch_size=result.recommended, mini_batch_probe=summary_record(result)), result

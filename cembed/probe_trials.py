@@ -23,7 +23,7 @@ import os
 import re
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cembed.errors import UserError, first_line
 from cembed.model import load_model, quiet_libraries
@@ -180,7 +180,7 @@ class TrialSpec:
     loss: dict  # LossConfig fields
     n_columns: int
     batch_size: int
-    device: str  # "cpu" | "cuda"
+    device: str  # "cpu" | "cuda" | "cuda:<index>" (a child process after a CUDA error)
     repeats: int = 2
 
 
@@ -211,6 +211,8 @@ def _trial_child(spec: TrialSpec, size: int, conn) -> None:
         quiet_libraries()
         import torch
 
+        if spec.device.startswith("cuda:"):
+            torch.cuda.set_device(int(spec.device.split(":")[1]))  # the parent's GPU, not GPU 0
         model = _load(spec)
         from cembed.config import loss_config
 
@@ -223,7 +225,7 @@ def _trial_child(spec: TrialSpec, size: int, conn) -> None:
             spec.model.get("precision", "fp32"),
             spec.repeats,
         )
-        if spec.device == "cuda":
+        if spec.device.startswith("cuda"):
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 + offset
@@ -343,14 +345,21 @@ class CudaTrial:
     The peak is ``torch.cuda.max_memory_reserved()`` (what the caching allocator actually holds,
     which is what runs out) plus the device memory the CUDA context and other processes use.
     Out-of-memory and other CUDA errors propagate to :func:`search_mini_batch` (which counts them as
-    "does not fit") after the memory is released; when such an error leaves the CUDA context unusable,
-    the remaining trials run in fresh child processes (:class:`SubprocessTrial`).
+    "does not fit") after the memory is released. The device's health is checked *before* any
+    cleanup call: after a sticky error (illegal address, device-side assert) every CUDA call raises,
+    so the cleanup is skipped, the remaining trials run in fresh child processes on the same GPU
+    (:class:`SubprocessTrial`, ``cuda:<index>``) and :attr:`poisoned` is set (this process can no
+    longer use the GPU; training in it would fail). :meth:`close` never raises.
     """
 
     def __init__(self, spec: TrialSpec, model=None) -> None:
+        import torch
+
         self.spec = spec
         self.model = model
         self.fallback: SubprocessTrial | None = None
+        self.poisoned = False
+        self.device_index = torch.cuda.current_device()  # the rank's GPU (set by init_distributed)
 
     def __call__(self, size: int) -> TrialOutcome:
         import torch
@@ -378,11 +387,13 @@ class CudaTrial:
         except Exception as exc:
             if not is_device_failure(exc):
                 raise
-            self.model.zero_grad(set_to_none=True)
-            self._clean()
-            if not cuda_healthy():
+            if cuda_healthy():
+                self.model.zero_grad(set_to_none=True)
+                self._clean()
+            else:
+                self.poisoned = True
                 self.model = None
-                self.fallback = SubprocessTrial(self.spec)
+                self.fallback = SubprocessTrial(replace(self.spec, device=f"cuda:{self.device_index}"))
             raise
 
     @staticmethod
@@ -394,9 +405,15 @@ class CudaTrial:
         torch.cuda.reset_peak_memory_stats()
 
     def close(self) -> None:
-        """Release the probe's model and cached memory (before training loads its own)."""
+        """Release the probe's model and cached memory (before training loads its own). Never
+        raises: on a poisoned context the memory cannot be released and is left as it is."""
         self.model = None
-        self._clean()
+        if self.poisoned:
+            return
+        try:
+            self._clean()
+        except Exception:  # noqa: BLE001 - a cleanup failure must not hide the probe's answer
+            self.poisoned = not cuda_healthy()
 
 
 def cuda_healthy() -> bool:

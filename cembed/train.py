@@ -216,7 +216,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
             "gather_across_devices": plan.gather_across_devices,
             # The sampler only yields whole global batches and these never get a gradient, so DDP
             # needs no unused-parameter search.
-            "frozen_unused_parameters": freeze_unused_parameters(model, data.dataset[:2]["anchor"]),
+            "frozen_unused_parameters": freeze_unused_parameters(model, data.dataset[:1]),  # every column
             "find_unused_parameters": False,
         }
     evaluation = None

@@ -7,8 +7,11 @@
 - ``meter`` (:class:`~cembed.meter.ThroughputMeter`): every wait for the next batch is timed, and
   each training log gets the interval's data-wait share, tokens/s and padded share;
 - ``nonfinite_policy``: a NaN/inf loss stops the run naming the step and the last good checkpoint
-  (``"stop"``, :class:`~cembed.errors.RunFailed`) or turns the step into a no-op and counts it
-  (``"skip"``);
+  (``"stop"``, :class:`~cembed.errors.RunFailed`) or turns the optimizer step into a no-op and
+  counts it (``"skip"``). The decision is taken by all ranks together (one max all-reduce per
+  micro-batch), and the skipped step still runs its backward, so every rank issues the same
+  collectives (DDP's all-reduce, the gathered loss's backward) whatever the loss value; only the
+  optimizer update is dropped, in a way fp16's GradScaler accepts (see :meth:`CembedTrainer.skip_pending_step`);
 - checkpoints are written into a staging folder, marked complete and renamed into place, so a save
   cut short is never resumed from (see :mod:`cembed.checkpoint`).
 
@@ -32,6 +35,7 @@ from transformers import TrainerCallback
 
 from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.config import CembedConfig
+from cembed.distributed import max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
@@ -154,10 +158,34 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.meter = meter
         self.nonfinite_policy = nonfinite_policy
         self.nonfinite_skipped = 0
+        self._skip_step = False
+        self.add_callback(SkipNonfiniteCallback(self))
+        require_same_on_all_ranks(self.collective_facts())
         self.last_checkpoint: str | None = None
         self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
         self._train_dataloader = None
         self._staging_root: str | None = None
+
+    def collective_facts(self) -> dict[str, object]:
+        """What decides the collectives a training step issues: the loss and its mini-batching
+        (``mini_batch_size`` from ``auto`` included), the columns, rows per rank, accumulation,
+        precision, sequence length and the training rows. Every rank must have the same; the
+        constructor refuses a job whose ranks differ (:func:`~cembed.distributed.require_same_on_all_ranks`)."""
+        loss, args, data = self.loss, self.args, self.train_dataset
+        return {
+            "loss": type(loss).__name__,
+            "mini_batch_size": getattr(loss, "mini_batch_size", None),
+            "mini_batch_num_tokens": getattr(loss, "mini_batch_num_tokens", None),
+            "gather_across_devices": getattr(loss, "gather_across_devices", None),
+            "columns": list(getattr(data, "column_names", None) or []),
+            "rows": len(data) if data is not None else None,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "max_steps": args.max_steps,
+            "num_train_epochs": args.num_train_epochs,
+            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "max_seq_length": getattr(self.model, "max_seq_length", None),
+        }
 
     def init_hf_repo(self, *args, **kwargs) -> None:
         # Creating the hub repo (train.push_to_hub) needs the network and a token: say so in one line.
@@ -194,21 +222,50 @@ class CembedTrainer(SentenceTransformerTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not torch.is_grad_enabled():  # evaluation: no step to skip
+            return out
         value = out[0] if return_outputs else out
-        if bool(torch.isfinite(value.detach()).all()):
+        finite = bool(torch.isfinite(value.detach()).all())
+        # Every rank takes the same decision (a rank-local skip or stop would leave the others
+        # waiting in a collective this rank never joins).
+        if not max_over_ranks(int(not finite)):
             return out
         step = self.state.global_step + 1
         if self.nonfinite_policy == "skip":
-            # A fresh leaf: backward reaches no parameter, so the optimizer step changes nothing.
-            self.nonfinite_skipped += 1
-            zero = torch.zeros((), device=value.device, requires_grad=True)
-            return (zero, out[1]) if return_outputs else zero
+            # The backward still runs (the same collectives on every rank); the optimizer update is
+            # dropped by skip_pending_step, just before optimizer.step().
+            self._skip_step = True
+            return out
         last = latest_complete(self.args.output_dir)
+        what = f"loss is {float(value.detach())}" if not finite else "loss is non-finite on another rank"
         raise RunFailed(
-            f"loss is {float(value.detach())} at step {step}; training stopped. Last good checkpoint: "
+            f"{what} at step {step}; training stopped. Last good checkpoint: "
             f"{last or 'none (set train.save_steps to keep checkpoints)'}. Lower optim.learning_rate and "
             "resume with --resume, or set train.nonfinite_loss: skip"
         )
+
+    def skip_pending_step(self) -> bool:
+        """Turn the coming optimizer step into a no-op when a micro-batch of it had a non-finite loss
+        (``nonfinite_policy: skip``, decided on every rank alike); called just before
+        ``optimizer.step()`` (:class:`SkipNonfiniteCallback`). Returns whether the step is skipped.
+
+        The gradients are dropped (``grad = None``): torch's optimizers leave a parameter without a
+        gradient untouched (no update, no weight decay, no moment change). Under fp16 the GradScaler
+        must have checked the gradients for infs before ``step()`` (else it raises "No inf checks were
+        recorded for this optimizer"): the gradient norm/clipping usually has (``unscale_``); if not,
+        it is done here, before the gradients are dropped. ``scaler.update()`` then runs as
+        after any step (halving the scale if the gradients held infs).
+        """
+        if not self._skip_step:
+            return False
+        self._skip_step = False
+        self.nonfinite_skipped += 1
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and not _inf_checks_recorded(scaler, self.optimizer):
+            self.accelerator.unscale_gradients()
+        for param in self.model.parameters():
+            param.grad = None
+        return True
 
     # --- atomic checkpoints: staged, marked complete, then renamed into place ------------------
 
@@ -244,6 +301,23 @@ class CembedTrainer(SentenceTransformerTrainer):
             )
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
+
+
+def _inf_checks_recorded(scaler, optimizer) -> bool:
+    # torch.amp.GradScaler records, per optimizer, the inf checks of unscale_(); step() asserts them.
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(inner))
+    return bool(state and state.get("found_inf_per_device"))
+
+
+class SkipNonfiniteCallback(TrainerCallback):
+    """Calls :meth:`CembedTrainer.skip_pending_step` before every optimizer step."""
+
+    def __init__(self, trainer: CembedTrainer) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.skip_pending_step()
 
 
 @dataclass

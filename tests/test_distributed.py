@@ -416,3 +416,35 @@ def test_launcher_args_and_validate_show_world_size(write_config, pairs_file, tm
     out = " ".join(r.output.split())
     assert "world size: 2" in out and "= 128 samples per optimizer step" in out
     assert "x sqrt(128/32)" in out and "gather_across_devices: true" in out
+
+
+def test_unused_parameter_search_sees_every_column(tiny_model_dir):
+    """W3: a module used only for one column (here: a document-side projection, as in Router or
+    asymmetric models) must not be found unused, or DDP would freeze it while one process trains it."""
+    from sentence_transformers import SentenceTransformer
+
+    from cembed.distributed import unused_parameters
+
+    base = SentenceTransformer(str(tiny_model_dir), device="cpu")
+
+    class Asymmetric(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base, self.doc_proj = base, torch.nn.Linear(32, 32)
+            self.device = base.device
+
+        def preprocess(self, texts, task=None):
+            return {**base.preprocess(texts), "task": task}
+
+        def forward(self, features):
+            task = features.pop("task")
+            emb = self.base(features)["sentence_embedding"]
+            return {"sentence_embedding": self.doc_proj(emb) if task == "document" else emb}
+
+    model = Asymmetric()
+    rows = {"anchor": ["a man on a bus"], "positive": ["a man sitting on a bus"]}
+    tasks = {"anchor": "query", "positive": "document"}
+    assert {"doc_proj.weight", "doc_proj.bias"} <= set(unused_parameters(model, rows["anchor"]))  # anchors only
+    unused = unused_parameters(model, rows, tasks)
+    assert unused and not any(n.startswith("doc_proj") for n in unused)
+    assert all("pooler" in n for n in unused)  # still finds what no column reaches

@@ -217,3 +217,55 @@ def test_probe_asks_the_loss_whether_it_caches():
     resolved, probe = resolve_auto(plan, model_cfg, loss_config(name="mnrl"), 2)
     assert probe is None and resolved.mini_batch_size == 8
     assert resolved.warnings[-1] == "batch.mini_batch_size: auto has no effect with loss mnrl"
+
+
+def test_cuda_trial_falls_back_after_sticky_error(monkeypatch):
+    """C5, simulated on CPU: a sticky CUDA error (illegal address) makes every later CUDA call raise,
+    cleanup included. The trial checks the device's health before any cleanup, so the fallback to
+    child processes on the same GPU (cuda:<index>, not GPU 0) is set up, the error still counts as
+    "does not fit", and close() does not raise. (It used to call empty_cache() first: the cleanup's
+    error replaced the CUDA one, no fallback was set up and close() raised.)"""
+    import torch
+
+    import cembed.probe_trials as pt
+
+    poisoned = {"on": False}
+
+    def cuda_call(*args, **kwargs):  # every CUDA call after the error raises it again
+        if poisoned["on"]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (in cleanup)")
+
+    def failing_step(*args, **kwargs):
+        poisoned["on"] = True
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    class FakeModel:
+        def zero_grad(self, set_to_none=True):  # only drops references: no CUDA call
+            pass
+
+    children = []
+
+    class FakeSubprocessTrial:
+        def __init__(self, spec, **kwargs):
+            self.spec = spec
+
+        def __call__(self, size):
+            children.append((self.spec.device, size))
+            return pt.TrialOutcome(peak_bytes=size, samples_per_s=1.0)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "empty_cache", cuda_call)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", cuda_call)
+    monkeypatch.setattr(pt, "cuda_healthy", lambda: not poisoned["on"])
+    monkeypatch.setattr(pt, "_load", lambda spec: FakeModel())
+    monkeypatch.setattr(pt, "_cuda_other_bytes", lambda: 0)
+    monkeypatch.setattr(pt, "worst_case_step", failing_step)
+    monkeypatch.setattr(pt, "SubprocessTrial", FakeSubprocessTrial)
+    spec = pt.TrialSpec(model={}, loss={}, n_columns=2, batch_size=64, device="cuda")
+    trial = pt.CudaTrial(spec)
+    with pytest.raises(RuntimeError, match="illegal memory access") as err:
+        trial(16)
+    assert "cleanup" not in str(err.value) and pt.is_device_failure(err.value)  # counts as "does not fit"
+    assert trial.poisoned and trial.fallback is not None
+    assert trial(8).peak_bytes == 8 and children == [("cuda:1", 8)]
+    trial.close()  # must not raise

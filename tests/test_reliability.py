@@ -150,6 +150,53 @@ def test_nan_loss_skip_policy_counts(tiny_model_dir, write_config, tmp_path, mon
     assert summary["status"] == "completed" and summary["steps"] == 6 and summary["nonfinite_steps_skipped"] == 1
 
 
+def _fp16_scaler_trainer(record: dict):
+    """A CembedTrainer on accelerate's fp16 path, run on CPU: torch's own GradScaler scales the loss
+    for backward and steps the optimizer, and ``unscale_gradients`` (called by the gradient
+    clipping) unscales, as accelerate does under ``mixed_precision="fp16"`` on CUDA. Records the
+    weights and the scale after every step."""
+    import torch
+    from transformers import TrainerCallback
+
+    from cembed.trainer import CembedTrainer
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            record["weights"][state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            record["scale"][state.global_step] = record["scaler"].get_scale()
+
+    class Fp16ScalerTrainer(CembedTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            acc = self.accelerator
+            acc.scaler = record["scaler"] = torch.amp.GradScaler("cpu")
+
+            def unscale_gradients(optimizer=None):
+                for opt in acc._optimizers:
+                    acc.scaler.unscale_(opt.optimizer)
+
+            acc.unscale_gradients = unscale_gradients
+            self.add_callback(Record())
+
+    record.update(weights={}, scale={})
+    return Fp16ScalerTrainer
+
+
+def test_skip_nonfinite_with_grad_scaler(tiny_model_dir, write_config, tmp_path, monkeypatch):
+    """fp16 + ``nonfinite_loss: skip``: the skipped step is a no-op that the GradScaler accepts (it
+    used to raise "No inf checks were recorded for this optimizer")."""
+    monkeypatch.setattr("cembed.train.build_loss", _nan_at_call(2))
+    cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "fp16skip", nonfinite_loss="skip"))
+    plan, data = check_run_inputs(cfg)
+    record: dict = {}
+    summary = run_training(cfg, plan, data, progress=False, trainer_cls=_fp16_scaler_trainer(record))
+    assert summary["status"] == "completed" and summary["steps"] == 6 and summary["nonfinite_steps_skipped"] == 1
+    w = record["weights"]
+    assert all(w[2][k].equal(w[1][k]) for k in w[1])  # step 2 changed nothing
+    assert any(not w[3][k].equal(w[2][k]) for k in w[2])  # step 3 trained again
+    assert record["scale"][2] == record["scale"][1] / 2  # the scaler saw the inf gradients and backed off
+
+
 def test_finished_output_dir_not_overwritten(tiny_model_dir, write_config, tmp_path):
     path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "done", max_steps=1)
     cfg = load_config(path)

@@ -1,0 +1,216 @@
+"""Ranks that must decide together (CPU, gloo, 2 ranks, the tiny random model).
+
+- ``batch.mini_batch_size: auto``: the probe runs inside the process group and every rank trains
+  with the minimum of the ranks' answers (the probe's search is patched to answer 2 on rank 0 and 4
+  on rank 1).
+- Ranks whose mini-batch size differs (different configs) are refused before step 1 with one
+  message on every rank, instead of pairing up mismatched collectives of the gathered loss.
+- ``train.nonfinite_loss: skip`` with a NaN loss on rank 1 only: both ranks skip the same step (no
+  update on either), nothing hangs, and their weights stay equal.
+
+One pair of spawned processes runs all cases (module fixture); a rank that hangs is killed by its
+timer, so a regression fails here within about two minutes instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD = 2
+HANG_S = 120  # a rank still running after this is hung in a collective
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp: Path, model_dir: Path, name: str, mini, **train) -> dict:
+    data = tmp / "pairs.jsonl"
+    if not data.exists():
+        rows = [{"anchor": f"question {i} about a car", "positive": f"answer {i} on the street"} for i in range(32)]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        "model": {"name_or_path": str(model_dir), "max_seq_length": 16, "device": "cpu"},
+        "data": {"train": str(data), "cache_dir": str(tmp / "cache")},
+        "batch": {"per_device_train_batch_size": 4, "mini_batch_size": mini},
+        "optim": {"learning_rate": 1e-2, "warmup_ratio": 0.0, "lr_scheduler_type": "constant"},
+        "train": {"max_steps": 1, "logging_steps": 1, "output_dir": str(tmp / name), **train},
+    }
+
+
+def _run(cfg_dict: dict, base: Path, trainer_cls=None) -> dict:
+    from rich.console import Console
+
+    from cembed.configfile import config_from_dict
+    from cembed.train import check_run_inputs, run_training
+
+    cfg = config_from_dict(cfg_dict, base=base)
+    plan, data = check_run_inputs(cfg)
+    kwargs = {"trainer_cls": trainer_cls} if trainer_cls else {}
+    return run_training(cfg, plan, data, Console(quiet=True), progress=False, **kwargs)
+
+
+def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:
+    import torch.distributed as dist
+
+    import cembed.probe as probe
+
+    seen = {}
+    real = probe.search_mini_batch
+
+    def search(trial, capacity, *args, **kwargs):
+        seen["group_initialized"] = dist.is_initialized()
+        size = 2 if rank == 0 else 4
+        return probe.ProbeResult(size, size, "patched", capacity, 0.1, int(0.9 * capacity), 4)
+
+    probe.search_mini_batch = search
+    try:
+        summary = _run(_config(tmp, model_dir, "auto", "auto"), tmp)
+    finally:
+        probe.search_mini_batch = real
+    return {
+        **seen,
+        "mini_batch_size": summary["plan"]["mini_batch_size"],
+        "probe_recommended": summary["mini_batch_probe"]["recommended"],
+        "steps": summary["steps"],
+    }
+
+
+def _disagree_case(rank: int, tmp: Path, model_dir: Path) -> dict:
+    from cembed.errors import UserError
+
+    try:
+        summary = _run(_config(tmp, model_dir, "disagree", 2 if rank == 0 else 4), tmp)
+    except UserError as err:
+        return {"refused": str(err)}
+    return {"refused": None, "steps": summary["steps"]}
+
+
+def _nan_skip_case(rank: int, tmp: Path, model_dir: Path) -> dict:
+    import cembed.train as T
+    from cembed.trainer import CembedTrainer
+
+    real = T.build_loss
+
+    def build(*args, **kwargs):  # rank 1's loss is NaN at its second call (step 2)
+        built = real(*args, **kwargs)
+        forward, calls = built.module.forward, {"n": 0}
+
+        def patched(features, labels):
+            calls["n"] += 1
+            value = forward(features, labels)
+            return value * float("nan") if rank == 1 and calls["n"] == 2 else value
+
+        built.module.forward = patched
+        return built
+
+    weights: dict[int, dict] = {}
+
+    class Recording(CembedTrainer):
+        def training_step(self, *args, **kwargs):
+            weights[self.state.global_step] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            return super().training_step(*args, **kwargs)
+
+    T.build_loss = build
+    try:
+        summary = _run(_config(tmp, model_dir, "nan", 2, max_steps=3, nonfinite_loss="skip"), tmp, Recording)
+    finally:
+        T.build_loss = real
+
+    def moved(a: int, b: int) -> float:
+        return max((weights[b][k] - weights[a][k]).abs().max().item() for k in weights[a])
+
+    torch.save(weights[2], tmp / f"nan-after-step2-rank{rank}.pt")
+    return {
+        "status": summary["status"],
+        "steps": summary["steps"],
+        "skipped": summary["nonfinite_steps_skipped"],
+        "moved_step1": moved(0, 1),
+        "moved_step2": moved(1, 2),
+    }
+
+
+CASES = {"auto": _auto_case, "nan_skip": _nan_skip_case, "disagree": _disagree_case}
+
+
+def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
+    guard = threading.Timer(HANG_S, os._exit, (3,))  # a hung collective fails the test, not the CI job
+    guard.daemon = True
+    guard.start()
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        TQDM_DISABLE="1",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    tmp_path, results = Path(tmp), {}
+    for name, case in CASES.items():
+        results[name] = case(rank, tmp_path, Path(model_dir))
+        (tmp_path / f"results-rank{rank}.json").write_text(json.dumps(results))  # kept if a later case hangs
+    from cembed.distributed import leave_process_group
+
+    leave_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir, tmp_path_factory):
+    """Run every case once in one pair of spawned ranks; a rank that hung or died leaves its
+    results up to the case before."""
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("agree")
+    try:
+        mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), _free_port()), nprocs=WORLD, join=True)
+    except Exception as err:  # noqa: BLE001 - a hung (killed) or failed rank: the tests say which case
+        print(f"ranks failed: {err}")
+    out = []
+    for r in range(WORLD):
+        path = tmp / f"results-rank{r}.json"
+        out.append(json.loads(path.read_text()) if path.exists() else {})
+    return tmp, out
+
+
+def _case(results, name):
+    tmp, per_rank = results
+    assert all(name in r for r in per_rank), f"{name}: a rank hung or failed before finishing it"
+    return tmp, [r[name] for r in per_rank]
+
+
+def test_auto_probe_agrees_across_ranks(results):
+    _, (r0, r1) = _case(results, "auto")
+    assert r0["group_initialized"] and r1["group_initialized"]  # probed after the process group exists
+    assert r0["mini_batch_size"] == r1["mini_batch_size"] == 2  # the minimum of 2 and 4
+    assert r0["probe_recommended"] == r1["probe_recommended"] == 2
+    assert r0["steps"] == r1["steps"] == 1
+
+
+def test_ranks_with_different_mini_batch_sizes_are_refused(results):
+    _, (r0, r1) = _case(results, "disagree")
+    for r in (r0, r1):
+        assert r["refused"], r
+        assert "mini_batch_size: rank 0 2, rank 1 4" in r["refused"]
+    assert r0["refused"] == r1["refused"]
+
+
+def test_skip_nonfinite_agrees_across_ranks(results):
+    tmp, (r0, r1) = _case(results, "nan_skip")
+    for r in (r0, r1):
+        assert r["status"] == "completed" and r["steps"] == 3 and r["skipped"] == 1, r
+        assert r["moved_step1"] > 0 and r["moved_step2"] == 0.0, r  # step 2 is a no-op on both ranks
+    w0, w1 = (torch.load(tmp / f"nan-after-step2-rank{r}.pt") for r in range(WORLD))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
