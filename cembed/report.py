@@ -147,11 +147,18 @@ def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float 
     and cosine Spearman (STS) in a run summary's ``eval`` block; a value not measured (no "before"
     on a resumed run) is None, and so is its change."""
     before, after = (block or {}).get("before") or {}, (block or {}).get("after") or {}
+    keys = [k for k in dict.fromkeys([*before, *after]) if k.endswith(COMPARED_METRICS)]
+
+    def set_and_metric(key: str) -> tuple[str, int]:
+        i = next(i for i, m in enumerate(COMPARED_METRICS) if key.endswith(m))
+        return key[: -len(COMPARED_METRICS[i])], i
+
+    sets = list(dict.fromkeys(set_and_metric(k)[0] for k in keys))
+    order = {k: (sets.index(set_and_metric(k)[0]), set_and_metric(k)[1]) for k in keys}
     rows = []
-    for key in dict.fromkeys([*before, *after]):
-        if key.endswith(COMPARED_METRICS):
-            b, a = before.get(key), after.get(key)
-            rows.append((key, b, a, a - b if a is not None and b is not None else None))
+    for key in sorted(keys, key=order.__getitem__):  # per set: NDCG@10, Recall@10, Spearman
+        b, a = before.get(key), after.get(key)
+        rows.append((key, b, a, a - b if a is not None and b is not None else None))
     return rows
 
 

@@ -73,7 +73,7 @@ def test_repository_data_is_small():
 
 def test_before_after_table():
     block = {
-        "before": {"coco_cosine_ndcg@10": 0.5, "coco_cosine_recall@10": 0.7, "coco_cosine_mrr@10": 0.4},
+        "before": {"coco_cosine_recall@10": 0.7, "coco_cosine_ndcg@10": 0.5, "coco_cosine_mrr@10": 0.4},
         "after": {"coco_cosine_ndcg@10": 0.625, "coco_cosine_recall@10": 0.65, "coco_cosine_mrr@10": 0.5},
     }
     assert eval_change_rows(block) == [
