@@ -181,7 +181,7 @@ def train_cmd(
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     from cembed.distributed import dist_info, is_worker, leave_process_group, record_worker_error
-    from cembed.report import make_console, print_done
+    from cembed.report import make_console, print_done, print_eval_change
     from cembed.train import check_run_inputs, run_training
 
     world = _world_size(nproc_per_node, nnodes)
@@ -227,6 +227,7 @@ def train_cmd(
         _unexpected(err, cfg.train.output_dir if cfg is not None else None)
     leave_process_group()
     print_done(out, summary)
+    print_eval_change(out, summary)
 
 
 def _unexpected(err: Exception, output_dir: str | None) -> None:
@@ -387,7 +388,10 @@ def eval_cmd(
         ..., "--model", "-m", help="Saved model folder, a run's output_dir, or all-MiniLM-L6-v2."
     ),
     retrieval: Optional[List[Path]] = typer.Option(
-        None, "--retrieval", "-r", help="BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/). Repeatable."
+        None,
+        "--retrieval",
+        "-r",
+        help="BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/) or cembed:coco-captions-heldout. Repeatable.",
     ),
     sts: Optional[List[Path]] = typer.Option(
         None, "--sts", help="STS file (STS Benchmark TSV, sentence1/sentence2/score TSV or JSONL). Repeatable."
@@ -409,11 +413,12 @@ def eval_cmd(
     """Score a model on retrieval (NDCG@10, MRR@10, MAP@100, Recall@10/100) and STS (cosine Spearman) sets."""
     from cembed.evaluate import score_model
     from cembed.report import encode_progress, print_eval_report
+    from cembed.samples import resolve_sample
 
     report = score_model(
         model,
-        list(retrieval or []),
-        list(sts or []),
+        [resolve_sample(str(p)) or p for p in retrieval or []],  # cembed:<name>: packaged data
+        [resolve_sample(str(p)) or p for p in sts or []],
         split,
         json_out,
         batch_size,

@@ -25,6 +25,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticUndefined
 
+from cembed.samples import is_sample
+
 # Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
 LOCAL_EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".tsv", ".parquet", ".csv.gz", ".tsv.gz")
 
@@ -110,9 +112,10 @@ DataSource = Annotated[FileSource | HubSource | BeirSource, Field(discriminator=
 
 
 def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
-    """``file`` when ``path`` exists (relative to the working folder or to ``base``, the config
-    file's folder) or ends with one of :data:`LOCAL_EXTENSIONS`; ``hub`` otherwise."""
-    if path.lower().endswith(LOCAL_EXTENSIONS) or Path(path).exists():
+    """``file`` when ``path`` names packaged data (``cembed:<name>``), exists (relative to the
+    working folder or to ``base``, the config file's folder) or ends with one of
+    :data:`LOCAL_EXTENSIONS`; ``hub`` otherwise."""
+    if is_sample(path) or path.lower().endswith(LOCAL_EXTENSIONS) or Path(path).exists():
         return "file"
     if base is not None and (base / path).exists():
         return "file"

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from cembed.config import DEFAULT_LOSS, LOSS_CONFIGS, BeirSource, CembedConfig, FileSource, LossConfig
 from cembed.errors import UserError
+from cembed.samples import resolve_sample
 
 
 def line_index(text: str) -> dict[tuple[str, ...], int]:
@@ -168,18 +169,30 @@ def _resolve_path(value: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
+def _resolve_data_path(value: str, base: Path, field: str) -> str:
+    """A data path made absolute: ``cembed:<name>`` -> the packaged file or folder, else relative
+    to ``base``. An unknown ``cembed:`` name is a UserError naming ``field``."""
+    try:
+        sample = resolve_sample(value)
+    except UserError as err:
+        raise UserError(f"{field}: {err}") from None
+    return str(sample) if sample is not None else _resolve_path(value, base)
+
+
 def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
-    """Make local paths absolute relative to ``base`` (the config file's folder)."""
+    """Make local paths absolute relative to ``base`` (the config file's folder); a data path
+    ``cembed:<name>`` becomes the packaged data it names (:func:`cembed.samples.resolve_sample`)."""
     cfg = cfg.model_copy(deep=True)
     source = cfg.data.train
     if isinstance(source, (FileSource, BeirSource)):  # a hub id is not a path
-        source.path = _resolve_path(source.path, base)
+        source.path = _resolve_data_path(source.path, base, "data.train")
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
     if cfg.data.cache_dir is not None:
         cfg.data.cache_dir = _resolve_path(cfg.data.cache_dir, base)
     if cfg.eval is not None:
-        for item in [*cfg.eval.retrieval, *cfg.eval.sts]:
-            item.path = _resolve_path(item.path, base)
+        for field in ("retrieval", "sts"):
+            for i, item in enumerate(getattr(cfg.eval, field)):
+                item.path = _resolve_data_path(item.path, base, f"eval.{field}.{i}.path")
     model_path = base / cfg.model.name_or_path
     if not Path(cfg.model.name_or_path).is_absolute() and model_path.exists():
         cfg.model.name_or_path = str(model_path.resolve())

@@ -69,14 +69,38 @@ class ThroughputMeter:
         }
 
 
+def smooth(values: list[float], window: int | None = None) -> list[float]:
+    """Centered moving average of ``values`` (shorter windows at the ends). ``window`` defaults to
+    about a tenth of the run (at least 1, at most 51 points)."""
+    n = len(values)
+    if window is None:
+        window = min(51, max(1, n // 10))
+    half = max(window, 1) // 2
+    prefix = [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    return [
+        (prefix[min(n, i + half + 1)] - prefix[max(0, i - half)]) / (min(n, i + half + 1) - max(0, i - half))
+        for i in range(n)
+    ]
+
+
 def plot_run(
-    losses: list[tuple[int, float]], meter_history: list[dict], samples_per_step: int, path: str | Path
+    losses: list[tuple[int, float]],
+    meter_history: list[dict],
+    samples_per_step: int,
+    path: str | Path,
+    step_losses: list[tuple[int, float]] | None = None,
 ) -> Path | None:
     """Write a PNG with loss, throughput (tokens/s) and data-wait share against the step.
 
+    The loss panel shows every optimizer step's loss (``step_losses``) as points with a smoothed
+    line over them, and the logged interval means (``losses``) as markers; without
+    ``step_losses`` only the logged losses are drawn.
+
     Returns the path, or ``None`` when there is nothing to plot.
     """
-    if not losses and not meter_history:
+    if not losses and not meter_history and not step_losses:
         return None
     import matplotlib
 
@@ -84,7 +108,21 @@ def plot_run(
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
-    if losses:
+    if step_losses:
+        steps, values = [s for s, _ in step_losses], [v for _, v in step_losses]
+        axes[0].plot(steps, values, ".", color="tab:blue", alpha=0.3, markersize=4, label="every step")
+        axes[0].plot(steps, smooth(values), color="tab:blue", label="smoothed")
+        if losses:
+            axes[0].plot(
+                [s for s, _ in losses],
+                [v for _, v in losses],
+                "o",
+                color="tab:orange",
+                markersize=4,
+                label="logged (interval mean)",
+            )
+        axes[0].legend(loc="upper right", fontsize="small")
+    elif losses:
         axes[0].plot([s for s, _ in losses], [v for _, v in losses], marker=".")
     axes[0].set_ylabel("loss")
     steps = [h["step"] for h in meter_history]

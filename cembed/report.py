@@ -163,6 +163,47 @@ def print_done(console: Console, summary: dict) -> None:
     console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
 
 
+# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.
+COMPARED_METRICS = ("_cosine_ndcg@10", "_cosine_recall@10", "_spearman_cosine")
+
+
+def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:
+    """``(metric, before, after, after - before)`` for each set's NDCG@10 and Recall@10 (retrieval)
+    and cosine Spearman (STS) in a run summary's ``eval`` block; a value not measured (no "before"
+    on a resumed run) is None, and so is its change."""
+    before, after = (block or {}).get("before") or {}, (block or {}).get("after") or {}
+    keys = [k for k in dict.fromkeys([*before, *after]) if k.endswith(COMPARED_METRICS)]
+
+    def set_and_metric(key: str) -> tuple[str, int]:
+        i = next(i for i, m in enumerate(COMPARED_METRICS) if key.endswith(m))
+        return key[: -len(COMPARED_METRICS[i])], i
+
+    sets = list(dict.fromkeys(set_and_metric(k)[0] for k in keys))
+    order = {k: (sets.index(set_and_metric(k)[0]), set_and_metric(k)[1]) for k in keys}
+    rows = []
+    for key in sorted(keys, key=order.__getitem__):  # per set: NDCG@10, Recall@10, Spearman
+        b, a = before.get(key), after.get(key)
+        rows.append((key, b, a, a - b if a is not None and b is not None else None))
+    return rows
+
+
+def print_eval_change(console: Console, summary: dict) -> None:
+    """The evaluation before and after training side by side (metric, before, after, change);
+    prints nothing for a run without an ``eval`` section."""
+    rows = eval_change_rows(summary.get("eval"))
+    if not rows:
+        return
+    table = Table("metric", "before", "after", "change", title="evaluation before / after training")
+
+    def fmt(value: float | None, sign: str = "") -> str:
+        return "-" if value is None else f"{value:{sign}.4f}"
+
+    for key, b, a, change in rows:
+        style = "" if change is None or change == 0 else ("green" if change > 0 else "red")
+        table.add_row(key, fmt(b), fmt(a), f"[{style}]{fmt(change, '+')}[/]" if style else fmt(change, "+"))
+    console.print(table)
+
+
 class RichProgressCallback(TrainerCallback):
     """Progress bar (step, loss, LR, samples/s, ETA) on the main process, reading the run's
     :class:`~cembed.trainer.RunLog`; :meth:`print_line` prints a log line above the bar."""

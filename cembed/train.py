@@ -367,6 +367,7 @@ def write_summary(
         "first_loss": log.losses[0][1] if log.losses else None,
         "last_loss": log.losses[-1][1] if log.losses else None,
         "losses": log.losses,
+        "step_losses": trainer.step_losses(),  # every optimizer step's loss (this process's)
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
         "throughput": trainer.meter.totals(),
         "throughput_per_interval": trainer.meter.history,
@@ -374,7 +375,8 @@ def write_summary(
     }
     if not is_main:
         return summary
-    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, run_dir.out / "training_curves.png")
+    curves = run_dir.out / "training_curves.png"
+    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, curves, summary["step_losses"])
     summary["plot"] = str(plot) if plot else None
     write_json_atomic(run_dir.summary_path, summary)
     append_log(run_dir.log_path, f"completed: {state.global_step} steps; model in {run_dir.out}")

@@ -12,6 +12,8 @@
   micro-batch), and the skipped step still runs its backward, so every rank issues the same
   collectives (DDP's all-reduce, the gathered loss's backward) whatever the loss value; only the
   optimizer update is dropped, in a way fp16's GradScaler accepts (see :meth:`CembedTrainer.skip_pending_step`);
+- every optimizer step's loss is kept (:meth:`CembedTrainer.step_losses`; detached tensors, turned
+  into numbers in bulk at each training log, so no host sync per mini-batch);
 - checkpoints are written into a staging folder, marked complete and renamed into place, so a save
   cut short is never resumed from (see :mod:`cembed.checkpoint`).
 
@@ -165,6 +167,9 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
         self._train_dataloader = None
         self._staging_root: str | None = None
+        self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (step, detached loss) per micro-batch
+        self._step_losses: dict[int, float] = {}
+        self._skipped_steps: set[int] = set()
 
     def collective_facts(self) -> dict[str, object]:
         """What decides the collectives a training step issues: the loss and its mini-batching
@@ -214,9 +219,33 @@ class CembedTrainer(SentenceTransformerTrainer):
         return out
 
     def log(self, logs, *args, **kwargs):
-        if self.meter is not None and "loss" in logs:
-            logs = {**logs, **self.meter.snapshot(self.state.global_step)}
+        if "loss" in logs:
+            self._flush_step_losses()
+            if self.meter is not None:
+                logs = {**logs, **self.meter.snapshot(self.state.global_step)}
         return super().log(logs, *args, **kwargs)
+
+    # --- every optimizer step's loss -----------------------------------------------------------
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)  # detached, divided by the accumulation steps
+        self._pending_losses.append((self.state.global_step + 1, loss.detach()))
+        return loss
+
+    def _flush_step_losses(self) -> None:
+        if not self._pending_losses:
+            return
+        values = torch.stack([v.float().reshape(()) for _, v in self._pending_losses]).tolist()  # one sync
+        for (step, _), value in zip(self._pending_losses, values):
+            self._step_losses[step] = self._step_losses.get(step, 0.0) + value
+        self._pending_losses.clear()
+
+    def step_losses(self) -> list[tuple[int, float]]:
+        """``(step, loss)`` for every optimizer step this process trained (the sum over its
+        accumulated mini-batches of loss / accumulation steps, as the logged loss averages it);
+        steps skipped for a non-finite loss are left out."""
+        self._flush_step_losses()
+        return [(s, v) for s, v in sorted(self._step_losses.items()) if s not in self._skipped_steps]
 
     # --- non-finite loss: stop naming the step and the last good checkpoint, or skip -----------
 
@@ -235,6 +264,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             # The backward still runs (the same collectives on every rank); the optimizer update is
             # dropped by skip_pending_step, just before optimizer.step().
             self._skip_step = True
+            self._skipped_steps.add(step)
             return out
         last = latest_complete(self.args.output_dir)
         what = f"loss is {float(value.detach())}" if not finite else "loss is non-finite on another rank"

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random BERT sentence-transformer built in the test (no downloads), the
-real data folder, and a small config writer."""
+real data (in the repository: the packaged COCO pairs, tests/data; the larger optional sets in
+../shared/data, which a clone may not have), and a small config writer."""
 
 from __future__ import annotations
 
@@ -14,8 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-COCO_PAIRS = SHARED_DATA / "coco_captions" / "caption_pairs_val2017.jsonl.gz"
+SHARED_DATA = REPO.parent / "shared" / "data"  # optional: full SciFact, the batch-size study
+TESTS_DATA = REPO / "tests" / "data"  # built by scripts/make_test_data.py, with licences
+COCO_PAIRS = REPO / "cembed" / "samples" / "coco_captions" / "train_pairs.jsonl.gz"  # cembed:coco-captions
+COCO_HELDOUT = REPO / "cembed" / "samples" / "coco_captions" / "heldout"  # cembed:coco-captions-heldout
+STS_TEST = TESTS_DATA / "stsbenchmark" / "sts-test.csv.gz"
+SCIFACT_TEST_SUBSET = TESTS_DATA / "scifact-test-subset"  # BEIR folder: 2,339 abstracts, test queries/qrels
+REFERENCE = TESTS_DATA / "reference_scores"  # published MTEB results
 
 WORDS = (
     "a an the of on in with and to is are at for by man woman people dog cat train table street "

@@ -322,7 +322,6 @@ def test_sampler_shards_global_batches_through_accelerate(pairs_file):
             assert b0 + b1 == g and len(b0) == len(b1) == 4
 
 
-@pytest.mark.skipif(not COCO_PAIRS.exists(), reason="../shared/data is not present")
 def test_cli_train_nproc_per_node_2_on_coco_slice(tiny_model_dir, write_config, tmp_path):
     out = tmp_path / "run"
     cfg = write_config(

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SHARED_DATA
+from conftest import REFERENCE, REPO, SCIFACT_TEST_SUBSET, SHARED_DATA, STS_TEST
 
 from cembed.configfile import load_config
 from cembed.embedding_cache import corpus_embeddings, model_fingerprint
@@ -22,9 +22,7 @@ from cembed.errors import UserError
 from cembed.evalsets import load_beir, load_eval_sets, load_sts
 from cembed.evaluate import check_metric_name, evaluate_retrieval, evaluate_sts
 
-SCIFACT = SHARED_DATA / "scifact"
-STS_TEST = SHARED_DATA / "stsbenchmark" / "sts-test.csv"
-REFERENCE = SHARED_DATA / "reference_scores"
+SCIFACT = SHARED_DATA / "scifact"  # the full corpus: only CEMBED_FULL_REPRO and a clone with ../shared
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,7 +402,6 @@ def _packaged_model():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not STS_TEST.exists(), reason="../shared/data is not present")
 def test_reproduces_mteb_stsbenchmark_test_spearman():
     published = json.loads((REFERENCE / "mteb_all-MiniLM-L6-v2_STSBenchmark.json").read_text())
     main = published["scores"]["test"][0]["main_score"]
@@ -421,7 +418,9 @@ def test_reproduces_mteb_stsbenchmark_test_spearman():
 # scripts/make_scifact_subset.py from a full encode: each query's top 12 plus every relevant
 # document). NDCG@10, MRR@10 and Recall@10 on that subset equal the full-corpus values exactly when no
 # left-out document could outrank a query's 10th hit; the test checks that with the recorded bound on
-# every left-out document's score. CEMBED_FULL_REPRO=1 runs the full encode with every metric.
+# every left-out document's score. Those abstracts, the test queries and qrels are stored in
+# tests/data/scifact-test-subset/ (scripts/make_test_data.py), so the test needs no ../shared.
+# CEMBED_FULL_REPRO=1 runs the full encode (../shared/data/scifact) with every metric.
 SCIFACT_SUBSET = REPO / "tests" / "data" / "scifact_test_top12.json"
 FULL_REPRO = os.environ.get("CEMBED_FULL_REPRO") == "1"
 
@@ -445,7 +444,6 @@ def _check_scifact(model, cache_dir, published):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SCIFACT.exists(), reason="../shared/data is not present")
 def test_reproduces_mteb_scifact_ndcg_at_10(tmp_path):
     """Published SciFact test NDCG@10 0.64508 (and MRR@10, Recall@10), every number computed live
     on the abstracts that can reach a top 10 (see the comment above)."""
@@ -454,7 +452,7 @@ def test_reproduces_mteb_scifact_ndcg_at_10(tmp_path):
     published = json.loads((REFERENCE / "mteb_all-MiniLM-L6-v2_SciFact.json").read_text())["scores"]["test"][0]
     subset = json.loads(SCIFACT_SUBSET.read_text())
     model = _packaged_model()
-    full = load_beir(SCIFACT, "test")
+    full = load_beir(SCIFACT_TEST_SUBSET, "test", name="scifact-test")  # tests/data: the listed abstracts only
     keep = set(subset["doc_ids"])
     rs = dataclasses.replace(full, corpus={d: t for d, t in full.corpus.items() if d in keep})
     assert len(rs.corpus) == 2339 and all(d in rs.corpus for rel in rs.relevant_docs.values() for d in rel)
