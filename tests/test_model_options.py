@@ -52,7 +52,7 @@ def _config(write_config, pairs_file, model: dict, tmp_path) -> str:
     return str(
         write_config(
             {
-                "model": {"device": "cpu", "max_seq_length": 16, **model},
+                "model": {"device": "cpu", "max_seq_length": 32, **model},
                 "data": {"train": str(pairs_file(distinct_pairs(16)))},
                 "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2},
                 "train": {"max_steps": 1, "output_dir": str(tmp_path / "run")},
