@@ -316,17 +316,36 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         self.hashes = row_hashes(dataset, self.columns)
         self.world_size = world_size or get_world_size()
         self._cache: tuple[int, list[list[int]], int] | None = None
+        self._sizes: dict[int, list[int]] = {}  # epoch -> its global batches' sizes
+
+    def _build(self, epoch: int) -> tuple[list[list[int]], int]:
+        batches, unplaced = build_batches(
+            self.hashes, self.batch_size * self.world_size, self.drop_last or self.world_size > 1, self.seed + epoch
+        )
+        self._sizes[epoch] = [len(b) for b in batches]
+        return batches, unplaced
 
     def _epoch_batches(self) -> tuple[list[list[int]], int]:
         if self._cache is None or self._cache[0] != self.epoch:
-            batches, unplaced = build_batches(
-                self.hashes,
-                self.batch_size * self.world_size,
-                self.drop_last or self.world_size > 1,
-                self.seed + self.epoch,
-            )
-            self._cache = (self.epoch, batches, unplaced)
+            self._cache = (self.epoch, *self._build(self.epoch))
         return self._cache[1], self._cache[2]
+
+    def rows_trained(self, steps: int, accumulation: int = 1) -> int:
+        """Rows (over all ranks) in the global batches the first ``steps`` optimizer steps trained on,
+        epoch after epoch, each step taking ``accumulation`` batches and an epoch's last step the
+        batches left (short batches counted as they are)."""
+        total, epoch = 0, 0
+        while steps > 0:
+            if epoch not in self._sizes:
+                self._build(epoch)
+            sizes = self._sizes[epoch]
+            per_epoch = -(-len(sizes) // accumulation)
+            if per_epoch == 0:
+                break
+            take = min(steps, per_epoch)
+            total += sum(sizes[: take * accumulation])
+            steps, epoch = steps - take, epoch + 1
+        return total
 
     def global_batches(self) -> list[list[int]]:
         """This epoch's duplicate-free global batches (``batch_size x world_size`` row indices each)."""
