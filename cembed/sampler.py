@@ -29,14 +29,12 @@ steps. Only whole global batches are used then (every rank needs the same batch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import xxhash
 from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
-from cembed.data import PreparedData, arrow_table
+from cembed.data import arrow_table
 from cembed.pretokenize import TOKEN_SUFFIX
 
 
@@ -407,26 +405,3 @@ def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: 
         "batches_per_epoch": len(batches),
         "rows_unplaced": unplaced,
     }
-
-
-@dataclass
-class DataReport:
-    """What ``cembed inspect-data`` reports: rows, distinct texts per role and batching."""
-
-    source: str
-    rows: int
-    rows_dropped: int
-    batch_size: int  # global batch (per device x world size)
-    distinct: dict[str, tuple[str, int]]  # role column -> (source column, distinct texts)
-    batching: dict  # :func:`inspect_batches` for batch_size
-
-
-def inspect_data(data: PreparedData, batch_size: int, drop_last: bool, seed: int) -> DataReport:
-    """Distinct texts per column and how the no-duplicates sampler batches ``data`` at
-    ``batch_size`` rows (epoch 0, ``seed``)."""
-    import pyarrow.compute as pc
-
-    table = arrow_table(data.dataset)
-    distinct = {role: (data.roles[role], pc.count_distinct(table.column(role)).as_py()) for role in data.columns}
-    batching = inspect_batches(row_hashes(data.dataset, data.columns), batch_size, drop_last, seed)
-    return DataReport(data.source, len(data.dataset), data.rows_dropped, batch_size, distinct, batching)
