@@ -102,11 +102,13 @@ def validate_cmd(
     """Check config, data files and columns without training (no GPU needed).
 
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
+    from cembed.placement import warn_unplaceable
     from cembed.report import print_truncation, print_validation
     from cembed.train import check_run_inputs
 
     cfg = _load(config, overrides)
     plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes), allow_unloaded=True)
+    plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
     truncation = _truncation(cfg.model, data)
     print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
     print_truncation(console, truncation)
@@ -150,15 +152,15 @@ def init_cmd(
 def inspect_data_cmd(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """Report duplicates in the training data and how the no-duplicates sampler will batch it."""
     from cembed.data import prepare_data
+    from cembed.placement import inspect_data
     from cembed.plan import resolve_plan
     from cembed.report import print_data_report
-    from cembed.sampler import inspect_data
 
     cfg = _load(config, overrides)
     plan = resolve_plan(cfg)
     data = prepare_data(cfg.data)
-    batch = plan.per_device_train_batch_size * plan.world_size
-    print_data_report(console, inspect_data(data, batch, cfg.batch.drop_last, cfg.train.seed))
+    batch, drop_last = plan.per_device_train_batch_size * plan.world_size, cfg.batch.drop_last or plan.world_size > 1
+    print_data_report(console, inspect_data(data, batch, drop_last, cfg.train.seed, cfg.model, cfg.data.cache_dir))
 
 
 @app.command("train")
@@ -181,6 +183,7 @@ def train_cmd(
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     from cembed.distributed import dist_info, is_worker, leave_process_group, record_worker_error
+    from cembed.placement import warn_unplaceable
     from cembed.report import make_console, print_done, print_eval_change
     from cembed.train import check_run_inputs, run_training
 
@@ -207,6 +210,7 @@ def train_cmd(
     try:
         cfg = _load(config, overrides)
         plan, data = check_run_inputs(cfg)
+        plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
         summary = run_training(
             cfg, plan, data, out, resume=resume, resume_from=resume_from, overwrite=overwrite, max_memory=max_memory
         )

@@ -88,19 +88,23 @@ def print_validation(console: Console, cfg, plan, data, pooling: str | None = No
 
 
 def print_data_report(console: Console, report) -> None:
-    """The ``cembed inspect-data`` table (a :class:`cembed.sampler.DataReport`)."""
+    """The ``cembed inspect-data`` table (a :class:`cembed.placement.DataReport`) and, below it, the
+    rows that cannot be placed."""
     out = Table("", "value", title=report.source, title_justify="left")
     out.add_row("rows", f"{report.rows} ({report.rows_dropped} invalid dropped)")
     for role, (source, distinct) in report.distinct.items():
         out.add_row(f"distinct texts: {role} ({source})", str(distinct))
     b = report.batching
+    out.add_row("texts compared as", report.compared_as)
     out.add_row("rows sharing a text with another row", f"{100 * b['colliding_share']:.2f}%")
     out.add_row(
         "largest duplicate-free batch", f"{b['largest_batch']} found (at most {b['largest_batch_upper_bound']})"
     )
     out.add_row(f"batches per epoch at batch {report.batch_size}", str(b["batches_per_epoch"]))
-    out.add_row("rows left out per epoch (drop_last)", str(b["rows_unplaced"]))
+    out.add_row("rows left out per epoch", str(b["rows_unplaced"]))
     console.print(out)
+    if report.unplaceable:
+        warn(console, str(report.unplaceable))
 
 
 def print_starter(console: Console, s) -> None:

@@ -6,14 +6,18 @@ Contract:
   duplicate would be a false in-batch negative. Pre-tokenized columns are compared by their token
   ids, as the model sees them ("A red car." and "a red car. " are one text to an uncased tokenizer).
 - A row that collides with the batch being filled is deferred to a later batch, never silently
-  dropped. Only with ``drop_last`` can rows left at the end of an epoch (a short last batch, or
-  rows that collide with everything left) go unused; :attr:`unplaced` counts them.
+  dropped. The batches are exactly a row-by-row first fit's over the same order (a row is refused
+  only for a text it shares with a row *taken* into the batch). With ``drop_last``, rows left at the
+  end of an epoch (a short last batch, rows that collide with everything left) go unused; without
+  it, no batch has a single row (no in-batch negative: loss 0), so only a row that can share a batch
+  with no other row goes unused. :attr:`unplaced` counts the unused rows.
 - ``len(sampler)`` is exactly the number of batches ``iter(sampler)`` yields for the current epoch,
   so the trainer's step count and LR schedule match the data.
 - Same seed and epoch -> same batches; a new epoch -> a new shuffle.
 
 Each text is hashed once (xxh64) at construction; an epoch's batches are then built in one pass
-over a permutation (first-fit with a FIFO of deferred rows), about linear in the number of rows.
+over a permutation (first-fit with a FIFO of deferred rows), about linear in the number of rows
+(:func:`build_batches`; :func:`build_batches_row_by_row` is the same, row by row, as a reference).
 
 Distributed training (``world_size`` processes): the duplicate-free batch is the *global* batch of
 ``batch_size x world_size`` rows, built identically on every rank (same hashes, same seed). The
@@ -25,14 +29,12 @@ steps. Only whole global batches are used then (every rank needs the same batch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import xxhash
 from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
-from cembed.data import PreparedData, arrow_table
+from cembed.data import arrow_table
 from cembed.pretokenize import TOKEN_SUFFIX
 
 
@@ -72,35 +74,76 @@ def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
     return out
 
 
-def _fits(hashes: np.ndarray, candidates: np.ndarray, used: np.ndarray) -> np.ndarray:
-    """Which candidate rows can join a batch whose texts are ``used`` (sorted), taking the candidates in
-    order: a row is refused if any of its texts is in ``used`` or in an earlier candidate row
-    (refusing also after an earlier row that was itself refused: conservative, never wrong).
-    A text repeated inside one row does not count. Shape ``(len(candidates),)`` bool."""
+# Rounds of the vectorised exact fit before the rest of a chunk is decided row by row (a long chain
+# of rows each sharing a text with the next needs one round per link).
+_ROUNDS = 24
+
+
+def _sorted_member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """``values`` (any shape) that are in ``sorted_set`` (sorted 1-d), same shape, bool."""
+    if sorted_set.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_set, values), sorted_set.size - 1)
+    return sorted_set[at] == values
+
+
+def _fits(hashes: np.ndarray, candidates: np.ndarray, used: np.ndarray, space: int) -> np.ndarray:
+    """Which candidate rows join a batch whose texts are ``used`` (sorted) with room for ``space``
+    more rows, exactly as a row-by-row first fit taking the candidates in order decides: a row is
+    refused if one of its texts is in ``used`` or in an earlier candidate that was *taken* (a clash
+    with an earlier refused candidate does not count), and rows past the ``space``-th taken one are
+    not taken. A text repeated inside one row does not count. Shape ``(len(candidates),)`` bool.
+
+    Vectorised in rounds over the undecided rows: a row whose texts all first occur in it is taken
+    (nothing before it can block it), and a row sharing a text with a row taken this round is
+    refused (the taken row is that text's first occurrence). Each round decides at least the first
+    undecided row; after ``_ROUNDS`` rounds the rest are decided row by row."""
     h = hashes[candidates]  # (m, k)
     m, k = h.shape
-    if m == 0:
-        return np.zeros(0, dtype=bool)
-    if used.size:
-        at = np.minimum(np.searchsorted(used, h), used.size - 1)
-        clash = (used[at] == h).any(axis=1)
+    ok = np.zeros(m, dtype=bool)
+    if m == 0 or space <= 0:
+        return ok
+    if k == 0:  # no text columns: nothing can collide
+        ok[:space] = True
+        return ok
+    undecided = np.flatnonzero(~_sorted_member(h, used).any(axis=1))
+    for _ in range(_ROUNDS):
+        if ok.sum() >= space:  # rows after the space-th taken one are never looked at
+            undecided = undecided[undecided < np.flatnonzero(ok)[space - 1]]
+        if undecided.size == 0:
+            break
+        flat = h[undecided].ravel()
+        row_of = np.repeat(np.arange(undecided.size), k)
+        uniq, first = np.unique(flat, return_index=True)
+        first_row = row_of[first][np.searchsorted(uniq, flat)]
+        free = (first_row == row_of).reshape(-1, k).all(axis=1)
+        blocked = (free[first_row] & (first_row != row_of)).reshape(-1, k).any(axis=1)
+        ok[undecided[free]] = True
+        undecided = undecided[~free & ~blocked]
     else:
-        clash = np.zeros(m, dtype=bool)
-    flat = h.ravel()
-    row_of = np.repeat(np.arange(m), k)
-    uniq, first = np.unique(flat, return_index=True)
-    first_row = row_of[first][np.searchsorted(uniq, flat)]
-    clash |= (first_row != row_of).reshape(m, k).any(axis=1)
-    return ~clash
+        seen = set(used.tolist()) | set(h[ok].ravel().tolist())
+        for i in undecided.tolist():
+            texts = set(h[i].tolist())
+            if seen.isdisjoint(texts):
+                ok[i] = True
+                seen |= texts
+    ok[np.cumsum(ok) > space] = False
+    return ok
 
 
 def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> tuple[list[list[int]], int]:
-    """Duplicate-free batches for one epoch.
+    """Duplicate-free batches for one epoch: exactly :func:`build_batches_row_by_row`'s, vectorised.
 
     First fit over a seeded permutation, with a FIFO of deferred rows: each new batch first offers
     a place to the rows deferred so far (oldest first), then takes rows from the permutation; a row
-    that shares a text with the batch is deferred. The checks run vectorized on whole candidate
-    chunks, so an epoch costs a few numpy passes per batch (about linear in the rows).
+    that shares a text with the batch is deferred. The checks run vectorised on whole candidate
+    chunks (:func:`_fits`), so an epoch costs a few numpy passes per batch (about linear in the rows).
+
+    The end of an epoch: with ``drop_last`` the rows that cannot fill a batch go unused. Without it,
+    the partial batch is kept and the deferred rows are packed, first fit, into further batches; a
+    row that would be alone in a batch (``batch_size >= 2``) never is, since a 1-row batch has no
+    in-batch negative (it trains at loss 0): it gets a partner that shares no text with it, moved out
+    of the last batch of 3+ rows that has one (:func:`_pair_single`), else it goes unused.
 
     Args:
         hashes: ``(rows, columns)`` text hashes, see :func:`row_hashes`.
@@ -109,8 +152,7 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
         seed: seed of the shuffle (the sampler passes ``seed + epoch``).
 
     Returns:
-        ``(batches, unplaced)``: lists of row indices, and the number of rows left out (only
-        non-zero with ``drop_last``).
+        ``(batches, unplaced)``: lists of row indices, and the number of rows left out.
     """
     n = hashes.shape[0]
     order = np.random.default_rng(seed).permutation(n)
@@ -120,20 +162,18 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
     rows: list[np.ndarray] = []
     used = np.empty(0, dtype=hashes.dtype)
 
+    def filled() -> int:
+        return sum(len(r) for r in rows)
+
     def offer(candidates: np.ndarray) -> np.ndarray:
         """Add the fitting candidates (up to the space left); return the others, in order."""
         nonlocal used
-        space = batch_size - sum(len(r) for r in rows)
-        ok = _fits(hashes, candidates, used)
-        ok[np.cumsum(ok) > space] = False
+        ok = _fits(hashes, candidates, used, batch_size - filled())
         taken = candidates[ok]
         if taken.size:
             rows.append(taken)
             used = np.sort(np.concatenate([used, hashes[taken].ravel()]))
         return candidates[~ok]
-
-    def filled() -> int:
-        return sum(len(r) for r in rows)
 
     while True:
         deferred = offer(deferred)
@@ -148,13 +188,89 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
         break  # permutation exhausted and the batch cannot be filled
     if drop_last:
         return batches, filled() + len(deferred)
-    # Keep every row: the partial batch, then duplicate-free batches out of what was deferred.
+    unplaced = 0
+    # Keep every row that can share a batch: the partial batch, then batches out of what was deferred.
     while rows or len(deferred):
         if rows:
-            batches.append(np.concatenate(rows).tolist())
+            batch = np.concatenate(rows).tolist()
+            if len(batch) >= min(2, batch_size):
+                batches.append(batch)
+            else:
+                unplaced += _pair_single(batches, hashes, batch[0])
         rows, used = [], np.empty(0, dtype=hashes.dtype)
         deferred = offer(deferred)
-    return batches, 0
+    return batches, unplaced
+
+
+def _pair_single(batches: list[list[int]], hashes: np.ndarray, row: int) -> int:
+    """Give ``row``, left alone at the end of an epoch, a partner instead of a 1-row batch: the last
+    row sharing no text with it of the last batch of at least 3 rows moves out, and the two form a
+    new batch at the end. Returns 1 if there is no such row (``row`` goes unused), else 0."""
+    for batch in reversed(batches):
+        if len(batch) < 3:
+            continue
+        free = np.flatnonzero(~np.isin(hashes[batch], hashes[row]).any(axis=1))
+        if free.size:
+            batches.append([batch.pop(int(free[-1])), row])
+            return 0
+    return 1
+
+
+def build_batches_row_by_row(
+    hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int
+) -> tuple[list[list[int]], int]:
+    """The definition :func:`build_batches` implements, one row at a time in Python (slow; for tests
+    and ``scripts/bench_packing.py``): same permutation, same FIFO of deferred rows, same end of epoch.
+    A row joins the batch being filled unless it shares a text with a row already in it."""
+    order = np.random.default_rng(seed).permutation(hashes.shape[0]).tolist()
+    texts = [set(row) for row in hashes.tolist()]
+    batches: list[list[int]] = []
+    deferred: list[int] = []
+
+    def fill(candidates: list[int]) -> tuple[list[int], list[int]]:
+        batch, seen, left = [], set(), []
+        for i in candidates:
+            if len(batch) < batch_size and seen.isdisjoint(texts[i]):
+                batch.append(i)
+                seen |= texts[i]
+            else:
+                left.append(i)
+        return batch, left
+
+    pos = 0
+    while True:
+        batch, left = fill(deferred)
+        seen = set().union(*(texts[i] for i in batch))
+        while len(batch) < batch_size and pos < len(order):
+            i = order[pos]
+            pos += 1
+            if seen.isdisjoint(texts[i]):
+                batch.append(i)
+                seen |= texts[i]
+            else:
+                left.append(i)
+        deferred = left
+        if len(batch) < batch_size:
+            break
+        batches.append(batch)
+    if drop_last:
+        return batches, len(batch) + len(deferred)
+    unplaced = 0
+    while batch or deferred:
+        if len(batch) >= min(2, batch_size):
+            batches.append(batch)
+        elif batch:  # a row alone: a partner from the last batch of 3+ rows with a row sharing no text
+            donor = next(
+                (b for b in reversed(batches) if len(b) >= 3 and any(texts[i].isdisjoint(texts[batch[0]]) for i in b)),
+                None,
+            )
+            if donor is None:
+                unplaced += 1
+            else:
+                j = max(j for j, i in enumerate(donor) if texts[i].isdisjoint(texts[batch[0]]))
+                batches.append([donor.pop(j), batch[0]])
+        batch, deferred = fill(deferred)
+    return batches, unplaced
 
 
 class NoDuplicatesSampler(DefaultBatchSampler):
@@ -198,17 +314,36 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         self.hashes = row_hashes(dataset, self.columns)
         self.world_size = world_size or get_world_size()
         self._cache: tuple[int, list[list[int]], int] | None = None
+        self._sizes: dict[int, list[int]] = {}  # epoch -> its global batches' sizes
+
+    def _build(self, epoch: int) -> tuple[list[list[int]], int]:
+        batches, unplaced = build_batches(
+            self.hashes, self.batch_size * self.world_size, self.drop_last or self.world_size > 1, self.seed + epoch
+        )
+        self._sizes[epoch] = [len(b) for b in batches]
+        return batches, unplaced
 
     def _epoch_batches(self) -> tuple[list[list[int]], int]:
         if self._cache is None or self._cache[0] != self.epoch:
-            batches, unplaced = build_batches(
-                self.hashes,
-                self.batch_size * self.world_size,
-                self.drop_last or self.world_size > 1,
-                self.seed + self.epoch,
-            )
-            self._cache = (self.epoch, batches, unplaced)
+            self._cache = (self.epoch, *self._build(self.epoch))
         return self._cache[1], self._cache[2]
+
+    def rows_trained(self, steps: int, accumulation: int = 1) -> int:
+        """Rows (over all ranks) in the global batches the first ``steps`` optimizer steps trained on,
+        epoch after epoch, each step taking ``accumulation`` batches and an epoch's last step the
+        batches left (short batches counted as they are)."""
+        total, epoch = 0, 0
+        while steps > 0:
+            if epoch not in self._sizes:
+                self._build(epoch)
+            sizes = self._sizes[epoch]
+            per_epoch = -(-len(sizes) // accumulation)
+            if per_epoch == 0:
+                break
+            take = min(steps, per_epoch)
+            total += sum(sizes[: take * accumulation])
+            steps, epoch = steps - take, epoch + 1
+        return total
 
     def global_batches(self) -> list[list[int]]:
         """This epoch's duplicate-free global batches (``batch_size x world_size`` row indices each)."""
@@ -216,7 +351,7 @@ class NoDuplicatesSampler(DefaultBatchSampler):
 
     @property
     def unplaced(self) -> int:
-        """Rows not used this epoch (``drop_last`` only)."""
+        """Rows not used this epoch (see :func:`build_batches`)."""
         return self._epoch_batches()[1]
 
     def __iter__(self):
@@ -252,42 +387,21 @@ def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: 
     """What ``cembed inspect-data`` reports about duplicate-free batching of ``hashes``.
 
     Returns:
-        ``colliding_share`` (rows sharing a text with another row), ``largest_batch`` (size of a
-        maximal duplicate-free batch found greedily: a lower bound of the true maximum),
-        ``largest_batch_upper_bound`` (fewest distinct texts in any column), ``batches_per_epoch``
-        and ``rows_unplaced`` for ``batch_size`` (epoch 0, ``seed``).
+        ``colliding_share`` (rows sharing a text with another row), ``largest_batch`` (the size of
+        a duplicate-free batch that exists, so a true lower bound of the largest: the larger of a
+        maximal one found by first fit over the seeded permutation and the largest batch built at
+        ``batch_size``), ``largest_batch_upper_bound`` (fewest distinct texts in any column),
+        ``batches_per_epoch`` and ``rows_unplaced`` for ``batch_size`` (epoch 0, ``seed``).
     """
     n = hashes.shape[0]
-    greedy, _ = build_batches(hashes, batch_size=max(n, 1), drop_last=False, seed=seed)
+    order = np.random.default_rng(seed).permutation(n)
+    greedy = int(_fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
     batches, unplaced = build_batches(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
     upper = min((len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])), default=n) if n else 0
     return {
         "colliding_share": float(colliding_rows(hashes).mean()) if n else 0.0,
-        "largest_batch": len(greedy[0]) if greedy else 0,
+        "largest_batch": max([greedy] + [len(b) for b in batches]),
         "largest_batch_upper_bound": upper,
         "batches_per_epoch": len(batches),
         "rows_unplaced": unplaced,
     }
-
-
-@dataclass
-class DataReport:
-    """What ``cembed inspect-data`` reports: rows, distinct texts per role and batching."""
-
-    source: str
-    rows: int
-    rows_dropped: int
-    batch_size: int  # global batch (per device x world size)
-    distinct: dict[str, tuple[str, int]]  # role column -> (source column, distinct texts)
-    batching: dict  # :func:`inspect_batches` for batch_size
-
-
-def inspect_data(data: PreparedData, batch_size: int, drop_last: bool, seed: int) -> DataReport:
-    """Distinct texts per column and how the no-duplicates sampler batches ``data`` at
-    ``batch_size`` rows (epoch 0, ``seed``)."""
-    import pyarrow.compute as pc
-
-    table = arrow_table(data.dataset)
-    distinct = {role: (data.roles[role], pc.count_distinct(table.column(role)).as_py()) for role in data.columns}
-    batching = inspect_batches(row_hashes(data.dataset, data.columns), batch_size, drop_last, seed)
-    return DataReport(data.source, len(data.dataset), data.rows_dropped, batch_size, distinct, batching)

@@ -19,6 +19,7 @@ from typing import Any
 from cembed.checkpoint import latest_complete
 from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
 from cembed.outputs import append_log, write_atomic, write_json_atomic
+from cembed.sampler import NoDuplicatesSampler
 
 TRACEBACK_FILE = "error_traceback.txt"
 
@@ -63,6 +64,17 @@ def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
         "versions": versions(),
         "output_dir": str(run_dir.out),
     }
+
+
+def samples_seen(trainer, steps: int, samples_per_step: int) -> int:
+    """Samples the first ``steps`` optimizer steps trained on: the rows of the no-duplicates
+    sampler's batches they took (partial and short batches counted as they are), else
+    ``steps x samples_per_step``."""
+    sampler = trainer.get_train_dataloader().batch_sampler
+    sampler = getattr(sampler, "batch_sampler", sampler)  # accelerate's shard wrapper
+    if not isinstance(sampler, NoDuplicatesSampler):
+        return steps * samples_per_step
+    return sampler.rows_trained(steps, trainer.args.gradient_accumulation_steps)
 
 
 def save_traceback(err: BaseException, folder: str | Path) -> Path:

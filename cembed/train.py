@@ -43,7 +43,7 @@ from cembed.plan import Plan, resolve_plan
 from cembed.preflight import check_resume, preflight, raise_findings, training_record
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.probe import resolve_auto
-from cembed.summary import Attempt, failed_summary, failures_recorded, summary_base
+from cembed.summary import Attempt, failed_summary, failures_recorded, samples_seen, summary_base
 from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, add_card_facts, build_training_args, push_final_model
 
 
@@ -354,15 +354,15 @@ def write_summary(
     eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started
-    samples_seen = state.global_step * plan.samples_per_step
+    seen = samples_seen(trainer, state.global_step, plan.samples_per_step)
     summary = {
         "status": "completed",
         **base,
         "steps": state.global_step,
         "epochs": state.epoch,
-        "samples_seen": samples_seen,
+        "samples_seen": seen,
         "wall_time_s": round(wall, 3),
-        "samples_per_s": round(samples_seen / wall, 3) if wall > 0 else None,
+        "samples_per_s": round(seen / wall, 3) if wall > 0 else None,
         "train_loss": result.training_loss,
         "first_loss": log.losses[0][1] if log.losses else None,
         "last_loss": log.losses[-1][1] if log.losses else None,

@@ -60,8 +60,48 @@ def test_impossible_data_yields_no_batch():
     h = np.array([[1, 2], [1, 3], [1, 4]], dtype=np.uint64)  # every row shares text 1
     batches, unplaced = build_batches(h, batch_size=2, drop_last=True, seed=0)
     assert batches == [] and unplaced == 3
-    batches, _ = build_batches(h, batch_size=2, drop_last=False, seed=0)
-    assert [len(b) for b in batches] == [1, 1, 1]
+    # drop_last false: no 1-row batch (it has no in-batch negative and trains at loss 0); the rows go unused.
+    batches, unplaced = build_batches(h, batch_size=2, drop_last=False, seed=0)
+    assert batches == [] and unplaced == 3
+
+
+def test_refused_candidate_does_not_block_a_later_one():
+    # Issue 12 case 7: row 1 shares "a" with row 0 and is refused; row 2 shares "c" only with the
+    # refused row 1, so a row-by-row first fit takes it (the sampler used to refuse it too).
+    from cembed.sampler import _fits
+
+    h = np.array([[1, 2], [1, 3], [3, 4], [5, 6]], dtype=np.uint64)  # (a,b) (a,c) (c,d) (e,f)
+    empty = np.empty(0, dtype=np.uint64)
+    assert _fits(h, np.arange(4), empty, 4).tolist() == [True, False, True, True]
+    assert _fits(h, np.arange(4), empty, 2).tolist() == [True, False, True, False]  # full after 2
+    assert _fits(h, np.arange(4), np.array([2], dtype=np.uint64), 4).tolist() == [False, True, False, True]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_build_batches_equals_the_row_by_row_first_fit(drop_last):
+    # Batches (hence batches per epoch and unused rows) equal the exact first fit's, on small
+    # duplicate-heavy tables, at every batch size, long chains included.
+    from cembed.sampler import build_batches_row_by_row
+
+    rng = np.random.default_rng(12)
+    tables = [rng.integers(0, int(rng.integers(2, 60)), size=(int(rng.integers(1, 50)), 3)) for _ in range(60)]
+    tables.append(np.stack([np.arange(300), (np.arange(300) + 1) % 300], axis=1))  # t_i -> t_{i+1}, a cycle
+    for seed, table in enumerate(tables):
+        h = table.astype(np.uint64)
+        for bs in (1, 2, 3, 7, 64):
+            fast = build_batches(h, bs, drop_last, seed)
+            assert fast == build_batches_row_by_row(h, bs, drop_last, seed), (seed, bs)
+            batches, unplaced = fast
+            assert sum(len(b) for b in batches) + unplaced == len(h)
+
+
+def test_no_one_row_batches_without_drop_last():
+    # Issue 12 case 7: rows t0->t1, t1->t2, t2->t3, t3->t0 at batch 4, seed 1: rows 0 and 2 (and 1
+    # and 3) share no text, so two 2-row batches; the sampler used to yield 1-row batches (loss 0).
+    ds = Dataset.from_dict({"anchor": [f"t{i}" for i in range(4)], "positive": [f"t{(i + 1) % 4}" for i in range(4)]})
+    sampler = NoDuplicatesSampler(ds, batch_size=4, drop_last=False, seed=1)
+    batches = list(sampler)
+    assert sorted(sorted(b) for b in batches) == [[0, 2], [1, 3]] and len(sampler) == 2 and sampler.unplaced == 0
 
 
 @pytest.mark.parametrize("accum", [1, 2])
