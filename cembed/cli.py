@@ -134,14 +134,25 @@ def _truncation(model_cfg, data):
 @user_errors
 def init_cmd(
     out: Path = typer.Argument(..., help="The config file to write (never overwritten)."),
-    data: Path = typer.Option(..., "--data", help="Training data: .jsonl[.gz], .json, .csv, .tsv or .parquet."),
+    data: Optional[Path] = typer.Option(
+        None, "--data", help="Training data: .jsonl[.gz], .json, .csv, .tsv or .parquet."
+    ),
     model: str = typer.Option("all-MiniLM-L6-v2", "--model", help="Model folder or hub id to fine-tune."),
+    example: Optional[str] = typer.Option(None, "--example", help="Write a packaged example instead: quickstart."),
 ) -> None:
-    """Write a commented starter config for a model and a data file: proposes the column roles and a
-    per_device_train_batch_size the no-duplicates sampler can fill."""
+    """Write a commented starter config for a model and a data file (proposes the column roles and a
+    per_device_train_batch_size the no-duplicates sampler can fill), or a packaged --example."""
     from cembed.report import print_starter
-    from cembed.starter import make_starter, write_starter
+    from cembed.starter import make_starter, write_new_file, write_starter
 
+    if example is not None:
+        from cembed.samples import example_config
+
+        write_new_file(out, example_config(example))
+        console.print(f"wrote {out} (example {example}); next: cembed train {out}", highlight=False)
+        return
+    if data is None:
+        raise UserError("cembed init: give --data FILE (or --example quickstart)")
     starter = make_starter(out, model, data)
     write_starter(starter)
     print_starter(console, starter)

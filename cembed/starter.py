@@ -219,16 +219,21 @@ def render_starter(s: Starter) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_starter(starter: Starter) -> Path:
-    """Write ``starter.text`` to ``starter.out``, failing if the file appeared in the meantime.
+def write_new_file(out: Path, text: str) -> Path:
+    """Write ``text`` to ``out``, which must not exist (checked atomically by the open).
 
     Raises:
         UserError: the file exists.
     """
-    starter.out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with starter.out.open("x", encoding="utf-8") as f:
-            f.write(starter.text)
+        with out.open("x", encoding="utf-8") as f:
+            f.write(text)
     except FileExistsError:
-        raise UserError(f"{starter.out}: already exists; cembed init never overwrites a file") from None
-    return starter.out
+        raise UserError(f"{out}: already exists; cembed init never overwrites a file") from None
+    return out
+
+
+def write_starter(starter: Starter) -> Path:
+    """Write ``starter.text`` to ``starter.out`` (see :func:`write_new_file`)."""
+    return write_new_file(starter.out, starter.text)

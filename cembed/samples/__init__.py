@@ -28,6 +28,23 @@ SAMPLES: dict[str, tuple[str, str]] = {
 }
 
 
+# `cembed init OUT --example <name>`: ready-to-run configs shipped with the package. Each is the
+# repo's configs/<name>.yaml with output_dir relative to where it is written (tests/test_samples.py
+# checks they do not drift apart).
+EXAMPLES: dict[str, str] = {"quickstart": "examples/quickstart.yaml"}
+
+
+def example_config(name: str) -> str:
+    """The text of the packaged example config ``name`` (see :data:`EXAMPLES`).
+
+    Raises:
+        UserError: an unknown name, listing the known ones.
+    """
+    if name not in EXAMPLES:
+        raise UserError(f"--example {name}: no such example; known: {', '.join(EXAMPLES)}")
+    return files(__name__).joinpath(EXAMPLES[name]).read_text(encoding="utf-8")
+
+
 def is_sample(path: str) -> bool:
     """Whether ``path`` names packaged data (starts with ``cembed:``)."""
     return path.startswith(PREFIX)
