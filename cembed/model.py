@@ -276,15 +276,6 @@ def tokenizer_spec(tokenizer) -> str:
 # --- weight dtypes: stored, trained, saved ---------------------------------------------------------
 
 
-def explicit_dtype(cfg: ModelConfig) -> str | None:
-    """The dtype ``model.model_kwargs`` names (``dtype`` or ``torch_dtype``), as a torch name such as
-    ``bfloat16``; None when it names none (or ``auto``)."""
-    value = cfg.model_kwargs.get("dtype", cfg.model_kwargs.get("torch_dtype"))
-    if value is None or value == "auto":
-        return None
-    return str(value).removeprefix("torch.")
-
-
 def _safetensors_dtype(path: Path) -> str | None:
     """The most common floating dtype in a safetensors file's header (no tensor is read)."""
     try:
@@ -344,8 +335,12 @@ class WeightDtypes(NamedTuple):
     def describe(self) -> str:
         """One line for ``cembed validate``."""
         autocast = f" with {self.autocast} autocast" if self.autocast else ""
+        note = (
+            "" if self.training == "float32" else " (model.model_kwargs dtype: updates below its precision round away)"
+        )
         return (
-            f"weights: stored {self.stored or 'unknown'}, trained in {self.training}{autocast}, saved as {self.saved}"
+            f"weights: stored {self.stored or 'unknown'}, trained in {self.training}{autocast}{note}, "
+            f"saved as {self.saved}"
         )
 
 

@@ -83,7 +83,8 @@ def test_bf16_stored_model_loads_fp32_for_training_and_stored_dtype_to_evaluate(
     }
     # An explicit model_kwargs dtype is the user's choice (and reported as the training dtype).
     explicit = ModelConfig(name_or_path=str(bf16_model_dir), model_kwargs={"torch_dtype": "bfloat16"})
-    assert weight_dtypes(load_model(explicit, "cpu"), explicit).training == "bfloat16"
+    pure = weight_dtypes(load_model(explicit, "cpu"), explicit)
+    assert pure.training == "bfloat16" and "updates below its precision round away" in pure.describe()
     # Evaluation keeps the stored dtype.
     assert {p.dtype for p in load_model(cfg, "cpu", for_training=False).parameters()} == {torch.bfloat16}
 
