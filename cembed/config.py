@@ -54,7 +54,12 @@ class ModelConfig(_Strict):
     name_or_path: str = "all-MiniLM-L6-v2"
     max_seq_length: PositiveInt | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="compute dtype: bf16/fp16 autocast over fp32 master weights (whatever the stored dtype)"
+    )
+    save_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="dtype of the saved model's weights; unset: the training dtype (fp32 master weights)"
+    )
     trust_remote_code: bool = Field(False, description="run the model's own code (config.json auto_map); never implied")
     revision: str | None = Field(None, description="hub revision (branch, tag or commit) to pin")
     model_kwargs: dict[str, Any] = Field(

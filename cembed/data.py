@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from cembed.config import ColumnMap, DataConfig
 from cembed.errors import HubUnavailable, UserError
-from cembed.model import load_model, pooling_in_effect, quiet_libraries
+from cembed.model import load_model, pooling_in_effect, quiet_libraries, weight_dtypes
 from cembed.sources import load_source, row_locator
 
 # A text cell over 1 MB is a data error (a whole file pasted into a cell), not a sentence.
@@ -297,17 +297,18 @@ def truncation_report(
 
 
 class ModelTruncation(NamedTuple):
-    """:func:`model_truncation_report`'s answer: the length, the per-column report and the pooling
-    in effect (:func:`cembed.model.pooling_in_effect`)."""
+    """:func:`model_truncation_report`'s answer: the length, the per-column report, the pooling in
+    effect (:func:`cembed.model.pooling_in_effect`) and the weights' dtypes (:func:`cembed.model.weight_dtypes`)."""
 
     max_seq_length: int
     columns: list[ColumnTruncation]
     pooling: str
+    weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
 
 
 def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> ModelTruncation:
     """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
-    the pooling the model uses; the per-column report is empty for :class:`UnloadedData` (only the
+    the pooling the model uses and its stored / training / saved dtypes; the per-column report is empty for :class:`UnloadedData` (only the
     model is checked).
 
     Raises:
@@ -317,7 +318,8 @@ def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> ModelT
     model = load_model(model_cfg, "cpu")
     length = int(model.max_seq_length)
     pooling = pooling_in_effect(model, model_cfg)
+    weights = weight_dtypes(model, model_cfg)
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
-        return ModelTruncation(length, [], pooling)
+        return ModelTruncation(length, [], pooling, weights)
     report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows)
-    return ModelTruncation(length, report, pooling)
+    return ModelTruncation(length, report, pooling, weights)

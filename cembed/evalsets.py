@@ -28,7 +28,8 @@ class RetrievalSet:
 
     ``corpus`` maps document id -> the text encoded for it, ``(title + " " + text).strip()``, in
     file order; ``queries`` maps query id -> text for the queries that have at least one relevant
-    document in the split; ``relevant_docs`` maps query id -> ids of documents with qrels score > 0.
+    document in the split; ``relevant_docs`` maps query id -> ids of documents with qrels score > 0;
+    ``relevance`` maps query id -> {document id -> that score} (the grades graded NDCG uses).
     """
 
     name: str
@@ -37,6 +38,7 @@ class RetrievalSet:
     corpus: dict[str, str]
     queries: dict[str, str]
     relevant_docs: dict[str, set[str]]
+    relevance: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -200,7 +202,8 @@ def load_beir(folder: str | Path, split: str = "test", name: str | None = None) 
         name: label for metrics; defaults to ``<folder name>-<split>``.
 
     Returns:
-        A :class:`RetrievalSet`; a qrels score <= 0 means "not relevant" and is left out.
+        A :class:`RetrievalSet`; a qrels score <= 0 means "not relevant" and is left out; the
+        positive scores are kept as grades (``relevance``).
 
     Raises:
         UserError: missing folder/file, bad JSON line, duplicate id, an empty corpus, a split without
@@ -213,6 +216,7 @@ def load_beir(folder: str | Path, split: str = "test", name: str | None = None) 
 
     qrels = load_qrels(qrels_path)
     relevant: dict[str, set[str]] = {}
+    grades: dict[str, dict[str, int]] = {}
     for qid, docs in qrels.items():
         if qid not in all_queries:
             raise UserError(
@@ -225,6 +229,7 @@ def load_beir(folder: str | Path, split: str = "test", name: str | None = None) 
                 )
             if score > 0:
                 relevant.setdefault(qid, set()).add(cid)
+                grades.setdefault(qid, {})[cid] = score
     if not relevant:
         raise UserError(f"{qrels_path}: no (query, document) pair with score > 0; nothing to evaluate")
     queries = {qid: text for qid, text in all_queries.items() if qid in relevant}
@@ -235,6 +240,7 @@ def load_beir(folder: str | Path, split: str = "test", name: str | None = None) 
         corpus=corpus,
         queries=queries,
         relevant_docs=relevant,
+        relevance=grades,
     )
 
 

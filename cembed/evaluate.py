@@ -1,15 +1,15 @@
 """Evaluation the way MTEB measures it: BEIR retrieval sets and STS pairs, scored by
 sentence-transformers' own evaluators.
 
-* Retrieval: :class:`~sentence_transformers.sentence_transformer.evaluation.InformationRetrievalEvaluator`
-  with cosine similarity, reporting NDCG@10, MRR@10, MAP@100, Recall@10 and Recall@100 among others.
-* STS: :class:`~sentence_transformers.sentence_transformer.evaluation.EmbeddingSimilarityEvaluator`;
-  the headline is the Spearman rank correlation of cosine similarity with the gold scores (MTEB's
-  STS main score).
+* Retrieval: :class:`~cembed.metrics.GradedIREvaluator` (sentence-transformers' evaluator, NDCG graded
+  as pytrec_eval) with cosine similarity: NDCG@10, MRR@10, MAP@100, Recall@10, Recall@100 and others.
+* STS: :class:`~sentence_transformers.sentence_transformer.evaluation.EmbeddingSimilarityEvaluator`; the
+  headline is the Spearman correlation of cosine similarity with the gold scores (MTEB's STS main score).
 
 No metric is computed here: sets come from :mod:`cembed.evalsets`, corpus embeddings from
-:mod:`cembed.embedding_cache`, and both go to those evaluators. Nothing here prints: :func:`score_model`
-returns an :class:`EvalReport` for :mod:`cembed.report`; training-time lines go to an ``on_line`` callable.
+:mod:`cembed.embedding_cache`, both go to those evaluators (graded NDCG: :mod:`cembed.metrics`). Nothing
+here prints: :func:`score_model` returns an :class:`EvalReport` for :mod:`cembed.report`; training-time
+lines go to an ``on_line`` callable.
 
 During training, :func:`build_training_evaluator` turns the config's ``eval`` section into one
 evaluator for ``SentenceTransformerTrainer``; the trainer logs its metrics (prefixed ``eval_``)
@@ -52,16 +52,18 @@ STS_HEADLINE = (("Spearman (cosine)", "spearman_cosine"), ("Pearson (cosine)", "
 
 
 def retrieval_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False):
-    """An ``InformationRetrievalEvaluator`` for ``rs`` with cosine similarity (as MTEB), metrics
-    Accuracy/Precision/Recall@{1,3,5,10,100}, MRR@10, NDCG@10 and MAP@100. Its metric keys are
-    ``<rs.name>_cosine_<metric>@<k>``; its primary metric ``<rs.name>_cosine_ndcg@10``."""
-    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+    """A :class:`~cembed.metrics.GradedIREvaluator` for ``rs`` with cosine similarity (as MTEB), metrics
+    Accuracy/Precision/Recall@{1,3,5,10,100}, MRR@10, NDCG@10 (graded by ``rs.relevance``) and MAP@100.
+    Its metric keys are ``<rs.name>_cosine_<metric>@<k>``; its primary metric ``<rs.name>_cosine_ndcg@10``."""
     from sentence_transformers.util import cos_sim
 
-    return InformationRetrievalEvaluator(
+    from cembed.metrics import GradedIREvaluator  # imports sentence-transformers
+
+    return GradedIREvaluator(
         queries=rs.queries,
         corpus=rs.corpus,
         relevant_docs=rs.relevant_docs,
+        relevance=rs.relevance,
         mrr_at_k=[10],
         ndcg_at_k=[10],
         accuracy_at_k=[1, 3, 5, 10],

@@ -14,6 +14,9 @@ processes and ``cembed eval`` never import the trainer.
 - :func:`quiet_libraries` silences the libraries' own logging and progress bars, which would
   interleave with cembed's progress display.
 - :func:`tokenizer_spec` is the tokenizer's definition without its per-call state, for fingerprints.
+- :func:`weight_dtypes`: the weights' stored, training and saved dtypes. A model is trained in fp32
+  master weights whatever its stored dtype (``model.precision`` bf16/fp16 is autocast), and saved in
+  ``model.save_dtype`` (default: the training dtype).
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 from cembed.config import ModelConfig
 from cembed.errors import ModelRefused, UserError, first_line
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # config name -> torch name
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def quiet_libraries() -> None:
@@ -112,7 +119,7 @@ def _remote_code_refusal(name: str, detail: str) -> ModelRefused:
     )
 
 
-def _plain_checkpoint(path: str, cfg: ModelConfig, device: str):
+def _plain_checkpoint(path: str, cfg: ModelConfig, device: str, model_kwargs: dict):
     """A plain transformers checkpoint as Transformer + Pooling(``cfg.pooling``)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Pooling, Transformer
@@ -120,7 +127,7 @@ def _plain_checkpoint(path: str, cfg: ModelConfig, device: str):
     shared = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
     transformer = Transformer(
         path,
-        model_kwargs={**shared, **cfg.model_kwargs},
+        model_kwargs={**shared, **model_kwargs},
         processor_kwargs={**shared, **cfg.tokenizer_kwargs},
         config_kwargs=shared,
     )
@@ -173,7 +180,9 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True):
     Transformer + Pooling(``cfg.pooling``).
 
     Args:
-        for_training: refuse a model cembed cannot train (:func:`check_trainable`); False to evaluate.
+        for_training: refuse a model cembed cannot train (:func:`check_trainable`) and load its weights
+            in float32 (master weights) whatever dtype they are stored in, unless ``model_kwargs`` names
+            a ``dtype``; False (to evaluate) keeps the stored dtype.
 
     Raises:
         ModelRefused: the model needs its own code (``auto_map``) and ``model.trust_remote_code`` is
@@ -186,6 +195,11 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True):
     custom = remote_code_entries(path)
     if custom and not cfg.trust_remote_code:
         raise _remote_code_refusal(cfg.name_or_path, f"auto_map: {', '.join(custom)}")
+    model_kwargs = dict(cfg.model_kwargs)
+    if for_training and not {"dtype", "torch_dtype"} & set(model_kwargs):
+        # transformers loads the stored dtype by default: bf16 weights would train in bf16, where an
+        # update smaller than the weight's precision rounds away.
+        model_kwargs["dtype"] = "float32"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -195,11 +209,11 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True):
                     device=device,
                     trust_remote_code=cfg.trust_remote_code,
                     revision=cfg.revision,
-                    model_kwargs=cfg.model_kwargs or None,
+                    model_kwargs=model_kwargs or None,
                     processor_kwargs=cfg.tokenizer_kwargs or None,
                 )
             else:
-                model = _plain_checkpoint(path, cfg, device)
+                model = _plain_checkpoint(path, cfg, device, model_kwargs)
     except Exception as err:
         if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
             raise _remote_code_refusal(cfg.name_or_path, "the library asks for trust_remote_code") from None
@@ -257,3 +271,97 @@ def tokenizer_spec(tokenizer) -> str:
         return json.dumps(sorted(tokenizer.get_vocab().items()))
     spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
     return json.dumps(spec, sort_keys=True)
+
+
+# --- weight dtypes: stored, trained, saved ---------------------------------------------------------
+
+
+def _safetensors_dtype(path: Path) -> str | None:
+    """The most common floating dtype in a safetensors file's header (no tensor is read)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error):
+        return None
+    counts: dict[str, int] = {}
+    for name, entry in header.items():
+        if name != "__metadata__" and entry.get("dtype") in _SAFETENSORS_DTYPES:
+            counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + 1
+    return _SAFETENSORS_DTYPES[max(counts, key=counts.get)] if counts else None
+
+
+def stored_dtype(name_or_path: str) -> str | None:
+    """The dtype a local model folder stores its transformer weights in (``float32``, ``bfloat16``, ...):
+    read from the ``model.safetensors`` header (the first shard of a sharded one), else the
+    ``dtype`` / ``torch_dtype`` of its ``config.json``; None for a hub id or when neither says."""
+    folder = Path(resolve_model_path(name_or_path))
+    if not folder.is_dir():
+        return None
+    sub = ""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        sub = next((m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Transformer")), "")
+    except (OSError, ValueError, AttributeError):
+        pass
+    base = folder / sub
+    weights = base / "model.safetensors"
+    if not weights.is_file() and (base / "model.safetensors.index.json").is_file():
+        try:
+            shards = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"].values()
+            weights = base / sorted(shards)[0]
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+    found = _safetensors_dtype(weights) if weights.is_file() else None
+    if found is None:
+        try:
+            config = json.loads((base / "config.json").read_text())
+            found = config.get("dtype") or config.get("torch_dtype")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return found
+
+
+class WeightDtypes(NamedTuple):
+    """The dtypes of a model's weights: ``stored`` (on disk; None when unknown), ``training`` (as
+    loaded for training: the optimizer updates these), ``autocast`` (``model.precision`` bf16/fp16:
+    the forward pass's compute dtype; None for fp32) and ``saved`` (the final model's weights)."""
+
+    stored: str | None
+    training: str
+    autocast: str | None
+    saved: str
+
+    def describe(self) -> str:
+        """One line for ``cembed validate``."""
+        autocast = f" with {self.autocast} autocast" if self.autocast else ""
+        note = (
+            "" if self.training == "float32" else " (model.model_kwargs dtype: updates below its precision round away)"
+        )
+        return (
+            f"weights: stored {self.stored or 'unknown'}, trained in {self.training}{autocast}{note}, "
+            f"saved as {self.saved}"
+        )
+
+
+def weight_dtypes(model, cfg: ModelConfig) -> WeightDtypes:
+    """The :class:`WeightDtypes` of ``model`` loaded by :func:`load_model` for ``cfg``; ``saved`` is
+    ``model.save_dtype`` or, unset, the training dtype."""
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    training = str(param.dtype).removeprefix("torch.") if param is not None else "float32"
+    autocast = DTYPE_NAMES[cfg.precision] if cfg.precision != "fp32" else None
+    saved = DTYPE_NAMES[cfg.save_dtype] if cfg.save_dtype else training
+    return WeightDtypes(stored_dtype(cfg.name_or_path), training, autocast, saved)
+
+
+def cast_for_saving(model, dtype: str | None) -> None:
+    """Cast ``model``'s floating weights to ``dtype`` (a torch name such as ``bfloat16``) in place,
+    before the final save; None or the current dtype changes nothing."""
+    import torch
+
+    if dtype is None:
+        return
+    target = getattr(torch, dtype)
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is not None and param.dtype != target:
+        model.to(target)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from cembed.config import CembedConfig
 from cembed.errors import UserError
 from cembed.lr import derivation, scale_lr
-from cembed.model import resolve_device
+from cembed.model import DTYPE_NAMES, resolve_device
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Plan:
     # (cembed.probe.resolve_auto), which also records its measurements here.
     mini_batch_size: int | None = None
     mini_batch_probe: dict | None = None
+    save_dtype: str | None = None  # model.save_dtype as a torch name (bfloat16); None: the training dtype
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,6 +99,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         gather_across_devices=gather,
         warnings=tuple(warnings),
         mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
+        save_dtype=DTYPE_NAMES[cfg.model.save_dtype] if cfg.model.save_dtype else None,
     )
 
 

@@ -204,6 +204,7 @@ SAFE_TO_CHANGE = (
     "batch.mini_batch_num_tokens",
     "batch.sort_by_length",
     "model.device",
+    "model.save_dtype",
 )
 
 

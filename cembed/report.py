@@ -276,12 +276,14 @@ def truncation_table(max_seq_length: int, report: list) -> Table:
 
 
 def print_truncation(console: Console, truncation) -> None:
-    """The truncation table, or why it was skipped (``truncation`` is a
+    """The weights' dtypes and the truncation table, or why it was skipped (``truncation`` is a
     :class:`cembed.data.ModelTruncation` or the :class:`~cembed.errors.UserError` that kept the model
     from loading)."""
     if isinstance(truncation, Exception):
         console.print(f"[yellow]truncation report skipped:[/] {truncation}", highlight=False)
         return
+    if truncation.weights is not None:
+        console.print(truncation.weights.describe(), highlight=False)
     if not truncation.columns:
         console.print(
             f"model loads; max_seq_length {truncation.max_seq_length}; truncation unchecked (no rows)", highlight=False

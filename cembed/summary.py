@@ -58,6 +58,7 @@ def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
         "resumed_from": run_dir.checkpoint,
         "resume_changes": list(run_dir.resume_changes),
         "tokenization": parts.token_info,
+        "weights": parts.weights._asdict() if parts.weights else None,
         "device": plan.device,
         "distributed": parts.distributed,
         "mini_batch_probe": plan.mini_batch_probe,

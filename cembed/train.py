@@ -37,7 +37,7 @@ from cembed.distributed import backend_for, dist_info, freeze_unused_parameters,
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
-from cembed.model import load_model, quiet_libraries
+from cembed.model import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
 from cembed.preflight import check_resume, preflight, raise_findings, training_record
@@ -186,6 +186,7 @@ class Components:
     token_info: dict
     distributed: dict | None  # what run_summary.json records about the process group
     source: str  # the training data's label, for messages
+    weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
 
 
 def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None) -> Components:
@@ -224,7 +225,8 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         from cembed.evaluate import TrainingEvaluation
 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line)
-    return Components(model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
+    weights = weight_dtypes(model, cfg.model)
+    return Components(model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source, weights)
 
 
 @dataclass
@@ -349,6 +351,7 @@ def write_summary(
     is_main = dist_info().is_main
     model = trainer.model  # the best checkpoint when eval.metric_for_best_model is set
     add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
+    cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
     if is_main:
         save_model_atomic(model, run_dir.out)
     eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
