@@ -327,14 +327,14 @@ def probe_minibatch_cmd(
 ) -> None:
     """Measure the largest mini_batch_size whose cached-loss step fits (worst case, with headroom)."""
     from cembed.config import CachedMNRLLossConfig, CembedConfig
-    from cembed.configfile import set_yaml_value
+    from cembed.configfile import model_config_from_flags, set_yaml_value
     from cembed.probe import parse_bytes, run_probe
     from cembed.report import print_probe, print_truncation
 
     if write and config is None:
         raise UserError("--write: needs a config file to write batch.mini_batch_size into")
     cfg: CembedConfig | None = _load(config, overrides) if config is not None else None
-    model_cfg = _model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
+    model_cfg = model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
     batch = batch_size or (cfg.batch.per_device_train_batch_size if cfg else 64)
@@ -364,36 +364,6 @@ def probe_minibatch_cmd(
     if write:
         set_yaml_value(config, ("batch", "mini_batch_size"), result.recommended)
         console.print(f"wrote batch.mini_batch_size: {result.recommended} to {config}", highlight=False)
-
-
-def _model_config_from_flags(
-    base, model: str | None, max_seq_length: int | None, precision: str | None, device: str | None
-):
-    """``base`` (a ModelConfig, or None for the defaults) with the given CLI flags applied.
-
-    Raises:
-        UserError: a flag value the config would reject, naming the flag.
-    """
-    from pydantic import ValidationError
-
-    from cembed.config import ModelConfig
-
-    fields = base.model_dump() if base is not None else {}
-    flags = {
-        "name_or_path": ("--model", model),
-        "max_seq_length": ("--max-seq-length", max_seq_length),
-        "precision": ("--precision", precision),
-        "device": ("--device", device),
-    }
-    for key, (_, value) in flags.items():
-        if value is not None:
-            fields[key] = value
-    try:
-        return ModelConfig(**fields)
-    except ValidationError as err:
-        e = err.errors()[0]
-        flag = flags.get(str(e["loc"][0]), (str(e["loc"][0]), None))[0]
-        raise UserError(f"{flag}: {e['msg']} (got {e.get('input')!r})") from None
 
 
 @app.command("eval")
