@@ -118,3 +118,29 @@ def test_every_step_loss_in_summary_and_plot(tiny_model_dir, write_config, pairs
     assert logged[2][1] == pytest.approx((by_step[3] + by_step[4]) / 2, rel=1e-5)
     assert json.loads((out / "run_summary.json").read_text())["step_losses"] == [list(s) for s in steps]
     assert (out / "training_curves.png").stat().st_size > 0
+
+
+def test_packaged_quickstart_example_is_the_repo_config_and_validates(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cembed.cli import app
+    from cembed.samples import example_config
+
+    repo = (REPO / "configs" / "quickstart.yaml").read_text().splitlines()
+    packaged = example_config("quickstart").splitlines()
+    differ = [(a, b) for a, b in zip(repo, packaged) if a != b]
+    assert len(repo) == len(packaged) and differ == [
+        ("  output_dir: ../runs/quickstart", "  output_dir: runs/quickstart")
+    ]
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    r = runner.invoke(app, ["init", "quick.yaml", "--example", "quickstart"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "quick.yaml").read_text() == example_config("quickstart")
+    again = runner.invoke(app, ["init", "quick.yaml", "--example", "quickstart"])
+    assert again.exit_code == 2 and "already exists; cembed init never overwrites a file" in again.output
+    unknown = runner.invoke(app, ["init", "other.yaml", "--example", "nope"])
+    assert unknown.exit_code == 2 and "--example nope: no such example; known: quickstart" in unknown.output
+    cfg = load_config(tmp_path / "quick.yaml")
+    assert cfg.train.output_dir == str(tmp_path / "runs" / "quickstart")
+    assert cfg.data.train.path == str(resolve_sample("cembed:coco-captions"))
