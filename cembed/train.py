@@ -139,7 +139,7 @@ def resolve_runtime(
     Returns:
         ``(device, plan with mini_batch_size set)``; device is ``cpu``, ``cuda`` or ``cuda:<local rank>``.
     """
-    device = init_distributed(plan.device)
+    device = init_distributed(plan.device, cfg.distributed.timeout_minutes)
     if plan.mini_batch_size is None:
         report.print_probe_start(console, plan.device)
     plan, probe = resolve_auto(plan, cfg.model, cfg.loss, len(data.columns), max_memory)
@@ -428,12 +428,7 @@ def run_training(
             report.print_distributed(console, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
         attempt.trainer = run.trainer
-        eval_before = None
-        if parts.evaluation and is_main and not run_dir.checkpoint:
-            # The base model's corpus embeddings are cached across runs.
-            from cembed.embedding_cache import default_cache_dir
-
-            eval_before = parts.evaluation.evaluate(parts.model, "before training", cache_dir=default_cache_dir())
+        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
         result = train(run, run_dir, base)
         return write_summary(plan, run, run_dir, base, result, parts.evaluation, eval_before)

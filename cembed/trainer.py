@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 
 from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.config import CembedConfig
-from cembed.distributed import max_over_ranks, require_same_on_all_ranks
+from cembed.distributed import main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
@@ -186,6 +186,20 @@ class CembedTrainer(SentenceTransformerTrainer):
             "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             "max_seq_length": getattr(self.model, "max_seq_length", None),
         }
+
+    def evaluate_base_model(self, evaluation, resuming: bool = False) -> dict | None:
+        """Evaluate the model "before training" on rank 0 (``None`` when resuming, without
+        evaluation, and on the other ranks). The other ranks wait for it on the process group's
+        store, not in a collective (:func:`~cembed.distributed.main_first`), so a long evaluation is
+        not cut off by the collective timeout. The base model's corpus embeddings are cached across runs."""
+        if evaluation is None or resuming:
+            return None
+        with main_first(run_on_others=False) as runs_here:
+            if not runs_here:
+                return None
+            from cembed.embedding_cache import default_cache_dir
+
+            return evaluation.evaluate(self.model, "before training", cache_dir=default_cache_dir())
 
     def init_hf_repo(self, *args, **kwargs) -> None:
         # Creating the hub repo (train.push_to_hub) needs the network and a token: say so in one line.
