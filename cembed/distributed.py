@@ -147,6 +147,20 @@ def max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def gather_over_ranks(values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (one all-gather of float64), in rank order; ``[values]`` without an
+    initialized multi-process group. Every rank must call it at the same point with as many values."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [list(values)]
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [r.tolist() for r in rows]
+
+
 def require_same_on_all_ranks(facts: dict[str, object]) -> None:
     """Refuse, on every rank at once, a job whose ranks differ in any of ``facts``.
 

@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 
 from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.config import CembedConfig
-from cembed.distributed import main_first, max_over_ranks, require_same_on_all_ranks
+from cembed.distributed import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
@@ -156,6 +156,8 @@ class CembedTrainer(SentenceTransformerTrainer):
     def __init__(self, *args, meter: ThroughputMeter | None = None, nonfinite_policy: str = "stop", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.meter = meter
+        if meter is not None:
+            meter.gather = gather_over_ranks  # the job's tokens/s and data-wait, not rank 0's alone
         self.nonfinite_policy = nonfinite_policy
         self.nonfinite_skipped = 0
         self._skip_step = False
@@ -212,6 +214,14 @@ class CembedTrainer(SentenceTransformerTrainer):
             ) from None
 
     # --- the throughput meter ----------------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; then the meter's totals are closed on every rank (one gather), before
+        rank 0 alone saves and evaluates."""
+        result = super().train(*args, **kwargs)
+        if self.meter is not None:
+            self.meter.finish()
+        return result
 
     def get_train_dataloader(self):
         # Built once: its sampler hashes every text, and the recipe reads its length before

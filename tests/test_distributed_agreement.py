@@ -75,7 +75,8 @@ def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     def search(trial, capacity, *args, **kwargs):
         seen["group_initialized"] = dist.is_initialized()
         size = 2 if rank == 0 else 4
-        return probe.ProbeResult(size, size, "patched", capacity, 0.1, int(0.9 * capacity), 4)
+        trials = [probe.TrialRecord(size, True, 1000 * (rank + 1), 1.0)]  # this rank's peak at its answer
+        return probe.ProbeResult(size, size, "patched", capacity, 0.1, int(0.9 * capacity), 4, trials)
 
     probe.search_mini_batch = search
     try:
@@ -86,6 +87,7 @@ def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:
         **seen,
         "mini_batch_size": summary["plan"]["mini_batch_size"],
         "probe_recommended": summary["mini_batch_probe"]["recommended"],
+        "probe_ranks": summary["mini_batch_probe"]["ranks"],
         "steps": summary["steps"],
     }
 
@@ -134,7 +136,8 @@ def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
         "status": summary["status"],
         "steps": summary["steps"],
         "eval_before": bool(summary["eval"] and summary["eval"].get("before")),
-        "pretokenized_from_cache": summary.get("tokenization", {}).get("from_cache"),
+        "throughput": summary["throughput"],
+        "history": summary["throughput_per_interval"],
     }
 
 
@@ -252,6 +255,11 @@ def test_auto_probe_agrees_across_ranks(results):
     assert r0["group_initialized"] and r1["group_initialized"]  # probed after the process group exists
     assert r0["mini_batch_size"] == r1["mini_batch_size"] == 2  # the minimum of 2 and 4
     assert r0["probe_recommended"] == r1["probe_recommended"] == 2
+    for r in (r0, r1):  # each rank's own answer and peak, reported on every rank
+        assert [(x["rank"], x["recommended"], x["peak_bytes"]) for x in r["probe_ranks"]] == [
+            (0, 2, 1000),
+            (1, 4, 2000),
+        ]
     assert r0["steps"] == r1["steps"] == 1
 
 
@@ -278,3 +286,15 @@ def test_long_single_rank_work_waits_outside_collectives(results):
         assert r["timeouts"] == [SHORT_TIMEOUT_MIN * 60], r  # distributed.timeout_minutes reached the group
         assert r["status"] == "completed" and r["steps"] == 1, r
     assert r0["eval_before"]  # rank 0 evaluated the base model while rank 1 waited on the store
+
+
+def test_meter_reports_the_jobs_tokens_and_data_wait(results):
+    """K3: tokens/s is summed over the ranks and data-wait averaged, the same on every rank, with
+    each rank's own in the totals (not rank 0's alone under a global samples/s)."""
+    _, (r0, r1) = _case(results, "slow_rank0")
+    t = r0["throughput"]
+    assert t == r1["throughput"] and r0["history"] == r1["history"]  # every rank reports the job's numbers
+    assert t["ranks"] == 2 and len(t["per_rank"]) == 2 and all(x["tokens_per_s"] > 0 for x in t["per_rank"])
+    assert t["tokens_per_s"] == pytest.approx(sum(x["tokens_per_s"] for x in t["per_rank"]), abs=0.2)
+    assert t["tokens_per_s"] > max(x["tokens_per_s"] for x in t["per_rank"])
+    assert t["data_wait"] == pytest.approx(sum(x["data_wait"] for x in t["per_rank"]) / 2, abs=1e-3)
