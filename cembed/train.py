@@ -351,7 +351,8 @@ def write_summary(
     add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
     if is_main:
         save_model_atomic(model, run_dir.out)
-    eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
+    with trainer.eval_precision():  # as before and during training
+        eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started
     samples_seen = state.global_step * plan.samples_per_step

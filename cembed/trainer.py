@@ -189,11 +189,24 @@ class CembedTrainer(SentenceTransformerTrainer):
             "max_seq_length": getattr(self.model, "max_seq_length", None),
         }
 
+    def eval_precision(self):
+        """The precision every evaluation runs in: the training precision's autocast (bf16/fp16,
+        what accelerate wraps the model's forward in for training and for evaluation during and
+        after it), or none for fp32. Used around the evaluations before and after training, so
+        before -> during -> after differences are training effects, not a precision change."""
+        import contextlib
+
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.model.device.type, dtype=dtype)
+
     def evaluate_base_model(self, evaluation, resuming: bool = False) -> dict | None:
-        """Evaluate the model "before training" on rank 0 (``None`` when resuming, without
-        evaluation, and on the other ranks). The other ranks wait for it on the process group's
-        store, not in a collective (:func:`~cembed.distributed.main_first`), so a long evaluation is
-        not cut off by the collective timeout. The base model's corpus embeddings are cached across runs."""
+        """Evaluate the model "before training" on rank 0, in :meth:`eval_precision` (``None`` when
+        resuming, without evaluation, and on the other ranks). The other ranks wait for it on the
+        process group's store, not in a collective (:func:`~cembed.distributed.main_first`), so a
+        long evaluation is not cut off by the collective timeout. The base model's corpus
+        embeddings are cached across runs."""
         if evaluation is None or resuming:
             return None
         with main_first(run_on_others=False) as runs_here:
@@ -201,7 +214,8 @@ class CembedTrainer(SentenceTransformerTrainer):
                 return None
             from cembed.embedding_cache import default_cache_dir
 
-            return evaluation.evaluate(self.model, "before training", cache_dir=default_cache_dir())
+            with self.eval_precision():
+                return evaluation.evaluate(self.model, "before training", cache_dir=default_cache_dir())
 
     def init_hf_repo(self, *args, **kwargs) -> None:
         # Creating the hub repo (train.push_to_hub) needs the network and a token: say so in one line.
