@@ -246,7 +246,8 @@ def main_first(local: bool = False, run_on_others: bool = True):
     info = dist_info()
     _main_first_calls += 1
     first = info.local_rank == 0 if local else info.rank == 0
-    node = info.rank // max(1, info.local_world_size) if local else 0  # launchers number ranks node by node
+    # The node: torchrun's GROUP_RANK, else the rank's block of local_world_size (launchers number ranks node by node).
+    node = os.environ.get("GROUP_RANK", str(info.rank // max(1, info.local_world_size))) if local else "0"
     key = f"cembed/main_first/{_main_first_calls}/{node}"
     store = dist.distributed_c10d._get_default_store()
     if first:
