@@ -302,6 +302,11 @@ class SamplerConfig(_Strict):
     no_duplicates: bool = True
 
 
+class DistributedConfig(_Strict):
+    # Process-group timeout: how long a rank waits in a collective for the others (NCCL's default is 10 min).
+    timeout_minutes: PositiveFloat = 60.0
+
+
 REPORT_TO = (
     "none",
     "all",
@@ -420,6 +425,7 @@ class CembedConfig(_Strict):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig | None = None
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @field_validator("loss", mode="before")
     @classmethod

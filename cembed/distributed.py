@@ -12,8 +12,12 @@ What this module adds around that:
 - :func:`launch`: build the launcher's arguments (``--nnodes``, ``--node-rank``,
   ``--rdzv-endpoint`` passed through) and turn a failed worker into :class:`WorkerFailed` naming the
   rank and its error. The launcher stops the other workers as soon as one fails.
-- :func:`init_distributed`: join the group early and pick this rank's device, so that the
-  pre-tokenization cache can be written by one process per node (:func:`local_main_first`).
+- :func:`init_distributed`: join the group early (with ``distributed.timeout_minutes`` as the
+  collectives' timeout) and pick this rank's device, so that the pre-tokenization cache can be
+  written by one process per node (:func:`local_main_first`).
+- :func:`main_first`: single-rank work (the first pre-tokenization, "before training" evaluation)
+  while the other ranks wait on the process group's store, not in a collective, so its length is
+  bounded by no collective timeout.
 - :func:`freeze_unused_parameters`: parameters that never receive a gradient (the BERT pooler under
   mean pooling) are found with one small forward/backward before training and frozen, so DDP runs
   without unused-parameter detection (no per-forward graph walk, and an error rather than silence if
@@ -79,11 +83,13 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def init_distributed(device: str) -> str:
+def init_distributed(device: str, timeout_minutes: float = 60.0) -> str:
     """Join the launcher's process group (``env://``) and return this rank's device.
 
     Args:
         device: the plan's device, ``cpu`` or ``cuda``.
+        timeout_minutes: how long a collective waits for the other ranks before the job fails
+            (``distributed.timeout_minutes``; NCCL's own default is 10 minutes).
 
     Returns:
         ``cuda:<LOCAL_RANK>`` for CUDA (also made the current device), else ``device`` unchanged.
@@ -118,17 +124,10 @@ def init_distributed(device: str) -> str:
         torch.cuda.set_device(info.local_rank)
         device = f"cuda:{info.local_rank}"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device))
+        from datetime import timedelta
+
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(minutes=timeout_minutes))
     return device
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
 
 
 def max_over_ranks(value: int) -> int:
@@ -146,6 +145,20 @@ def max_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def gather_over_ranks(values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (one all-gather of float64), in rank order; ``[values]`` without an
+    initialized multi-process group. Every rank must call it at the same point with as many values."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [list(values)]
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return [r.tolist() for r in rows]
 
 
 def require_same_on_all_ranks(facts: dict[str, object]) -> None:
@@ -207,26 +220,56 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+_MAIN_FIRST_WAIT_S = 7 * 24 * 3600.0  # a failed first rank ends the job through the launcher
+_main_first_calls = 0
+
+
+@contextmanager
+def main_first(local: bool = False, run_on_others: bool = True):
+    """Run the body on rank 0 (``local``: on each node's local rank 0) first; the other ranks wait,
+    then run it too (``run_on_others``) or skip it (the context yields whether this rank runs it).
+
+    The others wait on the process group's key-value store (``store.wait``), not in a collective: a
+    long first run (the first pre-tokenization of a large set, "before training" evaluation) is not
+    cut off by the group's collective timeout, and the waiting ranks hold no NCCL collective. The
+    first rank releases them even when its body raises. Every rank must enter it at the same point
+    (the key counts the calls). A no-op (yields True) without an initialized multi-process group.
+    """
+    global _main_first_calls
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        yield True
+        return
+    from datetime import timedelta
+
+    info = dist_info()
+    _main_first_calls += 1
+    first = info.local_rank == 0 if local else info.rank == 0
+    # The node: torchrun's GROUP_RANK, else the rank's block of local_world_size (launchers number ranks node by node).
+    node = os.environ.get("GROUP_RANK", str(info.rank // max(1, info.local_world_size))) if local else "0"
+    key = f"cembed/main_first/{_main_first_calls}/{node}"
+    store = dist.distributed_c10d._get_default_store()
+    if first:
+        try:
+            yield True
+        finally:
+            store.set(key, "done")
+        return
+    store.wait([key], timedelta(seconds=_MAIN_FIRST_WAIT_S))
+    yield run_on_others
+
+
 @contextmanager
 def local_main_first():
-    """Run the body on each node's local rank 0 first, then on the node's other ranks.
+    """Run the body on each node's local rank 0 first, then on the node's other ranks (which wait
+    on the store, not in a collective: :func:`main_first`).
 
     For work that fills an on-disk cache (pre-tokenization): the first process writes it, the
     others load it. A no-op without an initialized multi-process group.
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    with main_first(local=True):
         yield
-        return
-    first = dist_info().local_rank == 0
-    if not first:
-        _barrier()
-    try:
-        yield
-    finally:
-        if first:
-            _barrier()
 
 
 def unused_parameters(model, texts: list[str] | dict[str, list[str]], tasks: dict[str, str] | None = None) -> list[str]:

@@ -28,6 +28,8 @@ Henderson et al. 2017, arXiv:1705.00652):
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, get_args
 
@@ -158,6 +160,30 @@ class LengthSortedMixin:
                 for rep, grad in zip(col, grad_sorted.split([r.shape[0] for r in col])):
                     rep.grad = grad if rep.grad is None else rep.grad + grad
         return loss
+
+
+@contextmanager
+def simulated_gather(loss, world_size: int):
+    """Inside the block, ``loss``'s cross-rank gathers (``all_gather_with_grad`` / ``all_gather``
+    as its modules imported them) return ``world_size`` local copies of the tensor instead of
+    gathering: the memory of ``world_size`` ranks' candidates, with gradients, and no collective
+    (probe trials run a different number of times on different ranks)."""
+
+    def copies(tensor, *args, **kwargs):
+        return torch.cat([tensor] * world_size)
+
+    patched = []
+    for cls in type(loss).__mro__:
+        module = sys.modules.get(cls.__module__)
+        for name in ("all_gather_with_grad", "all_gather"):
+            if module is not None and callable(getattr(module, name, None)):
+                patched.append((module, name, getattr(module, name)))
+                setattr(module, name, copies)
+    try:
+        yield
+    finally:
+        for module, name, original in reversed(patched):
+            setattr(module, name, original)
 
 
 class LengthSortedCachedMNRL(LengthSortedMixin, CachedMultipleNegativesRankingLoss):

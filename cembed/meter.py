@@ -6,6 +6,12 @@ Per logging interval (the trainer's ``logging_steps``):
   batch (sampling, fetching and collating, when not hidden by dataloader workers);
 - ``tokens_per_s``: non-padding tokens embedded per second (each text counted once per step);
 - ``padded_share``: share of the token positions the encoder processed that were padding.
+
+With several processes (``gather``: one all-gather per logging interval, on every rank at the same
+step) the statistics are the job's: tokens/s summed over the ranks (each rank's tokens over its
+own wall time), data-wait the mean of the ranks' shares, padding over all ranks' positions; the
+run's totals also list each rank's own (``per_rank``). The totals are closed when training ends
+(:meth:`ThroughputMeter.finish`), so saving and evaluating afterwards do not dilute them.
 """
 
 from __future__ import annotations
@@ -13,14 +19,42 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from cembed.losses import TokenCounts
 from cembed.outputs import write_atomic
 
 
+def _combine(rows: list[list[float]]) -> dict:
+    """Per-rank ``[real, processed, wait, wall]`` rows -> the job's statistics and each rank's own."""
+    per_rank = [
+        {"tokens_per_s": real / max(wall, 1e-9), "data_wait": wait / max(wall, 1e-9)} for real, _, wait, wall in rows
+    ]
+    real, processed = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    return {
+        "data_wait": round(sum(r["data_wait"] for r in per_rank) / len(rows), 4),
+        "tokens_per_s": round(sum(r["tokens_per_s"] for r in per_rank), 1),
+        "padded_share": round(1 - real / processed, 4) if processed else 0.0,
+        "per_rank": [{k: round(v, 4 if k == "data_wait" else 1) for k, v in r.items()} for r in per_rank],
+    }
+
+
+def _local(values: list[float]) -> list[list[float]]:
+    return [list(values)]
+
+
 @dataclass
 class ThroughputMeter:
+    """Times data waits and counts tokens per logging interval and for the whole run.
+
+    Attributes:
+        token_counts: the loss's token counter (reset at every interval).
+        gather: ``values -> every rank's values`` (e.g. :func:`cembed.distributed.gather_over_ranks`);
+            the default is this process alone.
+    """
+
     token_counts: TokenCounts
+    gather: Callable[[list[float]], list[list[float]]] = _local
     history: list[dict] = field(default_factory=list)
     total_wait: float = 0.0
     total_real: int = 0
@@ -28,6 +62,7 @@ class ThroughputMeter:
     _wait: float = 0.0
     _start: float = field(default_factory=time.perf_counter)
     _first: float | None = None
+    _final: dict | None = None
 
     def start(self) -> None:
         """Start the first interval (call when training begins)."""
@@ -41,15 +76,13 @@ class ThroughputMeter:
         self.total_wait += seconds
 
     def snapshot(self, step: int) -> dict[str, float]:
-        """Close the current interval: its ``data_wait``, ``tokens_per_s`` and ``padded_share``."""
+        """Close the current interval: the job's ``data_wait``, ``tokens_per_s`` and ``padded_share``
+        (every rank must call it at the same step when ``gather`` is collective)."""
         now = time.perf_counter()
         wall = max(now - self._start, 1e-9)
         real, processed = self.token_counts.real, self.token_counts.processed
-        stats = {
-            "data_wait": round(self._wait / wall, 4),
-            "tokens_per_s": round(real / wall, 1),
-            "padded_share": round(1 - real / processed, 4) if processed else 0.0,
-        }
+        stats = _combine(self.gather([real, processed, self._wait, wall]))
+        del stats["per_rank"]
         self.total_real += real
         self.total_processed += processed
         self.history.append({"step": step, **stats})
@@ -57,16 +90,28 @@ class ThroughputMeter:
         self.token_counts.reset()
         return stats
 
-    def totals(self) -> dict[str, float]:
-        """Whole-run ``data_wait`` share, ``tokens_per_s`` and ``padded_share``."""
+    def finish(self) -> dict:
+        """Close the run's totals (call on every rank when training ends) and return them."""
+        self._final = None
+        self._final = self.totals()
+        return self._final
+
+    def totals(self) -> dict:
+        """Whole-run ``data_wait`` share, ``tokens_per_s`` and ``padded_share`` of the job, and with
+        several ranks ``ranks`` and ``per_rank`` (each rank's own); after :meth:`finish` the closed
+        totals (no collective), before it a gather like :meth:`snapshot`'s."""
+        if self._final is not None:
+            return self._final
         wall = max(time.perf_counter() - (self._first or self._start), 1e-9)
         real = self.total_real + self.token_counts.real
         processed = self.total_processed + self.token_counts.processed
-        return {
-            "data_wait": round(self.total_wait / wall, 4),
-            "tokens_per_s": round(real / wall, 1),
-            "padded_share": round(1 - real / processed, 4) if processed else 0.0,
-        }
+        rows = self.gather([real, processed, self.total_wait, wall])
+        out = _combine(rows)
+        if len(rows) > 1:
+            out["ranks"] = len(rows)
+        else:
+            del out["per_rank"]
+        return out
 
 
 def smooth(values: list[float], window: int | None = None) -> list[float]:

@@ -58,3 +58,12 @@ def append_log(path: str | Path, line: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+
+
+def format_bytes(n: int | float | None) -> str:
+    """Bytes -> ``"1.23 GiB"`` / ``"456.0 MiB"``; None -> ``"-"``."""
+    if n is None:
+        return "-"
+    if n >= 1024**3:
+        return f"{n / 1024**3:.2f} GiB"
+    return f"{n / 1024**2:.1f} MiB"

@@ -200,6 +200,7 @@ SAFE_TO_CHANGE = (
     "eval",
     "data.pretokenize",
     "data.cache_dir",
+    "distributed",
     "batch.mini_batch_size",
     "batch.mini_batch_num_tokens",
     "batch.sort_by_length",

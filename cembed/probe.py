@@ -69,6 +69,9 @@ class ProbeResult:
         trials: every tried size, in order.
         cuda_context_lost: a sticky CUDA error poisoned this process's context during the probe
             (the answer stands, measured in child processes; this process cannot train on the GPU).
+        world_size: ranks whose gathered candidates the trials' loss stage scored (1: no gathering).
+        ranks: per rank (in a process group; else this process alone): ``rank``, the size it found
+            (``recommended``), its measured peak at that size (``peak_bytes``) and ``limit_bytes``.
     """
 
     recommended: int
@@ -82,6 +85,8 @@ class ProbeResult:
     device: str = ""
     cuda_context_lost: bool = False
     notes: list[str] = field(default_factory=list)
+    world_size: int = 1
+    ranks: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -204,6 +209,22 @@ def agree_across_ranks(size: int) -> int:
     return int(t.item())
 
 
+def per_rank_peaks(result: ProbeResult) -> list[dict]:
+    """Each rank's own answer and its measured peak at that size (``all_gather_object`` when a
+    torch.distributed process group is initialized, else this process's entry alone). Every rank
+    must call it at the same point."""
+    import torch.distributed as dist
+
+    peak = next((r.peak_bytes for r in result.trials if r.size == result.recommended and r.fits), None)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    mine = {"rank": rank, "recommended": result.recommended, "peak_bytes": peak, "limit_bytes": result.limit_bytes}
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 # ----------------------------------------------------------------------------------------------
 # Units
 
@@ -259,6 +280,8 @@ def run_probe(
     max_memory: int | None = None,
     knee_fraction: float | None = KNEE_FRACTION,
     on_trial: Callable[[TrialRecord], None] | None = None,
+    world_size: int = 1,
+    sort_by_length: bool = True,
 ) -> ProbeResult:
     """Probe ``mini_batch_size`` for ``model_cfg`` on ``device`` (auto | cpu | cuda).
 
@@ -273,9 +296,13 @@ def run_probe(
         max_memory: budget in bytes; default: the CUDA device's total memory, or this machine's
             physical memory on CPU.
         knee_fraction: see :func:`search_mini_batch`.
+        world_size: ranks whose candidates the loss gathers (training's ``world_size`` with
+            ``gather_across_devices``, else 1): the trials' loss stage scores that many.
+        sort_by_length: the loss sorts columns by length (its sorted feature copies are measured).
 
     Returns:
-        The :class:`ProbeResult`, with ``recommended`` agreed across ranks (minimum).
+        The :class:`ProbeResult`, with ``recommended`` agreed across ranks (minimum) and every
+        rank's own answer and peak (``ranks``).
 
     Raises:
         UserError: a plain (uncached) loss, fp16 on CPU, a model that cannot load, nothing fits.
@@ -290,7 +317,13 @@ def run_probe(
     if model_cfg.precision == "fp16" and dev == "cpu":
         raise UserError("model.precision: fp16 needs a CUDA device; use fp32 or bf16 on CPU")
     spec = TrialSpec(
-        model=model_cfg.model_dump(), loss=loss_cfg.model_dump(), n_columns=n_columns, batch_size=batch_size, device=dev
+        model=model_cfg.model_dump(),
+        loss=loss_cfg.model_dump(),
+        n_columns=n_columns,
+        batch_size=batch_size,
+        device=dev,
+        world_size=max(1, world_size),
+        sort_by_length=sort_by_length,
     )
     cap = min(max_size, batch_size)
     notes = []
@@ -313,6 +346,8 @@ def run_probe(
     if getattr(trial, "poisoned", False):
         result.cuda_context_lost = True
         notes.append("a CUDA error left this process's GPU context unusable; later trials ran in child processes")
+    result.world_size = spec.world_size
+    result.ranks = per_rank_peaks(result)
     agreed = agree_across_ranks(result.recommended)
     if agreed != result.recommended:
         notes.append(f"this rank fits {result.recommended}; all ranks use the minimum, {agreed}")
@@ -330,12 +365,19 @@ def summary_record(result: ProbeResult) -> dict:
 
 
 def resolve_auto(
-    plan, model_cfg, loss_cfg, n_columns: int, max_memory: str | None = None, margin: float = DEFAULT_MARGIN
+    plan,
+    model_cfg,
+    loss_cfg,
+    n_columns: int,
+    max_memory: str | None = None,
+    margin: float = DEFAULT_MARGIN,
+    sort_by_length: bool = True,
 ):
     """Fill ``plan.mini_batch_size`` when the config says ``batch.mini_batch_size: auto``.
 
     Probes on ``plan.device`` for ``plan.per_device_train_batch_size`` rows of ``n_columns`` texts
-    and returns ``(plan with the recommended size and its run-summary record, ProbeResult)``. A plan
+    (anchor, positive and the hard-negative columns), with the loss stage over the candidates of
+    ``plan.world_size`` ranks when the plan gathers them, and returns ``(plan with the recommended size and its run-summary record, ProbeResult)``. A plan
     whose size is already set comes back unchanged with ``None``; so does a loss without mini-batches
     (its size becomes the batch size, with a warning).
 
@@ -353,7 +395,15 @@ def resolve_auto(
         ), None
     budget = parse_bytes(max_memory) if max_memory else None
     result = run_probe(
-        model_cfg, loss_cfg, plan.per_device_train_batch_size, n_columns, plan.device, margin=margin, max_memory=budget
+        model_cfg,
+        loss_cfg,
+        plan.per_device_train_batch_size,
+        n_columns,
+        plan.device,
+        margin=margin,
+        max_memory=budget,
+        world_size=plan.world_size if plan.gather_across_devices else 1,
+        sort_by_length=sort_by_length,  # default True: the sorted copies counted (the larger case)
     )
     if result.cuda_context_lost:
         raise UserError(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from cembed.errors import UserError, first_line
 from cembed.model import load_model, quiet_libraries
+from cembed.outputs import format_bytes
 
 # Messages of errors that mean "this size does not fit on the device" (and not a bug in cembed).
 _DEVICE_FAILURE = re.compile(
@@ -65,17 +66,16 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line(exc, 160)}"
 
 
-def format_bytes(n: int | float | None) -> str:
-    """Bytes -> ``"1.23 GiB"`` / ``"456.0 MiB"``; None -> ``"-"``."""
-    if n is None:
-        return "-"
-    if n >= 1024**3:
-        return f"{n / 1024**3:.2f} GiB"
-    return f"{n / 1024**2:.1f} MiB"
-
-
 def worst_case_step(
-    model, loss_cfg, n_columns: int, batch_size: int, mini_batch_size: int, precision: str, repeats: int = 2
+    model,
+    loss_cfg,
+    n_columns: int,
+    batch_size: int,
+    mini_batch_size: int,
+    precision: str,
+    repeats: int = 2,
+    world_size: int = 1,
+    sort_by_length: bool = True,
 ) -> float:
     """Run the memory worst case of one cached-loss training step at ``mini_batch_size``.
 
@@ -88,6 +88,12 @@ def worst_case_step(
     activations are freed mini-batch by mini-batch, so it never exceeds the with-grad pass) and its
     output is replicated to fill the batch.
 
+    The loss stage is the one training runs: outside autocast (the trainer autocasts only the
+    model's forward, so the scores are fp32), over ``world_size`` x ``batch_size`` gathered
+    candidates per column (the gather is simulated with local copies, so a trial issues no
+    collective), and, with ``sort_by_length``, with the sorted copy of the features and the
+    restored-order leaves of :class:`cembed.losses.LengthSortedMixin` alive.
+
     Args:
         model: a SentenceTransformer on the target device (its ``max_seq_length`` is the length used).
         loss_cfg: the ``loss`` config section, of a loss that ``uses_gradient_cache`` (the module
@@ -98,16 +104,16 @@ def worst_case_step(
         mini_batch_size: rows embedded at once.
         precision: fp32 | bf16 | fp16 (autocast, as the trainer runs it).
         repeats: no-grad and with-grad mini-batch passes run; the fastest of each is timed (>= 1).
+        world_size: ranks whose candidates each rank's loss scores (1 without gathering).
+        sort_by_length: the loss sorts each column by length (a sorted copy of the features).
 
     Returns:
         Estimated rows per second of a full cached step: ``n_columns`` no-grad and with-grad
         embeddings per row plus the loss stage.
     """
-    import contextlib
-
     import torch
 
-    from cembed.losses import build_loss
+    from cembed.losses import build_loss, simulated_gather
 
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -131,7 +137,14 @@ def worst_case_step(
         }
         for _ in range(n_columns)
     ]
-    loss = build_loss(model, loss_cfg, mini_batch_size).module
+    loss = build_loss(model, loss_cfg, mini_batch_size, world_size > 1, sort_by_length=sort_by_length).module
+    sorted_copies = None
+    if getattr(loss, "sort_by_length", False):  # training holds the features and their sorted copy
+        from cembed.losses import _take_rows
+
+        order = torch.arange(batch_size - 1, -1, -1, device=device)
+        sorted_copies = [_take_rows(f, order) for f in features]
+        loss._inverse = [order] * n_columns  # the loss stage builds its restored-order leaves
     mini = min(mini_batch_size, batch_size)
     repeats = max(1, repeats)
     with autocast():
@@ -142,32 +155,34 @@ def worst_case_step(
             emb, _ = loss.embed_minibatch(features[0], 0, mini, with_grad=False, copy_random_state=False)
             sync()
             t_nograd = min(t_nograd, time.perf_counter() - t0)
-        emb = emb.detach()
-        reps = [
-            [emb[: min(b + mini, batch_size) - b].clone().requires_grad_() for b in range(0, batch_size, mini)]
-            for _ in range(n_columns)
-        ]
-        del emb
+    emb = emb.detach().float()  # accelerate returns the autocast forward's outputs in fp32
+    reps = [
+        [emb[: min(b + mini, batch_size) - b].clone().requires_grad_() for b in range(0, batch_size, mini)]
+        for _ in range(n_columns)
+    ]
+    del emb
+    sync()
+    t0 = time.perf_counter()
+    with simulated_gather(loss, world_size):  # outside autocast, as in training
+        loss.calculate_loss(reps, None, with_backward=True)
+    sync()
+    t_loss = time.perf_counter() - t0
+    t_grad = math.inf
+    for i in range(repeats):
+        col = i % n_columns
         sync()
         t0 = time.perf_counter()
-        loss.calculate_loss(reps, None, with_backward=True)
-        sync()
-        t_loss = time.perf_counter() - t0
-        t_grad = math.inf
-        for i in range(repeats):
-            col = i % n_columns
-            sync()
-            t0 = time.perf_counter()
+        with autocast():
             reps_mb, _ = loss.embed_minibatch(features[col], 0, mini, with_grad=True, copy_random_state=False)
-            surrogate = torch.dot(reps_mb.flatten().float(), reps[col][0].grad.flatten().float())
-            surrogate.backward()
-            sync()
-            t_grad = min(t_grad, time.perf_counter() - t0)
-            del reps_mb, surrogate
+        surrogate = torch.dot(reps_mb.flatten().float(), reps[col][0].grad.flatten().float())
+        surrogate.backward()
+        sync()
+        t_grad = min(t_grad, time.perf_counter() - t0)
+        del reps_mb, surrogate
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     sync()
-    del reps, features, optimizer, loss
+    del reps, features, sorted_copies, optimizer, loss
     per_row = n_columns * (t_nograd + t_grad) / mini + t_loss / batch_size
     return float(1.0 / per_row) if per_row > 0 else float("nan")
 
@@ -182,6 +197,8 @@ class TrialSpec:
     batch_size: int
     device: str  # "cpu" | "cuda" | "cuda:<index>" (a child process after a CUDA error)
     repeats: int = 2
+    world_size: int = 1  # ranks whose gathered candidates each rank's loss scores (1: no gathering)
+    sort_by_length: bool = True
 
 
 def _load(spec: TrialSpec):
@@ -224,6 +241,8 @@ def _trial_child(spec: TrialSpec, size: int, conn) -> None:
             size,
             spec.model.get("precision", "fp32"),
             spec.repeats,
+            spec.world_size,
+            spec.sort_by_length,
         )
         if spec.device.startswith("cuda"):
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
@@ -381,6 +400,8 @@ class CudaTrial:
                 size,
                 self.spec.model.get("precision", "fp32"),
                 self.spec.repeats,
+                self.spec.world_size,
+                self.spec.sort_by_length,
             )
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
             return TrialOutcome(peak_bytes=int(peak), samples_per_s=sps)

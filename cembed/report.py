@@ -327,6 +327,13 @@ def print_probe(console: Console, result: ProbeResult) -> None:
     console.print(probe_table(result))
     for text in result.notes:
         note(console, text)
+    if len(result.ranks) > 1:  # each rank's own answer and peak (the job uses the minimum)
+        peaks = ", ".join(
+            f"rank {r['rank']} {r['recommended']} at {format_bytes(r['peak_bytes'])}" for r in result.ranks
+        )
+        note(console, f"per rank (size found, peak): {peaks}; limit {format_bytes(result.limit_bytes)}")
+    if result.world_size > 1:
+        note(console, f"the loss stage was measured over the gathered candidates of {result.world_size} ranks")
     console.print(f"recommended mini_batch_size: [bold]{result.recommended}[/] ({result.reason})", highlight=False)
     console.print(f"override: batch.mini_batch_size={result.recommended}", highlight=False)
 

@@ -139,7 +139,7 @@ def resolve_runtime(
     Returns:
         ``(device, plan with mini_batch_size set)``; device is ``cpu``, ``cuda`` or ``cuda:<local rank>``.
     """
-    device = init_distributed(plan.device)
+    device = init_distributed(plan.device, cfg.distributed.timeout_minutes)
     if plan.mini_batch_size is None:
         report.print_probe_start(console, plan.device)
     plan, probe = resolve_auto(plan, cfg.model, cfg.loss, len(data.columns), max_memory)
@@ -354,7 +354,8 @@ def write_summary(
     cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
     if is_main:
         save_model_atomic(model, run_dir.out)
-    eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
+    with trainer.eval_precision():  # as before and during training
+        eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started
     seen = samples_seen(trainer, state.global_step, plan.samples_per_step)
@@ -433,12 +434,7 @@ def run_training(
             report.print_distributed(console, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
         attempt.trainer = run.trainer
-        eval_before = None
-        if parts.evaluation and is_main and not run_dir.checkpoint:
-            # The base model's corpus embeddings are cached across runs.
-            from cembed.embedding_cache import default_cache_dir
-
-            eval_before = parts.evaluation.evaluate(parts.model, "before training", cache_dir=default_cache_dir())
+        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
         result = train(run, run_dir, base)
         return write_summary(plan, run, run_dir, base, result, parts.evaluation, eval_before)

@@ -37,7 +37,7 @@ from transformers import TrainerCallback
 
 from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.config import CembedConfig
-from cembed.distributed import max_over_ranks, require_same_on_all_ranks
+from cembed.distributed import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
@@ -158,6 +158,8 @@ class CembedTrainer(SentenceTransformerTrainer):
     def __init__(self, *args, meter: ThroughputMeter | None = None, nonfinite_policy: str = "stop", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.meter = meter
+        if meter is not None:
+            meter.gather = gather_over_ranks  # the job's tokens/s and data-wait, not rank 0's alone
         self.nonfinite_policy = nonfinite_policy
         self.nonfinite_skipped = 0
         self._skip_step = False
@@ -192,6 +194,34 @@ class CembedTrainer(SentenceTransformerTrainer):
             "max_seq_length": getattr(self.model, "max_seq_length", None),
         }
 
+    def eval_precision(self):
+        """The precision every evaluation runs in: the training precision's autocast (bf16/fp16,
+        what accelerate wraps the model's forward in for training and for evaluation during and
+        after it), or none for fp32. Used around the evaluations before and after training, so
+        before -> during -> after differences are training effects, not a precision change."""
+        import contextlib
+
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.model.device.type, dtype=dtype)
+
+    def evaluate_base_model(self, evaluation, resuming: bool = False) -> dict | None:
+        """Evaluate the model "before training" on rank 0, in :meth:`eval_precision` (``None`` when
+        resuming, without evaluation, and on the other ranks). The other ranks wait for it on the
+        process group's store, not in a collective (:func:`~cembed.distributed.main_first`), so a
+        long evaluation is not cut off by the collective timeout. The base model's corpus
+        embeddings are cached across runs."""
+        if evaluation is None or resuming:
+            return None
+        with main_first(run_on_others=False) as runs_here:
+            if not runs_here:
+                return None
+            from cembed.embedding_cache import default_cache_dir
+
+            with self.eval_precision():
+                return evaluation.evaluate(self.model, "before training", cache_dir=default_cache_dir())
+
     def init_hf_repo(self, *args, **kwargs) -> None:
         # Creating the hub repo (train.push_to_hub) needs the network and a token: say so in one line.
         try:
@@ -203,6 +233,14 @@ class CembedTrainer(SentenceTransformerTrainer):
             ) from None
 
     # --- the throughput meter ----------------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; then the meter's totals are closed on every rank (one gather), before
+        rank 0 alone saves and evaluates."""
+        result = super().train(*args, **kwargs)
+        if self.meter is not None:
+            self.meter.finish()
+        return result
 
     def get_train_dataloader(self):
         # Built once: its sampler hashes every text, and the recipe reads its length before

@@ -64,6 +64,23 @@ s = T.run_training(cfg, plan, data, progress=False)
 ok = s["status"] == "completed" and s["steps"] == 4 and s["nonfinite_steps_skipped"] == 1
 print(f"issue13 fp16 skip: status={s['status']} steps={s['steps']} skipped={s['nonfinite_steps_skipped']} -> {'PASS' if ok else 'FAIL'}")
 FP16
+  # C2/W2: the probe's loss stage over 8 ranks' gathered candidates (fp32, outside autocast) must
+  # cost more than over one rank's at the same mini-batch size.
+  PYTHONPATH="tests:.${PYTHONPATH:+:$PYTHONPATH}" $PY - <<'GATHER' || echo "issue13 gathered probe: FAILED"
+import tempfile
+from pathlib import Path
+from conftest import make_tiny_model
+from cembed.config import ModelConfig, loss_config
+from cembed.probe_trials import CudaTrial, TrialSpec, format_bytes
+m = make_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+mc = ModelConfig(name_or_path=str(m), max_seq_length=32, device="cuda", precision="bf16").model_dump()
+peaks = {}
+for w in (1, 8):
+    t = CudaTrial(TrialSpec(model=mc, loss=loss_config().model_dump(), n_columns=3, batch_size=4096, device="cuda", world_size=w))
+    peaks[w] = t(1024).peak_bytes; t.close()
+ok = peaks[8] > peaks[1] + 1024**3  # ~6 fp32 chunk matrices of 1024 x 65536 (~1.5 GiB) more
+print(f"issue13 gathered probe: peak W=1 {format_bytes(peaks[1])}, W=8 {format_bytes(peaks[8])} -> {'PASS' if ok else 'FAIL'}")
+GATHER
 fi
 exec $PY - <<'PYEOF'
 import os, time

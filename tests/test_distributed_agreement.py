@@ -7,6 +7,11 @@
   message on every rank, instead of pairing up mismatched collectives of the gathered loss.
 - ``train.nonfinite_loss: skip`` with a NaN loss on rank 1 only: both ranks skip the same step (no
   update on either), nothing hangs, and their weights stay equal.
+- Long single-rank work (C6): with ``distributed.timeout_minutes`` short (9 s, the group's collective
+  timeout, passed to ``init_process_group``), rank 0's first pre-tokenization and its "before
+  training" evaluation each take 14 s while rank 1 waits: no timeout, because rank 1 waits on the
+  store, not in a collective. This case runs first, in its own process group (the later cases join
+  a fresh one with the default timeout).
 
 One pair of spawned processes runs all cases (module fixture); a rank that hangs is killed by its
 timer, so a regression fails here within about two minutes instead of hanging the suite.
@@ -70,7 +75,8 @@ def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     def search(trial, capacity, *args, **kwargs):
         seen["group_initialized"] = dist.is_initialized()
         size = 2 if rank == 0 else 4
-        return probe.ProbeResult(size, size, "patched", capacity, 0.1, int(0.9 * capacity), 4)
+        trials = [probe.TrialRecord(size, True, 1000 * (rank + 1), 1.0)]  # this rank's peak at its answer
+        return probe.ProbeResult(size, size, "patched", capacity, 0.1, int(0.9 * capacity), 4, trials)
 
     probe.search_mini_batch = search
     try:
@@ -81,7 +87,57 @@ def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:
         **seen,
         "mini_batch_size": summary["plan"]["mini_batch_size"],
         "probe_recommended": summary["mini_batch_probe"]["recommended"],
+        "probe_ranks": summary["mini_batch_probe"]["ranks"],
         "steps": summary["steps"],
+    }
+
+
+SLOW_S = 14.0  # rank 0's single-rank work, longer than the group's collective timeout below
+SHORT_TIMEOUT_MIN = 0.15  # 9 s
+
+
+def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    import cembed.train as T
+    from cembed.evaluate import TrainingEvaluation
+
+    sts = tmp / "sts.tsv"
+    sts.write_text("".join(f"a car on road {i}\ta vehicle on a street {i}\t{i % 5}\n" for i in range(8)))
+    cfg = _config(tmp, model_dir, "slow", 2)
+    cfg["data"]["cache_dir"] = str(tmp / "slow-cache")  # a first-time pre-tokenization
+    cfg.update(distributed={"timeout_minutes": SHORT_TIMEOUT_MIN}, eval={"sts": str(sts)})
+    timeouts, real_init, real_tok, real_eval = [], dist.init_process_group, T.pretokenize, TrainingEvaluation.evaluate
+
+    def init(*args, **kwargs):
+        timeouts.append(kwargs.get("timeout").total_seconds() if kwargs.get("timeout") else None)
+        return real_init(*args, **kwargs)
+
+    def tokenize(*args, **kwargs):
+        result = real_tok(*args, **kwargs)
+        if not result.from_cache:
+            time.sleep(SLOW_S)
+        return result
+
+    def evaluate(self, model, label, *args, **kwargs):
+        if label == "before training":
+            time.sleep(SLOW_S)
+        return real_eval(self, model, label, *args, **kwargs)
+
+    dist.init_process_group, T.pretokenize, TrainingEvaluation.evaluate = init, tokenize, evaluate
+    try:
+        summary = _run(cfg, tmp)
+    finally:
+        dist.init_process_group, T.pretokenize, TrainingEvaluation.evaluate = real_init, real_tok, real_eval
+    return {
+        "timeouts": timeouts,
+        "status": summary["status"],
+        "steps": summary["steps"],
+        "eval_before": bool(summary["eval"] and summary["eval"].get("before")),
+        "throughput": summary["throughput"],
+        "history": summary["throughput_per_interval"],
     }
 
 
@@ -139,10 +195,10 @@ def _nan_skip_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     }
 
 
-CASES = {"auto": _auto_case, "nan_skip": _nan_skip_case, "disagree": _disagree_case}
+CASES = {"slow_rank0": _slow_rank0_case, "auto": _auto_case, "nan_skip": _nan_skip_case, "disagree": _disagree_case}
 
 
-def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
+def _worker(rank: int, tmp: str, model_dir: str, port: int, port2: int) -> None:
     guard = threading.Timer(HANG_S, os._exit, (3,))  # a hung collective fails the test, not the CI job
     guard.daemon = True
     guard.start()
@@ -159,11 +215,14 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     )
     torch.set_num_threads(1)
     tmp_path, results = Path(tmp), {}
+    from cembed.distributed import leave_process_group
+
     for name, case in CASES.items():
         results[name] = case(rank, tmp_path, Path(model_dir))
         (tmp_path / f"results-rank{rank}.json").write_text(json.dumps(results))  # kept if a later case hangs
-    from cembed.distributed import leave_process_group
-
+        if name == "slow_rank0":  # the later cases: a fresh group with the default timeout
+            leave_process_group()
+            os.environ["MASTER_PORT"] = str(port2)
     leave_process_group()
 
 
@@ -175,7 +234,7 @@ def results(tiny_model_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("agree")
     try:
-        mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), _free_port()), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), _free_port(), _free_port()), nprocs=WORLD, join=True)
     except Exception as err:  # noqa: BLE001 - a hung (killed) or failed rank: the tests say which case
         print(f"ranks failed: {err}")
     out = []
@@ -196,6 +255,11 @@ def test_auto_probe_agrees_across_ranks(results):
     assert r0["group_initialized"] and r1["group_initialized"]  # probed after the process group exists
     assert r0["mini_batch_size"] == r1["mini_batch_size"] == 2  # the minimum of 2 and 4
     assert r0["probe_recommended"] == r1["probe_recommended"] == 2
+    for r in (r0, r1):  # each rank's own answer and peak, reported on every rank
+        assert [(x["rank"], x["recommended"], x["peak_bytes"]) for x in r["probe_ranks"]] == [
+            (0, 2, 1000),
+            (1, 4, 2000),
+        ]
     assert r0["steps"] == r1["steps"] == 1
 
 
@@ -214,3 +278,23 @@ def test_skip_nonfinite_agrees_across_ranks(results):
         assert r["moved_step1"] > 0 and r["moved_step2"] == 0.0, r  # step 2 is a no-op on both ranks
     w0, w1 = (torch.load(tmp / f"nan-after-step2-rank{r}.pt") for r in range(WORLD))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_long_single_rank_work_waits_outside_collectives(results):
+    _, (r0, r1) = _case(results, "slow_rank0")
+    for r in (r0, r1):
+        assert r["timeouts"] == [SHORT_TIMEOUT_MIN * 60], r  # distributed.timeout_minutes reached the group
+        assert r["status"] == "completed" and r["steps"] == 1, r
+    assert r0["eval_before"]  # rank 0 evaluated the base model while rank 1 waited on the store
+
+
+def test_meter_reports_the_jobs_tokens_and_data_wait(results):
+    """K3: tokens/s is summed over the ranks and data-wait averaged, the same on every rank, with
+    each rank's own in the totals (not rank 0's alone under a global samples/s)."""
+    _, (r0, r1) = _case(results, "slow_rank0")
+    t = r0["throughput"]
+    assert t == r1["throughput"] and r0["history"] == r1["history"]  # every rank reports the job's numbers
+    assert t["ranks"] == 2 and len(t["per_rank"]) == 2 and all(x["tokens_per_s"] > 0 for x in t["per_rank"])
+    assert t["tokens_per_s"] == pytest.approx(sum(x["tokens_per_s"] for x in t["per_rank"]), abs=0.2)
+    assert t["tokens_per_s"] > max(x["tokens_per_s"] for x in t["per_rank"])
+    assert t["data_wait"] == pytest.approx(sum(x["data_wait"] for x in t["per_rank"]) / 2, abs=1e-3)

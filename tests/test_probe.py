@@ -269,3 +269,57 @@ def test_cuda_trial_falls_back_after_sticky_error(monkeypatch):
     assert trial.poisoned and trial.fallback is not None
     assert trial(8).peak_bytes == 8 and children == [("cuda:1", 8)]
     trial.close()  # must not raise
+
+
+def test_probe_counts_gathered_loss_stage(tiny_model_dir, monkeypatch):
+    """C2/W2: a trial's loss stage is training's: fp32 scores outside autocast, over the world
+    size's gathered candidates (anchor x W x batch x (1 + hard negatives)), simulated without a
+    collective, with the length-sorted copies and restored-order leaves; resolve_auto gives the
+    trial the plan's world size (when it gathers) and the config's columns."""
+    import cembed.losses as losses
+    import cembed.probe as probe
+    from cembed.model import load_model
+    from cembed.probe_trials import worst_case_step
+
+    model = load_model(ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=16, device="cpu"), "cpu")
+    seen, real_build = [], losses.build_loss
+
+    def build(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+        module, sim = built.module, built.module.loss.similarity_fct
+
+        def recording(a, b):
+            leaves = any(inv is not None for inv in module._inverse)
+            seen.append((tuple(a.shape), tuple(b.shape), b.dtype, torch.is_autocast_enabled("cpu"), leaves))
+            return sim(a, b)
+
+        module.loss.similarity_fct = recording
+        return built
+
+    monkeypatch.setattr(losses, "build_loss", build)
+    sps = worst_case_step(model, loss_config(), 3, 8, 4, "bf16", repeats=1, world_size=4)
+    assert sps > 0
+    assert seen, "the loss stage never scored"
+    for a, b, dtype, autocast, leaves in seen:
+        assert a == (4, 32) and b == (8 * 4 * 2, 32), (a, b)  # mini x (batch x W x (positive + 1 negative))
+        assert dtype == torch.float32 and not autocast and leaves
+
+    specs = []
+
+    class Recorded:
+        def __init__(self, spec, kill_above_bytes=None):
+            specs.append(spec)
+
+        def __call__(self, size):
+            return TrialOutcome(peak_bytes=size, samples_per_s=float(size))
+
+    monkeypatch.setattr(probe, "SubprocessTrial", Recorded)
+    from cembed.plan import Plan
+
+    plan = Plan("cpu", 8, 16, 1, 128, 1e-5, "", "fp32", gather_across_devices=True)
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=16, device="cpu")
+    plan2, result = probe.resolve_auto(plan, cfg, loss_config(), 3, "1GiB", sort_by_length=False)
+    assert specs[0].world_size == 8 and specs[0].n_columns == 3 and specs[0].sort_by_length is False
+    assert result.world_size == 8 and result.ranks[0]["recommended"] == result.recommended
+    assert result.ranks[0]["peak_bytes"] == result.recommended  # this rank's peak at its answer
+    assert plan2.mini_batch_probe["ranks"] == result.ranks
