@@ -43,8 +43,9 @@ from cembed.plan import Plan, resolve_plan
 from cembed.preflight import check_resume, preflight, raise_findings, training_record
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.probe import resolve_auto
+from cembed.publish import add_card_facts, push_final_model
 from cembed.summary import Attempt, failed_summary, failures_recorded, samples_seen, summary_base
-from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, add_card_facts, build_training_args, push_final_model
+from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, build_training_args
 
 
 def check_run_inputs(

@@ -59,7 +59,7 @@ def test_model_card_keeps_cembed_facts(tmp_path, tiny_model_dir, pairs_file):
 def test_failed_push_is_one_clear_error(tmp_path):
     from types import SimpleNamespace
 
-    from cembed.trainer import push_final_model
+    from cembed.publish import push_final_model
 
     class Trainer:
         args = SimpleNamespace(push_to_hub=True, output_dir="runs/x", hub_model_id="someone/m")
