@@ -102,3 +102,30 @@ def pairs_file(tmp_path):
 
 def distinct_pairs(n: int) -> list[dict]:
     return [{"anchor": f"question number {i}", "positive": f"answer text {i}"} for i in range(n)]
+
+
+def join_gloo_rank(rank: int, world: int, port: int, hang_s: float) -> None:
+    """Set up one spawned test rank: the env:// variables of a ``world``-process job on this machine,
+    one thread, faulthandler on (a native crash prints the Python stacks), and a timer that ends the
+    process after ``hang_s`` seconds, so a hung collective fails the test instead of the CI job."""
+    import faulthandler
+    import threading
+
+    import torch
+
+    faulthandler.enable()
+    guard = threading.Timer(hang_s, os._exit, (3,))
+    guard.daemon = True
+    guard.start()
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        HF_HUB_OFFLINE="1",
+        TQDM_DISABLE="1",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)

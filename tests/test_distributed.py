@@ -19,12 +19,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import COCO_PAIRS, REPO
+from conftest import COCO_PAIRS, REPO, join_gloo_rank
 
 WORLD = 2
 ROWS = 8  # one global batch: 1 x 8 rows == 2 x 4 rows
@@ -169,24 +168,7 @@ def _run(cfg_dict: dict, base: Path, trainer_cls=None):
 
 
 def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
-    import faulthandler
-
-    faulthandler.enable()  # a native crash prints the Python stacks (see cembed.distributed.launch)
-    guard = threading.Timer(600, os._exit, (3,))  # a hung collective fails the test, not the CI job
-    guard.daemon = True
-    guard.start()
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-        TQDM_DISABLE="1",
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+    join_gloo_rank(rank, WORLD, port, 600)
     tmp_path, model_path = Path(tmp), Path(model_dir)
     record = _install_recording()
     results = {}

@@ -22,11 +22,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import join_gloo_rank
 
 WORLD = 2
 HANG_S = 120  # a rank still running after this is hung in a collective
@@ -199,21 +199,7 @@ CASES = {"slow_rank0": _slow_rank0_case, "auto": _auto_case, "nan_skip": _nan_sk
 
 
 def _worker(rank: int, tmp: str, model_dir: str, port: int, port2: int) -> None:
-    guard = threading.Timer(HANG_S, os._exit, (3,))  # a hung collective fails the test, not the CI job
-    guard.daemon = True
-    guard.start()
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        HF_HUB_OFFLINE="1",
-        TQDM_DISABLE="1",
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
+    join_gloo_rank(rank, WORLD, port, HANG_S)
     tmp_path, results = Path(tmp), {}
     from cembed.distributed import leave_process_group
 
