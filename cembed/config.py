@@ -7,30 +7,37 @@ line and dotted field.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PositiveFloat,
     PositiveInt,
     SerializeAsAny,
     TypeAdapter,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticUndefined
 
-from cembed.samples import is_sample
-
-# Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
-LOCAL_EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".tsv", ".parquet", ".csv.gz", ".tsv.gz")
-
-DEFAULT_LOSS = "cached_mnrl"
+# The data and loss sections live in their own modules; their names are re-exported here.
+from cembed.config_data import LOCAL_EXTENSIONS as LOCAL_EXTENSIONS
+from cembed.config_data import BeirSource as BeirSource
+from cembed.config_data import ColumnMap as ColumnMap
+from cembed.config_data import DataConfig as DataConfig
+from cembed.config_data import DataSource as DataSource
+from cembed.config_data import FileSource as FileSource
+from cembed.config_data import HubSource as HubSource
+from cembed.config_data import infer_source_kind as infer_source_kind
+from cembed.config_loss import DEFAULT_LOSS as DEFAULT_LOSS
+from cembed.config_loss import LOSS_CONFIGS as LOSS_CONFIGS
+from cembed.config_loss import CachedMNRLLossConfig as CachedMNRLLossConfig
+from cembed.config_loss import LossConfig as LossConfig
+from cembed.config_loss import MNRLLossConfig as MNRLLossConfig
+from cembed.config_loss import loss_config as loss_config
+from cembed.config_loss import loss_config_class as loss_config_class
+from cembed.config_loss import register_loss_config as register_loss_config
+from cembed.strict import Strict as _Strict
 
 SCHEDULERS = (
     "linear",
@@ -42,10 +49,6 @@ SCHEDULERS = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelConfig(_Strict):
@@ -69,108 +72,6 @@ class ModelConfig(_Strict):
     pooling: Literal["mean", "cls", "lasttoken"] = Field(
         "mean", description="pooling for a plain transformers checkpoint (no modules.json); ignored otherwise"
     )
-
-
-class FileSource(_Strict):
-    """A local data file: .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet."""
-
-    kind: Literal["file"] = Field("file", description="source kind; inferred from path when not given")
-    path: str = Field(description="the file; a relative path resolves against the config file's folder")
-    split: str = Field("train", description="accepted for symmetry with hub sources; a file is one split")
-    subset: str | None = Field(None, description="accepted for symmetry with hub sources; ignored for a file")
-
-    @property
-    def label(self) -> str:
-        """How messages and the run summary name this source."""
-        return self.path
-
-
-class HubSource(_Strict):
-    """A dataset on the datasets hub (or any id ``datasets.load_dataset`` accepts)."""
-
-    kind: Literal["hub"] = Field("hub", description="source kind; inferred from path when not given")
-    path: str = Field(description="the dataset id, e.g. sentence-transformers/all-nli")
-    split: str = Field("train", description="the split to train on")
-    subset: str | None = Field(None, description="the dataset's configuration (subset) name, if it has several")
-
-    @property
-    def label(self) -> str:
-        """How messages and the run summary name this source."""
-        return self.path
-
-
-class BeirSource(_Strict):
-    """A BEIR folder's qrels as (query, document) training pairs; YAML ``{beir: folder, split: train}``."""
-
-    kind: Literal["beir"] = Field("beir", description="source kind; set by the `beir:` key")
-    path: str = Field(description="the BEIR folder; a relative path resolves against the config file's folder")
-    split: str = Field("train", description="the qrels file to read, qrels/<split>.tsv")
-
-    @property
-    def label(self) -> str:
-        """How messages and the run summary name this source."""
-        return f"{self.path} (BEIR, qrels/{self.split}.tsv)"
-
-
-# One class per kind of training data; `kind` picks it (inferred by DataConfig when not given).
-DataSource = Annotated[FileSource | HubSource | BeirSource, Field(discriminator="kind")]
-
-
-def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
-    """``file`` when ``path`` names packaged data (``cembed:<name>``), exists (relative to the
-    working folder or to ``base``, the config file's folder) or ends with one of
-    :data:`LOCAL_EXTENSIONS`; ``hub`` otherwise."""
-    if is_sample(path) or path.lower().endswith(LOCAL_EXTENSIONS) or Path(path).exists():
-        return "file"
-    if base is not None and (base / path).exists():
-        return "file"
-    return "hub"
-
-
-class ColumnMap(_Strict):
-    """Source column names for the roles the loss expects; every other column is dropped."""
-
-    anchor: str = Field("anchor", description="column holding the anchor (query) text")
-    positive: str = Field("positive", description="column holding the positive text for the anchor")
-    negatives: list[str] = Field(
-        default_factory=list, description="columns holding hard negatives, one role (negative_1..k) each"
-    )
-
-
-class DataConfig(_Strict):
-    """The training data: where it comes from, which columns feed the loss, how it is checked."""
-
-    train: DataSource = Field(description="a file path, a hub id, {kind, path, split, subset} or {beir, split}")
-    columns: ColumnMap = Field(default_factory=ColumnMap, description="data column -> loss role")
-    max_samples: PositiveInt | None = Field(None, description="train on the first N rows only")
-    drop_invalid_rows: bool = Field(False, description="drop rows with an empty/over-1-MB cell instead of refusing")
-    pretokenize: bool = Field(True, description="tokenize once, cache on disk, only pad in the collator")
-    cache_dir: str | None = Field(None, description="default $CEMBED_CACHE_DIR or ~/.cache/cembed")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _path_shorthand(cls, data: Any, info: ValidationInfo) -> Any:
-        # `train: file.jsonl` is shorthand for `train: {path: file.jsonl}`; a `train` without `kind`
-        # gets it from infer_source_kind (config_from_dict passes the config's folder as context base).
-        if isinstance(data, dict):
-            data = dict(data)
-            train = data.get("train")
-            if isinstance(train, str):
-                train = {"path": train}
-            if isinstance(train, dict) and "beir" in train:
-                # `train: {beir: folder, split: ...}` is the BEIR source's YAML form.
-                if "path" in train or train.get("kind", "beir") != "beir":
-                    raise ValueError("data.train: give the BEIR folder as `beir: <folder>` without `path` or `kind`")
-                train = {k: v for k, v in train.items() if k != "beir"} | {"kind": "beir", "path": train["beir"]}
-            if isinstance(train, dict) and "kind" not in train:
-                path = train.get("path")
-                base = (info.context or {}).get("base")
-                # Without a usable path any kind reports the same error (missing or not a string).
-                kind = infer_source_kind(path, base) if isinstance(path, str) else "file"
-                train = {"kind": kind, **train}
-            if isinstance(train, dict):
-                data["train"] = train
-        return data
 
 
 class BatchConfig(_Strict):
@@ -212,90 +113,6 @@ class OptimConfig(_Strict):
     # Extra arguments of the scheduler, e.g. {num_decay_steps: 100} (warmup_stable_decay), {lr_end: 1e-8}
     # (polynomial); checked before training (cembed.preflight).
     lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
-
-
-class LossConfig(_Strict):
-    """The ``loss`` section: the fields every loss has, plus ``name``, which picks the concrete class.
-
-    Each loss is a subclass with ``name: Literal["<name>"] = "<name>"``, its own fields, and the
-    ``uses_gradient_cache`` capability (True: the loss embeds in mini-batches of
-    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it). Subclasses are
-    registered by name in :data:`LOSS_CONFIGS` (:func:`register_loss_config`, or
-    ``cembed.losses.register_loss`` with its builder); :func:`loss_config` builds the registered
-    class for a ``name``.
-    """
-
-    uses_gradient_cache: ClassVar[bool] = False
-
-    name: str = DEFAULT_LOSS
-    scale: PositiveFloat = 20.0
-    symmetric: bool = False
-    # Gather every rank's embeddings so each anchor is contrasted with the whole global batch.
-    # None: true when training runs in more than one process.
-    gather_across_devices: bool | None = None
-
-
-class CachedMNRLLossConfig(LossConfig):
-    """``cached_mnrl``: in-batch negatives InfoNCE with GradCache (memory set by ``mini_batch_size``)."""
-
-    uses_gradient_cache: ClassVar[bool] = True
-
-    name: Literal["cached_mnrl"] = "cached_mnrl"
-
-
-class MNRLLossConfig(LossConfig):
-    """``mnrl``: plain in-batch negatives InfoNCE, the whole batch embedded at once."""
-
-    name: Literal["mnrl"] = "mnrl"
-
-
-# name -> LossConfig subclass; `loss.name` in a config picks one.
-LOSS_CONFIGS: dict[str, type[LossConfig]] = {}
-
-
-def register_loss_config(cls: type[LossConfig]) -> type[LossConfig]:
-    """Register a :class:`LossConfig` subclass under its ``name`` default (usable as a decorator).
-
-    Raises:
-        TypeError: ``cls`` is not a LossConfig subclass with a one-value ``Literal`` name.
-        ValueError: the name is already registered to another class.
-    """
-    if not (isinstance(cls, type) and issubclass(cls, LossConfig)) or cls is LossConfig:
-        raise TypeError(f"{cls!r}: a loss config must be a subclass of cembed.config.LossConfig")
-    field = cls.model_fields["name"]
-    values = get_args(field.annotation)
-    if len(values) != 1 or not isinstance(values[0], str) or field.default not in (values[0], PydanticUndefined):
-        raise TypeError(f"{cls.__name__}.name: declare it as name: Literal['<name>'] = '<name>'")
-    name = values[0]
-    if LOSS_CONFIGS.get(name, cls) is not cls:
-        raise ValueError(f"loss {name!r} is already registered ({LOSS_CONFIGS[name].__name__})")
-    LOSS_CONFIGS[name] = cls
-    return cls
-
-
-def loss_config_class(name: Any) -> type[LossConfig]:
-    """The registered :class:`LossConfig` subclass for ``name``.
-
-    Raises:
-        ValueError: an unknown name; the message lists the known ones.
-    """
-    cls = LOSS_CONFIGS.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSS_CONFIGS)}")
-    return cls
-
-
-def loss_config(**fields: Any) -> LossConfig:
-    """The registered loss config for ``fields["name"]`` (default ``cached_mnrl``), validated.
-
-    Raises:
-        ValueError: unknown name (listing the known ones); pydantic's ValidationError for bad fields.
-    """
-    return loss_config_class(fields.get("name", DEFAULT_LOSS)).model_validate(fields)
-
-
-register_loss_config(CachedMNRLLossConfig)
-register_loss_config(MNRLLossConfig)
 
 
 class SamplerConfig(_Strict):
