@@ -84,6 +84,14 @@ def device_peak(name: str, precision: str) -> tuple[float | None, str]:
     return None, f"unknown GPU {name!r}: set train.peak_tflops (--peak-tflops) for MFU"
 
 
+def format_flops(flops_per_s: float) -> str:
+    """``flops_per_s`` with an SI prefix for display, e.g. ``"312 TFLOP/s"``, ``"6.18 MFLOP/s"``."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if flops_per_s >= factor:
+            return f"{flops_per_s / factor:.3g} {prefix}FLOP/s"
+    return f"{flops_per_s:.3g} FLOP/s"
+
+
 def matmul_precision(precision: str, device: str) -> str:
     """The peak that bounds the run's matmuls: ``bf16``/``fp16`` as configured; for fp32 on CUDA
     ``tf32`` when TF32 matmuls are allowed (``torch.backends.cuda.matmul.allow_tf32``), else ``fp32``."""

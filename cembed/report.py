@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import TrainerCallback
 
+from cembed.flops import format_flops
 from cembed.probe import ProbeResult, format_bytes
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def print_done(console: Console, summary: dict) -> None:
     if "flops_per_s" in t:
         mfu = f", MFU {100 * t['mfu']:.1f}%" if t.get("mfu") is not None else " (no device peak: MFU not computed)"
         console.print(
-            f"throughput: {t['tokens_per_s']:.0f} tok/s, {t['flops_per_s'] / 1e12:.3g} model TFLOP/s{mfu}, "
+            f"throughput: {t['tokens_per_s']:.0f} tok/s, model {format_flops(t['flops_per_s'])}{mfu}, "
             f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%",
             highlight=False,
         )

@@ -40,6 +40,7 @@ from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.config import CembedConfig
 from cembed.distributed import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
+from cembed.flops import format_flops
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
 from cembed.plan import Plan
@@ -374,7 +375,7 @@ def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int,
             f"padding {100 * logs['padded_share']:.1f}%"
         )
     if "flops_per_s" in logs:
-        meter += f"  {logs['flops_per_s'] / 1e12:.3g} TFLOP/s"
+        meter += f"  {format_flops(logs['flops_per_s'])}"
     if logs.get("mfu") is not None:
         meter += f"  MFU {100 * logs['mfu']:.1f}%"
     return (
