@@ -164,6 +164,15 @@ def print_done(console: Console, summary: dict) -> None:
         f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
         highlight=False,
     )
+    lora = summary.get("lora")
+    if lora:
+        share = lora["adapter_parameters"] / lora["total_parameters"]
+        saved = "merged into the weights" if lora["merged"] else "saved as the adapter only"
+        console.print(
+            f"LoRA: adapter {lora['adapter_parameters']:,} parameters ({format_bytes(lora['adapter_bytes'])} fp32) "
+            f"vs full {lora['total_parameters']:,} ({format_bytes(lora['full_bytes'])}), {share:.2%}; {saved}",
+            highlight=False,
+        )
     console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
 
 
