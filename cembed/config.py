@@ -51,6 +51,21 @@ SCHEDULERS = (
 )
 
 
+class LoraOptions(_Strict):
+    """``model.lora``: train LoRA adapters instead of every weight (Hu et al. 2021, arXiv:2106.09685),
+    through ``peft`` (``pip install 'cembed[lora]'``)."""
+
+    r: PositiveInt = Field(16, description="adapter rank")
+    alpha: PositiveFloat = Field(32.0, description="scaling numerator: the update is (alpha / r) * B @ A")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the adapter's input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]) or all-linear"
+    )
+    merge: bool = Field(
+        True, description="save the final model with the adapters merged into the weights (false: adapter only)"
+    )
+
+
 class ModelConfig(_Strict):
     """Which model to fine-tune and how to run it."""
 
@@ -72,6 +87,7 @@ class ModelConfig(_Strict):
     pooling: Literal["mean", "cls", "lasttoken"] = Field(
         "mean", description="pooling for a plain transformers checkpoint (no modules.json); ignored otherwise"
     )
+    lora: LoraOptions | None = Field(None, description="train LoRA adapters only (needs peft)")
 
 
 class BatchConfig(_Strict):
@@ -122,6 +138,9 @@ class SamplerConfig(_Strict):
 class DistributedConfig(_Strict):
     # Process-group timeout: how long a rank waits in a collective for the others (NCCL's default is 10 min).
     timeout_minutes: PositiveFloat = 60.0
+    # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state sharded
+    # across ranks (torch FSDP2 `fully_shard` through accelerate), for models one GPU cannot hold.
+    strategy: Literal["ddp", "fsdp"] = "ddp"
 
 
 REPORT_TO = (

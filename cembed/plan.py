@@ -34,6 +34,7 @@ class Plan:
     mini_batch_size: int | None = None
     mini_batch_probe: dict | None = None
     save_dtype: str | None = None  # model.save_dtype as a torch name (bfloat16); None: the training dtype
+    lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +101,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         warnings=tuple(warnings),
         mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
         save_dtype=DTYPE_NAMES[cfg.model.save_dtype] if cfg.model.save_dtype else None,
+        lora_merge=cfg.model.lora.merge if cfg.model.lora is not None else None,
     )
 
 

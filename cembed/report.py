@@ -173,6 +173,15 @@ def print_done(console: Console, summary: dict) -> None:
             f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%",
             highlight=False,
         )
+    lora = summary.get("lora")
+    if lora:
+        share = lora["adapter_parameters"] / lora["total_parameters"]
+        saved = "merged into the weights" if lora["merged"] else "saved as the adapter only"
+        console.print(
+            f"LoRA: adapter {lora['adapter_parameters']:,} parameters ({format_bytes(lora['adapter_bytes'])} fp32) "
+            f"vs full {lora['total_parameters']:,} ({format_bytes(lora['full_bytes'])}), {share:.2%}; {saved}",
+            highlight=False,
+        )
     console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
 
 

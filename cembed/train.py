@@ -36,6 +36,7 @@ from cembed.data import PreparedData, UnloadedData, prepare_checked_data
 from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.flops import build_flop_model
+from cembed.lora import adapter_facts, finish_lora, is_lora
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
 from cembed.model import cast_for_saving, load_model, quiet_libraries, weight_dtypes
@@ -200,7 +201,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     Raises:
         UserError: the model cannot be loaded, or an eval set is wrong.
     """
-    model = load_model(cfg.model, device)
+    model = load_model(cfg.model, device, seed=cfg.train.seed)
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
         train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
     loss = build_loss(
@@ -260,7 +261,8 @@ def build_trainer(
     from transformers.trainer_callback import PrinterCallback
 
     is_main = dist_info().is_main
-    args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None)
+    layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
+    args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None, layers)
     flops = build_flop_model(parts.model, parts.loss.cached, plan.precision, plan.device, cfg.train.peak_tflops)
     trainer = trainer_cls(
         model=parts.model,
@@ -354,6 +356,8 @@ def write_summary(
     is_main = dist_info().is_main
     model = trainer.model  # the best checkpoint when eval.metric_for_best_model is set
     add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
+    lora = adapter_facts(model) | {"merged": plan.lora_merge} if is_lora(model) else None
+    finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
     cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
     if is_main:
         save_model_atomic(model, run_dir.out)
@@ -377,6 +381,7 @@ def write_summary(
         "step_losses": trainer.step_losses(),  # every optimizer step's loss (this process's)
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
         "throughput": trainer.meter.totals(),
+        "lora": lora,
         "throughput_per_interval": trainer.meter.history,
         "eval": evaluation.summary(eval_before, eval_after, state) if evaluation else None,
     }

@@ -38,18 +38,22 @@ from transformers import TrainerCallback
 
 from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.config import CembedConfig
-from cembed.distributed import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
+from cembed.distributed import fsdp_args, gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.flops import format_flops
+from cembed.lora import is_lora, load_adapter_checkpoint
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
 from cembed.plan import Plan
 from cembed.sampler import NoDuplicatesSampler
 
 
-def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = None):
+def build_training_args(
+    cfg: CembedConfig, plan: Plan, eval_args: dict | None = None, fsdp_layers: list[str] | None = None
+):
     """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR);
-    ``eval_args`` (from :func:`cembed.evaluate.training_eval_args`) override the save/eval settings.
+    ``eval_args`` (from :func:`cembed.evaluate.training_eval_args`) override the save/eval settings;
+    ``fsdp_layers`` (the backbone's layer classes) with ``distributed.strategy: fsdp``.
 
     Raises:
         UserError: a ``train.report_to`` tracker whose package is missing.
@@ -65,6 +69,8 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         # search; every rank needs full, equal batches (the sampler only yields whole global batches).
         # The process group (nccl/gloo) is joined by init_distributed; accelerate reuses it.
         ddp = {"ddp_find_unused_parameters": False}
+        if cfg.distributed.strategy == "fsdp":
+            ddp = fsdp_args(fsdp_layers or [])
     kwargs = dict(
         output_dir=t.output_dir,
         per_device_train_batch_size=plan.per_device_train_batch_size,
@@ -295,6 +301,14 @@ class CembedTrainer(SentenceTransformerTrainer):
         for param in self.model.parameters():
             param.grad = None
         return True
+
+    def _load_from_checkpoint(self, checkpoint_path, *args, **kwargs) -> None:
+        # A LoRA checkpoint holds only the adapter (cembed.lora); sentence-transformers' loader
+        # would rebuild the model from it through transformers' own PEFT integration instead.
+        if is_lora(self.model):
+            load_adapter_checkpoint(self.model, checkpoint_path)
+            return
+        super()._load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # --- atomic checkpoints: staged, marked complete, then renamed into place ------------------
 
