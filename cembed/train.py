@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from cembed.plan import Plan, resolve_plan
 from cembed.preflight import check_resume, preflight, raise_findings, training_record
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.probe import resolve_auto
+from cembed.prompts import RolePrompts, prompt_lengths, resolve_prompts
 from cembed.publish import add_card_facts, push_final_model
 from cembed.summary import Attempt, failed_summary, failures_recorded, samples_seen, summary_base
 from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, build_training_args
@@ -149,12 +150,10 @@ def resolve_runtime(
     return device, plan
 
 
-def tokenize_stage(model, data: PreparedData, enabled: bool, cache_dir: str | None):
-    """Pre-tokenize the training data for ``model`` (cached), or leave tokenizing to the collator.
-
-    Returns:
-        ``(dataset, collator or None, info)``: ``collator`` is ``None`` when the stock
-        sentence-transformers collator (tokenizing on the fly) is used, and ``info`` says why.
+def tokenize_stage(model, data: PreparedData, enabled: bool, cache_dir: str | None, prompts: dict | None = None):
+    """Pre-tokenize the training data for ``model`` (cached), ``prompts`` (``{role column: prompt}``)
+    prepended, or leave tokenizing to the collator. Returns ``(dataset, collator or None, info)``:
+    ``collator`` is ``None`` when sentence-transformers' collator (tokenizing on the fly) is used, ``info`` says why.
     """
     roles = data.columns
     if not enabled:
@@ -163,8 +162,9 @@ def tokenize_stage(model, data: PreparedData, enabled: bool, cache_dir: str | No
     if collator is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
     started = time.perf_counter()
-    result = pretokenize(data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir)
-    if not matches_model_preprocessing(model, collator, result.dataset):
+    lengths = prompt_lengths(model, prompts or {})  # ``Pooling(include_prompt=False)`` needs them
+    result = pretokenize(data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir, None, prompts, lengths)
+    if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts):
         return data.dataset, None, {"pretokenized": False, "reason": "stored ids differ from the model's preprocessing"}
     info = {
         "pretokenized": True,
@@ -188,6 +188,7 @@ class Components:
     distributed: dict | None  # what run_summary.json records about the process group
     source: str  # the training data's label, for messages
     weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
+    prompts: RolePrompts = field(default_factory=RolePrompts)  # each role's prompt
 
 
 def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None) -> Components:
@@ -200,8 +201,12 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         UserError: the model cannot be loaded, or an eval set is wrong.
     """
     model = load_model(cfg.model, device)
+    prompts = resolve_prompts(cfg.data.prompts, model)
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
-        train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
+        train_dataset, collator, token_info = tokenize_stage(
+            model, data, cfg.data.pretokenize, cfg.data.cache_dir, prompts.for_columns(data.columns)
+        )
+    token_info["prompts"] = prompts.to_dict()
     loss = build_loss(
         model,
         cfg.loss,
@@ -225,9 +230,9 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     if cfg.eval is not None:
         from cembed.evaluate import TrainingEvaluation
 
-        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line)
-    weights = weight_dtypes(model, cfg.model)
-    return Components(model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source, weights)
+        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
+    parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
+    return Components(*parts, weight_dtypes(model, cfg.model), prompts)
 
 
 @dataclass
@@ -260,6 +265,8 @@ def build_trainer(
 
     is_main = dist_info().is_main
     args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None)
+    if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
+        args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
     trainer = trainer_cls(
         model=parts.model,
         args=args,
