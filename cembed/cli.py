@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cembed.cli_mining import mine_negatives_cmd
 from cembed.errors import RunInterrupted, UserError, WorkerFailed
 
 app = typer.Typer(
@@ -414,6 +415,9 @@ def eval_cmd(
         progress=encode_progress(console),
     )
     print_eval_report(console, report)
+
+
+app.command("mine-negatives")(user_errors(mine_negatives_cmd))
 
 
 def main() -> None:

@@ -398,3 +398,9 @@ def print_eval_report(console: Console, report: EvalReport) -> None:
     console.print(table)
     if report.json_out is not None:
         console.print(f"metrics written to {report.json_out}", highlight=False)
+
+
+def print_mining_report(console: Console, report) -> None:
+    """``cembed mine-negatives``' result: :meth:`cembed.mining.MiningReport.lines`, as plain text."""
+    for line in report.lines():
+        console.print(line, highlight=False, markup=False)
