@@ -336,3 +336,51 @@ def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir
     again = score_model(str(tmp_path / "out"), [heldout], [], cache_dir=tmp_path / "emb")
     assert again.sets[rs.name]["corpus_cache_hit"]
     assert json.dumps(report.to_dict())  # the JSON report carries the prompts
+
+
+def test_without_pretokenization_the_trainers_collator_gets_the_prompts(prompted_model_dir, tmp_path):
+    from rich.console import Console
+
+    import cembed.train as T
+    from cembed.configfile import config_from_dict
+
+    rows = [{"anchor": f"question {i}", "positive": f"answer {i}", "neg": f"other {i}"} for i in range(8)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": str(prompted_model_dir), "device": "cpu"},
+            "data": {
+                "train": str(tmp_path / "p.jsonl"),
+                "pretokenize": False,
+                "columns": {"negatives": ["neg"]},
+                "prompts": {"negatives": "hard: "},
+            },
+            "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 4},
+            "train": {"max_steps": 1, "output_dir": str(tmp_path / "out")},
+        },
+        base=tmp_path,
+    )
+    plan, data = T.check_run_inputs(cfg)
+    parts = T.build_components(cfg, plan, data, "cpu")
+    assert parts.collator is None and parts.token_info["prompts"]["negatives"]["from"] == "data.prompts.negatives"
+    run = T.build_trainer(cfg, plan, parts, T.RunDir(tmp_path / "out", None), Console(quiet=True), False)
+    collator = run.trainer.data_collator
+    assert collator.prompts == {"anchor": "query: ", "positive": "passage: ", "negative_1": "hard: "}
+    batch = collator([dict(r) for r in data.dataset.select(range(2))])
+    assert batch["negative_1_prompt_length"] == len(parts.model.tokenizer("hard: ")["input_ids"]) - 1
+
+
+def test_corpus_cache_key_includes_the_prompt(tiny_model_dir, tmp_path):
+    import numpy as np
+
+    from cembed.embedding_cache import corpus_embeddings
+
+    model = _model(tiny_model_dir)
+    corpus = {"d1": "a red car", "d2": "two dogs on a street"}
+    plain = corpus_embeddings(model, corpus, cache_dir=tmp_path)
+    prompted = corpus_embeddings(model, corpus, cache_dir=tmp_path, prompt="passage: ")
+    assert not prompted.cache_hit and prompted.cache_file != plain.cache_file
+    assert not np.allclose(plain.embeddings, prompted.embeddings)
+    expected = model.encode(list(corpus.values()), prompt="passage: ")
+    np.testing.assert_allclose(prompted.embeddings, expected, atol=1e-6)
+    assert corpus_embeddings(model, corpus, cache_dir=tmp_path, prompt="passage: ").cache_hit
