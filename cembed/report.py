@@ -19,7 +19,7 @@ from cembed.flops import format_flops
 from cembed.probe import ProbeResult, format_bytes
 
 if TYPE_CHECKING:
-    from cembed.evaluate import EvalReport
+    from cembed.scoring import EvalReport
 
 
 def make_console(quiet: bool = False) -> Console:
@@ -302,12 +302,20 @@ def print_truncation(console: Console, truncation) -> None:
         return
     if truncation.weights is not None:
         console.print(truncation.weights.describe(), highlight=False)
+    if truncation.prompts is not None:
+        console.print(describe_prompts(truncation.prompts), highlight=False)
     if not truncation.columns:
         console.print(
             f"model loads; max_seq_length {truncation.max_seq_length}; truncation unchecked (no rows)", highlight=False
         )
         return
     console.print(truncation_table(truncation.max_seq_length, truncation.columns))
+
+
+def describe_prompts(prompts) -> str:
+    """One line: each role's prompt (a :class:`cembed.prompts.RolePrompts`) and where it came from."""
+    roles = prompts.to_dict()
+    return "prompts: " + "; ".join(f"{r} {v['prompt']!r} ({v['from']})" for r, v in roles.items())
 
 
 def probe_table(result: ProbeResult) -> Table:
@@ -360,7 +368,7 @@ def print_probe(console: Console, result: ProbeResult) -> None:
 
 
 def encode_progress(console: Console):
-    """A ``progress`` factory for :func:`cembed.evaluate.score_model`: for each retrieval set, a
+    """A ``progress`` factory for :func:`cembed.scoring.score_model`: for each retrieval set, a
     transient rich bar ``encode <set> corpus`` (done/total documents, elapsed, remaining)."""
     from rich.progress import (
         BarColumn,
@@ -408,3 +416,9 @@ def print_eval_report(console: Console, report: EvalReport) -> None:
     console.print(table)
     if report.json_out is not None:
         console.print(f"metrics written to {report.json_out}", highlight=False)
+
+
+def print_mining_report(console: Console, report) -> None:
+    """``cembed mine-negatives``' result: :meth:`cembed.mining.MiningReport.lines`, as plain text."""
+    for line in report.lines():
+        console.print(line, highlight=False, markup=False)
