@@ -411,9 +411,10 @@ def fsdp_args(layer_classes: list[str]) -> dict:
     sharded checkpoints (each rank writes its shard; resume reads them), and the full state dict
     gathered on rank 0 for the final model folder."""
     return {
-        "fsdp": "full_shard auto_wrap",
+        "fsdp": True,
         "fsdp_config": {
             "version": 2,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "transformer_layer_cls_to_wrap": list(layer_classes),
             "state_dict_type": "SHARDED_STATE_DICT",
             "reshard_after_forward": True,

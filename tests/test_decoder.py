@@ -252,3 +252,24 @@ def test_parameter_counts_of_plain_model(decoder_dir):
     model = _load(decoder_dir)
     counts = parameter_counts(model)
     assert counts["trainable"] == counts["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_fsdp_strategy_reaches_the_trainer(tiny_model_dir, write_config, pairs_file):
+    """distributed.strategy: fsdp becomes the trainer's FSDP2 options, one shard unit per layer;
+    ddp (the default) sets none. (FSDP's sharded memory is checked on GPUs by scripts/gpu_check.sh.)"""
+    from dataclasses import replace
+
+    from cembed.configfile import load_config
+    from cembed.plan import resolve_plan
+    from cembed.trainer import build_training_args
+
+    data = pairs_file([{"anchor": f"a {i}", "positive": f"b {i}"} for i in range(8)])
+    base = {"model": {"name_or_path": str(tiny_model_dir), "device": "cpu"}, "data": {"train": str(data)}}
+    fsdp = load_config(write_config(base | {"distributed": {"strategy": "fsdp"}}))
+    plan = replace(resolve_plan(fsdp, world_size=2))
+    args = build_training_args(fsdp, plan, None, ["BertLayer"])
+    assert args.fsdp and args.fsdp_config["version"] == 2
+    assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["BertLayer"]
+    assert args.fsdp_plugin_args["fsdp_version"] == 2
+    ddp = load_config(write_config(base, name="ddp.yaml"))
+    assert not build_training_args(ddp, resolve_plan(ddp, world_size=2), None, ["BertLayer"]).fsdp
