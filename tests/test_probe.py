@@ -297,8 +297,8 @@ def test_probe_counts_gathered_loss_stage(tiny_model_dir, monkeypatch):
         return built
 
     monkeypatch.setattr(losses, "build_loss", build)
-    sps = worst_case_step(model, loss_config(), 3, 8, 4, "bf16", repeats=1, world_size=4)
-    assert sps > 0
+    ran = worst_case_step(model, loss_config(), 3, 8, 4, "bf16", repeats=1, world_size=4)
+    assert ran.samples_per_s > 0 and ran.rows == 4 and ran.tokens_per_row == 16
     assert seen, "the loss stage never scored"
     for a, b, dtype, autocast, leaves in seen:
         assert a == (4, 32) and b == (8 * 4 * 2, 32), (a, b)  # mini x (batch x W x (positive + 1 negative))
@@ -310,7 +310,7 @@ def test_probe_counts_gathered_loss_stage(tiny_model_dir, monkeypatch):
         def __init__(self, spec, kill_above_bytes=None):
             specs.append(spec)
 
-        def __call__(self, size):
+        def __call__(self, size, num_tokens=None):
             return TrialOutcome(peak_bytes=size, samples_per_s=float(size))
 
     monkeypatch.setattr(probe, "SubprocessTrial", Recorded)

@@ -3,13 +3,22 @@ result independent of them, and the probe's budget from the longest-rows worst c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from conftest import distinct_pairs
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _minibatch_ranges
+from typer.testing import CliRunner
 
-from cembed.config import loss_config
+from cembed.cli import app
+from cembed.config import ModelConfig, loss_config
+from cembed.configfile import config_from_dict, load_config
 from cembed.losses import build_loss
+from cembed.plan import resolve_plan
+from cembed.probe import override_line, probe_token_budget, run_trial, search_mini_batch
+from cembed.probe_trials import SubprocessTrial, TrialOutcome, TrialSpec
 from cembed.token_budget import padded_ranges, row_extents, token_budget_ranges
 
 # Lengths (in words) from long to short with a gap: the case where counting non-padding tokens
@@ -119,3 +128,146 @@ def test_budget_passes_replay_the_same_ranges(tiny_model_dir, monkeypatch):
     expected = [(0, 2), (2, 4), (4, 10), (10, 20)] * 2  # both columns have the WORDS lengths
     assert [(b, e) for g, b, e in seen if not g] == expected
     assert [(b, e) for g, b, e in seen if g] == expected
+
+
+# ----------------------------------------------------------------------------------------------
+# The probe: the token budget from the longest-rows worst case
+
+
+WIDTH = 16  # tokens per row in the fake trials
+PER_ROW = 1000  # fake bytes per row: 37 rows = 37000 <= 0.9 x 41200 = 37080 fits, 38 rows do not
+
+
+def fake_trial(calls):
+    """Peak = PER_ROW x rows; a token trial cuts budget // WIDTH rows (the full-length worst case)."""
+
+    def trial(size, num_tokens=None):
+        calls.append((size, num_tokens))
+        rows = max(1, num_tokens // WIDTH) if num_tokens is not None else size
+        return TrialOutcome(peak_bytes=PER_ROW * rows, samples_per_s=10.0 * rows, rows=rows, tokens_per_row=WIDTH)
+
+    return trial
+
+
+def test_probe_token_budget_from_the_row_search():
+    calls = []
+    trial = fake_trial(calls)
+    result = search_mini_batch(trial, 41200, margin=0.10, cap=1024, knee_fraction=None)
+    assert result.recommended == result.max_fit == 37
+    probe_token_budget(result, trial)
+    assert calls[-1] == (37, 37 * WIDTH)  # the budget itself was run
+    assert result.tokens_per_row == WIDTH
+    assert result.recommended_num_tokens == 37 * WIDTH == 592 and result.max_fit_num_tokens == 592
+    last = result.trials[-1]
+    assert (last.size, last.num_tokens, last.fits, last.peak_bytes) == (37, 592, True, 37000)
+    # the next budget that changes the mini-batch (one more row) does not fit
+    over = run_trial(trial, 37, result.limit_bytes, num_tokens=592 + WIDTH)
+    assert over.size == 38 and not over.fits
+    assert override_line(result) == "batch.mini_batch_size=37 batch.mini_batch_num_tokens=592"
+
+
+def test_probe_token_budget_knee_and_failure():
+    calls = []
+    trial = fake_trial(calls)
+    result = search_mini_batch(trial, 41200, margin=0.10, cap=1024, knee_fraction=0.95)
+    result.recommended = 16  # as the knee rule would pick: the budget follows the recommendation
+    probe_token_budget(result, trial)
+    assert result.recommended_num_tokens == 256 and result.max_fit_num_tokens == 37 * WIDTH
+
+    def failing(size, num_tokens=None):
+        if num_tokens is not None:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return TrialOutcome(peak_bytes=PER_ROW * size, samples_per_s=1.0, rows=size, tokens_per_row=WIDTH)
+
+    result = search_mini_batch(failing, 41200, margin=0.10, cap=1024, knee_fraction=None)
+    probe_token_budget(result, failing)
+    assert result.recommended_num_tokens is None and result.max_fit_num_tokens is None
+    assert result.notes == [
+        "no token budget: the trial at 592 tokens did not fit (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)"
+    ]
+    assert override_line(result) == "batch.mini_batch_size=37"
+
+
+def test_cpu_token_budget_fits_and_a_larger_one_does_not(tiny_model_dir):
+    """Real trials on CPU (child processes, resident memory): with a memory budget between the
+    peaks of 64 and 128 full-length rows, the probe's budget (64 rows x 128 tokens) is run and fits;
+    the budget of 128 rows' tokens cuts 128 rows and does not."""
+    spec = TrialSpec(
+        model=ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=128, device="cpu").model_dump(),
+        loss=loss_config().model_dump(),
+        n_columns=2,
+        batch_size=256,
+        device="cpu",
+    )
+    trial = SubprocessTrial(spec)
+    small, large = trial(64), trial(128)
+    assert small.tokens_per_row == large.tokens_per_row == 128 and (small.rows, large.rows) == (64, 128)
+    budget = (small.peak_bytes + large.peak_bytes) // 2
+    trial.kill_above = budget
+    result = search_mini_batch(trial, budget, margin=0.0, cap=64, start=64, knee_fraction=None)
+    probe_token_budget(result, trial)
+    assert result.recommended_num_tokens == result.max_fit_num_tokens == 64 * 128
+    at = result.trials[-1]
+    assert (at.num_tokens, at.size, at.fits) == (64 * 128, 64, True) and at.peak_bytes <= budget
+    over = run_trial(trial, 64, budget, num_tokens=128 * 128)
+    assert over.size == 128 and not over.fits and over.peak_bytes > budget
+
+
+class FakeTrials:
+    """Stands in for SubprocessTrial in run_probe: fake_trial's device, calls recorded."""
+
+    calls: list = []
+
+    def __init__(self, spec, kill_above_bytes=None):
+        self.trial = fake_trial(FakeTrials.calls)
+
+    def __call__(self, size, num_tokens=None):
+        return self.trial(size, num_tokens)
+
+
+def test_auto_sets_both_and_keeps_a_user_budget(monkeypatch, tiny_model_dir):
+    import cembed.probe as probe
+    from cembed.plan import Plan
+
+    monkeypatch.setattr(probe, "SubprocessTrial", FakeTrials)
+    FakeTrials.calls = []
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=16, device="cpu")
+    plan = Plan("cpu", 1, 64, 1, 64, 1e-5, "", "fp32")
+    resolved, result = probe.resolve_auto(plan, cfg, loss_config(), 2, "41200", margin=0.10)
+    assert result.max_fit == 37  # 37 x 1000 <= 0.9 x 41200
+    assert resolved.mini_batch_size == result.recommended
+    assert resolved.mini_batch_num_tokens == result.recommended * WIDTH == result.recommended_num_tokens
+    assert resolved.mini_batch_probe["override"] == (
+        f"batch.mini_batch_size={result.recommended} batch.mini_batch_num_tokens={result.recommended * WIDTH}"
+    )
+    # a budget the config sets is kept, and no token trial runs
+    FakeTrials.calls = []
+    resolved, result = probe.resolve_auto(replace(plan, mini_batch_num_tokens=500), cfg, loss_config(), 2, "41200")
+    assert resolved.mini_batch_num_tokens == 500 and resolved.mini_batch_size == result.recommended
+    assert all(tokens is None for _, tokens in FakeTrials.calls)
+    # mini_batch_size alone (no auto): nothing probed, no budget
+    plan = resolve_plan(config_from_dict({"data": {"train": "x.jsonl"}, "batch": {"mini_batch_size": 8}}))
+    assert plan.mini_batch_size == 8 and plan.mini_batch_num_tokens is None
+    assert probe.resolve_auto(plan, cfg, loss_config(), 2)[1] is None
+
+
+def test_write_stores_both(monkeypatch, tiny_model_dir, write_config, pairs_file):
+    import cembed.probe as probe
+
+    monkeypatch.setattr(probe, "SubprocessTrial", FakeTrials)
+    cfg = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "max_seq_length": 16, "device": "cpu"},
+            "data": {"train": str(pairs_file(distinct_pairs(64)))},
+            "batch": {"per_device_train_batch_size": 64, "mini_batch_size": "auto"},
+        }
+    )
+    r = CliRunner().invoke(app, ["probe-minibatch", str(cfg), "--max-memory", "41200", "--write"])
+    assert r.exit_code == 0, r.output
+    batch = load_config(cfg).batch
+    assert batch.mini_batch_size == 36  # the knee: 36 rows reach >= 95% of 37 rows' samples/s (10 per row)
+    assert batch.mini_batch_num_tokens == 36 * WIDTH == 576
+    assert (
+        "recommended mini_batch_num_tokens: 576 (= 36 rows x 16 tokens; largest that fits: 592 = 37 x 16)" in r.output
+    )
+    assert "override: batch.mini_batch_size=36 batch.mini_batch_num_tokens=576" in r.output
