@@ -131,8 +131,9 @@ def print_starter(console: Console, s) -> None:
 
 def print_run_header(console: Console, cfg, plan) -> None:
     """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR."""
+    tokens = f" ({plan.mini_batch_num_tokens} tokens)" if plan.mini_batch_num_tokens else ""
     console.print(
-        f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}  "
+        f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}{tokens}  "
         f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
         highlight=False,
     )
