@@ -191,8 +191,13 @@ def train_cmd(
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", help="HOST:PORT of node 0, reachable from every node (multi-node)."
     ),
+    peak_tflops: Optional[float] = typer.Option(
+        None, "--peak-tflops", help="The GPU's dense peak TFLOP/s for MFU (same as train.peak_tflops=...)."
+    ),
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
+    if peak_tflops is not None:
+        overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
     from cembed.distributed import dist_info, is_worker, leave_process_group, record_worker_error
     from cembed.placement import warn_unplaceable
     from cembed.report import make_console, print_done, print_eval_change

@@ -149,6 +149,8 @@ class TrainConfig(_Strict):
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     dataloader_num_workers: int = Field(0, ge=0)
+    # The device's dense peak in TFLOP/s for the meter's MFU (default: cembed.flops.PEAKS by GPU name).
+    peak_tflops: float | None = Field(None, gt=0)
     # Experiment trackers, through the trainer's own integrations (each needs its package installed).
     report_to: list[Literal[REPORT_TO]] = Field(default_factory=lambda: ["none"])  # type: ignore[valid-type]
     # Publishing through the trainer: checkpoints as they are saved, the final model folder at the end.

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import TrainerCallback
 
+from cembed.flops import format_flops
 from cembed.probe import ProbeResult, format_bytes, override_line
 
 if TYPE_CHECKING:
@@ -165,6 +166,14 @@ def print_done(console: Console, summary: dict) -> None:
         f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
         highlight=False,
     )
+    t = summary.get("throughput") or {}
+    if "flops_per_s" in t:
+        mfu = f", MFU {100 * t['mfu']:.1f}%" if t.get("mfu") is not None else " (no device peak: MFU not computed)"
+        console.print(
+            f"throughput: {t['tokens_per_s']:.0f} tok/s, model {format_flops(t['flops_per_s'])}{mfu}, "
+            f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%",
+            highlight=False,
+        )
     console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
 
 

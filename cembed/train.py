@@ -35,6 +35,7 @@ from cembed.config import CembedConfig
 from cembed.data import PreparedData, UnloadedData, prepare_checked_data
 from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
+from cembed.flops import build_flop_model
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
 from cembed.model import cast_for_saving, load_model, quiet_libraries, weight_dtypes
@@ -260,6 +261,7 @@ def build_trainer(
 
     is_main = dist_info().is_main
     args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None)
+    flops = build_flop_model(parts.model, parts.loss.cached, plan.precision, plan.device, cfg.train.peak_tflops)
     trainer = trainer_cls(
         model=parts.model,
         args=args,
@@ -267,7 +269,7 @@ def build_trainer(
         loss=parts.loss.module,
         data_collator=parts.collator,
         evaluator=parts.evaluation.evaluator if parts.evaluation else None,
-        meter=ThroughputMeter(parts.loss.token_counts),
+        meter=ThroughputMeter(parts.loss.token_counts, flops),
         nonfinite_policy=cfg.train.nonfinite_loss,
     )
     trainer.remove_callback(PrinterCallback)

@@ -5,7 +5,8 @@
 :class:`CembedTrainer` takes its collaborators as constructor arguments:
 
 - ``meter`` (:class:`~cembed.meter.ThroughputMeter`): every wait for the next batch is timed, and
-  each training log gets the interval's data-wait share, tokens/s and padded share;
+  each training log gets the interval's data-wait share, tokens/s, padded share, model FLOP/s and MFU
+  (the loss's token counts stay on the device until then: no host read per mini-batch);
 - ``nonfinite_policy``: a NaN/inf loss stops the run naming the step and the last good checkpoint
   (``"stop"``, :class:`~cembed.errors.RunFailed`) or turns the optimizer step into a no-op and
   counts it (``"skip"``). The decision is taken by all ranks together (one max all-reduce per
@@ -39,6 +40,7 @@ from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.config import CembedConfig
 from cembed.distributed import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
+from cembed.flops import format_flops
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
 from cembed.plan import Plan
@@ -217,7 +219,9 @@ class CembedTrainer(SentenceTransformerTrainer):
         if "loss" in logs:
             self._flush_step_losses()
             if self.meter is not None:
-                logs = {**logs, **self.meter.snapshot(self.state.global_step)}
+                # mfu is None without a known device peak: left out of the trainer's logs (trackers want numbers)
+                stats = self.meter.snapshot(self.state.global_step)
+                logs = {**logs, **{k: v for k, v in stats.items() if v is not None}}
         return super().log(logs, *args, **kwargs)
 
     # --- every optimizer step's loss -----------------------------------------------------------
@@ -362,13 +366,18 @@ class RunLog:
 
 
 def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict) -> str:
-    """One logging interval as text: step, loss, LR, samples/s and the meter's statistics."""
+    """One logging interval as text: step, loss, LR, samples/s and the meter's statistics (model
+    TFLOP/s and MFU when the meter has them)."""
     meter = ""
     if "data_wait" in logs:
         meter = (
             f"  {logs['tokens_per_s']:.0f} tok/s  data-wait {100 * logs['data_wait']:.1f}%  "
             f"padding {100 * logs['padded_share']:.1f}%"
         )
+    if "flops_per_s" in logs:
+        meter += f"  {format_flops(logs['flops_per_s'])}"
+    if logs.get("mfu") is not None:
+        meter += f"  MFU {100 * logs['mfu']:.1f}%"
     return (
         f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
         f"{log.samples_per_s(step, samples_per_step):.1f} samples/s{meter}"
