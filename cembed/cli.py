@@ -328,10 +328,10 @@ def probe_minibatch_cmd(
         None, "--max-memory", help="Memory budget, e.g. 8GiB (CPU default: physical memory)."
     ),
     write: bool = typer.Option(
-        False, "--write", help="Store the recommendation as batch.mini_batch_size in the config file."
+        False, "--write", help="Store batch.mini_batch_size and batch.mini_batch_num_tokens in the config file."
     ),
 ) -> None:
-    """Measure the largest mini_batch_size whose cached-loss step fits (worst case, with headroom)."""
+    """Measure the largest mini_batch_size and token budget whose cached-loss step fits (worst case)."""
     from cembed.config import CachedMNRLLossConfig, CembedConfig
     from cembed.configfile import model_config_from_flags, set_yaml_value
     from cembed.probe import parse_bytes, run_probe
@@ -364,12 +364,20 @@ def probe_minibatch_cmd(
         max_size=max_size,
         margin=margin,
         max_memory=budget,
-        on_trial=lambda r: console.print(f"  tried {r.size}: {'fits' if r.fits else 'does not fit'}", highlight=False),
+        on_trial=lambda r: console.print(
+            f"  tried {f'{r.num_tokens} tokens' if r.num_tokens else r.size}: {'fits' if r.fits else 'does not fit'}",
+            highlight=False,
+        ),
     )
     print_probe(console, result)
     if write:
-        set_yaml_value(config, ("batch", "mini_batch_size"), result.recommended)
-        console.print(f"wrote batch.mini_batch_size: {result.recommended} to {config}", highlight=False)
+        for key, value in (
+            ("mini_batch_size", result.recommended),
+            ("mini_batch_num_tokens", result.recommended_num_tokens),
+        ):
+            if value is not None:
+                set_yaml_value(config, ("batch", key), value)
+                console.print(f"wrote batch.{key}: {value} to {config}", highlight=False)
 
 
 @app.command("eval")

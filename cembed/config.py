@@ -95,7 +95,7 @@ class BatchConfig(_Strict):
     mini_batch_size: PositiveInt | Literal["auto"] = 32  # auto: `cembed train` probes it first
     gradient_accumulation_steps: PositiveInt = 1
     drop_last: bool = True
-    mini_batch_num_tokens: PositiveInt | None = None  # pack mini-batches by non-padding tokens instead
+    mini_batch_num_tokens: PositiveInt | None = None  # token budget: rows x padded width per mini-batch
     sort_by_length: bool = True  # sort each column by length before cutting mini-batches
 
     @field_validator("mini_batch_size", mode="before")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, get_args
 
 import torch
-from sentence_transformers.base.losses.gradcache import _minibatch_ranges, uses_gradient_cache
+from sentence_transformers.base.losses.gradcache import _get_batch_size, _minibatch_ranges, uses_gradient_cache
 from sentence_transformers.sentence_transformer.losses import (
     CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
@@ -42,6 +42,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from torch import nn
 
 from cembed.config import CachedMNRLLossConfig, LossConfig, MNRLLossConfig, register_loss_config
+from cembed.token_budget import token_budget_ranges
 
 
 @dataclass
@@ -160,18 +161,27 @@ class LengthSortedMixin:
     The embeddings are put back in the original row order before the loss, so loss and gradients
     equal the unsorted loss's (the positive of row i stays on the diagonal) while mini-batches of
     similar lengths carry little padding. Longest first also makes the first mini-batch the
-    memory worst case. ``mini_batch_num_tokens`` (sentence-transformers' token-budget mini-batches)
-    works on the sorted rows.
+    memory worst case.
+
+    ``mini_batch_num_tokens`` is cembed's token budget (:mod:`cembed.token_budget`): mini-batches
+    are cut on the sorted rows so that rows x padded width stays within it. It is kept as
+    ``token_budget``; the library's own ``mini_batch_num_tokens`` (which counts non-padding tokens)
+    stays None, and :meth:`embed_minibatch_iter` hands the library's passes the budget's ranges.
     """
 
     mini_batch_size: int
-    mini_batch_num_tokens: int | None
 
-    def __init__(self, *args, sort_by_length: bool = True, **kwargs) -> None:
+    def __init__(self, *args, sort_by_length: bool = True, mini_batch_num_tokens: int | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if mini_batch_num_tokens is not None and mini_batch_num_tokens < 1:
+            raise ValueError(f"mini_batch_num_tokens must be at least 1, got {mini_batch_num_tokens}")
         self.sort_by_length = sort_by_length
+        self.token_budget = mini_batch_num_tokens
         self.token_counts = TokenCounts()
         self._inverse: list[torch.Tensor | None] = []
+        # id(feature dict) -> (rows, ranges) of the current forward: its no-grad pass and the
+        # backward's replay must cut the same mini-batches (a module may edit the mask in between).
+        self._budget_ranges: dict[int, tuple[int, list[tuple[int, int]]]] = {}
 
     def forward(self, sentence_features, labels):
         """Sort each column by length, count its tokens per mini-batch, then run the cached loss."""
@@ -191,10 +201,40 @@ class LengthSortedMixin:
                 sorted_features.append(_take_rows(feature, order))
                 self._inverse.append(inverse)
             features = sorted_features
+        self._budget_ranges = {}
         for feature in features:
-            ranges = _minibatch_ranges(feature, self.mini_batch_size, self.mini_batch_num_tokens)
+            ranges = self._ranges(feature)
             _count_tokens(feature, ranges, self.token_counts, longest_first=self.sort_by_length)
         return super().forward(features, labels)
+
+    def _ranges(self, feature: dict) -> list[tuple[int, int]]:
+        """The mini-batches of one column: by ``token_budget`` (computed once per forward), else
+        the library's cut by ``mini_batch_size`` rows."""
+        if self.token_budget is None:
+            return _minibatch_ranges(feature, self.mini_batch_size, None)
+        rows = _get_batch_size(feature)
+        known = self._budget_ranges.get(id(feature))
+        if known is not None and known[0] == rows:
+            return known[1]
+        ranges = token_budget_ranges(feature, self.token_budget)
+        if ranges is None:  # no attention mask: no widths to budget
+            return _minibatch_ranges(feature, self.mini_batch_size, None)
+        self._budget_ranges[id(feature)] = (rows, ranges)
+        return ranges
+
+    def embed_minibatch_iter(self, sentence_feature, with_grad, copy_random_state, random_states=None, ranges=None):
+        """The library's mini-batch iterator over the token budget's ranges (when a budget is set).
+
+        The library cuts ``mini_batch_size`` rows (its ``mini_batch_num_tokens`` is None); with a
+        budget both its no-grad pass and its backward replay come here with that cut and get the
+        budget's ranges instead, the same ones in both passes, so the cached gradients and RNG
+        states line up with the mini-batches they belong to. (The library's DDP flush of a frozen
+        last mini-batch indexes its own cut; cembed trains every column through the whole model,
+        so no mini-batch is frozen.)
+        """
+        if self.token_budget is not None:
+            ranges = self._ranges(sentence_feature)
+        return super().embed_minibatch_iter(sentence_feature, with_grad, copy_random_state, random_states, ranges)
 
     def calculate_loss(self, reps, labels=None, *, with_backward: bool = False):
         """Run the parent's loss on the embeddings in original row order.

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any, Callable
+
+from cembed.errors import UserError
 
 
 def write_atomic(path: str | Path, write: Callable[[IO], None], binary: bool = False) -> Path:
@@ -67,3 +70,34 @@ def format_bytes(n: int | float | None) -> str:
     if n >= 1024**3:
         return f"{n / 1024**3:.2f} GiB"
     return f"{n / 1024**2:.1f} MiB"
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str, flag: str = "--max-memory") -> int:
+    """``"8GiB"``, ``"512MiB"``, ``"8GB"``, ``"8G"`` (=GB), ``"123"`` (bytes) -> bytes.
+
+    Raises:
+        UserError: not a positive size, naming ``flag``.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"{flag}: cannot read {text!r} as a memory size; write e.g. 8GiB, 512MiB or 16GB")
+    return int(float(m.group(1)) * _UNITS[unit])

@@ -33,6 +33,9 @@ class Plan:
     # (cembed.probe.resolve_auto), which also records its measurements here.
     mini_batch_size: int | None = None
     mini_batch_probe: dict | None = None
+    # Token positions per mini-batch (rows x padded width, cembed.token_budget); with it set it cuts
+    # the mini-batches, not mini_batch_size. From batch.mini_batch_num_tokens, or the probe under auto.
+    mini_batch_num_tokens: int | None = None
     save_dtype: str | None = None  # model.save_dtype as a torch name (bfloat16); None: the training dtype
     lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
 
@@ -100,6 +103,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         gather_across_devices=gather,
         warnings=tuple(warnings),
         mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
+        mini_batch_num_tokens=b.mini_batch_num_tokens,
         save_dtype=DTYPE_NAMES[cfg.model.save_dtype] if cfg.model.save_dtype else None,
         lora_merge=cfg.model.lora.merge if cfg.model.lora is not None else None,
     )

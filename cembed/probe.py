@@ -11,19 +11,24 @@ probe measures it in the worst case instead of guessing:
   worst-case cached-loss step) and the runners that measure its peak memory, in this process on
   CUDA (:class:`~cembed.probe_trials.CudaTrial`) or in a child process
   (:class:`~cembed.probe_trials.SubprocessTrial`).
+* :func:`probe_token_budget` turns the answer into a token budget (``batch.mini_batch_num_tokens``,
+  :mod:`cembed.token_budget`): rows x tokens per row of the worst case, confirmed by a trial run at
+  that budget.
 * :func:`run_probe` picks the runner and the budget; :func:`resolve_auto` fills
-  ``batch.mini_batch_size: auto``. Both ask the loss config whether it uses gradient caching.
+  ``batch.mini_batch_size: auto`` (and the token budget). Both ask the loss config whether it uses
+  gradient caching.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from cembed.errors import UserError
 from cembed.model import resolve_device
+from cembed.outputs import parse_bytes  # noqa: F401 - the CLI and callers read sizes through the probe
+from cembed.probe_ranks import agree_across_ranks, per_rank_peaks
 from cembed.probe_trials import (
     CudaTrial,
     SubprocessTrial,
@@ -53,6 +58,8 @@ class TrialRecord:
     peak_bytes: int | None
     samples_per_s: float | None
     error: str | None = None
+    num_tokens: int | None = None  # the token budget the trial ran at (None: ``size`` rows)
+    tokens_per_row: int | None = None  # every row's width in the trial, tokens
 
 
 @dataclass
@@ -72,6 +79,12 @@ class ProbeResult:
         world_size: ranks whose gathered candidates the trials' loss stage scored (1: no gathering).
         ranks: per rank (in a process group; else this process alone): ``rank``, the size it found
             (``recommended``), its measured peak at that size (``peak_bytes``) and ``limit_bytes``.
+        tokens_per_row: the trials' row width (``max_seq_length``), tokens.
+        recommended_num_tokens: the token budget to use, ``recommended x tokens_per_row`` (its trial
+            fit); None when not probed or its trial did not fit.
+        max_fit_num_tokens: the largest budget that fits in the worst case, ``max_fit x
+            tokens_per_row`` (every budget below ``(max_fit + 1) x tokens_per_row`` cuts the same
+            mini-batches of full-length rows).
     """
 
     recommended: int
@@ -87,6 +100,9 @@ class ProbeResult:
     notes: list[str] = field(default_factory=list)
     world_size: int = 1
     ranks: list[dict] = field(default_factory=list)
+    tokens_per_row: int | None = None
+    recommended_num_tokens: int | None = None
+    max_fit_num_tokens: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,18 +151,11 @@ def search_mini_batch(
     records: list[TrialRecord] = []
 
     def attempt(size: int) -> bool:
-        try:
-            out = trial(size)
-        except Exception as exc:  # noqa: BLE001 - classified just below
-            if not is_device_failure(exc):
-                raise
-            out = TrialOutcome(error=_describe(exc))
-        fits = out.error is None and out.peak_bytes is not None and out.peak_bytes <= limit
-        rec = TrialRecord(size, fits, out.peak_bytes, out.samples_per_s, out.error)
+        rec = run_trial(trial, size, limit)
         records.append(rec)
         if on_trial is not None:
             on_trial(rec)
-        return fits
+        return rec.fits
 
     lo, hi = 0, None  # largest size known to fit, smallest size known not to
     size = max(1, min(start, cap))
@@ -176,6 +185,60 @@ def search_mini_batch(
     return ProbeResult(recommended, lo, reason, int(capacity_bytes), margin, int(limit), cap, records)
 
 
+def run_trial(
+    trial: Callable[..., TrialOutcome], size: int, limit: float, num_tokens: int | None = None
+) -> TrialRecord:
+    """Run ``trial(size)`` (or ``trial(size, num_tokens=...)``) and judge it against ``limit`` bytes:
+    it fits when it ran and its peak is known and at most ``limit``. Device failures
+    (:func:`is_device_failure`) count as "does not fit"; any other exception propagates."""
+    try:
+        out = trial(size) if num_tokens is None else trial(size, num_tokens=num_tokens)
+    except Exception as exc:  # noqa: BLE001 - classified just below
+        if not is_device_failure(exc):
+            raise
+        out = TrialOutcome(error=_describe(exc))
+    fits = out.error is None and out.peak_bytes is not None and out.peak_bytes <= limit
+    rows = out.rows if num_tokens is not None and out.rows else size
+    return TrialRecord(rows, fits, out.peak_bytes, out.samples_per_s, out.error, num_tokens, out.tokens_per_row)
+
+
+def probe_token_budget(
+    result: ProbeResult, trial: Callable[..., TrialOutcome], on_trial: Callable[[TrialRecord], None] | None = None
+) -> ProbeResult:
+    """Add the token budget to a finished row search: ``recommended x tokens_per_row`` (the worst
+    case's rows are all ``tokens_per_row`` = ``max_seq_length`` tokens wide), run as a trial with
+    the loss cutting mini-batches by that budget (:mod:`cembed.token_budget`); it must fit and cut
+    ``recommended`` rows. Sets ``tokens_per_row``, ``recommended_num_tokens`` and
+    ``max_fit_num_tokens``, appends the trial to ``result.trials`` (with ``num_tokens``), or leaves
+    the budget unset with a note when the trials report no row width or the budget's trial fails.
+
+    With a budget of ``B`` tokens a mini-batch holds as many rows as fit ``rows x padded width <= B``,
+    so rows shorter than ``tokens_per_row`` travel in larger mini-batches at no more memory: the
+    longest rows are the worst case (the budget counts padded positions, see
+    :mod:`cembed.token_budget`).
+
+    Returns:
+        ``result``, updated in place.
+    """
+    width = next((r.tokens_per_row for r in result.trials if r.fits and r.tokens_per_row), None)
+    if width is None:
+        result.notes.append("no token budget: the trials did not report their row width")
+        return result
+    budget = result.recommended * width
+    rec = run_trial(trial, result.recommended, result.limit_bytes, num_tokens=budget)
+    result.trials.append(rec)
+    if on_trial is not None:
+        on_trial(rec)
+    if not rec.fits or rec.size != result.recommended:
+        why = rec.error or f"{rec.size} rows at peak {format_bytes(rec.peak_bytes)}"
+        result.notes.append(f"no token budget: the trial at {budget} tokens did not fit ({why})")
+        return result
+    result.tokens_per_row = width
+    result.recommended_num_tokens = budget
+    result.max_fit_num_tokens = result.max_fit * width
+    return result
+
+
 def choose_recommendation(records: list[TrialRecord], max_fit: int, knee_fraction: float | None) -> tuple[int, str]:
     """The knee rule: the smallest fitting size with samples/s >= ``knee_fraction`` x the best
     measured, if it is smaller than ``max_fit``; otherwise ``max_fit``. Returns ``(size, reason)``."""
@@ -193,71 +256,6 @@ def choose_recommendation(records: list[TrialRecord], max_fit: int, knee_fractio
         f"(at {best.size}); larger fitting sizes (up to {max_fit}) are not >{100 * (1 - knee_fraction):.0f}% faster "
         "and use more memory"
     )
-
-
-def agree_across_ranks(size: int) -> int:
-    """All ranks use the minimum: ``all_reduce(MIN)`` of ``size`` when a torch.distributed process
-    group is initialized, else ``size`` unchanged."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return size
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([size], dtype=torch.long, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
-def per_rank_peaks(result: ProbeResult) -> list[dict]:
-    """Each rank's own answer and its measured peak at that size (``all_gather_object`` when a
-    torch.distributed process group is initialized, else this process's entry alone). Every rank
-    must call it at the same point."""
-    import torch.distributed as dist
-
-    peak = next((r.peak_bytes for r in result.trials if r.size == result.recommended and r.fits), None)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    mine = {"rank": rank, "recommended": result.recommended, "peak_bytes": peak, "limit_bytes": result.limit_bytes}
-    if not (dist.is_available() and dist.is_initialized()):
-        return [mine]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
-
-
-# ----------------------------------------------------------------------------------------------
-# Units
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-
-
-def parse_bytes(text: str, flag: str = "--max-memory") -> int:
-    """``"8GiB"``, ``"512MiB"``, ``"8GB"``, ``"8G"`` (=GB), ``"123"`` (bytes) -> bytes.
-
-    Raises:
-        UserError: not a positive size, naming ``flag``.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise UserError(f"{flag}: cannot read {text!r} as a memory size; write e.g. 8GiB, 512MiB or 16GB")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,8 +280,10 @@ def run_probe(
     on_trial: Callable[[TrialRecord], None] | None = None,
     world_size: int = 1,
     sort_by_length: bool = True,
+    token_budget: bool = True,
 ) -> ProbeResult:
-    """Probe ``mini_batch_size`` for ``model_cfg`` on ``device`` (auto | cpu | cuda).
+    """Probe ``mini_batch_size`` for ``model_cfg`` on ``device`` (auto | cpu | cuda), then (with
+    ``token_budget``) the token budget ``mini_batch_num_tokens`` (:func:`probe_token_budget`).
 
     Args:
         model_cfg: a ModelConfig (name_or_path, max_seq_length, precision).
@@ -299,10 +299,11 @@ def run_probe(
         world_size: ranks whose candidates the loss gathers (training's ``world_size`` with
             ``gather_across_devices``, else 1): the trials' loss stage scores that many.
         sort_by_length: the loss sorts columns by length (its sorted feature copies are measured).
+        token_budget: also measure the token budget (one more trial).
 
     Returns:
-        The :class:`ProbeResult`, with ``recommended`` agreed across ranks (minimum) and every
-        rank's own answer and peak (``ranks``).
+        The :class:`ProbeResult`, with ``recommended`` (and ``recommended_num_tokens``) agreed
+        across ranks (minimum) and every rank's own answer and peak (``ranks``).
 
     Raises:
         UserError: a plain (uncached) loss, fp16 on CPU, a model that cannot load, nothing fits.
@@ -340,6 +341,8 @@ def run_probe(
         trial = SubprocessTrial(spec, kill_above_bytes=capacity)
     try:
         result = search_mini_batch(trial, capacity, margin, cap, knee_fraction=knee_fraction, on_trial=on_trial)
+        if token_budget:
+            probe_token_budget(result, trial, on_trial)
     finally:
         if isinstance(trial, CudaTrial):
             trial.close()  # never raises
@@ -352,16 +355,26 @@ def run_probe(
     if agreed != result.recommended:
         notes.append(f"this rank fits {result.recommended}; all ranks use the minimum, {agreed}")
         result.recommended = agreed
+        if result.recommended_num_tokens is not None:
+            result.recommended_num_tokens = agreed * result.tokens_per_row
     result.device = dev
-    result.notes = notes
+    result.notes = result.notes + notes
     return result
 
 
 def summary_record(result: ProbeResult) -> dict:
     """The ``mini_batch_probe`` entry of ``run_summary.json``."""
     d = result.to_dict()
-    d["override"] = f"batch.mini_batch_size={result.recommended}"
+    d["override"] = override_line(result)
     return d
+
+
+def override_line(result: ProbeResult) -> str:
+    """The config override that applies the probe's answer (both fields when a budget was found)."""
+    line = f"batch.mini_batch_size={result.recommended}"
+    if result.recommended_num_tokens is not None:
+        line += f" batch.mini_batch_num_tokens={result.recommended_num_tokens}"
+    return line
 
 
 def resolve_auto(
@@ -373,13 +386,16 @@ def resolve_auto(
     margin: float = DEFAULT_MARGIN,
     sort_by_length: bool = True,
 ):
-    """Fill ``plan.mini_batch_size`` when the config says ``batch.mini_batch_size: auto``.
+    """Fill ``plan.mini_batch_size`` and ``plan.mini_batch_num_tokens`` when the config says
+    ``batch.mini_batch_size: auto``.
 
     Probes on ``plan.device`` for ``plan.per_device_train_batch_size`` rows of ``n_columns`` texts
     (anchor, positive and the hard-negative columns), with the loss stage over the candidates of
-    ``plan.world_size`` ranks when the plan gathers them, and returns ``(plan with the recommended size and its run-summary record, ProbeResult)``. A plan
-    whose size is already set comes back unchanged with ``None``; so does a loss without mini-batches
-    (its size becomes the batch size, with a warning).
+    ``plan.world_size`` ranks when the plan gathers them, and returns ``(plan with the recommended
+    size, token budget and run-summary record, ProbeResult)``. A token budget the config sets
+    (``plan.mini_batch_num_tokens``) is kept and not probed. A plan whose size is already set comes
+    back unchanged with ``None``; so does a loss without mini-batches (its size becomes the batch
+    size, with a warning).
 
     Raises:
         UserError: see :func:`run_probe`; also an unparsable ``max_memory``, or a CUDA error during
@@ -404,11 +420,15 @@ def resolve_auto(
         max_memory=budget,
         world_size=plan.world_size if plan.gather_across_devices else 1,
         sort_by_length=sort_by_length,  # default True: the sorted copies counted (the larger case)
+        token_budget=plan.mini_batch_num_tokens is None,
     )
     if result.cuda_context_lost:
         raise UserError(
             "batch.mini_batch_size: auto: a CUDA error during the probe left this process unable to use the GPU; "
-            f"the probe's answer is {result.recommended}: set batch.mini_batch_size: {result.recommended} "
-            f"(or pass batch.mini_batch_size={result.recommended}) and run again"
+            f"the probe's answer is {result.recommended}: pass {override_line(result)} and run again"
         )
-    return replace(plan, mini_batch_size=result.recommended, mini_batch_probe=summary_record(result)), result
+    tokens = plan.mini_batch_num_tokens or result.recommended_num_tokens
+    resolved = replace(
+        plan, mini_batch_size=result.recommended, mini_batch_num_tokens=tokens, mini_batch_probe=summary_record(result)
+    )
+    return resolved, result

@@ -1,10 +1,11 @@
 """Probe trials: one worst-case cached-loss training step at a given ``mini_batch_size``, and the
 runners that execute it and measure its peak memory (used by :mod:`cembed.probe`'s search).
 
-* :func:`worst_case_step` is one trial's work: every column at ``max_seq_length`` tokens, AdamW states
-  allocated, the cached embeddings (and their gradients) of the whole per-device batch, the loss over
-  the full batch computed by the library's ``calculate_loss`` (chunked as in training), and mini-batches
-  re-embedded with gradients and back-propagated, then an optimizer step.
+* :func:`~cembed.worst_case.worst_case_step` (in :mod:`cembed.worst_case`) is one trial's work: every
+  column at ``max_seq_length`` tokens, AdamW states allocated, the cached embeddings (and their
+  gradients) of the whole per-device batch, the loss over the full batch computed by the library's
+  ``calculate_loss`` (chunked as in training), and mini-batches re-embedded with gradients and
+  back-propagated, then an optimizer step; at a row count or at a token budget.
 * :class:`CudaTrial` runs it in this process (peak = ``max_memory_reserved`` + memory others hold);
   :class:`SubprocessTrial` runs it in a child process, measuring peak resident memory on CPU
   (against ``--max-memory``) or CUDA memory after a CUDA error poisoned this process.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import os
 import re
 import resource
@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from cembed.errors import UserError, first_line
 from cembed.model import load_model, quiet_libraries
 from cembed.outputs import format_bytes
+from cembed.worst_case import worst_case_step
 
 # Messages of errors that mean "this size does not fit on the device" (and not a bug in cembed).
 _DEVICE_FAILURE = re.compile(
@@ -45,11 +46,14 @@ class TrialOutcome:
             ``None`` when it could not be measured.
         samples_per_s: estimated training rows per second of a full cached step at this size.
         error: why the trial did not complete (out of memory, killed over budget, ...); ``None`` if it ran.
+        rows, tokens_per_row: the mini-batch's rows and every row's width (:class:`WorstCase`), if it ran.
     """
 
     peak_bytes: int | None = None
     samples_per_s: float | None = None
     error: str | None = None
+    rows: int | None = None
+    tokens_per_row: int | None = None
 
 
 def is_device_failure(exc: BaseException) -> bool:
@@ -64,127 +68,6 @@ def is_device_failure(exc: BaseException) -> bool:
 def _describe(exc: BaseException) -> str:
     """``Type: first line of the message`` (160 characters at most), for the probe table."""
     return f"{type(exc).__name__}: {first_line(exc, 160)}"
-
-
-def worst_case_step(
-    model,
-    loss_cfg,
-    n_columns: int,
-    batch_size: int,
-    mini_batch_size: int,
-    precision: str,
-    repeats: int = 2,
-    world_size: int = 1,
-    sort_by_length: bool = True,
-) -> float:
-    """Run the memory worst case of one cached-loss training step at ``mini_batch_size``.
-
-    What is alive at the peak is what training holds: AdamW states (allocated by a real step), the
-    tokenized features of the whole batch (``n_columns`` x ``batch_size`` x ``max_seq_length``, every
-    text at full length), the cached embeddings of the whole batch and their gradients (from the
-    library's ``calculate_loss(..., with_backward=True)``, chunked by ``mini_batch_size`` as in
-    training), one mini-batch re-embedded with gradients and back-propagated into the parameters'
-    gradients, and the optimizer step. The no-grad embedding pass is run for one mini-batch only (its
-    activations are freed mini-batch by mini-batch, so it never exceeds the with-grad pass) and its
-    output is replicated to fill the batch.
-
-    The loss stage is the one training runs: outside autocast (the trainer autocasts only the
-    model's forward, so the scores are fp32), over ``world_size`` x ``batch_size`` gathered
-    candidates per column (the gather is simulated with local copies, so a trial issues no
-    collective), and, with ``sort_by_length``, with the sorted copy of the features and the
-    restored-order leaves of :class:`cembed.losses.LengthSortedMixin` alive.
-
-    Args:
-        model: a SentenceTransformer on the target device (its ``max_seq_length`` is the length used).
-        loss_cfg: the ``loss`` config section, of a loss that ``uses_gradient_cache`` (the module
-            :func:`cembed.losses.build_loss` builds from it provides ``embed_minibatch`` and
-            ``calculate_loss``).
-        n_columns: texts per row (anchor, positive, negatives), >= 2.
-        batch_size: ``per_device_train_batch_size``, rows.
-        mini_batch_size: rows embedded at once.
-        precision: fp32 | bf16 | fp16 (autocast, as the trainer runs it).
-        repeats: no-grad and with-grad mini-batch passes run; the fastest of each is timed (>= 1).
-        world_size: ranks whose candidates each rank's loss scores (1 without gathering).
-        sort_by_length: the loss sorts each column by length (a sorted copy of the features).
-
-    Returns:
-        Estimated rows per second of a full cached step: ``n_columns`` no-grad and with-grad
-        embeddings per row plus the loss stage.
-    """
-    import torch
-
-    from cembed.losses import build_loss, simulated_gather
-
-    device = model.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
-    for p in params:  # a zero step allocates the AdamW states exactly as the first real step does
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-    length = model.max_seq_length
-    preprocess = getattr(model, "preprocess", None) or model.tokenize
-    one = preprocess(["a " * (4 * length + 8)])  # truncated to max_seq_length tokens
-    features = [
-        {
-            k: v.expand(batch_size, *v.shape[1:]).contiguous().to(device) if torch.is_tensor(v) else v
-            for k, v in one.items()
-        }
-        for _ in range(n_columns)
-    ]
-    loss = build_loss(model, loss_cfg, mini_batch_size, world_size > 1, sort_by_length=sort_by_length).module
-    sorted_copies = None
-    if getattr(loss, "sort_by_length", False):  # training holds the features and their sorted copy
-        from cembed.losses import _take_rows
-
-        order = torch.arange(batch_size - 1, -1, -1, device=device)
-        sorted_copies = [_take_rows(f, order) for f in features]
-        loss._inverse = [order] * n_columns  # the loss stage builds its restored-order leaves
-    mini = min(mini_batch_size, batch_size)
-    repeats = max(1, repeats)
-    with autocast():
-        t_nograd = math.inf  # the fastest of `repeats` runs (the first one warms up)
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            emb, _ = loss.embed_minibatch(features[0], 0, mini, with_grad=False, copy_random_state=False)
-            sync()
-            t_nograd = min(t_nograd, time.perf_counter() - t0)
-    emb = emb.detach().float()  # accelerate returns the autocast forward's outputs in fp32
-    reps = [
-        [emb[: min(b + mini, batch_size) - b].clone().requires_grad_() for b in range(0, batch_size, mini)]
-        for _ in range(n_columns)
-    ]
-    del emb
-    sync()
-    t0 = time.perf_counter()
-    with simulated_gather(loss, world_size):  # outside autocast, as in training
-        loss.calculate_loss(reps, None, with_backward=True)
-    sync()
-    t_loss = time.perf_counter() - t0
-    t_grad = math.inf
-    for i in range(repeats):
-        col = i % n_columns
-        sync()
-        t0 = time.perf_counter()
-        with autocast():
-            reps_mb, _ = loss.embed_minibatch(features[col], 0, mini, with_grad=True, copy_random_state=False)
-        surrogate = torch.dot(reps_mb.flatten().float(), reps[col][0].grad.flatten().float())
-        surrogate.backward()
-        sync()
-        t_grad = min(t_grad, time.perf_counter() - t0)
-        del reps_mb, surrogate
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    sync()
-    del reps, features, sorted_copies, optimizer, loss
-    per_row = n_columns * (t_nograd + t_grad) / mini + t_loss / batch_size
-    return float(1.0 / per_row) if per_row > 0 else float("nan")
 
 
 @dataclass
@@ -219,7 +102,7 @@ def _proc_rss(pid: int | str = "self", key: str = "VmRSS") -> int:
     return 0
 
 
-def _trial_child(spec: TrialSpec, size: int, conn) -> None:
+def _trial_child(spec: TrialSpec, size: int, conn, num_tokens: int | None = None) -> None:
     """Child-process body: load the model, run :func:`worst_case_step`, send a result dict."""
     try:
         # Forked from a server that imported the libraries: pages it touched are shared and not yet
@@ -233,7 +116,7 @@ def _trial_child(spec: TrialSpec, size: int, conn) -> None:
         model = _load(spec)
         from cembed.config import loss_config
 
-        sps = worst_case_step(
+        ran = worst_case_step(
             model,
             loss_config(**spec.loss),
             spec.n_columns,
@@ -243,12 +126,13 @@ def _trial_child(spec: TrialSpec, size: int, conn) -> None:
             spec.repeats,
             spec.world_size,
             spec.sort_by_length,
+            num_tokens,
         )
         if spec.device.startswith("cuda"):
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 + offset
-        conn.send({"peak": int(peak), "sps": sps})
+        conn.send({"peak": int(peak), "sps": ran.samples_per_s, "rows": ran.rows, "width": ran.tokens_per_row})
     except UserError as err:
         conn.send({"user_error": str(err)})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which classifies it
@@ -317,9 +201,10 @@ class SubprocessTrial:
         else:
             self.ctx = mp.get_context("spawn")
 
-    def __call__(self, size: int) -> TrialOutcome:
+    def __call__(self, size: int, num_tokens: int | None = None) -> TrialOutcome:
+        """Run one trial at ``size`` rows, or at the token budget ``num_tokens`` when given."""
         recv, send = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=_trial_child, args=(self.spec, size, send), daemon=True)
+        proc = self.ctx.Process(target=_trial_child, args=(self.spec, size, send, num_tokens), daemon=True)
         with _main_not_reimported():
             proc.start()
         send.close()
@@ -355,7 +240,7 @@ class SubprocessTrial:
             if not msg["device_failure"]:
                 raise RuntimeError(f"probe trial at mini_batch_size={size} failed: {msg['error']}")
             return TrialOutcome(error=msg["error"])
-        return TrialOutcome(peak_bytes=msg["peak"], samples_per_s=msg["sps"])
+        return TrialOutcome(msg["peak"], msg["sps"], rows=msg["rows"], tokens_per_row=msg["width"])
 
 
 class CudaTrial:
@@ -380,19 +265,20 @@ class CudaTrial:
         self.poisoned = False
         self.device_index = torch.cuda.current_device()  # the rank's GPU (set by init_distributed)
 
-    def __call__(self, size: int) -> TrialOutcome:
+    def __call__(self, size: int, num_tokens: int | None = None) -> TrialOutcome:
+        """Run one trial at ``size`` rows, or at the token budget ``num_tokens`` when given."""
         import torch
 
         from cembed.config import loss_config
 
         if self.fallback is not None:
-            return self.fallback(size)
+            return self.fallback(size) if num_tokens is None else self.fallback(size, num_tokens)
         if self.model is None:
             self.model = _load(self.spec)
         _cuda_other_bytes()
         self._clean()
         try:
-            sps = worst_case_step(
+            ran = worst_case_step(
                 self.model,
                 loss_config(**self.spec.loss),
                 self.spec.n_columns,
@@ -402,9 +288,10 @@ class CudaTrial:
                 self.spec.repeats,
                 self.spec.world_size,
                 self.spec.sort_by_length,
+                num_tokens,
             )
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
-            return TrialOutcome(peak_bytes=int(peak), samples_per_s=sps)
+            return TrialOutcome(int(peak), ran.samples_per_s, rows=ran.rows, tokens_per_row=ran.tokens_per_row)
         except Exception as exc:
             if not is_device_failure(exc):
                 raise

@@ -8,14 +8,16 @@ from cembed.plan import Plan
 
 
 def card_facts(plan: Plan, rows_trained: int, steps: int) -> dict[str, str | int]:
-    """cembed's training facts for the model card: effective batch, mini-batch size, the LR with its
-    rule, the rows trained on and the optimizer steps (keys prefixed ``cembed_``)."""
+    """cembed's training facts for the model card: effective batch, mini-batch size (and token
+    budget), the LR with its rule, the rows trained on and the optimizer steps (keys prefixed
+    ``cembed_``)."""
     return {
         "cembed_effective_batch_size": (
             f"{plan.samples_per_step} ({plan.per_device_train_batch_size} per device x {plan.world_size} "
             f"processes x {plan.gradient_accumulation_steps} accumulation)"
         ),
-        "cembed_mini_batch_size": str(plan.mini_batch_size),
+        "cembed_mini_batch_size": str(plan.mini_batch_size)
+        + (f" (token budget {plan.mini_batch_num_tokens})" if plan.mini_batch_num_tokens else ""),
         "cembed_learning_rate": plan.lr_derivation,
         "cembed_training_rows": rows_trained,
         "cembed_steps": steps,

@@ -16,7 +16,7 @@ from rich.table import Table
 from transformers import TrainerCallback
 
 from cembed.flops import format_flops
-from cembed.probe import ProbeResult, format_bytes
+from cembed.probe import ProbeResult, format_bytes, override_line
 
 if TYPE_CHECKING:
     from cembed.scoring import EvalReport
@@ -132,8 +132,9 @@ def print_starter(console: Console, s) -> None:
 
 def print_run_header(console: Console, cfg, plan) -> None:
     """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR."""
+    tokens = f" ({plan.mini_batch_num_tokens} tokens)" if plan.mini_batch_num_tokens else ""
     console.print(
-        f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}  "
+        f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}{tokens}  "
         f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
         highlight=False,
     )
@@ -319,9 +320,10 @@ def describe_prompts(prompts) -> str:
 
 
 def probe_table(result: ProbeResult) -> Table:
-    """Size, peak memory, % of the limit, samples/s, fits (in trial order); ``*`` marks the pick."""
+    """Size (rows, or a token budget and the rows it cut), peak memory, % of the limit, samples/s,
+    fits (in trial order); ``*`` marks the pick."""
     table = Table(
-        "mini_batch_size",
+        "mini-batch",
         "peak memory",
         "of limit",
         "samples/s",
@@ -339,7 +341,8 @@ def probe_table(result: ProbeResult) -> Table:
         sps = f"{r.samples_per_s:.1f}" if r.samples_per_s else "-"
         fits = "[green]yes[/]" if r.fits else f"[red]no[/] ({r.error or 'over the limit'})"
         mark = " *" if r.size == result.recommended else ""
-        table.add_row(f"{r.size}{mark}", peak, pct, sps, fits)
+        size = f"{r.num_tokens} tokens ({r.size} rows)" if r.num_tokens else f"{r.size} rows"
+        table.add_row(f"{size}{mark}", peak, pct, sps, fits)
     return table
 
 
@@ -361,7 +364,14 @@ def print_probe(console: Console, result: ProbeResult) -> None:
     if result.world_size > 1:
         note(console, f"the loss stage was measured over the gathered candidates of {result.world_size} ranks")
     console.print(f"recommended mini_batch_size: [bold]{result.recommended}[/] ({result.reason})", highlight=False)
-    console.print(f"override: batch.mini_batch_size={result.recommended}", highlight=False)
+    if result.recommended_num_tokens is not None:
+        console.print(
+            f"recommended mini_batch_num_tokens: [bold]{result.recommended_num_tokens}[/] (= {result.recommended} rows "
+            f"x {result.tokens_per_row} tokens; largest that fits: {result.max_fit_num_tokens} = {result.max_fit} x "
+            f"{result.tokens_per_row}); shorter rows then share a mini-batch in larger numbers",
+            highlight=False,
+        )
+    console.print(f"override: {override_line(result)}", highlight=False)
 
 
 # --- cembed eval ---------------------------------------------------------------------------------

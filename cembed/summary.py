@@ -41,7 +41,8 @@ def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
     Args: the recipe's stages' outputs (CembedConfig, Plan, PreparedData, Components, RunDir, Run).
     """
     # The config as run: batch.mini_batch_size: auto shows the probed size.
-    as_run = cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"mini_batch_size": plan.mini_batch_size})})
+    batch = {"mini_batch_size": plan.mini_batch_size, "mini_batch_num_tokens": plan.mini_batch_num_tokens}
+    as_run = cfg.model_copy(update={"batch": cfg.batch.model_copy(update=batch)})
     return {
         "config": as_run.model_dump(mode="json"),
         "plan": plan.to_dict(),

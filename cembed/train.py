@@ -189,7 +189,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         cfg.loss,
         plan.mini_batch_size,
         gather_across_devices=plan.gather_across_devices,
-        mini_batch_num_tokens=cfg.batch.mini_batch_num_tokens,
+        mini_batch_num_tokens=plan.mini_batch_num_tokens,
         sort_by_length=cfg.batch.sort_by_length,
     )
     distributed = None

@@ -147,7 +147,7 @@ class CembedTrainer(SentenceTransformerTrainer):
         return {
             "loss": type(loss).__name__,
             "mini_batch_size": getattr(loss, "mini_batch_size", None),
-            "mini_batch_num_tokens": getattr(loss, "mini_batch_num_tokens", None),
+            "mini_batch_num_tokens": getattr(loss, "token_budget", getattr(loss, "mini_batch_num_tokens", None)),
             "gather_across_devices": getattr(loss, "gather_across_devices", None),
             "columns": list(getattr(data, "column_names", None) or []),
             "rows": len(data) if data is not None else None,

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cembed
 from cembed.config import loss_config
 from cembed.losses import TokenCounts, _count_tokens, _minibatch_ranges, build_loss
+from cembed.token_budget import token_budget_ranges
 
 CEMBED_DIR = str(Path(cembed.__file__).parent)
 TORCH_DIR = str(Path(torch.__file__).parent)
@@ -141,27 +142,35 @@ def test_cached_step_bookkeeping_reads_nothing_per_minibatch(tiny_model_dir, sor
     assert seen[2].get("sentence_transformers", 0) > seen[8].get("sentence_transformers", 0), seen
 
 
+def _cut(feature: dict, rows: int, budget: int | None) -> list[tuple[int, int]]:
+    """The loss's mini-batches of a column: its rows sorted longest first, cut by ``budget`` or ``rows``."""
+    if budget is None:
+        return _minibatch_ranges(feature, rows)
+    mask = feature["attention_mask"]
+    return token_budget_ranges({"attention_mask": mask[mask.sum(dim=1).argsort(descending=True, stable=True)]}, budget)
+
+
 @pytest.mark.parametrize("by_tokens", [False, True])
 def test_bookkeeping_reads_do_not_grow_with_minibatches(tiny_model_dir, monkeypatch, by_tokens):
     """The loss's bookkeeping alone (the parent loss stubbed out), cutting each column into about 2
     and about 8 mini-batches: with ``mini_batch_size`` it reads nothing; with a token budget
-    (``mini_batch_num_tokens``) it reads each column's cumulative lengths once to cut the ranges
-    (sentence-transformers' ``_minibatch_ranges``), the same for 2 and for 8 mini-batches."""
+    (``mini_batch_num_tokens``) it reads each column's row widths once to cut the ranges
+    (:func:`cembed.token_budget.token_budget_ranges`), the same for 2 and for 8 mini-batches."""
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     features = _features(model)
     monkeypatch.setattr(CachedMultipleNegativesRankingLoss, "forward", lambda self, features, labels: None)
-    most_tokens = max(int(f["attention_mask"].sum()) for f in features)
+    widest = max(f["attention_mask"].shape[1] for f in features)
     totals, minibatches = [], []
     for k in (2, 8):
-        budget = -(-most_tokens // k) if by_tokens else None
+        budget = widest * (16 // k) if by_tokens else None  # positions: 16 // k rows of the widest
         loss = build_loss(model, loss_config(), 16 // k, mini_batch_num_tokens=budget).module
         with HostReads() as counter:
             loss(features, None)
         totals.append(sum(counter.counts.values()))
-        minibatches.append(sum(len(_minibatch_ranges(f, 16 // k, budget)) for f in features))
+        minibatches.append(sum(len(_cut(f, 16 // k, budget)) for f in features))
         real, processed, _ = loss.token_counts.read()
         assert real == sum(int(f["attention_mask"].sum()) for f in features) and processed >= real
-    assert minibatches[0] <= 3 * len(features) and minibatches[1] >= 8 * len(features)  # ~2 and ~8 per column
+    assert minibatches[0] <= 3 * len(features) and minibatches[1] >= 3 * minibatches[0]  # ~2, then 6 to 8 per column
     assert totals[0] == totals[1] == (len(features) if by_tokens else 0)
 
 

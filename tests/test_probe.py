@@ -152,12 +152,22 @@ def test_mini_batch_size_auto_trains_end_to_end_on_cpu(tiny_model_dir, write_con
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "run_summary.json").read_text())
     probe = summary["mini_batch_probe"]
-    assert [t["size"] for t in probe["trials"]] == [8, 16, 32]  # doubles up to the batch size; all fit in 8 GiB
+    rec = probe["recommended"]
+    # doubles up to the batch size (all fit in 8 GiB), then the token budget rec x 32 tokens is run
+    assert [(t["size"], t["num_tokens"]) for t in probe["trials"]] == [
+        (8, None),
+        (16, None),
+        (32, None),
+        (rec, rec * 32),
+    ]
     assert all(t["fits"] and t["peak_bytes"] < 0.9 * 8 * 1024**3 for t in probe["trials"])
     assert probe["max_fit"] == 32 and probe["capacity_bytes"] == 8 * 1024**3 and probe["device"] == "cpu"
-    assert summary["config"]["batch"]["mini_batch_size"] == probe["recommended"]
-    assert probe["recommended"] in (8, 16, 32) and probe["override"] == f"batch.mini_batch_size={probe['recommended']}"
-    assert f"override: batch.mini_batch_size={probe['recommended']}" in r.stdout
+    assert probe["recommended_num_tokens"] == rec * 32 and probe["max_fit_num_tokens"] == 32 * 32
+    assert summary["config"]["batch"]["mini_batch_size"] == rec
+    assert summary["config"]["batch"]["mini_batch_num_tokens"] == summary["plan"]["mini_batch_num_tokens"] == rec * 32
+    override = f"batch.mini_batch_size={rec} batch.mini_batch_num_tokens={rec * 32}"
+    assert rec in (8, 16, 32) and probe["override"] == override
+    assert f"override: {override}" in r.stdout
     assert summary["steps"] == 2
 
 
@@ -297,8 +307,8 @@ def test_probe_counts_gathered_loss_stage(tiny_model_dir, monkeypatch):
         return built
 
     monkeypatch.setattr(losses, "build_loss", build)
-    sps = worst_case_step(model, loss_config(), 3, 8, 4, "bf16", repeats=1, world_size=4)
-    assert sps > 0
+    ran = worst_case_step(model, loss_config(), 3, 8, 4, "bf16", repeats=1, world_size=4)
+    assert ran.samples_per_s > 0 and ran.rows == 4 and ran.tokens_per_row == 16
     assert seen, "the loss stage never scored"
     for a, b, dtype, autocast, leaves in seen:
         assert a == (4, 32) and b == (8 * 4 * 2, 32), (a, b)  # mini x (batch x W x (positive + 1 negative))
@@ -310,7 +320,7 @@ def test_probe_counts_gathered_loss_stage(tiny_model_dir, monkeypatch):
         def __init__(self, spec, kill_above_bytes=None):
             specs.append(spec)
 
-        def __call__(self, size):
+        def __call__(self, size, num_tokens=None):
             return TrialOutcome(peak_bytes=size, samples_per_s=float(size))
 
     monkeypatch.setattr(probe, "SubprocessTrial", Recorded)
