@@ -32,7 +32,7 @@ from typing import NamedTuple
 from cembed.config import ModelConfig
 from cembed.decoder import prepare_last_token_model
 from cembed.errors import ModelRefused, UserError, first_line
-from cembed.lora import apply_lora
+from cembed.lora import apply_lora, is_lora, parameter_counts
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # config name -> torch name
@@ -165,12 +165,21 @@ def check_trainable(model, name: str) -> None:
 
 
 def pooling_in_effect(model, cfg: ModelConfig) -> str:
-    """The pooling the loaded ``model`` uses and where it comes from, for ``cembed validate``."""
+    """The pooling the loaded ``model`` uses and where it comes from, for ``cembed validate``, with
+    what cembed changed in its tokenizer for last-token pooling and, under ``model.lora``, how many
+    parameters train."""
     modes = [m.pooling_mode for m in model if hasattr(m, "pooling_mode")]
     mode = "none (no Pooling module)" if not modes else str(modes[0])
     if has_st_config(resolve_model_path(cfg.name_or_path), cfg.revision):
-        return f"{mode} (the model's sentence-transformers config; model.pooling is not used)"
-    return f"{mode} (model.pooling; plain transformers checkpoint)"
+        text = f"{mode} (the model's sentence-transformers config; model.pooling is not used)"
+    else:
+        text = f"{mode} (model.pooling; plain transformers checkpoint)"
+    changes = getattr(model, "cembed_tokenizer_changes", None) or {}
+    text += "".join(f"; {key}: {value}" for key, value in changes.items())
+    if is_lora(model):
+        counts = parameter_counts(model)
+        text += f"; LoRA: {counts['trainable']:,} of {counts['total']:,} parameters train"
+    return text
 
 
 def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: int = 0):

@@ -273,3 +273,13 @@ def test_fsdp_strategy_reaches_the_trainer(tiny_model_dir, write_config, pairs_f
     assert args.fsdp_plugin_args["fsdp_version"] == 2
     ddp = load_config(write_config(base, name="ddp.yaml"))
     assert not build_training_args(ddp, resolve_plan(ddp, world_size=2), None, ["BertLayer"]).fsdp
+
+
+def test_validate_names_tokenizer_changes_and_lora(decoder_dir):
+    from cembed.model import pooling_in_effect
+
+    cfg = ModelConfig(name_or_path=str(decoder_dir), device="cpu", pooling="lasttoken", lora=LoraOptions(r=2))
+    text = pooling_in_effect(load_model(cfg, "cpu"), cfg)
+    assert text.startswith("lasttoken (model.pooling; plain transformers checkpoint)")
+    assert "eos: appended '<|endoftext|>' to every text" in text and "padding_side: left -> right" in text
+    assert "; LoRA: " in text and " parameters train" in text
