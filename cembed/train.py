@@ -149,8 +149,11 @@ def resolve_runtime(
     return device, plan
 
 
-def tokenize_stage(model, data: PreparedData, enabled: bool, cache_dir: str | None):
-    """Pre-tokenize the training data for ``model`` (cached), or leave tokenizing to the collator.
+def tokenize_stage(
+    model, data: PreparedData, enabled: bool, cache_dir: str | None, pad_to_multiple_of: int | None = None
+):
+    """Pre-tokenize the training data for ``model`` (cached), or leave tokenizing to the collator
+    (``pad_to_multiple_of``: ``batch.pad_to_multiple_of``, applied by the pre-tokenized collator).
 
     Returns:
         ``(dataset, collator or None, info)``: ``collator`` is ``None`` when the stock
@@ -159,7 +162,7 @@ def tokenize_stage(model, data: PreparedData, enabled: bool, cache_dir: str | No
     roles = data.columns
     if not enabled:
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
-    collator = collator_for(model, roles)
+    collator = collator_for(model, roles, pad_to_multiple_of)
     if collator is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
     started = time.perf_counter()
@@ -201,7 +204,9 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     """
     model = load_model(cfg.model, device)
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
-        train_dataset, collator, token_info = tokenize_stage(model, data, cfg.data.pretokenize, cfg.data.cache_dir)
+        train_dataset, collator, token_info = tokenize_stage(
+            model, data, cfg.data.pretokenize, cfg.data.cache_dir, cfg.batch.pad_to_multiple_of
+        )
     loss = build_loss(
         model,
         cfg.loss,

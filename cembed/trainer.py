@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from sentence_transformers import SentenceTransformerTrainer
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
 from cembed.checkpoint import STAGING, latest_complete, mark_complete
@@ -42,6 +43,7 @@ from cembed.errors import RunFailed, UserError, first_line
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
 from cembed.plan import Plan
+from cembed.pretokenize import PaddingCollator, TokenIdRows
 from cembed.sampler import NoDuplicatesSampler
 
 
@@ -86,7 +88,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         use_cpu=plan.device == "cpu",
         report_to="none" if t.report_to == ["none"] else list(t.report_to),
         disable_tqdm=True,
-        dataloader_num_workers=t.dataloader_num_workers,
+        dataloader_num_workers=plan.dataloader_num_workers,
         push_to_hub=t.push_to_hub,
         hub_model_id=t.hub_model_id,
         hub_private_repo=t.hub_private_repo,
@@ -205,6 +207,19 @@ class CembedTrainer(SentenceTransformerTrainer):
         if self._train_dataloader is None:
             self._train_dataloader = super().get_train_dataloader()
         return self._train_dataloader
+
+    def _build_dataloader(self, dataset, batch_size, dataset_kind):
+        # The training batches of pre-tokenized data are fetched a batch at a time from the Arrow
+        # table (TokenIdRows) instead of row by row: same sampler, collator and loader settings.
+        loader = super()._build_dataloader(dataset, batch_size, dataset_kind)
+        if dataset_kind != "train" or not isinstance(self.data_collator, PaddingCollator):
+            return loader
+        return DataLoader(
+            TokenIdRows(dataset, self.data_collator.roles),
+            batch_sampler=loader.batch_sampler,
+            collate_fn=loader.collate_fn,
+            **{k: getattr(loader, k) for k in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")},
+        )
 
     def get_batch_samples(self, *args, **kwargs):
         started = time.perf_counter()
