@@ -312,13 +312,13 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     print("| path | workers | data-wait share | data-wait steps 2+ | wall s | s/step |")
     print("|---|---|---|---|---|---|")
     collator = collator_for(model, ["anchor", "positive"])
-    runs = [
-        ("stock", 0, ds, None, BatchSamplers.NO_DUPLICATES),
-        ("cembed row path (before)", 0, pt, RowPaddingCollator(collator), NoDuplicatesSampler),
-        ("cembed batch path", 0, pt, collator, NoDuplicatesSampler),
-        ("cembed default (auto)", auto, pt, collator, NoDuplicatesSampler),
-    ]
-    for label, workers, dataset, coll, sampler in runs:
+    runs = {
+        "stock": ("stock", 0, ds, None, BatchSamplers.NO_DUPLICATES),
+        "row": ("cembed row path (before)", 0, pt, RowPaddingCollator(collator), NoDuplicatesSampler),
+        "batch": ("cembed batch path", 0, pt, collator, NoDuplicatesSampler),
+        "auto": ("cembed default (auto)", auto, pt, collator, NoDuplicatesSampler),
+    }
+    for label, workers, dataset, coll, sampler in (runs[k] for k in args.wait_paths.split(",")):
         stock = label == "stock"
         loss = (CachedMultipleNegativesRankingLoss if stock else LengthSortedCachedMNRL)(model, mini_batch_size=bs)
         targs = SentenceTransformerTrainingArguments(
@@ -397,6 +397,7 @@ def main() -> None:
     p.add_argument("--wait-batch", type=int, default=16384)
     p.add_argument("--wait-steps", type=int, default=6)
     p.add_argument("--wait-seq", type=int, default=32)
+    p.add_argument("--wait-paths", default="stock,row,batch,auto", help="datawait runs: stock,row,batch,auto")
     p.add_argument("--sampler-rows", type=int, default=1_000_000)
     p.add_argument("--sampler-batch", type=int, default=65536)
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
