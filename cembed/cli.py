@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cembed.cli_mining import mine_negatives_cmd
 from cembed.errors import RunInterrupted, UserError, WorkerFailed
 
 app = typer.Typer(
@@ -109,13 +110,13 @@ def validate_cmd(
     cfg = _load(config, overrides)
     plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes), allow_unloaded=True)
     plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
-    truncation = _truncation(cfg.model, data)
+    truncation = _truncation(cfg.model, data, cfg.data.prompts)
     print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
     print_truncation(console, truncation)
     console.print("[green]config OK[/]")
 
 
-def _truncation(model_cfg, data):
+def _truncation(model_cfg, data, prompts_cfg=None):
     """A ``ModelTruncation``, or the UserError of a model that cannot be loaded: validate and
     probe-minibatch must not need the model, so that only skips the report. A model cembed refuses
     (ModelRefused: remote code without the option, a kind it cannot train) fails the command."""
@@ -123,7 +124,7 @@ def _truncation(model_cfg, data):
     from cembed.errors import ModelRefused
 
     try:
-        return model_truncation_report(model_cfg, data)
+        return model_truncation_report(model_cfg, data, prompts_cfg=prompts_cfg)
     except ModelRefused:
         raise
     except UserError as err:
@@ -191,8 +192,13 @@ def train_cmd(
     rdzv_endpoint: Optional[str] = typer.Option(
         None, "--rdzv-endpoint", help="HOST:PORT of node 0, reachable from every node (multi-node)."
     ),
+    peak_tflops: Optional[float] = typer.Option(
+        None, "--peak-tflops", help="The GPU's dense peak TFLOP/s for MFU (same as train.peak_tflops=...)."
+    ),
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
+    if peak_tflops is not None:
+        overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
     from cembed.distributed import dist_info, is_worker, leave_process_group, record_worker_error
     from cembed.placement import warn_unplaceable
     from cembed.report import make_console, print_done, print_eval_change
@@ -343,7 +349,7 @@ def probe_minibatch_cmd(
     if cfg is not None:
         from cembed.data import prepare_data
 
-        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data)))
+        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data), cfg.data.prompts))
     console.print(
         f"probing {model_cfg.name_or_path} (max_seq_length {model_cfg.max_seq_length or 'model default'}, "
         f"{model_cfg.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",
@@ -396,9 +402,9 @@ def eval_cmd(
     ),
 ) -> None:
     """Score a model on retrieval (NDCG@10, MRR@10, MAP@100, Recall@10/100) and STS (cosine Spearman) sets."""
-    from cembed.evaluate import score_model
     from cembed.report import encode_progress, print_eval_report
     from cembed.samples import resolve_sample
+    from cembed.scoring import score_model
 
     report = score_model(
         model,
@@ -414,6 +420,9 @@ def eval_cmd(
         progress=encode_progress(console),
     )
     print_eval_report(console, report)
+
+
+app.command("mine-negatives")(user_errors(mine_negatives_cmd))
 
 
 def main() -> None:

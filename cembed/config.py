@@ -52,6 +52,21 @@ SCHEDULERS = (
 )
 
 
+class LoraOptions(_Strict):
+    """``model.lora``: train LoRA adapters instead of every weight (Hu et al. 2021, arXiv:2106.09685),
+    through ``peft`` (``pip install 'cembed[lora]'``)."""
+
+    r: PositiveInt = Field(16, description="adapter rank")
+    alpha: PositiveFloat = Field(32.0, description="scaling numerator: the update is (alpha / r) * B @ A")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the adapter's input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]) or all-linear"
+    )
+    merge: bool = Field(
+        True, description="save the final model with the adapters merged into the weights (false: adapter only)"
+    )
+
+
 class ModelConfig(_Strict):
     """Which model to fine-tune and how to run it."""
 
@@ -73,6 +88,7 @@ class ModelConfig(_Strict):
     pooling: Literal["mean", "cls", "lasttoken"] = Field(
         "mean", description="pooling for a plain transformers checkpoint (no modules.json); ignored otherwise"
     )
+    lora: LoraOptions | None = Field(None, description="train LoRA adapters only (needs peft)")
 
 
 class BatchConfig(_Strict):
@@ -126,6 +142,9 @@ class SamplerConfig(_Strict):
 class DistributedConfig(_Strict):
     # Process-group timeout: how long a rank waits in a collective for the others (NCCL's default is 10 min).
     timeout_minutes: PositiveFloat = 60.0
+    # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state sharded
+    # across ranks (torch FSDP2 `fully_shard` through accelerate), for models one GPU cannot hold.
+    strategy: Literal["ddp", "fsdp"] = "ddp"
 
 
 REPORT_TO = (
@@ -155,6 +174,8 @@ class TrainConfig(_Strict):
     # Processes producing batches ahead of the training loop; auto: workers for large batches when the
     # machine has a core to spare and /dev/shm holds their batches, else 0 (cembed.plan.resolve_workers).
     dataloader_num_workers: NonNegativeInt | Literal["auto"] = "auto"
+    # The device's dense peak in TFLOP/s for the meter's MFU (default: cembed.flops.PEAKS by GPU name).
+    peak_tflops: float | None = Field(None, gt=0)
     # Experiment trackers, through the trainer's own integrations (each needs its package installed).
     report_to: list[Literal[REPORT_TO]] = Field(default_factory=lambda: ["none"])  # type: ignore[valid-type]
     # Publishing through the trainer: checkpoints as they are saved, the final model folder at the end.

@@ -80,11 +80,44 @@ class ColumnMap(_Strict):
     )
 
 
+class PromptName(_Strict):
+    """A prompt of the model, by name: a key of its ``prompts`` (``config_sentence_transformers.json``)."""
+
+    name: str = Field(min_length=1, description="the model's prompt name, e.g. query or document")
+
+
+class PromptText(_Strict):
+    """A literal prompt; the YAML ``{text: ...}`` form forces literal text where a plain string
+    would be refused for equalling one of the model's prompt names."""
+
+    text: str = Field(description="prepended verbatim to every text of the role")
+
+
+# A plain string is literal text; {name: ...} names a model prompt; {text: ...} is literal text.
+Prompt = str | PromptName | PromptText
+
+
+class PromptsConfig(_Strict):
+    """Per-role prompts prepended to every text before tokenization (sentence-transformers' prompts).
+
+    An unset role uses the model's own prompt: ``query`` for the anchor, the first non-empty of
+    ``document`` / ``passage`` / ``corpus`` for positives and negatives, else the model's
+    ``default_prompt_name``, else none (see :func:`cembed.prompts.resolve_prompts`).
+    """
+
+    anchor: Prompt | None = Field(None, description="the anchor's (query's) prompt: text, {name: ...} or {text: ...}")
+    positive: Prompt | None = Field(None, description="the positive's (document's) prompt")
+    negatives: Prompt | None = Field(None, description="the hard negatives' prompt (default: the positive's)")
+
+
 class DataConfig(_Strict):
     """The training data: where it comes from, which columns feed the loss, how it is checked."""
 
     train: DataSource = Field(description="a file path, a hub id, {kind, path, split, subset} or {beir, split}")
     columns: ColumnMap = Field(default_factory=ColumnMap, description="data column -> loss role")
+    prompts: PromptsConfig | None = Field(
+        None, description="per-role prompts; unset: the model's own query/document prompts (if any)"
+    )
     max_samples: PositiveInt | None = Field(None, description="train on the first N rows only")
     drop_invalid_rows: bool = Field(False, description="drop rows with an empty/over-1-MB cell instead of refusing")
     pretokenize: bool = Field(True, description="tokenize once, cache on disk, only pad in the collator")

@@ -274,7 +274,12 @@ class ColumnTruncation:
 
 
 def truncation_report(
-    dataset, tokenizer, max_seq_length: int, roles: dict[str, str] | None = None, sample_rows: int = 20000
+    dataset,
+    tokenizer,
+    max_seq_length: int,
+    roles: dict[str, str] | None = None,
+    sample_rows: int = 20000,
+    prompts: dict[str, str] | None = None,
 ) -> list[ColumnTruncation]:
     """Per column, the rows whose token count (special tokens included, as the model tokenizes)
     exceeds ``max_seq_length``, over the first ``sample_rows`` rows of ``dataset``.
@@ -285,11 +290,13 @@ def truncation_report(
         max_seq_length: tokens kept per text.
         roles: role column -> source column name, for display.
         sample_rows: rows checked (the first ones), to bound the time on big data.
+        prompts: ``{column: prompt}`` prepended as in training (its tokens count toward the length).
     """
     n = min(len(dataset), sample_rows)
     out = []
     for col in dataset.column_names:
-        texts = [str(t) for t in dataset[col][:n]] if n < len(dataset) else [str(t) for t in dataset[col]]
+        prompt = (prompts or {}).get(col, "")
+        texts = [prompt + str(t) for t in (dataset[col][:n] if n < len(dataset) else dataset[col])]
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]]
         over = sum(1 for x in lengths if x > max_seq_length)
         out.append(ColumnTruncation(col, (roles or {}).get(col, col), n, over, max(lengths, default=0)))
@@ -304,22 +311,29 @@ class ModelTruncation(NamedTuple):
     columns: list[ColumnTruncation]
     pooling: str
     weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
+    prompts: Any = None  # cembed.prompts.RolePrompts: each role's prompt
 
 
-def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> ModelTruncation:
+def model_truncation_report(model_cfg, data, sample_rows: int = 20000, prompts_cfg=None) -> ModelTruncation:
     """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
-    the pooling the model uses and its stored / training / saved dtypes; the per-column report is empty for :class:`UnloadedData` (only the
-    model is checked).
+    the pooling the model uses, its stored / training / saved dtypes and each role's prompt
+    (``prompts_cfg``, the ``data.prompts`` section, resolved against the model; prompt tokens count
+    toward the length); the per-column report is empty for :class:`UnloadedData` (only the model is checked).
 
     Raises:
-        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it.
+        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it or
+            ``data.prompts`` names a prompt it lacks.
     """
+    from cembed.prompts import resolve_prompts
+
     quiet_libraries()
     model = load_model(model_cfg, "cpu")
     length = int(model.max_seq_length)
     pooling = pooling_in_effect(model, model_cfg)
     weights = weight_dtypes(model, model_cfg)
+    prompts = resolve_prompts(prompts_cfg, model)
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
-        return ModelTruncation(length, [], pooling, weights)
-    report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows)
-    return ModelTruncation(length, report, pooling, weights)
+        return ModelTruncation(length, [], pooling, weights, prompts)
+    by_column = prompts.for_columns(data.columns)
+    report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows, by_column)
+    return ModelTruncation(length, report, pooling, weights, prompts)

@@ -59,9 +59,13 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()
 
 
-def corpus_fingerprint(corpus: dict[str, str]) -> str:
-    """A hash of the documents as encoded: ids and texts in order (32 hex characters, xxh3-128)."""
+def corpus_fingerprint(corpus: dict[str, str], prompt: str | None = None) -> str:
+    """A hash of the documents as encoded: ids and texts in order, and the ``prompt`` prepended to
+    each when one is given (None: the model's own document prompt, covered by :func:`model_fingerprint`);
+    32 hex characters, xxh3-128."""
     h = _hasher()
+    if prompt is not None:
+        h.update(b"prompt\x00" + prompt.encode() + b"\x01")
     for doc_id, text in corpus.items():
         h.update(doc_id.encode())
         h.update(b"\x00")
@@ -105,8 +109,11 @@ def _load_cached(path: Path, rows: int, dim: int | None) -> np.ndarray | None:
 ProgressFn = Callable[[int, int], None]  # (done, total) -> None
 
 
-def encode_documents(model, texts: list[str], batch_size: int = 32, progress: ProgressFn | None = None) -> np.ndarray:
-    """Encode ``texts`` with ``model.encode_document``; returns float32 ``(len(texts), dim)``.
+def encode_documents(
+    model, texts: list[str], batch_size: int = 32, progress: ProgressFn | None = None, prompt: str | None = None
+) -> np.ndarray:
+    """Encode ``texts`` with ``model.encode_document`` (``prompt`` prepended; None: the model's
+    document prompt); returns float32 ``(len(texts), dim)``.
 
     Texts are sorted by length (longest first, as ``encode`` does internally) and encoded in chunks
     of ``batch_size * 8`` so ``progress(done, total)`` can be reported; the output is in input order.
@@ -121,7 +128,11 @@ def encode_documents(model, texts: list[str], batch_size: int = 32, progress: Pr
     for start in range(0, len(texts), chunk):
         idx = order[start : start + chunk]
         emb = model.encode_document(
-            [texts[i] for i in idx], batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False
+            [texts[i] for i in idx],
+            batch_size=batch_size,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+            prompt=prompt,
         ).astype(np.float32, copy=False)
         if out is None:
             out = np.empty((len(texts), emb.shape[1]), dtype=np.float32)
@@ -150,18 +161,19 @@ def corpus_embeddings(
     cache_dir: str | Path | None = None,
     progress: ProgressFn | None = None,
     model_fp: str | None = None,
+    prompt: str | None = None,
 ) -> CorpusEmbeddings:
     """Embeddings of every corpus document, read from / written to the on-disk cache.
 
-    The cache file is keyed by :func:`model_fingerprint` and :func:`corpus_fingerprint`, so a
-    changed weight, tokenizer, max_seq_length or document misses, and the same model on the same
-    corpus never re-encodes. ``cache_dir=None`` disables the cache. A corrupt or mis-shaped cache
-    file is ignored and rewritten. Writes are atomic.
+    The cache file is keyed by :func:`model_fingerprint` and :func:`corpus_fingerprint` (with the
+    ``prompt``), so a changed weight, tokenizer, max_seq_length, prompt or document misses, and the
+    same model on the same corpus never re-encodes. ``cache_dir=None`` disables the cache. A corrupt
+    or mis-shaped cache file is ignored and rewritten. Writes are atomic.
     """
     texts = list(corpus.values())
     path = None
     if cache_dir is not None:
-        path = cache_path(cache_dir, model_fp or model_fingerprint(model), corpus_fingerprint(corpus))
+        path = cache_path(cache_dir, model_fp or model_fingerprint(model), corpus_fingerprint(corpus, prompt))
         get_dim = getattr(model, "get_embedding_dimension", None) or getattr(
             model, "get_sentence_embedding_dimension", None
         )
@@ -172,7 +184,7 @@ def corpus_embeddings(
                 progress(len(texts), len(texts))
             return CorpusEmbeddings(cached, str(path), True, 0.0)
     t0 = time.perf_counter()
-    emb = encode_documents(model, texts, batch_size, progress)
+    emb = encode_documents(model, texts, batch_size, progress, prompt)
     seconds = time.perf_counter() - t0
     if path is not None:
         try:

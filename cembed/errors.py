@@ -24,7 +24,8 @@ class UserError(Exception):
 
 class ModelRefused(UserError):
     """A model cembed will not load as configured: it needs its own code without
-    ``model.trust_remote_code``, or it is a kind cembed cannot train. Unlike a model that cannot be
+    ``model.trust_remote_code``, it is a kind cembed cannot train, or ``data.prompts`` names a prompt
+    it does not have. Unlike a model that cannot be
     reached (which only skips ``validate``'s truncation report), this fails ``validate`` too."""
 
 

@@ -8,8 +8,7 @@ sentence-transformers' own evaluators.
 
 No metric is computed here: sets come from :mod:`cembed.evalsets`, corpus embeddings from
 :mod:`cembed.embedding_cache`, both go to those evaluators (graded NDCG: :mod:`cembed.metrics`). Nothing
-here prints: :func:`score_model` returns an :class:`EvalReport` for :mod:`cembed.report`; training-time
-lines go to an ``on_line`` callable.
+here prints: training-time lines go to an ``on_line`` callable (``cembed eval``: :mod:`cembed.scoring`).
 
 During training, :func:`build_training_evaluator` turns the config's ``eval`` section into one
 evaluator for ``SentenceTransformerTrainer``; the trainer logs its metrics (prefixed ``eval_``)
@@ -18,23 +17,18 @@ next to the training loss and to the trackers in ``train.report_to``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from cembed.embedding_cache import CorpusEmbeddings, ProgressFn, corpus_embeddings, default_cache_dir, model_fingerprint
+from cembed.embedding_cache import CorpusEmbeddings, ProgressFn, corpus_embeddings, model_fingerprint
 from cembed.errors import UserError
-from cembed.evalsets import EvalSets, RetrievalSet, StsSet, load_beir, load_eval_sets, load_sts
-from cembed.model import load_eval_model
+from cembed.evalsets import EvalSets, RetrievalSet, StsSet, load_eval_sets
 
 LineFn = Callable[[str], None]  # receives one finished text line to show
-# (set name, n_documents) -> a context manager giving the (done, total) encode callback:
-EncodeProgress = Callable[[str, int], AbstractContextManager[ProgressFn | None]]
 
 # The metrics shown for each kind of set: (label, key suffix in the evaluator's output).
 RETRIEVAL_HEADLINE = (
@@ -51,10 +45,12 @@ STS_HEADLINE = (("Spearman (cosine)", "spearman_cosine"), ("Pearson (cosine)", "
 # Evaluators (sentence-transformers' own metric code)
 
 
-def retrieval_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False):
+def retrieval_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False, prompts=None):
     """A :class:`~cembed.metrics.GradedIREvaluator` for ``rs`` with cosine similarity (as MTEB), metrics
     Accuracy/Precision/Recall@{1,3,5,10,100}, MRR@10, NDCG@10 (graded by ``rs.relevance``) and MAP@100.
-    Its metric keys are ``<rs.name>_cosine_<metric>@<k>``; its primary metric ``<rs.name>_cosine_ndcg@10``."""
+    Its metric keys are ``<rs.name>_cosine_<metric>@<k>``; its primary metric ``<rs.name>_cosine_ndcg@10``.
+    ``prompts`` (:class:`cembed.prompts.RolePrompts`): queries get the anchor's prompt, the corpus
+    the positive's (None: the model's ``encode_query`` / ``encode_document`` defaults)."""
     from sentence_transformers.util import cos_sim
 
     from cembed.metrics import GradedIREvaluator  # imports sentence-transformers
@@ -74,6 +70,8 @@ def retrieval_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool 
         write_csv=write_csv,
         score_functions={"cosine": cos_sim},
         main_score_function="cosine",
+        query_prompt=prompts.anchor if prompts else None,
+        corpus_prompt=prompts.positive if prompts else None,
     )
 
 
@@ -101,17 +99,19 @@ def evaluate_retrieval(
     cache_dir: str | Path | None = None,
     progress: ProgressFn | None = None,
     model_fp: str | None = None,
+    prompts=None,
 ) -> tuple[dict[str, float], CorpusEmbeddings]:
     """Score ``model`` on ``rs``: corpus embeddings from the cache (or encoded), queries encoded by
-    the evaluator, metrics by ``InformationRetrievalEvaluator``.
+    the evaluator, metrics by ``InformationRetrievalEvaluator``; ``prompts`` as in :func:`retrieval_evaluator`.
 
     Returns:
         ``(metrics, corpus_embeddings)``; metrics keyed ``<rs.name>_cosine_<metric>@<k>``.
     """
     import torch
 
-    ce = corpus_embeddings(model, rs.corpus, batch_size, cache_dir, progress, model_fp)
-    evaluator = retrieval_evaluator(rs, batch_size)
+    prompt = prompts.positive if prompts else None
+    ce = corpus_embeddings(model, rs.corpus, batch_size, cache_dir, progress, model_fp, prompt)
+    evaluator = retrieval_evaluator(rs, batch_size, prompts=prompts)
     metrics = evaluator(model, corpus_embeddings=torch.from_numpy(ce.embeddings).to(model.device))
     return {k: float(v) for k, v in metrics.items()}, ce
 
@@ -132,13 +132,13 @@ def headline(metrics: dict[str, float], name: str, kind: str) -> dict[str, float
 # Evaluation during training
 
 
-def build_training_evaluator(sets: EvalSets, batch_size: int = 32):
+def build_training_evaluator(sets: EvalSets, batch_size: int = 32, prompts=None):
     """One evaluator for the trainer: the sets' evaluators in a ``SequentialEvaluator`` (metrics of
-    all sets, each prefixed by its set name). Corpus embeddings are not cached here: the weights
-    change between evaluations."""
+    all sets, each prefixed by its set name; retrieval ``prompts`` as in :func:`retrieval_evaluator`).
+    Corpus embeddings are not cached here: the weights change between evaluations."""
     from sentence_transformers.base.evaluation import SequentialEvaluator
 
-    evaluators = [retrieval_evaluator(r, batch_size) for r in sets.retrieval]
+    evaluators = [retrieval_evaluator(r, batch_size, prompts=prompts) for r in sets.retrieval]
     evaluators += [sts_evaluator(s, batch_size) for s in sets.sts]
     return SequentialEvaluator(evaluators)
 
@@ -269,11 +269,14 @@ class TrainingEvaluation:
     training_args: dict[str, Any]
     callback: EvalLogCallback
     batch_size: int = 32
+    prompts: Any = None  # cembed.prompts.RolePrompts: query = anchor prompt, corpus = positive prompt
 
     @classmethod
-    def from_config(cls, eval_cfg, save_steps: int | None, on_line: LineFn | None = None) -> TrainingEvaluation:
+    def from_config(
+        cls, eval_cfg, save_steps: int | None, on_line: LineFn | None = None, prompts=None
+    ) -> TrainingEvaluation:
         """Load the sets of ``eval_cfg`` and build evaluator, training-argument overrides and log
-        callback.
+        callback; retrieval queries get ``prompts.anchor``, corpora ``prompts.positive``.
 
         ``on_line`` receives the evaluation lines (see :class:`EvalLogCallback` and :meth:`evaluate`).
 
@@ -284,11 +287,12 @@ class TrainingEvaluation:
         metric = check_metric_name(eval_cfg.metric_for_best_model, sets)
         return cls(
             sets=sets,
-            evaluator=build_training_evaluator(sets, eval_cfg.batch_size),
+            evaluator=build_training_evaluator(sets, eval_cfg.batch_size, prompts),
             metric=metric,
             training_args=training_eval_args(eval_cfg, metric, save_steps),
             callback=EvalLogCallback(on_line, headline_keys(sets)),
             batch_size=eval_cfg.batch_size,
+            prompts=prompts,
         )
 
     def evaluate(self, model, label: str, cache_dir: str | Path | None = None) -> dict[str, float]:
@@ -304,7 +308,7 @@ class TrainingEvaluation:
             metrics = {}
             fp = model_fingerprint(model) if self.sets.retrieval else None
             for rs in self.sets.retrieval:
-                metrics.update(evaluate_retrieval(model, rs, self.batch_size, cache_dir, model_fp=fp)[0])
+                metrics.update(evaluate_retrieval(model, rs, self.batch_size, cache_dir, None, fp, self.prompts)[0])
             for ss in self.sets.sts:
                 metrics.update(evaluate_sts(model, ss, self.batch_size))
         if self.callback.on_line is not None:
@@ -344,106 +348,3 @@ class TrainingEvaluation:
             "during": self.callback.history,
             "best": best,
         }
-
-
-# ----------------------------------------------------------------------------------------------
-# Scoring a saved model (the `cembed eval` command)
-
-
-@dataclass
-class EvalReport:
-    """What :func:`score_model` measured. ``sets``: name -> {kind "retrieval": path, split, queries, documents,
-    headline (label -> value), metrics (all), corpus_cache, corpus_cache_hit, encode_seconds (0.01 s; 0 on a hit)}
-    or {kind "sts": path, pairs, headline, metrics}. ``json_out``: where :meth:`to_dict` was written, if anywhere."""
-
-    model: str
-    model_fingerprint: str
-    max_seq_length: int | None
-    device: str
-    split: str
-    sets: dict[str, dict[str, Any]] = field(default_factory=dict)
-    json_out: Path | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON report: model, model_fingerprint, max_seq_length, device, split, sets (in that order)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "json_out"}
-
-
-def score_model(
-    model_name: str,
-    retrieval: list[Path],
-    sts: list[Path],
-    split: str = "test",
-    json_out: Path | None = None,
-    batch_size: int = 32,
-    max_seq_length: int | None = None,
-    device: str = "auto",
-    cache_dir: Path | None = None,
-    no_cache: bool = False,
-    progress: EncodeProgress | None = None,
-) -> EvalReport:
-    """Load the sets and the model, score it and, with ``json_out``, write the report as JSON
-    (atomically). Prints nothing.
-
-    Data is loaded before the model, so a wrong path fails fast. The corpus cache is ``cache_dir`` or
-    :func:`~cembed.embedding_cache.default_cache_dir`, none with ``no_cache``. ``progress(set_name, n_documents)``,
-    when given, returns a context manager entered around each retrieval set's scoring; it yields a
-    ``(done, total)`` callback for the corpus encoding (or None).
-
-    Returns:
-        An :class:`EvalReport`; ``report.to_dict()`` is what ``json_out`` holds.
-
-    Raises:
-        UserError: no set given, ``json_out`` a folder, two sets with the same name, or any
-            loader/model error (see :func:`~cembed.evalsets.load_beir`,
-            :func:`~cembed.evalsets.load_sts`, :func:`~cembed.model.load_eval_model`).
-    """
-    from cembed.model import quiet_libraries
-    from cembed.outputs import write_json_atomic
-
-    if not retrieval and not sts:
-        raise UserError("cembed eval: give at least one --retrieval FOLDER or --sts FILE")
-    if json_out is not None and json_out.is_dir():
-        raise UserError(f"--json {json_out}: is a folder; give a file name such as results.json")
-    # Data first: a typo in a path should not cost a model load.
-    rsets = [load_beir(p, split) for p in retrieval]
-    ssets = [load_sts(p) for p in sts]
-    names = [s.name for s in rsets] + [s.name for s in ssets]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup:
-        raise UserError(f"cembed eval: two sets are named {dup!r}; rename one folder/file")
-    quiet_libraries()
-    model = load_eval_model(model_name, device, max_seq_length)
-    fp = model_fingerprint(model)
-    cache = None if no_cache else (cache_dir or default_cache_dir())
-
-    report = EvalReport(model_name, fp, model.max_seq_length, str(model.device), split)
-    for rs in rsets:
-        bar = progress(rs.name, len(rs.corpus)) if progress else contextlib.nullcontext(None)
-        with bar as on_progress:
-            metrics, ce = evaluate_retrieval(model, rs, batch_size, cache, on_progress, model_fp=fp)
-        report.sets[rs.name] = {
-            "kind": "retrieval",
-            "path": rs.path,
-            "split": rs.split,
-            "queries": len(rs.queries),
-            "documents": len(rs.corpus),
-            "headline": headline(metrics, rs.name, "retrieval"),
-            "metrics": metrics,
-            "corpus_cache": ce.cache_file,
-            "corpus_cache_hit": ce.cache_hit,
-            "encode_seconds": round(ce.encode_seconds, 2),
-        }
-    for ss in ssets:
-        metrics = evaluate_sts(model, ss, batch_size)
-        report.sets[ss.name] = {
-            "kind": "sts",
-            "path": ss.path,
-            "pairs": len(ss.scores),
-            "headline": headline(metrics, ss.name, "sts"),
-            "metrics": metrics,
-        }
-    if json_out is not None:
-        write_json_atomic(json_out, report.to_dict())
-        report.json_out = json_out
-    return report

@@ -5,12 +5,18 @@ Per logging interval (the trainer's ``logging_steps``):
 - ``data_wait``: share of the interval's wall time the training loop spent waiting for its next
   batch (sampling, fetching and collating, when not hidden by dataloader workers);
 - ``tokens_per_s``: non-padding tokens embedded per second (each text counted once per step);
-- ``padded_share``: share of the token positions the encoder processed that were padding.
+- ``padded_share``: share of the token positions the encoder processed that were padding;
+- with a :class:`~cembed.flops.FlopModel`: ``flops_per_s``, the model FLOPs of the real tokens per
+  second (formula and sources in :mod:`cembed.flops`), and ``mfu``, that over the device's dense
+  peak (None without a known peak, e.g. on a CPU).
+
+The loss keeps its token counts as device tensors (:class:`~cembed.losses.TokenCounts`); the meter
+reads them once per interval, so counting adds no host-device synchronisation per mini-batch.
 
 With several processes (``gather``: one all-gather per logging interval, on every rank at the same
 step) the statistics are the job's: tokens/s summed over the ranks (each rank's tokens over its
-own wall time), data-wait the mean of the ranks' shares, padding over all ranks' positions; the
-run's totals also list each rank's own (``per_rank``). The totals are closed when training ends
+own wall time), data-wait the mean of the ranks' shares, padding over all ranks' positions, FLOP/s
+summed like tokens/s and MFU over the sum of the ranks' peaks (one device per rank); the run's totals also list each rank's own (``per_rank``). The totals are closed when training ends
 (:meth:`ThroughputMeter.finish`), so saving and evaluating afterwards do not dilute them.
 """
 
@@ -21,22 +27,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from cembed.flops import FlopModel
 from cembed.losses import TokenCounts
 from cembed.outputs import write_atomic
 
 
-def _combine(rows: list[list[float]]) -> dict:
-    """Per-rank ``[real, processed, wait, wall]`` rows -> the job's statistics and each rank's own."""
-    per_rank = [
-        {"tokens_per_s": real / max(wall, 1e-9), "data_wait": wait / max(wall, 1e-9)} for real, _, wait, wall in rows
-    ]
+def _combine(rows: list[list[float]], flops: FlopModel | None = None) -> dict:
+    """Per-rank ``[real, processed, wait, wall, real_sq]`` rows -> the job's statistics and each
+    rank's own (with ``flops``: also FLOP/s and MFU)."""
+    per_rank = []
+    for real, _, wait, wall, real_sq in rows:
+        wall = max(wall, 1e-9)
+        rank = {"tokens_per_s": real / wall, "data_wait": wait / wall}
+        if flops is not None:
+            rank["flops_per_s"] = flops.flops(real, real_sq) / wall
+        per_rank.append(rank)
     real, processed = sum(r[0] for r in rows), sum(r[1] for r in rows)
-    return {
+    out = {
         "data_wait": round(sum(r["data_wait"] for r in per_rank) / len(rows), 4),
         "tokens_per_s": round(sum(r["tokens_per_s"] for r in per_rank), 1),
         "padded_share": round(1 - real / processed, 4) if processed else 0.0,
-        "per_rank": [{k: round(v, 4 if k == "data_wait" else 1) for k, v in r.items()} for r in per_rank],
     }
+    if flops is not None:
+        flops_per_s = sum(r["flops_per_s"] for r in per_rank)
+        out["flops_per_s"] = round(flops_per_s, 1)
+        out["mfu"] = round(flops_per_s / (flops.peak_flops * len(rows)), 6) if flops.peak_flops else None
+    out["per_rank"] = [{k: round(v, 4 if k == "data_wait" else 1) for k, v in r.items()} for r in per_rank]
+    return out
 
 
 def _local(values: list[float]) -> list[list[float]]:
@@ -48,17 +65,20 @@ class ThroughputMeter:
     """Times data waits and counts tokens per logging interval and for the whole run.
 
     Attributes:
-        token_counts: the loss's token counter (reset at every interval).
+        token_counts: the loss's token counter (read and reset at every interval).
+        flops: the run's FLOP model (adds ``flops_per_s`` and ``mfu``); None: no FLOP statistics.
         gather: ``values -> every rank's values`` (e.g. :func:`cembed.distributed.gather_over_ranks`);
             the default is this process alone.
     """
 
     token_counts: TokenCounts
+    flops: FlopModel | None = None
     gather: Callable[[list[float]], list[list[float]]] = _local
     history: list[dict] = field(default_factory=list)
     total_wait: float = 0.0
     total_real: int = 0
     total_processed: int = 0
+    total_real_sq: int = 0
     _wait: float = 0.0
     _start: float = field(default_factory=time.perf_counter)
     _first: float | None = None
@@ -76,15 +96,17 @@ class ThroughputMeter:
         self.total_wait += seconds
 
     def snapshot(self, step: int) -> dict[str, float]:
-        """Close the current interval: the job's ``data_wait``, ``tokens_per_s`` and ``padded_share``
-        (every rank must call it at the same step when ``gather`` is collective)."""
+        """Close the current interval: the job's ``data_wait``, ``tokens_per_s`` and ``padded_share``,
+        with a FLOP model also ``flops_per_s`` and ``mfu`` (every rank must call it at the same step
+        when ``gather`` is collective). Reads the loss's token counts: one host read per interval."""
         now = time.perf_counter()
         wall = max(now - self._start, 1e-9)
-        real, processed = self.token_counts.real, self.token_counts.processed
-        stats = _combine(self.gather([real, processed, self._wait, wall]))
+        real, processed, real_sq = self.token_counts.read()
+        stats = _combine(self.gather([real, processed, self._wait, wall, real_sq]), self.flops)
         del stats["per_rank"]
         self.total_real += real
         self.total_processed += processed
+        self.total_real_sq += real_sq
         self.history.append({"step": step, **stats})
         self._start, self._wait = now, 0.0
         self.token_counts.reset()
@@ -97,20 +119,23 @@ class ThroughputMeter:
         return self._final
 
     def totals(self) -> dict:
-        """Whole-run ``data_wait`` share, ``tokens_per_s`` and ``padded_share`` of the job, and with
+        """Whole-run ``data_wait`` share, ``tokens_per_s`` and ``padded_share`` of the job (with a
+        FLOP model also ``flops_per_s``, ``mfu`` and ``flop_model``, its constants), and with
         several ranks ``ranks`` and ``per_rank`` (each rank's own); after :meth:`finish` the closed
         totals (no collective), before it a gather like :meth:`snapshot`'s."""
         if self._final is not None:
             return self._final
         wall = max(time.perf_counter() - (self._first or self._start), 1e-9)
-        real = self.total_real + self.token_counts.real
-        processed = self.total_processed + self.token_counts.processed
-        rows = self.gather([real, processed, self.total_wait, wall])
-        out = _combine(rows)
+        real, processed, real_sq = self.token_counts.read()
+        row = [self.total_real + real, self.total_processed + processed, self.total_wait, wall]
+        rows = self.gather([*row, self.total_real_sq + real_sq])
+        out = _combine(rows, self.flops)
         if len(rows) > 1:
             out["ranks"] = len(rows)
         else:
             del out["per_rank"]
+        if self.flops is not None:
+            out["flop_model"] = self.flops.to_dict()
         return out
 
 
@@ -137,7 +162,8 @@ def plot_run(
     path: str | Path,
     step_losses: list[tuple[int, float]] | None = None,
 ) -> Path | None:
-    """Write a PNG with loss, throughput (tokens/s) and data-wait share against the step.
+    """Write a PNG with loss, throughput (tokens/s), data-wait share and, when the meter has a FLOP
+    model, achieved TFLOP/s (with MFU % on a second axis when the device has a peak) against the step.
 
     The loss panel shows every optimizer step's loss (``step_losses``) as points with a smoothed
     line over them, and the logged interval means (``losses``) as markers; without
@@ -152,7 +178,8 @@ def plot_run(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
+    with_flops = any("flops_per_s" in h for h in meter_history)
+    fig, axes = plt.subplots(4 if with_flops else 3, 1, figsize=(7, 9 if with_flops else 7), sharex=True)
     if step_losses:
         steps, values = [s for s, _ in step_losses], [v for _, v in step_losses]
         axes[0].plot(steps, values, ".", color="tab:blue", alpha=0.3, markersize=4, label="every step")
@@ -175,7 +202,15 @@ def plot_run(
     axes[1].set_ylabel("tokens/s")
     axes[2].plot(steps, [100 * h["data_wait"] for h in meter_history], marker=".", color="tab:red")
     axes[2].set_ylabel("data-wait %")
-    axes[2].set_xlabel(f"optimizer step ({samples_per_step} samples each)")
+    if with_flops:
+        axes[3].plot(steps, [h.get("flops_per_s", 0.0) / 1e12 for h in meter_history], marker=".", color="tab:purple")
+        axes[3].set_ylabel("model TFLOP/s")
+        mfu = [(s, 100 * h["mfu"]) for s, h in zip(steps, meter_history) if h.get("mfu") is not None]
+        if mfu:
+            twin = axes[3].twinx()
+            twin.plot([s for s, _ in mfu], [v for _, v in mfu], ".", color="tab:gray", markersize=3)
+            twin.set_ylabel("MFU %")
+    axes[-1].set_xlabel(f"optimizer step ({samples_per_step} samples each)")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cembed.config import ModelConfig
+from cembed.decoder import prepare_last_token_model
 from cembed.errors import ModelRefused, UserError, first_line
+from cembed.lora import apply_lora
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # config name -> torch name
@@ -171,7 +173,7 @@ def pooling_in_effect(model, cfg: ModelConfig) -> str:
     return f"{mode} (model.pooling; plain transformers checkpoint)"
 
 
-def load_model(cfg: ModelConfig, device: str, for_training: bool = True):
+def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: int = 0):
     """Load the SentenceTransformer named by ``cfg`` on ``device`` (``"cpu"`` or ``"cuda"``) and apply
     ``cfg.max_seq_length`` (tokens) when set.
 
@@ -183,6 +185,7 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True):
         for_training: refuse a model cembed cannot train (:func:`check_trainable`) and load its weights
             in float32 (master weights) whatever dtype they are stored in, unless ``model_kwargs`` names
             a ``dtype``; False (to evaluate) keeps the stored dtype.
+        seed: seeds new trainable weights (``model.lora`` adapters); the run's ``train.seed``.
 
     Raises:
         ModelRefused: the model needs its own code (``auto_map``) and ``model.trust_remote_code`` is
@@ -223,6 +226,9 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True):
         check_trainable(model, cfg.name_or_path)
     if cfg.max_seq_length is not None:
         model.max_seq_length = cfg.max_seq_length
+    model.cembed_tokenizer_changes = prepare_last_token_model(model)  # decoders: EOS, right padding
+    if for_training and cfg.lora is not None:
+        apply_lora(model, cfg.lora, seed)
     return model
 
 

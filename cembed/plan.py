@@ -37,6 +37,7 @@ class Plan:
     # Data-loader worker processes (train.dataloader_num_workers, auto resolved) and how it was decided.
     dataloader_num_workers: int = 0
     dataloader_workers: str = ""
+    lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,6 +110,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         save_dtype=DTYPE_NAMES[cfg.model.save_dtype] if cfg.model.save_dtype else None,
         dataloader_num_workers=workers,
         dataloader_workers=how,
+        lora_merge=cfg.model.lora.merge if cfg.model.lora is not None else None,
     )
 
 

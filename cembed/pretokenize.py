@@ -21,9 +21,11 @@ does not hold, the caller falls back to tokenizing in the collator.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,10 +35,12 @@ import torch
 import xxhash
 
 from cembed.model import tokenizer_spec
+from cembed.prompts import prompt_lengths
 
 # Bump when the stored layout changes, so old caches are not reused.
 FORMAT_VERSION = "1"
 TOKEN_SUFFIX = "_input_ids"
+PROMPT_SUFFIX = "_prompt_length"  # a constant int column next to a prompted role's ids
 
 
 def default_cache_dir() -> Path:
@@ -50,18 +54,25 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return xxhash.xxh64_hexdigest(tokenizer_spec(tokenizer).encode("utf-8"))
 
 
-def cache_key(data_fingerprint: str, tokenizer, max_seq_length: int, roles: list[str]) -> str:
-    """The cache folder name for one (data, tokenizer, max_seq_length, columns) combination."""
+def cache_key(
+    data_fingerprint: str, tokenizer, max_seq_length: int, roles: list[str], prompts: dict | None = None
+) -> str:
+    """The cache folder name for one (data, tokenizer, max_seq_length, columns, prompts) combination."""
     parts = [FORMAT_VERSION, data_fingerprint, tokenizer_fingerprint(tokenizer), str(max_seq_length), ",".join(roles)]
+    if prompts:  # absent for no prompts, so caches made before prompts existed stay valid
+        parts.append(json.dumps(prompts, sort_keys=True))
     return xxhash.xxh64_hexdigest("|".join(parts).encode("utf-8"))
 
 
-def _tokenize_batch(batch: dict[str, list], roles: list[str], tokenizer, max_length: int) -> dict[str, list]:
+def _tokenize_batch(
+    batch: dict[str, list], roles: list[str], tokenizer, max_length: int, prompts: dict[str, str] | None = None
+) -> dict[str, list]:
     # Module level: datasets.map(num_proc>1) pickles it into worker processes.
     out = {}
     for role in roles:
+        prompt = (prompts or {}).get(role, "")
         enc = tokenizer(
-            batch[role],
+            [prompt + t for t in batch[role]] if prompt else batch[role],
             truncation=True,
             max_length=max_length,
             add_special_tokens=True,
@@ -89,6 +100,8 @@ def pretokenize(
     max_seq_length: int,
     cache_dir: str | Path | None = None,
     num_proc: int | None = None,
+    prompts: dict[str, str] | None = None,
+    prompt_lengths: dict[str, int] | None = None,
 ) -> Pretokenized:
     """Tokenize each role column once (or load the cached result).
 
@@ -100,6 +113,11 @@ def pretokenize(
         cache_dir: where tokenized datasets are kept (default :func:`default_cache_dir`); ``None``
             entries are keyed by ``dataset._fingerprint`` (datasets' content/transform fingerprint).
         num_proc: tokenizer processes (default: up to 8 for 50k+ rows, else 1).
+        prompts: ``{role: prompt}`` prepended to the role's texts before tokenizing, as
+            sentence-transformers' ``Transformer.preprocess`` does (part of the cache key).
+        prompt_lengths: ``{role: tokens}`` (:func:`cembed.prompts.prompt_lengths`), stored as a
+            constant ``<role>_prompt_length`` column: the collator passes it to the model
+            (``Pooling(include_prompt=False)``), the sampler compares texts without it.
 
     Returns:
         :class:`Pretokenized`; ``from_cache`` tells whether tokenization was skipped.
@@ -107,7 +125,10 @@ def pretokenize(
     from datasets import List, Value, load_from_disk
 
     cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles)
+    prompts = {r: p for r, p in (prompts or {}).items() if p and r in roles}
+    lengths = {r: n for r, n in (prompt_lengths or {}).items() if r in prompts}
+    prompted = {"prompts": prompts, "prompt_lengths": lengths} if prompts else None
+    key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted)
     path = cache_root / "tokenized" / key
     if (path / "dataset_info.json").exists():
         try:
@@ -124,11 +145,13 @@ def pretokenize(
         batched=True,
         batch_size=2048,
         num_proc=num_proc if num_proc > 1 else None,
-        fn_kwargs={"roles": roles, "tokenizer": tokenizer, "max_length": max_seq_length},
+        fn_kwargs={"roles": roles, "tokenizer": tokenizer, "max_length": max_seq_length, "prompts": prompts},
         features=features,
         desc="Tokenizing",
         load_from_cache_file=False,
     )
+    for role, length in lengths.items():
+        tokenized = tokenized.add_column(role + PROMPT_SUFFIX, [length] * len(tokenized), feature=Value("int32"))
     # Written to a temporary sibling, then renamed: a killed run never leaves a half-written entry.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=path.parent))
@@ -179,12 +202,10 @@ class IdColumn:
     batch gather over them.
 
     Args:
-        column: a ``pyarrow.ChunkedArray`` (or Array) of int lists without nulls (memory-mapped
-            from the cache, so the views cost no memory).
+        column: a ``pyarrow.ChunkedArray`` (or Array) of int lists without nulls (memory-mapped).
 
-    ``pyarrow``'s own ``take`` would concatenate every chunk of a list column first (a copy of the
-    whole column per batch); here only the record batches a batch touches are read, each with a few
-    vectorised numpy operations.
+    ``pyarrow``'s ``take`` concatenates every chunk of a list column first (a copy of the whole
+    column per batch); here only the record batches a batch touches are read, vectorised in each.
     """
 
     def __init__(self, column) -> None:
@@ -258,13 +279,19 @@ class TokenIdRows(torch.utils.data.Dataset):
             self._columns = {r: IdColumn(table.column(r + TOKEN_SUFFIX)) for r in self.roles}
         return self._columns
 
-    def __getitems__(self, indices: list[int]) -> dict[str, RaggedIds]:
-        """``{role: RaggedIds}`` for the rows ``indices`` (in that order)."""
+    def __getitems__(self, indices: list[int]) -> dict[str, Any]:
+        """``{role: RaggedIds}`` for the rows ``indices`` (in that order), plus ``<role>_prompt_length``
+        (an int, the first row's) for a prompted role."""
         columns = self._views()
         rows = np.asarray(indices, dtype=np.int64)
         if self._mapping is not None:
             rows = self._mapping[rows]
-        return {role: column.take(rows) for role, column in columns.items()}
+        out: dict[str, Any] = {role: column.take(rows) for role, column in columns.items()}
+        table = self.dataset.data.table
+        for role in self.roles:
+            if len(rows) and role + PROMPT_SUFFIX in table.column_names:
+                out[role + PROMPT_SUFFIX] = int(table.column(role + PROMPT_SUFFIX)[int(rows[0])].as_py())
+        return out
 
 
 @dataclass
@@ -278,7 +305,9 @@ class PaddingCollator:
     ``max_length``) when that is set.
 
     Takes either ``{role: RaggedIds}`` (:meth:`TokenIdRows.__getitems__`, vectorised: no per-row
-    Python) or a list of row dicts with ``<role>_input_ids`` lists (``datasets``' rows).
+    Python) or a list of row dicts with ``<role>_input_ids`` lists (``datasets``' rows). For a
+    prompted role, the int ``<role>_prompt_length`` read from the rows (as sentence-transformers'
+    collator passes it).
     """
 
     roles: list[str]
@@ -323,6 +352,10 @@ class PaddingCollator:
             batch[f"{role}_attention_mask"] = mask
             for key, value in self.constants.items():
                 batch[f"{role}_{key}"] = value
+            if isinstance(rows, dict) and role + PROMPT_SUFFIX in rows:
+                batch[role + PROMPT_SUFFIX] = rows[role + PROMPT_SUFFIX]
+            elif isinstance(rows, list) and rows and role + PROMPT_SUFFIX in rows[0]:
+                batch[role + PROMPT_SUFFIX] = int(rows[0][role + PROMPT_SUFFIX])
         return batch
 
 
@@ -363,17 +396,55 @@ def collator_for(model, roles: list[str], pad_to_multiple_of: int | None = None)
     )
 
 
-def matches_model_preprocessing(model, collator: PaddingCollator, dataset, rows: int = 64) -> bool:
+def matches_model_preprocessing(
+    model, collator: PaddingCollator, dataset, rows: int = 64, prompts: dict[str, str] | None = None
+) -> bool:
     """Whether padding the stored ids of the first ``rows`` rows gives exactly what
-    ``model.preprocess`` gives for their texts (ids, attention mask, token types). The ids are
-    fetched as training fetches them (:class:`TokenIdRows`) and padded to the longest row, as the
-    model pads (``pad_to_multiple_of`` is left out of the comparison)."""
+    ``model.preprocess`` gives for their texts with the role's prompt (ids, attention mask, token
+    types, prompt length). The ids are fetched as training fetches them (:class:`TokenIdRows`) and
+    padded to the longest row, as the model pads (``pad_to_multiple_of`` is left out)."""
     sample = dataset.select(range(min(rows, len(dataset))))
     plain = replace(collator, pad_to_multiple_of=None)
     batch = plain(TokenIdRows(dataset, collator.roles).__getitems__(list(range(len(sample)))))
     for role in collator.roles:
-        ref = model.preprocess(sample[role])
+        prompt = (prompts or {}).get(role) or None
+        ref = model.preprocess(sample[role], prompt=prompt) if prompt else model.preprocess(sample[role])
         for key in ("input_ids", "attention_mask", "token_type_ids"):
             if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"]):
                 return False
+        if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
+            return False
     return True
+
+
+def tokenize_stage(
+    model,
+    data,
+    enabled: bool,
+    cache_dir: str | None,
+    prompts: dict | None = None,
+    pad_to_multiple_of: int | None = None,
+):
+    """Pre-tokenize ``data`` (:class:`cembed.data.PreparedData`) for ``model`` (cached), ``prompts`` (``{role column: prompt}``)
+    prepended, or leave tokenizing to the collator. Returns ``(dataset, collator or None, info)``:
+    ``collator`` is ``None`` when sentence-transformers' collator (tokenizing on the fly) is used, ``info`` says why.
+    ``pad_to_multiple_of`` (``batch.pad_to_multiple_of``) is applied by the pre-tokenized collator.
+    """
+    roles = data.columns
+    if not enabled:
+        return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
+    collator = collator_for(model, roles, pad_to_multiple_of)
+    if collator is None:
+        return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
+    started = time.perf_counter()
+    lengths = prompt_lengths(model, prompts or {})  # ``Pooling(include_prompt=False)`` needs them
+    result = pretokenize(data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir, None, prompts, lengths)
+    if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts):
+        return data.dataset, None, {"pretokenized": False, "reason": "stored ids differ from the model's preprocessing"}
+    info = {
+        "pretokenized": True,
+        "from_cache": result.from_cache,
+        "cache_path": str(result.cache_path),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return result.dataset, collator, info

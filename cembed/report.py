@@ -15,10 +15,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import TrainerCallback
 
+from cembed.flops import format_flops
 from cembed.probe import ProbeResult, format_bytes
 
 if TYPE_CHECKING:
-    from cembed.evaluate import EvalReport
+    from cembed.scoring import EvalReport
 
 
 def make_console(quiet: bool = False) -> Console:
@@ -165,6 +166,23 @@ def print_done(console: Console, summary: dict) -> None:
         f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
         highlight=False,
     )
+    t = summary.get("throughput") or {}
+    if "flops_per_s" in t:
+        mfu = f", MFU {100 * t['mfu']:.1f}%" if t.get("mfu") is not None else " (no device peak: MFU not computed)"
+        console.print(
+            f"throughput: {t['tokens_per_s']:.0f} tok/s, model {format_flops(t['flops_per_s'])}{mfu}, "
+            f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%",
+            highlight=False,
+        )
+    lora = summary.get("lora")
+    if lora:
+        share = lora["adapter_parameters"] / lora["total_parameters"]
+        saved = "merged into the weights" if lora["merged"] else "saved as the adapter only"
+        console.print(
+            f"LoRA: adapter {lora['adapter_parameters']:,} parameters ({format_bytes(lora['adapter_bytes'])} fp32) "
+            f"vs full {lora['total_parameters']:,} ({format_bytes(lora['full_bytes'])}), {share:.2%}; {saved}",
+            highlight=False,
+        )
     console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
 
 
@@ -285,12 +303,20 @@ def print_truncation(console: Console, truncation) -> None:
         return
     if truncation.weights is not None:
         console.print(truncation.weights.describe(), highlight=False)
+    if truncation.prompts is not None:
+        console.print(describe_prompts(truncation.prompts), highlight=False)
     if not truncation.columns:
         console.print(
             f"model loads; max_seq_length {truncation.max_seq_length}; truncation unchecked (no rows)", highlight=False
         )
         return
     console.print(truncation_table(truncation.max_seq_length, truncation.columns))
+
+
+def describe_prompts(prompts) -> str:
+    """One line: each role's prompt (a :class:`cembed.prompts.RolePrompts`) and where it came from."""
+    roles = prompts.to_dict()
+    return "prompts: " + "; ".join(f"{r} {v['prompt']!r} ({v['from']})" for r, v in roles.items())
 
 
 def probe_table(result: ProbeResult) -> Table:
@@ -343,7 +369,7 @@ def print_probe(console: Console, result: ProbeResult) -> None:
 
 
 def encode_progress(console: Console):
-    """A ``progress`` factory for :func:`cembed.evaluate.score_model`: for each retrieval set, a
+    """A ``progress`` factory for :func:`cembed.scoring.score_model`: for each retrieval set, a
     transient rich bar ``encode <set> corpus`` (done/total documents, elapsed, remaining)."""
     from rich.progress import (
         BarColumn,
@@ -391,3 +417,9 @@ def print_eval_report(console: Console, report: EvalReport) -> None:
     console.print(table)
     if report.json_out is not None:
         console.print(f"metrics written to {report.json_out}", highlight=False)
+
+
+def print_mining_report(console: Console, report) -> None:
+    """``cembed mine-negatives``' result: :meth:`cembed.mining.MiningReport.lines`, as plain text."""
+    for line in report.lines():
+        console.print(line, highlight=False, markup=False)

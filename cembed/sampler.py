@@ -35,7 +35,7 @@ from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
 from cembed.data import arrow_table
-from cembed.pretokenize import TOKEN_SUFFIX
+from cembed.pretokenize import PROMPT_SUFFIX, TOKEN_SUFFIX
 
 
 def hash_texts(texts: list[str]) -> np.ndarray:
@@ -44,14 +44,15 @@ def hash_texts(texts: list[str]) -> np.ndarray:
     return np.fromiter((h(t.encode("utf-8")) for t in texts), dtype=np.uint64, count=len(texts))
 
 
-def hash_token_ids(column) -> np.ndarray:
-    """xxh64 of each row's token ids (an arrow list column), shape ``(rows,)`` uint64."""
+def hash_token_ids(column, skip: int = 0) -> np.ndarray:
+    """xxh64 of each row's token ids (an arrow list column) after the first ``skip`` (a prompt's
+    tokens), shape ``(rows,)`` uint64."""
     lists = column.combine_chunks() if hasattr(column, "combine_chunks") else column
     offsets = lists.offsets.to_numpy()
     values = np.ascontiguousarray(lists.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
     h = xxhash.xxh64_intdigest
     return np.fromiter(
-        (h(values[offsets[i] : offsets[i + 1]].tobytes()) for i in range(len(offsets) - 1)),
+        (h(values[min(offsets[i] + skip, offsets[i + 1]) : offsets[i + 1]].tobytes()) for i in range(len(offsets) - 1)),
         dtype=np.uint64,
         count=len(offsets) - 1,
     )
@@ -61,14 +62,19 @@ def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
     """Hash each of ``columns`` (None: every column but ``dataset_name``; ``[]``: none, shape
     ``(rows, 0)``): shape ``(rows, columns)`` uint64. A column pre-tokenized as
     ``<column>_input_ids`` is hashed by its token ids, the text as the model sees it (casing and
-    spacing an uncased tokenizer removes, truncation), else by its text; ``None`` hashes as ``''``."""
+    spacing an uncased tokenizer removes, truncation), without its prompt's tokens (a
+    ``<column>_prompt_length`` column: one text is one text whichever role's prompt it carries), else
+    by its text; ``None`` hashes as ``''``."""
     table = arrow_table(dataset)
     if columns is None:
         columns = [c for c in table.column_names if c != "dataset_name"]
     out = np.empty((table.num_rows, len(columns)), dtype=np.uint64)
     for j, col in enumerate(columns):
         if col + TOKEN_SUFFIX in table.column_names:
-            out[:, j] = hash_token_ids(table.column(col + TOKEN_SUFFIX))
+            skip = 0
+            if col + PROMPT_SUFFIX in table.column_names and table.num_rows:
+                skip = int(table.column(col + PROMPT_SUFFIX)[0].as_py())
+            out[:, j] = hash_token_ids(table.column(col + TOKEN_SUFFIX), skip)
         else:
             out[:, j] = hash_texts(["" if t is None else str(t) for t in table.column(col).to_pylist()])
     return out

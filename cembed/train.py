@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +35,17 @@ from cembed.config import CembedConfig
 from cembed.data import PreparedData, UnloadedData, prepare_checked_data
 from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
+from cembed.flops import build_flop_model
+from cembed.lora import adapter_facts, finish_lora, is_lora
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
 from cembed.model import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
 from cembed.preflight import check_resume, preflight, raise_findings, training_record
-from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
+from cembed.pretokenize import tokenize_stage
 from cembed.probe import resolve_auto
+from cembed.prompts import RolePrompts, resolve_prompts
 from cembed.publish import add_card_facts, push_final_model
 from cembed.summary import Attempt, failed_summary, failures_recorded, samples_seen, summary_base
 from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, build_training_args
@@ -149,35 +152,6 @@ def resolve_runtime(
     return device, plan
 
 
-def tokenize_stage(
-    model, data: PreparedData, enabled: bool, cache_dir: str | None, pad_to_multiple_of: int | None = None
-):
-    """Pre-tokenize the training data for ``model`` (cached), or leave tokenizing to the collator
-    (``pad_to_multiple_of``: ``batch.pad_to_multiple_of``, applied by the pre-tokenized collator).
-
-    Returns:
-        ``(dataset, collator or None, info)``: ``collator`` is ``None`` when the stock
-        sentence-transformers collator (tokenizing on the fly) is used, and ``info`` says why.
-    """
-    roles = data.columns
-    if not enabled:
-        return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
-    collator = collator_for(model, roles, pad_to_multiple_of)
-    if collator is None:
-        return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
-    started = time.perf_counter()
-    result = pretokenize(data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir)
-    if not matches_model_preprocessing(model, collator, result.dataset):
-        return data.dataset, None, {"pretokenized": False, "reason": "stored ids differ from the model's preprocessing"}
-    info = {
-        "pretokenized": True,
-        "from_cache": result.from_cache,
-        "cache_path": str(result.cache_path),
-        "seconds": round(time.perf_counter() - started, 3),
-    }
-    return result.dataset, collator, info
-
-
 @dataclass
 class Components:
     """Everything the trainer is built from."""
@@ -191,6 +165,7 @@ class Components:
     distributed: dict | None  # what run_summary.json records about the process group
     source: str  # the training data's label, for messages
     weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
+    prompts: RolePrompts = field(default_factory=RolePrompts)  # each role's prompt
 
 
 def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None) -> Components:
@@ -202,11 +177,18 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     Raises:
         UserError: the model cannot be loaded, or an eval set is wrong.
     """
-    model = load_model(cfg.model, device)
+    model = load_model(cfg.model, device, seed=cfg.train.seed)
+    prompts = resolve_prompts(cfg.data.prompts, model)
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
         train_dataset, collator, token_info = tokenize_stage(
-            model, data, cfg.data.pretokenize, cfg.data.cache_dir, cfg.batch.pad_to_multiple_of
+            model,
+            data,
+            cfg.data.pretokenize,
+            cfg.data.cache_dir,
+            prompts.for_columns(data.columns),
+            cfg.batch.pad_to_multiple_of,
         )
+    token_info["prompts"] = prompts.to_dict()
     loss = build_loss(
         model,
         cfg.loss,
@@ -230,9 +212,9 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     if cfg.eval is not None:
         from cembed.evaluate import TrainingEvaluation
 
-        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line)
-    weights = weight_dtypes(model, cfg.model)
-    return Components(model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source, weights)
+        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
+    parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
+    return Components(*parts, weight_dtypes(model, cfg.model), prompts)
 
 
 @dataclass
@@ -264,7 +246,11 @@ def build_trainer(
     from transformers.trainer_callback import PrinterCallback
 
     is_main = dist_info().is_main
-    args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None)
+    layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
+    args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None, layers)
+    if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
+        args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
+    flops = build_flop_model(parts.model, parts.loss.cached, plan.precision, plan.device, cfg.train.peak_tflops)
     trainer = trainer_cls(
         model=parts.model,
         args=args,
@@ -272,7 +258,7 @@ def build_trainer(
         loss=parts.loss.module,
         data_collator=parts.collator,
         evaluator=parts.evaluation.evaluator if parts.evaluation else None,
-        meter=ThroughputMeter(parts.loss.token_counts),
+        meter=ThroughputMeter(parts.loss.token_counts, flops),
         nonfinite_policy=cfg.train.nonfinite_loss,
     )
     trainer.remove_callback(PrinterCallback)
@@ -357,6 +343,8 @@ def write_summary(
     is_main = dist_info().is_main
     model = trainer.model  # the best checkpoint when eval.metric_for_best_model is set
     add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
+    lora = adapter_facts(model) | {"merged": plan.lora_merge} if is_lora(model) else None
+    finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
     cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
     if is_main:
         save_model_atomic(model, run_dir.out)
@@ -380,6 +368,7 @@ def write_summary(
         "step_losses": trainer.step_losses(),  # every optimizer step's loss (this process's)
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
         "throughput": trainer.meter.totals(),
+        "lora": lora,
         "throughput_per_interval": trainer.meter.history,
         "eval": evaluation.summary(eval_before, eval_after, state) if evaluation else None,
     }

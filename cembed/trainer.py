@@ -5,7 +5,8 @@
 :class:`CembedTrainer` takes its collaborators as constructor arguments:
 
 - ``meter`` (:class:`~cembed.meter.ThroughputMeter`): every wait for the next batch is timed, and
-  each training log gets the interval's data-wait share, tokens/s and padded share;
+  each training log gets the interval's data-wait share, tokens/s, padded share, model FLOP/s and MFU
+  (the loss's token counts stay on the device until then: no host read per mini-batch);
 - ``nonfinite_policy``: a NaN/inf loss stops the run naming the step and the last good checkpoint
   (``"stop"``, :class:`~cembed.errors.RunFailed`) or turns the optimizer step into a no-op and
   counts it (``"skip"``). The decision is taken by all ranks together (one max all-reduce per
@@ -38,8 +39,10 @@ from transformers import TrainerCallback
 
 from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.config import CembedConfig
-from cembed.distributed import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
+from cembed.distributed import fsdp_args, gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
+from cembed.flops import format_flops
+from cembed.lora import is_lora, load_adapter_checkpoint
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
 from cembed.plan import Plan
@@ -47,9 +50,12 @@ from cembed.pretokenize import PaddingCollator, TokenIdRows
 from cembed.sampler import NoDuplicatesSampler
 
 
-def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = None):
+def build_training_args(
+    cfg: CembedConfig, plan: Plan, eval_args: dict | None = None, fsdp_layers: list[str] | None = None
+):
     """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR);
-    ``eval_args`` (from :func:`cembed.evaluate.training_eval_args`) override the save/eval settings.
+    ``eval_args`` (from :func:`cembed.evaluate.training_eval_args`) override the save/eval settings;
+    ``fsdp_layers`` (the backbone's layer classes) with ``distributed.strategy: fsdp``.
 
     Raises:
         UserError: a ``train.report_to`` tracker whose package is missing.
@@ -65,6 +71,8 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         # search; every rank needs full, equal batches (the sampler only yields whole global batches).
         # The process group (nccl/gloo) is joined by init_distributed; accelerate reuses it.
         ddp = {"ddp_find_unused_parameters": False}
+        if cfg.distributed.strategy == "fsdp":
+            ddp = fsdp_args(fsdp_layers or [])
     kwargs = dict(
         output_dir=t.output_dir,
         per_device_train_batch_size=plan.per_device_train_batch_size,
@@ -209,17 +217,12 @@ class CembedTrainer(SentenceTransformerTrainer):
         return self._train_dataloader
 
     def _build_dataloader(self, dataset, batch_size, dataset_kind):
-        # The training batches of pre-tokenized data are fetched a batch at a time from the Arrow
-        # table (TokenIdRows) instead of row by row: same sampler, collator and loader settings.
+        # Pre-tokenized training batches are fetched a batch at a time from the Arrow table (TokenIdRows).
         loader = super()._build_dataloader(dataset, batch_size, dataset_kind)
         if dataset_kind != "train" or not isinstance(self.data_collator, PaddingCollator):
             return loader
-        return DataLoader(
-            TokenIdRows(dataset, self.data_collator.roles),
-            batch_sampler=loader.batch_sampler,
-            collate_fn=loader.collate_fn,
-            **{k: getattr(loader, k) for k in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")},
-        )
+        keep = ("batch_sampler", "collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        return DataLoader(TokenIdRows(dataset, self.data_collator.roles), **{k: getattr(loader, k) for k in keep})
 
     def get_batch_samples(self, *args, **kwargs):
         started = time.perf_counter()
@@ -232,7 +235,9 @@ class CembedTrainer(SentenceTransformerTrainer):
         if "loss" in logs:
             self._flush_step_losses()
             if self.meter is not None:
-                logs = {**logs, **self.meter.snapshot(self.state.global_step)}
+                # mfu is None without a known device peak: left out of the trainer's logs (trackers want numbers)
+                stats = self.meter.snapshot(self.state.global_step)
+                logs = {**logs, **{k: v for k, v in stats.items() if v is not None}}
         return super().log(logs, *args, **kwargs)
 
     # --- every optimizer step's loss -----------------------------------------------------------
@@ -307,6 +312,14 @@ class CembedTrainer(SentenceTransformerTrainer):
             param.grad = None
         return True
 
+    def _load_from_checkpoint(self, checkpoint_path, *args, **kwargs) -> None:
+        # A LoRA checkpoint holds only the adapter (cembed.lora); sentence-transformers' loader
+        # would rebuild the model from it through transformers' own PEFT integration instead.
+        if is_lora(self.model):
+            load_adapter_checkpoint(self.model, checkpoint_path)
+            return
+        super()._load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
     # --- atomic checkpoints: staged, marked complete, then renamed into place ------------------
 
     def _get_output_dir(self, trial):
@@ -377,13 +390,18 @@ class RunLog:
 
 
 def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict) -> str:
-    """One logging interval as text: step, loss, LR, samples/s and the meter's statistics."""
+    """One logging interval as text: step, loss, LR, samples/s and the meter's statistics (model
+    TFLOP/s and MFU when the meter has them)."""
     meter = ""
     if "data_wait" in logs:
         meter = (
             f"  {logs['tokens_per_s']:.0f} tok/s  data-wait {100 * logs['data_wait']:.1f}%  "
             f"padding {100 * logs['padded_share']:.1f}%"
         )
+    if "flops_per_s" in logs:
+        meter += f"  {format_flops(logs['flops_per_s'])}"
+    if logs.get("mfu") is not None:
+        meter += f"  MFU {100 * logs['mfu']:.1f}%"
     return (
         f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
         f"{log.samples_per_s(step, samples_per_step):.1f} samples/s{meter}"

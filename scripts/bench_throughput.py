@@ -136,8 +136,8 @@ def processed_positions(features, mbs: int, sort: bool) -> tuple[int, int]:
         if sort:
             order = torch.argsort(mask.sum(1), descending=True, stable=True)
             f = {"attention_mask": mask[order]}
-        _count_tokens(f, _minibatch_ranges(f, mbs), counts)
-    return counts.real, counts.processed
+        _count_tokens(f, _minibatch_ranges(f, mbs), counts, longest_first=sort)
+    return counts.read()[:2]
 
 
 def section_step(args, cache: Path) -> None:

@@ -35,6 +35,7 @@ CASES = {
     "plain_pairs": ("mnrl", False, False),
     "plain_negatives": ("mnrl", True, False),
     "cached_symmetric_negatives": ("cached_mnrl", True, True),
+    "cached_lora": ("cached_mnrl", False, False, "lora"),  # model.lora: only the adapters train
 }
 MEASURED: dict[str, dict[str, float]] = {}
 
@@ -68,12 +69,15 @@ def _duplicate_heavy_rows(n: int = 96) -> list[dict]:
 
 
 def _case_config(tmp: Path, model_dir: Path, name: str, world: int) -> dict:
-    loss, negatives, symmetric = CASES[name]
+    loss, negatives, symmetric, *lora = CASES[name]
     data = tmp / f"{name}.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps(r) + "\n" for r in _rows(negatives)))
+    model = {"name_or_path": str(model_dir), "max_seq_length": 32, "device": "cpu"}
+    if lora:
+        model["lora"] = {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["query", "value"]}
     return {
-        "model": {"name_or_path": str(model_dir), "max_seq_length": 32, "device": "cpu"},
+        "model": model,
         "data": {
             "train": str(data),
             "columns": {"anchor": "anchor", "positive": "positive", "negatives": ["negative"] if negatives else []},
@@ -243,6 +247,7 @@ def test_two_ranks_gathered_equal_one_process(name, two_rank_results, tiny_model
         weights = torch.load(tmp / f"{name}-rank{rank}.pt")
         assert weights.keys() == ref_weights.keys()
         d_w = max(d_w, max((weights[k] - ref_weights[k]).abs().max().item() for k in weights))
+    # LoRA: the run's model is merged at the end (model.lora.merge), so its weights compare as any.
     moved = max((ref_weights[k] - initial[k]).abs().max().item() for k in initial)
     MEASURED[name] = {"loss_1proc": ref["first_loss"], "abs_loss_diff": d_loss, "max_abs_dW": d_w, "max_update": moved}
     print(f"\n{name}: loss {ref['first_loss']:.7f}  |dloss| {d_loss:.2e}  max|dW| {d_w:.2e}  (max update {moved:.2e})")
@@ -250,6 +255,8 @@ def test_two_ranks_gathered_equal_one_process(name, two_rank_results, tiny_model
     assert d_w <= 1e-6
     assert moved > 1e-3  # the step really changed the weights, so equal weights mean equal gradients
     assert all(r[name]["steps"] == 1 for r in results)
+    if CASES[name][3:]:
+        return  # no trainable pooler to freeze: only the adapters require gradients
     frozen = results[0][name]["distributed"]["frozen_unused_parameters"]
     assert frozen and all("pooler" in n for n in frozen)  # the BERT pooler is unused under mean pooling
     pooler = [k for k in ref_weights if "pooler" in k]
