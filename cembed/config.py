@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import (
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     SerializeAsAny,
@@ -97,6 +98,9 @@ class BatchConfig(_Strict):
     drop_last: bool = True
     mini_batch_num_tokens: PositiveInt | None = None  # token budget: rows x padded width per mini-batch
     sort_by_length: bool = True  # sort each column by length before cutting mini-batches
+    # Pad each batch's width up to a multiple of this (at most model.max_seq_length): fewer distinct
+    # shapes, e.g. for train.torch_compile. None: the longest row.
+    pad_to_multiple_of: PositiveInt | None = None
 
     @field_validator("mini_batch_size", mode="before")
     @classmethod
@@ -167,7 +171,9 @@ class TrainConfig(_Strict):
     save_steps: PositiveInt | None = None
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
-    dataloader_num_workers: int = Field(0, ge=0)
+    # Processes producing batches ahead of the training loop; auto: workers for large batches when the
+    # machine has a core to spare and /dev/shm holds their batches, else 0 (cembed.plan.resolve_workers).
+    dataloader_num_workers: NonNegativeInt | Literal["auto"] = "auto"
     # The device's dense peak in TFLOP/s for the meter's MFU (default: cembed.flops.PEAKS by GPU name).
     peak_tflops: float | None = Field(None, gt=0)
     # Experiment trackers, through the trainer's own integrations (each needs its package installed).
@@ -176,6 +182,17 @@ class TrainConfig(_Strict):
     push_to_hub: bool = False
     hub_model_id: str | None = None  # the hub repo, e.g. your-name/minilm-coco (needed by push_to_hub)
     hub_private_repo: bool | None = None  # create the repo private (None: the hub's default)
+
+    @field_validator("dataloader_num_workers", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's two union-branch errors.
+        if value == "auto":
+            return value
+        try:
+            return TypeAdapter(NonNegativeInt).validate_python(value)
+        except ValidationError as err:
+            raise ValueError(f"{err.errors()[0]['msg']}, or auto (workers for large batches)") from None
 
     @model_validator(mode="before")
     @classmethod

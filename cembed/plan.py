@@ -37,6 +37,9 @@ class Plan:
     # the mini-batches, not mini_batch_size. From batch.mini_batch_num_tokens, or the probe under auto.
     mini_batch_num_tokens: int | None = None
     save_dtype: str | None = None  # model.save_dtype as a torch name (bfloat16); None: the training dtype
+    # Data-loader worker processes (train.dataloader_num_workers, auto resolved) and how it was decided.
+    dataloader_num_workers: int = 0
+    dataloader_workers: str = ""
     lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
 
     def to_dict(self) -> dict:
@@ -87,8 +90,12 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
             "same size, so rows that cannot fill a whole global batch at the end of an epoch are left out"
         )
     n_columns = 2 + len(cfg.data.columns.negatives)
-    shm = shm_warning(
-        b.per_device_train_batch_size, n_columns, cfg.model.max_seq_length, cfg.train.dataloader_num_workers
+    workers, how, shm = resolve_workers(
+        cfg.train.dataloader_num_workers,
+        b.per_device_train_batch_size,
+        n_columns,
+        cfg.model.max_seq_length,
+        processes_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
     )
     warnings += [shm] if shm else []
     return Plan(
@@ -105,6 +112,8 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
         mini_batch_num_tokens=b.mini_batch_num_tokens,
         save_dtype=DTYPE_NAMES[cfg.model.save_dtype] if cfg.model.save_dtype else None,
+        dataloader_num_workers=workers,
+        dataloader_workers=how,
         lora_merge=cfg.model.lora.merge if cfg.model.lora is not None else None,
     )
 
@@ -130,8 +139,95 @@ def check_cuda_bf16() -> None:
 
 
 SHM_PATH = "/dev/shm"
-TOKEN_BYTES = 16  # the collator's int64 input_ids + int64 attention_mask per token
+# Per token and text column, what the collator's batch holds: int64 input_ids, attention_mask and
+# (BERT-style models) token_type_ids.
+TOKEN_BYTES = 24
 PREFETCH = 2  # batches each data-loader worker keeps in flight (torch's default prefetch_factor)
+# train.dataloader_num_workers: auto uses workers from this many texts (rows x columns) per device
+# batch: below it a batch is produced in the main process in tens of milliseconds.
+AUTO_WORKERS_MIN_TEXTS = 8192
+AUTO_WORKERS_MAX = 2  # a vectorised batch of 65536 x 256 takes ~1 s; two workers keep ahead of any step
+
+
+def _shm_need(batch_rows: int, n_columns: int, max_seq_length: int | None, workers: int) -> tuple[int, int]:
+    """(bytes of one batch at the widest padding, bytes of ``workers x PREFETCH`` such batches)."""
+    per_batch = batch_rows * n_columns * (max_seq_length or 512) * TOKEN_BYTES
+    return per_batch, per_batch * workers * PREFETCH
+
+
+def _shm_size(path: str) -> int | None:
+    try:
+        return shutil.disk_usage(path).total
+    except OSError:
+        return None
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def resolve_workers(
+    setting: int | str,
+    batch_rows: int,
+    n_columns: int,
+    max_seq_length: int | None,
+    processes_per_node: int = 1,
+    cpus: int | None = None,
+    path: str = SHM_PATH,
+) -> tuple[int, str, str | None]:
+    """Decide ``train.dataloader_num_workers``.
+
+    A number is kept (with :func:`shm_warning`'s warning when ``path`` is too small). ``auto``: 0
+    when a device batch has fewer than :data:`AUTO_WORKERS_MIN_TEXTS` texts (rows x columns) or the
+    node's cores (``cpus`` / ``processes_per_node``) leave none beside the training process; else
+    ``min(AUTO_WORKERS_MAX, cores - 1)`` workers, each prefetching :data:`PREFETCH` batches, unless
+    those batches (at the widest padding, :data:`TOKEN_BYTES` per token and column) would not fit in
+    the shared memory at ``path``: then 0, with a warning naming the field.
+
+    Args:
+        setting: ``train.dataloader_num_workers`` (an int >= 0 or ``"auto"``).
+        batch_rows: rows per device batch; n_columns: texts per row; max_seq_length: the width bound
+            (None: 512 assumed).
+        processes_per_node: training processes sharing this machine's cores.
+        cpus: cores available (default :func:`available_cpus`).
+
+    Returns:
+        ``(workers, how it was decided, warning or None)``.
+    """
+    if setting != "auto":
+        return (
+            int(setting),
+            f"{setting} (train.dataloader_num_workers)",
+            shm_warning(batch_rows, n_columns, max_seq_length, int(setting), path),
+        )
+    texts = batch_rows * n_columns
+    if texts < AUTO_WORKERS_MIN_TEXTS:
+        return (
+            0,
+            f"auto: 0, batches of {texts} texts (< {AUTO_WORKERS_MIN_TEXTS}) are produced in the main process",
+            None,
+        )
+    cores = max(1, (cpus or available_cpus()) // max(1, processes_per_node))
+    if cores < 2:
+        return 0, f"auto: 0, {cores} CPU core per training process leaves none for workers", None
+    workers = min(AUTO_WORKERS_MAX, cores - 1)
+    per_batch, need = _shm_need(batch_rows, n_columns, max_seq_length, workers)
+    size = _shm_size(path)
+    if size is not None and need > size:
+        mib = 1024**2
+        return (
+            0,
+            "auto: 0, shared memory too small for workers",
+            f"train.dataloader_num_workers: auto uses 0 workers (batches are produced in the main process, the GPU "
+            f"waits for each): {workers} workers x {PREFETCH} prefetched batches of up to {per_batch / mib:.0f} MiB "
+            f"need {need / mib:.0f} MiB of shared memory, but {path} holds {size / mib:.0f} MiB. Enlarge it (docker "
+            f"run --shm-size={-(-need // 1024**3) + 1}g) or set train.dataloader_num_workers to a number to use workers anyway",
+        )
+    return workers, f"auto: {workers}, batches of {texts} texts, {cores} CPU cores per training process", None
 
 
 def shm_warning(
@@ -153,13 +249,9 @@ def shm_warning(
     """
     if workers < 1:
         return None
-    per_batch = batch_rows * n_columns * (max_seq_length or 512) * TOKEN_BYTES
-    need = per_batch * workers * PREFETCH
-    try:
-        size = shutil.disk_usage(path).total
-    except OSError:
-        return None
-    if need <= size:
+    per_batch, need = _shm_need(batch_rows, n_columns, max_seq_length, workers)
+    size = _shm_size(path)
+    if size is None or need <= size:
         return None
     mib = 1024**2
     return (

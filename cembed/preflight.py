@@ -204,6 +204,7 @@ SAFE_TO_CHANGE = (
     "batch.mini_batch_size",
     "batch.mini_batch_num_tokens",
     "batch.sort_by_length",
+    "batch.pad_to_multiple_of",
     "model.device",
     "model.save_dtype",
 )

@@ -61,6 +61,7 @@ def print_plan(console: Console, plan) -> None:
         highlight=False,
     )
     console.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
+    console.print(f"data-loader workers: {plan.dataloader_workers}", highlight=False)
     for w in plan.warnings:
         warn(console, w)
 

@@ -181,7 +181,12 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     prompts = resolve_prompts(cfg.data.prompts, model)
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
         train_dataset, collator, token_info = tokenize_stage(
-            model, data, cfg.data.pretokenize, cfg.data.cache_dir, prompts.for_columns(data.columns)
+            model,
+            data,
+            cfg.data.pretokenize,
+            cfg.data.cache_dir,
+            prompts.for_columns(data.columns),
+            cfg.batch.pad_to_multiple_of,
         )
     token_info["prompts"] = prompts.to_dict()
     loss = build_loss(

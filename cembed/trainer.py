@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from sentence_transformers import SentenceTransformerTrainer
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
 from cembed.checkpoint import STAGING, latest_complete, mark_complete
@@ -45,6 +46,7 @@ from cembed.lora import is_lora, load_adapter_checkpoint
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
 from cembed.plan import Plan
+from cembed.pretokenize import PaddingCollator, TokenIdRows
 from cembed.sampler import NoDuplicatesSampler
 
 
@@ -94,7 +96,7 @@ def build_training_args(
         use_cpu=plan.device == "cpu",
         report_to="none" if t.report_to == ["none"] else list(t.report_to),
         disable_tqdm=True,
-        dataloader_num_workers=t.dataloader_num_workers,
+        dataloader_num_workers=plan.dataloader_num_workers,
         push_to_hub=t.push_to_hub,
         hub_model_id=t.hub_model_id,
         hub_private_repo=t.hub_private_repo,
@@ -213,6 +215,14 @@ class CembedTrainer(SentenceTransformerTrainer):
         if self._train_dataloader is None:
             self._train_dataloader = super().get_train_dataloader()
         return self._train_dataloader
+
+    def _build_dataloader(self, dataset, batch_size, dataset_kind):
+        # Pre-tokenized training batches are fetched a batch at a time from the Arrow table (TokenIdRows).
+        loader = super()._build_dataloader(dataset, batch_size, dataset_kind)
+        if dataset_kind != "train" or not isinstance(self.data_collator, PaddingCollator):
+            return loader
+        keep = ("batch_sampler", "collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        return DataLoader(TokenIdRows(dataset, self.data_collator.roles), **{k: getattr(loader, k) for k in keep})
 
     def get_batch_samples(self, *args, **kwargs):
         started = time.perf_counter()

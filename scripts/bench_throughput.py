@@ -10,9 +10,14 @@ Sections (``--sections``, default all):
   step      all-MiniLM-L6-v2 training step (forward + backward) at batch 1024, mini-batch 32, on
             seeded skewed-length data and on the real COCO caption pairs; padded share of the
             processed positions, and the loss of both paths (must agree to 1e-5 relative).
-  produce   producing one batch (sampler + fetch + collate) at batch 4096 and 16384.
+  produce   producing one batch (fetch + collate) at batch 4096, 16384 and 65536 (max_seq_length
+            256): stock (tokenizing collator), cembed's row path before issue 14 (``datasets``' row
+            fetch + per-row padding) and its batch path (``TokenIdRows`` + numpy padding), on the same
+            index lists.
   datawait  share of wall time a training run waits for data with a 1-layer, hidden-32 model at
-            batch 16384 (a model whose step is faster than stock batch production).
+            batch 16384 (a model whose step is faster than stock batch production): stock, the row
+            path, the batch path without workers, and the default (``dataloader_num_workers: auto``
+            as resolved on this machine); the whole run and steps 2+ (the first batch is always waited for).
   sampler   one epoch of the sampler over 1M rows at batch 65536.
 
 Usage: ``python scripts/bench_throughput.py [--rounds 3] [--sections step,produce,datawait,sampler]``
@@ -185,38 +190,97 @@ def section_step(args, cache: Path) -> None:
         )
 
 
-def time_batches(sampler, dataset, collate, n_batches: int) -> list[float]:
-    """Seconds to produce each of the first ``n_batches`` batches: sampler + fetch + collate."""
-    out = []
-    it = iter(sampler)
-    for _ in range(n_batches):
-        t0 = time.perf_counter()
-        idx = next(it)
-        collate(dataset.__getitems__(idx))
-        out.append(time.perf_counter() - t0)
-    return out
+class RowPaddingCollator:
+    """cembed's collator before issue 14, for the side-by-side numbers: pads the row dicts that
+    ``datasets``' ``__getitems__`` builds, flattening each row's ids in Python. Not a
+    ``PaddingCollator``, so the trainer keeps the row fetch for it."""
+
+    def __init__(self, collator) -> None:
+        self.c = collator
+        self.valid_label_columns = []
+
+    def pad(self, seqs):
+        lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        width = int(lengths.max()) if len(seqs) else 0
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        ids = np.full((len(seqs), width), self.c.pad_token_id, dtype=np.int64)
+        ids[mask] = np.fromiter((t for s in seqs for t in s), dtype=np.int64, count=int(lengths.sum()))
+        return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))
+
+    def __call__(self, rows):
+        batch = {}
+        for role in self.c.roles:
+            ids, mask = self.pad([r[role + "_input_ids"] for r in rows])
+            batch[f"{role}_input_ids"] = ids
+            if self.c.token_type_ids:
+                batch[f"{role}_token_type_ids"] = torch.zeros_like(ids)
+            batch[f"{role}_attention_mask"] = mask
+            for key, value in self.c.constants.items():
+                batch[f"{role}_{key}"] = value
+        return batch
+
+
+def timed(fetch, collate, idx) -> tuple[float, float, dict]:
+    t0 = time.perf_counter()
+    rows = fetch(idx)
+    t1 = time.perf_counter()
+    batch = collate(rows)
+    return t1 - t0, time.perf_counter() - t1, batch
 
 
 def section_produce(args, cache: Path) -> None:
-    from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
-
-    from cembed.sampler import NoDuplicatesSampler
+    from cembed.pretokenize import TokenIdRows
 
     model = load_minilm()
     sizes = [int(s) for s in args.produce_batches.split(",")]
-    n = max(sizes) * 3
+    n = max(sizes) + max(sizes) // 16
     data = skewed_pairs(n, seed=2)
     ds, stock_coll, pt_ds, our_coll, tok_s = prepare_paths(model, data, cache)
-    print(f"\n## produce: one batch = sampler + fetch + collate, skewed data, {n} rows, all-MiniLM-L6-v2 tokenizer")
+    rows_path, batch_path = RowPaddingCollator(our_coll), TokenIdRows(pt_ds, our_coll.roles)
+    print(
+        f"\n## produce: one batch = fetch + collate, skewed data, {n} rows, all-MiniLM-L6-v2 tokenizer, "
+        f"max_seq_length {model.max_seq_length}, median of {args.rounds} random batches, {os.cpu_count()} CPUs"
+    )
     print(f"(one-off pre-tokenization of the {n} rows: {tok_s:.1f} s, cached for later runs)")
-    print("| batch | stock s/batch | cembed s/batch | speed-up |")
-    print("|---|---|---|---|")
+    print(
+        "| batch | width | stock s (tokenize) | row path s (fetch + pad) | batch path s (fetch + pad) | "
+        "batch vs row | batch vs stock | same tensors |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(5)
+    batch_path.__getitems__([0])  # open the table's views once (each worker does it once too)
     for bs in sizes:
-        stock = NoDuplicatesBatchSampler(ds, batch_size=bs, drop_last=True, seed=0)
-        ours = NoDuplicatesSampler(pt_ds, batch_size=bs, drop_last=True, seed=0)
-        ts = median(time_batches(stock, ds, stock_coll, args.rounds))
-        tc = median(time_batches(ours, pt_ds, our_coll, args.rounds))
-        print(f"| {bs} | {ts:.3f} | {tc:.3f} | {ts / tc:.1f}x |")
+        res = {"stock": [], "row": [], "batch": []}
+        same = True
+        for r in range(args.rounds):
+            idx = rng.choice(n, size=bs, replace=False).tolist()
+            if bs <= args.stock_max:
+                f, c, _ = timed(ds.__getitems__, stock_coll, idx)
+                res["stock"].append((f, c))
+            f, c, ref = timed(pt_ds.__getitems__, rows_path, idx)
+            res["row"].append((f, c))
+            del ref  # the two batches of 65536 rows would not both fit well in a small machine's memory
+            f, c, ours = timed(batch_path.__getitems__, our_coll, idx)
+            res["batch"].append((f, c))
+            if r == 0:
+                ref = rows_path(pt_ds.__getitems__(idx[:4096]))
+                same = all(
+                    torch.equal(ref[k], ours[k][:4096, : ref[k].shape[1]])
+                    for k in ref
+                    if isinstance(ref[k], torch.Tensor)
+                ) and all(ours[k][:4096, ref[k].shape[1] :].eq(0).all() for k in ref if k.endswith("attention_mask"))
+            width = ours["positive_input_ids"].shape[1]
+            del ours
+
+        def cell(key):
+            if not res[key]:
+                return "-", float("nan")
+            tot = median([f + c for f, c in res[key]])
+            return f"{tot:.3f} ({median([f for f, _ in res[key]]):.3f} + {median([c for _, c in res[key]]):.3f})", tot
+
+        (st, ts), (rt, tr), (bt, tb) = cell("stock"), cell("row"), cell("batch")
+        vs_stock = f"{ts / tb:.1f}x" if res["stock"] else "-"
+        print(f"| {bs} | {width} | {st} | {rt} | {bt} | {tr / tb:.1f}x | {vs_stock} | {same} |")
 
 
 def section_datawait(args, cache: Path, tmp: Path) -> None:
@@ -228,6 +292,7 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
 
     from cembed.losses import LengthSortedCachedMNRL, TokenCounts
     from cembed.meter import ThroughputMeter
+    from cembed.plan import resolve_workers
     from cembed.pretokenize import collator_for, pretokenize
     from cembed.sampler import NoDuplicatesSampler
     from cembed.trainer import CembedTrainer
@@ -239,40 +304,25 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     data = skewed_pairs(bs * steps + 7, seed=3)
     ds = Dataset.from_dict(data)
     pt = pretokenize(ds, ["anchor", "positive"], model.tokenizer, model.max_seq_length, cache).dataset
+    auto, how, warning = resolve_workers("auto", bs, 2, model.max_seq_length)
     print(
         f"\n## datawait: 1-layer hidden-32 BERT, max_seq_length {args.wait_seq}, batch {bs}, mini-batch {bs}, {steps} steps, CPU"
     )
-    print("| path | workers | data-wait share | wall s | s/step |")
-    print("|---|---|---|---|---|")
-    runs = [
-        (
-            "stock",
-            0,
-            ds,
-            None,
-            BatchSamplers.NO_DUPLICATES,
-            CachedMultipleNegativesRankingLoss(model, mini_batch_size=bs),
-        ),
-        (
-            "cembed",
-            0,
-            pt,
-            collator_for(model, ["anchor", "positive"]),
-            NoDuplicatesSampler,
-            LengthSortedCachedMNRL(model, mini_batch_size=bs),
-        ),
-        (
-            "cembed",
-            2,
-            pt,
-            collator_for(model, ["anchor", "positive"]),
-            NoDuplicatesSampler,
-            LengthSortedCachedMNRL(model, mini_batch_size=bs),
-        ),
-    ]
-    for label, workers, dataset, collator, sampler, loss in runs:
+    print(f"(default train.dataloader_num_workers: {how}{'; ' + warning if warning else ''})")
+    print("| path | workers | data-wait share | data-wait steps 2+ | wall s | s/step |")
+    print("|---|---|---|---|---|---|")
+    collator = collator_for(model, ["anchor", "positive"])
+    runs = {
+        "stock": ("stock", 0, ds, None, BatchSamplers.NO_DUPLICATES),
+        "row": ("cembed row path (before)", 0, pt, RowPaddingCollator(collator), NoDuplicatesSampler),
+        "batch": ("cembed batch path", 0, pt, collator, NoDuplicatesSampler),
+        "auto": ("cembed default (auto)", auto, pt, collator, NoDuplicatesSampler),
+    }
+    for label, workers, dataset, coll, sampler in (runs[k] for k in args.wait_paths.split(",")):
+        stock = label == "stock"
+        loss = (CachedMultipleNegativesRankingLoss if stock else LengthSortedCachedMNRL)(model, mini_batch_size=bs)
         targs = SentenceTransformerTrainingArguments(
-            output_dir=str(tmp / f"dw-{label}-{workers}"),
+            output_dir=str(tmp / f"dw-{len(label)}-{workers}"),
             per_device_train_batch_size=bs,
             max_steps=steps,
             batch_sampler=sampler,
@@ -287,15 +337,21 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
         )
         meter = ThroughputMeter(getattr(loss, "token_counts", TokenCounts()))
         trainer = CembedTrainer(
-            model=model, args=targs, train_dataset=dataset, loss=loss, data_collator=collator, meter=meter
+            model=model, args=targs, train_dataset=dataset, loss=loss, data_collator=coll, meter=meter
         )
         trainer.remove_callback(PrinterCallback)
+        waits = []  # (seconds, when it ended) per wait
+        record = meter.waited
+        meter.waited = lambda seconds: waits.append((seconds, time.perf_counter())) or record(seconds)
         trainer.meter.start()
         t0 = time.perf_counter()
         trainer.train()
-        wall = time.perf_counter() - t0
+        end = time.perf_counter()
+        wall = end - t0
+        steady = sum(w for w, _ in waits[1:]) / max(end - waits[0][1], 1e-9) if waits else float("nan")
         print(
-            f"| {label} | {workers} | {100 * trainer.meter.totals()['data_wait']:.1f}% | {wall:.1f} | {wall / steps:.2f} |"
+            f"| {label} | {workers} | {100 * trainer.meter.totals()['data_wait']:.1f}% | {100 * steady:.1f}% | "
+            f"{wall:.1f} | {wall / steps:.2f} |"
         )
 
 
@@ -336,13 +392,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sections", default="step,produce,datawait,sampler")
     p.add_argument("--step-batch", type=int, default=1024)
-    p.add_argument("--produce-batches", default="4096,16384")
+    p.add_argument("--produce-batches", default="4096,16384,65536")
+    p.add_argument("--stock-max", type=int, default=16384, help="largest batch the stock path is timed at")
     p.add_argument("--wait-batch", type=int, default=16384)
-    p.add_argument("--wait-steps", type=int, default=4)
+    p.add_argument("--wait-steps", type=int, default=6)
     p.add_argument("--wait-seq", type=int, default=32)
+    p.add_argument("--wait-paths", default="stock,row,batch,auto", help="datawait runs: stock,row,batch,auto")
     p.add_argument("--sampler-rows", type=int, default=1_000_000)
     p.add_argument("--sampler-batch", type=int, default=65536)
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    p.add_argument("--cache-dir", default=None, help="keep pre-tokenized data here between runs (default: a temp dir)")
     args = p.parse_args()
     if args.quick:
         args.rounds, args.step_batch, args.produce_batches = 1, 64, "256"
@@ -352,7 +411,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cache = tmp / "cache"
+        cache = Path(args.cache_dir) if args.cache_dir else tmp / "cache"
         sections = args.sections.split(",")
         if "step" in sections:
             section_step(args, cache)

@@ -70,8 +70,8 @@ def test_small_shm_with_workers_warns(monkeypatch, tmp_path):
     small = shutil.disk_usage(tmp_path)._replace(total=64 * 1024**2)
     monkeypatch.setattr(P.shutil, "disk_usage", lambda path: small)
     warning = P.shm_warning(65536, 2, 256, workers=2)
-    assert warning and "512 MiB" in warning and "2048 MiB of shared memory" in warning and "64 MiB" in warning
-    assert "--shm-size=3g" in warning and "dataloader_num_workers: 0" in warning
+    assert warning and "768 MiB" in warning and "3072 MiB of shared memory" in warning and "64 MiB" in warning
+    assert "--shm-size=4g" in warning and "dataloader_num_workers: 0" in warning
     assert P.shm_warning(65536, 2, 256, workers=0) is None
     assert P.shm_warning(8, 2, 32, workers=2) is None
     plan = P.resolve_plan(
