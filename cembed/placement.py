@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cembed.data import PreparedData, arrow_table
+from cembed.data import PreparedData, arrow_table, source_views
 from cembed.errors import UserError, first_line
 from cembed.sampler import build_batches, inspect_batches, row_hashes
 
@@ -90,8 +90,8 @@ def warn_unplaceable(plan, data, drop_last: bool, seed: int):
     if not hasattr(data, "dataset"):
         return plan
     batch = plan.per_device_train_batch_size * plan.world_size
-    found = find_unplaceable(data, batch, drop_last or plan.world_size > 1, seed)
-    return replace(plan, warnings=plan.warnings + (str(found),)) if found else plan
+    found = [find_unplaceable(view, batch, drop_last or plan.world_size > 1, seed) for view in source_views(data)]
+    return replace(plan, warnings=plan.warnings + tuple(str(f) for f in found if f))
 
 
 def model_hashes(data: PreparedData, model_cfg, cache_dir: str | None = None) -> tuple[np.ndarray, str]:
@@ -129,21 +129,29 @@ class DataReport:
 
 def inspect_data(
     data: PreparedData, batch_size: int, drop_last: bool, seed: int, model_cfg=None, cache_dir: str | None = None
-) -> DataReport:
-    """Distinct texts per column and how the no-duplicates sampler batches ``data`` at
-    ``batch_size`` rows (epoch 0, ``seed``), comparing texts as ``model_cfg``'s model sees them
+) -> list[DataReport]:
+    """Per training source: distinct texts per column and how the no-duplicates sampler batches
+    its rows at ``batch_size`` rows (epoch 0, ``seed``, as the sampler shuffles source 0; every
+    batch holds one source's rows), comparing texts as ``model_cfg``'s model sees them
     (:func:`model_hashes`, tokenized into ``cache_dir``; raw text without a model), with the rows
     that cannot be placed."""
     import pyarrow.compute as pc
 
-    table = arrow_table(data.dataset)
-    distinct = {role: (data.roles[role], pc.count_distinct(table.column(role)).as_py()) for role in data.columns}
     if model_cfg is None:
-        hashes, compared = row_hashes(data.dataset, data.columns), "raw text"
+        all_hashes, compared = row_hashes(data.dataset, data.columns), "raw text"
     else:
-        hashes, compared = model_hashes(data, model_cfg, cache_dir)
-    batching = inspect_batches(hashes, batch_size, drop_last, seed)
-    unplaceable = find_unplaceable(data, batch_size, drop_last, seed, hashes)
-    return DataReport(
-        data.source, len(data.dataset), data.rows_dropped, batch_size, distinct, batching, compared, unplaceable
-    )
+        all_hashes, compared = model_hashes(data, model_cfg, cache_dir)
+    reports = []
+    for view, src in zip(source_views(data), data.sources or [None]):
+        offset = src.offset if src is not None else 0
+        hashes = all_hashes[offset : offset + len(view.dataset)]
+        table = arrow_table(view.dataset)
+        distinct = {role: (view.roles[role], pc.count_distinct(table.column(role)).as_py()) for role in view.columns}
+        batching = inspect_batches(hashes, batch_size, drop_last, seed)
+        unplaceable = find_unplaceable(view, batch_size, drop_last, seed, hashes)
+        reports.append(
+            DataReport(
+                view.source, len(view.dataset), view.rows_dropped, batch_size, distinct, batching, compared, unplaceable
+            )
+        )
+    return reports

@@ -81,15 +81,28 @@ def print_validation(console: Console, cfg, plan, data, pooling: str | None = No
         f"columns {data.roles}",
         highlight=False,
     )
+    if len(data.sources) > 1:
+        console.print(f"sampling: {cfg.data.sampling.resolved_strategy}; every batch holds one source", highlight=False)
+    for src in data.sources if len(data.sources) > 1 else []:
+        console.print(
+            f"  source {src.name}: {src.rows_read} rows read, {src.rows_dropped} dropped, {src.rows} to train on "
+            f"({src.label}); columns {src.roles}",
+            highlight=False,
+        )
     table = Table("role", "first training row")
     for key, value in data.dataset[0].items():
         table.add_row(key, str(value))
     console.print(table)
 
 
-def print_data_report(console: Console, report) -> None:
-    """The ``cembed inspect-data`` table (a :class:`cembed.placement.DataReport`) and, below it, the
-    rows that cannot be placed."""
+def print_data_report(console: Console, reports) -> None:
+    """The ``cembed inspect-data`` tables (one :class:`cembed.placement.DataReport` per training
+    source) and, below each, the rows that cannot be placed."""
+    for report in reports if isinstance(reports, list) else [reports]:
+        _print_one_data_report(console, report)
+
+
+def _print_one_data_report(console: Console, report) -> None:
     out = Table("", "value", title=report.source, title_justify="left")
     out.add_row("rows", f"{report.rows} ({report.rows_dropped} invalid dropped)")
     for role, (source, distinct) in report.distinct.items():

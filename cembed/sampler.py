@@ -35,7 +35,11 @@ from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
 from cembed.data import arrow_table
+from cembed.mixture import SourceMix
 from cembed.pretokenize import TOKEN_SUFFIX
+
+# Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
+SOURCE_SEED_STRIDE = 1_000_003
 
 
 def hash_texts(texts: list[str]) -> np.ndarray:
@@ -284,6 +288,9 @@ class NoDuplicatesSampler(DefaultBatchSampler):
     torch.distributed group's size, else 1) makes the duplicate-free unit the global batch of
     ``batch_size x world_size`` rows, yielded as ``world_size`` consecutive per-device slices (see
     the module docstring); with ``world_size > 1`` a short last global batch is always dropped.
+    ``sources`` (a :class:`cembed.mixture.SourceMix`): the dataset is several sources' rows, one
+    after another; every global batch holds one source's rows, laid out by the mix's schedule.
+    ``no_duplicates=False``: plain shuffled batches (no text compared).
     """
 
     def __init__(
@@ -295,6 +302,8 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         generator=None,
         seed: int = 0,
         world_size: int | None = None,
+        sources: SourceMix | None = None,
+        no_duplicates: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -309,18 +318,39 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         self.columns = [
             c
             for c in dataset.column_names
-            if c not in label_columns and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
+            if no_duplicates
+            and c not in label_columns
+            and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
         ]
         self.hashes = row_hashes(dataset, self.columns)
         self.world_size = world_size or get_world_size()
+        self.sources = sources if sources is not None else SourceMix(("data",), (len(dataset),))
+        if sum(self.sources.sizes) != len(dataset):
+            raise ValueError(f"sources hold {sum(self.sources.sizes)} rows, the dataset {len(dataset)}")
         self._cache: tuple[int, list[list[int]], int] | None = None
         self._sizes: dict[int, list[int]] = {}  # epoch -> its global batches' sizes
+        self._origin: dict[int, list[int]] = {}  # epoch -> its global batches' source indices
 
     def _build(self, epoch: int) -> tuple[list[list[int]], int]:
-        batches, unplaced = build_batches(
-            self.hashes, self.batch_size * self.world_size, self.drop_last or self.world_size > 1, self.seed + epoch
-        )
-        self._sizes[epoch] = [len(b) for b in batches]
+        """Each source's duplicate-free batches (source ``i`` shuffled with ``seed + epoch + i x
+        SOURCE_SEED_STRIDE``), laid out by the sources' schedule (:meth:`cembed.mixture.SourceMix.schedule`);
+        rows of batches the schedule leaves out (round_robin, weighted) count as unplaced."""
+        size, drop = self.batch_size * self.world_size, self.drop_last or self.world_size > 1
+        per_source, unplaced = [], 0
+        for i, (offset, n) in enumerate(zip(self.sources.offsets, self.sources.sizes)):
+            built, left = build_batches(
+                self.hashes[offset : offset + n], size, drop, self.seed + epoch + i * SOURCE_SEED_STRIDE
+            )
+            per_source.append([[r + offset for r in b] for b in built] if offset else built)
+            unplaced += left
+        order = self.sources.schedule([len(b) for b in per_source])
+        taken = [0] * len(per_source)
+        batches = []
+        for i in order:
+            batches.append(per_source[i][taken[i]])
+            taken[i] += 1
+        unplaced += sum(len(b) for i, built in enumerate(per_source) for b in built[taken[i] :])
+        self._sizes[epoch], self._origin[epoch] = [len(b) for b in batches], order
         return batches, unplaced
 
     def _epoch_batches(self) -> tuple[list[list[int]], int]:
@@ -332,18 +362,31 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         """Rows (over all ranks) in the global batches the first ``steps`` optimizer steps trained on,
         epoch after epoch, each step taking ``accumulation`` batches and an epoch's last step the
         batches left (short batches counted as they are)."""
-        total, epoch = 0, 0
+        return sum(rows for _, rows in self.trained_per_source(steps, accumulation))
+
+    def trained_per_source(self, steps: int, accumulation: int = 1) -> list[tuple[int, int]]:
+        """``(global batches, rows)`` per source (in :attr:`sources` order) that the first ``steps``
+        optimizer steps trained on (see :meth:`rows_trained`)."""
+        counts = [[0, 0] for _ in self.sources.names]
+        epoch = 0
         while steps > 0:
             if epoch not in self._sizes:
                 self._build(epoch)
-            sizes = self._sizes[epoch]
+            sizes, origin = self._sizes[epoch], self._origin[epoch]
             per_epoch = -(-len(sizes) // accumulation)
             if per_epoch == 0:
                 break
             take = min(steps, per_epoch)
-            total += sum(sizes[: take * accumulation])
+            for size, i in zip(sizes[: take * accumulation], origin):
+                counts[i][0] += 1
+                counts[i][1] += size
             steps, epoch = steps - take, epoch + 1
-        return total
+        return [(b, r) for b, r in counts]
+
+    def batch_sources(self) -> list[int]:
+        """This epoch's global batches' source indices, in order."""
+        self._epoch_batches()
+        return self._origin[self.epoch]
 
     def global_batches(self) -> list[list[int]]:
         """This epoch's duplicate-free global batches (``batch_size x world_size`` row indices each)."""

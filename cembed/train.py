@@ -37,6 +37,7 @@ from cembed.distributed import backend_for, dist_info, freeze_unused_parameters,
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
+from cembed.mixture import SourceMix
 from cembed.model import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
@@ -44,7 +45,7 @@ from cembed.preflight import check_resume, preflight, raise_findings, training_r
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.probe import resolve_auto
 from cembed.publish import add_card_facts, push_final_model
-from cembed.summary import Attempt, failed_summary, failures_recorded, samples_seen, summary_base
+from cembed.summary import Attempt, failed_summary, failures_recorded, samples_seen, source_summary, summary_base
 from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, build_training_args
 
 
@@ -62,6 +63,7 @@ def check_run_inputs(
     raise_findings(preflight(cfg, plan.learning_rate))
     batch = plan.per_device_train_batch_size * plan.world_size
     data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
+    plan = replace(plan, warnings=plan.warnings + getattr(data, "warnings", ()))  # unmapped / expanded columns
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
         from cembed.evaluate import check_metric_name, load_eval_sets, training_eval_args
 
@@ -188,6 +190,7 @@ class Components:
     distributed: dict | None  # what run_summary.json records about the process group
     source: str  # the training data's label, for messages
     weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
+    sources: SourceMix | None = None  # the training sources and how batches are drawn from them
 
 
 def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None) -> Components:
@@ -227,7 +230,10 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line)
     weights = weight_dtypes(model, cfg.model)
-    return Components(model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source, weights)
+    mix = SourceMix.from_data(data, cfg.data.sampling)
+    return Components(
+        model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source, weights, mix
+    )
 
 
 @dataclass
@@ -259,7 +265,7 @@ def build_trainer(
     from transformers.trainer_callback import PrinterCallback
 
     is_main = dist_info().is_main
-    args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None)
+    args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None, parts.sources)
     trainer = trainer_cls(
         model=parts.model,
         args=args,
@@ -341,7 +347,7 @@ def train(run: Run, run_dir: RunDir, base: dict):
 
 
 def write_summary(
-    plan: Plan, run: Run, run_dir: RunDir, base: dict, result, evaluation=None, eval_before: dict | None = None
+    plan: Plan, run: Run, run_dir: RunDir, base: dict, result, data: PreparedData, evaluation=None, eval_before=None
 ) -> dict:
     """Save the model and evaluate it (rank 0), then write ``run_summary.json`` and the plot.
 
@@ -366,6 +372,7 @@ def write_summary(
         "steps": state.global_step,
         "epochs": state.epoch,
         "samples_seen": seen,
+        "data": {**base["data"], "sources": source_summary(data, trainer, state.global_step)},
         "wall_time_s": round(wall, 3),
         "samples_per_s": round(seen / wall, 3) if wall > 0 else None,
         "train_loss": result.training_loss,
@@ -438,4 +445,4 @@ def run_training(
         eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
         result = train(run, run_dir, base)
-        return write_summary(plan, run, run_dir, base, result, parts.evaluation, eval_before)
+        return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before)

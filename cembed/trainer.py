@@ -29,6 +29,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,14 +41,16 @@ from cembed.config import CembedConfig
 from cembed.distributed import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.meter import ThroughputMeter
+from cembed.mixture import SourceMix
 from cembed.outputs import append_log
 from cembed.plan import Plan
 from cembed.sampler import NoDuplicatesSampler
 
 
-def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = None):
+def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = None, sources: SourceMix | None = None):
     """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR);
     ``eval_args`` (from :func:`cembed.evaluate.training_eval_args`) override the save/eval settings.
+    ``sources`` (several training sources): the sampler draws every batch from one source.
 
     Raises:
         UserError: a ``train.report_to`` tracker whose package is missing.
@@ -56,6 +59,9 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
     from sentence_transformers.base.sampler import BatchSamplers
 
     t = cfg.train
+    sampler = NoDuplicatesSampler if cfg.sampler.no_duplicates else BatchSamplers.BATCH_SAMPLER
+    if sources is not None and len(sources.names) > 1:
+        sampler = partial(NoDuplicatesSampler, sources=sources, no_duplicates=cfg.sampler.no_duplicates)
     length = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.num_train_epochs}
     ddp = {}
     if plan.world_size > 1:
@@ -79,7 +85,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         save_strategy="steps" if t.save_steps else "no",
         save_steps=t.save_steps or 500,
         save_total_limit=t.save_total_limit,
-        batch_sampler=NoDuplicatesSampler if cfg.sampler.no_duplicates else BatchSamplers.BATCH_SAMPLER,
+        batch_sampler=sampler,
         dataloader_drop_last=cfg.batch.drop_last or plan.world_size > 1,
         bf16=plan.precision == "bf16",
         fp16=plan.precision == "fp16",
