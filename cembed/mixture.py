@@ -7,8 +7,8 @@ separately (:class:`cembed.sampler.NoDuplicatesSampler`), then laid out by a sch
 - ``proportional`` (default): every source's batches once per epoch, so each source's share of the
   steps is its share of the batches (its rows / batch size, less rows the no-duplicates rule leaves
   out); sentence-transformers' ``ProportionalBatchSampler`` takes the same batches in a random order.
-- ``round_robin``: one batch of each source in turn, until one runs out (as sentence-transformers'
-  ``RoundRobinBatchSampler``): every source gets the same number of batches.
+- ``round_robin``: one batch of each source in turn, whole rounds until one runs out (as
+  sentence-transformers' ``RoundRobinBatchSampler``): every source gets the same number of batches.
 - ``weighted``: shares of the batches by ``data.sampling.weights``, until a source runs out.
 
 The schedule is deterministic and smooth: batch ``t`` goes to the source furthest behind its share
@@ -68,8 +68,9 @@ class SourceMix:
         """The source of each batch of an epoch, given each source's ``available`` batches."""
         if self.strategy == "proportional":
             return interleave(available, available, stop_when_short=False)
-        shares = [1] * len(available) if self.strategy == "round_robin" else list(self.weights)
-        return interleave(available, shares, stop_when_short=True)
+        if self.strategy == "round_robin":  # whole rounds: every source the same number of batches
+            return list(range(len(available))) * min(available, default=0)
+        return interleave(available, list(self.weights), stop_when_short=True)
 
 
 def interleave(available: list[int], shares: list[float], stop_when_short: bool) -> list[int]:

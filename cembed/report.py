@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from transformers import TrainerCallback
@@ -28,12 +29,12 @@ def make_console(quiet: bool = False) -> Console:
 
 def warn(console: Console, text: str) -> None:
     """One yellow ``warning:`` line."""
-    console.print(f"[yellow]warning:[/] {text}", highlight=False)
+    console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False)  # [..] in text is not markup
 
 
 def note(console: Console, text: str) -> None:
     """One yellow ``note:`` line."""
-    console.print(f"[yellow]note:[/] {text}", highlight=False)
+    console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
 
 
 # --- suggest-lr, validate, the plan -------------------------------------------------------------
