@@ -18,7 +18,7 @@ import numpy as np
 
 from cembed.data import PreparedData, arrow_table, source_views
 from cembed.errors import UserError, first_line
-from cembed.sampler import build_batches, inspect_batches, row_hashes
+from cembed.sampler import SOURCE_SEED_STRIDE, build_batches, inspect_batches, row_hashes
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,9 @@ def warn_unplaceable(plan, data, drop_last: bool, seed: int):
     if not hasattr(data, "dataset"):
         return plan
     batch = plan.per_device_train_batch_size * plan.world_size
-    found = [find_unplaceable(view, batch, drop_last or plan.world_size > 1, seed) for view in source_views(data)]
+    drop = drop_last or plan.world_size > 1
+    views = source_views(data)  # source i is shuffled as the sampler shuffles it
+    found = [find_unplaceable(view, batch, drop, seed + i * SOURCE_SEED_STRIDE) for i, view in enumerate(views)]
     return replace(plan, warnings=plan.warnings + tuple(str(f) for f in found if f))
 
 
@@ -131,7 +133,7 @@ def inspect_data(
     data: PreparedData, batch_size: int, drop_last: bool, seed: int, model_cfg=None, cache_dir: str | None = None
 ) -> list[DataReport]:
     """Per training source: distinct texts per column and how the no-duplicates sampler batches
-    its rows at ``batch_size`` rows (epoch 0, ``seed``, as the sampler shuffles source 0; every
+    its rows at ``batch_size`` rows (epoch 0, each source shuffled as the sampler shuffles it; every
     batch holds one source's rows), comparing texts as ``model_cfg``'s model sees them
     (:func:`model_hashes`, tokenized into ``cache_dir``; raw text without a model), with the rows
     that cannot be placed."""
@@ -142,13 +144,13 @@ def inspect_data(
     else:
         all_hashes, compared = model_hashes(data, model_cfg, cache_dir)
     reports = []
-    for view, src in zip(source_views(data), data.sources or [None]):
-        offset = src.offset if src is not None else 0
+    for i, (view, src) in enumerate(zip(source_views(data), data.sources or [None])):
+        offset, source_seed = (src.offset if src is not None else 0), seed + i * SOURCE_SEED_STRIDE
         hashes = all_hashes[offset : offset + len(view.dataset)]
         table = arrow_table(view.dataset)
         distinct = {role: (view.roles[role], pc.count_distinct(table.column(role)).as_py()) for role in view.columns}
-        batching = inspect_batches(hashes, batch_size, drop_last, seed)
-        unplaceable = find_unplaceable(view, batch_size, drop_last, seed, hashes)
+        batching = inspect_batches(hashes, batch_size, drop_last, source_seed)
+        unplaceable = find_unplaceable(view, batch_size, drop_last, source_seed, hashes)
         reports.append(
             DataReport(
                 view.source, len(view.dataset), view.rows_dropped, batch_size, distinct, batching, compared, unplaceable

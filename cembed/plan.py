@@ -82,7 +82,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
             f"batch.drop_last=false has no effect with {world} processes: every rank needs a full batch of the "
             "same size, so rows that cannot fill a whole global batch at the end of an epoch are left out"
         )
-    n_columns = 2 + len(cfg.data.columns.negatives)
+    n_columns = 2 + len(cfg.data.sources()[0].columns.negatives)  # every source maps the same roles
     shm = shm_warning(
         b.per_device_train_batch_size, n_columns, cfg.model.max_seq_length, cfg.train.dataloader_num_workers
     )
