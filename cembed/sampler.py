@@ -332,8 +332,7 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         self._origin: dict[int, list[int]] = {}  # epoch -> its global batches' source indices
 
     def _build(self, epoch: int) -> tuple[list[list[int]], int]:
-        """Each source's duplicate-free batches (source ``i`` shuffled with ``seed + epoch + i x
-        SOURCE_SEED_STRIDE``), laid out by the sources' schedule (:meth:`cembed.mixture.SourceMix.schedule`);
+        """Each source's batches (seed + epoch + i x SOURCE_SEED_STRIDE) in the mix's schedule order;
         rows of batches the schedule leaves out (round_robin, weighted) count as unplaced."""
         size, drop = self.batch_size * self.world_size, self.drop_last or self.world_size > 1
         per_source, unplaced = [], 0
