@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from cembed.config import DEFAULT_LOSS, LOSS_CONFIGS, BeirSource, CembedConfig, FileSource, LossConfig, ModelConfig
+from cembed.config_data import TRAIN_FORMS
 from cembed.errors import UserError
 from cembed.samples import resolve_sample
 
@@ -80,6 +81,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation names, through unions, ``Annotated`` and lists, in order."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
 def _known_fields(model: type[BaseModel], loc: tuple[Any, ...], data: Any = None) -> list[str]:
     """The field names valid at ``loc`` (the parent of an unknown key), for did-you-mean.
 
@@ -92,9 +100,7 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...], data: Any = None
         if field is None:
             return []
         data = data.get(part) if isinstance(data, dict) else None
-        annotation = field.annotation
-        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)]
-        current = next((c for c in candidates if issubclass(c, BaseModel)), None)
+        current = next(iter(_models_in(field.annotation)), None)
         if current is None:
             return []
         if current is LossConfig:
@@ -108,19 +114,22 @@ def _without_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:
     ``data.train.path``): it is the value of ``kind``, not a YAML key."""
     out: list[str] = []
     current: Any = CembedConfig
-    tag_next = False
+    tag_next = tag_after_index = False
     for part in loc:
         if tag_next:
             tag_next = False
             continue
+        if out[-2:] == ["data", "train"] and part in TRAIN_FORMS:  # one source, or a list of several
+            tag_next, tag_after_index = part == "one", part == "several"  # then the source's kind tag
+            continue
         out.append(part)
+        if tag_after_index:
+            tag_next, tag_after_index = True, False
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:  # a list index, or past the schema
             continue
         tag_next = field.discriminator is not None
-        args = get_args(field.annotation) or (field.annotation,)
-        args = [inner for a in args for inner in (get_args(a) or (a,))]  # list[Model] -> Model
-        current = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        current = next(iter(_models_in(field.annotation)), None)  # list[Model] -> Model
     return tuple(out)
 
 
@@ -183,9 +192,9 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
     """Make local paths absolute relative to ``base`` (the config file's folder); a data path
     ``cembed:<name>`` becomes the packaged data it names (:func:`cembed.samples.resolve_sample`)."""
     cfg = cfg.model_copy(deep=True)
-    source = cfg.data.train
-    if isinstance(source, (FileSource, BeirSource)):  # a hub id is not a path
-        source.path = _resolve_data_path(source.path, base, "data.train")
+    for item in cfg.data.sources():
+        if isinstance(item.source, (FileSource, BeirSource)):  # a hub id is not a path
+            item.source.path = _resolve_data_path(item.source.path, base, item.key)
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
     if cfg.data.cache_dir is not None:
         cfg.data.cache_dir = _resolve_path(cfg.data.cache_dir, base)

@@ -14,7 +14,9 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cembed.columns import expand_list_columns, unmapped_column_notes
 from cembed.config import ColumnMap, DataConfig
+from cembed.config_data import TrainSource
 from cembed.errors import HubUnavailable, UserError
 from cembed.model import load_model, pooling_in_effect, quiet_libraries, weight_dtypes
 from cembed.sources import load_source, row_locator
@@ -32,10 +34,36 @@ class PreparedData:
     rows_read: int
     rows_dropped: int = 0
     roles: dict[str, str] = field(default_factory=dict)  # role column -> source column
+    # One entry per training source, in config order; their rows are consecutive in ``dataset``.
+    sources: list[SourceData] = field(default_factory=list)
+    warnings: tuple[str, ...] = ()  # unmapped columns, expanded list columns (printed by validate and train)
 
     @property
     def columns(self) -> list[str]:
         return list(self.dataset.column_names)
+
+    def source_sizes(self) -> list[int]:
+        """Rows of each source, in ``dataset`` order (one entry for a single source)."""
+        return [s.rows for s in self.sources] or [len(self.dataset)]
+
+
+@dataclass
+class SourceData:
+    """One training source's share of :class:`PreparedData`: its rows ``offset .. offset + rows``."""
+
+    name: str  # the source's name (data.train.<name>), a default from its path otherwise
+    label: str  # its path or id, for messages
+    key: str  # the config field holding it (data.train, data.train.<name>)
+    rows_read: int
+    rows_dropped: int
+    rows: int
+    offset: int
+    roles: dict[str, str] = field(default_factory=dict)  # role column -> this source's column
+
+    @property
+    def where(self) -> str:
+        """How messages name the source: its path, after its config field when there are several."""
+        return self.label if self.key == "data.train" else f"{self.key} ({self.label})"
 
 
 @dataclass
@@ -183,28 +211,87 @@ def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool,
     return dataset.select(keep).flatten_indices(), len(dataset) - len(keep)
 
 
-def prepare_data(cfg: DataConfig) -> PreparedData:
-    """Load ``cfg.train``, keep its first ``cfg.max_samples`` rows, map ``cfg.columns`` to roles and
-    check every cell (dropping bad rows with ``cfg.drop_invalid_rows``).
+def source_views(data: PreparedData) -> list[PreparedData]:
+    """Each training source of ``data`` as a PreparedData of its own rows (``data`` itself when it
+    has one source), for reports that are per source (inspect-data, rows that cannot be placed)."""
+    if len(data.sources) <= 1:
+        return [data]
+    views = []
+    for src in data.sources:
+        rows = data.dataset.select(range(src.offset, src.offset + src.rows))
+        view_src = SourceData(src.name, src.label, src.key, src.rows_read, src.rows_dropped, src.rows, 0, src.roles)
+        views.append(PreparedData(rows, src.where, src.rows_read, src.rows_dropped, src.roles, [view_src]))
+    return views
+
+
+def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, SourceData, list[str]]:
+    """Load one training source, keep its first ``max_samples`` rows, expand list-valued negatives
+    columns (:func:`cembed.columns.expand_list_columns`), map its columns to roles and check every cell.
+
+    Returns:
+        ``(dataset, SourceData with offset 0, notes)``: the notes name unmapped columns
+        (:func:`cembed.columns.unmapped_column_notes`) and expanded list columns.
 
     Raises:
-        UserError: see :func:`cembed.sources.load_source`, :func:`map_columns`, :func:`check_cells`; also a file
-            with no rows.
+        UserError: see :func:`cembed.sources.load_source`, :func:`map_columns`, :func:`check_cells`;
+            also a source with no rows, or none left after dropping invalid rows.
     """
-    source, columns = cfg.train, cfg.columns
+    source = item.source
     raw = load_source(source)
-    label = source.label
+    label = source.label if item.key == "data.train" else f"{item.key} ({source.label})"
     if len(raw) == 0:
         raise UserError(f"{label}: the data has no rows")
-    if cfg.max_samples is not None and cfg.max_samples < len(raw):
-        raw = raw.select(range(cfg.max_samples))
+    if item.max_samples is not None and item.max_samples < len(raw):
+        raw = raw.select(range(item.max_samples))
     rows_read = len(raw)
+    notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.kind)
+    raw, columns, expanded = expand_list_columns(raw, item.columns, label, item.key)
     roles = {role: src for src, role in role_columns(columns)}
     dataset = map_columns(raw, columns, label)
-    dataset, dropped = check_cells(dataset, label, roles, cfg.drop_invalid_rows, row_locator(source))
+    dataset, dropped = check_cells(dataset, label, roles, drop_invalid, row_locator(source))
     if len(dataset) == 0:
         raise UserError(f"{label}: every row was invalid and dropped; nothing is left to train on")
-    return PreparedData(dataset=dataset, source=label, rows_read=rows_read, rows_dropped=dropped, roles=roles)
+    info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles)
+    return dataset, info, notes + expanded
+
+
+def prepare_data(cfg: DataConfig) -> PreparedData:
+    """Prepare every source of ``cfg.train`` (:func:`prepare_source`); several sources are
+    concatenated in config order (:attr:`PreparedData.sources` says which rows are whose).
+
+    Raises:
+        UserError: see :func:`prepare_source`; also sources whose roles differ (every batch is one
+            source, but a run trains one column layout: the collator, the loss and the ranks'
+            collectives see the same columns at every step).
+    """
+    parts = [prepare_source(item, cfg.drop_invalid_rows) for item in cfg.sources()]
+    datasets_, infos = [p[0] for p in parts], [p[1] for p in parts]
+    warnings = tuple(note for p in parts for note in p[2])
+    if len(parts) == 1:
+        info = infos[0]
+        return PreparedData(datasets_[0], info.where, info.rows_read, info.rows_dropped, info.roles, infos, warnings)
+    layouts = {tuple(d.column_names) for d in datasets_}
+    if len(layouts) > 1:
+        shown = "; ".join(f"{i.name}: {', '.join(d.column_names)}" for i, d in zip(infos, datasets_))
+        raise UserError(
+            f"data.train: the sources map different roles ({shown}); a run trains one column layout, so map "
+            "the same number of negatives in every source's columns (or none)"
+        )
+    import datasets
+
+    offset = 0
+    for info in infos:
+        info.offset, offset = offset, offset + info.rows
+    roles = {role: " | ".join(dict.fromkeys(i.roles[role] for i in infos)) for role in datasets_[0].column_names}
+    return PreparedData(
+        dataset=datasets.concatenate_datasets(datasets_),
+        source=" + ".join(i.name for i in infos),
+        rows_read=sum(i.rows_read for i in infos),
+        rows_dropped=sum(i.rows_dropped for i in infos),
+        roles=roles,
+        sources=infos,
+        warnings=warnings,
+    )
 
 
 def prepare_checked_data(
@@ -230,29 +317,32 @@ def prepare_checked_data(
 
 
 def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: bool) -> None:
-    """Refuse data that cannot fill one (duplicate-free) batch of ``global_batch_size`` rows.
+    """Refuse data that cannot fill one (duplicate-free) batch of ``global_batch_size`` rows; with
+    several sources, every source must (a batch holds rows of one source only).
 
     Raises:
-        UserError: fewer rows than the batch, or (with ``no_duplicates``) a column with fewer distinct
-            texts than the batch, naming the column and its distinct count.
+        UserError: a source with fewer rows than the batch, or (with ``no_duplicates``) a column with
+            fewer distinct texts than the batch, naming the source, the column and its distinct count.
     """
-    n = len(data.dataset)
-    if n < global_batch_size:
-        raise UserError(
-            f"{data.source}: {n} rows is fewer than one batch of {global_batch_size} "
-            "(batch.per_device_train_batch_size x world size); lower the batch size or add data"
-        )
-    if not no_duplicates:
-        return
     table = arrow_table(data.dataset)
-    for role in data.columns:
-        distinct = pc.count_distinct(table.column(role)).as_py()
-        if distinct < global_batch_size:
+    for src in data.sources or [SourceData(data.source, data.source, "data.train", 0, 0, len(data.dataset), 0)]:
+        n = src.rows
+        if n < global_batch_size:
             raise UserError(
-                f"{data.source}: column {data.roles.get(role, role)!r} (role {role}) has only {distinct} distinct "
-                f"texts, so no duplicate-free batch of {global_batch_size} rows exists; lower "
-                f"batch.per_device_train_batch_size to at most {distinct} or set sampler.no_duplicates: false"
+                f"{src.where}: {n} rows is fewer than one batch of {global_batch_size} "
+                "(batch.per_device_train_batch_size x world size); lower the batch size or add data"
             )
+        if not no_duplicates:
+            continue
+        rows = table.slice(src.offset, n)
+        for role in data.columns:
+            distinct = pc.count_distinct(rows.column(role)).as_py()
+            if distinct < global_batch_size:
+                raise UserError(
+                    f"{src.where}: column {src.roles.get(role, data.roles.get(role, role))!r} (role {role}) has only "
+                    f"{distinct} distinct texts, so no duplicate-free batch of {global_batch_size} rows exists; lower "
+                    f"batch.per_device_train_batch_size to at most {distinct} or set sampler.no_duplicates: false"
+                )
 
 
 # --- truncation report -----------------------------------------------------------------------

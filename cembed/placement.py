@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cembed.data import PreparedData, arrow_table
+from cembed.data import PreparedData, arrow_table, source_views
 from cembed.errors import UserError, first_line
-from cembed.sampler import build_batches, inspect_batches, row_hashes
+from cembed.sampler import SOURCE_SEED_STRIDE, _fits, build_batches, row_hashes
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,10 @@ def warn_unplaceable(plan, data, drop_last: bool, seed: int):
     if not hasattr(data, "dataset"):
         return plan
     batch = plan.per_device_train_batch_size * plan.world_size
-    found = find_unplaceable(data, batch, drop_last or plan.world_size > 1, seed)
-    return replace(plan, warnings=plan.warnings + (str(found),)) if found else plan
+    drop = drop_last or plan.world_size > 1
+    views = source_views(data)  # source i is shuffled as the sampler shuffles it
+    found = [find_unplaceable(view, batch, drop, seed + i * SOURCE_SEED_STRIDE) for i, view in enumerate(views)]
+    return replace(plan, warnings=plan.warnings + tuple(str(f) for f in found if f))
 
 
 def model_hashes(data: PreparedData, model_cfg, cache_dir: str | None = None) -> tuple[np.ndarray, str]:
@@ -122,28 +124,75 @@ class DataReport:
     rows_dropped: int
     batch_size: int  # global batch (per device x world size)
     distinct: dict[str, tuple[str, int]]  # role column -> (source column, distinct texts)
-    batching: dict  # :func:`cembed.sampler.inspect_batches` for batch_size
+    batching: dict  # :func:`inspect_batches` for batch_size
     compared_as: str = "raw text"  # how texts were compared (token ids when the model is known)
     unplaceable: Unplaceable | None = None
 
 
 def inspect_data(
     data: PreparedData, batch_size: int, drop_last: bool, seed: int, model_cfg=None, cache_dir: str | None = None
-) -> DataReport:
-    """Distinct texts per column and how the no-duplicates sampler batches ``data`` at
-    ``batch_size`` rows (epoch 0, ``seed``), comparing texts as ``model_cfg``'s model sees them
+) -> list[DataReport]:
+    """Per training source: distinct texts per column and how the no-duplicates sampler batches
+    its rows at ``batch_size`` rows (epoch 0, each source shuffled as the sampler shuffles it; every
+    batch holds one source's rows), comparing texts as ``model_cfg``'s model sees them
     (:func:`model_hashes`, tokenized into ``cache_dir``; raw text without a model), with the rows
     that cannot be placed."""
     import pyarrow.compute as pc
 
-    table = arrow_table(data.dataset)
-    distinct = {role: (data.roles[role], pc.count_distinct(table.column(role)).as_py()) for role in data.columns}
     if model_cfg is None:
-        hashes, compared = row_hashes(data.dataset, data.columns), "raw text"
+        all_hashes, compared = row_hashes(data.dataset, data.columns), "raw text"
     else:
-        hashes, compared = model_hashes(data, model_cfg, cache_dir)
-    batching = inspect_batches(hashes, batch_size, drop_last, seed)
-    unplaceable = find_unplaceable(data, batch_size, drop_last, seed, hashes)
-    return DataReport(
-        data.source, len(data.dataset), data.rows_dropped, batch_size, distinct, batching, compared, unplaceable
-    )
+        all_hashes, compared = model_hashes(data, model_cfg, cache_dir)
+    reports = []
+    for i, (view, src) in enumerate(zip(source_views(data), data.sources or [None])):
+        offset, source_seed = (src.offset if src is not None else 0), seed + i * SOURCE_SEED_STRIDE
+        hashes = all_hashes[offset : offset + len(view.dataset)]
+        table = arrow_table(view.dataset)
+        distinct = {role: (view.roles[role], pc.count_distinct(table.column(role)).as_py()) for role in view.columns}
+        batching = inspect_batches(hashes, batch_size, drop_last, source_seed)
+        unplaceable = find_unplaceable(view, batch_size, drop_last, source_seed, hashes)
+        reports.append(
+            DataReport(
+                view.source, len(view.dataset), view.rows_dropped, batch_size, distinct, batching, compared, unplaceable
+            )
+        )
+    return reports
+
+
+def colliding_rows(hashes: np.ndarray) -> np.ndarray:
+    """Boolean mask, shape ``(rows,)``: rows sharing any text (in any column) with another row.
+    A text repeated inside one row (anchor == positive) does not count."""
+    n, k = hashes.shape
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    srt = np.sort(hashes, axis=1)
+    first = np.ones_like(srt, dtype=bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]  # one vote per distinct text per row
+    values = srt[first]
+    uniq, counts = np.unique(values, return_counts=True)
+    shared = counts[np.searchsorted(uniq, srt)] > 1
+    return (shared & first).any(axis=1)
+
+
+def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> dict:
+    """What ``cembed inspect-data`` reports about duplicate-free batching of ``hashes``.
+
+    Returns:
+        ``colliding_share`` (rows sharing a text with another row), ``largest_batch`` (the size of
+        a duplicate-free batch that exists, so a true lower bound of the largest: the larger of a
+        maximal one found by first fit over the seeded permutation and the largest batch built at
+        ``batch_size``), ``largest_batch_upper_bound`` (fewest distinct texts in any column),
+        ``batches_per_epoch`` and ``rows_unplaced`` for ``batch_size`` (epoch 0, ``seed``).
+    """
+    n = hashes.shape[0]
+    order = np.random.default_rng(seed).permutation(n)
+    greedy = int(_fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
+    batches, unplaced = build_batches(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
+    upper = min((len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])), default=n) if n else 0
+    return {
+        "colliding_share": float(colliding_rows(hashes).mean()) if n else 0.0,
+        "largest_batch": max([greedy] + [len(b) for b in batches]),
+        "largest_batch_upper_bound": upper,
+        "batches_per_epoch": len(batches),
+        "rows_unplaced": unplaced,
+    }

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from transformers import TrainerCallback
@@ -29,12 +30,12 @@ def make_console(quiet: bool = False) -> Console:
 
 def warn(console: Console, text: str) -> None:
     """One yellow ``warning:`` line."""
-    console.print(f"[yellow]warning:[/] {text}", highlight=False)
+    console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False)  # [..] in text is not markup
 
 
 def note(console: Console, text: str) -> None:
     """One yellow ``note:`` line."""
-    console.print(f"[yellow]note:[/] {text}", highlight=False)
+    console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
 
 
 # --- suggest-lr, validate, the plan -------------------------------------------------------------
@@ -83,15 +84,28 @@ def print_validation(console: Console, cfg, plan, data, pooling: str | None = No
         f"columns {data.roles}",
         highlight=False,
     )
+    if len(data.sources) > 1:
+        console.print(f"sampling: {cfg.data.sampling.resolved_strategy}; every batch holds one source", highlight=False)
+    for src in data.sources if len(data.sources) > 1 else []:
+        console.print(
+            f"  source {src.name}: {src.rows_read} rows read, {src.rows_dropped} dropped, {src.rows} to train on "
+            f"({src.label}); columns {src.roles}",
+            highlight=False,
+        )
     table = Table("role", "first training row")
     for key, value in data.dataset[0].items():
         table.add_row(key, str(value))
     console.print(table)
 
 
-def print_data_report(console: Console, report) -> None:
-    """The ``cembed inspect-data`` table (a :class:`cembed.placement.DataReport`) and, below it, the
-    rows that cannot be placed."""
+def print_data_report(console: Console, reports) -> None:
+    """The ``cembed inspect-data`` tables (one :class:`cembed.placement.DataReport` per training
+    source) and, below each, the rows that cannot be placed."""
+    for report in reports if isinstance(reports, list) else [reports]:
+        _print_one_data_report(console, report)
+
+
+def _print_one_data_report(console: Console, report) -> None:
     out = Table("", "value", title=report.source, title_justify="left")
     out.add_row("rows", f"{report.rows} ({report.rows_dropped} invalid dropped)")
     for role, (source, distinct) in report.distinct.items():

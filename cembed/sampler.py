@@ -35,7 +35,11 @@ from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
 from cembed.data import arrow_table
+from cembed.mixture import SourceMix
 from cembed.pretokenize import PROMPT_SUFFIX, TOKEN_SUFFIX
+
+# Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
+SOURCE_SEED_STRIDE = 1_000_003
 
 
 def hash_texts(texts: list[str]) -> np.ndarray:
@@ -290,6 +294,9 @@ class NoDuplicatesSampler(DefaultBatchSampler):
     torch.distributed group's size, else 1) makes the duplicate-free unit the global batch of
     ``batch_size x world_size`` rows, yielded as ``world_size`` consecutive per-device slices (see
     the module docstring); with ``world_size > 1`` a short last global batch is always dropped.
+    ``sources`` (a :class:`cembed.mixture.SourceMix`): the dataset is several sources' rows, one
+    after another; every global batch holds one source's rows, laid out by the mix's schedule.
+    ``no_duplicates=False``: plain shuffled batches (no text compared).
     """
 
     def __init__(
@@ -301,6 +308,8 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         generator=None,
         seed: int = 0,
         world_size: int | None = None,
+        sources: SourceMix | None = None,
+        no_duplicates: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -315,18 +324,38 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         self.columns = [
             c
             for c in dataset.column_names
-            if c not in label_columns and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
+            if no_duplicates
+            and c not in label_columns
+            and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
         ]
         self.hashes = row_hashes(dataset, self.columns)
         self.world_size = world_size or get_world_size()
+        self.sources = sources if sources is not None else SourceMix(("data",), (len(dataset),))
+        if sum(self.sources.sizes) != len(dataset):
+            raise ValueError(f"sources hold {sum(self.sources.sizes)} rows, the dataset {len(dataset)}")
         self._cache: tuple[int, list[list[int]], int] | None = None
         self._sizes: dict[int, list[int]] = {}  # epoch -> its global batches' sizes
+        self._origin: dict[int, list[int]] = {}  # epoch -> its global batches' source indices
 
     def _build(self, epoch: int) -> tuple[list[list[int]], int]:
-        batches, unplaced = build_batches(
-            self.hashes, self.batch_size * self.world_size, self.drop_last or self.world_size > 1, self.seed + epoch
-        )
-        self._sizes[epoch] = [len(b) for b in batches]
+        """Each source's batches (seed + epoch + i x SOURCE_SEED_STRIDE) in the mix's schedule order;
+        rows of batches the schedule leaves out (round_robin, weighted) count as unplaced."""
+        size, drop = self.batch_size * self.world_size, self.drop_last or self.world_size > 1
+        per_source, unplaced = [], 0
+        for i, (offset, n) in enumerate(zip(self.sources.offsets, self.sources.sizes)):
+            built, left = build_batches(
+                self.hashes[offset : offset + n], size, drop, self.seed + epoch + i * SOURCE_SEED_STRIDE
+            )
+            per_source.append([[r + offset for r in b] for b in built] if offset else built)
+            unplaced += left
+        order = self.sources.schedule([len(b) for b in per_source])
+        taken = [0] * len(per_source)
+        batches = []
+        for i in order:
+            batches.append(per_source[i][taken[i]])
+            taken[i] += 1
+        unplaced += sum(len(b) for i, built in enumerate(per_source) for b in built[taken[i] :])
+        self._sizes[epoch], self._origin[epoch] = [len(b) for b in batches], order
         return batches, unplaced
 
     def _epoch_batches(self) -> tuple[list[list[int]], int]:
@@ -338,18 +367,31 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         """Rows (over all ranks) in the global batches the first ``steps`` optimizer steps trained on,
         epoch after epoch, each step taking ``accumulation`` batches and an epoch's last step the
         batches left (short batches counted as they are)."""
-        total, epoch = 0, 0
+        return sum(rows for _, rows in self.trained_per_source(steps, accumulation))
+
+    def trained_per_source(self, steps: int, accumulation: int = 1) -> list[tuple[int, int]]:
+        """``(global batches, rows)`` per source (in :attr:`sources` order) that the first ``steps``
+        optimizer steps trained on (see :meth:`rows_trained`)."""
+        counts = [[0, 0] for _ in self.sources.names]
+        epoch = 0
         while steps > 0:
             if epoch not in self._sizes:
                 self._build(epoch)
-            sizes = self._sizes[epoch]
+            sizes, origin = self._sizes[epoch], self._origin[epoch]
             per_epoch = -(-len(sizes) // accumulation)
             if per_epoch == 0:
                 break
             take = min(steps, per_epoch)
-            total += sum(sizes[: take * accumulation])
+            for size, i in zip(sizes[: take * accumulation], origin):
+                counts[i][0] += 1
+                counts[i][1] += size
             steps, epoch = steps - take, epoch + 1
-        return total
+        return [(b, r) for b, r in counts]
+
+    def batch_sources(self) -> list[int]:
+        """This epoch's global batches' source indices, in order."""
+        self._epoch_batches()
+        return self._origin[self.epoch]
 
     def global_batches(self) -> list[list[int]]:
         """This epoch's duplicate-free global batches (``batch_size x world_size`` row indices each)."""
@@ -372,42 +414,3 @@ class NoDuplicatesSampler(DefaultBatchSampler):
     def __len__(self) -> int:
         """Per-device batches yielded this epoch: ``world_size x`` the number of global batches."""
         return len(self._epoch_batches()[0]) * self.world_size
-
-
-def colliding_rows(hashes: np.ndarray) -> np.ndarray:
-    """Boolean mask, shape ``(rows,)``: rows sharing any text (in any column) with another row.
-    A text repeated inside one row (anchor == positive) does not count."""
-    n, k = hashes.shape
-    if n == 0:
-        return np.zeros(0, dtype=bool)
-    srt = np.sort(hashes, axis=1)
-    first = np.ones_like(srt, dtype=bool)
-    first[:, 1:] = srt[:, 1:] != srt[:, :-1]  # one vote per distinct text per row
-    values = srt[first]
-    uniq, counts = np.unique(values, return_counts=True)
-    shared = counts[np.searchsorted(uniq, srt)] > 1
-    return (shared & first).any(axis=1)
-
-
-def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> dict:
-    """What ``cembed inspect-data`` reports about duplicate-free batching of ``hashes``.
-
-    Returns:
-        ``colliding_share`` (rows sharing a text with another row), ``largest_batch`` (the size of
-        a duplicate-free batch that exists, so a true lower bound of the largest: the larger of a
-        maximal one found by first fit over the seeded permutation and the largest batch built at
-        ``batch_size``), ``largest_batch_upper_bound`` (fewest distinct texts in any column),
-        ``batches_per_epoch`` and ``rows_unplaced`` for ``batch_size`` (epoch 0, ``seed``).
-    """
-    n = hashes.shape[0]
-    order = np.random.default_rng(seed).permutation(n)
-    greedy = int(_fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
-    batches, unplaced = build_batches(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
-    upper = min((len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])), default=n) if n else 0
-    return {
-        "colliding_share": float(colliding_rows(hashes).mean()) if n else 0.0,
-        "largest_batch": max([greedy] + [len(b) for b in batches]),
-        "largest_batch_upper_bound": upper,
-        "batches_per_epoch": len(batches),
-        "rows_unplaced": unplaced,
-    }

@@ -2,7 +2,7 @@
 
 :func:`make_starter` reads the file with cembed's own loader (:mod:`cembed.sources`), proposes which
 columns hold the anchor, the positive and hard negatives (by common column names), measures how the
-no-duplicates sampler can batch the rows (:func:`cembed.sampler.inspect_batches`) and suggests a
+no-duplicates sampler can batch the rows (:func:`cembed.placement.inspect_batches`) and suggests a
 ``per_device_train_batch_size``; :func:`write_starter` writes the YAML (never over an existing file).
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 from cembed.config import ColumnMap, FileSource
 from cembed.data import check_cells, map_columns
 from cembed.errors import UserError
-from cembed.sampler import inspect_batches, row_hashes
+from cembed.placement import inspect_batches
+from cembed.sampler import row_hashes
 from cembed.sources import load_file
 
 # Common column names, most specific first; a column is matched case-insensitively.

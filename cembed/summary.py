@@ -55,6 +55,8 @@ def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
             "columns": data.roles,
             "batches_per_epoch": run.batches_per_epoch,
             "rows_unplaced_first_epoch": run.rows_unplaced,
+            "sampling": parts.sources.strategy if parts.sources else None,
+            "sources": source_summary(data, run.trainer),
         },
         "resumed_from": run_dir.checkpoint,
         "resume_changes": list(run_dir.resume_changes),
@@ -72,11 +74,35 @@ def samples_seen(trainer, steps: int, samples_per_step: int) -> int:
     """Samples the first ``steps`` optimizer steps trained on: the rows of the no-duplicates
     sampler's batches they took (partial and short batches counted as they are), else
     ``steps x samples_per_step``."""
-    sampler = trainer.get_train_dataloader().batch_sampler
-    sampler = getattr(sampler, "batch_sampler", sampler)  # accelerate's shard wrapper
-    if not isinstance(sampler, NoDuplicatesSampler):
+    sampler = _sampler(trainer)
+    if sampler is None:
         return steps * samples_per_step
     return sampler.rows_trained(steps, trainer.args.gradient_accumulation_steps)
+
+
+def _sampler(trainer):
+    sampler = trainer.get_train_dataloader().batch_sampler
+    sampler = getattr(sampler, "batch_sampler", sampler)  # accelerate's shard wrapper
+    return sampler if isinstance(sampler, NoDuplicatesSampler) else None
+
+
+def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
+    """Per training source (a :class:`cembed.data.PreparedData`'s): name, path, rows read,
+    dropped and kept, global batches in the first epoch; with ``steps``, also the global batches
+    (``batches_trained``; optimizer steps when gradient_accumulation_steps is 1) and rows the first
+    ``steps`` optimizer steps trained on."""
+    sampler = _sampler(trainer)
+    first = sampler.batch_sources() if sampler is not None and sampler.epoch == 0 else None
+    trained = sampler.trained_per_source(steps, trainer.args.gradient_accumulation_steps) if sampler and steps else None
+    out = []
+    for i, src in enumerate(data.sources):
+        entry = {"name": src.name, "source": src.label, "rows_read": src.rows_read}
+        entry |= {"rows_dropped_invalid": src.rows_dropped, "rows": src.rows}
+        entry["batches_per_epoch"] = first.count(i) if first is not None else None
+        if trained is not None:
+            entry["batches_trained"], entry["rows_trained"] = trained[i]
+        out.append(entry)
+    return out
 
 
 def save_traceback(err: BaseException, folder: str | Path) -> Path:

@@ -39,6 +39,7 @@ from cembed.flops import build_flop_model
 from cembed.lora import adapter_facts, finish_lora, is_lora
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
+from cembed.mixture import SourceMix
 from cembed.model import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
@@ -47,8 +48,9 @@ from cembed.pretokenize import tokenize_stage
 from cembed.probe import resolve_auto
 from cembed.prompts import RolePrompts, resolve_prompts
 from cembed.publish import add_card_facts, push_final_model
-from cembed.summary import Attempt, failed_summary, failures_recorded, samples_seen, summary_base
-from cembed.trainer import CembedTrainer, RunLog, RunLogCallback, build_training_args
+from cembed.summary import Attempt, failed_summary, failures_recorded, samples_seen, source_summary, summary_base
+from cembed.trainer import CembedTrainer, RunLog, RunLogCallback
+from cembed.training_args import build_training_args
 
 
 def check_run_inputs(
@@ -65,6 +67,7 @@ def check_run_inputs(
     raise_findings(preflight(cfg, plan.learning_rate))
     batch = plan.per_device_train_batch_size * plan.world_size
     data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
+    plan = replace(plan, warnings=plan.warnings + getattr(data, "warnings", ()))  # unmapped / expanded columns
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
         from cembed.evaluate import check_metric_name, load_eval_sets, training_eval_args
 
@@ -166,6 +169,7 @@ class Components:
     source: str  # the training data's label, for messages
     weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
     prompts: RolePrompts = field(default_factory=RolePrompts)  # each role's prompt
+    sources: SourceMix | None = None  # the training sources and how batches are drawn from them
 
 
 def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None) -> Components:
@@ -214,7 +218,8 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
-    return Components(*parts, weight_dtypes(model, cfg.model), prompts)
+    mix = SourceMix.from_data(data, cfg.data.sampling)
+    return Components(*parts, weight_dtypes(model, cfg.model), prompts, mix)
 
 
 @dataclass
@@ -247,7 +252,8 @@ def build_trainer(
 
     is_main = dist_info().is_main
     layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
-    args = build_training_args(cfg, plan, parts.evaluation.training_args if parts.evaluation else None, layers)
+    eval_args = parts.evaluation.training_args if parts.evaluation else None
+    args = build_training_args(cfg, plan, eval_args, layers, parts.sources)
     if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
         args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
     flops = build_flop_model(parts.model, parts.loss.cached, plan.precision, plan.device, cfg.train.peak_tflops)
@@ -332,7 +338,7 @@ def train(run: Run, run_dir: RunDir, base: dict):
 
 
 def write_summary(
-    plan: Plan, run: Run, run_dir: RunDir, base: dict, result, evaluation=None, eval_before: dict | None = None
+    plan: Plan, run: Run, run_dir: RunDir, base: dict, result, data: PreparedData, evaluation=None, eval_before=None
 ) -> dict:
     """Save the model and evaluate it (rank 0), then write ``run_summary.json`` and the plot.
 
@@ -359,6 +365,7 @@ def write_summary(
         "steps": state.global_step,
         "epochs": state.epoch,
         "samples_seen": seen,
+        "data": {**base["data"], "sources": source_summary(data, trainer, state.global_step)},
         "wall_time_s": round(wall, 3),
         "samples_per_s": round(seen / wall, 3) if wall > 0 else None,
         "train_loss": result.training_loss,
@@ -432,4 +439,4 @@ def run_training(
         eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
         result = train(run, run_dir, base)
-        return write_summary(plan, run, run_dir, base, result, parts.evaluation, eval_before)
+        return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before)

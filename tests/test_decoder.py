@@ -261,7 +261,7 @@ def test_fsdp_strategy_reaches_the_trainer(tiny_model_dir, write_config, pairs_f
 
     from cembed.configfile import load_config
     from cembed.plan import resolve_plan
-    from cembed.trainer import build_training_args
+    from cembed.training_args import build_training_args
 
     data = pairs_file([{"anchor": f"a {i}", "positive": f"b {i}"} for i in range(8)])
     base = {"model": {"name_or_path": str(tiny_model_dir), "device": "cpu"}, "data": {"train": str(data)}}

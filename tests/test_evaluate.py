@@ -306,7 +306,7 @@ def test_eval_config_validation(write_config, tmp_path):
 
 def test_report_to_passed_to_trainer_integrations(write_config):
     from cembed.plan import resolve_plan
-    from cembed.trainer import build_training_args
+    from cembed.training_args import build_training_args
 
     base = {
         "data": {"train": "p.jsonl"},

@@ -45,7 +45,7 @@ def test_cli_suggest_lr():
 
 
 def test_trainer_receives_scaled_lr(tmp_path):
-    from cembed.trainer import build_training_args
+    from cembed.training_args import build_training_args
 
     cfg = config_from_dict(
         {

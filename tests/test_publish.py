@@ -9,7 +9,7 @@ from conftest import distinct_pairs
 from cembed.configfile import config_from_dict
 from cembed.errors import UserError
 from cembed.plan import resolve_plan
-from cembed.trainer import build_training_args
+from cembed.training_args import build_training_args
 
 
 def _cfg(tmp_path, **train):

@@ -141,7 +141,8 @@ def test_optimizer_steps_equal_sampler_batches(tiny_model_dir, tmp_path, accum):
 
 
 def test_inspect_batches_counts():
-    from cembed.sampler import colliding_rows, inspect_batches, row_hashes
+    from cembed.placement import colliding_rows, inspect_batches
+    from cembed.sampler import row_hashes
 
     ds = Dataset.from_dict(
         {
