@@ -57,8 +57,10 @@ class ModelConfig(_Strict):
     name_or_path: str = "all-MiniLM-L6-v2"
     max_seq_length: PositiveInt | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="compute dtype: bf16/fp16 autocast over fp32 master weights (whatever the stored dtype)"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="compute dtype: bf16/fp16 autocast over fp32 master weights (whatever the stored dtype); "
+        "auto: bf16 on a GPU with bf16, fp32 on CPU (cembed.precision)",
     )
     save_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="dtype of the saved model's weights; unset: the training dtype (fp32 master weights)"

@@ -40,6 +40,7 @@ from cembed.meter import ThroughputMeter, plot_run
 from cembed.model import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
+from cembed.precision import enable_tf32
 from cembed.preflight import check_resume, preflight, raise_findings, training_record
 from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
 from cembed.probe import resolve_auto
@@ -141,6 +142,8 @@ def resolve_runtime(
         ``(device, plan with mini_batch_size set)``; device is ``cpu``, ``cuda`` or ``cuda:<local rank>``.
     """
     device = init_distributed(plan.device, cfg.distributed.timeout_minutes)
+    if plan.tf32:  # fp32 matmuls (the loss stage too) on TF32 tensor cores, the probe included
+        enable_tf32()
     if plan.mini_batch_size is None:
         report.print_probe_start(console, plan.device)
     plan, probe = resolve_auto(plan, cfg.model, cfg.loss, len(data.columns), max_memory)
@@ -226,7 +229,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         from cembed.evaluate import TrainingEvaluation
 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line)
-    weights = weight_dtypes(model, cfg.model)
+    weights = weight_dtypes(model, cfg.model.model_copy(update={"precision": plan.precision}))
     return Components(model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source, weights)
 
 
@@ -421,7 +424,10 @@ def run_training(
     """
     console = console or report.make_console()
     is_main = dist_info().is_main
-    record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset)
+    as_run = cfg.model_copy(
+        update={"model": cfg.model.model_copy(update={"precision": plan.precision})}
+    )  # auto resolved
+    record = training_record(as_run, plan.samples_per_step, plan.learning_rate, data.dataset)
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
     plan = replace(plan, warnings=plan.warnings + tuple(f"resume applies {c}" for c in run_dir.resume_changes))
