@@ -151,6 +151,9 @@ class TrainConfig(_Strict):
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     dataloader_num_workers: int = Field(0, ge=0)
+    # torch.compile the model (the trainer's torch_compile, inductor). Each new padded length compiles
+    # again: pair it with batch.pad_to_multiple_of to bound the lengths. Off: measured slower on CPU.
+    torch_compile: bool = False
     # Experiment trackers, through the trainer's own integrations (each needs its package installed).
     report_to: list[Literal[REPORT_TO]] = Field(default_factory=lambda: ["none"])  # type: ignore[valid-type]
     # Publishing through the trainer: checkpoints as they are saved, the final model folder at the end.

@@ -87,6 +87,7 @@ def build_training_args(cfg: CembedConfig, plan: Plan, eval_args: dict | None = 
         report_to="none" if t.report_to == ["none"] else list(t.report_to),
         disable_tqdm=True,
         dataloader_num_workers=t.dataloader_num_workers,
+        torch_compile=t.torch_compile,
         push_to_hub=t.push_to_hub,
         hub_model_id=t.hub_model_id,
         hub_private_repo=t.hub_private_repo,
