@@ -110,7 +110,7 @@ def validate_cmd(
     cfg = _load(config, overrides)
     plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes), allow_unloaded=True)
     plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
-    truncation = _truncation(cfg.model, data, cfg.data.prompts)
+    truncation = _truncation(cfg.model.model_copy(update={"precision": plan.precision}), data, cfg.data.prompts)
     print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
     print_truncation(console, truncation)
     console.print("[green]config OK[/]")
@@ -315,7 +315,7 @@ def probe_minibatch_cmd(
     max_seq_length: Optional[int] = typer.Option(
         None, "--max-seq-length", help="Tokens per text (every text is probed at this length)."
     ),
-    precision: Optional[str] = typer.Option(None, "--precision", help="fp32 | bf16 | fp16."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="auto | fp32 | bf16 | fp16."),
     device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda: where training would run."),
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", help="per_device_train_batch_size (default: the config's)."
@@ -334,13 +334,14 @@ def probe_minibatch_cmd(
     """Measure the largest mini_batch_size and token budget whose cached-loss step fits (worst case)."""
     from cembed.config import CachedMNRLLossConfig, CembedConfig
     from cembed.configfile import model_config_from_flags, set_yaml_value
-    from cembed.probe import parse_bytes, run_probe
+    from cembed.probe import parse_bytes, resolved_model_config, run_probe
     from cembed.report import print_probe, print_truncation
 
     if write and config is None:
         raise UserError("--write: needs a config file to write batch.mini_batch_size into")
     cfg: CembedConfig | None = _load(config, overrides) if config is not None else None
     model_cfg = model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
+    model_cfg = resolved_model_config(model_cfg)  # precision auto -> fp32 | bf16 | fp16 for the device
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
     batch = batch_size or (cfg.batch.per_device_train_batch_size if cfg else 64)

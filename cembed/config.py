@@ -73,8 +73,10 @@ class ModelConfig(_Strict):
     name_or_path: str = "all-MiniLM-L6-v2"
     max_seq_length: PositiveInt | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="compute dtype: bf16/fp16 autocast over fp32 master weights (whatever the stored dtype)"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="compute dtype: bf16/fp16 autocast over fp32 master weights (whatever the stored dtype); "
+        "auto: bf16 on a GPU with bf16, fp32 on CPU (cembed.precision)",
     )
     save_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="dtype of the saved model's weights; unset: the training dtype (fp32 master weights)"
@@ -176,6 +178,9 @@ class TrainConfig(_Strict):
     dataloader_num_workers: NonNegativeInt | Literal["auto"] = "auto"
     # The device's dense peak in TFLOP/s for the meter's MFU (default: cembed.flops.PEAKS by GPU name).
     peak_tflops: float | None = Field(None, gt=0)
+    # torch.compile the model (the trainer's torch_compile, inductor). Each new padded length compiles
+    # again: pair it with batch.pad_to_multiple_of to bound the lengths. Off: measured slower on CPU.
+    torch_compile: bool = False
     # Experiment trackers, through the trainer's own integrations (each needs its package installed).
     report_to: list[Literal[REPORT_TO]] = Field(default_factory=lambda: ["none"])  # type: ignore[valid-type]
     # Publishing through the trainer: checkpoints as they are saved, the final model folder at the end.

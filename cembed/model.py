@@ -361,10 +361,14 @@ class WeightDtypes(NamedTuple):
 
 def weight_dtypes(model, cfg: ModelConfig) -> WeightDtypes:
     """The :class:`WeightDtypes` of ``model`` loaded by :func:`load_model` for ``cfg``; ``saved`` is
-    ``model.save_dtype`` or, unset, the training dtype."""
+    ``model.save_dtype`` or, unset, the training dtype. ``precision: auto`` is resolved for the
+    device ``model`` is on (callers that load on CPU for a GPU run pass the plan's precision in ``cfg``)."""
+    from cembed.precision import resolve_precision
+
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     training = str(param.dtype).removeprefix("torch.") if param is not None else "float32"
-    autocast = DTYPE_NAMES[cfg.precision] if cfg.precision != "fp32" else None
+    precision = resolve_precision(cfg.precision, str(model.device)).precision
+    autocast = DTYPE_NAMES[precision] if precision != "fp32" else None
     saved = DTYPE_NAMES[cfg.save_dtype] if cfg.save_dtype else training
     return WeightDtypes(stored_dtype(cfg.name_or_path), training, autocast, saved)
 

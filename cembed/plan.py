@@ -15,6 +15,7 @@ from cembed.config import CembedConfig
 from cembed.errors import UserError
 from cembed.lr import derivation, scale_lr
 from cembed.model import DTYPE_NAMES, resolve_device
+from cembed.precision import resolve_precision
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class Plan:
     samples_per_step: int  # per_device_train_batch_size x world_size x gradient_accumulation_steps
     learning_rate: float  # effective (scaled) LR handed to the optimizer
     lr_derivation: str
-    precision: str
+    precision: str  # fp32 | bf16 | fp16: model.precision, auto resolved for the device (cembed.precision)
     gather_across_devices: bool = False  # each anchor sees all ranks' candidates (world_size > 1)
     warnings: tuple[str, ...] = ()
     # Rows embedded at once by a cached loss; None until the probe fills batch.mini_batch_size: auto
@@ -41,6 +42,8 @@ class Plan:
     dataloader_num_workers: int = 0
     dataloader_workers: str = ""
     lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
+    tf32: bool = False  # TF32 on for fp32 matmuls (a CUDA GPU of compute capability 8.0+)
+    precision_reason: str = ""  # how the precision was chosen, e.g. "bf16 (auto: NVIDIA H200 ... has bf16)"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,6 +57,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         world_size: number of training processes; defaults to ``$WORLD_SIZE`` or 1.
 
     ``gather_across_devices`` is ``loss.gather_across_devices``, or ``world_size > 1`` when unset.
+    ``model.precision: auto`` becomes fp32 on CPU, bf16 on a GPU with bf16 (see :mod:`cembed.precision`).
     The LR is scaled from the global samples per step (``per_device x world_size x accumulation``).
 
     Raises:
@@ -61,10 +65,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
             or a world size below 1.
     """
     device = resolve_device(cfg.model.device)
-    if cfg.model.precision == "fp16" and device == "cpu":
-        raise UserError("model.precision: fp16 needs a CUDA device; use fp32 or bf16 on CPU")
-    if cfg.model.precision == "bf16" and device == "cuda":
-        check_cuda_bf16()
+    precision = resolve_precision(cfg.model.precision, device)
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UserError(f"world size {world}: --nproc-per-node x --nnodes (or $WORLD_SIZE) must be at least 1")
@@ -106,7 +107,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         samples_per_step=samples,
         learning_rate=scale_lr(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
         lr_derivation=derivation(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
-        precision=cfg.model.precision,
+        precision=precision.precision,
         gather_across_devices=gather,
         warnings=tuple(warnings),
         mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
@@ -115,26 +116,8 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         dataloader_num_workers=workers,
         dataloader_workers=how,
         lora_merge=cfg.model.lora.merge if cfg.model.lora is not None else None,
-    )
-
-
-def check_cuda_bf16() -> None:
-    """Refuse ``model.precision: bf16`` on a CUDA device without bf16 support (before compute
-    capability 8.0: V100, T4), naming the GPU and the fix.
-
-    Raises:
-        UserError: this process's GPU has no bf16.
-    """
-    import torch
-
-    if torch.cuda.is_bf16_supported():
-        return
-    index = torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    raise UserError(
-        f"model.precision: bf16 is not supported by this GPU ({torch.cuda.get_device_name(index)}, compute "
-        f"capability {major}.{minor}; bf16 needs 8.0 or newer, e.g. A100, H100); use model.precision: fp16 "
-        "(mixed precision with loss scaling) or fp32"
+        tf32=precision.tf32,
+        precision_reason=precision.reason,
     )
 
 

@@ -193,6 +193,7 @@ SAFE_TO_CHANGE = (
     "train.output_dir",
     "train.report_to",
     "train.dataloader_num_workers",
+    "train.torch_compile",
     "train.nonfinite_loss",
     "train.push_to_hub",
     "train.hub_model_id",

@@ -28,6 +28,7 @@ from typing import Callable
 from cembed.errors import UserError
 from cembed.model import resolve_device
 from cembed.outputs import parse_bytes  # noqa: F401 - the CLI and callers read sizes through the probe
+from cembed.precision import enable_tf32, resolve_precision
 from cembed.probe_ranks import agree_across_ranks, per_rank_peaks
 from cembed.probe_trials import (
     CudaTrial,
@@ -306,7 +307,9 @@ def run_probe(
         across ranks (minimum) and every rank's own answer and peak (``ranks``).
 
     Raises:
-        UserError: a plain (uncached) loss, fp16 on CPU, a model that cannot load, nothing fits.
+        UserError: a plain (uncached) loss, fp16 on CPU (``precision: auto`` is resolved for the
+            device as training does, :func:`cembed.precision.resolve_precision`), a model that
+            cannot load, nothing fits.
     """
     if not loss_cfg.uses_gradient_cache:
         raise UserError(
@@ -315,10 +318,11 @@ def run_probe(
     if max_size < 1:
         raise UserError(f"--max: must be at least 1, got {max_size}")
     dev = resolve_device(device)
-    if model_cfg.precision == "fp16" and dev == "cpu":
-        raise UserError("model.precision: fp16 needs a CUDA device; use fp32 or bf16 on CPU")
+    precision = resolve_precision(model_cfg.precision, dev)  # auto -> the precision training would use
+    if precision.tf32:
+        enable_tf32()
     spec = TrialSpec(
-        model=model_cfg.model_dump(),
+        model={**model_cfg.model_dump(), "precision": precision.precision},
         loss=loss_cfg.model_dump(),
         n_columns=n_columns,
         batch_size=batch_size,
@@ -360,6 +364,17 @@ def run_probe(
     result.device = dev
     result.notes = result.notes + notes
     return result
+
+
+def resolved_model_config(model_cfg):
+    """``model_cfg`` (a :class:`cembed.config.ModelConfig`) with ``precision: auto`` replaced by the
+    precision it resolves to on ``model_cfg.device`` (``probe-minibatch`` without a plan).
+
+    Raises:
+        UserError: see :func:`resolve_precision`; cuda requested without a GPU.
+    """
+    resolved = resolve_precision(model_cfg.precision, resolve_device(model_cfg.device))
+    return model_cfg.model_copy(update={"precision": resolved.precision})
 
 
 def summary_record(result: ProbeResult) -> dict:
@@ -411,7 +426,7 @@ def resolve_auto(
         ), None
     budget = parse_bytes(max_memory) if max_memory else None
     result = run_probe(
-        model_cfg,
+        model_cfg.model_copy(update={"precision": plan.precision}),  # auto resolved by the plan
         loss_cfg,
         plan.per_device_train_batch_size,
         n_columns,

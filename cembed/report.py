@@ -71,7 +71,7 @@ def print_validation(console: Console, cfg, plan, data, pooling: str | None = No
     """What ``cembed validate`` found: resolved config, device, pooling, plan, data counts, first row."""
     console.print("[bold]resolved config[/]")
     console.print_json(json.dumps(cfg.model_dump(mode="json")))
-    console.print(f"device: {plan.device}", highlight=False)
+    console.print(f"device: {plan.device}   precision: {plan.precision_reason or plan.precision}", highlight=False)
     console.print(
         f"pooling: {pooling or cfg.model.pooling + ' (model.pooling; the model was not loaded)'}", highlight=False
     )
@@ -149,7 +149,8 @@ def print_run_header(console: Console, cfg, plan) -> None:
     """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR."""
     tokens = f" ({plan.mini_batch_num_tokens} tokens)" if plan.mini_batch_num_tokens else ""
     console.print(
-        f"device {plan.device}  batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}{tokens}  "
+        f"device {plan.device}  precision {plan.precision}{' (TF32 on)' if plan.tf32 else ''}  "
+        f"batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}{tokens}  "
         f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
         highlight=False,
     )

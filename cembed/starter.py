@@ -187,7 +187,7 @@ def render_starter(s: Starter) -> str:
         _line(f"  name_or_path: {q(s.model)}"),
         _line("  max_seq_length: null", "null: the model's own; lower it for short texts (faster)"),
         _line("  device: auto", "auto | cpu | cuda"),
-        _line("  precision: fp32", "bf16 on a recent GPU"),
+        _line("  precision: auto", "auto: bf16 on a GPU with bf16, fp32 on CPU | fp32 | bf16 | fp16"),
         "data:",
         _line(f"  train: {q(data_path)}", "relative to this file"),
         _line("  columns:", "data column -> role; every other column is dropped"),

@@ -63,6 +63,12 @@ def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
         "tokenization": parts.token_info,
         "weights": parts.weights._asdict() if parts.weights else None,
         "device": plan.device,
+        "precision": {  # model.precision as asked and as run (auto resolved for the device; cembed.precision)
+            "requested": cfg.model.precision,
+            "resolved": plan.precision,
+            "tf32": plan.tf32,
+            "reason": plan.precision_reason,
+        },
         "distributed": parts.distributed,
         "mini_batch_probe": plan.mini_batch_probe,
         "versions": versions(),

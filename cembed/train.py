@@ -43,6 +43,7 @@ from cembed.mixture import SourceMix
 from cembed.model import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.outputs import append_log, save_model_atomic, write_json_atomic
 from cembed.plan import Plan, resolve_plan
+from cembed.precision import enable_tf32
 from cembed.preflight import check_resume, preflight, raise_findings, training_record
 from cembed.pretokenize import tokenize_stage
 from cembed.probe import resolve_auto
@@ -147,6 +148,8 @@ def resolve_runtime(
         ``(device, plan with mini_batch_size set)``; device is ``cpu``, ``cuda`` or ``cuda:<local rank>``.
     """
     device = init_distributed(plan.device, cfg.distributed.timeout_minutes)
+    if plan.tf32:  # fp32 matmuls (the loss stage too) on TF32 tensor cores, the probe included
+        enable_tf32()
     if plan.mini_batch_size is None:
         report.print_probe_start(console, plan.device)
     plan, probe = resolve_auto(plan, cfg.model, cfg.loss, len(data.columns), max_memory)
@@ -219,7 +222,8 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
-    return Components(*parts, weight_dtypes(model, cfg.model), prompts, mix)
+    weights = weight_dtypes(model, cfg.model.model_copy(update={"precision": plan.precision}))
+    return Components(*parts, weights, prompts, mix)
 
 
 @dataclass
@@ -422,7 +426,10 @@ def run_training(
     """
     console = console or report.make_console()
     is_main = dist_info().is_main
-    record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset)
+    as_run = cfg.model_copy(
+        update={"model": cfg.model.model_copy(update={"precision": plan.precision})}
+    )  # auto resolved
+    record = training_record(as_run, plan.samples_per_step, plan.learning_rate, data.dataset)
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
     plan = replace(plan, warnings=plan.warnings + tuple(f"resume applies {c}" for c in run_dir.resume_changes))

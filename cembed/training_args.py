@@ -66,6 +66,7 @@ def build_training_args(
         use_cpu=plan.device == "cpu",
         report_to="none" if t.report_to == ["none"] else list(t.report_to),
         disable_tqdm=True,
+        torch_compile=t.torch_compile,
         dataloader_num_workers=plan.dataloader_num_workers,
         push_to_hub=t.push_to_hub,
         hub_model_id=t.hub_model_id,

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Build the offline bundle for `scripts/gpu_check.sh --bundle DIR` (issue 14), where the package
+# index is reachable. The GPU image it targets has Python 3.12, torch 2.11, transformers 5.17,
+# sentence-transformers 6.0.1 and no pydantic or datasets, and no network. The bundle holds:
+#   wheels/   the exact wheels cembed needs beyond that image (manylinux x86-64, cp312), at the
+#             versions of the environment this script runs in, plus the cembed wheel of this tree
+#   all-MiniLM-L6-v2-fp16/   the packaged all-MiniLM-L6-v2 with fp16 weights (cembed trains it in
+#             fp32 master weights; the original fp32 copy, 88 MB, is too big to carry)
+#   coco_pairs.jsonl.gz      real COCO caption pairs (val2017, 50,071 rows; else the packaged train slice)
+#   MANIFEST.json            every file with its size and sha256, the wheel versions, the total
+# It refuses a bundle over 60 MiB. Usage: bash scripts/gpu_bundle.sh DIR   (env: PYTHON)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:?usage: gpu_bundle.sh DIR}
+PY=${PYTHON:-python3}
+LIMIT_MIB=${BUNDLE_LIMIT_MIB:-60}
+# What the image lacks or has too old: pydantic (and its three needs), datasets (dill, multiprocess;
+# fsspec pinned at or below datasets' bound), sentence-transformers >= 6.2 (the image has 6.0.1).
+# Everything else cembed imports is in the image (torch, transformers, accelerate, typer, rich,
+# pyyaml, xxhash, matplotlib, pyarrow, pandas, huggingface-hub, nvidia-ml-py).
+PACKAGES="pydantic pydantic-core annotated-types typing-inspection typing-extensions datasets dill multiprocess fsspec sentence-transformers"
+rm -rf "$DIR" && mkdir -p "$DIR/wheels"
+pins=$($PY - "$PACKAGES" <<'EOF'
+import sys
+from importlib import metadata
+print(" ".join(f"{n}=={metadata.version(n)}" for n in sys.argv[1].split()))
+EOF
+)
+echo "wheels: $pins"
+# shellcheck disable=SC2086
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$DIR/wheels" $pins
+$PY -m pip wheel -q --no-deps --no-build-isolation -w "$DIR/wheels" . >/dev/null
+rm -rf build cembed.egg-info 2>/dev/null || true
+$PY - "$DIR" "$LIMIT_MIB" <<'EOF'
+import hashlib, json, shutil, sys
+from pathlib import Path
+
+out, limit = Path(sys.argv[1]), float(sys.argv[2])
+import torch
+from sentence_transformers import SentenceTransformer
+
+from cembed.model import resolve_model_path
+
+model = SentenceTransformer(resolve_model_path("all-MiniLM-L6-v2"), device="cpu")
+model.half().save(str(out / "all-MiniLM-L6-v2-fp16"))
+for extra in ("README.md",):  # the model card is not needed to load it
+    (out / "all-MiniLM-L6-v2-fp16" / extra).unlink(missing_ok=True)
+coco = Path("..") / "shared" / "data" / "coco_captions" / "caption_pairs_val2017.jsonl.gz"
+if not coco.is_file():
+    import cembed.samples as samples
+
+    coco = Path(samples.__file__).parent / "coco_captions" / "train_pairs.jsonl.gz"
+shutil.copyfile(coco, out / "coco_pairs.jsonl.gz")
+files = {}
+for path in sorted(p for p in out.rglob("*") if p.is_file()):
+    rel = str(path.relative_to(out))
+    files[rel] = {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+total = sum(f["bytes"] for f in files.values())
+manifest = {
+    "python": "3.12",
+    "platform": "manylinux x86-64",
+    "torch_used_to_convert": torch.__version__,
+    "wheels": sorted(p for p in files if p.startswith("wheels/")),
+    "model": "all-MiniLM-L6-v2-fp16",
+    "coco_pairs": "coco_pairs.jsonl.gz",
+    "coco_source": coco.name,
+    "files": files,
+    "total_bytes": total,
+}
+(out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+mib = total / 2**20
+print(f"bundle {out}: {len(files)} files, {mib:.1f} MiB (limit {limit:g} MiB)")
+for rel, f in files.items():
+    if rel.startswith("wheels/") or f["bytes"] > 2**20:
+        print(f"  {f['bytes'] / 2**20:7.2f} MiB  {rel}")
+if mib > limit:
+    sys.exit(f"bundle is {mib:.1f} MiB, over the {limit:g} MiB limit")
+EOF
