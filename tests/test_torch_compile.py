@@ -6,7 +6,7 @@ from __future__ import annotations
 from cembed.config import CembedConfig
 from cembed.plan import resolve_plan
 from cembed.preflight import check_resume
-from cembed.trainer import build_training_args
+from cembed.training_args import build_training_args
 
 
 def _cfg(**train) -> CembedConfig:
