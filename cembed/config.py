@@ -72,6 +72,9 @@ class ModelConfig(_Strict):
     pooling: Literal["mean", "cls", "lasttoken"] = Field(
         "mean", description="pooling for a plain transformers checkpoint (no modules.json); ignored otherwise"
     )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory per mini-batch, more compute"
+    )
 
 
 class BatchConfig(_Strict):

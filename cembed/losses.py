@@ -36,12 +36,17 @@ from typing import Callable, get_args
 import torch
 from sentence_transformers.base.losses.gradcache import _minibatch_ranges, uses_gradient_cache
 from sentence_transformers.sentence_transformer.losses import (
+    CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
 )
 from torch import nn
 
 from cembed.config import CachedMNRLLossConfig, LossConfig, MNRLLossConfig, register_loss_config
+from cembed.config_loss import CachedGISTLossConfig
+from cembed.loss_guided import FilterCounts, GuidedFilterMixin, SelfGuidedMixin
+from cembed.loss_matryoshka import CountingMatryoshkaLoss
+from cembed.model import load_guide_model
 
 
 @dataclass
@@ -205,6 +210,18 @@ class CountingMNRL(MultipleNegativesRankingLoss):
         return super().forward(features, labels)
 
 
+class LengthSortedCachedGIST(GuidedFilterMixin, LengthSortedMixin, CachedGISTEmbedLoss):
+    """``CachedGISTEmbedLoss`` (guide model) with length-sorted mini-batches and a count of the
+    candidates the guide masked (:class:`cembed.loss_guided.GuidedFilterMixin`)."""
+
+
+class SelfGuidedCachedMNRL(GuidedFilterMixin, SelfGuidedMixin, LengthSortedMixin, CachedGISTEmbedLoss):
+    """InfoNCE with GradCache whose in-batch false negatives are masked by the model's own no-grad
+    embeddings (:class:`cembed.loss_guided.SelfGuidedMixin`); build it with ``guide=model``,
+    ``contrast_anchors=False`` and ``contrast_positives=False``: the loss is then ``cached_mnrl``'s
+    with the masked candidates left out of each softmax."""
+
+
 def loss_directions(symmetric: bool) -> tuple[str, ...]:
     """``query_to_doc`` (standard InfoNCE), plus ``doc_to_query`` when ``symmetric``."""
     return ("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",)
@@ -247,11 +264,13 @@ class BuiltLoss:
         token_counts: the module's token counter (a fresh, never-filled one if it has none).
         cached: whether the module defers its backward to GradCache mini-batches
             (sentence-transformers' ``uses_gradient_cache``).
+        filter_counts: candidates scored and masked as false negatives, for a filtering loss.
     """
 
     module: nn.Module
     token_counts: TokenCounts
     cached: bool
+    filter_counts: FilterCounts | None = None
 
 
 def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBuilder:
@@ -270,15 +289,52 @@ def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBui
     return builder
 
 
-def _mnrl_kwargs(cfg: LossConfig, settings: LossSettings) -> dict:
+def _mnrl_kwargs(cfg: MNRLLossConfig | CachedMNRLLossConfig, settings: LossSettings) -> dict:
     return dict(
         scale=cfg.scale,
         gather_across_devices=settings.gather_across_devices,
-        directions=loss_directions(cfg.symmetric),
+        directions=cfg.resolved_directions(),
+        partition_mode=cfg.partition_mode,
+        hardness_mode=cfg.hardness_mode,
+        hardness_strength=cfg.hardness_strength,
+    )
+
+
+def _cached_kwargs(settings: LossSettings) -> dict:
+    return dict(
+        mini_batch_size=settings.mini_batch_size,
+        mini_batch_num_tokens=settings.mini_batch_num_tokens,
+        sort_by_length=settings.sort_by_length,
+        gather_across_devices=settings.gather_across_devices,
+    )
+
+
+def _build_cached_gist(model, cfg: CachedGISTLossConfig, settings: LossSettings) -> nn.Module:
+    guide = load_guide_model(cfg.guide, model.device, cfg.guide_max_seq_length)
+    return LengthSortedCachedGIST(
+        model,
+        guide,
+        temperature=cfg.temperature,
+        margin_strategy=cfg.margin_strategy,
+        margin=cfg.margin,
+        contrast_anchors=cfg.contrast_anchors,
+        contrast_positives=cfg.contrast_positives,
+        **_cached_kwargs(settings),
     )
 
 
 def _build_cached_mnrl(model, cfg: CachedMNRLLossConfig, settings: LossSettings) -> nn.Module:
+    if cfg.false_negative_filter is not None:
+        return SelfGuidedCachedMNRL(
+            model,
+            model,
+            temperature=1.0 / cfg.scale,
+            margin_strategy=cfg.false_negative_filter.strategy,
+            margin=cfg.false_negative_filter.margin,
+            contrast_anchors=False,
+            contrast_positives=False,
+            **_cached_kwargs(settings),
+        )
     return LengthSortedCachedMNRL(
         model,
         mini_batch_size=settings.mini_batch_size,
@@ -294,6 +350,7 @@ def _build_mnrl(model, cfg: MNRLLossConfig, settings: LossSettings) -> nn.Module
 
 register_loss(CachedMNRLLossConfig, _build_cached_mnrl)
 register_loss(MNRLLossConfig, _build_mnrl)
+register_loss(CachedGISTLossConfig, _build_cached_gist)
 
 
 def build_loss(
@@ -328,6 +385,8 @@ def build_loss(
         raise ValueError(f"no builder registered for loss {loss_cfg.name!r}; known: {', '.join(LOSS_BUILDERS)}")
     settings = LossSettings(mini_batch_size, gather_across_devices, mini_batch_num_tokens, sort_by_length)
     module = builder(model, loss_cfg, settings)
+    if loss_cfg.matryoshka is not None:
+        module = CountingMatryoshkaLoss(model, module, loss_cfg.matryoshka.dims, loss_cfg.matryoshka.weights)
     cached = bool(uses_gradient_cache(module))
     if cached != type(loss_cfg).uses_gradient_cache:
         raise TypeError(
@@ -337,4 +396,5 @@ def build_loss(
     token_counts = getattr(module, "token_counts", None)
     if not isinstance(token_counts, TokenCounts):
         token_counts = TokenCounts()
-    return BuiltLoss(module, token_counts, cached)
+    filter_counts = getattr(module, "filter_counts", None)
+    return BuiltLoss(module, token_counts, cached, filter_counts if isinstance(filter_counts, FilterCounts) else None)

@@ -5,7 +5,9 @@ Per logging interval (the trainer's ``logging_steps``):
 - ``data_wait``: share of the interval's wall time the training loop spent waiting for its next
   batch (sampling, fetching and collating, when not hidden by dataloader workers);
 - ``tokens_per_s``: non-padding tokens embedded per second (each text counted once per step);
-- ``padded_share``: share of the token positions the encoder processed that were padding.
+- ``padded_share``: share of the token positions the encoder processed that were padding;
+- ``masked_share`` (with a false-negative filter, :class:`cembed.loss_guided.FilterCounts`): share
+  of the in-batch candidates left out of the softmax as likely false negatives (summed over ranks).
 
 With several processes (``gather``: one all-gather per logging interval, on every rank at the same
 step) the statistics are the job's: tokens/s summed over the ranks (each rank's tokens over its
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from cembed.loss_guided import FilterCounts
 from cembed.losses import TokenCounts
 from cembed.outputs import write_atomic
 
@@ -55,6 +58,9 @@ class ThroughputMeter:
 
     token_counts: TokenCounts
     gather: Callable[[list[float]], list[list[float]]] = _local
+    filter_counts: FilterCounts | None = None  # the loss's false-negative filter counts, if it filters
+    total_masked: int = 0
+    total_candidates: int = 0
     history: list[dict] = field(default_factory=list)
     total_wait: float = 0.0
     total_real: int = 0
@@ -69,6 +75,16 @@ class ThroughputMeter:
         self._start = self._first = time.perf_counter()
         self._wait = 0.0
         self.token_counts.reset()
+        if self.filter_counts is not None:
+            self.filter_counts.reset()
+
+    def _masked_share(self, masked: int, candidates: int) -> dict:
+        """``{"masked_share": ...}`` over every rank's candidates (one gather), or ``{}`` without a filter."""
+        if self.filter_counts is None:
+            return {}
+        rows = self.gather([masked, candidates])
+        masked, candidates = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        return {"masked_share": round(masked / candidates, 6) if candidates else 0.0}
 
     def waited(self, seconds: float) -> None:
         """Record ``seconds`` spent waiting for a batch."""
@@ -83,6 +99,12 @@ class ThroughputMeter:
         real, processed = self.token_counts.real, self.token_counts.processed
         stats = _combine(self.gather([real, processed, self._wait, wall]))
         del stats["per_rank"]
+        if self.filter_counts is not None:
+            fc = self.filter_counts
+            stats.update(self._masked_share(fc.masked, fc.candidates))
+            self.total_masked += fc.masked
+            self.total_candidates += fc.candidates
+            fc.reset()
         self.total_real += real
         self.total_processed += processed
         self.history.append({"step": step, **stats})
@@ -107,6 +129,10 @@ class ThroughputMeter:
         processed = self.total_processed + self.token_counts.processed
         rows = self.gather([real, processed, self.total_wait, wall])
         out = _combine(rows)
+        if self.filter_counts is not None:
+            masked = self.total_masked + self.filter_counts.masked
+            candidates = self.total_candidates + self.filter_counts.candidates
+            out.update(self._masked_share(masked, candidates), masked=masked, candidates=candidates)
         if len(rows) > 1:
             out["ranks"] = len(rows)
         else:

@@ -390,3 +390,15 @@ def print_eval_report(console: Console, report: EvalReport) -> None:
     console.print(table)
     if report.json_out is not None:
         console.print(f"metrics written to {report.json_out}", highlight=False)
+
+
+def print_dims_report(console: Console, report) -> None:
+    """The ``cembed eval --dims`` table: one row per set and metric, one column per embedding size."""
+    dims = list(report.scores)
+    table = Table("set", "metric", *map(str, dims), title=f"{report.model}  (embedding sizes; full {report.full_dim})")
+    for name, head in report.scores[dims[0]].items():
+        for i, label in enumerate(head):
+            table.add_row(name if i == 0 else "", label, *(f"{report.scores[d][name][label]:.5f}" for d in dims))
+    console.print(table)
+    if report.json_out is not None:
+        console.print(f"metrics written to {report.json_out}", highlight=False)
