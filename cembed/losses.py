@@ -24,6 +24,11 @@ Henderson et al. 2017, arXiv:1705.00652):
   do not. cembed sorts each column's rows by token length before cutting mini-batches
   (:class:`LengthSortedMixin`), which removes most padded positions without changing the loss;
 * ``mnrl`` is the plain loss, the whole batch embedded at once.
+
+Both take the library's ``directions`` / ``partition_mode`` / ``hardness_*`` options. ``cached_mnrl``
+with ``false_negative_filter`` builds :class:`SelfGuidedCachedMNRL` and ``cached_gist``
+:class:`LengthSortedCachedGIST` (both on ``CachedGISTEmbedLoss``, :mod:`cembed.loss_guided`);
+``loss.matryoshka`` wraps any of them in :class:`cembed.loss_matryoshka.CountingMatryoshkaLoss`.
 """
 
 from __future__ import annotations
@@ -379,6 +384,7 @@ def build_loss(
     Raises:
         ValueError: no builder is registered for ``loss_cfg.name``.
         TypeError: the module's ``uses_gradient_cache`` contradicts the config class's.
+        UserError: ``loss.guide`` cannot be loaded, or ``loss.matryoshka.dims`` exceed the model's size.
     """
     builder = LOSS_BUILDERS.get(loss_cfg.name)
     if builder is None:

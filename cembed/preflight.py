@@ -206,6 +206,7 @@ SAFE_TO_CHANGE = (
     "batch.sort_by_length",
     "model.device",
     "model.save_dtype",
+    "model.gradient_checkpointing",  # exact (the recomputation replays the RNG), memory and speed only
 )
 
 

@@ -442,3 +442,40 @@ def test_gradient_checkpointing_is_exact_with_the_cached_loss_under_dropout(tiny
     assert _rel(loss_on, loss_off) <= 1e-5 and _rel(grads_on, grads_off) <= 1e-5
     torch.manual_seed(22)
     assert _rel(_loss_and_grads(model, loss, features)[1], grads_on) > 1e-3  # dropout is on
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. cembed eval --dims
+
+
+def test_eval_dims_scores_truncated_embeddings(tiny_model_dir, tmp_path):
+    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+
+    from cembed.eval_dims import parse_dims, score_dims
+    from cembed.evalsets import load_sts
+
+    sts_path = "tests/data/stsbenchmark/sts-test.csv.gz"
+    sts = load_sts(sts_path)
+    out = tmp_path / "dims.json"
+    report = score_dims(str(tiny_model_dir), [], [sts_path], [32, 8], device="cpu", no_cache=True, json_out=out)
+    assert report.full_dim == 32 and list(report.scores) == [32, 8]
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    for dim in (32, 8):
+        evaluator = EmbeddingSimilarityEvaluator(
+            sts.sentences1,
+            sts.sentences2,
+            sts.scores,
+            main_similarity="cosine",
+            similarity_fn_names=["cosine"],
+            name=sts.name,
+            truncate_dim=dim,
+        )
+        expected = evaluator(model)[f"{sts.name}_spearman_cosine"]
+        assert report.scores[dim][sts.name]["Spearman (cosine)"] == pytest.approx(expected, abs=1e-9)
+    assert report.scores[32][sts.name] != report.scores[8][sts.name]
+    assert json.loads(out.read_text())["scores"]["8"] == report.scores[8]
+    assert model.truncate_dim is None
+    with pytest.raises(UserError, match=r"--dims '64,x': give embedding sizes as positive integers"):
+        parse_dims("64,x")
+    with pytest.raises(UserError, match=r"--dims 64,8: the model's embeddings have 32 dimensions"):
+        score_dims(str(tiny_model_dir), [], [sts_path], [64, 8], device="cpu", no_cache=True)
