@@ -369,6 +369,8 @@ def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int,
             f"  {logs['tokens_per_s']:.0f} tok/s  data-wait {100 * logs['data_wait']:.1f}%  "
             f"padding {100 * logs['padded_share']:.1f}%"
         )
+    if "masked_share" in logs:  # a false-negative filter: share of in-batch candidates left out
+        meter += f"  masked {100 * logs['masked_share']:.2f}%"
     return (
         f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
         f"{log.samples_per_s(step, samples_per_step):.1f} samples/s{meter}"

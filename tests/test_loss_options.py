@@ -343,6 +343,8 @@ def test_masked_share_reaches_the_log_and_run_summary(tiny_model_dir, pairs_file
     assert totals["masked_share"] == round(totals["masked"] / totals["candidates"], 6)
     per_step = [row["masked_share"] for row in saved["throughput_per_interval"]]
     assert len(per_step) == 2 and summary["status"] == "completed"
+    lines = [line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "step 2/2" in line]
+    assert lines and f"masked {100 * per_step[1]:.2f}%" in lines[0]
 
 
 # ----------------------------------------------------------------------------------------------
