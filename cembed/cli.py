@@ -409,26 +409,23 @@ def eval_cmd(
     no_cache: bool = typer.Option(
         False, "--no-cache", help="Encode the corpus even when cached, and do not write the cache."
     ),
+    dims: Optional[str] = typer.Option(None, "--dims", help="Also score truncated embeddings, e.g. 384,128,64."),
 ) -> None:
     """Score a model on retrieval (NDCG@10, MRR@10, MAP@100, Recall@10/100) and STS (cosine Spearman) sets."""
-    from cembed.report import encode_progress, print_eval_report
+    from cembed.report import encode_progress, print_dims_report, print_eval_report
     from cembed.samples import resolve_sample
     from cembed.scoring import score_model
 
-    report = score_model(
-        model,
-        [resolve_sample(str(p)) or p for p in retrieval or []],  # cembed:<name>: packaged data
-        [resolve_sample(str(p)) or p for p in sts or []],
-        split,
-        json_out,
-        batch_size,
-        max_seq_length,
-        device,
-        None if no_cache else cache_dir,
-        no_cache,
-        progress=encode_progress(console),
-    )
-    print_eval_report(console, report)
+    # cembed:<name>: packaged data
+    sets = ([resolve_sample(str(p)) or p for p in retrieval or []], [resolve_sample(str(p)) or p for p in sts or []])
+    cache = None if no_cache else cache_dir
+    if dims is not None:
+        from cembed.eval_dims import parse_dims, score_dims
+
+        args = (split, batch_size, max_seq_length, device, cache, no_cache, json_out)
+        return print_dims_report(console, score_dims(model, *sets, parse_dims(dims), *args))
+    args = (split, json_out, batch_size, max_seq_length, device, cache, no_cache)
+    print_eval_report(console, score_model(model, *sets, *args, progress=encode_progress(console)))
 
 
 app.command("mine-negatives")(user_errors(mine_negatives_cmd))

@@ -91,6 +91,9 @@ class ModelConfig(_Strict):
         "mean", description="pooling for a plain transformers checkpoint (no modules.json); ignored otherwise"
     )
     lora: LoraOptions | None = Field(None, description="train LoRA adapters only (needs peft)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory per mini-batch, more compute"
+    )
 
 
 class BatchConfig(_Strict):

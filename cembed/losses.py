@@ -24,6 +24,11 @@ Henderson et al. 2017, arXiv:1705.00652):
   do not. cembed sorts each column's rows by token length before cutting mini-batches
   (:class:`LengthSortedMixin`), which removes most padded positions without changing the loss;
 * ``mnrl`` is the plain loss, the whole batch embedded at once.
+
+Both take the library's ``directions`` / ``partition_mode`` / ``hardness_*`` options. ``cached_mnrl``
+with ``false_negative_filter`` builds :class:`SelfGuidedCachedMNRL` and ``cached_gist``
+:class:`LengthSortedCachedGIST` (both on ``CachedGISTEmbedLoss``, :mod:`cembed.loss_guided`);
+``loss.matryoshka`` wraps any of them in :class:`cembed.loss_matryoshka.CountingMatryoshkaLoss`.
 """
 
 from __future__ import annotations
@@ -36,106 +41,19 @@ from typing import Callable, get_args
 import torch
 from sentence_transformers.base.losses.gradcache import _get_batch_size, _minibatch_ranges, uses_gradient_cache
 from sentence_transformers.sentence_transformer.losses import (
+    CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
     MultipleNegativesRankingLoss,
 )
 from torch import nn
 
 from cembed.config import CachedMNRLLossConfig, LossConfig, MNRLLossConfig, register_loss_config
+from cembed.config_loss import CachedGISTLossConfig
+from cembed.loss_guided import FilterCounts, GuidedFilterMixin, SelfGuidedMixin
+from cembed.loss_matryoshka import CountingMatryoshkaLoss
+from cembed.model import load_guide_model
 from cembed.token_budget import token_budget_ranges
-
-
-@dataclass
-class TokenCounts:
-    """Token positions seen by the loss since the last :meth:`reset` (read by the meter).
-
-    The loss adds device tensors (:meth:`add`) and never reads them on the host, so counting costs
-    no host-device synchronisation; :meth:`read` turns them into numbers with one read (the meter
-    calls it once per logging interval). Each attribute is an ``int`` (after :meth:`reset`) or a
-    0-dim int64 tensor on the loss's device.
-    """
-
-    real: int | torch.Tensor = 0  # non-padding tokens
-    processed: int | torch.Tensor = 0  # positions the encoder ran on (rows x padded width, per mini-batch)
-    real_sq: int | torch.Tensor = 0  # sum over rows of (non-padding tokens)^2: attention's FLOPs
-
-    def reset(self) -> None:
-        self.real = self.processed = self.real_sq = 0
-
-    def add(self, real, processed, real_sq) -> None:
-        """Add one column's counts (ints or 0-dim tensors; no host read)."""
-        self.real = self.real + real
-        self.processed = self.processed + processed
-        self.real_sq = self.real_sq + real_sq
-
-    def read(self) -> tuple[int, int, int]:
-        """``(real, processed, real_sq)`` as ints: one host read of the tensors among them."""
-        values = [self.real, self.processed, self.real_sq]
-        held = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-        if held:
-            numbers = torch.stack([values[i].reshape(()).to(torch.int64) for i in held]).tolist()  # the one sync
-            for i, number in zip(held, numbers):
-                values[i] = number
-        real, processed, real_sq = (int(v) for v in values)
-        return real, processed, real_sq
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    # A host list as int64 on ``device`` without waiting for it: on CUDA a non-blocking copy from
-    # pinned memory (a plain copy would synchronise the stream first).
-    tensor = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
-def _count_tokens(
-    feature: dict, ranges: list[tuple[int, int]] | None, counts: TokenCounts, *, longest_first: bool = False
-) -> None:
-    """Add a column's real and processed token positions to ``counts``, as device tensors.
-
-    Args:
-        feature: the column's features; counted from ``attention_mask`` of shape ``(rows, seq_len)``
-            (right padding), skipped without one.
-        ranges: the ``(begin, end)`` row ranges of its mini-batches (sentence-transformers'
-            ``_minibatch_ranges``), or None for one forward over the whole column.
-        counts: the counter to add to.
-        longest_first: the rows are sorted by length, longest first, so a mini-batch's padded width
-            is its first row's length (one strided view or one gather instead of a max per range).
-
-    sentence-transformers trims each mini-batch to its longest row (``_create_minibatch``), so a
-    mini-batch processes ``rows x longest row`` positions. Nothing here reads a tensor on the host:
-    regular ranges (``mini_batch_size``) are views and reshapes of the lengths; irregular ones
-    (``mini_batch_num_tokens``) go to the device by a non-blocking copy.
-    """
-    mask = feature.get("attention_mask")
-    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] == 0:
-        return
-    lengths = mask.sum(dim=1, dtype=torch.int64)
-    n = lengths.shape[0]
-    if ranges is None:  # one forward over the whole column, padded to its longest row
-        processed = n * lengths.amax()
-    else:
-        size = ranges[0][1] - ranges[0][0]
-        if all(end - begin == size for begin, end in ranges[:-1]):  # mini_batch_size: k ranges of `size`
-            missing = size * len(ranges) - n  # rows the last range lacks
-            if longest_first:
-                widths = lengths[::size]
-            else:
-                widths = torch.nn.functional.pad(lengths, (0, missing)).view(len(ranges), size).amax(dim=1)
-            processed = size * widths.sum() - missing * widths[-1]
-        else:
-            sizes = _to_device([end - begin for begin, end in ranges], lengths.device)
-            if longest_first:
-                widths = lengths[_to_device([begin for begin, _ in ranges], lengths.device)]
-            else:
-                segment = torch.repeat_interleave(
-                    torch.arange(len(ranges), device=lengths.device), sizes, output_size=n
-                )
-                widths = torch.zeros(len(ranges), dtype=torch.int64, device=lengths.device)
-                widths = widths.scatter_reduce(0, segment, lengths, "amax")
-            processed = (widths * sizes).sum()
-    counts.add(lengths.sum(), processed, (lengths * lengths).sum())
+from cembed.token_counts import TokenCounts, _count_tokens  # noqa: F401 - _count_tokens is re-exported
 
 
 def _take_rows(feature: dict, order: torch.Tensor) -> dict:
@@ -313,6 +231,18 @@ class CountingMNRL(MultipleNegativesRankingLoss):
         return super().forward(features, labels)
 
 
+class LengthSortedCachedGIST(GuidedFilterMixin, LengthSortedMixin, CachedGISTEmbedLoss):
+    """``CachedGISTEmbedLoss`` (guide model) with length-sorted mini-batches and a count of the
+    candidates the guide masked (:class:`cembed.loss_guided.GuidedFilterMixin`)."""
+
+
+class SelfGuidedCachedMNRL(GuidedFilterMixin, SelfGuidedMixin, LengthSortedMixin, CachedGISTEmbedLoss):
+    """InfoNCE with GradCache whose in-batch false negatives are masked by the model's own no-grad
+    embeddings (:class:`cembed.loss_guided.SelfGuidedMixin`); build it with ``guide=model``,
+    ``contrast_anchors=False`` and ``contrast_positives=False``: the loss is then ``cached_mnrl``'s
+    with the masked candidates left out of each softmax."""
+
+
 def loss_directions(symmetric: bool) -> tuple[str, ...]:
     """``query_to_doc`` (standard InfoNCE), plus ``doc_to_query`` when ``symmetric``."""
     return ("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",)
@@ -355,11 +285,13 @@ class BuiltLoss:
         token_counts: the module's token counter (a fresh, never-filled one if it has none).
         cached: whether the module defers its backward to GradCache mini-batches
             (sentence-transformers' ``uses_gradient_cache``).
+        filter_counts: candidates scored and masked as false negatives, for a filtering loss.
     """
 
     module: nn.Module
     token_counts: TokenCounts
     cached: bool
+    filter_counts: FilterCounts | None = None
 
 
 def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBuilder:
@@ -378,15 +310,52 @@ def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBui
     return builder
 
 
-def _mnrl_kwargs(cfg: LossConfig, settings: LossSettings) -> dict:
+def _mnrl_kwargs(cfg: MNRLLossConfig | CachedMNRLLossConfig, settings: LossSettings) -> dict:
     return dict(
         scale=cfg.scale,
         gather_across_devices=settings.gather_across_devices,
-        directions=loss_directions(cfg.symmetric),
+        directions=cfg.resolved_directions(),
+        partition_mode=cfg.partition_mode,
+        hardness_mode=cfg.hardness_mode,
+        hardness_strength=cfg.hardness_strength,
+    )
+
+
+def _cached_kwargs(settings: LossSettings) -> dict:
+    return dict(
+        mini_batch_size=settings.mini_batch_size,
+        mini_batch_num_tokens=settings.mini_batch_num_tokens,
+        sort_by_length=settings.sort_by_length,
+        gather_across_devices=settings.gather_across_devices,
+    )
+
+
+def _build_cached_gist(model, cfg: CachedGISTLossConfig, settings: LossSettings) -> nn.Module:
+    guide = load_guide_model(cfg.guide, model.device, cfg.guide_max_seq_length)
+    return LengthSortedCachedGIST(
+        model,
+        guide,
+        temperature=cfg.temperature,
+        margin_strategy=cfg.margin_strategy,
+        margin=cfg.margin,
+        contrast_anchors=cfg.contrast_anchors,
+        contrast_positives=cfg.contrast_positives,
+        **_cached_kwargs(settings),
     )
 
 
 def _build_cached_mnrl(model, cfg: CachedMNRLLossConfig, settings: LossSettings) -> nn.Module:
+    if cfg.false_negative_filter is not None:
+        return SelfGuidedCachedMNRL(
+            model,
+            model,
+            temperature=1.0 / cfg.scale,
+            margin_strategy=cfg.false_negative_filter.strategy,
+            margin=cfg.false_negative_filter.margin,
+            contrast_anchors=False,
+            contrast_positives=False,
+            **_cached_kwargs(settings),
+        )
     return LengthSortedCachedMNRL(
         model,
         mini_batch_size=settings.mini_batch_size,
@@ -402,6 +371,7 @@ def _build_mnrl(model, cfg: MNRLLossConfig, settings: LossSettings) -> nn.Module
 
 register_loss(CachedMNRLLossConfig, _build_cached_mnrl)
 register_loss(MNRLLossConfig, _build_mnrl)
+register_loss(CachedGISTLossConfig, _build_cached_gist)
 
 
 def build_loss(
@@ -430,12 +400,15 @@ def build_loss(
     Raises:
         ValueError: no builder is registered for ``loss_cfg.name``.
         TypeError: the module's ``uses_gradient_cache`` contradicts the config class's.
+        UserError: ``loss.guide`` cannot be loaded, or ``loss.matryoshka.dims`` exceed the model's size.
     """
     builder = LOSS_BUILDERS.get(loss_cfg.name)
     if builder is None:
         raise ValueError(f"no builder registered for loss {loss_cfg.name!r}; known: {', '.join(LOSS_BUILDERS)}")
     settings = LossSettings(mini_batch_size, gather_across_devices, mini_batch_num_tokens, sort_by_length)
     module = builder(model, loss_cfg, settings)
+    if loss_cfg.matryoshka is not None:
+        module = CountingMatryoshkaLoss(model, module, loss_cfg.matryoshka.dims, loss_cfg.matryoshka.weights)
     cached = bool(uses_gradient_cache(module))
     if cached != type(loss_cfg).uses_gradient_cache:
         raise TypeError(
@@ -445,4 +418,5 @@ def build_loss(
     token_counts = getattr(module, "token_counts", None)
     if not isinstance(token_counts, TokenCounts):
         token_counts = TokenCounts()
-    return BuiltLoss(module, token_counts, cached)
+    filter_counts = getattr(module, "filter_counts", None)
+    return BuiltLoss(module, token_counts, cached, filter_counts if isinstance(filter_counts, FilterCounts) else None)

@@ -10,8 +10,11 @@ Per logging interval (the trainer's ``logging_steps``):
   second (formula and sources in :mod:`cembed.flops`), and ``mfu``, that over the device's dense
   peak (None without a known peak, e.g. on a CPU).
 
-The loss keeps its token counts as device tensors (:class:`~cembed.losses.TokenCounts`); the meter
+The loss keeps its token counts as device tensors (:class:`~cembed.token_counts.TokenCounts`); the meter
 reads them once per interval, so counting adds no host-device synchronisation per mini-batch.
+
+- ``masked_share`` (with a false-negative filter, :class:`cembed.loss_guided.FilterCounts`): share
+  of the in-batch candidates left out of the softmax as likely false negatives (summed over ranks).
 
 With several processes (``gather``: one all-gather per logging interval, on every rank at the same
 step) the statistics are the job's: tokens/s summed over the ranks (each rank's tokens over its
@@ -28,8 +31,9 @@ from pathlib import Path
 from typing import Callable
 
 from cembed.flops import FlopModel
-from cembed.losses import TokenCounts
+from cembed.loss_guided import FilterCounts
 from cembed.outputs import write_atomic
+from cembed.token_counts import TokenCounts
 
 
 def _combine(rows: list[list[float]], flops: FlopModel | None = None) -> dict:
@@ -74,6 +78,9 @@ class ThroughputMeter:
     token_counts: TokenCounts
     flops: FlopModel | None = None
     gather: Callable[[list[float]], list[list[float]]] = _local
+    filter_counts: FilterCounts | None = None  # the loss's false-negative filter counts, if it filters
+    total_masked: int = 0
+    total_candidates: int = 0
     history: list[dict] = field(default_factory=list)
     total_wait: float = 0.0
     total_real: int = 0
@@ -89,6 +96,16 @@ class ThroughputMeter:
         self._start = self._first = time.perf_counter()
         self._wait = 0.0
         self.token_counts.reset()
+        if self.filter_counts is not None:
+            self.filter_counts.reset()
+
+    def _masked_share(self, masked: int, candidates: int) -> dict:
+        """``{"masked_share": ...}`` over every rank's candidates (one gather), or ``{}`` without a filter."""
+        if self.filter_counts is None:
+            return {}
+        rows = self.gather([masked, candidates])
+        masked, candidates = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        return {"masked_share": round(masked / candidates, 6) if candidates else 0.0}
 
     def waited(self, seconds: float) -> None:
         """Record ``seconds`` spent waiting for a batch."""
@@ -104,6 +121,12 @@ class ThroughputMeter:
         real, processed, real_sq = self.token_counts.read()
         stats = _combine(self.gather([real, processed, self._wait, wall, real_sq]), self.flops)
         del stats["per_rank"]
+        if self.filter_counts is not None:
+            fc = self.filter_counts
+            stats.update(self._masked_share(fc.masked, fc.candidates))
+            self.total_masked += fc.masked
+            self.total_candidates += fc.candidates
+            fc.reset()
         self.total_real += real
         self.total_processed += processed
         self.total_real_sq += real_sq
@@ -130,6 +153,10 @@ class ThroughputMeter:
         row = [self.total_real + real, self.total_processed + processed, self.total_wait, wall]
         rows = self.gather([*row, self.total_real_sq + real_sq])
         out = _combine(rows, self.flops)
+        if self.filter_counts is not None:
+            masked = self.total_masked + self.filter_counts.masked
+            candidates = self.total_candidates + self.filter_counts.candidates
+            out.update(self._masked_share(masked, candidates), masked=masked, candidates=candidates)
         if len(rows) > 1:
             out["ranks"] = len(rows)
         else:

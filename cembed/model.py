@@ -191,7 +191,8 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
     Transformer + Pooling(``cfg.pooling``).
 
     Args:
-        for_training: refuse a model cembed cannot train (:func:`check_trainable`) and load its weights
+        for_training: enable ``cfg.gradient_checkpointing``; refuse a model cembed cannot train
+            (:func:`check_trainable`) and load its weights
             in float32 (master weights) whatever dtype they are stored in, unless ``model_kwargs`` names
             a ``dtype``; False (to evaluate) keeps the stored dtype.
         seed: seeds new trainable weights (``model.lora`` adapters); the run's ``train.seed``.
@@ -233,6 +234,8 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
         raise UserError(f"model.name_or_path: cannot load {cfg.name_or_path!r}{hint}: {first_line(err)}") from None
     if for_training:
         check_trainable(model, cfg.name_or_path)
+        if cfg.gradient_checkpointing:  # non-reentrant: torch replays each block's RNG state (exact with dropout)
+            model.gradient_checkpointing_enable({"use_reentrant": False})
     if cfg.max_seq_length is not None:
         model.max_seq_length = cfg.max_seq_length
     model.cembed_tokenizer_changes = prepare_last_token_model(model)  # decoders: EOS, right padding
@@ -275,6 +278,22 @@ def load_eval_model(name_or_path: str, device: str = "auto", max_seq_length: int
         return load_model(cfg, resolve_device(device), for_training=False)
     except UserError as err:
         raise UserError(str(err).replace("model.name_or_path", flag, 1)) from None
+
+
+def load_guide_model(name_or_path: str, device, max_seq_length: int | None = None):
+    """Load ``loss.guide`` (a folder, a hub id or a packaged short name) on ``device`` (a torch device
+    or ``"cpu"``/``"cuda"``/``"cuda:N"``), frozen and in eval mode, in its stored dtype.
+
+    Raises:
+        ModelRefused: the guide needs its own code (``auto_map``).
+        UserError: it cannot be found or loaded, naming ``loss.guide``.
+    """
+    try:
+        guide = load_model(ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length), str(device), False)
+    except UserError as err:
+        raise UserError(str(err).replace("model.name_or_path", "loss.guide", 1)) from None
+    guide.requires_grad_(False)
+    return guide.eval()
 
 
 def tokenizer_spec(tokenizer) -> str:

@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 
 from cembed.flops import format_flops
 from cembed.probe import ProbeResult, format_bytes, override_line
+from cembed.summary import eval_change_rows
 
 if TYPE_CHECKING:
     from cembed.scoring import EvalReport
@@ -200,30 +201,6 @@ def print_done(console: Console, summary: dict) -> None:
             highlight=False,
         )
     console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
-
-
-# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.
-COMPARED_METRICS = ("_cosine_ndcg@10", "_cosine_recall@10", "_spearman_cosine")
-
-
-def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:
-    """``(metric, before, after, after - before)`` for each set's NDCG@10 and Recall@10 (retrieval)
-    and cosine Spearman (STS) in a run summary's ``eval`` block; a value not measured (no "before"
-    on a resumed run) is None, and so is its change."""
-    before, after = (block or {}).get("before") or {}, (block or {}).get("after") or {}
-    keys = [k for k in dict.fromkeys([*before, *after]) if k.endswith(COMPARED_METRICS)]
-
-    def set_and_metric(key: str) -> tuple[str, int]:
-        i = next(i for i, m in enumerate(COMPARED_METRICS) if key.endswith(m))
-        return key[: -len(COMPARED_METRICS[i])], i
-
-    sets = list(dict.fromkeys(set_and_metric(k)[0] for k in keys))
-    order = {k: (sets.index(set_and_metric(k)[0]), set_and_metric(k)[1]) for k in keys}
-    rows = []
-    for key in sorted(keys, key=order.__getitem__):  # per set: NDCG@10, Recall@10, Spearman
-        b, a = before.get(key), after.get(key)
-        rows.append((key, b, a, a - b if a is not None and b is not None else None))
-    return rows
 
 
 def print_eval_change(console: Console, summary: dict) -> None:
@@ -448,3 +425,15 @@ def print_mining_report(console: Console, report) -> None:
     """``cembed mine-negatives``' result: :meth:`cembed.mining.MiningReport.lines`, as plain text."""
     for line in report.lines():
         console.print(line, highlight=False, markup=False)
+
+
+def print_dims_report(console: Console, report) -> None:
+    """The ``cembed eval --dims`` table: one row per set and metric, one column per embedding size."""
+    dims = list(report.scores)
+    table = Table("set", "metric", *map(str, dims), title=f"{report.model}  (embedding sizes; full {report.full_dim})")
+    for name, head in report.scores[dims[0]].items():
+        for i, label in enumerate(head):
+            table.add_row(name if i == 0 else "", label, *(f"{report.scores[d][name][label]:.5f}" for d in dims))
+    console.print(table)
+    if report.json_out is not None:
+        console.print(f"metrics written to {report.json_out}", highlight=False)

@@ -268,7 +268,7 @@ def build_trainer(
         loss=parts.loss.module,
         data_collator=parts.collator,
         evaluator=parts.evaluation.evaluator if parts.evaluation else None,
-        meter=ThroughputMeter(parts.loss.token_counts, flops),
+        meter=ThroughputMeter(parts.loss.token_counts, flops, filter_counts=parts.loss.filter_counts),
         nonfinite_policy=cfg.train.nonfinite_loss,
     )
     trainer.remove_callback(PrinterCallback)

@@ -337,6 +337,8 @@ def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int,
         meter += f"  {format_flops(logs['flops_per_s'])}"
     if logs.get("mfu") is not None:
         meter += f"  MFU {100 * logs['mfu']:.1f}%"
+    if "masked_share" in logs:  # a false-negative filter: share of in-batch candidates left out
+        meter += f"  masked {100 * logs['masked_share']:.2f}%"
     return (
         f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
         f"{log.samples_per_s(step, samples_per_step):.1f} samples/s{meter}"

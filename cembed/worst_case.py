@@ -54,7 +54,8 @@ def worst_case_step(
     activations are freed mini-batch by mini-batch, so it never exceeds the with-grad pass) and its
     output is replicated to fill the batch.
 
-    The loss stage is the one training runs: outside autocast (the trainer autocasts only the
+    The loss stage is the one training runs, whatever loss the config builds (a guide model loaded and
+    its embeddings alive; a Matryoshka wrapper's loss per dimension): outside autocast (the trainer autocasts only the
     model's forward, so the scores are fp32), over ``world_size`` x ``batch_size`` gathered
     candidates per column (the gather is simulated with local copies, so a trial issues no
     collective), and, with ``sort_by_length``, with the sorted copy of the features and the
@@ -114,6 +115,7 @@ def worst_case_step(
     loss = build_loss(
         model, loss_cfg, mini_batch_size, world_size > 1, mini_batch_num_tokens, sort_by_length=sort_by_length
     ).module
+    loss = loss if hasattr(loss, "embed_minibatch") else loss.loss  # MatryoshkaLoss decorates its cached loss
     sorted_copies = None
     if getattr(loss, "sort_by_length", False):  # training holds the features and their sorted copy
         from cembed.losses import _take_rows
@@ -133,19 +135,19 @@ def worst_case_step(
         for _ in range(repeats):
             sync()
             t0 = time.perf_counter()
-            emb, _ = loss.embed_minibatch(features[0], 0, mini, with_grad=False, copy_random_state=False)
+            emb, *extras, _ = loss.embed_minibatch(features[0], 0, mini, with_grad=False, copy_random_state=False)
             sync()
             t_nograd = min(t_nograd, time.perf_counter() - t0)
-    emb = emb.detach().float()  # accelerate returns the autocast forward's outputs in fp32
-    reps = [
-        [emb[: min(b + mini, batch_size) - b].clone().requires_grad_() for b in range(0, batch_size, mini)]
-        for _ in range(n_columns)
+    sizes = [min(b + mini, batch_size) - b for b in range(0, batch_size, mini)]  # fp32, as accelerate returns them
+    reps, *extras = [  # and a guide's embeddings (outputs before the RNG state), per column
+        [[e.detach().float()[:n].clone() for n in sizes] for _ in range(n_columns)] for e in (emb, *extras)
     ]
+    [r.requires_grad_() for col in reps for r in col]
     del emb
     sync()
     t0 = time.perf_counter()
     with simulated_gather(loss, world_size):  # outside autocast, as in training
-        loss.calculate_loss(reps, None, with_backward=True)
+        loss.calculate_loss(reps, *(extras or [None]), with_backward=True)
     sync()
     t_loss = time.perf_counter() - t0
     t_grad = math.inf
@@ -154,7 +156,7 @@ def worst_case_step(
         sync()
         t0 = time.perf_counter()
         with autocast():
-            reps_mb, _ = loss.embed_minibatch(features[col], 0, mini, with_grad=True, copy_random_state=False)
+            reps_mb = loss.embed_minibatch(features[col], 0, mini, with_grad=True, copy_random_state=False)[0]
         surrogate = torch.dot(reps_mb.flatten().float(), reps[col][0].grad.flatten().float())
         surrogate.backward()
         sync()

@@ -13,8 +13,9 @@ from rich.console import Console
 from cembed.configfile import load_config
 from cembed.errors import UserError
 from cembed.evalsets import load_beir
-from cembed.report import eval_change_rows, print_eval_change
+from cembed.report import print_eval_change
 from cembed.samples import known_samples, resolve_sample
+from cembed.summary import eval_change_rows
 from cembed.train import check_run_inputs, run_training
 
 
