@@ -405,14 +405,14 @@ def test_probe_step_runs_the_configured_loss(tiny_model_dir, guide_dir, monkeypa
     import cembed.losses as losses
     from cembed.config import ModelConfig
     from cembed.model import load_model
-    from cembed.probe_trials import worst_case_step
+    from cembed.worst_case import worst_case_step
 
     model = load_model(ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=16, device="cpu"), "cpu")
     built, real_build = [], losses.build_loss
     monkeypatch.setattr(losses, "build_loss", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
     if fields.get("name") == "cached_gist":
         fields = {**fields, "guide": str(guide_dir)}
-    assert worst_case_step(model, loss_config(**fields), 2, 8, 4, "fp32", repeats=1) > 0
+    assert worst_case_step(model, loss_config(**fields), 2, 8, 4, "fp32", repeats=1).samples_per_s > 0
     (loss,) = built
     assert loss.filter_counts.candidates == candidates
     if "guide" in fields:
