@@ -101,7 +101,7 @@ def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
 
     import torch.distributed as dist
 
-    import cembed.train as T
+    import cembed.pretokenize as P
     from cembed.evaluate import TrainingEvaluation
 
     sts = tmp / "sts.tsv"
@@ -109,7 +109,7 @@ def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     cfg = _config(tmp, model_dir, "slow", 2)
     cfg["data"]["cache_dir"] = str(tmp / "slow-cache")  # a first-time pre-tokenization
     cfg.update(distributed={"timeout_minutes": SHORT_TIMEOUT_MIN}, eval={"sts": str(sts)})
-    timeouts, real_init, real_tok, real_eval = [], dist.init_process_group, T.pretokenize, TrainingEvaluation.evaluate
+    timeouts, real_init, real_tok, real_eval = [], dist.init_process_group, P.pretokenize, TrainingEvaluation.evaluate
 
     def init(*args, **kwargs):
         timeouts.append(kwargs.get("timeout").total_seconds() if kwargs.get("timeout") else None)
@@ -126,11 +126,11 @@ def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
             time.sleep(SLOW_S)
         return real_eval(self, model, label, *args, **kwargs)
 
-    dist.init_process_group, T.pretokenize, TrainingEvaluation.evaluate = init, tokenize, evaluate
+    dist.init_process_group, P.pretokenize, TrainingEvaluation.evaluate = init, tokenize, evaluate
     try:
         summary = _run(cfg, tmp)
     finally:
-        dist.init_process_group, T.pretokenize, TrainingEvaluation.evaluate = real_init, real_tok, real_eval
+        dist.init_process_group, P.pretokenize, TrainingEvaluation.evaluate = real_init, real_tok, real_eval
     return {
         "timeouts": timeouts,
         "status": summary["status"],
