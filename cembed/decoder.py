@@ -71,27 +71,27 @@ def prepare_last_token_model(model) -> dict[str, str]:
     """Set up ``model``'s tokenizer for last-token pooling, in place; nothing for other poolings.
 
     EOS appended when the tokenizer does not add it, the EOS token as padding token when it has
-    none, and right padding.
+    none, and right padding. A tokenizer without an EOS token (an encoder's, e.g. BERT's ending in
+    [SEP]) keeps its own last token.
 
     Returns:
         What was changed, for ``cembed validate`` and the run summary (empty: nothing).
 
     Raises:
-        UserError: the tokenizer has no EOS token (naming ``model.tokenizer_kwargs``).
+        UserError: a slow tokenizer that does not append the EOS token (see :func:`append_eos`).
     """
     if not uses_last_token_pooling(model):
         return {}
     tokenizer = model.tokenizer
-    if tokenizer.eos_token_id is None:
-        raise UserError(
-            "model.pooling lasttoken: the tokenizer has no EOS token to end each text with; "
-            "name one with model.tokenizer_kwargs: {eos_token: '<token>'}"
-        )
     changes: dict[str, str] = {}
-    if not appends_eos(tokenizer):
+    if tokenizer.eos_token_id is None:
+        # An encoder's tokenizer (BERT: [SEP]) ends each text with its own special token; with no EOS
+        # token to append, that token is the one pooled.
+        changes["eos"] = "none: the tokenizer has no EOS token; its own last token is pooled"
+    elif not appends_eos(tokenizer):
         append_eos(tokenizer)
         changes["eos"] = f"appended {tokenizer.eos_token!r} to every text (the tokenizer did not add it)"
-    if tokenizer.pad_token_id is None:
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
         changes["pad_token"] = f"{tokenizer.eos_token!r} (the tokenizer had none)"
     if tokenizer.padding_side != "right":
