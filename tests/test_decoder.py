@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+from test_losses import _rel
 from test_reliability import KILL_AT_STEP_3
 
 from cembed.config import LoraOptions, ModelConfig, loss_config
@@ -120,10 +121,6 @@ def test_saved_decoder_keeps_eos_and_pooling(decoder_dir, tmp_path):
 
 def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-
-
-def _rel(a, b):
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
 
 
 @pytest.mark.parametrize("mbs", [1, 3])

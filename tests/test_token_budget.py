@@ -10,6 +10,7 @@ import torch
 from conftest import distinct_pairs
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _minibatch_ranges
+from test_losses import _loss_and_grads, _rel
 from typer.testing import CliRunner
 
 from cembed.cli import app
@@ -29,18 +30,6 @@ WORDS = [40, 38, 37, 30, 12, 11, 10, 9, 6, 5, 5, 4, 3, 3, 2, 2, 1, 1, 1, 1]
 def _texts(lengths, offset=0):
     vocab = "man woman dog cat train table street car room plate food bus".split()
     return [" ".join(vocab[(i + j + offset) % len(vocab)] for j in range(n)) for i, n in enumerate(lengths)]
-
-
-def _loss_and_grads(model, loss, features):
-    model.zero_grad()
-    value = loss(features, labels=None)
-    value.backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return value.detach(), grads
-
-
-def _rel(a, b):
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
 
 
 def test_padded_ranges_exact():
