@@ -109,13 +109,13 @@ def validate_cmd(
     cfg = _load(config, overrides)
     plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes), allow_unloaded=True)
     plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
-    truncation = _truncation(cfg.model, data)
+    truncation = _truncation(cfg.model, data, cfg.batch.unpad)
     print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
     print_truncation(console, truncation)
     console.print("[green]config OK[/]")
 
 
-def _truncation(model_cfg, data):
+def _truncation(model_cfg, data, unpad="auto"):
     """A ``ModelTruncation``, or the UserError of a model that cannot be loaded: validate and
     probe-minibatch must not need the model, so that only skips the report. A model cembed refuses
     (ModelRefused: remote code without the option, a kind it cannot train) fails the command."""
@@ -123,7 +123,7 @@ def _truncation(model_cfg, data):
     from cembed.errors import ModelRefused
 
     try:
-        return model_truncation_report(model_cfg, data)
+        return model_truncation_report(model_cfg, data, unpad=unpad)
     except ModelRefused:
         raise
     except UserError as err:
@@ -343,7 +343,7 @@ def probe_minibatch_cmd(
     if cfg is not None:
         from cembed.data import prepare_data
 
-        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data)))
+        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data), cfg.batch.unpad))
     console.print(
         f"probing {model_cfg.name_or_path} (max_seq_length {model_cfg.max_seq_length or 'model default'}, "
         f"{model_cfg.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",

@@ -81,6 +81,9 @@ class BatchConfig(_Strict):
     drop_last: bool = True
     mini_batch_num_tokens: PositiveInt | None = None  # pack mini-batches by non-padding tokens instead
     sort_by_length: bool = True  # sort each column by length before cutting mini-batches
+    # pack each cached-loss mini-batch's rows without padding: auto where the model supports it
+    # (cembed.unpad.resolve_unpad), true (refuse a model that does not), false (sorted padding)
+    unpad: Literal["auto"] | bool = "auto"
 
     @field_validator("mini_batch_size", mode="before")
     @classmethod

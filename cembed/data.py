@@ -304,22 +304,28 @@ class ModelTruncation(NamedTuple):
     columns: list[ColumnTruncation]
     pooling: str
     weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
+    attention: Any = None  # cembed.unpad.Unpadding: packed rows or padded mini-batches (batch.unpad)
 
 
-def model_truncation_report(model_cfg, data, sample_rows: int = 20000) -> ModelTruncation:
+def model_truncation_report(model_cfg, data, sample_rows: int = 20000, unpad="auto") -> ModelTruncation:
     """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
-    the pooling the model uses and its stored / training / saved dtypes; the per-column report is empty for :class:`UnloadedData` (only the
-    model is checked).
+    the pooling the model uses, its stored / training / saved dtypes and the attention path
+    ``unpad`` (``batch.unpad``) gives it; the per-column report is empty for :class:`UnloadedData`
+    (only the model is checked).
 
     Raises:
-        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it.
+        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it, or
+            ``unpad`` is True and it cannot run packed rows.
     """
+    from cembed.unpad import resolve_unpad
+
     quiet_libraries()
     model = load_model(model_cfg, "cpu")
     length = int(model.max_seq_length)
     pooling = pooling_in_effect(model, model_cfg)
     weights = weight_dtypes(model, model_cfg)
+    attention = resolve_unpad(model, unpad)
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
-        return ModelTruncation(length, [], pooling, weights)
+        return ModelTruncation(length, [], pooling, weights, attention)
     report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows)
-    return ModelTruncation(length, report, pooling, weights)
+    return ModelTruncation(length, report, pooling, weights, attention)

@@ -42,6 +42,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from torch import nn
 
 from cembed.config import CachedMNRLLossConfig, LossConfig, MNRLLossConfig, register_loss_config
+from cembed.unpad import PackRegistry, Unpadding, UnpadSetting, packed_encoder, resolve_unpad
 
 
 @dataclass
@@ -94,16 +95,24 @@ class LengthSortedMixin:
     similar lengths carry little padding. Longest first also makes the first mini-batch the
     memory worst case. ``mini_batch_num_tokens`` (sentence-transformers' token-budget mini-batches)
     works on the sorted rows.
+
+    With ``unpad`` (``auto``: where the model supports it, see :func:`cembed.unpad.resolve_unpad`)
+    each mini-batch's rows are packed without padding (:mod:`cembed.unpad`); the plans are made once
+    per column in :meth:`forward` and replayed by the second (gradient) pass, so both passes pack
+    alike and draw the same dropout masks. ``unpadding`` says which path runs.
     """
 
     mini_batch_size: int
     mini_batch_num_tokens: int | None
+    model: nn.Module
 
-    def __init__(self, *args, sort_by_length: bool = True, **kwargs) -> None:
+    def __init__(self, *args, sort_by_length: bool = True, unpad: UnpadSetting = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.sort_by_length = sort_by_length
         self.token_counts = TokenCounts()
         self._inverse: list[torch.Tensor | None] = []
+        self.unpadding: Unpadding = resolve_unpad(self.model, unpad)
+        self._packs = PackRegistry(self.unpadding)
 
     def forward(self, sentence_features, labels):
         """Sort each column by length, count its tokens per mini-batch, then run the cached loss."""
@@ -123,10 +132,25 @@ class LengthSortedMixin:
                 sorted_features.append(_take_rows(feature, order))
                 self._inverse.append(inverse)
             features = sorted_features
+        self._packs.reset()
         for feature in features:
             ranges = _minibatch_ranges(feature, self.mini_batch_size, self.mini_batch_num_tokens)
-            _count_tokens(feature, ranges, self.token_counts)
+            plans = self._packs.plan_column(feature, ranges) if self.unpadding.enabled else None
+            if plans is None:
+                _count_tokens(feature, ranges, self.token_counts)
+            else:  # the positions the encoder runs on are the packs'
+                self.token_counts.real += sum(p.real for p in plans)
+                self.token_counts.processed += sum(p.processed for p in plans)
         return super().forward(features, labels)
+
+    def embed_minibatch(self, sentence_feature, begin, end, *args, **kwargs):
+        """The parent's ``embed_minibatch``, inside :func:`cembed.unpad.packed_encoder` when this
+        mini-batch is packed (same arguments and result: ``(embeddings (rows, dim), random state)``)."""
+        plan = self._packs.plan_for(sentence_feature, begin, end) if self.unpadding.enabled else None
+        if plan is None:
+            return super().embed_minibatch(sentence_feature, begin, end, *args, **kwargs)
+        with packed_encoder(self.model, plan, self.unpadding):
+            return super().embed_minibatch(sentence_feature, begin, end, *args, **kwargs)
 
     def calculate_loss(self, reps, labels=None, *, with_backward: bool = False):
         """Run the parent's loss on the embeddings in original row order.
@@ -224,12 +248,15 @@ class LossSettings:
             candidates (already resolved from ``loss.gather_across_devices`` and the world size).
         mini_batch_num_tokens: if set, a cached loss packs mini-batches by non-padding tokens.
         sort_by_length: sort each column by token length before cutting mini-batches.
+        unpad: pack a cached loss's mini-batches without padding (``auto``: where the model
+            supports it; see :func:`cembed.unpad.resolve_unpad`).
     """
 
     mini_batch_size: int
     gather_across_devices: bool = False
     mini_batch_num_tokens: int | None = None
     sort_by_length: bool = True
+    unpad: UnpadSetting = "auto"
 
 
 LossBuilder = Callable[..., nn.Module]  # (model, cfg: LossConfig, settings: LossSettings) -> nn.Module
@@ -247,11 +274,13 @@ class BuiltLoss:
         token_counts: the module's token counter (a fresh, never-filled one if it has none).
         cached: whether the module defers its backward to GradCache mini-batches
             (sentence-transformers' ``uses_gradient_cache``).
+        unpadding: which attention path the module's mini-batches take (padded when it has none).
     """
 
     module: nn.Module
     token_counts: TokenCounts
     cached: bool
+    unpadding: Unpadding = Unpadding(False, "padded (the loss embeds whole columns)")
 
 
 def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBuilder:
@@ -284,6 +313,7 @@ def _build_cached_mnrl(model, cfg: CachedMNRLLossConfig, settings: LossSettings)
         mini_batch_size=settings.mini_batch_size,
         mini_batch_num_tokens=settings.mini_batch_num_tokens,
         sort_by_length=settings.sort_by_length,
+        unpad=settings.unpad,
         **_mnrl_kwargs(cfg, settings),
     )
 
@@ -303,6 +333,7 @@ def build_loss(
     gather_across_devices: bool = False,
     mini_batch_num_tokens: int | None = None,
     sort_by_length: bool = True,
+    unpad: UnpadSetting = "auto",
 ) -> BuiltLoss:
     """Build the configured loss for ``model`` through the builder registered for ``loss_cfg.name``.
 
@@ -314,6 +345,8 @@ def build_loss(
             candidates.
         mini_batch_num_tokens: if set, a cached loss packs mini-batches by non-padding tokens.
         sort_by_length: sort each column by token length before cutting mini-batches.
+        unpad: ``auto`` / True / False: pack a cached loss's mini-batches without padding
+            (:func:`cembed.unpad.resolve_unpad`).
 
     Returns:
         A :class:`BuiltLoss`: the module for ``SentenceTransformerTrainer``, its token counter and
@@ -322,11 +355,12 @@ def build_loss(
     Raises:
         ValueError: no builder is registered for ``loss_cfg.name``.
         TypeError: the module's ``uses_gradient_cache`` contradicts the config class's.
+        ModelRefused: ``unpad`` is True and the model cannot run packed rows.
     """
     builder = LOSS_BUILDERS.get(loss_cfg.name)
     if builder is None:
         raise ValueError(f"no builder registered for loss {loss_cfg.name!r}; known: {', '.join(LOSS_BUILDERS)}")
-    settings = LossSettings(mini_batch_size, gather_across_devices, mini_batch_num_tokens, sort_by_length)
+    settings = LossSettings(mini_batch_size, gather_across_devices, mini_batch_num_tokens, sort_by_length, unpad)
     module = builder(model, loss_cfg, settings)
     cached = bool(uses_gradient_cache(module))
     if cached != type(loss_cfg).uses_gradient_cache:
@@ -337,4 +371,7 @@ def build_loss(
     token_counts = getattr(module, "token_counts", None)
     if not isinstance(token_counts, TokenCounts):
         token_counts = TokenCounts()
-    return BuiltLoss(module, token_counts, cached)
+    unpadding = getattr(module, "unpadding", None)
+    if not isinstance(unpadding, Unpadding):
+        return BuiltLoss(module, token_counts, cached)
+    return BuiltLoss(module, token_counts, cached, unpadding)

@@ -204,6 +204,7 @@ SAFE_TO_CHANGE = (
     "batch.mini_batch_size",
     "batch.mini_batch_num_tokens",
     "batch.sort_by_length",
+    "batch.unpad",
     "model.device",
     "model.save_dtype",
 )

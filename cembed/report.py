@@ -284,6 +284,8 @@ def print_truncation(console: Console, truncation) -> None:
         return
     if truncation.weights is not None:
         console.print(truncation.weights.describe(), highlight=False)
+    if truncation.attention is not None:
+        console.print(f"attention: {truncation.attention.description}", highlight=False)
     if not truncation.columns:
         console.print(
             f"model loads; max_seq_length {truncation.max_seq_length}; truncation unchecked (no rows)", highlight=False

@@ -59,6 +59,7 @@ def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
         "resume_changes": list(run_dir.resume_changes),
         "tokenization": parts.token_info,
         "weights": parts.weights._asdict() if parts.weights else None,
+        "attention": parts.loss.unpadding.to_dict(),  # batch.unpad: packed rows or padded mini-batches
         "device": plan.device,
         "distributed": parts.distributed,
         "mini_batch_probe": plan.mini_batch_probe,

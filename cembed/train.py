@@ -209,6 +209,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         gather_across_devices=plan.gather_across_devices,
         mini_batch_num_tokens=cfg.batch.mini_batch_num_tokens,
         sort_by_length=cfg.batch.sort_by_length,
+        unpad=cfg.batch.unpad,
     )
     distributed = None
     if plan.world_size > 1:
@@ -431,6 +432,8 @@ def run_training(
         report.print_run_header(console, cfg, plan)
         eval_lines = (lambda line: console.print(line, highlight=False)) if progress and is_main else None
         parts = build_components(cfg, plan, data, device, eval_lines)
+        if is_main:
+            console.print(f"attention: {parts.loss.unpadding.description}", highlight=False)
         if parts.distributed and is_main:
             report.print_distributed(console, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
