@@ -1,34 +1,28 @@
 """Unpadded attention: a cached-loss mini-batch's rows packed into sequences without padding.
 
-A padded mini-batch runs the encoder on ``rows x longest`` positions. Packed, the rows are laid end
-to end into a few sequences ("packs") of similar fill, each token keeps its position within its own
-row (``position_ids``), and a block-diagonal attention mask keeps every row attending to itself only,
-so every token's output equals the padded path's (to float rounding) while the padding is gone.
+Padded, a mini-batch runs the encoder on ``rows x longest`` positions. Packed, the rows lie end to
+end in a few sequences ("packs"), each token keeps its position within its row (``position_ids``)
+and a block-diagonal attention mask keeps each row attending to itself only, so every token's
+output equals the padded path's (to float rounding) and no position is padding.
 
-How it runs, by composition with sentence-transformers (no copy of its modules' code): for the
-duration of one mini-batch's forward (:func:`packed_encoder`) a forward pre-hook on the model's
-first module, the sentence-transformers ``Transformer``, hands it the packed inputs instead of the
-padded ones; the module runs its transformers model (``auto_model``) on them; a forward hook then
-scatters the token embeddings back to the padded ``(rows, longest, dim)`` layout and the model's own
-remaining modules (``Pooling``, ``Normalize``...) run on that as usual. Because the hooks live inside
-the model's forward, a DDP-wrapped model is called exactly as before (one forward per mini-batch).
+By composition with sentence-transformers (no copy of its modules' code): during one mini-batch's
+forward (:func:`packed_encoder`) a forward pre-hook on the model's first module, the
+``Transformer``, hands it the packed inputs; it runs its transformers model (``auto_model``) on
+them; a forward hook scatters the token embeddings back to the padded ``(rows, longest, dim)``
+layout, and the model's own remaining modules (``Pooling``, ``Normalize``...) run on that. The hooks
+live inside the model's forward, so a DDP-wrapped model is called as before.
 
-Which models: :func:`resolve_unpad` checks that the first module is a ``Transformer`` whose model
-takes ``position_ids`` and runs ``sdpa`` or ``eager`` attention (they take a prepared 4D mask as
-is, see ``transformers.masking_utils``), then runs a few rows both ways and compares the sentence
-embeddings. Flash attention ignores a 4D mask (its varlen path wants the rows flattened into one
-sequence instead), models with relative position biases or their own unpadding can differ: all
-those fall back to today's sorted padding, and the reason is reported.
+Which models (:func:`resolve_unpad`): a ``Transformer`` whose model takes ``position_ids`` and runs
+``sdpa`` or ``eager`` attention (both take a prepared 4D mask as is, see
+``transformers.masking_utils``), confirmed by embedding a few rows both ways. Flash attention
+ignores a 4D mask; relative-position models may differ: those fall back to sorted padding.
 
-How rows are packed (:func:`plan_packing`): best-fit decreasing bin packing (Johnson 1974; the same
-11/9 OPT + 6/9 bound as first-fit decreasing) into packs of a capacity chosen per mini-batch among
-multiples of its longest row, minimising the estimated encoder cost
-``packs x width x (1 + width / (2 hidden + intermediate))``: linear layers cost the same per position,
-attention grows with the width of the block-diagonal mask it computes over; the ratio of attention
-to linear-layer FLOPs per token, ``width / (2 d_model + d_ff)`` per layer, follows the
-``6N + 12 L H Q T`` training-FLOPs count of PaLM (Chowdhery et al. 2022, arXiv:2204.02311, App. B).
-Capacity 1x the longest row never costs more than padding; larger capacities pair long rows with
-short ones when that pays.
+Packing (:func:`plan_packing`): best-fit decreasing bin packing (Johnson 1974) into packs of a
+capacity chosen per mini-batch among multiples of its longest row, minimising the estimated cost
+``packs x width x (1 + width / (2 hidden + intermediate))``: linear layers cost the same per
+position, attention grows with the mask's width; ``width / (2 d_model + d_ff)`` is attention's
+share of a layer's FLOPs per token in the ``6N + 12 L H Q T`` count of PaLM (Chowdhery et al. 2022,
+arXiv:2204.02311, App. B). Capacity 1x the longest row never costs more than padding.
 """
 
 from __future__ import annotations
@@ -196,22 +190,10 @@ def plan_packing(
     positions = np.zeros(n_packed, dtype=np.int64)
     positions[dst] = pos
 
-    def put(a: np.ndarray, shape=None) -> torch.Tensor:
-        t = torch.from_numpy(a if shape is None else a.reshape(shape))
-        return t.to(device, non_blocking=True)
-
     shape2d = (len(packs), pack_width)
-    return PackPlan(
-        rows,
-        width,
-        len(packs),
-        pack_width,
-        total,
-        put(gather),
-        put(scatter),
-        put(segments, shape2d),
-        put(positions, shape2d),
-    )
+    arrays = (gather, scatter, segments.reshape(shape2d), positions.reshape(shape2d))
+    tensors = [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
+    return PackPlan(rows, width, len(packs), pack_width, total, *tensors)
 
 
 @dataclass(frozen=True)
