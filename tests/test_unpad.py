@@ -51,8 +51,9 @@ def two_layer_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny2"), layers=2)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("mbs,columns", [(1, 2), (3, 2), (8, 3), (24, 2)])
+@pytest.mark.parametrize(
+    "attn,mbs,columns", [("sdpa", 1, 2), ("sdpa", 3, 2), ("sdpa", 8, 3), ("sdpa", 24, 2), ("eager", 5, 2)]
+)
 def test_packed_equals_padded(two_layer_model_dir, attn, mbs, columns):
     """Loss and gradients of the packed path equal the sorted-padded path's (fp32, no dropout), and
     the meter counts fewer processed positions (the packs') for the same real tokens."""
@@ -119,8 +120,8 @@ def test_dropout_cached_packed_equals_plain_packed(tiny_dropout_model_dir, mbs):
 
     torch.manual_seed(123)
     loss, grads = _loss_and_grads(model, cached.module, features)
-    assert _rel(loss, ref_loss.detach()) <= 1e-6
-    assert _rel(grads, ref_grads) <= 1e-6
+    assert _rel(loss, ref_loss.detach()) <= 1e-5  # the same masks; only the summation order differs
+    assert _rel(grads, ref_grads) <= 1e-5
     torch.manual_seed(999)  # dropout is really on: another seed changes the gradients
     assert _rel(_loss_and_grads(model, cached.module, features)[1], ref_grads) > 1e-3
 
