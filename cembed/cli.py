@@ -110,13 +110,15 @@ def validate_cmd(
     cfg = _load(config, overrides)
     plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes), allow_unloaded=True)
     plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
-    truncation = _truncation(cfg.model.model_copy(update={"precision": plan.precision}), data, cfg.data.prompts)
+    truncation = _truncation(
+        cfg.model.model_copy(update={"precision": plan.precision}), data, cfg.data.prompts, cfg.batch.unpad
+    )
     print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
     print_truncation(console, truncation)
     console.print("[green]config OK[/]")
 
 
-def _truncation(model_cfg, data, prompts_cfg=None):
+def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto"):
     """A ``ModelTruncation``, or the UserError of a model that cannot be loaded: validate and
     probe-minibatch must not need the model, so that only skips the report. A model cembed refuses
     (ModelRefused: remote code without the option, a kind it cannot train) fails the command."""
@@ -124,7 +126,7 @@ def _truncation(model_cfg, data, prompts_cfg=None):
     from cembed.errors import ModelRefused
 
     try:
-        return model_truncation_report(model_cfg, data, prompts_cfg=prompts_cfg)
+        return model_truncation_report(model_cfg, data, prompts_cfg=prompts_cfg, unpad=unpad)
     except ModelRefused:
         raise
     except UserError as err:
@@ -350,7 +352,7 @@ def probe_minibatch_cmd(
     if cfg is not None:
         from cembed.data import prepare_data
 
-        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data), cfg.data.prompts))
+        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data), cfg.data.prompts, cfg.batch.unpad))
     console.print(
         f"probing {model_cfg.name_or_path} (max_seq_length {model_cfg.max_seq_length or 'model default'}, "
         f"{model_cfg.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",

@@ -106,6 +106,9 @@ class BatchConfig(_Strict):
     # Pad each batch's width up to a multiple of this (at most model.max_seq_length): fewer distinct
     # shapes, e.g. for train.torch_compile. None: the longest row.
     pad_to_multiple_of: PositiveInt | None = None
+    # pack each cached-loss mini-batch's rows without padding: auto where the model supports it
+    # (cembed.unpad.resolve_unpad), true (refuse a model that does not), false (sorted padding)
+    unpad: Literal["auto"] | bool = "auto"
 
     @field_validator("mini_batch_size", mode="before")
     @classmethod

@@ -402,19 +402,24 @@ class ModelTruncation(NamedTuple):
     pooling: str
     weights: Any = None  # cembed.model.WeightDtypes: stored, training, autocast and saved dtypes
     prompts: Any = None  # cembed.prompts.RolePrompts: each role's prompt
+    attention: Any = None  # cembed.unpad.Unpadding: packed rows or padded mini-batches (batch.unpad)
 
 
-def model_truncation_report(model_cfg, data, sample_rows: int = 20000, prompts_cfg=None) -> ModelTruncation:
+def model_truncation_report(
+    model_cfg, data, sample_rows: int = 20000, prompts_cfg=None, unpad="auto"
+) -> ModelTruncation:
     """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
-    the pooling the model uses, its stored / training / saved dtypes and each role's prompt
+    the pooling the model uses, its stored / training / saved dtypes, each role's prompt
     (``prompts_cfg``, the ``data.prompts`` section, resolved against the model; prompt tokens count
-    toward the length); the per-column report is empty for :class:`UnloadedData` (only the model is checked).
+    toward the length) and the attention path ``unpad`` (``batch.unpad``) gives it; the per-column
+    report is empty for :class:`UnloadedData` (only the model is checked).
 
     Raises:
-        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it or
-            ``data.prompts`` names a prompt it lacks.
+        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it,
+            ``data.prompts`` names a prompt it lacks, or ``unpad`` is True and it cannot run packed rows.
     """
     from cembed.prompts import resolve_prompts
+    from cembed.unpad import resolve_unpad
 
     quiet_libraries()
     model = load_model(model_cfg, "cpu")
@@ -422,8 +427,9 @@ def model_truncation_report(model_cfg, data, sample_rows: int = 20000, prompts_c
     pooling = pooling_in_effect(model, model_cfg)
     weights = weight_dtypes(model, model_cfg)
     prompts = resolve_prompts(prompts_cfg, model)
+    attention = resolve_unpad(model, unpad)
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
-        return ModelTruncation(length, [], pooling, weights, prompts)
+        return ModelTruncation(length, [], pooling, weights, prompts, attention)
     by_column = prompts.for_columns(data.columns)
     report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows, by_column)
-    return ModelTruncation(length, report, pooling, weights, prompts)
+    return ModelTruncation(length, report, pooling, weights, prompts, attention)

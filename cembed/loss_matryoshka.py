@@ -41,6 +41,7 @@ class CountingMatryoshkaLoss(MatryoshkaLoss):
         super().__init__(model, loss, list(dims), None if weights is None else list(weights))
         self.token_counts = getattr(loss, "token_counts", None)
         self.filter_counts = getattr(loss, "filter_counts", None)
+        self.unpadding = getattr(loss, "unpadding", None)
 
     def forward(self, sentence_features, labels):
         """The weighted sum over ``dims`` of the wrapped loss on truncated embeddings."""

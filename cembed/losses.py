@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Callable, get_args
 
 import torch
-from sentence_transformers.base.losses.gradcache import _get_batch_size, _minibatch_ranges, uses_gradient_cache
+from sentence_transformers.base.losses.gradcache import _minibatch_ranges, uses_gradient_cache  # noqa: F401 - re-exported
 from sentence_transformers.sentence_transformer.losses import (
     CachedGISTEmbedLoss,
     CachedMultipleNegativesRankingLoss,
@@ -49,143 +49,12 @@ from torch import nn
 
 from cembed.config import CachedMNRLLossConfig, LossConfig, MNRLLossConfig, register_loss_config
 from cembed.config_loss import CachedGISTLossConfig
+from cembed.length_sorted import LengthSortedMixin, _take_rows  # noqa: F401 - _take_rows is re-exported
 from cembed.loss_guided import FilterCounts, GuidedFilterMixin, SelfGuidedMixin
 from cembed.loss_matryoshka import CountingMatryoshkaLoss
 from cembed.model import load_guide_model
-from cembed.token_budget import token_budget_ranges
 from cembed.token_counts import TokenCounts, _count_tokens  # noqa: F401 - _count_tokens is re-exported
-
-
-def _take_rows(feature: dict, order: torch.Tensor) -> dict:
-    n = order.numel()
-    return {
-        k: (
-            v.index_select(0, order.to(v.device))
-            if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == n
-            else v
-        )
-        for k, v in feature.items()
-    }
-
-
-class LengthSortedMixin:
-    """Sorts each column's rows by token length (longest first) before a cached loss cuts them
-    into mini-batches, and counts real vs processed token positions (``token_counts``).
-
-    Put it before a sentence-transformers ``CachedLossMixin`` loss in the bases, e.g.
-    ``class LengthSortedCachedGIST(LengthSortedMixin, CachedGISTEmbedLoss): pass``; the constructor
-    takes ``sort_by_length`` (default True) on top of the loss's own arguments.
-
-    The embeddings are put back in the original row order before the loss, so loss and gradients
-    equal the unsorted loss's (the positive of row i stays on the diagonal) while mini-batches of
-    similar lengths carry little padding. Longest first also makes the first mini-batch the
-    memory worst case.
-
-    ``mini_batch_num_tokens`` is cembed's token budget (:mod:`cembed.token_budget`): mini-batches
-    are cut on the sorted rows so that rows x padded width stays within it. It is kept as
-    ``token_budget``; the library's own ``mini_batch_num_tokens`` (which counts non-padding tokens)
-    stays None, and :meth:`embed_minibatch_iter` hands the library's passes the budget's ranges.
-    """
-
-    mini_batch_size: int
-
-    def __init__(self, *args, sort_by_length: bool = True, mini_batch_num_tokens: int | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if mini_batch_num_tokens is not None and mini_batch_num_tokens < 1:
-            raise ValueError(f"mini_batch_num_tokens must be at least 1, got {mini_batch_num_tokens}")
-        self.sort_by_length = sort_by_length
-        self.token_budget = mini_batch_num_tokens
-        self.token_counts = TokenCounts()
-        self._inverse: list[torch.Tensor | None] = []
-        # id(feature dict) -> (rows, ranges) of the current forward: its no-grad pass and the
-        # backward's replay must cut the same mini-batches (a module may edit the mask in between).
-        self._budget_ranges: dict[int, tuple[int, list[tuple[int, int]]]] = {}
-
-    def forward(self, sentence_features, labels):
-        """Sort each column by length, count its tokens per mini-batch, then run the cached loss."""
-        features = list(sentence_features)
-        self._inverse = []
-        if self.sort_by_length:
-            sorted_features = []
-            for feature in features:
-                mask = feature.get("attention_mask")
-                if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
-                    sorted_features.append(feature)
-                    self._inverse.append(None)
-                    continue
-                order = torch.argsort(mask.sum(dim=1), descending=True, stable=True)
-                inverse = torch.empty_like(order)
-                inverse[order] = torch.arange(order.numel(), device=order.device)
-                sorted_features.append(_take_rows(feature, order))
-                self._inverse.append(inverse)
-            features = sorted_features
-        self._budget_ranges = {}
-        for feature in features:
-            ranges = self._ranges(feature)
-            _count_tokens(feature, ranges, self.token_counts, longest_first=self.sort_by_length)
-        return super().forward(features, labels)
-
-    def _ranges(self, feature: dict) -> list[tuple[int, int]]:
-        """The mini-batches of one column: by ``token_budget`` (computed once per forward), else
-        the library's cut by ``mini_batch_size`` rows."""
-        if self.token_budget is None:
-            return _minibatch_ranges(feature, self.mini_batch_size, None)
-        rows = _get_batch_size(feature)
-        known = self._budget_ranges.get(id(feature))
-        if known is not None and known[0] == rows:
-            return known[1]
-        ranges = token_budget_ranges(feature, self.token_budget)
-        if ranges is None:  # no attention mask: no widths to budget
-            return _minibatch_ranges(feature, self.mini_batch_size, None)
-        self._budget_ranges[id(feature)] = (rows, ranges)
-        return ranges
-
-    def embed_minibatch_iter(self, sentence_feature, with_grad, copy_random_state, random_states=None, ranges=None):
-        """The library's mini-batch iterator over the token budget's ranges (when a budget is set).
-
-        The library cuts ``mini_batch_size`` rows (its ``mini_batch_num_tokens`` is None); with a
-        budget both its no-grad pass and its backward replay come here with that cut and get the
-        budget's ranges instead, the same ones in both passes, so the cached gradients and RNG
-        states line up with the mini-batches they belong to. (The library's DDP flush of a frozen
-        last mini-batch indexes its own cut; cembed trains every column through the whole model,
-        so no mini-batch is frozen.)
-        """
-        if self.token_budget is not None:
-            ranges = self._ranges(sentence_feature)
-        return super().embed_minibatch_iter(sentence_feature, with_grad, copy_random_state, random_states, ranges)
-
-    def calculate_loss(self, reps, labels=None, *, with_backward: bool = False):
-        """Run the parent's loss on the embeddings in original row order.
-
-        The parent may back-propagate chunk by chunk, so the reordering cannot be a shared autograd
-        graph: each column is reordered into a fresh leaf, and the leaf's gradient is scattered
-        back onto the sorted mini-batch embeddings whose ``.grad`` is the GradCache cache.
-        """
-        if not any(inv is not None for inv in self._inverse):
-            return super().calculate_loss(reps, labels, with_backward=with_backward)
-        leaves: list[torch.Tensor | None] = []
-        ordered = []
-        for col, inv in zip(reps, self._inverse):
-            if inv is None:
-                leaves.append(None)
-                ordered.append(col)
-                continue
-            # leaf[j] = embedding of original row j = sorted row inv[j]
-            leaf = torch.cat([r.detach() for r in col]).index_select(0, inv.to(col[0].device))
-            if with_backward:
-                leaf.requires_grad_()
-            leaves.append(leaf)
-            ordered.append([leaf])
-        loss = super().calculate_loss(ordered, labels, with_backward=with_backward)
-        if with_backward:
-            for col, inv, leaf in zip(reps, self._inverse, leaves):
-                if leaf is None or leaf.grad is None:
-                    continue
-                grad_sorted = torch.empty_like(leaf.grad)
-                grad_sorted[inv.to(leaf.device)] = leaf.grad
-                for rep, grad in zip(col, grad_sorted.split([r.shape[0] for r in col])):
-                    rep.grad = grad if rep.grad is None else rep.grad + grad
-        return loss
+from cembed.unpad import Unpadding, UnpadSetting
 
 
 @contextmanager
@@ -262,12 +131,15 @@ class LossSettings:
             candidates (already resolved from ``loss.gather_across_devices`` and the world size).
         mini_batch_num_tokens: if set, a cached loss packs mini-batches by non-padding tokens.
         sort_by_length: sort each column by token length before cutting mini-batches.
+        unpad: pack a cached loss's mini-batches without padding (``auto``: where the model
+            supports it; see :func:`cembed.unpad.resolve_unpad`).
     """
 
     mini_batch_size: int
     gather_across_devices: bool = False
     mini_batch_num_tokens: int | None = None
     sort_by_length: bool = True
+    unpad: UnpadSetting = "auto"
 
 
 LossBuilder = Callable[..., nn.Module]  # (model, cfg: LossConfig, settings: LossSettings) -> nn.Module
@@ -286,12 +158,14 @@ class BuiltLoss:
         cached: whether the module defers its backward to GradCache mini-batches
             (sentence-transformers' ``uses_gradient_cache``).
         filter_counts: candidates scored and masked as false negatives, for a filtering loss.
+        unpadding: which attention path the module's mini-batches take (padded when it has none).
     """
 
     module: nn.Module
     token_counts: TokenCounts
     cached: bool
     filter_counts: FilterCounts | None = None
+    unpadding: Unpadding = Unpadding(False, "padded (the loss embeds whole columns)")
 
 
 def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBuilder:
@@ -326,6 +200,7 @@ def _cached_kwargs(settings: LossSettings) -> dict:
         mini_batch_size=settings.mini_batch_size,
         mini_batch_num_tokens=settings.mini_batch_num_tokens,
         sort_by_length=settings.sort_by_length,
+        unpad=settings.unpad,
         gather_across_devices=settings.gather_across_devices,
     )
 
@@ -356,13 +231,8 @@ def _build_cached_mnrl(model, cfg: CachedMNRLLossConfig, settings: LossSettings)
             contrast_positives=False,
             **_cached_kwargs(settings),
         )
-    return LengthSortedCachedMNRL(
-        model,
-        mini_batch_size=settings.mini_batch_size,
-        mini_batch_num_tokens=settings.mini_batch_num_tokens,
-        sort_by_length=settings.sort_by_length,
-        **_mnrl_kwargs(cfg, settings),
-    )
+    kwargs = _cached_kwargs(settings) | _mnrl_kwargs(cfg, settings)
+    return LengthSortedCachedMNRL(model, **kwargs)
 
 
 def _build_mnrl(model, cfg: MNRLLossConfig, settings: LossSettings) -> nn.Module:
@@ -381,6 +251,7 @@ def build_loss(
     gather_across_devices: bool = False,
     mini_batch_num_tokens: int | None = None,
     sort_by_length: bool = True,
+    unpad: UnpadSetting = "auto",
 ) -> BuiltLoss:
     """Build the configured loss for ``model`` through the builder registered for ``loss_cfg.name``.
 
@@ -392,6 +263,8 @@ def build_loss(
             candidates.
         mini_batch_num_tokens: if set, a cached loss packs mini-batches by non-padding tokens.
         sort_by_length: sort each column by token length before cutting mini-batches.
+        unpad: ``auto`` / True / False: pack a cached loss's mini-batches without padding
+            (:func:`cembed.unpad.resolve_unpad`).
 
     Returns:
         A :class:`BuiltLoss`: the module for ``SentenceTransformerTrainer``, its token counter and
@@ -401,11 +274,12 @@ def build_loss(
         ValueError: no builder is registered for ``loss_cfg.name``.
         TypeError: the module's ``uses_gradient_cache`` contradicts the config class's.
         UserError: ``loss.guide`` cannot be loaded, or ``loss.matryoshka.dims`` exceed the model's size.
+        ModelRefused: ``unpad`` is True and the model cannot run packed rows.
     """
     builder = LOSS_BUILDERS.get(loss_cfg.name)
     if builder is None:
         raise ValueError(f"no builder registered for loss {loss_cfg.name!r}; known: {', '.join(LOSS_BUILDERS)}")
-    settings = LossSettings(mini_batch_size, gather_across_devices, mini_batch_num_tokens, sort_by_length)
+    settings = LossSettings(mini_batch_size, gather_across_devices, mini_batch_num_tokens, sort_by_length, unpad)
     module = builder(model, loss_cfg, settings)
     if loss_cfg.matryoshka is not None:
         module = CountingMatryoshkaLoss(model, module, loss_cfg.matryoshka.dims, loss_cfg.matryoshka.weights)
@@ -419,4 +293,11 @@ def build_loss(
     if not isinstance(token_counts, TokenCounts):
         token_counts = TokenCounts()
     filter_counts = getattr(module, "filter_counts", None)
-    return BuiltLoss(module, token_counts, cached, filter_counts if isinstance(filter_counts, FilterCounts) else None)
+    unpadding = getattr(module, "unpadding", None)
+    return BuiltLoss(
+        module,
+        token_counts,
+        cached,
+        filter_counts if isinstance(filter_counts, FilterCounts) else None,
+        unpadding if isinstance(unpadding, Unpadding) else BuiltLoss.unpadding,
+    )

@@ -206,6 +206,7 @@ SAFE_TO_CHANGE = (
     "batch.mini_batch_num_tokens",
     "batch.sort_by_length",
     "batch.pad_to_multiple_of",
+    "batch.unpad",
     "model.device",
     "model.save_dtype",
     "model.gradient_checkpointing",  # exact (the recomputation replays the RNG), memory and speed only

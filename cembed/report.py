@@ -159,6 +159,14 @@ def print_run_header(console: Console, cfg, plan) -> None:
         warn(console, w)
 
 
+def print_components(console: Console, unpadding, distributed: dict | None) -> None:
+    """The attention path the loss runs (a :class:`cembed.unpad.Unpadding`) and, for several
+    processes, :func:`print_distributed`."""
+    console.print(f"attention: {unpadding.description}", highlight=False)
+    if distributed:
+        print_distributed(console, distributed)
+
+
 def print_distributed(console: Console, info: dict) -> None:
     """Processes, backend, gathering and the parameters frozen for DDP (``run_summary['distributed']``)."""
     frozen = info["frozen_unused_parameters"]
@@ -298,6 +306,8 @@ def print_truncation(console: Console, truncation) -> None:
         console.print(truncation.weights.describe(), highlight=False)
     if truncation.prompts is not None:
         console.print(describe_prompts(truncation.prompts), highlight=False)
+    if truncation.attention is not None:
+        console.print(f"attention: {truncation.attention.description}", highlight=False)
     if not truncation.columns:
         console.print(
             f"model loads; max_seq_length {truncation.max_seq_length}; truncation unchecked (no rows)", highlight=False

@@ -62,6 +62,7 @@ def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
         "resume_changes": list(run_dir.resume_changes),
         "tokenization": parts.token_info,
         "weights": parts.weights._asdict() if parts.weights else None,
+        "attention": parts.loss.unpadding.to_dict(),  # batch.unpad: packed rows or padded mini-batches
         "device": plan.device,
         "precision": {  # model.precision as asked and as run (auto resolved for the device; cembed.precision)
             "requested": cfg.model.precision,

@@ -203,6 +203,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         gather_across_devices=plan.gather_across_devices,
         mini_batch_num_tokens=plan.mini_batch_num_tokens,
         sort_by_length=cfg.batch.sort_by_length,
+        unpad=cfg.batch.unpad,
     )
     distributed = None
     if plan.world_size > 1:
@@ -439,8 +440,8 @@ def run_training(
         report.print_run_header(console, cfg, plan)
         eval_lines = (lambda line: console.print(line, highlight=False)) if progress and is_main else None
         parts = build_components(cfg, plan, data, device, eval_lines)
-        if parts.distributed and is_main:
-            report.print_distributed(console, parts.distributed)
+        if is_main:
+            report.print_components(console, parts.loss.unpadding, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
         attempt.trainer = run.trainer
         eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))

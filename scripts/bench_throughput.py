@@ -8,8 +8,10 @@ data and batch, alternating, for several rounds, and prints medians and ratios.
 
 Sections (``--sections``, default all):
   step      all-MiniLM-L6-v2 training step (forward + backward) at batch 1024, mini-batch 32, on
-            seeded skewed-length data and on the real COCO caption pairs; padded share of the
-            processed positions, and the loss of both paths (must agree to 1e-5 relative).
+            seeded skewed-length data and on the real COCO caption pairs: stock, cembed padded
+            (sorted), cembed packed (batch.unpad) and packed with token-budget mini-batches of the
+            same worst-case memory, against the padding-free bound; padded share of the positions
+            each path ran on, and the losses (must agree to 1e-5 relative).
   produce   producing one batch (fetch + collate) at batch 4096, 16384 and 65536 (max_seq_length
             256): stock (tokenizing collator), cembed's row path before issue 14 (``datasets``' row
             fetch + per-row padding) and its batch path (``TokenIdRows`` + numpy padding), on the same
@@ -146,20 +148,33 @@ def section_step(args, cache: Path) -> None:
     from cembed.losses import LengthSortedCachedMNRL
 
     model = load_minilm()
-    model.eval()  # dropout off, so both paths must give the same loss; gradients still flow
+    model.eval()  # dropout off, so every path must give the same loss; gradients still flow
     bs, mbs = args.step_batch, 32
+    budget = mbs * model.max_seq_length  # the same worst-case memory as mbs rows at max_seq_length
     print(
         f"\n## step: all-MiniLM-L6-v2, batch {bs}, mini-batch {mbs}, max_seq_length 256, {args.rounds} rounds (CPU, {torch.get_num_threads()} threads)"
     )
     print(
-        "| data | stock step s | cembed step s | speed-up | stock padding | cembed padding | padding-free bound | loss stock | loss cembed | rel. diff |"
+        "cembed paths: padded = length-sorted mini-batches padded to their longest row (batch.unpad: false); "
+        f"packed = rows packed without padding (batch.unpad: auto); packed+tokens = packed, mini-batches of "
+        f"<= {budget} real tokens (mini_batch_num_tokens = {mbs} x max_seq_length: the same worst-case memory). "
+        "padding = share of the positions the encoder ran on that were padding; bound = stock time scaled to "
+        "zero padding (attention cost ignored); x bound = path time / bound."
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| data | path | step s | speed-up vs stock | padding | x bound | loss | rel. diff |")
+    print("|---|---|---|---|---|---|---|---|")
     datasets_ = [("skewed (seeded)", skewed_pairs(bs, seed=1))]
     if COCO.exists():
         datasets_.append(("COCO pairs", coco_pairs(bs)))
-    stock_loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mbs)
-    ours_loss = LengthSortedCachedMNRL(model, mini_batch_size=mbs)
+    paths = [
+        ("stock", CachedMultipleNegativesRankingLoss(model, mini_batch_size=mbs)),
+        ("cembed padded", LengthSortedCachedMNRL(model, mini_batch_size=mbs, unpad=False)),
+        ("cembed packed", LengthSortedCachedMNRL(model, mini_batch_size=mbs, unpad=True)),
+        (
+            "cembed packed+tokens",
+            LengthSortedCachedMNRL(model, mini_batch_size=mbs, mini_batch_num_tokens=budget, unpad=True),
+        ),
+    ]
     for name, data in datasets_:
         ds, stock_coll, pt_ds, our_coll, _ = prepare_paths(model, data, cache)
         rows = list(range(bs))
@@ -167,27 +182,34 @@ def section_step(args, cache: Path) -> None:
             stock_coll([{"anchor": a, "positive": p} for a, p in zip(data["anchor"], data["positive"])])
         )
         our_feats = features_of(our_coll(pt_ds.select(rows).to_list()))
-        times = {"stock": [], "cembed": []}
-        losses = {}
+        times = {label: [] for label, _ in paths}
+        losses, padding = {}, {}
         for r in range(args.rounds):
-            for label, loss_fn, feats in (("stock", stock_loss, stock_feats), ("cembed", ours_loss, our_feats))[
-                :: 1 if r % 2 == 0 else -1
-            ]:
+            for label, loss_fn in paths[:: 1 if r % 2 == 0 else -1]:
+                feats = stock_feats if label == "stock" else our_feats
                 model.zero_grad(set_to_none=True)
+                counts = getattr(loss_fn, "token_counts", None)
+                if counts is not None:
+                    counts.reset()
                 t0 = time.perf_counter()
-                value = loss_fn(feats, None)
+                value = loss_fn([dict(f) for f in feats], None)
                 value.backward()
                 times[label].append(time.perf_counter() - t0)
                 losses[label] = float(value.detach())
+                if counts is not None:
+                    padding[label] = 1 - counts.real / counts.processed
         s_real, s_proc = processed_positions(stock_feats, mbs, sort=False)
-        c_real, c_proc = processed_positions(our_feats, mbs, sort=True)
-        ts, tc = median(times["stock"]), median(times["cembed"])
+        padding["stock"] = 1 - s_real / s_proc
+        ts = median(times["stock"])
         bound = ts * s_real / s_proc  # stock time scaled to zero padding (attention cost ignored)
-        rel = abs(losses["stock"] - losses["cembed"]) / abs(losses["stock"])
-        print(
-            f"| {name} | {ts:.2f} | {tc:.2f} | {ts / tc:.2f}x | {100 * (1 - s_real / s_proc):.1f}% | "
-            f"{100 * (1 - c_real / c_proc):.1f}% | {bound:.2f} s | {losses['stock']:.6f} | {losses['cembed']:.6f} | {rel:.1e} |"
-        )
+        for label, _ in paths:
+            t = median(times[label])
+            rel = abs(losses[label] - losses["stock"]) / abs(losses["stock"])
+            print(
+                f"| {name} | {label} | {t:.2f} | {ts / t:.2f}x | {100 * padding[label]:.1f}% | {t / bound:.2f}x | "
+                f"{losses[label]:.6f} | {rel:.1e} |"
+            )
+        print(f"| {name} | padding-free bound | {bound:.2f} | {ts / bound:.2f}x | 0.0% | 1.00x | | |")
 
 
 class RowPaddingCollator:

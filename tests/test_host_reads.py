@@ -124,21 +124,26 @@ def _features(model):
 
 
 @pytest.mark.parametrize("sort_by_length", [True, False])
-def test_cached_step_bookkeeping_reads_nothing_per_minibatch(tiny_model_dir, sort_by_length):
+@pytest.mark.parametrize("unpad", [False, True])
+def test_cached_step_bookkeeping_reads_nothing_per_minibatch(tiny_model_dir, sort_by_length, unpad):
     """A whole cached training step (forward, GradCache backward) with 2 and with 8 mini-batches per
     column: cembed's own code (sorting, gathers, token counting, reordering) does 0 host reads in
-    both, while sentence-transformers' mini-batch trimming reads per mini-batch (the counter sees it)."""
+    both with padded mini-batches, and with packed rows (``batch.unpad``) exactly one per column (the
+    packing plan needs the row lengths on the host) for 2 and for 8 mini-batches alike, while
+    sentence-transformers' mini-batch trimming reads per mini-batch (the counter sees it)."""
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
     features = _features(model)
     seen = {}
     for mbs in (8, 2):  # 16 rows per column: 2 and 8 mini-batches
-        loss = build_loss(model, loss_config(), mbs, sort_by_length=sort_by_length).module
+        built = build_loss(model, loss_config(), mbs, sort_by_length=sort_by_length, unpad=unpad)
+        assert built.unpadding.enabled is unpad
         model.zero_grad()
         with HostReads() as counter:
-            loss(features, None).backward()
+            built.module(features, None).backward()
         seen[mbs] = counter.counts
-    assert seen[8].get("cembed", 0) == 0 and seen[2].get("cembed", 0) == 0, seen
+    expected = len(features) if unpad else 0
+    assert seen[8].get("cembed", 0) == expected and seen[2].get("cembed", 0) == expected, seen
     assert seen[2].get("sentence_transformers", 0) > seen[8].get("sentence_transformers", 0), seen
 
 
@@ -153,7 +158,7 @@ def _cut(feature: dict, rows: int, budget: int | None) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("by_tokens", [False, True])
 def test_bookkeeping_reads_do_not_grow_with_minibatches(tiny_model_dir, monkeypatch, by_tokens):
     """The loss's bookkeeping alone (the parent loss stubbed out), cutting each column into about 2
-    and about 8 mini-batches: with ``mini_batch_size`` it reads nothing; with a token budget
+    and about 8 mini-batches, padded (packed rows: the test above): with ``mini_batch_size`` it reads nothing; with a token budget
     (``mini_batch_num_tokens``) it reads each column's row widths once to cut the ranges
     (:func:`cembed.token_budget.token_budget_ranges`), the same for 2 and for 8 mini-batches."""
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
@@ -163,7 +168,7 @@ def test_bookkeeping_reads_do_not_grow_with_minibatches(tiny_model_dir, monkeypa
     totals, minibatches = [], []
     for k in (2, 8):
         budget = widest * (16 // k) if by_tokens else None  # positions: 16 // k rows of the widest
-        loss = build_loss(model, loss_config(), 16 // k, mini_batch_num_tokens=budget).module
+        loss = build_loss(model, loss_config(), 16 // k, mini_batch_num_tokens=budget, unpad=False).module
         with HostReads() as counter:
             loss(features, None)
         totals.append(sum(counter.counts.values()))
@@ -209,7 +214,7 @@ def test_length_sorted_loss_counts_match_a_hand_count(tiny_model_dir):
     column longest first, cut into mini-batches of 3, each costs rows x its longest row."""
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     features = _features(model)
-    loss = build_loss(model, loss_config(), 3).module
+    loss = build_loss(model, loss_config(), 3, unpad=False).module  # padded mini-batches (packing: test_unpad)
     with torch.no_grad():
         loss(features, None)
     real = processed = real_sq = 0
@@ -230,7 +235,7 @@ def test_bookkeeping_does_not_synchronise_cuda(tiny_model_dir, monkeypatch):
     model = SentenceTransformer(str(tiny_model_dir), device="cuda")
     features = [{k: v.to("cuda") for k, v in f.items()} for f in _features(model)]
     monkeypatch.setattr(CachedMultipleNegativesRankingLoss, "forward", lambda self, features, labels: None)
-    loss = build_loss(model, loss_config(), 2).module
+    loss = build_loss(model, loss_config(), 2, unpad=False).module  # packing reads the lengths once per column
     counts = TokenCounts()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

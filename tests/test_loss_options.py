@@ -90,7 +90,8 @@ def test_mnrl_options_cached_equals_plain_under_dropout(tiny_dropout_model_dir, 
     ref_loss = plain.compute_loss_from_embeddings(_same_masks_reps(model, features, mbs, 7), None)
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    cached = build_loss(model, cfg, mbs, sort_by_length=False).module
+    # padded mini-batches: the reference draws its dropout masks on the padded layout
+    cached = build_loss(model, cfg, mbs, sort_by_length=False, unpad=False).module
     torch.manual_seed(7)
     loss, grads = _loss_and_grads(model, cached, features)
     assert _rel(loss, ref_loss.detach()) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
@@ -213,8 +214,12 @@ def test_cached_gist_under_dropout(tiny_dropout_model_dir, guide_dir, mbs):
     model.train()
     features = _features(model, TRIPLETS)
     cached = build_loss(
-        model, loss_config(name="cached_gist", guide=str(guide_dir), margin=0.002), mbs, sort_by_length=False
-    ).module
+        model,
+        loss_config(name="cached_gist", guide=str(guide_dir), margin=0.002),
+        mbs,
+        sort_by_length=False,
+        unpad=False,
+    ).module  # padded mini-batches: the reference draws its dropout masks on the padded layout
     with torch.no_grad():
         guided = [cached.guide(dict(f))["sentence_embedding"] for f in features]
     model.zero_grad()

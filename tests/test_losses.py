@@ -112,7 +112,8 @@ def test_cached_equals_plain_under_same_dropout_masks(tiny_dropout_model_dir, mb
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    cached = build_loss(model, loss_config(), mbs, sort_by_length=False).module
+    # Padded mini-batches, as the reference embeds them (the packed replay: tests/test_unpad.py).
+    cached = build_loss(model, loss_config(), mbs, sort_by_length=False, unpad=False).module
     torch.manual_seed(123)
     loss, grads = _loss_and_grads(model, cached, features)
     assert _rel(loss, ref_loss.detach()) <= 1e-5

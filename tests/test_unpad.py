@@ -1,0 +1,256 @@
+"""Unpadded attention (batch.unpad): packed mini-batches give the padded path's loss and gradients,
+the meter counts the positions the encoder really ran on, and a model that cannot run packed rows
+falls back to sorted padding (or is refused with batch.unpad: true)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import distinct_pairs, make_tiny_model
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.losses.gradcache import _create_minibatch
+from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+from typer.testing import CliRunner
+
+from cembed.cli import app
+from cembed.config import CachedMNRLLossConfig
+from cembed.errors import ModelRefused
+from cembed.losses import build_loss
+from cembed.unpad import attention_cost, pack_rows, packed_encoder, plan_packing, resolve_unpad
+
+WORDS = "a man dog on the street with two red car cat table people sitting near white plate".split()
+
+
+def _texts(n: int, seed: int, longest: int) -> list[str]:
+    """Mixed lengths: 1 .. longest words, in a seeded shuffled order."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (n,), generator=g).tolist()
+    return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(k)) + f" {i}" for i, k in enumerate(lengths)]
+
+
+def _features(model, n: int = 24, columns: int = 2):
+    return [model.tokenize(_texts(n, seed, longest=10 + 25 * seed)) for seed in range(columns)]
+
+
+def _loss_and_grads(model, loss, features):
+    model.zero_grad()
+    value = loss([dict(f) for f in features], labels=None)
+    value.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return value.detach(), grads
+
+
+def _rel(a, b):
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+@pytest.fixture(scope="module")
+def two_layer_model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny2"), layers=2)
+
+
+@pytest.mark.parametrize(
+    "attn,mbs,columns", [("sdpa", 1, 2), ("sdpa", 3, 2), ("sdpa", 8, 3), ("sdpa", 24, 2), ("eager", 5, 2)]
+)
+def test_packed_equals_padded(two_layer_model_dir, attn, mbs, columns):
+    """Loss and gradients of the packed path equal the sorted-padded path's (fp32, no dropout), and
+    the meter counts fewer processed positions (the packs') for the same real tokens."""
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu", model_kwargs={"attn_implementation": attn})
+    model.train()
+    features = _features(model, columns=columns)
+    padded = build_loss(model, CachedMNRLLossConfig(), mbs, unpad=False)
+    packed = build_loss(model, CachedMNRLLossConfig(), mbs, unpad="auto")
+    assert not padded.unpadding.enabled and packed.unpadding.enabled
+    assert f"{attn} attention" in packed.unpadding.description
+    ref_loss, ref_grads = _loss_and_grads(model, padded.module, features)
+    loss, grads = _loss_and_grads(model, packed.module, features)
+    assert ref_grads.abs().sum() > 0
+    assert _rel(loss, ref_loss) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
+    real = sum(int(f["attention_mask"].sum()) for f in features)
+    assert packed.token_counts.real == padded.token_counts.real == real
+    if mbs == 1:
+        assert packed.token_counts.processed == real  # one row per pack, nothing to pad
+    else:
+        assert packed.token_counts.processed < padded.token_counts.processed
+
+
+def test_processed_counts_the_packs(two_layer_model_dir):
+    """With one mini-batch per column, the processed positions are exactly the two plans' packs."""
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    features = _features(model, n=40)
+    built = build_loss(model, CachedMNRLLossConfig(), 40)
+    with torch.no_grad():
+        built.module([dict(f) for f in features], None)
+    cost = attention_cost(model[0].auto_model.config)
+    plans = [plan_packing(f["attention_mask"].sum(1).tolist(), cost) for f in features]
+    assert built.token_counts.processed == sum(p.packs * p.pack_width for p in plans)
+    assert built.token_counts.real == sum(p.real for p in plans)
+    padded = sum(f["attention_mask"].numel() for f in features)
+    assert built.token_counts.processed < 0.8 * padded  # lengths 1..35 words: much padding removed
+
+
+@pytest.mark.parametrize("mbs", [3, 7])
+def test_dropout_cached_packed_equals_plain_packed(tiny_dropout_model_dir, mbs):
+    """With dropout on, the cached loss replays each packed mini-batch (same packing, same RNG state)
+    in its gradient pass: it equals embedding the same packed mini-batches once with gradients from
+    the same seed and applying the plain loss to them."""
+    model = SentenceTransformer(str(tiny_dropout_model_dir), device="cpu")
+    model.train()
+    features = _features(model, n=14)
+    n = 14
+    cached = build_loss(model, CachedMNRLLossConfig(), mbs, sort_by_length=False, unpad=True)
+    unpadding = cached.unpadding
+
+    model.zero_grad()
+    torch.manual_seed(123)
+    reps = []
+    for feat in features:
+        chunks = []
+        for b in range(0, n, mbs):
+            mb = _create_minibatch(feat, b, b + mbs)
+            plan = plan_packing(mb["attention_mask"].sum(1).tolist(), unpadding.cost_per_width)
+            with packed_encoder(model, plan, unpadding):
+                chunks.append(model(mb)["sentence_embedding"])
+        reps.append(torch.cat(chunks))
+    ref_loss = MultipleNegativesRankingLoss(model).compute_loss_from_embeddings(reps, None)
+    ref_loss.backward()
+    ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    torch.manual_seed(123)
+    loss, grads = _loss_and_grads(model, cached.module, features)
+    assert _rel(loss, ref_loss.detach()) <= 1e-5  # the same masks; only the summation order differs
+    assert _rel(grads, ref_grads) <= 1e-5
+    torch.manual_seed(999)  # dropout is really on: another seed changes the gradients
+    assert _rel(_loss_and_grads(model, cached.module, features)[1], ref_grads) > 1e-3
+
+
+def test_pack_rows_fits_every_row_once():
+    lengths = [7, 1, 30, 12, 12, 5, 29, 3, 16, 16, 2]
+    for capacity in (30, 31, 45, 60, 200):
+        packs = pack_rows(lengths, capacity)
+        assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in p) <= capacity for p in packs)
+    assert pack_rows(lengths, 200) == [[2, 6, 8, 9, 3, 4, 0, 5, 7, 10, 1]]  # one pack, longest first
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_rows(lengths, 29)
+
+
+def test_plan_round_trip_and_cost():
+    """Packing a padded tensor and scattering it back restores every real position (padding -> 0);
+    the chosen packing never costs more than padding."""
+    lengths = [9, 3, 3, 8, 1, 6, 2, 9, 4]
+    rows, width = len(lengths), max(lengths)
+    plan = plan_packing(lengths, 0.01)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    values = torch.randn(rows, width, 5) * mask[..., None]
+    packed = values.reshape(rows * width, 5)[plan.gather].view(plan.packs, plan.pack_width, 5)
+    back = packed.reshape(-1, 5)[plan.scatter].view(rows, width, 5) * mask[..., None]
+    assert torch.equal(back, values)
+    # each packed position holds its row's token at the right position
+    for p in range(plan.packs):
+        for j in range(plan.pack_width):
+            r = int(plan.segments[p, j])
+            if r >= 0:
+                assert int(plan.gather[p * plan.pack_width + j]) == r * width + int(plan.positions[p, j])
+    assert plan.real == sum(lengths)
+    assert plan.processed * (1 + 0.01 * plan.pack_width) <= rows * width * (1 + 0.01 * width)
+    assert plan_packing(lengths, 0.0).processed == sum(lengths)  # attention free: one full pack is cheapest
+
+
+@pytest.fixture(scope="module")
+def t5_model_dir(tiny_model_dir, tmp_path_factory):
+    """A tiny T5 encoder (relative position buckets, no position_ids argument) + mean pooling."""
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+    folder = tmp_path_factory.mktemp("t5")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tokenizer.save_pretrained(folder / "hf")
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, dropout_rate=0.0
+    )
+    T5EncoderModel(config).save_pretrained(folder / "hf")
+    model = SentenceTransformer(modules=[Transformer(str(folder / "hf"), max_seq_length=32), Pooling(32, "mean")])
+    model.save(str(folder / "st"))
+    return folder / "st"
+
+
+def test_unsupported_model_falls_back(t5_model_dir):
+    model = SentenceTransformer(str(t5_model_dir), device="cpu")
+    model.train()
+    features = _features(model)
+    auto = build_loss(model, CachedMNRLLossConfig(), 5, unpad="auto")
+    assert not auto.unpadding.enabled
+    assert "packing unsupported: T5EncoderModel takes no position_ids" in auto.unpadding.description
+    off = build_loss(model, CachedMNRLLossConfig(), 5, unpad=False)
+    loss, grads = _loss_and_grads(model, auto.module, features)
+    ref_loss, ref_grads = _loss_and_grads(model, off.module, features)
+    assert _rel(loss, ref_loss) == 0 and _rel(grads, ref_grads) == 0
+    assert auto.token_counts.processed == off.token_counts.processed  # sorted padding, counted as before
+    with pytest.raises(ModelRefused, match="batch.unpad: true, but this model cannot run packed rows"):
+        resolve_unpad(model, True)
+
+
+def test_roberta_style_positions_pack(tmp_path):
+    """A RoBERTa model numbers positions from padding_idx + 1: packed rows get the same offset."""
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoTokenizer, RobertaConfig, RobertaModel
+
+    tiny = make_tiny_model(tmp_path / "bert")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    tokenizer.save_pretrained(tmp_path / "hf")
+    torch.manual_seed(0)
+    config = RobertaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=80,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    RobertaModel(config).save_pretrained(tmp_path / "hf")
+    model = SentenceTransformer(modules=[Transformer(str(tmp_path / "hf"), max_seq_length=32), Pooling(32, "mean")])
+    unpadding = resolve_unpad(model, True)
+    assert unpadding.enabled and unpadding.position_offset == tokenizer.pad_token_id + 1
+    features = _features(model)
+    ref = _loss_and_grads(model, build_loss(model, CachedMNRLLossConfig(), 6, unpad=False).module, features)
+    got = _loss_and_grads(model, build_loss(model, CachedMNRLLossConfig(), 6, unpad=True).module, features)
+    assert _rel(got[0], ref[0]) <= 1e-5 and _rel(got[1], ref[1]) <= 1e-5
+
+
+def _cfg(write_config, pairs_file, model_dir, tmp_path, unpad) -> str:
+    return str(
+        write_config(
+            {
+                "model": {"name_or_path": str(model_dir), "device": "cpu", "max_seq_length": 32},
+                "data": {"train": str(pairs_file(distinct_pairs(16)))},
+                "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4, "unpad": unpad},
+                "train": {"max_steps": 1, "output_dir": str(tmp_path / "run"), "logging_steps": 1},
+            }
+        )
+    )
+
+
+def test_validate_and_train_say_which_path(tiny_model_dir, t5_model_dir, write_config, pairs_file, tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, tiny_model_dir, tmp_path, "auto")])
+    assert r.exit_code == 0, r.output
+    assert "attention: packed rows, no padding (sdpa attention" in r.output
+    r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, t5_model_dir, tmp_path, True)])
+    assert r.exit_code == 2 and "batch.unpad: true, but this model cannot run packed rows" in r.output
+    r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, tiny_model_dir, tmp_path, "maybe")])
+    assert r.exit_code == 2 and "batch.unpad" in r.output and "Traceback" not in r.output
+
+    r = runner.invoke(app, ["train", _cfg(write_config, pairs_file, tiny_model_dir, tmp_path, "auto")])
+    assert r.exit_code == 0, r.output
+    assert "attention: packed rows, no padding" in r.output
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert summary["attention"]["unpadded"] is True
+    # distinct_pairs' texts differ by a digit or two: packing leaves (almost) no padding
+    assert summary["throughput"]["padded_share"] <= 0.05
