@@ -367,6 +367,7 @@ def probe_minibatch_cmd(
         max_size=max_size,
         margin=margin,
         max_memory=budget,
+        strategy=cfg.distributed.strategy if cfg else "ddp",
         on_trial=lambda r: console.print(
             f"  tried {f'{r.num_tokens} tokens' if r.num_tokens else r.size}: {'fits' if r.fits else 'does not fit'}",
             highlight=False,

@@ -14,6 +14,7 @@ probe measures it in the worst case instead of guessing:
 * :func:`probe_token_budget` turns the answer into a token budget (``batch.mini_batch_num_tokens``,
   :mod:`cembed.token_budget`): rows x tokens per row of the worst case, confirmed by a trial run at
   that budget.
+* :mod:`cembed.probe_setup` says what the trials measured (precision, LoRA, checkpointing, FSDP).
 * :func:`run_probe` picks the runner and the budget; :func:`resolve_auto` fills
   ``batch.mini_batch_size: auto`` (and the token budget). Both ask the loss config whether it uses
   gradient caching.
@@ -30,6 +31,7 @@ from cembed.model import resolve_device
 from cembed.outputs import parse_bytes  # noqa: F401 - the CLI and callers read sizes through the probe
 from cembed.precision import enable_tf32, resolve_precision
 from cembed.probe_ranks import agree_across_ranks, per_rank_peaks
+from cembed.probe_setup import describe_setup, resolved_model_config  # noqa: F401 - the CLI resolves here
 from cembed.probe_trials import (
     CudaTrial,
     SubprocessTrial,
@@ -86,6 +88,7 @@ class ProbeResult:
         max_fit_num_tokens: the largest budget that fits in the worst case, ``max_fit x
             tokens_per_row`` (every budget below ``(max_fit + 1) x tokens_per_row`` cuts the same
             mini-batches of full-length rows).
+        measured: the trials' setup (:func:`cembed.probe_setup.trial_setup`) with ``strategy``, ``ranks``.
     """
 
     recommended: int
@@ -104,6 +107,7 @@ class ProbeResult:
     tokens_per_row: int | None = None
     recommended_num_tokens: int | None = None
     max_fit_num_tokens: int | None = None
+    measured: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -282,6 +286,8 @@ def run_probe(
     world_size: int = 1,
     sort_by_length: bool = True,
     token_budget: bool = True,
+    strategy: str = "ddp",
+    ranks: int = 1,
 ) -> ProbeResult:
     """Probe ``mini_batch_size`` for ``model_cfg`` on ``device`` (auto | cpu | cuda), then (with
     ``token_budget``) the token budget ``mini_batch_num_tokens`` (:func:`probe_token_budget`).
@@ -301,6 +307,8 @@ def run_probe(
             ``gather_across_devices``, else 1): the trials' loss stage scores that many.
         sort_by_length: the loss sorts columns by length (its sorted feature copies are measured).
         token_budget: also measure the token budget (one more trial).
+        strategy, ranks: ``distributed.strategy`` and the world size: FSDP's sharding is not
+            measured (a trial holds the whole model), the result says what it would save.
 
     Returns:
         The :class:`ProbeResult`, with ``recommended`` (and ``recommended_num_tokens``) agreed
@@ -362,19 +370,9 @@ def run_probe(
         if result.recommended_num_tokens is not None:
             result.recommended_num_tokens = agreed * result.tokens_per_row
     result.device = dev
-    result.notes = result.notes + notes
+    result.measured = {**(getattr(trial, "setup", None) or {}), "strategy": strategy, "ranks": ranks}
+    result.notes = result.notes + notes + describe_setup(result.measured)  # what the trials measured
     return result
-
-
-def resolved_model_config(model_cfg):
-    """``model_cfg`` (a :class:`cembed.config.ModelConfig`) with ``precision: auto`` replaced by the
-    precision it resolves to on ``model_cfg.device`` (``probe-minibatch`` without a plan).
-
-    Raises:
-        UserError: see :func:`resolve_precision`; cuda requested without a GPU.
-    """
-    resolved = resolve_precision(model_cfg.precision, resolve_device(model_cfg.device))
-    return model_cfg.model_copy(update={"precision": resolved.precision})
 
 
 def summary_record(result: ProbeResult) -> dict:
@@ -400,13 +398,14 @@ def resolve_auto(
     max_memory: str | None = None,
     margin: float = DEFAULT_MARGIN,
     sort_by_length: bool = True,
+    strategy: str = "ddp",
 ):
     """Fill ``plan.mini_batch_size`` and ``plan.mini_batch_num_tokens`` when the config says
     ``batch.mini_batch_size: auto``.
 
     Probes on ``plan.device`` for ``plan.per_device_train_batch_size`` rows of ``n_columns`` texts
     (anchor, positive and the hard-negative columns), with the loss stage over the candidates of
-    ``plan.world_size`` ranks when the plan gathers them, and returns ``(plan with the recommended
+    ``plan.world_size`` ranks when the plan gathers them (``strategy``: ``distributed.strategy``), and returns ``(plan with the recommended
     size, token budget and run-summary record, ProbeResult)``. A token budget the config sets
     (``plan.mini_batch_num_tokens``) is kept and not probed. A plan whose size is already set comes
     back unchanged with ``None``; so does a loss without mini-batches (its size becomes the batch
@@ -436,6 +435,8 @@ def resolve_auto(
         world_size=plan.world_size if plan.gather_across_devices else 1,
         sort_by_length=sort_by_length,  # default True: the sorted copies counted (the larger case)
         token_budget=plan.mini_batch_num_tokens is None,
+        strategy=strategy,
+        ranks=plan.world_size,
     )
     if result.cuda_context_lost:
         raise UserError(

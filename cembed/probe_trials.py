@@ -132,7 +132,15 @@ def _trial_child(spec: TrialSpec, size: int, conn, num_tokens: int | None = None
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 + offset
-        conn.send({"peak": int(peak), "sps": ran.samples_per_s, "rows": ran.rows, "width": ran.tokens_per_row})
+        conn.send(
+            {
+                "peak": int(peak),
+                "sps": ran.samples_per_s,
+                "rows": ran.rows,
+                "width": ran.tokens_per_row,
+                "setup": ran.setup,
+            }
+        )
     except UserError as err:
         conn.send({"user_error": str(err)})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which classifies it
@@ -193,6 +201,7 @@ class SubprocessTrial:
         import multiprocessing as mp
 
         self.spec = spec
+        self.setup: dict | None = None  # the last trial's cembed.probe_setup.trial_setup
         self.kill_above = kill_above_bytes
         self.timeout_s = timeout_s
         if spec.device == "cpu":
@@ -240,6 +249,7 @@ class SubprocessTrial:
             if not msg["device_failure"]:
                 raise RuntimeError(f"probe trial at mini_batch_size={size} failed: {msg['error']}")
             return TrialOutcome(error=msg["error"])
+        self.setup = msg.get("setup") or self.setup
         return TrialOutcome(msg["peak"], msg["sps"], rows=msg["rows"], tokens_per_row=msg["width"])
 
 
@@ -262,6 +272,7 @@ class CudaTrial:
         self.spec = spec
         self.model = model
         self.fallback: SubprocessTrial | None = None
+        self.setup: dict | None = None  # the last trial's cembed.probe_setup.trial_setup
         self.poisoned = False
         self.device_index = torch.cuda.current_device()  # the rank's GPU (set by init_distributed)
 
@@ -291,6 +302,7 @@ class CudaTrial:
                 num_tokens,
             )
             peak = torch.cuda.max_memory_reserved() + _cuda_other_bytes()
+            self.setup = ran.setup
             return TrialOutcome(int(peak), ran.samples_per_s, rows=ran.rows, tokens_per_row=ran.tokens_per_row)
         except Exception as exc:
             if not is_device_failure(exc):

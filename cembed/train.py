@@ -138,21 +138,20 @@ def prepare_output(
     return run
 
 
-def resolve_runtime(
-    cfg: CembedConfig, plan: Plan, data: PreparedData, console, max_memory: str | None
-) -> tuple[str, Plan]:
+def resolve_runtime(cfg: CembedConfig, plan: Plan, data: PreparedData, console, max_memory: str | None):
     """Join the process group and pick this rank's device, then probe ``mini_batch_size: auto``
     there (after the group exists, so every rank agrees on the minimum).
 
-    Returns:
-        ``(device, plan with mini_batch_size set)``; device is ``cpu``, ``cuda`` or ``cuda:<local rank>``.
+    Returns ``(device, plan with mini_batch_size set)``; device is ``cpu``, ``cuda`` or ``cuda:<local rank>``.
     """
     device = init_distributed(plan.device, cfg.distributed.timeout_minutes)
     if plan.tf32:  # fp32 matmuls (the loss stage too) on TF32 tensor cores, the probe included
         enable_tf32()
     if plan.mini_batch_size is None:
         report.print_probe_start(console, plan.device)
-    plan, probe = resolve_auto(plan, cfg.model, cfg.loss, len(data.columns), max_memory)
+    plan, probe = resolve_auto(
+        plan, cfg.model, cfg.loss, len(data.columns), max_memory, strategy=cfg.distributed.strategy
+    )
     if probe is not None:
         report.print_probe(console, probe)
     return device, plan

@@ -28,6 +28,7 @@ class WorstCase:
     samples_per_s: float
     rows: int
     tokens_per_row: int
+    setup: dict | None = None  # cembed.probe_setup.trial_setup: precision, LoRA, checkpointing, state bytes
 
 
 def worst_case_step(
@@ -84,11 +85,12 @@ def worst_case_step(
     Returns:
         A :class:`WorstCase`: the estimated rows per second of a full cached step (``n_columns``
         no-grad and with-grad embeddings per row plus the loss stage), the mini-batch's rows and the
-        tokens per row.
+        tokens per row, and the setup it ran with (:func:`cembed.probe_setup.trial_setup`).
     """
     import torch
 
     from cembed.losses import build_loss, simulated_gather
+    from cembed.probe_setup import trial_setup
 
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -167,4 +169,5 @@ def worst_case_step(
     sync()
     del reps, features, sorted_copies, optimizer, loss
     per_row = n_columns * (t_nograd + t_grad) / mini + t_loss / batch_size
-    return WorstCase(float(1.0 / per_row) if per_row > 0 else float("nan"), mini, width)
+    setup = trial_setup(model, precision)
+    return WorstCase(float(1.0 / per_row) if per_row > 0 else float("nan"), mini, width, setup)

@@ -3,9 +3,10 @@
 loss, replayed forward + backward) on all-MiniLM-L6-v2, eager vs ``torch.compile``'d model (what the
 trainer's ``torch_compile`` does: inductor over the whole model), on real COCO caption pairs.
 
-Prints the one-off compile time (first step) and the median of the later steps for both. Widths
-are padded to a multiple of ``--pad-multiple`` (what ``batch.pad_to_multiple_of`` does), which bounds
-the shapes the compiled graph sees.
+Prints the one-off compile time (first step) and the median of the later steps for both, with
+padded mini-batches (``batch.unpad: false``; widths padded to a multiple of ``--pad-multiple``, what
+``batch.pad_to_multiple_of`` does, which bounds the shapes the compiled graph sees) and with packed
+rows (``batch.unpad: auto``, the default; the packs' widths vary per mini-batch).
 
 Usage: ``python scripts/bench_compile.py [--batch 256] [--mini 64] [--seq 64] [--steps 6]``
 """
@@ -61,7 +62,7 @@ def batches(model, n_batches: int, batch: int, pad_multiple: int):
     return out
 
 
-def run(compiled: bool, args) -> dict:
+def run(compiled: bool, unpad: bool, args) -> dict:
     from sentence_transformers.base.trainer import BaseTrainer  # noqa: F401  (import cost outside timing)
 
     from cembed.config import ModelConfig, loss_config
@@ -71,7 +72,7 @@ def run(compiled: bool, args) -> dict:
     torch.manual_seed(0)
     model = load_model(ModelConfig(max_seq_length=args.seq, device="cpu"), "cpu")
     data = batches(model, args.steps, args.batch, args.pad_multiple)
-    loss = build_loss(model, loss_config(), args.mini).module
+    loss = build_loss(model, loss_config(), args.mini, unpad=unpad).module
     if compiled:
         # As the trainer does with torch_compile=True: the loss gets the compiled wrapper.
         loss.model = torch.compile(model)
@@ -116,11 +117,12 @@ def main() -> None:
     print(
         f"all-MiniLM-L6-v2, batch {args.batch}, mini-batch {args.mini}, max_seq_length {args.seq}, widths padded to x{args.pad_multiple}, {args.steps} steps, CPU {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
-    for compiled in (False, True):
-        r = run(compiled, args)
-        print(
-            f"{'compiled' if compiled else 'eager   '}: first step {r['first_step_s']} s, later steps median {r['later_median_s']} s, losses {r['losses']}, dropout replay max |diff| {r['replay_max_abs_diff']}"
-        )
+    for unpad in (False, True):  # padded mini-batches (batch.unpad: false), packed rows (the default)
+        for compiled in (False, True):
+            r = run(compiled, unpad, args)
+            print(
+                f"{'packed' if unpad else 'padded'} {'compiled' if compiled else 'eager   '}: first step {r['first_step_s']} s, later steps median {r['later_median_s']} s, losses {r['losses']}, dropout replay max |diff| {r['replay_max_abs_diff']}"
+            )
 
 
 if __name__ == "__main__":

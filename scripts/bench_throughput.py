@@ -197,7 +197,8 @@ def section_step(args, cache: Path) -> None:
                 times[label].append(time.perf_counter() - t0)
                 losses[label] = float(value.detach())
                 if counts is not None:
-                    padding[label] = 1 - counts.real / counts.processed
+                    real, processed, _ = counts.read()
+                    padding[label] = 1 - real / processed
         s_real, s_proc = processed_positions(stock_feats, mbs, sort=False)
         padding["stock"] = 1 - s_real / s_proc
         ts = median(times["stock"])
