@@ -28,6 +28,7 @@ arXiv:2204.02311, App. B). Capacity 1x the longest row never costs more than pad
 from __future__ import annotations
 
 import inspect
+import math
 from bisect import bisect_left, insort
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from cembed.errors import ModelRefused
 
 # Multiples of the longest row tried as pack capacity (stopping once one pack holds every row).
 CAPACITY_FACTORS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
+# Headroom over an even split of the tokens, so best-fit can place rows that do not divide evenly.
+BALANCE_SLACK = (0.0, 0.01, 0.02, 0.04, 0.08)
 # Keys a packed column may carry besides its per-token tensors: sentence-transformers' bookkeeping.
 _PASSTHROUGH_KEYS = frozenset({"modality", "prompt_length", "task"})
 
@@ -125,22 +128,24 @@ def attention_cost(config) -> float:
 
 
 def _choose_packs(lengths: Sequence[int], cost_per_width: float) -> tuple[list[list[int]], int]:
-    """The packs (and their width) of least estimated cost over the capacities tried."""
+    """The packs (and their width) of least estimated cost over the capacities tried: multiples of
+    the longest row (``CAPACITY_FACTORS``) and, for each, the balanced capacity that splits the
+    tokens evenly over the same number of packs (plus ``BALANCE_SLACK``), since every pack is padded
+    to the fullest one's width."""
     longest, total = max(lengths), sum(lengths)
-    best: tuple[float, list[list[int]], int] | None = None
-    tried: set[int] = set()
+    capacities: set[int] = set()
     for factor in CAPACITY_FACTORS:
         capacity = min(max(longest, int(longest * factor)), total)
-        if capacity in tried:
-            continue
-        tried.add(capacity)
+        capacities.add(capacity)
+        balanced = max(longest, math.ceil(total / math.ceil(total / capacity)))
+        capacities.update(min(total, int(balanced * (1 + slack))) for slack in BALANCE_SLACK)
+    best: tuple[float, list[list[int]], int] | None = None
+    for capacity in sorted(capacities):
         packs = pack_rows(lengths, capacity)
         width = max(sum(lengths[i] for i in p) for p in packs)
         cost = len(packs) * width * (1.0 + cost_per_width * width)
         if best is None or cost < best[0]:
             best = (cost, packs, width)
-        if capacity >= total:
-            break
     assert best is not None
     return best[1], best[2]
 
