@@ -15,12 +15,15 @@ through accelerate and the trainer's ``fsdp`` options.
 
 Per-mini-batch backward of the cached loss (GradCache): the replay runs one backward per
 mini-batch. Under DDP sentence-transformers wraps all but the last in ``no_sync`` (one all-reduce of
-the full gradients per step). Under FSDP2 nothing is deferred: each mini-batch's backward
-reduce-scatters its gradients into the sharded ``.grad``, so no
-rank ever holds more than one layer's unsharded gradient. Deferring (``set_requires_gradient_sync(False)``
-until the last mini-batch) would hold the whole unsharded gradient on every rank, the memory FSDP is
-chosen to save, in exchange for one reduce-scatter per step instead of one per mini-batch.
-``scripts/bench_fsdp.py`` measures both.
+the gradients per step). Under FSDP2 nothing is deferred: each mini-batch's backward reduce-scatters
+its gradients into the sharded ``.grad`` (cembed's choice), so the gradients stay 1/N per rank all
+step. Deferring (``set_requires_gradient_sync(False)`` until the last mini-batch) would hold the
+whole unsharded gradient on every rank, the memory FSDP is chosen to save, in exchange for one
+reduce-scatter per step instead of n; the parameter all-gathers (2 x n x P per step) dominate the
+traffic either way (measured by ``scripts/bench_fsdp.py``: 1.2x the bytes at n = 2, 1.4x at n = 8).
+The replay's forward runs inside the loss's backward, where FSDP2 keeps parameters gathered after
+forward (``FSDPParamGroup.post_forward`` reshards only ``if not is_bw()``), so while a mini-batch is
+replayed a rank holds all parameters gathered.
 """
 
 from __future__ import annotations

@@ -210,6 +210,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     if plan.world_size > 1:
         distributed = {
             "world_size": plan.world_size,
+            "strategy": cfg.distributed.strategy,  # fsdp: parameters, gradients, optimizer state sharded
             "backend": backend_for(plan.device),
             "gather_across_devices": plan.gather_across_devices,
             # The sampler only yields whole global batches and these never get a gradient, so DDP
