@@ -110,7 +110,8 @@ def gathered_model(trainer, build):
     (the gather is a collective); rank 0 gets ``build(device)`` (a freshly loaded model of the same
     architecture, on ``trainer.args.device``) with the full state dict loaded into it (strict: every
     key must match) and the trained model's model card data (the trainer's hyperparameters); the
-    other ranks get ``trainer.model`` back, still sharded (never run a forward on it alone).
+    other ranks get None (their sharded ``trainer.model`` must not run a forward, or merge LoRA
+    adapters, alone: either is a collective).
 
     Args:
         trainer: the trainer after ``train()``.
@@ -123,7 +124,7 @@ def gathered_model(trainer, build):
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, the others {}
     state = get_model_state_dict(trainer.model, options=options)
     if not trainer.accelerator.is_main_process:
-        return trainer.model
+        return None
     model = build(trainer.args.device)
     model.load_state_dict(state, strict=True)
     card = trainer.model.model_card_data

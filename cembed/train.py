@@ -352,10 +352,11 @@ def write_summary(
     trainer, log, state = run.trainer, run.log, run.trainer.state
     is_main = dist_info().is_main
     model = gathered_model(trainer, run.build_model)  # the best checkpoint with eval.metric_for_best_model
-    add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
-    lora = adapter_facts(model) | {"merged": plan.lora_merge} if is_lora(model) else None
-    finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
-    cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
+    lora = adapter_facts(trainer.model) | {"merged": plan.lora_merge} if is_lora(trainer.model) else None
+    if model is not None:  # FSDP: rank 0 alone holds the gathered model (the others save nothing)
+        add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
+        finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
+        cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
     if is_main:
         save_model_atomic(model, run_dir.out)
     with trainer.eval_precision():  # as before and during training

@@ -7,7 +7,8 @@ trainer (FSDP2 ``fully_shard`` via accelerate; cembed.fsdp hands accelerate the 
 - Checkpoints are sharded (torch.distributed.checkpoint folders, one file per rank, no full
   ``model.safetensors``); resuming from checkpoint-1 ends with the same weights as the
   uninterrupted run; the final folder is a full model that ``SentenceTransformer(path)`` loads.
-- bf16 with gradient checkpointing trains under FSDP (FSDP's bf16 mixed-precision policy).
+- bf16 with gradient checkpointing and LoRA trains under FSDP (FSDP's bf16 mixed-precision policy);
+  the final folder has the adapters merged.
 
 One pair of spawned processes runs every 2-rank case (module fixture).
 """
@@ -25,6 +26,7 @@ from conftest import join_gloo_rank
 
 WORLD = 2
 ROWS = 8
+LORA = {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["query", "value"]}
 
 
 def _free_port() -> int:
@@ -114,7 +116,7 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     checkpoint = str(tmp_path / "fsdp" / "checkpoint-1")
     _run(_config(tmp_path, model_path, WORLD, "resumed"), tmp_path, trainer_cls, resume_from=checkpoint)
     summary = _run(
-        _config(tmp_path, model_path, WORLD, "bf16", precision="bf16", gradient_checkpointing=True),
+        _config(tmp_path, model_path, WORLD, "bf16", precision="bf16", gradient_checkpointing=True, lora=LORA),
         tmp_path,
         trainer_cls,
     )
@@ -202,11 +204,17 @@ def test_fsdp_final_folder_is_a_full_loadable_model(fsdp_results, tiny_model_dir
     shutil.rmtree(tmp / "one-process", ignore_errors=True)
 
 
-def test_fsdp_bf16_with_gradient_checkpointing_trains(fsdp_results):
-    _, results = fsdp_results
+def test_fsdp_bf16_with_gradient_checkpointing_and_lora_trains(fsdp_results, tiny_model_dir):
+    """bf16 + gradient checkpointing + LoRA under FSDP: trains, and the final folder holds the
+    adapters merged into full weights (only the adapted query/value matrices changed)."""
+    tmp, results = fsdp_results
     bf16 = results[0]["bf16"]
     assert bf16["param_dtype"] == "torch.bfloat16"  # FSDP computes in bf16 ...
     assert bf16["storage_dtype"] == "torch.float32"  # ... on fp32 sharded master weights
     fp32 = results[0]["losses"]
-    assert len(bf16["losses"]) == 2 and all(abs(a[1] - b[1]) < 0.05 for a, b in zip(bf16["losses"], fp32))
+    assert len(bf16["losses"]) == 2 and abs(bf16["losses"][0][1] - fp32[0][1]) < 0.05  # step 1: the same model
     assert results[1]["bf16"]["losses"] == bf16["losses"]  # the logged loss is the same on both ranks
+    merged, initial = _weights(tmp / "bf16"), _weights(Path(tiny_model_dir))
+    assert merged.keys() == initial.keys() and not (tmp / "bf16" / "adapter_model.safetensors").exists()
+    changed = {k for k in initial if not torch.equal(merged[k].float(), initial[k].float())}
+    assert changed and all(".query.weight" in k or ".value.weight" in k for k in changed), changed
