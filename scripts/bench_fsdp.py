@@ -13,12 +13,17 @@ and positive each cut into ``n / 2``) and each mode:
 - ``fsdp-deferred``: as ``fsdp``, but all but the last mini-batch run with
   ``set_requires_gradient_sync(False)``: FSDP accumulates unsharded gradients, one reduce-scatter
   per step.
+- ``fsdp-reshard-replay``: as ``fsdp``, plus a forward hook that reshards each layer unit after its
+  replay forward (see below; not what cembed does): a what-if for the gathered-parameter peak.
+
+Every mode trains the same data from the same weights: the last column is the largest difference of
+any weight from DDP's after the steps (exactness check).
 
 Measured per rank (rank 0), on the last step: bytes of parameters (this rank's shards), the most
 parameter bytes FSDP holds gathered at once, gradients held between mini-batches (the largest over
-the step), gradients after the step's backward, AdamW state; the growth of the process's peak RSS
-over the step (``ru_maxrss``; CPU has no allocator statistics like ``torch.cuda.max_memory_allocated``,
-so this is coarse); each collective's calls and payload bytes (``torch.distributed``'s Python
+the step), gradients after the step's backward, AdamW state (counted from the tensors: CPU has no
+allocator statistics like ``torch.cuda.max_memory_allocated``, and the process's peak RSS is set by
+loading, not by the step); each collective's calls and payload bytes (``torch.distributed``'s Python
 functions wrapped: FSDP2 issues ``all_gather_single`` / ``reduce_scatter_single``, the gathered loss
 ``all_gather``; DDP's reducer goes through ``all_reduce`` once its default comm hook is registered).
 
@@ -36,6 +41,9 @@ reduce-scatter, 2(W-1)/W for an all-reduce):
   Gradients held T*b/W, AdamW 2*T*b/W, parameters P*b/W between mini-batches.
 - FSDP deferred: the same all-gathers; reduce-scatter T*b once per step; but T*b of unsharded
   gradients held from the first mini-batch's backward to the step's last (as DDP).
+- FSDP reshard-replay: as FSDP per mini-batch, but each layer unit is gathered a third time per
+  mini-batch (for its backward): all-gather 3*n*P_l*b + 2*n*P_r*b (P_r: the root unit's embeddings
+  and pooler, P_l = P - P_r), and at most about one layer unit plus the root gathered at once.
 
 The table prints the measurement next to the formula. Usage:
 ``python scripts/bench_fsdp.py [--hidden 128] [--layers 4] [--rows 16] [--steps 2]``
@@ -47,7 +55,6 @@ import argparse
 import inspect
 import json
 import os
-import resource
 import socket
 import sys
 import tempfile
@@ -55,7 +62,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("ddp", "fsdp", "fsdp-deferred")
+MODES = ("ddp", "fsdp", "fsdp-deferred", "fsdp-reshard-replay")
 COLLECTIVES = (
     "all_gather_single",
     "all_gather_into_tensor",
@@ -178,6 +185,25 @@ def _replay_context(mode: str, held: list):
     gc._ddp_replay_context = context
 
 
+def _reshard_in_backward(module, inputs, output):
+    """After FSDP's own post-forward hook: reshard a unit whose forward ran inside a backward (the
+    replay), which FSDP2 leaves gathered; its pre-backward hook gathers it again when needed."""
+    import torch
+
+    if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+        module.reshard()
+    return output
+
+
+def _weights(model) -> list[float]:
+    """Every parameter's full values, flattened (a collective under FSDP: all ranks call it)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    flat = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten() for p in model.parameters()]
+    return torch.cat(flat).tolist()
+
+
 def _worker(rank: int, args, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -213,6 +239,9 @@ def _worker(rank: int, args, port: int, out: str) -> None:
         for layer in model[0].auto_model.encoder.layer:
             fully_shard(layer, reshard_after_forward=True)
         wrapped = fully_shard(model, reshard_after_forward=True)
+        if args.mode == "fsdp-reshard-replay":
+            for layer in model[0].auto_model.encoder.layer:
+                layer.register_forward_hook(_reshard_in_backward)
     loss = CachedMultipleNegativesRankingLoss(
         model, mini_batch_size=args.rows // (args.n // 2), gather_across_devices=True
     )
@@ -227,11 +256,9 @@ def _worker(rank: int, args, port: int, out: str) -> None:
         ]
         return model.tokenize(texts)
 
-    rss = []
     for step in range(args.steps):
         held.clear()
         batch = [features(step, "a"), features(step, "the")]
-        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         counts["on"] = counts["unsharded"]["on"] = step == args.steps - 1  # the last step (optimizer state exists)
         value = loss(batch, torch.arange(args.rows))
         value.backward()
@@ -239,7 +266,7 @@ def _worker(rank: int, args, port: int, out: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         counts["on"] = counts["unsharded"]["on"] = False
-        rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before)
+    weights = _weights(wrapped)
     opt_bytes = _local_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
     result = {
         "mode": args.mode,
@@ -251,10 +278,10 @@ def _worker(rank: int, args, port: int, out: str) -> None:
         "grad_bytes_held_max": max(held) if held else 0,
         "grad_bytes_after_backward": grads_after,
         "optimizer_bytes": opt_bytes,
-        "peak_rss_growth_kib": rss[-1],
         "minibatch_backwards": len(held),
         "max_gathered_param_bytes": counts["unsharded"].get("max", 0),
         "collectives": {k: v for k, v in counts.items() if k not in ("on", "unsharded")},
+        "weights": weights,
     }
     if rank == 0:
         Path(out).write_text(json.dumps(result))
@@ -268,11 +295,11 @@ def _analytic(mode: str, n: int, P: int, P_root: int, T: int, W: int = 2, b: int
         return dict(params=P * b, grads=T * b, adam=2 * T * b, all_reduce=T * b, reduce_scatter=0, all_gather=0)
     return dict(
         params=P * b // W,
-        grads=T * b // W if mode == "fsdp" else T * b,
+        grads=T * b if mode == "fsdp-deferred" else T * b // W,
         adam=2 * T * b // W,
         all_reduce=0,
-        reduce_scatter=(n if mode == "fsdp" else 1) * T * b,
-        all_gather=2 * n * P * b,
+        reduce_scatter=(1 if mode == "fsdp-deferred" else n) * T * b,
+        all_gather=2 * n * P * b if mode != "fsdp-reshard-replay" else 3 * n * (P - P_root) * b + 2 * n * P_root * b,
     )
 
 
@@ -309,10 +336,11 @@ def main() -> None:
     )
     print(
         "| mode | n | params (sharded) | params gathered at once (max) | grads held (max between mini-batches) | "
-        "grads after backward | AdamW state | peak RSS growth | all-gather calls / KiB | reduce-scatter calls / KiB "
-        "| all-reduce calls / KiB | loss all_gather calls / KiB |"
+        "grads after backward | AdamW state | all-gather calls / KiB | reduce-scatter calls / KiB "
+        "| all-reduce calls / KiB | loss all_gather calls / KiB | max abs weight diff vs DDP |"
     )
     print("|" + "---|" * 12)
+    ddp = {r["n"]: r["weights"] for r in results if r["mode"] == "ddp"}
     for r in results:
         a = _analytic(r["mode"], r["n"], r["params_total"], r["params_root"], r["params_trainable"])
         c = r["collectives"]
@@ -327,10 +355,10 @@ def main() -> None:
             f"| {r['max_gathered_param_bytes'] / kib:,.0f} "
             f"| {r['grad_bytes_held_max'] / kib:,.0f} ({a['grads'] / kib:,.0f}) "
             f"| {r['grad_bytes_after_backward'] / kib:,.0f} | {r['optimizer_bytes'] / kib:,.0f} ({a['adam'] / kib:,.0f}) "
-            f"| {r['peak_rss_growth_kib']:,} "
             f"| {col('all_gather_single', 'all_gather_into_tensor', formula=a['all_gather'])} "
             f"| {col('reduce_scatter_single', 'reduce_scatter_tensor', formula=a['reduce_scatter'])} "
-            f"| {col('all_reduce', formula=a['all_reduce'])} | {col('all_gather')} |"
+            f"| {col('all_reduce', formula=a['all_reduce'])} | {col('all_gather')} "
+            f"| {max(abs(x - y) for x, y in zip(r['weights'], ddp[r['n']])):.1e} |"
         )
 
 
