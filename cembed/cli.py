@@ -50,7 +50,9 @@ def user_errors(fn):
                 if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
                 else ""
             )
-            err_console.print(f"{where}[bold red]error:[/] {err}", highlight=False, markup=True, soft_wrap=True)
+            err_console.print(
+                f"{where}[bold red]error:[/] {escape(str(err))}", highlight=False, markup=True, soft_wrap=True
+            )
             raise typer.Exit(err.exit_code) from None
 
     return wrapper

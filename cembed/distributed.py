@@ -403,21 +403,3 @@ def launch(
         if not isinstance(message, str) or "elastic/errors.html" in message or not message.strip():
             message = "see its output above"
         raise WorkerFailed(rank, failure.exitcode, message.strip()) from None
-
-
-def fsdp_args(layer_classes: list[str]) -> dict:
-    """The trainer's FSDP arguments for ``distributed.strategy: fsdp``: FSDP2 (``fully_shard``), one
-    shard unit per transformer layer (``layer_classes``, the backbone's ``_no_split_modules``),
-    sharded checkpoints (each rank writes its shard; resume reads them), and the full state dict
-    gathered on rank 0 for the final model folder."""
-    return {
-        "fsdp": True,
-        "fsdp_config": {
-            "version": 2,
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": list(layer_classes),
-            "state_dict_type": "SHARDED_STATE_DICT",
-            "reshard_after_forward": True,
-            "cpu_ram_efficient_loading": False,
-        },
-    }

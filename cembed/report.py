@@ -179,7 +179,7 @@ def print_distributed(console: Console, info: dict) -> None:
             if frozen
             else "every parameter receives a gradient, "
         )
-        + "DDP unused-parameter detection off",
+        + f"{'FSDP (sharded)' if info.get('strategy') == 'fsdp' else 'DDP'}, unused-parameter detection off",
         highlight=False,
     )
 

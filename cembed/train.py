@@ -36,6 +36,7 @@ from cembed.data import PreparedData, UnloadedData, prepare_checked_data
 from cembed.distributed import backend_for, dist_info, freeze_unused_parameters, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.flops import build_flop_model
+from cembed.fsdp import gathered_model
 from cembed.lora import adapter_facts, finish_lora, is_lora
 from cembed.losses import build_loss
 from cembed.meter import ThroughputMeter, plot_run
@@ -208,6 +209,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     if plan.world_size > 1:
         distributed = {
             "world_size": plan.world_size,
+            "strategy": cfg.distributed.strategy,  # fsdp: parameters, gradients, optimizer state sharded
             "backend": backend_for(plan.device),
             "gather_across_devices": plan.gather_across_devices,
             # The sampler only yields whole global batches and these never get a gradient, so DDP
@@ -235,6 +237,7 @@ class Run:
     interrupt: InterruptCallback
     batches_per_epoch: int  # per rank = optimizer steps per epoch
     rows_unplaced: int  # rows the no-duplicates sampler could not place in the first epoch
+    build_model: Any = None  # device -> the run's model as first loaded (FSDP's final model is gathered into it)
 
 
 def build_trainer(
@@ -291,7 +294,8 @@ def build_trainer(
             f"{parts.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
             "rows; lower batch.per_device_train_batch_size"
         )
-    return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0))
+    build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
+    return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0), build)
 
 
 def train(run: Run, run_dir: RunDir, base: dict):
@@ -328,13 +332,8 @@ def train(run: Run, run_dir: RunDir, base: dict):
         err = RunInterrupted(run.interrupt.signum, state.global_step, trainer.last_checkpoint)
         if is_main:
             append_log(run_dir.log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
-            stopped = {
-                **base,
-                "status": "interrupted",
-                "steps": state.global_step,
-                "checkpoint": trainer.last_checkpoint,
-            }
-            write_json_atomic(run_dir.summary_path, stopped)
+            stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
+            write_json_atomic(run_dir.summary_path, {**base, **stopped})
         raise err
     if state.global_step == 0:
         raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
@@ -351,11 +350,12 @@ def write_summary(
     """
     trainer, log, state = run.trainer, run.log, run.trainer.state
     is_main = dist_info().is_main
-    model = trainer.model  # the best checkpoint when eval.metric_for_best_model is set
-    add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
-    lora = adapter_facts(model) | {"merged": plan.lora_merge} if is_lora(model) else None
-    finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
-    cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
+    model = gathered_model(trainer, run.build_model)  # the best checkpoint with eval.metric_for_best_model
+    lora = adapter_facts(trainer.model) | {"merged": plan.lora_merge} if is_lora(trainer.model) else None
+    if model is not None:  # FSDP: rank 0 alone holds the gathered model (the others save nothing)
+        add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
+        finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
+        cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
     if is_main:
         save_model_atomic(model, run_dir.out)
     with trainer.eval_precision():  # as before and during training
@@ -426,9 +426,8 @@ def run_training(
     """
     console = console or report.make_console()
     is_main = dist_info().is_main
-    as_run = cfg.model_copy(
-        update={"model": cfg.model.model_copy(update={"precision": plan.precision})}
-    )  # auto resolved
+    # model.precision: auto resolved
+    as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": plan.precision})})
     record = training_record(as_run, plan.samples_per_step, plan.learning_rate, data.dataset)
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)

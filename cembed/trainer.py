@@ -41,6 +41,7 @@ from cembed.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.distributed import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.flops import format_flops
+from cembed.fsdp import enable_fsdp_on_cpu
 from cembed.lora import is_lora, load_adapter_checkpoint
 from cembed.meter import ThroughputMeter
 from cembed.outputs import append_log
@@ -247,7 +248,18 @@ class CembedTrainer(SentenceTransformerTrainer):
             param.grad = None
         return True
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        enable_fsdp_on_cpu(self)  # accelerate drops the FSDP plugin on CPU (cembed.fsdp)
+
     def _load_from_checkpoint(self, checkpoint_path, *args, **kwargs) -> None:
+        # FSDP: the checkpoint holds the ranks' shards (torch.distributed.checkpoint), which only
+        # transformers' own loader reads; sentence-transformers' expects a full model folder.
+        if self.is_fsdp_enabled:
+            from transformers import Trainer
+
+            Trainer._load_from_checkpoint(self, checkpoint_path, *args, **kwargs)
+            return
         # A LoRA checkpoint holds only the adapter (cembed.lora); sentence-transformers' loader
         # would rebuild the model from it through transformers' own PEFT integration instead.
         if is_lora(self.model):

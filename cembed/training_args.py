@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from cembed.config import CembedConfig
-from cembed.distributed import fsdp_args
 from cembed.errors import UserError, first_line
+from cembed.fsdp import fsdp_args
 from cembed.mixture import SourceMix
 from cembed.plan import Plan
 from cembed.sampler import NoDuplicatesSampler

@@ -253,7 +253,7 @@ def test_parameter_counts_of_plain_model(decoder_dir):
 
 def test_fsdp_strategy_reaches_the_trainer(tiny_model_dir, write_config, pairs_file):
     """distributed.strategy: fsdp becomes the trainer's FSDP2 options, one shard unit per layer;
-    ddp (the default) sets none. (FSDP's sharded memory is checked on GPUs by scripts/gpu_check.sh.)"""
+    ddp (the default) sets none. (Sharding, exactness and checkpoints: tests/test_fsdp.py.)"""
     from dataclasses import replace
 
     from cembed.configfile import load_config

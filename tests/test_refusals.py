@@ -82,3 +82,23 @@ def test_small_shm_with_workers_warns(monkeypatch, tmp_path):
         )
     )
     assert any("Bus error" in w for w in plan.warnings)
+
+
+def test_user_error_text_with_brackets_prints_verbatim(capsys):
+    """A message quoting a library's error (gloo: ``[/path/pair.cc:553] Connection closed``) is
+    printed as text, not read as rich markup (a closing tag there raised MarkupError: a traceback)."""
+    import typer
+
+    from cembed.cli import user_errors
+    from cembed.errors import UserError
+
+    message = "run failed: RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:553] Connection closed [bold]x"
+
+    @user_errors
+    def fails():
+        raise UserError(message)
+
+    with pytest.raises(typer.Exit) as stop:
+        fails()
+    assert stop.value.exit_code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
