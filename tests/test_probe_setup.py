@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from cembed.cli import app
 from cembed.config import LoraOptions, ModelConfig, loss_config
 from cembed.model import load_model
-from cembed.probe_setup import describe_setup
+from cembed.probe_setup import describe_setup, fsdp_saved_bytes
 from cembed.worst_case import worst_case_step
 
 HIDDEN = 32  # the tiny BERT's width (conftest.make_tiny_model)
@@ -31,6 +31,11 @@ def test_setup_of_a_lora_checkpointed_model_is_counted_by_hand(tiny_model_dir):
     assert setup["trainable_parameters"] == adapters and setup["parameters"] == base + adapters
     assert setup["weights_dtype"] == "float32" and setup["autocast"] is None
     # fp32 weights (all), fp32 gradients and two AdamW moments (adapters only)
+    assert (setup["weight_bytes"], setup["grad_bytes"], setup["optimizer_bytes"]) == (
+        4 * (base + adapters),
+        4 * adapters,
+        8 * adapters,
+    )
     assert setup["state_bytes"] == 4 * (base + adapters) + 4 * adapters + 8 * adapters
 
 
@@ -40,10 +45,12 @@ def test_setup_of_a_plain_model_under_bf16(tiny_model_dir):
     assert setup["autocast"] == "bf16" and setup["weights_dtype"] == "float32"
     assert setup["lora"] is False and setup["gradient_checkpointing"] is False
     assert setup["trainable_parameters"] == setup["parameters"] == total
+    assert (setup["weight_bytes"], setup["grad_bytes"], setup["optimizer_bytes"]) == (4 * total, 4 * total, 8 * total)
     assert setup["state_bytes"] == 16 * total
 
 
 def test_describe_setup_names_what_was_and_was_not_measured():
+    mib = 2**20
     setup = {
         "weights_dtype": "float32",
         "autocast": "bf16",
@@ -51,19 +58,32 @@ def test_describe_setup_names_what_was_and_was_not_measured():
         "trainable_parameters": 4_096,
         "lora": True,
         "gradient_checkpointing": True,
-        "state_bytes": 4 * 2**20,
+        "weight_bytes": 4 * mib,
+        "grad_bytes": 1 * mib,
+        "optimizer_bytes": 2 * mib,
+        "state_bytes": 7 * mib,
     }
     ddp = describe_setup({**setup, "strategy": "ddp", "ranks": 2})
     assert ddp == [
         "measured with: bf16 autocast over float32 master weights; LoRA adapters (4,096 of 1,000,000 parameters "
         "trainable: gradients and AdamW states for those only); gradient checkpointing on"
     ]
+    why = "gradients and AdamW states sharded, every parameter gathered during the cached loss's replay"
+    head = "not measured: FSDP sharding (distributed.strategy: fsdp); each trial held the whole model (7.0 MiB of "
+    # 4 ranks: (1 - 1/4) x 3 MiB sharded state saved, 4/4 MiB of the rank's own parameter shard added
+    assert fsdp_saved_bytes(setup, 4) == 3 * mib - 3 * mib // 4 - mib == (5 * mib) // 4
     fsdp = describe_setup({**setup, "strategy": "fsdp", "ranks": 4})
-    assert fsdp[0] == ddp[0]
-    assert fsdp[1] == (
-        "not measured: FSDP sharding (distributed.strategy: fsdp); each trial held the whole model (4.0 MiB of "
-        "parameters, gradients and AdamW states), FSDP saves 3.0 MiB on each of 4 ranks, so a rank's peak is at most "
-        "the measured one and the recommendation is conservative"
+    assert fsdp == ddp + [
+        head + f"parameters, gradients and AdamW states); over 4 ranks a rank holds 1.2 MiB less "
+        f"at the peak ({why}), so the recommendation is conservative"
+    ]
+    # 2 ranks: 1.5 MiB saved, 2 MiB added: sharding costs 0.5 MiB at the peak
+    assert fsdp_saved_bytes(setup, 2) == -mib // 2
+    two = describe_setup({**setup, "strategy": "fsdp", "ranks": 2})
+    assert (
+        two[1]
+        == head
+        + f"parameters, gradients and AdamW states); over 2 ranks a rank holds 512.0 KiB MORE than measured at the peak ({why}): leave that headroom"
     )
     assert describe_setup({"strategy": "ddp", "ranks": 1}) == []  # no trial reported a setup
 
