@@ -17,188 +17,25 @@ Which models (:func:`resolve_unpad`): a ``Transformer`` whose model takes ``posi
 ``transformers.masking_utils``), confirmed by embedding a few rows both ways. Flash attention
 ignores a 4D mask; relative-position models may differ: those fall back to sorted padding.
 
-Packing (:func:`plan_packing`): best-fit decreasing bin packing (Johnson 1974) into packs of a
-capacity chosen per mini-batch among multiples of its longest row, minimising the estimated cost
-``packs x width x (1 + width / (2 hidden + intermediate))``: linear layers cost the same per
-position, attention grows with the mask's width; ``width / (2 d_model + d_ff)`` is attention's
-share of a layer's FLOPs per token in the ``6N + 12 L H Q T`` count of PaLM (Chowdhery et al. 2022,
-arXiv:2204.02311, App. B). Capacity 1x the longest row never costs more than padding.
+Packing plans (which rows share a pack, the index tensors): :mod:`cembed.packing`.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
-from bisect import bisect_left, insort
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
-import numpy as np
 import torch
 
 from cembed.errors import ModelRefused
+from cembed.packing import PackPlan, attention_cost, pack_rows, plan_packing  # noqa: F401 - re-exported
 
-# Multiples of the longest row tried as pack capacity (stopping once one pack holds every row).
-CAPACITY_FACTORS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
-# Headroom over an even split of the tokens, so best-fit can place rows that do not divide evenly.
-BALANCE_SLACK = (0.0, 0.01, 0.02, 0.04, 0.08)
 # Keys a packed column may carry besides its per-token tensors: sentence-transformers' bookkeeping.
 _PASSTHROUGH_KEYS = frozenset({"modality", "prompt_length", "task"})
 
 UnpadSetting = Literal["auto", True, False]
-
-
-@dataclass(frozen=True)
-class PackPlan:
-    """How one mini-batch's rows are packed; index tensors live on the features' device.
-
-    Attributes:
-        rows: rows in the mini-batch.
-        width: its padded width (its longest row), the layout the token embeddings go back to.
-        packs: packed sequences.
-        pack_width: their width (the fullest pack's fill).
-        real: non-padding tokens (sum of the row lengths).
-        gather: ``(packs * pack_width,)`` long: for each packed position, the padded flat index
-            ``row * width + position`` it reads (0 after a pack's last row; those positions attend
-            only to each other and are dropped).
-        scatter: ``(rows * width,)`` long: for each padded position, the packed flat index holding it
-            (0 for padding, which is zeroed).
-        segments: ``(packs, pack_width)`` long: the row of each packed position, -1 after the last row.
-        positions: ``(packs, pack_width)`` long: each token's position within its own row.
-    """
-
-    rows: int
-    width: int
-    packs: int
-    pack_width: int
-    real: int
-    gather: torch.Tensor
-    scatter: torch.Tensor
-    segments: torch.Tensor
-    positions: torch.Tensor
-
-    @property
-    def processed(self) -> int:
-        """Positions the encoder runs on: ``packs x pack_width``."""
-        return self.packs * self.pack_width
-
-
-def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Best-fit decreasing: each row, longest first, goes to the pack with the least room that still
-    fits it, else opens a new pack.
-
-    Args:
-        lengths: each row's token count (all >= 1 and <= ``capacity``).
-        capacity: the most tokens a pack holds.
-
-    Returns:
-        The packs, each a list of row indices in placement order (deterministic: ties go to the
-        earlier row and the earlier pack).
-
-    Raises:
-        ValueError: a row is longer than ``capacity``.
-    """
-    if lengths and max(lengths) > capacity:
-        raise ValueError(f"a row of {max(lengths)} tokens does not fit a pack of {capacity}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    packs: list[list[int]] = []
-    rooms: list[tuple[int, int]] = []  # (room left, pack index), sorted
-    for i in order:
-        k = bisect_left(rooms, (lengths[i], -1))
-        if k == len(rooms):
-            packs.append([i])
-            insort(rooms, (capacity - lengths[i], len(packs) - 1))
-        else:
-            room, p = rooms.pop(k)
-            packs[p].append(i)
-            insort(rooms, (room - lengths[i], p))
-    return packs
-
-
-def attention_cost(config) -> float:
-    """Attention's encoder cost per position of mask width, relative to the linear layers' per
-    token: ``1 / (2 hidden_size + intermediate_size)`` (see the module docstring), from a
-    transformers config (``intermediate_size`` defaults to 4 x hidden)."""
-    hidden = int(getattr(config, "hidden_size", 0) or 0)
-    if hidden <= 0:
-        return 0.0
-    inter = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
-    return 1.0 / (2 * hidden + inter)
-
-
-def _choose_packs(lengths: Sequence[int], cost_per_width: float) -> tuple[list[list[int]], int]:
-    """The packs (and their width) of least estimated cost over the capacities tried: multiples of
-    the longest row (``CAPACITY_FACTORS``) and, for each, the balanced capacity that splits the
-    tokens evenly over the same number of packs (plus ``BALANCE_SLACK``), since every pack is padded
-    to the fullest one's width."""
-    longest, total = max(lengths), sum(lengths)
-    capacities: set[int] = set()
-    for factor in CAPACITY_FACTORS:
-        capacity = min(max(longest, int(longest * factor)), total)
-        capacities.add(capacity)
-        balanced = max(longest, math.ceil(total / math.ceil(total / capacity)))
-        capacities.update(min(total, int(balanced * (1 + slack))) for slack in BALANCE_SLACK)
-    best: tuple[float, list[list[int]], int] | None = None
-    for capacity in sorted(capacities):
-        packs = pack_rows(lengths, capacity)
-        width = max(sum(lengths[i] for i in p) for p in packs)
-        cost = len(packs) * width * (1.0 + cost_per_width * width)
-        if best is None or cost < best[0]:
-            best = (cost, packs, width)
-    assert best is not None
-    return best[1], best[2]
-
-
-def plan_packing(
-    lengths: Sequence[int], cost_per_width: float, device: torch.device | str = "cpu", capacity: int | None = None
-) -> PackPlan:
-    """Pack rows of ``lengths`` tokens (right-padded in their mini-batch) and build the index tensors.
-
-    Args:
-        lengths: each row's token count (>= 1).
-        cost_per_width: :func:`attention_cost` of the model (0: width is free, pack as full as possible).
-        device: where the index tensors go (the features' device).
-        capacity: a fixed pack capacity instead of the cost-based choice (tests).
-
-    Returns:
-        A :class:`PackPlan`.
-    """
-    lengths = [int(n) for n in lengths]
-    if capacity is None:
-        packs, pack_width = _choose_packs(lengths, cost_per_width)
-    else:
-        packs = pack_rows(lengths, capacity)
-        pack_width = max(sum(lengths[i] for i in p) for p in packs)
-    rows, width = len(lengths), max(lengths)
-    lens = np.asarray(lengths, dtype=np.int64)
-    row_pack = np.empty(rows, dtype=np.int64)
-    row_offset = np.empty(rows, dtype=np.int64)
-    for p, members in enumerate(packs):
-        fill = 0
-        for r in members:
-            row_pack[r], row_offset[r] = p, fill
-            fill += lengths[r]
-    total = int(lens.sum())
-    row_of_token = np.repeat(np.arange(rows, dtype=np.int64), lens)
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
-    pos = np.arange(total, dtype=np.int64) - starts  # each token's position in its row
-    src = row_of_token * width + pos
-    dst = row_pack[row_of_token] * pack_width + row_offset[row_of_token] + pos
-    n_packed = len(packs) * pack_width
-    gather = np.zeros(n_packed, dtype=np.int64)
-    gather[dst] = src
-    scatter = np.zeros(rows * width, dtype=np.int64)
-    scatter[src] = dst
-    segments = np.full(n_packed, -1, dtype=np.int64)
-    segments[dst] = row_of_token
-    positions = np.zeros(n_packed, dtype=np.int64)
-    positions[dst] = pos
-
-    shape2d = (len(packs), pack_width)
-    arrays = (gather, scatter, segments.reshape(shape2d), positions.reshape(shape2d))
-    tensors = [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
-    return PackPlan(rows, width, len(packs), pack_width, total, *tensors)
 
 
 @dataclass(frozen=True)
