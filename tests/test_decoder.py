@@ -158,12 +158,34 @@ def test_cached_equals_plain_with_lora_dropout(decoder_dir, mbs):
     loss.backward()
     assert _rel(loss.detach(), ref_loss.detach()) <= 1e-5
     assert _rel(_grads(model), ref) <= 1e-5
+
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     # Dropout is really on: another seed gives other gradients.
     model.zero_grad()
     torch.manual_seed(8)
     cached(features, labels=None).backward()
     assert _rel(_grads(model), ref) > 1e-3
+
+
+def test_loss_scaling_reaches_the_replayed_minibatches(decoder_dir):
+    """fp16 training scales the loss before backward (the trainer's GradScaler) and unscales the
+    gradients after: the cached loss's replay must carry the upstream gradient into every
+    mini-batch's backward. Backward of ``2**16 x loss`` gives exactly ``2**16 x`` the gradients
+    (a power of two: exact in fp32), with LoRA and 3 mini-batches per column."""
+    model = _load(decoder_dir, lora=LoraOptions(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    features = [model.tokenize(TEXTS), model.tokenize(TEXTS[1:] + TEXTS[:1])]
+    cached = build_loss(model, loss_config(), 2).module
+    grads = []
+    for scale in (1.0, 2.0**16):
+        model.zero_grad()
+        (cached([dict(f) for f in features], labels=None) * scale).backward()
+        grads.append(_grads(model))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[1], grads[0] * 2.0**16, rtol=1e-6, atol=0)
 
 
 def _coco_config(write_config, tmp_path, model_dir, out, merge: bool, **train):
