@@ -77,6 +77,9 @@ def run(compiled: bool, unpad: bool, args) -> dict:
         # As the trainer does with torch_compile=True: the loss gets the compiled wrapper.
         loss.model = torch.compile(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    # Train mode for every submodule, as the trainer sets it each step: a freshly loaded model's
+    # transformers submodules are left in eval mode (dropout off) while the top module says train.
+    model.train()
     times, values = [], []
     for feats in data:
         t0 = time.perf_counter()
