@@ -308,3 +308,14 @@ class CembedConfig(_Strict):
                 "LossConfig", [{"type": "value_error", "loc": ("name",), "input": name, "ctx": {"error": err}}]
             ) from None
         return loss_cls.model_validate(value)
+
+    @model_validator(mode="after")
+    def _compile_and_unpad(self) -> CembedConfig:
+        # A compiled forward does not enter the packing hooks (measured: scripts/bench_compile.py gave
+        # the padded path's numbers), so train.torch_compile trains padded mini-batches.
+        if self.train.torch_compile and self.batch.unpad is True:
+            raise ValueError(
+                "batch.unpad: true cannot run with train.torch_compile: true (the compiled forward bypasses "
+                "the packing hooks); set batch.unpad: auto (padded under compile) or train.torch_compile: false"
+            )
+        return self

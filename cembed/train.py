@@ -203,7 +203,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         gather_across_devices=plan.gather_across_devices,
         mini_batch_num_tokens=plan.mini_batch_num_tokens,
         sort_by_length=cfg.batch.sort_by_length,
-        unpad=cfg.batch.unpad,
+        unpad=False if cfg.train.torch_compile else cfg.batch.unpad,  # compiled graphs bypass packing
     )
     distributed = None
     if plan.world_size > 1:

@@ -249,7 +249,7 @@ def resolve_unpad(model, setting: UnpadSetting = "auto") -> Unpadding:
         ModelRefused: ``setting`` is True and the model does not support packed rows.
     """
     if setting is False:
-        return Unpadding(False, "padded mini-batches (batch.unpad: false)")
+        return Unpadding(False, "padded mini-batches (batch.unpad: false, or train.torch_compile: true)")
     from sentence_transformers.base.modules.transformer import Transformer
 
     first = _first_module(model)

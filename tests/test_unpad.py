@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from cembed.cli import app
 from cembed.config import CachedMNRLLossConfig
+from cembed.configfile import load_config
 from cembed.errors import ModelRefused
 from cembed.losses import build_loss
 from cembed.unpad import attention_cost, pack_rows, packed_encoder, plan_packing, resolve_unpad
@@ -282,3 +283,20 @@ def test_validate_and_train_say_which_path(tiny_model_dir, t5_model_dir, write_c
     assert summary["attention"]["unpadded"] is True
     # distinct_pairs' texts differ by a digit or two: packing leaves (almost) no padding
     assert summary["throughput"]["padded_share"] <= 0.05
+
+
+def test_torch_compile_refuses_unpad_true(tiny_model_dir, write_config, pairs_file, tmp_path):
+    """A compiled forward bypasses the packing hooks (scripts/bench_compile.py: the packed compiled run
+    gave the padded compiled run's losses), so batch.unpad: true with train.torch_compile is refused
+    naming both fields; with auto the run trains padded mini-batches."""
+    import yaml
+
+    path = _cfg(write_config, pairs_file, tiny_model_dir, tmp_path, True)
+    cfg = yaml.safe_load(open(path))
+    cfg["train"]["torch_compile"] = True
+    r = CliRunner().invoke(app, ["validate", str(write_config(cfg, name="compiled.yaml"))])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    text = " ".join(r.output.split())
+    assert "batch.unpad: true cannot run with train.torch_compile: true" in text
+    cfg["batch"]["unpad"] = "auto"
+    assert load_config(write_config(cfg, name="compiled_auto.yaml")).batch.unpad == "auto"
