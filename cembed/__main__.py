@@ -1,3 +1,3 @@
-from cembed.cli import main
+from cembed.cli.app import main
 
 main()

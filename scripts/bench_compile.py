@@ -34,7 +34,7 @@ def batches(model, n_batches: int, batch: int, pad_multiple: int):
     """``n_batches`` disjoint batches of COCO pairs as cembed's padding collator builds them."""
     from datasets import Dataset
 
-    from cembed.pretokenize import collator_for, pretokenize
+    from cembed.data.tokenize import collator_for, pretokenize
 
     path = COCO if COCO.is_file() else REPO / "cembed" / "samples" / "coco_captions" / "train_pairs.jsonl.gz"
     rows = {"anchor": [], "positive": []}
@@ -65,9 +65,9 @@ def batches(model, n_batches: int, batch: int, pad_multiple: int):
 def run(compiled: bool, unpad: bool, args) -> dict:
     from sentence_transformers.base.trainer import BaseTrainer  # noqa: F401  (import cost outside timing)
 
-    from cembed.config import ModelConfig, loss_config
-    from cembed.losses import build_loss
-    from cembed.model import load_model
+    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.losses.registry import build_loss
+    from cembed.model.load import load_model
 
     torch.manual_seed(0)
     model = load_model(ModelConfig(max_seq_length=args.seq, device="cpu"), "cpu")

@@ -86,7 +86,7 @@ def median(xs):
 def load_minilm():
     from sentence_transformers import SentenceTransformer
 
-    from cembed.model import resolve_model_path
+    from cembed.model.load import resolve_model_path
 
     model = SentenceTransformer(resolve_model_path("all-MiniLM-L6-v2"), device="cpu")
     model.max_seq_length = 256
@@ -106,7 +106,7 @@ def prepare_paths(model, data: dict[str, list[str]], cache: Path):
     from datasets import Dataset
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.pretokenize import collator_for, pretokenize
+    from cembed.data.tokenize import collator_for, pretokenize
 
     ds = Dataset.from_dict(data)
     started = time.perf_counter()
@@ -130,7 +130,7 @@ def features_of(batch: dict) -> list[dict]:
 
 
 def processed_positions(features, mbs: int, sort: bool) -> tuple[int, int]:
-    from cembed.losses import TokenCounts, _count_tokens, _minibatch_ranges
+    from cembed.losses.registry import TokenCounts, _count_tokens, _minibatch_ranges
 
     counts = TokenCounts()
     for f in features:
@@ -145,7 +145,7 @@ def processed_positions(features, mbs: int, sort: bool) -> tuple[int, int]:
 def section_step(args, cache: Path) -> None:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
-    from cembed.losses import LengthSortedCachedMNRL
+    from cembed.losses.registry import LengthSortedCachedMNRL
 
     model = load_minilm()
     model.eval()  # dropout off, so every path must give the same loss; gradients still flow
@@ -252,7 +252,7 @@ def timed(fetch, collate, idx) -> tuple[float, float, dict]:
 
 
 def section_produce(args, cache: Path) -> None:
-    from cembed.pretokenize import TokenIdRows
+    from cembed.data.tokenize import TokenIdRows
 
     model = load_minilm()
     sizes = [int(s) for s in args.produce_batches.split(",")]
@@ -313,12 +313,12 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
     from transformers.trainer_callback import PrinterCallback
 
-    from cembed.losses import LengthSortedCachedMNRL, TokenCounts
-    from cembed.meter import ThroughputMeter
-    from cembed.plan import resolve_workers
-    from cembed.pretokenize import collator_for, pretokenize
-    from cembed.sampler import NoDuplicatesSampler
-    from cembed.trainer import CembedTrainer
+    from cembed.data.sampler import NoDuplicatesSampler
+    from cembed.data.tokenize import collator_for, pretokenize
+    from cembed.losses.registry import LengthSortedCachedMNRL, TokenCounts
+    from cembed.plan.resolve import resolve_workers
+    from cembed.train.meter import ThroughputMeter
+    from cembed.train.trainer import CembedTrainer
 
     model = tiny_model(tmp)
     # Short sequences keep this model's CPU step below stock batch production, as a fast GPU's is.
@@ -382,7 +382,7 @@ def section_sampler(args) -> None:
     from datasets import Dataset
     from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 
-    from cembed.sampler import NoDuplicatesSampler
+    from cembed.data.sampler import NoDuplicatesSampler
 
     n, bs = args.sampler_rows, args.sampler_batch
     rng = np.random.default_rng(4)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from cembed.config import ModelConfig, loss_config
-from cembed.losses import build_loss
-from cembed.model import load_model, quiet_libraries
+from cembed.config.schema import ModelConfig, loss_config
+from cembed.losses.registry import build_loss
+from cembed.model.load import load_model, quiet_libraries
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/data/coco_captions/caption_pairs_val2017.jsonl.gz"
 

@@ -41,7 +41,7 @@ out, limit = Path(sys.argv[1]), float(sys.argv[2])
 import torch
 from sentence_transformers import SentenceTransformer
 
-from cembed.model import resolve_model_path
+from cembed.model.load import resolve_model_path
 
 model = SentenceTransformer(resolve_model_path("all-MiniLM-L6-v2"), device="cpu")
 model.half().save(str(out / "all-MiniLM-L6-v2-fp16"))

@@ -434,7 +434,7 @@ def stage_install(ctx: dict, work: Path) -> dict:
                 continue
             if req.specifier and not req.specifier.contains(have, prereleases=True):
                 unmet.append(f"{dist} needs {req}: {have} installed")
-    import cembed.cli  # noqa: F401  (the whole CLI imports: pydantic, datasets, typer, rich)
+    import cembed.cli.app  # noqa: F401  (the whole CLI imports: pydantic, datasets, typer, rich)
 
     return {"status": "pass" if not unmet else "fail", "versions": versions, "unmet": unmet, "cembed": cembed.__file__}
 
@@ -442,7 +442,7 @@ def stage_install(ctx: dict, work: Path) -> dict:
 def stage_env(ctx: dict, work: Path) -> dict:
     import torch
 
-    from cembed.precision import resolve_precision
+    from cembed.plan.precision import resolve_precision
 
     if not torch.cuda.is_available():
         if ctx["device"] != "cuda":
@@ -482,10 +482,10 @@ def stage_correctness(ctx: dict, work: Path) -> dict:
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    from cembed.config import ModelConfig, loss_config
-    from cembed.losses import build_loss
-    from cembed.model import load_model
-    from cembed.precision import enable_tf32
+    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.losses.registry import build_loss
+    from cembed.model.load import load_model
+    from cembed.plan.precision import enable_tf32
 
     dev = ctx["device"]
     model = load_model(ModelConfig(name_or_path=ctx["model"], max_seq_length=64, device=dev), dev)
@@ -557,7 +557,7 @@ def stage_correctness(ctx: dict, work: Path) -> dict:
 def stage_sticky(ctx: dict, work: Path) -> dict:
     import torch
 
-    from cembed.probe_trials import CudaTrial, TrialSpec, cuda_healthy
+    from cembed.probe.trials import CudaTrial, TrialSpec, cuda_healthy
 
     trial = CudaTrial(TrialSpec(model={}, loss={}, n_columns=2, batch_size=8, device="cuda"))
     x = torch.zeros(4, device="cuda")
@@ -586,8 +586,8 @@ def stage_sticky(ctx: dict, work: Path) -> dict:
 def stage_fp16_skip(ctx: dict, work: Path) -> dict:
     from conftest import make_tiny_model
 
-    import cembed.train as T
-    from cembed.configfile import config_from_dict
+    import cembed.train.recipe as T
+    from cembed.config.file import config_from_dict
 
     model = make_tiny_model(work / "tiny")
     rows = [{"anchor": f"question {i} about a car", "positive": f"answer {i} on the street"} for i in range(64)]
@@ -625,8 +625,8 @@ def stage_fp16_skip(ctx: dict, work: Path) -> dict:
 def stage_gather(ctx: dict, work: Path) -> dict:
     from conftest import make_tiny_model
 
-    from cembed.config import ModelConfig, loss_config
-    from cembed.probe_trials import CudaTrial, TrialSpec
+    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.probe.trials import CudaTrial, TrialSpec
 
     m = make_tiny_model(work / "tiny")
     mc = ModelConfig(name_or_path=str(m), max_seq_length=32, device="cuda", precision="bf16").model_dump()
@@ -643,8 +643,8 @@ def stage_gather(ctx: dict, work: Path) -> dict:
 
 
 def stage_probe(ctx: dict, work: Path) -> dict:
-    from cembed.config import ModelConfig, loss_config
-    from cembed.probe import run_probe
+    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.probe.search import run_probe
 
     dev = ctx["device"]
     mc = ModelConfig(name_or_path=ctx["model"], max_seq_length=ctx["seq"], device=dev)
@@ -667,10 +667,10 @@ def stage_train(ctx: dict, work: Path) -> dict:
     no-duplicates sampler is off since 50k pairs cannot fill a duplicate-free batch of 65536)."""
     from datasets import Dataset
 
-    from cembed.configfile import config_from_dict
-    from cembed.data import PreparedData
-    from cembed.plan import resolve_plan
-    from cembed.train import run_training
+    from cembed.config.file import config_from_dict
+    from cembed.data.prepare import PreparedData
+    from cembed.plan.resolve import resolve_plan
+    from cembed.train.recipe import run_training
 
     b, steps = ctx["batch"], ctx["steps"]
     mini = _mini_batch(ctx)
@@ -726,11 +726,11 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
-    from cembed.config import ModelConfig, loss_config
-    from cembed.losses import build_loss
-    from cembed.model import load_model
-    from cembed.precision import enable_tf32, resolve_precision
-    from cembed.pretokenize import collator_for, pretokenize
+    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.data.tokenize import collator_for, pretokenize
+    from cembed.losses.registry import build_loss
+    from cembed.model.load import load_model
+    from cembed.plan.precision import enable_tf32, resolve_precision
 
     b, mini, dev = ctx["batch"], _mini_batch(ctx), ctx["device"]
     model = load_model(ModelConfig(name_or_path=ctx["model"], max_seq_length=ctx["seq"], device=dev), dev)

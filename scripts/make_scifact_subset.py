@@ -24,9 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 
-from cembed.embedding_cache import encode_documents  # noqa: E402
-from cembed.evalsets import load_beir  # noqa: E402
-from cembed.model import load_eval_model  # noqa: E402
+from cembed.eval.embedding_cache import encode_documents  # noqa: E402
+from cembed.eval.sets import load_beir  # noqa: E402
+from cembed.model.load import load_eval_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 K = 12

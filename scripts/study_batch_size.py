@@ -7,7 +7,7 @@ joined to ``queries.jsonl`` (anchor = claim) and ``corpus.jsonl.gz`` (positive =
 so a duplicate-free batch holds at most 565 rows (the no-duplicates sampler refuses more).
 
 Each run goes through cembed itself (config -> check_run_inputs -> run_training), then the saved model is
-scored with ``cembed.evaluate.evaluate_retrieval`` on the SciFact test split (full corpus). The
+scored with ``cembed.eval.evaluators.evaluate_retrieval`` on the SciFact test split (full corpus). The
 untrained model is scored the same way as the baseline, next to the published MTEB 0.64508.
 
 Writes ``<out>/batch_size_study.md`` (table + the command), ``.png`` (NDCG@10 vs batch size) and
@@ -40,8 +40,8 @@ PUBLISHED_NDCG10 = 0.64508  # MTEB results, sentence-transformers__all-MiniLM-L6
 def scifact_train_pairs(scifact: Path) -> list[dict]:
     """(claim, abstract) rows from qrels/train.tsv in file order, only qrels score > 0: cembed's BEIR
     training source (``data.train: {beir: <folder>, split: train}``)."""
-    from cembed.config import BeirSource
-    from cembed.sources import load_source
+    from cembed.config.schema import BeirSource
+    from cembed.data.sources import load_source
 
     return load_source(BeirSource(path=str(scifact), split="train")).to_list()
 
@@ -76,9 +76,9 @@ def run_config(args, bs: int, rule: str, out_dir: Path) -> dict:
 
 
 def evaluate_model(path: str, args, cache_dir: Path) -> tuple[float, float]:
-    from cembed.evalsets import load_beir
-    from cembed.evaluate import evaluate_retrieval
-    from cembed.model import load_eval_model
+    from cembed.eval.evaluators import evaluate_retrieval
+    from cembed.eval.sets import load_beir
+    from cembed.model.load import load_eval_model
 
     model = load_eval_model(path, args.device, args.max_seq_length)
     t0 = time.perf_counter()
@@ -105,7 +105,7 @@ def plot(results: list[dict], baseline: float, png: Path) -> None:
     ax.set_title("Fine-tuning on SciFact train pairs")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    from cembed.outputs import write_atomic
+    from cembed.files import write_atomic
 
     write_atomic(png, lambda f: fig.savefig(f, format="png", dpi=120), binary=True)
     plt.close(fig)
@@ -121,7 +121,7 @@ def markdown(results: list[dict], baseline: float, args, command: str, n_pairs: 
         f"no-duplicates sampler, warmup_ratio {args.warmup_ratio}, seed {args.seed}. "
         f"LR: base {args.base_lr:g} at batch {args.base_batch_size}; `sqrt` = base x sqrt(batch / {args.base_batch_size}), "
         "`none` = base for every batch. Evaluated on the full SciFact test split (300 queries, 5,183 documents) "
-        "with `cembed.evaluate` (sentence-transformers InformationRetrievalEvaluator, cosine).",
+        "with `cembed.eval.evaluators` (sentence-transformers InformationRetrievalEvaluator, cosine).",
         "",
         f"Baseline without fine-tuning: measured NDCG@10 **{baseline:.5f}**, published (MTEB) {PUBLISHED_NDCG10}.",
         "",
@@ -162,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from cembed.configfile import config_from_dict
-    from cembed.embedding_cache import default_cache_dir
+    from cembed.config.file import config_from_dict
     from cembed.errors import UserError
-    from cembed.outputs import write_atomic, write_json_atomic
-    from cembed.train import check_run_inputs, run_training
+    from cembed.eval.embedding_cache import default_cache_dir
+    from cembed.files import write_atomic, write_json_atomic
+    from cembed.train.recipe import check_run_inputs, run_training
 
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)

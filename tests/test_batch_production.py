@@ -11,9 +11,9 @@ import torch
 from datasets import Dataset, concatenate_datasets
 from sentence_transformers import SentenceTransformer
 
-import cembed.plan as P
-from cembed.config import CembedConfig
-from cembed.pretokenize import TOKEN_SUFFIX, IdColumn, TokenIdRows, collator_for, pretokenize
+import cembed.plan.resolve as P
+from cembed.config.schema import CembedConfig
+from cembed.data.tokenize import TOKEN_SUFFIX, IdColumn, TokenIdRows, collator_for, pretokenize
 
 ROLES = ["anchor", "positive"]
 
@@ -212,8 +212,8 @@ def test_training_with_auto_workers_same_losses(
 ):
     """The default (auto) resolving to workers trains with exactly the losses of 0 workers, every step,
     and batches come through the batch fetch (TokenIdRows), not datasets' row fetch."""
-    from cembed.configfile import load_config
-    from cembed.train import check_run_inputs, run_training
+    from cembed.config.file import load_config
+    from cembed.train.recipe import check_run_inputs, run_training
 
     monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(P, "AUTO_WORKERS_MIN_TEXTS", 32)  # this tiny batch counts as large

@@ -7,9 +7,9 @@ import json
 import pytest
 from conftest import SHARED_DATA
 
-from cembed.config import BeirSource
-from cembed.configfile import load_config
-from cembed.data import prepare_data
+from cembed.config.file import load_config
+from cembed.config.schema import BeirSource
+from cembed.data.prepare import prepare_data
 from cembed.errors import UserError
 
 

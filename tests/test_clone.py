@@ -17,7 +17,7 @@ from conftest import REPO
 # the same entry point as `python -m cembed` (cembed/__main__.py), each exit code printed.
 VALIDATE_ALL = """
 import json, sys
-from cembed.cli import main
+from cembed.cli.app import main
 import cembed
 codes = {}
 for path in sys.argv[1:]:

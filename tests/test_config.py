@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cembed.configfile import load_config
+from cembed.config.file import load_config
 from cembed.errors import UserError
 
 

@@ -9,12 +9,12 @@ import pytest
 from conftest import distinct_pairs
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.config import DataSource, FileSource, HubSource
-from cembed.configfile import load_config
+from cembed.cli.app import app
+from cembed.config.file import load_config
+from cembed.config.schema import DataSource, FileSource, HubSource
+from cembed.data.sources import LOADERS
 from cembed.errors import UserError
-from cembed.sources import LOADERS
-from cembed.train import check_run_inputs
+from cembed.train.recipe import check_run_inputs
 
 
 def _cfg(write_config, train, bs=4, **extra):

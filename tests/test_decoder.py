@@ -20,11 +20,11 @@ from sentence_transformers.sentence_transformer.losses import MultipleNegativesR
 from test_losses import _rel
 from test_reliability import KILL_AT_STEP_3
 
-from cembed.config import LoraOptions, ModelConfig, loss_config
-from cembed.decoder import appends_eos
-from cembed.lora import is_lora, parameter_counts
-from cembed.losses import build_loss
-from cembed.model import load_model
+from cembed.config.schema import LoraOptions, ModelConfig, loss_config
+from cembed.losses.registry import build_loss
+from cembed.model.decoder import appends_eos
+from cembed.model.load import load_model
+from cembed.model.lora import is_lora, parameter_counts
 
 WORDS = "the a cat dog sat on mat red blue query passage doc man woman street car ran".split()
 TEXTS = [
@@ -278,9 +278,9 @@ def test_fsdp_strategy_reaches_the_trainer(tiny_model_dir, write_config, pairs_f
     ddp (the default) sets none. (Sharding, exactness and checkpoints: tests/test_fsdp.py.)"""
     from dataclasses import replace
 
-    from cembed.configfile import load_config
-    from cembed.plan import resolve_plan
-    from cembed.training_args import build_training_args
+    from cembed.config.file import load_config
+    from cembed.plan.resolve import resolve_plan
+    from cembed.train.args import build_training_args
 
     data = pairs_file([{"anchor": f"a {i}", "positive": f"b {i}"} for i in range(8)])
     base = {"model": {"name_or_path": str(tiny_model_dir), "device": "cpu"}, "data": {"train": str(data)}}
@@ -295,7 +295,7 @@ def test_fsdp_strategy_reaches_the_trainer(tiny_model_dir, write_config, pairs_f
 
 
 def test_validate_names_tokenizer_changes_and_lora(decoder_dir):
-    from cembed.model import pooling_in_effect
+    from cembed.model.load import pooling_in_effect
 
     cfg = ModelConfig(name_or_path=str(decoder_dir), device="cpu", pooling="lasttoken", lora=LoraOptions(r=2))
     text = pooling_in_effect(load_model(cfg, "cpu"), cfg)

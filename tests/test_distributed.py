@@ -126,7 +126,7 @@ def _install_recording(monkeypatch=None):
     indices each rank's data loader hands out, per epoch."""
     import accelerate.data_loader as adl
 
-    from cembed.trainer import CembedTrainer
+    from cembed.train.trainer import CembedTrainer
 
     record: dict = {"trainers": [], "batches": []}
 
@@ -162,8 +162,8 @@ def _install_recording(monkeypatch=None):
 def _run(cfg_dict: dict, base: Path, trainer_cls=None):
     from rich.console import Console
 
-    from cembed.configfile import config_from_dict
-    from cembed.train import check_run_inputs, run_training
+    from cembed.config.file import config_from_dict
+    from cembed.train.recipe import check_run_inputs, run_training
 
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
@@ -213,7 +213,7 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
             "checkpoint": stop.checkpoint,
         }
     (tmp_path / f"results-rank{rank}.json").write_text(json.dumps(results))
-    from cembed.distributed import leave_process_group
+    from cembed.distributed.group import leave_process_group
 
     leave_process_group()
 
@@ -296,7 +296,7 @@ def test_sampler_shards_global_batches_through_accelerate(pairs_file):
     from accelerate.data_loader import BatchSamplerShard
     from datasets import Dataset
 
-    from cembed.sampler import NoDuplicatesSampler
+    from cembed.data.sampler import NoDuplicatesSampler
 
     rows = _duplicate_heavy_rows(90)
     ds = Dataset.from_list(rows)
@@ -354,7 +354,7 @@ dist.barrier()  # rank 0 would wait here forever if the launcher did not stop it
 def test_failing_rank_stops_the_job(tmp_path):
     (tmp_path / "failing_worker.py").write_text(FAILING_WORKER)
     code = (
-        "from cembed.distributed import launch\nfrom cembed.errors import WorkerFailed\n"
+        "from cembed.distributed.group import launch\nfrom cembed.errors import WorkerFailed\n"
         "try:\n    launch([], 2, module='failing_worker')\n"
         "except WorkerFailed as e:\n    print('FAILED', e.rank, e.exitcode, e.message)\n"
     )
@@ -367,7 +367,7 @@ def test_failing_rank_stops_the_job(tmp_path):
 def test_launcher_args_and_validate_show_world_size(write_config, pairs_file, tmp_path):
     from conftest import distinct_pairs
 
-    from cembed.distributed import launcher_args
+    from cembed.distributed.group import launcher_args
     from cembed.errors import UserError
 
     assert launcher_args("cembed", ["train", "c.yaml"], 4, 2, 1, "node0:29400") == [
@@ -397,7 +397,7 @@ def test_launcher_args_and_validate_show_world_size(write_config, pairs_file, tm
     )
     from typer.testing import CliRunner
 
-    from cembed.cli import app
+    from cembed.cli.app import app
 
     r = CliRunner().invoke(app, ["validate", str(cfg), "--nproc-per-node", "2"])
     assert r.exit_code == 0, r.output
@@ -411,7 +411,7 @@ def test_unused_parameter_search_sees_every_column(tiny_model_dir):
     asymmetric models) must not be found unused, or DDP would freeze it while one process trains it."""
     from sentence_transformers import SentenceTransformer
 
-    from cembed.distributed import unused_parameters
+    from cembed.distributed.group import unused_parameters
 
     base = SentenceTransformer(str(tiny_model_dir), device="cpu")
 

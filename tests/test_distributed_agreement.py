@@ -55,8 +55,8 @@ def _config(tmp: Path, model_dir: Path, name: str, mini, **train) -> dict:
 def _run(cfg_dict: dict, base: Path, trainer_cls=None) -> dict:
     from rich.console import Console
 
-    from cembed.configfile import config_from_dict
-    from cembed.train import check_run_inputs, run_training
+    from cembed.config.file import config_from_dict
+    from cembed.train.recipe import check_run_inputs, run_training
 
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
@@ -67,7 +67,7 @@ def _run(cfg_dict: dict, base: Path, trainer_cls=None) -> dict:
 def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     import torch.distributed as dist
 
-    import cembed.probe as probe
+    import cembed.probe.search as probe
 
     seen = {}
     real = probe.search_mini_batch
@@ -101,8 +101,8 @@ def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
 
     import torch.distributed as dist
 
-    import cembed.pretokenize as P
-    from cembed.evaluate import TrainingEvaluation
+    import cembed.data.tokenize as P
+    from cembed.eval.evaluators import TrainingEvaluation
 
     sts = tmp / "sts.tsv"
     sts.write_text("".join(f"a car on road {i}\ta vehicle on a street {i}\t{i % 5}\n" for i in range(8)))
@@ -152,8 +152,8 @@ def _disagree_case(rank: int, tmp: Path, model_dir: Path) -> dict:
 
 
 def _nan_skip_case(rank: int, tmp: Path, model_dir: Path) -> dict:
-    import cembed.train as T
-    from cembed.trainer import CembedTrainer
+    import cembed.train.recipe as T
+    from cembed.train.trainer import CembedTrainer
 
     real = T.build_loss
 
@@ -201,7 +201,7 @@ CASES = {"slow_rank0": _slow_rank0_case, "auto": _auto_case, "nan_skip": _nan_sk
 def _worker(rank: int, tmp: str, model_dir: str, port: int, port2: int) -> None:
     join_gloo_rank(rank, WORLD, port, HANG_S)
     tmp_path, results = Path(tmp), {}
-    from cembed.distributed import leave_process_group
+    from cembed.distributed.group import leave_process_group
 
     for name, case in CASES.items():
         results[name] = case(rank, tmp_path, Path(model_dir))

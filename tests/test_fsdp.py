@@ -1,5 +1,5 @@
 """``distributed.strategy: fsdp`` on CPU (gloo, 2 ranks) with the tiny random model, through the real
-trainer (FSDP2 ``fully_shard`` via accelerate; cembed.fsdp hands accelerate the plugin it drops on CPU).
+trainer (FSDP2 ``fully_shard`` via accelerate; cembed.distributed.fsdp hands accelerate the plugin it drops on CPU).
 
 - The model really is sharded: every parameter a DTensor, each rank holding about half the elements.
 - Exactness: 2 ranks x 4 rows, 2 SGD steps of the cached loss (2 mini-batches per rank, each
@@ -64,7 +64,7 @@ def _config(tmp: Path, model_dir: Path, world: int, out: str, **model) -> dict:
 def _sgd_trainer(record: list):
     """Plain SGD (Adam's first step is lr x sign(gradient) and would hide a wrong gradient scale);
     keeps each trainer in ``record``."""
-    from cembed.trainer import CembedTrainer
+    from cembed.train.trainer import CembedTrainer
 
     class SGDTrainer(CembedTrainer):
         def create_optimizer(self, model=None):
@@ -83,8 +83,8 @@ def _sgd_trainer(record: list):
 def _run(cfg_dict: dict, base: Path, trainer_cls, resume_from: str | None = None) -> dict:
     from rich.console import Console
 
-    from cembed.configfile import config_from_dict
-    from cembed.train import check_run_inputs, run_training
+    from cembed.config.file import config_from_dict
+    from cembed.train.recipe import check_run_inputs, run_training
 
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
@@ -97,8 +97,8 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     join_gloo_rank(rank, WORLD, port, 600)
     from torch.distributed.tensor import DTensor
 
-    from cembed.distributed import leave_process_group
-    from cembed.fsdp import local_numel
+    from cembed.distributed.fsdp import local_numel
+    from cembed.distributed.group import leave_process_group
 
     tmp_path, model_path = Path(tmp), Path(model_dir)
     record: list = []

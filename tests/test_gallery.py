@@ -7,11 +7,11 @@ import pytest
 from conftest import REPO, distinct_pairs
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.configfile import config_from_dict
-from cembed.data import UnloadedData
+from cembed.cli.app import app
+from cembed.config.file import config_from_dict
+from cembed.data.prepare import UnloadedData
 from cembed.errors import HubUnavailable
-from cembed.train import check_run_inputs
+from cembed.train.recipe import check_run_inputs
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 RECIPES = {
@@ -151,8 +151,8 @@ def test_unreachable_hub_reason_names_the_library_message(tmp_path, tiny_model_d
 
 
 def test_recipes_name_their_public_dataset_in_the_header():
-    from cembed.config import HubSource
-    from cembed.configfile import load_config
+    from cembed.config.file import load_config
+    from cembed.config.schema import HubSource
 
     for name in RECIPES:
         path = REPO / "configs" / name

@@ -22,9 +22,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cembed
-from cembed.config import loss_config
-from cembed.losses import TokenCounts, _count_tokens, _minibatch_ranges, build_loss
-from cembed.token_budget import token_budget_ranges
+from cembed.config.schema import loss_config
+from cembed.losses.registry import TokenCounts, _count_tokens, _minibatch_ranges, build_loss
+from cembed.losses.token_budget import token_budget_ranges
 
 CEMBED_DIR = str(Path(cembed.__file__).parent)
 TORCH_DIR = str(Path(torch.__file__).parent)
@@ -160,7 +160,7 @@ def test_bookkeeping_reads_do_not_grow_with_minibatches(tiny_model_dir, monkeypa
     """The loss's bookkeeping alone (the parent loss stubbed out), cutting each column into about 2
     and about 8 mini-batches, padded (packed rows: the test above): with ``mini_batch_size`` it reads nothing; with a token budget
     (``mini_batch_num_tokens``) it reads each column's row widths once to cut the ranges
-    (:func:`cembed.token_budget.token_budget_ranges`), the same for 2 and for 8 mini-batches."""
+    (:func:`cembed.losses.token_budget.token_budget_ranges`), the same for 2 and for 8 mini-batches."""
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     features = _features(model)
     monkeypatch.setattr(CachedMultipleNegativesRankingLoss, "forward", lambda self, features, labels: None)

@@ -15,12 +15,12 @@ from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import GISTEmbedLoss, MultipleNegativesRankingLoss
 from test_losses import TEXTS, _features, _loss_and_grads, _rel
 
-from cembed.config import loss_config
-from cembed.configfile import config_from_dict, load_config
+from cembed.config.file import config_from_dict, load_config
+from cembed.config.schema import loss_config
 from cembed.errors import UserError
-from cembed.loss_matryoshka import CountingMatryoshkaLoss
-from cembed.losses import LengthSortedCachedGIST, SelfGuidedCachedMNRL, build_loss
-from cembed.train import check_run_inputs, run_training
+from cembed.losses.matryoshka import CountingMatryoshkaLoss
+from cembed.losses.registry import LengthSortedCachedGIST, SelfGuidedCachedMNRL, build_loss
+from cembed.train.recipe import check_run_inputs, run_training
 
 TRIPLETS = ("anchor", "positive", "negative_1")
 MBS = (1, 3, 7)
@@ -407,10 +407,10 @@ def test_matryoshka_dims_beyond_the_model_are_refused(tiny_model_dir):
     ],
 )
 def test_probe_step_runs_the_configured_loss(tiny_model_dir, guide_dir, monkeypatch, fields, candidates):
-    import cembed.losses as losses
-    from cembed.config import ModelConfig
-    from cembed.model import load_model
-    from cembed.worst_case import worst_case_step
+    import cembed.losses.registry as losses
+    from cembed.config.schema import ModelConfig
+    from cembed.model.load import load_model
+    from cembed.probe.worst_case import worst_case_step
 
     model = load_model(ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=16, device="cpu"), "cpu")
     built, real_build = [], losses.build_loss
@@ -433,8 +433,8 @@ def test_gradient_checkpointing_is_exact_with_the_cached_loss_under_dropout(tiny
     """Checkpointing recomputes each layer in the backward pass (inside the cached loss's replay of a
     mini-batch); torch replays the layer's RNG state, so dropout draws the same masks: loss and
     gradients equal the run without checkpointing, from the same seed."""
-    from cembed.config import ModelConfig
-    from cembed.model import load_model
+    from cembed.config.schema import ModelConfig
+    from cembed.model.load import load_model
 
     results = []
     for on in (False, True):
@@ -458,8 +458,8 @@ def test_gradient_checkpointing_is_exact_with_the_cached_loss_under_dropout(tiny
 def test_eval_dims_scores_truncated_embeddings(tiny_model_dir, tmp_path):
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
 
-    from cembed.eval_dims import parse_dims, score_dims
-    from cembed.evalsets import load_sts
+    from cembed.eval.score_dims import parse_dims, score_dims
+    from cembed.eval.sets import load_sts
 
     sts_path = "tests/data/stsbenchmark/sts-test.csv.gz"
     sts = load_sts(sts_path)

@@ -13,10 +13,10 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-from cembed.config import LOSS_CONFIGS, CachedMNRLLossConfig, LossConfig, MNRLLossConfig, loss_config
-from cembed.configfile import config_from_dict, load_config
+from cembed.config.file import config_from_dict, load_config
+from cembed.config.schema import LOSS_CONFIGS, CachedMNRLLossConfig, LossConfig, MNRLLossConfig, loss_config
 from cembed.errors import UserError
-from cembed.losses import (
+from cembed.losses.registry import (
     LOSS_BUILDERS,
     CountingMNRL,
     LengthSortedCachedMNRL,
@@ -24,7 +24,7 @@ from cembed.losses import (
     loss_directions,
     register_loss,
 )
-from cembed.train import check_run_inputs, run_training
+from cembed.train.recipe import check_run_inputs, run_training
 
 TEXTS = {
     "anchor": [

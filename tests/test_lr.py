@@ -7,11 +7,11 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.configfile import config_from_dict
+from cembed.cli.app import app
+from cembed.config.file import config_from_dict
 from cembed.errors import UserError
-from cembed.lr import scale_lr, suggest_lr
-from cembed.plan import resolve_plan
+from cembed.plan.lr import scale_lr, suggest_lr
+from cembed.plan.resolve import resolve_plan
 
 
 def test_sqrt_and_linear_values():
@@ -45,7 +45,7 @@ def test_cli_suggest_lr():
 
 
 def test_trainer_receives_scaled_lr(tmp_path):
-    from cembed.training_args import build_training_args
+    from cembed.train.args import build_training_args
 
     cfg = config_from_dict(
         {

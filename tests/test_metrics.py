@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from cembed.evalsets import load_beir
-from cembed.evaluate import evaluate_retrieval, retrieval_evaluator
-from cembed.metrics import GradedIREvaluator, graded_ndcg_at_k
+from cembed.eval.evaluators import evaluate_retrieval, retrieval_evaluator
+from cembed.eval.metrics import GradedIREvaluator, graded_ndcg_at_k
+from cembed.eval.sets import load_beir
 
 # 8 documents (one-hot vectors), 3 queries; each query's vector weights the documents 8, 7, ..., 1 in
 # its ranking order, so cosine similarity ranks them exactly so.

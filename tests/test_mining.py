@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from conftest import COCO_PAIRS, REPO
 
+from cembed.data.mining import exclusion_pairs, mine_negatives
 from cembed.errors import UserError
-from cembed.mining import exclusion_pairs, mine_negatives
 
 
 def _read(path):

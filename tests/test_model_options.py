@@ -10,10 +10,10 @@ import pytest
 from conftest import distinct_pairs
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.config import ModelConfig
+from cembed.cli.app import app
+from cembed.config.schema import ModelConfig
 from cembed.errors import ModelRefused
-from cembed.model import load_eval_model, load_model, pooling_in_effect
+from cembed.model.load import load_eval_model, load_model, pooling_in_effect
 
 
 @pytest.fixture(scope="module")

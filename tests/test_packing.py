@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from cembed.cli import app
+from cembed.cli.app import app
 
 
 def _cfg(model_dir, data, out, batch: int, **train):
@@ -24,7 +24,7 @@ def test_samples_seen_counts_the_rows_trained(tiny_model_dir, write_config, pair
     # was steps x 8 (more rows than exist); it is the rows the steps trained on: all 42, once.
     import numpy as np
 
-    from cembed.sampler import build_batches, row_hashes
+    from cembed.data.sampler import build_batches, row_hashes
 
     rows = [{"anchor": f"t{i}", "positive": f"t{i + 1}"} for i in range(42)]
     data = pairs_file(rows)

@@ -13,10 +13,10 @@ from safetensors import safe_open
 from sentence_transformers import SentenceTransformer
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.config import ModelConfig
-from cembed.configfile import config_from_dict
-from cembed.model import load_model, stored_dtype, weight_dtypes
+from cembed.cli.app import app
+from cembed.config.file import config_from_dict
+from cembed.config.schema import ModelConfig
+from cembed.model.load import load_model, stored_dtype, weight_dtypes
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def saved_dtypes(folder) -> set[str]:
 
 
 def train_3_steps(model_dir, tmp_path, name, **model_extra):
-    from cembed.train import check_run_inputs, run_training
+    from cembed.train.recipe import check_run_inputs, run_training
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in distinct_pairs(40)))

@@ -12,12 +12,12 @@ import torch
 from conftest import distinct_pairs
 from typer.testing import CliRunner
 
-import cembed.plan as P
-from cembed.cli import app
-from cembed.config import CembedConfig, ModelConfig
+import cembed.plan.resolve as P
+from cembed.cli.app import app
+from cembed.config.schema import CembedConfig, ModelConfig
 from cembed.errors import UserError
-from cembed.precision import enable_tf32, resolve_precision
-from cembed.probe import resolved_model_config
+from cembed.plan.precision import enable_tf32, resolve_precision
+from cembed.probe.search import resolved_model_config
 
 GPUS = {
     "NVIDIA H200": (9, 0),
@@ -130,8 +130,8 @@ def test_run_summary_records_the_precision_and_a_resume_compares_it_resolved(tin
     """The summary records requested and resolved precision; a checkpoint of an explicit-fp32 run
     resumes under the default auto on CPU (both train in fp32), so the new default does not lock
     older runs out."""
-    from cembed.configfile import config_from_dict
-    from cembed.train import check_run_inputs, run_training
+    from cembed.config.file import config_from_dict
+    from cembed.train.recipe import check_run_inputs, run_training
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in distinct_pairs(16)))

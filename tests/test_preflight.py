@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.config import SCHEDULERS
+from cembed.cli.app import app
+from cembed.config.schema import SCHEDULERS
 
 ROWS = [{"anchor": f"question {i} about a red car", "positive": f"answer {i} on the street"} for i in range(16)]
 STS = [{"sentence1": f"a {w} dog", "sentence2": f"the {w} dog", "score": float(i)} for i, w in enumerate("abcdef")]
@@ -116,7 +116,7 @@ def test_fixed_settings_train(short_model_dir, write_config, pairs_file, tmp_pat
 
 
 def _raise_at_call(n, exc):
-    import cembed.train as T
+    import cembed.train.recipe as T
 
     real = T.build_loss
 
@@ -137,7 +137,9 @@ def _raise_at_call(n, exc):
 
 
 def test_unexpected_exception_is_recorded(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
-    monkeypatch.setattr("cembed.train.build_loss", _raise_at_call(2, RuntimeError("size of tensor a (109) vs b (40)")))
+    monkeypatch.setattr(
+        "cembed.train.recipe.build_loss", _raise_at_call(2, RuntimeError("size of tensor a (109) vs b (40)"))
+    )
     out = tmp_path / "run"
     path = write_config(_cfg(tiny_model_dir, pairs_file(ROWS), out, train={"save_steps": 1}))
     r = _invoke("train", path)
@@ -155,7 +157,7 @@ def test_unexpected_exception_before_the_run(tiny_model_dir, write_config, pairs
     def broken(*args, **kwargs):
         raise KeyError("eval_loss")
 
-    monkeypatch.setattr("cembed.train.check_run_inputs", broken)
+    monkeypatch.setattr("cembed.train.recipe.check_run_inputs", broken)
     r = _invoke("train", write_config(_cfg(tiny_model_dir, pairs_file(ROWS), tmp_path / "run")))
     _one_error(r, 1, "unexpected KeyError: 'eval_loss' (traceback in ")
     tb = r.output.split("(traceback in ")[1].split(")")[0]

@@ -9,7 +9,7 @@ from datasets import Dataset
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
+from cembed.data.tokenize import collator_for, matches_model_preprocessing, pretokenize
 
 ROWS = {
     "anchor": ["A man on a bus.", "two dogs", "the RED car " * 30, "cat", "people at the street, near a table!"],
@@ -61,8 +61,8 @@ def test_cache_reused_and_rebuilt_on_max_seq_length_change(model, tmp_path):
 
 def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
     """dataloader_num_workers: 2 gives the same first-step loss as 0 workers."""
-    from cembed.configfile import load_config
-    from cembed.train import check_run_inputs, run_training
+    from cembed.config.file import load_config
+    from cembed.train.recipe import check_run_inputs, run_training
 
     monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
     rows = [{"anchor": f"question {i} about a {'red ' * (i % 7)}car", "positive": f"answer {i}"} for i in range(64)]
@@ -96,9 +96,9 @@ def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config,
 
 def test_meter_interval_arithmetic(monkeypatch):
     """data_wait = waited / wall, tokens/s = real / wall, padded share = 1 - real / processed."""
-    import cembed.meter as meter_mod
-    from cembed.losses import TokenCounts
-    from cembed.meter import ThroughputMeter
+    import cembed.train.meter as meter_mod
+    from cembed.losses.registry import TokenCounts
+    from cembed.train.meter import ThroughputMeter
 
     clock = iter([100.0, 110.0, 130.0, 130.0])
     monkeypatch.setattr(meter_mod.time, "perf_counter", lambda: next(clock))

@@ -12,13 +12,13 @@ import torch
 from conftest import REPO, distinct_pairs
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.config import ModelConfig, loss_config
-from cembed.configfile import load_config, set_yaml_value
-from cembed.data import truncation_report
+from cembed.cli.app import app
+from cembed.config.file import load_config, set_yaml_value
+from cembed.config.schema import ModelConfig, loss_config
+from cembed.data.prepare import truncation_report
 from cembed.errors import UserError
-from cembed.probe import parse_bytes, search_mini_batch
-from cembed.probe_trials import SubprocessTrial, TrialOutcome, TrialSpec
+from cembed.probe.search import parse_bytes, search_mini_batch
+from cembed.probe.trials import SubprocessTrial, TrialOutcome, TrialSpec
 
 FITS_UP_TO = 37
 PER_ROW = 900  # fake bytes per row: 37 x 900 = 33300 = 0.9 x 37000, so with margin 10% exactly 37 fits
@@ -217,8 +217,8 @@ def test_truncation_report_counts_rows_over_max_seq_length(tiny_model_dir):
 
 
 def test_probe_asks_the_loss_whether_it_caches():
-    from cembed.plan import Plan
-    from cembed.probe import resolve_auto, run_probe
+    from cembed.plan.resolve import Plan
+    from cembed.probe.search import resolve_auto, run_probe
 
     model_cfg = ModelConfig(name_or_path="x", device="cpu")
     with pytest.raises(UserError, match=r"loss\.name: probe-minibatch measures the cached loss; with 'mnrl' mini_"):
@@ -237,7 +237,7 @@ def test_cuda_trial_falls_back_after_sticky_error(monkeypatch):
     error replaced the CUDA one, no fallback was set up and close() raised.)"""
     import torch
 
-    import cembed.probe_trials as pt
+    import cembed.probe.trials as pt
 
     poisoned = {"on": False}
 
@@ -286,10 +286,10 @@ def test_probe_counts_gathered_loss_stage(tiny_model_dir, monkeypatch):
     size's gathered candidates (anchor x W x batch x (1 + hard negatives)), simulated without a
     collective, with the length-sorted copies and restored-order leaves; resolve_auto gives the
     trial the plan's world size (when it gathers) and the config's columns."""
-    import cembed.losses as losses
-    import cembed.probe as probe
-    from cembed.model import load_model
-    from cembed.probe_trials import worst_case_step
+    import cembed.losses.registry as losses
+    import cembed.probe.search as probe
+    from cembed.model.load import load_model
+    from cembed.probe.trials import worst_case_step
 
     model = load_model(ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=16, device="cpu"), "cpu")
     seen, real_build = [], losses.build_loss
@@ -324,7 +324,7 @@ def test_probe_counts_gathered_loss_stage(tiny_model_dir, monkeypatch):
             return TrialOutcome(peak_bytes=size, samples_per_s=float(size))
 
     monkeypatch.setattr(probe, "SubprocessTrial", Recorded)
-    from cembed.plan import Plan
+    from cembed.plan.resolve import Plan
 
     plan = Plan("cpu", 8, 16, 1, 128, 1e-5, "", "fp32", gather_across_devices=True)
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=16, device="cpu")

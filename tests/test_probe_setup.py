@@ -7,11 +7,11 @@ import pytest
 from conftest import distinct_pairs
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.config import LoraOptions, ModelConfig, loss_config
-from cembed.model import load_model
-from cembed.probe_setup import describe_setup, fsdp_saved_bytes
-from cembed.worst_case import worst_case_step
+from cembed.cli.app import app
+from cembed.config.schema import LoraOptions, ModelConfig, loss_config
+from cembed.model.load import load_model
+from cembed.probe.setup import describe_setup, fsdp_saved_bytes
+from cembed.probe.worst_case import worst_case_step
 
 HIDDEN = 32  # the tiny BERT's width (conftest.make_tiny_model)
 

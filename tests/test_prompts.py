@@ -12,9 +12,9 @@ import torch
 from conftest import COCO_HELDOUT, COCO_PAIRS, make_tiny_model
 from sentence_transformers import SentenceTransformer
 
-from cembed.config_data import PromptsConfig
+from cembed.config.data import PromptsConfig
 from cembed.errors import ModelRefused
-from cembed.prompts import prompt_lengths, resolve_prompts
+from cembed.model.prompts import prompt_lengths, resolve_prompts
 
 PROMPTS = {"query": "query: ", "document": "passage: "}
 
@@ -91,7 +91,7 @@ def test_default_prompt_name_applies_to_roles_without_a_named_prompt(tiny_model_
 
 
 def test_prompts_config_errors_name_the_field(write_config):
-    from cembed.configfile import load_config
+    from cembed.config.file import load_config
     from cembed.errors import UserError
 
     cfg = write_config({"model": {"name_or_path": "x"}, "data": {"train": "t.jsonl", "prompts": {"anchr": "q: "}}})
@@ -120,7 +120,7 @@ def test_pretokenized_path_equals_sentence_transformers_collator(prompted_model_
     import datasets
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.pretokenize import collator_for, matches_model_preprocessing, pretokenize
+    from cembed.data.tokenize import collator_for, matches_model_preprocessing, pretokenize
 
     model = _model(prompted_model_dir, include_prompt)
     roles = ["anchor", "positive", "negative_1"]
@@ -169,7 +169,7 @@ def test_pretokenized_path_equals_sentence_transformers_collator(prompted_model_
 def test_cache_key_includes_the_prompts(tiny_model_dir, tmp_path):
     import datasets
 
-    from cembed.pretokenize import pretokenize
+    from cembed.data.tokenize import pretokenize
 
     model = _model(tiny_model_dir)
     ds = datasets.Dataset.from_list(ROWS)
@@ -196,8 +196,8 @@ def test_length_sorted_cached_loss_carries_prompt_length(prompted_model_dir, tmp
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    from cembed.losses import LengthSortedCachedMNRL
-    from cembed.pretokenize import collator_for, pretokenize
+    from cembed.data.tokenize import collator_for, pretokenize
+    from cembed.losses.registry import LengthSortedCachedMNRL
 
     roles = ["anchor", "positive", "negative_1"]
     results = []
@@ -237,8 +237,8 @@ def test_sampler_compares_texts_without_their_prompts(tiny_model_dir, tmp_path):
     is one text to the no-duplicates sampler, as without prompts."""
     import datasets
 
-    from cembed.pretokenize import pretokenize
-    from cembed.sampler import row_hashes
+    from cembed.data.sampler import row_hashes
+    from cembed.data.tokenize import pretokenize
 
     model = _model(tiny_model_dir)
     rows = [{"anchor": "a red car", "positive": "a blue bus"}, {"anchor": "two dogs", "positive": "A red  car "}]
@@ -279,10 +279,10 @@ def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir
     from rich.console import Console
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    import cembed.train as T
-    from cembed.configfile import config_from_dict
-    from cembed.evalsets import load_beir
-    from cembed.scoring import score_model
+    import cembed.train.recipe as T
+    from cembed.config.file import config_from_dict
+    from cembed.eval.score import score_model
+    from cembed.eval.sets import load_beir
 
     heldout = _small_heldout(tmp_path / "heldout")
     cfg = config_from_dict(
@@ -341,8 +341,8 @@ def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir
 def test_without_pretokenization_the_trainers_collator_gets_the_prompts(prompted_model_dir, tmp_path):
     from rich.console import Console
 
-    import cembed.train as T
-    from cembed.configfile import config_from_dict
+    import cembed.train.recipe as T
+    from cembed.config.file import config_from_dict
 
     rows = [{"anchor": f"question {i}", "positive": f"answer {i}", "neg": f"other {i}"} for i in range(8)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -373,7 +373,7 @@ def test_without_pretokenization_the_trainers_collator_gets_the_prompts(prompted
 def test_corpus_cache_key_includes_the_prompt(tiny_model_dir, tmp_path):
     import numpy as np
 
-    from cembed.embedding_cache import corpus_embeddings
+    from cembed.eval.embedding_cache import corpus_embeddings
 
     model = _model(tiny_model_dir)
     corpus = {"d1": "a red car", "d2": "two dogs on a street"}

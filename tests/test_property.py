@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from cembed.cli import app
+from cembed.cli.app import app
 
 cell = st.one_of(
     st.text(max_size=12),

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from conftest import distinct_pairs
 
-from cembed.configfile import config_from_dict
+from cembed.config.file import config_from_dict
 from cembed.errors import UserError
-from cembed.plan import resolve_plan
-from cembed.training_args import build_training_args
+from cembed.plan.resolve import resolve_plan
+from cembed.train.args import build_training_args
 
 
 def _cfg(tmp_path, **train):
@@ -36,7 +36,7 @@ def test_push_to_hub_needs_hub_model_id(tmp_path):
 
 
 def test_model_card_keeps_cembed_facts(tmp_path, tiny_model_dir, pairs_file):
-    from cembed.train import check_run_inputs, run_training
+    from cembed.train.recipe import check_run_inputs, run_training
 
     data = {
         "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
@@ -59,7 +59,7 @@ def test_model_card_keeps_cembed_facts(tmp_path, tiny_model_dir, pairs_file):
 def test_failed_push_is_one_clear_error(tmp_path):
     from types import SimpleNamespace
 
-    from cembed.publish import push_final_model
+    from cembed.train.publish import push_final_model
 
     class Trainer:
         args = SimpleNamespace(push_to_hub=True, output_dir="runs/x", hub_model_id="someone/m")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cembed.config import CembedConfig
+from cembed.config.schema import CembedConfig
 from cembed.errors import UserError
 
 
@@ -18,7 +18,7 @@ def _cfg(**sections) -> CembedConfig:
 
 
 def test_bf16_on_a_gpu_without_bf16_is_refused(monkeypatch):
-    import cembed.plan as P
+    import cembed.plan.resolve as P
 
     monkeypatch.setattr(P, "resolve_device", lambda device: "cuda")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
@@ -45,7 +45,7 @@ def _fake_cuda_group(monkeypatch, visible: int):
 def test_launcher_without_local_world_size(monkeypatch):
     """2 nodes x 8 GPUs started by a launcher that sets no LOCAL_WORLD_SIZE (srun with a hand-made
     environment): rank 9 is local rank 1 on its node, not a 16-process node."""
-    from cembed.distributed import init_distributed
+    from cembed.distributed.group import init_distributed
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "16")
@@ -65,7 +65,7 @@ def test_launcher_without_local_world_size(monkeypatch):
 def test_small_shm_with_workers_warns(monkeypatch, tmp_path):
     import shutil
 
-    import cembed.plan as P
+    import cembed.plan.resolve as P
 
     small = shutil.disk_usage(tmp_path)._replace(total=64 * 1024**2)
     monkeypatch.setattr(P.shutil, "disk_usage", lambda path: small)
@@ -89,7 +89,7 @@ def test_user_error_text_with_brackets_prints_verbatim(capsys):
     printed as text, not read as rich markup (a closing tag there raised MarkupError: a traceback)."""
     import typer
 
-    from cembed.cli import user_errors
+    from cembed.cli.app import user_errors
     from cembed.errors import UserError
 
     message = "run failed: RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:553] Connection closed [bold]x"

@@ -14,11 +14,11 @@ from conftest import REPO, distinct_pairs
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from cembed.checkpoint import MARKER, latest_complete, remove_incomplete, resolve_resume
-from cembed.cli import app
-from cembed.configfile import load_config
+from cembed.cli.app import app
+from cembed.config.file import load_config
 from cembed.errors import RunFailed, UserError
-from cembed.train import check_run_inputs, run_training
+from cembed.train.checkpoint import MARKER, latest_complete, remove_incomplete, resolve_resume
+from cembed.train.recipe import check_run_inputs, run_training
 
 ROWS = [
     {"anchor": f"question {i} about a {'red ' * (i % 5)}car", "positive": f"answer {i} on the street"}
@@ -44,7 +44,7 @@ def _config(write_config, tmp_path, model_dir, out, **train):
 KILL_AT_STEP_3 = textwrap.dedent(
     """
     import os, signal, sys
-    import cembed.train as T
+    import cembed.train.recipe as T
 
     class SigtermAtStep3(T.InterruptCallback):
         # Delivers a real SIGTERM to this process at the end of step 3, through the real handler.
@@ -54,7 +54,7 @@ KILL_AT_STEP_3 = textwrap.dedent(
             return super().on_step_end(args, state, control, **kw)
 
     T.InterruptCallback = SigtermAtStep3
-    from cembed.cli import main
+    from cembed.cli.app import main
     sys.argv = ["cembed", "train", sys.argv[1]]
     main()
     """
@@ -111,7 +111,7 @@ def test_checkpoint_without_marker_is_ignored(tmp_path):
 
 
 def _nan_at_call(n):
-    import cembed.train as T
+    import cembed.train.recipe as T
 
     real = T.build_loss
 
@@ -132,7 +132,7 @@ def _nan_at_call(n):
 
 
 def test_nan_loss_stops_naming_step_and_checkpoint(tiny_model_dir, write_config, tmp_path, monkeypatch):
-    monkeypatch.setattr("cembed.train.build_loss", _nan_at_call(2))
+    monkeypatch.setattr("cembed.train.recipe.build_loss", _nan_at_call(2))
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "nan", save_steps=1))
     plan, data = check_run_inputs(cfg)
     with pytest.raises(RunFailed, match=r"loss is nan at step 2; .*Last good checkpoint: .*checkpoint-1") as err:
@@ -143,7 +143,7 @@ def test_nan_loss_stops_naming_step_and_checkpoint(tiny_model_dir, write_config,
 
 
 def test_nan_loss_skip_policy_counts(tiny_model_dir, write_config, tmp_path, monkeypatch):
-    monkeypatch.setattr("cembed.train.build_loss", _nan_at_call(2))
+    monkeypatch.setattr("cembed.train.recipe.build_loss", _nan_at_call(2))
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "skip", nonfinite_loss="skip"))
     plan, data = check_run_inputs(cfg)
     summary = run_training(cfg, plan, data, progress=False)
@@ -158,7 +158,7 @@ def _fp16_scaler_trainer(record: dict):
     import torch
     from transformers import TrainerCallback
 
-    from cembed.trainer import CembedTrainer
+    from cembed.train.trainer import CembedTrainer
 
     class Record(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kw):
@@ -185,7 +185,7 @@ def _fp16_scaler_trainer(record: dict):
 def test_skip_nonfinite_with_grad_scaler(tiny_model_dir, write_config, tmp_path, monkeypatch):
     """fp16 + ``nonfinite_loss: skip``: the skipped step is a no-op that the GradScaler accepts (it
     used to raise "No inf checks were recorded for this optimizer")."""
-    monkeypatch.setattr("cembed.train.build_loss", _nan_at_call(2))
+    monkeypatch.setattr("cembed.train.recipe.build_loss", _nan_at_call(2))
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "fp16skip", nonfinite_loss="skip"))
     plan, data = check_run_inputs(cfg)
     record: dict = {}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from datasets import Dataset
 
-from cembed.sampler import NoDuplicatesSampler, build_batches
+from cembed.data.sampler import NoDuplicatesSampler, build_batches
 
 
 def _texts(ds, batch):
@@ -68,7 +68,7 @@ def test_impossible_data_yields_no_batch():
 def test_refused_candidate_does_not_block_a_later_one():
     # Issue 12 case 7: row 1 shares "a" with row 0 and is refused; row 2 shares "c" only with the
     # refused row 1, so a row-by-row first fit takes it (the sampler used to refuse it too).
-    from cembed.sampler import _fits
+    from cembed.data.sampler import _fits
 
     h = np.array([[1, 2], [1, 3], [3, 4], [5, 6]], dtype=np.uint64)  # (a,b) (a,c) (c,d) (e,f)
     empty = np.empty(0, dtype=np.uint64)
@@ -81,7 +81,7 @@ def test_refused_candidate_does_not_block_a_later_one():
 def test_build_batches_equals_the_row_by_row_first_fit(drop_last):
     # Batches (hence batches per epoch and unused rows) equal the exact first fit's, on small
     # duplicate-heavy tables, at every batch size, long chains included.
-    from cembed.sampler import build_batches_row_by_row
+    from cembed.data.sampler import build_batches_row_by_row
 
     rng = np.random.default_rng(12)
     tables = [rng.integers(0, int(rng.integers(2, 60)), size=(int(rng.integers(1, 50)), 3)) for _ in range(60)]
@@ -141,8 +141,8 @@ def test_optimizer_steps_equal_sampler_batches(tiny_model_dir, tmp_path, accum):
 
 
 def test_inspect_batches_counts():
-    from cembed.placement import colliding_rows, inspect_batches
-    from cembed.sampler import row_hashes
+    from cembed.data.placement import colliding_rows, inspect_batches
+    from cembed.data.sampler import row_hashes
 
     ds = Dataset.from_dict(
         {
@@ -165,7 +165,7 @@ def test_inspect_batches_counts():
 def test_inspect_data_cli(write_config, pairs_file):
     from typer.testing import CliRunner
 
-    from cembed.cli import app
+    from cembed.cli.app import app
 
     rows = [{"anchor": f"topic {i % 5}", "positive": f"p{i}"} for i in range(20)]
     path = write_config(
@@ -182,8 +182,8 @@ def test_duplicates_compared_as_the_model_sees_them(tiny_model_dir, tmp_path):
     # Issue 12 case 4: three spellings of one caption are one text to an uncased tokenizer.
     from sentence_transformers import SentenceTransformer
 
-    from cembed.pretokenize import pretokenize
-    from cembed.sampler import row_hashes
+    from cembed.data.sampler import row_hashes
+    from cembed.data.tokenize import pretokenize
 
     same = ["A red car on the street.", "a red car on the street. ", "A RED CAR ON THE STREET."]
     positives = same + [f"{w} dog" for w in "abcde"]

@@ -10,13 +10,13 @@ import pytest
 from conftest import COCO_HELDOUT, COCO_PAIRS, REPO, TESTS_DATA
 from rich.console import Console
 
-from cembed.configfile import load_config
+from cembed.cli.report import print_eval_change
+from cembed.config.file import load_config
 from cembed.errors import UserError
-from cembed.evalsets import load_beir
-from cembed.report import print_eval_change
+from cembed.eval.sets import load_beir
 from cembed.samples import known_samples, resolve_sample
-from cembed.summary import eval_change_rows
-from cembed.train import check_run_inputs, run_training
+from cembed.train.recipe import check_run_inputs, run_training
+from cembed.train.summary import eval_change_rows
 
 
 def test_short_names_resolve_to_packaged_data():
@@ -124,7 +124,7 @@ def test_every_step_loss_in_summary_and_plot(tiny_model_dir, write_config, pairs
 def test_packaged_quickstart_example_is_the_repo_config_and_validates(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cembed.cli import app
+    from cembed.cli.app import app
     from cembed.samples import example_config
 
     repo = (REPO / "configs" / "quickstart.yaml").read_text().splitlines()

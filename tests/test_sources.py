@@ -18,12 +18,12 @@ from conftest import SCIFACT_TEST_SUBSET, join_gloo_rank
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.configfile import config_from_dict
-from cembed.data import prepare_data
+from cembed.cli.app import app
+from cembed.config.file import config_from_dict
+from cembed.data.mixture import SourceMix, interleave
+from cembed.data.prepare import prepare_data
+from cembed.data.sampler import SOURCE_SEED_STRIDE, NoDuplicatesSampler, build_batches, row_hashes
 from cembed.errors import RunInterrupted, UserError
-from cembed.mixture import SourceMix, interleave
-from cembed.sampler import SOURCE_SEED_STRIDE, NoDuplicatesSampler, build_batches, row_hashes
 
 
 def _sources(coco_rows: int, scifact_rows: int) -> dict:
@@ -150,7 +150,7 @@ def test_two_ranks_get_one_source_per_step(tiny_model_dir, tmp_path):
 def _run(cfg_dict, base, trainer_cls=None, **kwargs):
     from rich.console import Console
 
-    from cembed.train import check_run_inputs, run_training
+    from cembed.train.recipe import check_run_inputs, run_training
 
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
@@ -161,7 +161,7 @@ def _run(cfg_dict, base, trainer_cls=None, **kwargs):
 def _sigterm_at(step: int):
     from transformers import TrainerCallback
 
-    from cembed.trainer import CembedTrainer
+    from cembed.train.trainer import CembedTrainer
 
     class SignalAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -218,7 +218,7 @@ def _rank(rank: int, tmp: str, model_dir: str, port: int) -> None:
     cfg = _config(Path(tmp), Path(model_dir), "ddp", coco_rows=48, scifact_rows=32, batch=4, num_train_epochs=1)
     summary = _run(cfg, Path(tmp))
     Path(tmp, f"rank{rank}.json").write_text(json.dumps({"batches": seen, "summary": summary["data"]}))
-    from cembed.distributed import leave_process_group
+    from cembed.distributed.group import leave_process_group
 
     leave_process_group()
 
@@ -301,8 +301,8 @@ def test_sources_with_different_roles_are_refused(tmp_path, pairs_file):
 
 
 def test_inspect_data_and_unplaceable_rows_per_source(tiny_model_dir, tmp_path):
-    from cembed.placement import inspect_data, warn_unplaceable
-    from cembed.plan import resolve_plan
+    from cembed.data.placement import inspect_data, warn_unplaceable
+    from cembed.plan.resolve import resolve_plan
 
     cfg, data = _prepared(tmp_path, tiny_model_dir)
     reports = inspect_data(data, 8, True, 7)

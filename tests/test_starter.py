@@ -8,9 +8,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from cembed.cli import app
+from cembed.cli.app import app
+from cembed.data.starter import make_starter, propose_roles, suggest_batch_size
 from cembed.errors import UserError
-from cembed.starter import make_starter, propose_roles, suggest_batch_size
 
 
 def test_propose_roles_by_name_and_position():

@@ -13,14 +13,14 @@ from sentence_transformers.base.losses.gradcache import _minibatch_ranges
 from test_losses import _loss_and_grads, _rel
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.config import ModelConfig, loss_config
-from cembed.configfile import config_from_dict, load_config
-from cembed.losses import build_loss
-from cembed.plan import resolve_plan
-from cembed.probe import override_line, probe_token_budget, run_trial, search_mini_batch
-from cembed.probe_trials import SubprocessTrial, TrialOutcome, TrialSpec
-from cembed.token_budget import padded_ranges, row_extents, token_budget_ranges
+from cembed.cli.app import app
+from cembed.config.file import config_from_dict, load_config
+from cembed.config.schema import ModelConfig, loss_config
+from cembed.losses.registry import build_loss
+from cembed.losses.token_budget import padded_ranges, row_extents, token_budget_ranges
+from cembed.plan.resolve import resolve_plan
+from cembed.probe.search import override_line, probe_token_budget, run_trial, search_mini_batch
+from cembed.probe.trials import SubprocessTrial, TrialOutcome, TrialSpec
 
 # Lengths (in words) from long to short with a gap: the case where counting non-padding tokens
 # would pad many short rows to a long row's width.
@@ -215,8 +215,8 @@ class FakeTrials:
 
 
 def test_auto_sets_both_and_keeps_a_user_budget(monkeypatch, tiny_model_dir):
-    import cembed.probe as probe
-    from cembed.plan import Plan
+    import cembed.probe.search as probe
+    from cembed.plan.resolve import Plan
 
     monkeypatch.setattr(probe, "SubprocessTrial", FakeTrials)
     FakeTrials.calls = []
@@ -241,7 +241,7 @@ def test_auto_sets_both_and_keeps_a_user_budget(monkeypatch, tiny_model_dir):
 
 
 def test_write_stores_both(monkeypatch, tiny_model_dir, write_config, pairs_file):
-    import cembed.probe as probe
+    import cembed.probe.search as probe
 
     monkeypatch.setattr(probe, "SubprocessTrial", FakeTrials)
     cfg = write_config(

@@ -3,10 +3,10 @@ switch it (speed only, like dataloader_num_workers)."""
 
 from __future__ import annotations
 
-from cembed.config import CembedConfig
-from cembed.plan import resolve_plan
-from cembed.preflight import check_resume
-from cembed.training_args import build_training_args
+from cembed.config.schema import CembedConfig
+from cembed.plan.resolve import resolve_plan
+from cembed.train.args import build_training_args
+from cembed.train.preflight import check_resume
 
 
 def _cfg(**train) -> CembedConfig:

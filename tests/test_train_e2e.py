@@ -56,8 +56,8 @@ def test_evaluations_before_during_after_share_the_training_precision(tiny_model
     import torch
     from rich.console import Console
 
-    import cembed.train as T
-    from cembed.configfile import config_from_dict
+    import cembed.train.recipe as T
+    from cembed.config.file import config_from_dict
 
     rows = [{"anchor": f"question {i} about a car", "positive": f"answer {i} on the street"} for i in range(16)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -15,12 +15,12 @@ from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from typer.testing import CliRunner
 
-from cembed.cli import app
-from cembed.config import CachedMNRLLossConfig
-from cembed.configfile import load_config
+from cembed.cli.app import app
+from cembed.config.file import load_config
+from cembed.config.schema import CachedMNRLLossConfig
 from cembed.errors import ModelRefused
-from cembed.losses import build_loss
-from cembed.unpad import attention_cost, pack_rows, packed_encoder, plan_packing, resolve_unpad
+from cembed.losses.registry import build_loss
+from cembed.model.unpad import attention_cost, pack_rows, packed_encoder, plan_packing, resolve_unpad
 
 WORDS = "a man dog on the street with two red car cat table people sitting near white plate".split()
 
@@ -166,7 +166,7 @@ def test_large_minibatch_plan_round_trips_and_balances(rows):
     """More than BEST_FIT_MAX_ROWS rows take the dealt path (deal_rows): every real position comes
     back, every row lies whole in one pack at its own positions, and the packs' fills differ by at
     most the longest row (here they end within a few tokens: padding under 5 %)."""
-    from cembed.packing import BEST_FIT_MAX_ROWS, deal_rows
+    from cembed.model.packing import BEST_FIT_MAX_ROWS, deal_rows
 
     assert rows > BEST_FIT_MAX_ROWS
     rng = np.random.default_rng(rows)

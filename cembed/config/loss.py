@@ -1,0 +1,253 @@
+"""The ``loss`` config section: the base class every loss config extends, and the registry by name."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, get_args
+
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
+from pydantic_core import PydanticUndefined
+
+from cembed.config.base import Strict as _Strict
+
+DEFAULT_LOSS = "cached_mnrl"
+
+# CachedMultipleNegativesRankingLoss's similarity terms (sentence-transformers 6.2).
+Direction = Literal["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]
+
+
+class MatryoshkaConfig(_Strict):
+    """``matryoshka``: also train truncated embeddings (Matryoshka Representation Learning,
+    Kusupati et al. 2022, arXiv:2205.13147) through sentence-transformers' ``MatryoshkaLoss``: the
+    loss is the weighted sum of the wrapped loss on the first ``d`` dimensions (re-normalized) for
+    every ``d`` in ``dims``."""
+
+    dims: list[PositiveInt] = Field(min_length=1)
+    weights: list[PositiveFloat] | None = None  # one per dim; default 1 each
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MatryoshkaConfig:
+        if len(set(self.dims)) != len(self.dims):
+            raise ValueError(f"dims {self.dims} repeats a dimension; list each once")
+        if self.weights is not None and len(self.weights) != len(self.dims):
+            raise ValueError(
+                f"weights has {len(self.weights)} values for {len(self.dims)} dims; give one weight "
+                "per dim or leave weights out (1 each)"
+            )
+        return self
+
+
+class FalseNegativeFilter(_Strict):
+    """``false_negative_filter``: self-guided false-negative filtering. An in-batch candidate
+    that the model itself (its no-grad embeddings of the step) scores above the anchor's positive
+    minus a margin is left out of the anchor's softmax (positive-aware filtering, NV-Retriever,
+    Moreira et al. 2024, arXiv:2407.15831; the masking rule of GISTEmbed, Solatorio 2024,
+    arXiv:2402.16829, with the model as its own guide).
+
+    ``absolute``: masked when ``s(a, c) > s(a, p) - margin``; ``relative``: when
+    ``s(a, c) > s(a, p) - |s(a, p)| * margin`` (cosine scores).
+    """
+
+    margin: NonNegativeFloat = 0.0
+    strategy: Literal["absolute", "relative"] = "absolute"
+
+
+class LossConfig(_Strict):
+    """The ``loss`` section: the fields every loss has, plus ``name``, which picks the concrete class.
+
+    Each loss is a subclass with ``name: Literal["<name>"] = "<name>"``, its own fields, and the
+    ``uses_gradient_cache`` capability (True: the loss embeds in mini-batches of
+    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it). Subclasses are
+    registered by name in :data:`LOSS_CONFIGS` (:func:`register_loss_config`, or
+    ``cembed.losses.registry.register_loss`` with its builder); :func:`loss_config` builds the registered
+    class for a ``name``.
+    """
+
+    uses_gradient_cache: ClassVar[bool] = False
+
+    name: str = DEFAULT_LOSS
+    scale: PositiveFloat = 20.0
+    symmetric: bool = False
+    # Gather every rank's embeddings so each anchor is contrasted with the whole global batch.
+    # None: true when training runs in more than one process.
+    gather_across_devices: bool | None = None
+    matryoshka: MatryoshkaConfig | None = None  # also train truncated embeddings (any loss)
+
+
+class MNRLOptionsConfig(LossConfig):
+    """The options of sentence-transformers' (Cached)MultipleNegativesRankingLoss, shared by
+    ``cached_mnrl`` and ``mnrl`` (not a loss by itself).
+
+    * ``directions``: the similarity terms in each row's softmax: ``query_to_doc`` (InfoNCE, always
+      needed), ``doc_to_query`` (symmetric), ``query_to_query`` and ``doc_to_doc`` (GTE's improved
+      contrastive loss, Li et al. 2023, arXiv:2308.03281). Unset: from ``symmetric``.
+    * ``partition_mode``: ``joint`` (one softmax over all terms) or ``per_direction`` (one per
+      direction, averaged; needs every direction to hold the positive, so not with
+      ``query_to_query``/``doc_to_doc``).
+    * ``hardness_mode`` / ``hardness_strength``: add ``strength * stop_grad(cos)`` to negative logits
+      (Lan et al. 2025, arXiv:2503.04812; EmbeddingGemma, arXiv:2509.20354): ``in_batch_negatives``,
+      ``hard_negatives`` or ``all_negatives``.
+
+    Raises (at validation, naming the fields): conflicting settings, e.g. ``symmetric: true`` with
+    ``directions`` lacking ``doc_to_query``, or a hardness mode without a strength.
+    """
+
+    directions: tuple[Direction, ...] | None = None
+    partition_mode: Literal["joint", "per_direction"] = "joint"
+    hardness_mode: Literal["in_batch_negatives", "hard_negatives", "all_negatives"] | None = None
+    hardness_strength: NonNegativeFloat = 0.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MNRLOptionsConfig:
+        d = self.directions
+        if d is not None:
+            if not d or "query_to_doc" not in d:
+                raise ValueError(f"directions {list(d)} must include query_to_doc (it holds the positive pair)")
+            if len(set(d)) != len(d):
+                raise ValueError(f"directions {list(d)} repeats a direction; list each once")
+            if "symmetric" in self.model_fields_set and self.symmetric != ("doc_to_query" in d):
+                fix = "add doc_to_query to directions" if self.symmetric else "remove doc_to_query"
+                raise ValueError(
+                    f"symmetric: {str(self.symmetric).lower()} conflicts with directions {list(d)}: "
+                    f"drop symmetric (directions say it all) or {fix}"
+                )
+            # Normalized, so that a dumped and reloaded config says the same.
+            self.__dict__["symmetric"] = "doc_to_query" in d
+        dirs = self.resolved_directions()
+        if self.partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(dirs):
+            raise ValueError(
+                f"partition_mode: per_direction needs the positive in every direction's softmax, but "
+                f"directions {list(dirs)} has query_to_query/doc_to_doc: use partition_mode joint"
+            )
+        if self.hardness_mode is not None and self.hardness_strength == 0.0:
+            raise ValueError(
+                f"hardness_mode: {self.hardness_mode} has no effect with hardness_strength 0: "
+                "set a strength (e.g. 5 or 9) or drop hardness_mode"
+            )
+        if self.hardness_mode is None and self.hardness_strength > 0.0:
+            raise ValueError(
+                f"hardness_strength {self.hardness_strength:g} is ignored without hardness_mode: set "
+                "hardness_mode (in_batch_negatives, hard_negatives or all_negatives) or drop hardness_strength"
+            )
+        return self
+
+    def resolved_directions(self) -> tuple[str, ...]:
+        """``directions`` if set, else ``query_to_doc`` plus ``doc_to_query`` when ``symmetric``."""
+        if self.directions is not None:
+            return tuple(self.directions)
+        return ("query_to_doc", "doc_to_query") if self.symmetric else ("query_to_doc",)
+
+
+class CachedGISTLossConfig(LossConfig):
+    """``cached_gist``: GISTEmbed (Solatorio 2024, arXiv:2402.16829) with GradCache, through
+    sentence-transformers' ``CachedGISTEmbedLoss``: a frozen ``guide`` model scores every in-batch
+    candidate, and a candidate the guide scores above the anchor's positive (minus ``margin``) is left
+    out of the softmax. ``guide`` is any model cembed loads (a folder, a hub id, a packaged short name
+    such as all-MiniLM-L6-v2); with a different tokenizer the texts are re-tokenized for it.
+
+    ``temperature``: the softmax temperature (default 0.01, the library's and the paper's); giving
+    ``scale`` instead means ``temperature = 1 / scale`` (both are stored, resolved). ``contrast_anchors`` / ``contrast_positives``
+    add the anchor-anchor / positive-positive terms of the paper (library default on).
+    """
+
+    uses_gradient_cache: ClassVar[bool] = True
+
+    name: Literal["cached_gist"] = "cached_gist"
+    guide: str
+    guide_max_seq_length: PositiveInt | None = None  # tokens for the guide; default its own
+    margin_strategy: Literal["absolute", "relative"] = "absolute"
+    margin: float = 0.0
+    temperature: PositiveFloat | None = None
+    contrast_anchors: bool = True
+    contrast_positives: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CachedGISTLossConfig:
+        if self.symmetric:
+            raise ValueError("symmetric is not an option of cached_gist: use contrast_anchors / contrast_positives")
+        scale_set = "scale" in self.model_fields_set
+        if self.temperature is not None and scale_set and abs(self.temperature * self.scale - 1) > 1e-9:
+            raise ValueError(
+                f"temperature ({self.temperature:g}) and scale ({self.scale:g}) are both set and disagree; "
+                "temperature = 1 / scale: keep one"
+            )
+        # Resolved once, both stored: a dumped and reloaded config says the same.
+        temperature = self.temperature or (1.0 / self.scale if scale_set else 0.01)
+        self.__dict__["temperature"] = temperature
+        self.__dict__["scale"] = 1.0 / temperature
+        return self
+
+
+class CachedMNRLLossConfig(MNRLOptionsConfig):
+    """``cached_mnrl``: in-batch negatives InfoNCE with GradCache (memory set by ``mini_batch_size``)."""
+
+    uses_gradient_cache: ClassVar[bool] = True
+
+    name: Literal["cached_mnrl"] = "cached_mnrl"
+    # Self-guided filtering from the no-grad pass's embeddings (so only with the cached loss).
+    false_negative_filter: FalseNegativeFilter | None = None
+
+    @model_validator(mode="after")
+    def _filter_directions(self) -> CachedMNRLLossConfig:
+        dirs = self.resolved_directions()
+        if self.false_negative_filter is not None and (dirs != ("query_to_doc",) or self.hardness_mode):
+            raise ValueError(
+                "false_negative_filter works with directions [query_to_doc] only and no hardness_mode "
+                f"(got directions {list(dirs)}, hardness_mode {self.hardness_mode}): drop one of them"
+            )
+        return self
+
+
+class MNRLLossConfig(MNRLOptionsConfig):
+    """``mnrl``: plain in-batch negatives InfoNCE, the whole batch embedded at once."""
+
+    name: Literal["mnrl"] = "mnrl"
+
+
+# name -> LossConfig subclass; `loss.name` in a config picks one.
+LOSS_CONFIGS: dict[str, type[LossConfig]] = {}
+
+
+def register_loss_config(cls: type[LossConfig]) -> type[LossConfig]:
+    """Register a :class:`LossConfig` subclass under its ``name`` default (usable as a decorator).
+
+    Raises:
+        TypeError: ``cls`` is not a LossConfig subclass with a one-value ``Literal`` name.
+        ValueError: the name is already registered to another class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, LossConfig)) or cls is LossConfig:
+        raise TypeError(f"{cls!r}: a loss config must be a subclass of cembed.config.schema.LossConfig")
+    field = cls.model_fields["name"]
+    values = get_args(field.annotation)
+    if len(values) != 1 or not isinstance(values[0], str) or field.default not in (values[0], PydanticUndefined):
+        raise TypeError(f"{cls.__name__}.name: declare it as name: Literal['<name>'] = '<name>'")
+    name = values[0]
+    if LOSS_CONFIGS.get(name, cls) is not cls:
+        raise ValueError(f"loss {name!r} is already registered ({LOSS_CONFIGS[name].__name__})")
+    LOSS_CONFIGS[name] = cls
+    return cls
+
+
+def loss_config_class(name: Any) -> type[LossConfig]:
+    """The registered :class:`LossConfig` subclass for ``name``.
+
+    Raises:
+        ValueError: an unknown name; the message lists the known ones.
+    """
+    cls = LOSS_CONFIGS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSS_CONFIGS)}")
+    return cls
+
+
+def loss_config(**fields: Any) -> LossConfig:
+    """The registered loss config for ``fields["name"]`` (default ``cached_mnrl``), validated.
+
+    Raises:
+        ValueError: unknown name (listing the known ones); pydantic's ValidationError for bad fields.
+    """
+    return loss_config_class(fields.get("name", DEFAULT_LOSS)).model_validate(fields)
+
+
+register_loss_config(CachedMNRLLossConfig)
+register_loss_config(MNRLLossConfig)
+register_loss_config(CachedGISTLossConfig)

@@ -1,0 +1,322 @@
+"""The config schema: one strict pydantic model per YAML section.
+
+Unknown keys are refused (``extra="forbid"``); :mod:`cembed.config.file` turns a YAML file plus
+overrides into a :class:`CembedConfig` and every validation error into a message naming the file,
+line and dotted field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    SerializeAsAny,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from cembed.config.base import Strict as _Strict
+
+# The data and loss sections live in their own modules; their names are re-exported here.
+from cembed.config.data import LOCAL_EXTENSIONS as LOCAL_EXTENSIONS
+from cembed.config.data import BeirSource as BeirSource
+from cembed.config.data import ColumnMap as ColumnMap
+from cembed.config.data import DataConfig as DataConfig
+from cembed.config.data import DataSource as DataSource
+from cembed.config.data import FileSource as FileSource
+from cembed.config.data import HubSource as HubSource
+from cembed.config.data import infer_source_kind as infer_source_kind
+from cembed.config.loss import DEFAULT_LOSS as DEFAULT_LOSS
+from cembed.config.loss import LOSS_CONFIGS as LOSS_CONFIGS
+from cembed.config.loss import CachedMNRLLossConfig as CachedMNRLLossConfig
+from cembed.config.loss import LossConfig as LossConfig
+from cembed.config.loss import MNRLLossConfig as MNRLLossConfig
+from cembed.config.loss import loss_config as loss_config
+from cembed.config.loss import loss_config_class as loss_config_class
+from cembed.config.loss import register_loss_config as register_loss_config
+
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "warmup_stable_decay",
+)
+
+
+class LoraOptions(_Strict):
+    """``model.lora``: train LoRA adapters instead of every weight (Hu et al. 2021, arXiv:2106.09685),
+    through ``peft`` (``pip install 'cembed[lora]'``)."""
+
+    r: PositiveInt = Field(16, description="adapter rank")
+    alpha: PositiveFloat = Field(32.0, description="scaling numerator: the update is (alpha / r) * B @ A")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the adapter's input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]) or all-linear"
+    )
+    merge: bool = Field(
+        True, description="save the final model with the adapters merged into the weights (false: adapter only)"
+    )
+
+
+class ModelConfig(_Strict):
+    """Which model to fine-tune and how to run it."""
+
+    name_or_path: str = "all-MiniLM-L6-v2"
+    max_seq_length: PositiveInt | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="compute dtype: bf16/fp16 autocast over fp32 master weights (whatever the stored dtype); "
+        "auto: bf16 on a GPU with bf16, fp32 on CPU (cembed.plan.precision)",
+    )
+    save_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="dtype of the saved model's weights; unset: the training dtype (fp32 master weights)"
+    )
+    trust_remote_code: bool = Field(False, description="run the model's own code (config.json auto_map); never implied")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) to pin")
+    model_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="passed to the transformers model, e.g. attn_implementation, torch_dtype"
+    )
+    tokenizer_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to the tokenizer")
+    pooling: Literal["mean", "cls", "lasttoken"] = Field(
+        "mean", description="pooling for a plain transformers checkpoint (no modules.json); ignored otherwise"
+    )
+    lora: LoraOptions | None = Field(None, description="train LoRA adapters only (needs peft)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory per mini-batch, more compute"
+    )
+
+
+class BatchConfig(_Strict):
+    per_device_train_batch_size: PositiveInt = 64
+    mini_batch_size: PositiveInt | Literal["auto"] = 32  # auto: `cembed train` probes it first
+    gradient_accumulation_steps: PositiveInt = 1
+    drop_last: bool = True
+    mini_batch_num_tokens: PositiveInt | None = None  # token budget: rows x padded width per mini-batch
+    sort_by_length: bool = True  # sort each column by length before cutting mini-batches
+    # Pad each batch's width up to a multiple of this (at most model.max_seq_length): fewer distinct
+    # shapes, e.g. for train.torch_compile. None: the longest row.
+    pad_to_multiple_of: PositiveInt | None = None
+    # pack each cached-loss mini-batch's rows without padding: auto where the model supports it
+    # (cembed.model.unpad.resolve_unpad), true (refuse a model that does not), false (sorted padding)
+    unpad: Literal["auto"] | bool = "auto"
+
+    @field_validator("mini_batch_size", mode="before")
+    @classmethod
+    def _auto_or_positive(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's two union-branch errors.
+        if value == "auto":
+            return value
+        try:
+            return TypeAdapter(PositiveInt).validate_python(value)
+        except ValidationError as err:
+            raise ValueError(f"{err.errors()[0]['msg']}, or auto (run the probe)") from None
+
+    @model_validator(mode="after")
+    def _mini_le_batch(self) -> BatchConfig:
+        if self.mini_batch_size != "auto" and self.mini_batch_size > self.per_device_train_batch_size:
+            raise ValueError(
+                f"mini_batch_size ({self.mini_batch_size}) is larger than per_device_train_batch_size "
+                f"({self.per_device_train_batch_size}); set it to at most the batch size"
+            )
+        return self
+
+
+class OptimConfig(_Strict):
+    learning_rate: PositiveFloat = 2e-5
+    base_batch_size: PositiveInt = 32
+    lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    lr_scheduler_type: Literal[SCHEDULERS] = "linear"  # type: ignore[valid-type]
+    # Extra arguments of the scheduler, e.g. {num_decay_steps: 100} (warmup_stable_decay), {lr_end: 1e-8}
+    # (polynomial); checked before training (cembed.train.preflight).
+    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplerConfig(_Strict):
+    no_duplicates: bool = True
+
+
+class DistributedConfig(_Strict):
+    # Process-group timeout: how long a rank waits in a collective for the others (NCCL's default is 10 min).
+    timeout_minutes: PositiveFloat = 60.0
+    # ddp: every rank holds the whole model; fsdp: parameters, gradients and optimizer state sharded
+    # across ranks (torch FSDP2 `fully_shard` through accelerate), for models one GPU cannot hold.
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+
+
+REPORT_TO = (
+    "none",
+    "all",
+    "tensorboard",
+    "trackio",
+    "wandb",
+    "mlflow",
+    "comet_ml",
+    "clearml",
+    "neptune",
+    "dvclive",
+    "swanlab",
+)
+
+
+class TrainConfig(_Strict):
+    num_train_epochs: PositiveFloat | None = None
+    max_steps: PositiveInt | None = None
+    seed: int = 42
+    output_dir: str = "runs/cembed"
+    logging_steps: PositiveInt = 10
+    save_steps: PositiveInt | None = None
+    save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
+    nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
+    # Processes producing batches ahead of the training loop; auto: workers for large batches when the
+    # machine has a core to spare and /dev/shm holds their batches, else 0 (cembed.plan.resolve.resolve_workers).
+    dataloader_num_workers: NonNegativeInt | Literal["auto"] = "auto"
+    # The device's dense peak in TFLOP/s for the meter's MFU (default: cembed.train.flops.PEAKS by GPU name).
+    peak_tflops: float | None = Field(None, gt=0)
+    # torch.compile the model (the trainer's torch_compile, inductor). Each new padded length compiles
+    # again: pair it with batch.pad_to_multiple_of to bound the lengths. Off: measured slower on CPU.
+    torch_compile: bool = False
+    # Experiment trackers, through the trainer's own integrations (each needs its package installed).
+    report_to: list[Literal[REPORT_TO]] = Field(default_factory=lambda: ["none"])  # type: ignore[valid-type]
+    # Publishing through the trainer: checkpoints as they are saved, the final model folder at the end.
+    push_to_hub: bool = False
+    hub_model_id: str | None = None  # the hub repo, e.g. your-name/minilm-coco (needed by push_to_hub)
+    hub_private_repo: bool | None = None  # create the repo private (None: the hub's default)
+
+    @field_validator("dataloader_num_workers", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's two union-branch errors.
+        if value == "auto":
+            return value
+        try:
+            return TypeAdapter(NonNegativeInt).validate_python(value)
+        except ValidationError as err:
+            raise ValueError(f"{err.errors()[0]['msg']}, or auto (workers for large batches)") from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _report_to_list(cls, data: Any) -> Any:
+        # `report_to: tensorboard` is shorthand for `report_to: [tensorboard]`.
+        if isinstance(data, dict) and isinstance(data.get("report_to"), str):
+            data = {**data, "report_to": [data["report_to"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainConfig:
+        # Both set: the trainer would stop at max_steps and silently ignore the epochs, so neither
+        # reading is safe to guess; the user keeps the one they mean.
+        if self.num_train_epochs is not None and self.max_steps is not None:
+            raise ValueError(
+                f"num_train_epochs ({self.num_train_epochs:g}) and max_steps ({self.max_steps}) are both set; "
+                "max_steps would win and the epochs be ignored: keep one (e.g. train.num_train_epochs=null)"
+            )
+        if self.num_train_epochs is None and self.max_steps is None:
+            self.__dict__["num_train_epochs"] = 1.0
+        if self.push_to_hub and not self.hub_model_id:
+            raise ValueError(
+                "push_to_hub: true needs train.hub_model_id, the hub repo to publish to (e.g. your-name/minilm-coco)"
+            )
+        return self
+
+
+class RetrievalEvalSet(_Strict):
+    """A BEIR folder (corpus.jsonl[.gz], queries.jsonl, qrels/<split>.tsv) and the qrels split."""
+
+    path: str
+    split: str = "test"
+    name: str | None = None  # metric prefix; default <folder name>-<split>
+
+
+class StsEvalSet(_Strict):
+    """An STS file: STS Benchmark TSV, 3-column TSV (sentence1, sentence2, score) or JSONL."""
+
+    path: str
+    name: str | None = None  # metric prefix; default the file name without extension
+
+
+class EvalConfig(_Strict):
+    """Evaluation before, during (every ``eval_steps``) and after training."""
+
+    retrieval: list[RetrievalEvalSet] = Field(default_factory=list)
+    sts: list[StsEvalSet] = Field(default_factory=list)
+    eval_steps: PositiveInt | None = None  # None: evaluate only before and after training
+    metric_for_best_model: str | None = None  # e.g. scifact-test_cosine_ndcg@10; keeps the best checkpoint
+    greater_is_better: bool | None = None  # default: False for a loss, True otherwise
+    save_total_limit: PositiveInt | None = 2  # checkpoints kept; the best one is never deleted
+    batch_size: PositiveInt = 32  # encoding batch size
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_shorthand(cls, data: Any) -> Any:
+        # `retrieval: dir` / `sts: [file, ...]` are shorthand for {path: ...} entries.
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in ("retrieval", "sts"):
+                value = data.get(key)
+                if isinstance(value, (str, dict)):
+                    value = [value]
+                if isinstance(value, list):
+                    data[key] = [{"path": v} if isinstance(v, str) else v for v in value]
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvalConfig:
+        if not self.retrieval and not self.sts:
+            raise ValueError("the eval section needs at least one 'retrieval' folder or 'sts' file")
+        if self.metric_for_best_model is not None and self.eval_steps is None:
+            raise ValueError("metric_for_best_model needs eval_steps (checkpoints are compared at each evaluation)")
+        return self
+
+
+class CembedConfig(_Strict):
+    """The whole config file. Every section has defaults except ``data.train``."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: SerializeAsAny[LossConfig] = Field(default_factory=CachedMNRLLossConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig | None = None
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _loss_class(cls, value: Any) -> Any:
+        # `loss.name` picks the registered class, which then validates (only) its own fields; its
+        # errors keep their location (loss.<field>).
+        if not isinstance(value, dict):
+            return value
+        name = value.get("name", DEFAULT_LOSS)
+        try:
+            loss_cls = loss_config_class(name)
+        except ValueError as err:
+            raise ValidationError.from_exception_data(
+                "LossConfig", [{"type": "value_error", "loc": ("name",), "input": name, "ctx": {"error": err}}]
+            ) from None
+        return loss_cls.model_validate(value)
+
+    @model_validator(mode="after")
+    def _compile_and_unpad(self) -> CembedConfig:
+        # A compiled forward does not enter the packing hooks (measured: scripts/bench_compile.py gave
+        # the padded path's numbers), so train.torch_compile trains padded mini-batches.
+        if self.train.torch_compile and self.batch.unpad is True:
+            raise ValueError(
+                "batch.unpad: true cannot run with train.torch_compile: true (the compiled forward bypasses "
+                "the packing hooks); set batch.unpad: auto (padded under compile) or train.torch_compile: false"
+            )
+        return self

@@ -1,0 +1,130 @@
+"""No column silently ignored: what a source's columns are used for before they are mapped to roles.
+
+- :func:`unmapped_column_notes`: the columns the mapping leaves out, listed; a column whose name
+  looks like a role the config does not use (``negative``, ``negative_1``, ``hard_negative``,
+  ``neg`` ...) gets a warning naming the mapping to add (``data.columns.negatives: [negative]``).
+- :func:`expand_list_columns`: a mapped negatives column whose cells are lists of texts (several
+  negatives per row) becomes one column per position (``negatives[1]``, ``negatives[2]`` ...), as
+  many as the shortest list holds, instead of being refused as non-text (or trained as text).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cembed.config.data import ColumnMap
+from cembed.errors import UserError
+
+# Column names that hold hard negatives by the usual conventions (sentence-transformers' datasets,
+# BGE/FlagEmbedding's `neg`, MTEB-style `negative_passages`, `hard_negative_3` ...).
+NEGATIVE_NAME = re.compile(r"^(hard[_ ]?)?neg(ative)?s?([_ ]?(passages?|docs?|documents?|texts?))?([_ ]?\d+)?$", re.I)
+
+# Columns a source kind adds itself (not the user's data): BEIR pairs carry their ids.
+GENERATED_COLUMNS = {"beir": {"query_id", "doc_id"}}
+
+
+def mapped_columns(columns: ColumnMap) -> list[str]:
+    """The data columns a mapping reads: anchor, positive, then the negatives."""
+    return [columns.anchor, columns.positive, *columns.negatives]
+
+
+def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label: str, kind: str = "file") -> list[str]:
+    """Warnings about the columns of ``names`` (a source's columns) that ``columns`` does not map.
+
+    Args:
+        names: the source's column names, in file order.
+        columns: the effective mapping of the source.
+        key: the config field holding the source (``data.train`` or ``data.train.<name>``), to name
+            the mapping to add: ``data.columns`` for ``data.train``, else ``<key>.columns``.
+        label: how messages name the source (its path).
+        kind: the source kind (its own generated columns are not listed).
+
+    Returns:
+        Up to two lines: one naming the columns that look like negatives and the mapping that trains
+        them, one listing the other unmapped columns (left out of training). Empty when every column is mapped.
+    """
+    used = set(mapped_columns(columns)) | GENERATED_COLUMNS.get(kind, set())
+    unused = [n for n in names if n not in used]
+    if not unused:
+        return []
+    field = "data.columns" if key == "data.train" else f"{key}.columns"
+    negatives = [n for n in unused if NEGATIVE_NAME.match(n)]
+    others = [n for n in unused if n not in negatives]
+    notes = []
+    if negatives:
+        shown = ", ".join(columns.negatives + negatives)
+        notes.append(
+            f"{label}: column(s) {', '.join(negatives)} look like hard negatives but are not trained on; to use "
+            f"them add {field}.negatives: [{shown}]"
+        )
+    if others:
+        notes.append(f"{label}: column(s) {', '.join(others)} are not mapped in {field} and are not trained on")
+    return notes
+
+
+def _is_text_list(arrow_type) -> bool:
+    return (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and (
+        pa.types.is_string(arrow_type.value_type) or pa.types.is_large_string(arrow_type.value_type)
+    )
+
+
+def expand_list_columns(dataset, columns: ColumnMap, label: str, key: str) -> tuple[object, ColumnMap, list[str]]:
+    """Expand each mapped negatives column whose cells are lists of texts into one column per
+    position: ``negs`` holding lists of at least 3 texts becomes ``negs[1]``, ``negs[2]``,
+    ``negs[3]`` (roles ``negative_1..3`` when it is the only negatives column). Rows with longer lists
+    keep only their first texts, and a note says how many texts that leaves out. A row with a null
+    list gets null cells (refused or dropped by the cell check as empty).
+
+    Args:
+        dataset: the source's ``datasets.Dataset`` (all its columns).
+        columns: the source's mapping.
+        label: the source's name in messages.
+        key: the config field holding the source (for the fix in messages).
+
+    Returns:
+        ``(dataset, columns, notes)``: the dataset with the expanded columns added, the mapping
+        naming them instead of the list column, one note per expanded column.
+
+    Raises:
+        UserError: a row whose list is empty (no negative to train on), naming the row and the fix.
+    """
+    names = set(dataset.column_names)
+    table = None
+    negatives: list[str] = []
+    notes: list[str] = []
+    for src in columns.negatives:
+        if src not in names:
+            negatives.append(src)
+            continue
+        if table is None:
+            table = dataset.with_format("arrow")[:]
+        arr = table.column(src)
+        if not _is_text_list(arr.type):
+            negatives.append(src)
+            continue
+        lengths = pc.list_value_length(arr)
+        shortest = pc.min(lengths).as_py()
+        if shortest is None:
+            raise UserError(f"{label}: column {src!r} holds no list of texts (every cell is null)")
+        if shortest == 0:
+            row = pc.index(pc.equal(lengths, 0), True).as_py()
+            raise UserError(
+                f"{label}: row {row + 1}: column {src!r} ({key}: negatives) holds an empty list; every row needs at "
+                f"least one negative: remove such rows, or drop {src!r} from the negatives"
+            )
+        new = [f"{src}[{j + 1}]" for j in range(shortest)]
+        for j, name in enumerate(new):
+            dataset = dataset.add_column(name, pc.list_element(arr, j).combine_chunks())
+        negatives += new
+        left = pc.sum(pc.subtract(lengths, shortest)).as_py() or 0
+        longest = pc.max(lengths).as_py()
+        span = f"{shortest}" if longest == shortest else f"{shortest} to {longest}"
+        note = f"{label}: column {src!r} holds lists of {span} negatives: expanded into {shortest} columns ({new[0]}"
+        note += f"..{new[-1]})" if shortest > 1 else ")"
+        if left:
+            note += f"; {left} texts beyond the first {shortest} of a row are left out"
+        notes.append(note)
+    return dataset, columns.model_copy(update={"negatives": negatives}), notes

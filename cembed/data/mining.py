@@ -1,0 +1,329 @@
+"""``cembed mine-negatives``: hard negatives for a pair file, mined with sentence-transformers'
+``mine_hard_negatives`` (``sentence_transformers.util.hard_negatives``), written as a file
+``cembed train`` reads (``data.columns.negatives``).
+
+What sentence-transformers does (its code, not cembed's): embed the anchors with the query prompt
+and the corpus (every distinct positive) with the document prompt, take each anchor's
+``range_max`` nearest candidates by cosine similarity, drop the anchor's positives (compared as
+exact text), drop candidates too close to the anchor's least similar positive (``absolute_margin``:
+``score + margin > positive``; ``relative_margin``: ``score > positive - |positive| x margin``), skip
+the first ``range_min`` of the rest and keep the top ``num_negatives``. It prints how many
+candidates each margin removed; cembed reads those counts from that output (the function returns
+none) and checks them in the tests against a recount.
+
+What cembed adds around it:
+
+* **the anchor's own text is never its negative.** In symmetric data (caption pairs, duplicate
+  questions) a text is one row's anchor and another row's positive, so it is in the corpus and
+  would be its own nearest candidate. cembed adds ``(anchor, anchor)`` as a positive for each such
+  anchor; sentence-transformers then excludes it like any positive (the corpus is unchanged: the
+  text was in it already).
+* **``group_column``** (e.g. COCO's ``image_id``): texts of one group are all positives of each
+  other, so every positive of the group is excluded for every anchor of the group, not only the
+  anchor's own rows' positives. Note that the margins are taken against the anchor's least similar
+  positive (sentence-transformers' rule), which then includes the group's texts.
+* the output keeps exactly the input's (anchor, positive) pairs (the added pairs only steer
+  exclusion), one row per pair with ``negative_1..k`` columns (``columns``: pairs without ``k``
+  negatives are dropped, as sentence-transformers' ``n-tuple`` does) or one row per negative
+  (``rows``: column ``negative``; pairs keep the negatives found).
+* **embedding cache.** ``mine_hard_negatives`` takes no precomputed embeddings; it has its own
+  ``cache_folder``, whose file names hash the model's *name* (``model_card_data.base_model``), the
+  prompts and the texts, but not the weights, so two fine-tuned models of one base would share
+  entries. cembed therefore points it at ``<embedding cache>/mining/<model fingerprint>``: the same
+  cache root and model key (weights, tokenizer, length, prompts) as ``cembed eval``'s corpus
+  embeddings, with sentence-transformers' own file names inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from cembed.errors import UserError
+
+OutputFormat = Literal["columns", "rows"]
+_SKIPPED = re.compile(r"Skipped ([\d,]+) potential negatives \([^)]*\) due to the (\w+) of")
+_RANGE_MAX = re.compile(r"Setting range_max to (\d+)")
+
+
+@dataclass
+class MiningReport:
+    """What :func:`mine_negatives` did. Counts are of (anchor, positive) pairs unless named otherwise.
+
+    Attributes:
+        rows_in: rows read (after ``max_samples``); ``pairs``: distinct (anchor, positive) pairs among them.
+        anchors: distinct anchors; ``corpus``: distinct candidate texts (the positives).
+        self_excluded: anchors whose own text is in the corpus and was excluded as their negative.
+        group_excluded: (anchor, text) exclusions added by ``group_column`` beyond the rows' own pairs.
+        skipped: filter (``absolute_margin`` / ``relative_margin``) -> candidates it removed, as
+            sentence-transformers counted them (0 when the filter was off or removed none).
+        rows_out: rows written; ``short``: pairs without ``num_negatives`` negatives (dropped in
+            ``columns``; kept with fewer in ``rows``); ``negatives``: negatives written.
+        cache_hit: the corpus embeddings came from the cache.
+    """
+
+    source: str
+    output: Path
+    output_format: str
+    model: str
+    rows_in: int
+    pairs: int
+    anchors: int
+    corpus: int
+    num_negatives: int
+    range_min: int
+    range_max: int | None
+    absolute_margin: float | None
+    relative_margin: float | None
+    self_excluded: int
+    group_excluded: int
+    skipped: dict[str, int]
+    rows_out: int
+    short: int
+    negatives: int
+    columns: dict[str, Any]
+    prompts: dict[str, Any]
+    cache_dir: str | None
+    cache_hit: bool
+    seconds: float
+    log: list[str] = field(default_factory=list)  # sentence-transformers' printed lines
+
+    def lines(self) -> list[str]:
+        """The report as text lines: counts, what each filter removed, the file written and the
+        ``data`` section that trains on it."""
+        r = self
+        out = [
+            f"{r.source}: {r.rows_in} rows, {r.pairs} pairs, {r.anchors} anchors, {r.corpus} candidate texts; {r.model}",
+            f"prompts: query {r.prompts['query']!r}, document {r.prompts['document']!r}; "
+            f"ranks {r.range_min}..{r.range_max}, {r.num_negatives} negatives per pair",
+            f"excluded besides each anchor's positives: its own text for {r.self_excluded} anchors, "
+            f"{r.group_excluded} same-group texts",
+        ]
+        for name, count in r.skipped.items():
+            value = getattr(r, name)
+            out.append(f"{name} {value}: removed {count:,} candidates" if value is not None else f"{name}: off")
+        kept = "dropped" if r.output_format == "columns" else "kept with fewer"
+        cache = f"cache {r.cache_dir} ({'hit' if r.cache_hit else 'written'})" if r.cache_dir else "no cache"
+        negs = ", ".join(r.columns["negatives"])
+        return out + [
+            f"{r.short} pairs had fewer than {r.num_negatives} negatives ({kept}); {cache}; {r.seconds:.1f} s",
+            f"wrote {r.output}: {r.rows_out} rows, {r.negatives} negatives; train on it with",
+            f"  data: {{train: {r.output}, columns: {{anchor: {r.columns['anchor']}, "
+            f"positive: {r.columns['positive']}, negatives: [{negs}]}}}}",
+        ]
+
+
+def _load_pairs(data: str, anchor: str, positive: str, group: str | None, max_samples: int | None):
+    from cembed.config.data import FileSource
+    from cembed.data.prepare import check_cells
+    from cembed.data.sources import load_source, row_locator
+    from cembed.samples import resolve_sample
+
+    source = FileSource(path=str(resolve_sample(data) or data))
+    raw = load_source(source)
+    if len(raw) == 0:
+        raise UserError(f"{data}: the data has no rows")
+    for flag, col in (("--anchor-column", anchor), ("--positive-column", positive), ("--group-column", group)):
+        if col is not None and col not in raw.column_names:
+            raise UserError(
+                f"{data}: column {col!r} ({flag}) not found; the data has columns: {', '.join(raw.column_names)}"
+            )
+    if anchor == positive:
+        raise UserError("--anchor-column and --positive-column name the same column; each needs its own")
+    if max_samples is not None and max_samples < len(raw):
+        raw = raw.select(range(max_samples))
+    texts, _ = check_cells(raw.select_columns([anchor, positive]), data, {}, False, row_locator(source))
+    groups = raw[group] if group else None
+    return list(texts[anchor]), list(texts[positive]), groups
+
+
+def exclusion_pairs(anchors: list[str], positives: list[str], groups: list | None = None) -> tuple[list, int, int]:
+    """The (anchor, text) pairs to add as positives so that they are excluded as negatives.
+
+    Returns:
+        ``(extra pairs, anchors excluded from themselves, group exclusions)``: ``(a, a)`` for each
+        distinct anchor whose text is in the corpus (some row's positive), and with ``groups`` (one
+        value per row) ``(a, p)`` for every positive ``p`` of ``a``'s group that is not already a
+        positive of ``a``. No added text is new to the corpus.
+    """
+    corpus = set(positives)
+    own: dict[str, set[str]] = {}
+    for a, p in zip(anchors, positives):
+        own.setdefault(a, set()).add(p)
+    extra = [(a, a) for a in own if a in corpus and a not in own[a]]
+    n_self = len(extra)
+    n_group = 0
+    if groups is not None:
+        by_group: dict[Any, set[str]] = {}
+        anchor_groups: dict[str, set] = {}
+        for a, p, g in zip(anchors, positives, groups):
+            by_group.setdefault(g, set()).add(p)
+            anchor_groups.setdefault(a, set()).add(g)
+        for a, gs in anchor_groups.items():
+            for text in sorted(set().union(*(by_group[g] for g in gs)) - own[a] - {a}):
+                extra.append((a, text))
+                n_group += 1
+    return extra, n_self, n_group
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    from cembed.files import write_atomic
+
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    if path.name.lower().endswith(".gz"):
+        payload = gzip.compress(payload, mtime=0)
+    write_atomic(path, lambda f: f.write(payload), binary=True)
+
+
+def mine_negatives(
+    data: str,
+    model_name: str,
+    output: Path,
+    anchor_column: str = "anchor",
+    positive_column: str = "positive",
+    num_negatives: int = 3,
+    range_min: int = 0,
+    range_max: int | None = None,
+    relative_margin: float | None = None,
+    absolute_margin: float | None = None,
+    output_format: OutputFormat = "columns",
+    group_column: str | None = None,
+    max_samples: int | None = None,
+    batch_size: int = 32,
+    device: str = "auto",
+    cache_dir: Path | None = None,
+    no_cache: bool = False,
+) -> MiningReport:
+    """Mine ``num_negatives`` hard negatives per (anchor, positive) pair of ``data`` with
+    ``model_name`` and write them to ``output`` (``.jsonl`` or ``.jsonl.gz``, atomically).
+
+    Ranks, margins and the output layout: see the module docstring. Queries get the model's query
+    prompt, the corpus its document prompt (:func:`cembed.model.prompts.resolve_prompts`, as in training
+    and evaluation). Prints nothing: sentence-transformers' statistics are captured into ``log``,
+    its progress bars (stderr) show.
+
+    Returns:
+        A :class:`MiningReport`.
+
+    Raises:
+        UserError: a missing file or column, a bad cell (naming line and column), an output that is
+            not ``.jsonl[.gz]``, an impossible rank range, or a model that cannot be loaded.
+    """
+    from datasets import Dataset
+    from sentence_transformers.util import mine_hard_negatives
+
+    from cembed.eval.embedding_cache import default_cache_dir, model_fingerprint
+    from cembed.model.load import load_eval_model, quiet_libraries
+    from cembed.model.prompts import resolve_prompts
+
+    if not output.name.lower().endswith((".jsonl", ".jsonl.gz")):
+        raise UserError(f"--output {output}: write .jsonl or .jsonl.gz (a file `cembed train` reads)")
+    if output_format not in ("columns", "rows"):
+        raise UserError(f"--output-format {output_format!r}: use columns (negative_1..k) or rows (one per negative)")
+    if num_negatives < 1 or range_min < 0 or (range_max is not None and range_max - range_min < num_negatives):
+        raise UserError(
+            f"--num-negatives {num_negatives}, --range-min {range_min}, --range-max {range_max}: need "
+            "num_negatives >= 1, range_min >= 0 and range_max - range_min >= num_negatives"
+        )
+    started = time.perf_counter()
+    anchors, positives, groups = _load_pairs(data, anchor_column, positive_column, group_column, max_samples)
+    pairs = list(dict.fromkeys(zip(anchors, positives)))
+    extra, n_self, n_group = exclusion_pairs(anchors, positives, groups)
+    quiet_libraries()
+    model = load_eval_model(model_name, device)
+    prompts = resolve_prompts(None, model)
+    cache = None
+    if not no_cache:
+        cache = Path(cache_dir or default_cache_dir()) / "mining" / model_fingerprint(model)
+    mined_input = Dataset.from_dict(
+        {"anchor": [a for a, _ in pairs + extra], "positive": [p for _, p in pairs + extra]}
+    )
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            mined = mine_hard_negatives(
+                mined_input,
+                model,
+                anchor_column_name="anchor",
+                positive_column_name="positive",
+                range_min=range_min,
+                range_max=range_max,
+                absolute_margin=absolute_margin,
+                relative_margin=relative_margin,
+                num_negatives=num_negatives,
+                sampling_strategy="top",
+                query_prompt=prompts.anchor,
+                corpus_prompt=prompts.positive,
+                output_format="n-tuple" if output_format == "columns" else "triplet",
+                batch_size=batch_size,
+                verbose=True,
+                cache_folder=str(cache) if cache else None,
+            )
+    except ValueError as err:  # sentence-transformers' own argument checks (rank range vs corpus)
+        raise UserError(f"mine-negatives: {err}") from None
+    log = [line for line in captured.getvalue().splitlines() if line.strip()]
+    skipped = {"absolute_margin": 0, "relative_margin": 0}
+    for line in log:
+        match = _SKIPPED.search(line)
+        if match:
+            skipped[match.group(2)] = int(match.group(1).replace(",", ""))
+        derived = _RANGE_MAX.search(line)
+        if derived and range_max is None:
+            range_max = int(derived.group(1))  # sentence-transformers' default, reported
+    keep = set(pairs)
+    rows, negatives = [], 0
+    neg_cols = [f"negative_{i}" for i in range(1, num_negatives + 1)] if output_format == "columns" else ["negative"]
+    for row in mined:
+        if (row["anchor"], row["positive"]) not in keep:
+            continue  # an added exclusion pair
+        rows.append({anchor_column: row["anchor"], positive_column: row["positive"], **{c: row[c] for c in neg_cols}})
+        negatives += len(neg_cols)
+    if output_format == "columns":
+        short = len(pairs) - len(rows)
+    else:
+        per_pair: dict[tuple[str, str], int] = {}
+        for row in rows:
+            key = (row[anchor_column], row[positive_column])
+            per_pair[key] = per_pair.get(key, 0) + 1
+        short = sum(1 for p in pairs if per_pair.get(p, 0) < num_negatives)
+    if not rows:
+        raise UserError(
+            f"mine-negatives: no pair got {num_negatives} negatives; lower --num-negatives or the margins, "
+            "or raise --range-max"
+        )
+    _write_jsonl(output, rows)
+    columns = {"anchor": anchor_column, "positive": positive_column, "negatives": neg_cols}
+    return MiningReport(
+        source=data,
+        output=output,
+        output_format=output_format,
+        model=model_name,
+        rows_in=len(anchors),
+        pairs=len(pairs),
+        anchors=len(set(anchors)),
+        corpus=len(set(positives)),
+        num_negatives=num_negatives,
+        range_min=range_min,
+        range_max=range_max,
+        absolute_margin=absolute_margin,
+        relative_margin=relative_margin,
+        self_excluded=n_self,
+        group_excluded=n_group,
+        skipped=skipped,
+        rows_out=len(rows),
+        short=short,
+        negatives=negatives,
+        columns=columns,
+        prompts={"query": prompts.anchor, "document": prompts.positive},
+        cache_dir=str(cache) if cache else None,
+        cache_hit=any("[Cache] Loaded corpus embeddings" in line for line in log),
+        seconds=round(time.perf_counter() - started, 2),
+        log=log,
+    )

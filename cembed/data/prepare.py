@@ -1,0 +1,435 @@
+"""Training data: load the source (:mod:`cembed.data.sources`), map its columns to roles, check every cell.
+
+The output is a :class:`PreparedData` whose ``dataset`` has exactly the columns the loss embeds, in
+order: ``anchor``, ``positive``, then ``negative_1`` ... ``negative_k``. Nothing unnamed survives,
+so nothing unnamed is embedded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cembed.config.data import TrainSource
+from cembed.config.schema import ColumnMap, DataConfig
+from cembed.data.columns import expand_list_columns, unmapped_column_notes
+from cembed.data.sources import load_source, row_locator
+from cembed.errors import HubUnavailable, UserError
+from cembed.model.load import load_model, pooling_in_effect, quiet_libraries, weight_dtypes
+
+# A text cell over 1 MB is a data error (a whole file pasted into a cell), not a sentence.
+MAX_TEXT_BYTES = 1_000_000
+
+
+@dataclass
+class PreparedData:
+    """A checked dataset plus what the run summary reports about it."""
+
+    dataset: object  # datasets.Dataset with columns anchor, positive, negative_1..k
+    source: str
+    rows_read: int
+    rows_dropped: int = 0
+    roles: dict[str, str] = field(default_factory=dict)  # role column -> source column
+    # One entry per training source, in config order; their rows are consecutive in ``dataset``.
+    sources: list[SourceData] = field(default_factory=list)
+    warnings: tuple[str, ...] = ()  # unmapped columns, expanded list columns (printed by validate and train)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.dataset.column_names)
+
+    def source_sizes(self) -> list[int]:
+        """Rows of each source, in ``dataset`` order (one entry for a single source)."""
+        return [s.rows for s in self.sources] or [len(self.dataset)]
+
+
+@dataclass
+class SourceData:
+    """One training source's share of :class:`PreparedData`: its rows ``offset .. offset + rows``."""
+
+    name: str  # the source's name (data.train.<name>), a default from its path otherwise
+    label: str  # its path or id, for messages
+    key: str  # the config field holding it (data.train, data.train.<name>)
+    rows_read: int
+    rows_dropped: int
+    rows: int
+    offset: int
+    roles: dict[str, str] = field(default_factory=dict)  # role column -> this source's column
+
+    @property
+    def where(self) -> str:
+        """How messages name the source: its path, after its config field when there are several."""
+        return self.label if self.key == "data.train" else f"{self.key} ({self.label})"
+
+
+@dataclass
+class UnloadedData:
+    """Training data that ``cembed validate`` could not load because the hub is offline or
+    unreachable: rows and columns unchecked; everything else is checked without them."""
+
+    source: str
+    reason: str  # e.g. "offline: HF_DATASETS_OFFLINE=1"
+
+    @property
+    def message(self) -> str:
+        """The warning ``validate`` prints."""
+        return f"data: hub dataset {self.source} not loaded ({self.reason}); rows and columns unchecked"
+
+
+def arrow_table(dataset) -> pa.Table:
+    """The dataset's rows as a pyarrow Table (selections applied), without copying when possible."""
+    return dataset.with_format("arrow")[:]
+
+
+def role_columns(columns: ColumnMap) -> list[tuple[str, str]]:
+    """``(source column, role column)`` pairs in loss order: anchor, positive, negative_1..k."""
+    pairs = [(columns.anchor, "anchor"), (columns.positive, "positive")]
+    pairs += [(src, f"negative_{i + 1}") for i, src in enumerate(columns.negatives)]
+    return pairs
+
+
+def map_columns(dataset, columns: ColumnMap, source: str):
+    """Keep only the mapped columns, renamed to their roles, in loss order.
+
+    Raises:
+        UserError: a mapped column is missing (the message lists the columns that exist), or one
+            source column is mapped to two roles.
+    """
+    pairs = role_columns(columns)
+    config_key = {"anchor": "anchor", "positive": "positive"}
+    for src, role in pairs:
+        if src not in dataset.column_names:
+            key = f"data.columns.{config_key.get(role, 'negatives')}"
+            raise UserError(
+                f"{source}: column {src!r} ({key}) not found; the data has columns: {', '.join(dataset.column_names)}"
+            )
+    sources = [src for src, _ in pairs]
+    if len(set(sources)) != len(sources):
+        dup = next(s for s in sources if sources.count(s) > 1)
+        raise UserError(f"data.columns: column {dup!r} is mapped to two roles; each role needs its own column")
+    dataset = dataset.select_columns(sources)
+    # Rename through temporary names so swapped names (anchor<->positive) cannot collide.
+    dataset = dataset.rename_columns({src: f"__cembed_{i}" for i, (src, _) in enumerate(pairs)})
+    return dataset.rename_columns({f"__cembed_{i}": role for i, (_, role) in enumerate(pairs)})
+
+
+def _describe(cell: str) -> str:
+    """What a non-text JSON cell (its JSON text) holds, for messages: ``a number (42)``, ``a list``."""
+    value = json.loads(cell)
+    shown = cell if len(cell) <= 40 else cell[:37] + "..."
+    if isinstance(value, bool):
+        return f"a boolean ({shown})"
+    if isinstance(value, (int, float)):
+        return f"a number ({shown})"
+    return f"{'a list' if isinstance(value, list) else 'an object'} ({shown})"
+
+
+def _text_cells(arr) -> tuple[pa.Array, pa.Array | None, list[str | None] | None]:
+    """A column of JSON cells (pyarrow's ``json`` type: the reader found text and non-text values)
+    as ``(text column with non-text cells null, mask of non-text cells, their descriptions)``;
+    a text column passes through as ``(arr, None, None)``."""
+    if not (isinstance(arr.type, pa.BaseExtensionType) and pa.types.is_string(arr.type.storage_type)):
+        return arr, None, None
+    cells = pa.chunked_array([c.storage for c in arr.chunks], arr.type.storage_type).to_pylist()
+    texts, kinds = [], []
+    for cell in cells:
+        value = None if cell is None else json.loads(cell)
+        texts.append(value if isinstance(value, str) else None)
+        kinds.append(None if value is None or isinstance(value, str) else _describe(cell))
+    return pa.array(texts, pa.string()), pa.array([k is not None for k in kinds]), kinds
+
+
+def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool, locate=None):
+    """Refuse (or drop, with ``drop_invalid``) rows with a null, empty, blank or over-1-MB cell, or
+    a number, boolean, list or object in a text column (a JSON file mixing them with text).
+
+    Args:
+        locate: 0-based row index -> how to name it (``line N`` for JSON Lines, see
+            :func:`cembed.data.sources.row_locator`); default ``row N``.
+
+    Returns:
+        ``(dataset, rows_dropped)``; a column that held non-text cells comes back as text.
+
+    Raises:
+        UserError: naming the row (or line), the column (role and source name) and the first bad
+            cell, or a column whose type is not text at all.
+    """
+    locate = locate or (lambda index: f"row {index + 1}")
+    table = arrow_table(dataset)
+    bad = None
+    first_bad: tuple[int, str] | None = None
+    replaced = {}
+    for role in dataset.column_names:
+        src = roles.get(role, role)
+        arr, non_text, kinds = _text_cells(table.column(role))
+        if non_text is not None:
+            replaced[role] = arr
+        if arr.type == pa.null():
+            raise UserError(f"{source}: column {src!r} (role {role}) holds only empty values; it must hold text")
+        if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+            raise UserError(
+                f"{source}: column {src!r} (role {role}) holds {arr.type} values; it must hold text "
+                "(map a text column in data.columns)"
+            )
+        null = pc.is_null(arr)
+        blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(arr), ""), False)
+        too_long = pc.fill_null(pc.greater(pc.binary_length(arr), MAX_TEXT_BYTES), False)
+        col_bad = pc.or_(pc.or_(null, blank), too_long)
+        if pc.any(col_bad).as_py():
+            idx = pc.index(col_bad, True).as_py()
+            if kinds is not None and kinds[idx] is not None:
+                problem = f"column {src!r} (role {role}) holds {kinds[idx]}; it must hold text"
+            elif null[idx].as_py():
+                problem = f"column {src!r} (role {role}) is empty (null/NaN)"
+            elif too_long[idx].as_py():
+                problem = (
+                    f"column {src!r} (role {role}) is longer than 1 MB ({pc.binary_length(arr)[idx].as_py()} bytes)"
+                )
+            else:
+                problem = f"column {src!r} (role {role}) is empty or whitespace-only"
+            if first_bad is None or idx < first_bad[0]:
+                first_bad = (idx, problem)
+        bad = col_bad if bad is None else pc.or_(bad, col_bad)
+    if replaced:
+        import datasets
+
+        for role, arr in replaced.items():
+            table = table.set_column(table.column_names.index(role), role, arr)
+        dataset = datasets.Dataset(datasets.table.InMemoryTable(table))
+    if first_bad is None:
+        return dataset, 0
+    if not drop_invalid:
+        idx, problem = first_bad
+        raise UserError(
+            f"{source}: {locate(idx)}: {problem}; fix the data or set data.drop_invalid_rows: true to skip such rows"
+        )
+    keep = pc.invert(bad).to_numpy(zero_copy_only=False).nonzero()[0]
+    return dataset.select(keep).flatten_indices(), len(dataset) - len(keep)
+
+
+def source_views(data: PreparedData) -> list[PreparedData]:
+    """Each training source of ``data`` as a PreparedData of its own rows (``data`` itself when it
+    has one source), for reports that are per source (inspect-data, rows that cannot be placed)."""
+    if len(data.sources) <= 1:
+        return [data]
+    views = []
+    for src in data.sources:
+        rows = data.dataset.select(range(src.offset, src.offset + src.rows))
+        view_src = SourceData(src.name, src.label, src.key, src.rows_read, src.rows_dropped, src.rows, 0, src.roles)
+        views.append(PreparedData(rows, src.where, src.rows_read, src.rows_dropped, src.roles, [view_src]))
+    return views
+
+
+def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, SourceData, list[str]]:
+    """Load one training source, keep its first ``max_samples`` rows, expand list-valued negatives
+    columns (:func:`cembed.data.columns.expand_list_columns`), map its columns to roles and check every cell.
+
+    Returns:
+        ``(dataset, SourceData with offset 0, notes)``: the notes name unmapped columns
+        (:func:`cembed.data.columns.unmapped_column_notes`) and expanded list columns.
+
+    Raises:
+        UserError: see :func:`cembed.data.sources.load_source`, :func:`map_columns`, :func:`check_cells`;
+            also a source with no rows, or none left after dropping invalid rows.
+    """
+    source = item.source
+    raw = load_source(source)
+    label = source.label if item.key == "data.train" else f"{item.key} ({source.label})"
+    if len(raw) == 0:
+        raise UserError(f"{label}: the data has no rows")
+    if item.max_samples is not None and item.max_samples < len(raw):
+        raw = raw.select(range(item.max_samples))
+    rows_read = len(raw)
+    notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.kind)
+    raw, columns, expanded = expand_list_columns(raw, item.columns, label, item.key)
+    roles = {role: src for src, role in role_columns(columns)}
+    dataset = map_columns(raw, columns, label)
+    dataset, dropped = check_cells(dataset, label, roles, drop_invalid, row_locator(source))
+    if len(dataset) == 0:
+        raise UserError(f"{label}: every row was invalid and dropped; nothing is left to train on")
+    info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles)
+    return dataset, info, notes + expanded
+
+
+def prepare_data(cfg: DataConfig) -> PreparedData:
+    """Prepare every source of ``cfg.train`` (:func:`prepare_source`); several sources are
+    concatenated in config order (:attr:`PreparedData.sources` says which rows are whose).
+
+    Raises:
+        UserError: see :func:`prepare_source`; also sources whose roles differ (every batch is one
+            source, but a run trains one column layout: the collator, the loss and the ranks'
+            collectives see the same columns at every step).
+    """
+    parts = [prepare_source(item, cfg.drop_invalid_rows) for item in cfg.sources()]
+    datasets_, infos = [p[0] for p in parts], [p[1] for p in parts]
+    warnings = tuple(note for p in parts for note in p[2])
+    if len(parts) == 1:
+        info = infos[0]
+        return PreparedData(datasets_[0], info.where, info.rows_read, info.rows_dropped, info.roles, infos, warnings)
+    layouts = {tuple(d.column_names) for d in datasets_}
+    if len(layouts) > 1:
+        shown = "; ".join(f"{i.name}: {', '.join(d.column_names)}" for i, d in zip(infos, datasets_))
+        raise UserError(
+            f"data.train: the sources map different roles ({shown}); a run trains one column layout, so map "
+            "the same number of negatives in every source's columns (or none)"
+        )
+    import datasets
+
+    offset = 0
+    for info in infos:
+        info.offset, offset = offset, offset + info.rows
+    roles = {role: " | ".join(dict.fromkeys(i.roles[role] for i in infos)) for role in datasets_[0].column_names}
+    return PreparedData(
+        dataset=datasets.concatenate_datasets(datasets_),
+        source=" + ".join(i.name for i in infos),
+        rows_read=sum(i.rows_read for i in infos),
+        rows_dropped=sum(i.rows_dropped for i in infos),
+        roles=roles,
+        sources=infos,
+        warnings=warnings,
+    )
+
+
+def prepare_checked_data(
+    cfg: DataConfig, global_batch_size: int, no_duplicates: bool, allow_unloaded: bool = False
+) -> PreparedData | UnloadedData:
+    """:func:`prepare_data`, then :func:`check_batchable` for ``global_batch_size`` rows.
+
+    Args:
+        allow_unloaded: (``validate``) a hub dataset the hub cannot serve (offline, unreachable)
+            gives :class:`UnloadedData` instead of the error.
+
+    Raises:
+        UserError: see :func:`prepare_data` and :func:`check_batchable`.
+    """
+    try:
+        data = prepare_data(cfg)
+    except HubUnavailable as err:
+        if not allow_unloaded:
+            raise
+        return UnloadedData(err.dataset_id, err.reason)
+    check_batchable(data, global_batch_size, no_duplicates)
+    return data
+
+
+def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: bool) -> None:
+    """Refuse data that cannot fill one (duplicate-free) batch of ``global_batch_size`` rows; with
+    several sources, every source must (a batch holds rows of one source only).
+
+    Raises:
+        UserError: a source with fewer rows than the batch, or (with ``no_duplicates``) a column with
+            fewer distinct texts than the batch, naming the source, the column and its distinct count.
+    """
+    table = arrow_table(data.dataset)
+    for src in data.sources or [SourceData(data.source, data.source, "data.train", 0, 0, len(data.dataset), 0)]:
+        n = src.rows
+        if n < global_batch_size:
+            raise UserError(
+                f"{src.where}: {n} rows is fewer than one batch of {global_batch_size} "
+                "(batch.per_device_train_batch_size x world size); lower the batch size or add data"
+            )
+        if not no_duplicates:
+            continue
+        rows = table.slice(src.offset, n)
+        for role in data.columns:
+            distinct = pc.count_distinct(rows.column(role)).as_py()
+            if distinct < global_batch_size:
+                raise UserError(
+                    f"{src.where}: column {src.roles.get(role, data.roles.get(role, role))!r} (role {role}) has only "
+                    f"{distinct} distinct texts, so no duplicate-free batch of {global_batch_size} rows exists; lower "
+                    f"batch.per_device_train_batch_size to at most {distinct} or set sampler.no_duplicates: false"
+                )
+
+
+# --- truncation report -----------------------------------------------------------------------
+
+
+@dataclass
+class ColumnTruncation:
+    """How many rows of one column are longer than ``max_seq_length`` tokens (they get cut)."""
+
+    column: str  # role column (anchor, positive, negative_1, ...)
+    source: str  # the data's column name
+    rows: int  # rows checked
+    truncated: int  # rows with more than max_seq_length tokens
+    max_tokens: int  # longest row, tokens (special tokens included)
+
+    @property
+    def fraction(self) -> float:
+        return self.truncated / self.rows if self.rows else 0.0
+
+
+def truncation_report(
+    dataset,
+    tokenizer,
+    max_seq_length: int,
+    roles: dict[str, str] | None = None,
+    sample_rows: int = 20000,
+    prompts: dict[str, str] | None = None,
+) -> list[ColumnTruncation]:
+    """Per column, the rows whose token count (special tokens included, as the model tokenizes)
+    exceeds ``max_seq_length``, over the first ``sample_rows`` rows of ``dataset``.
+
+    Args:
+        dataset: a ``datasets.Dataset`` of text columns.
+        tokenizer: a Hugging Face tokenizer (``model.tokenizer``).
+        max_seq_length: tokens kept per text.
+        roles: role column -> source column name, for display.
+        sample_rows: rows checked (the first ones), to bound the time on big data.
+        prompts: ``{column: prompt}`` prepended as in training (its tokens count toward the length).
+    """
+    n = min(len(dataset), sample_rows)
+    out = []
+    for col in dataset.column_names:
+        prompt = (prompts or {}).get(col, "")
+        texts = [prompt + str(t) for t in (dataset[col][:n] if n < len(dataset) else dataset[col])]
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]]
+        over = sum(1 for x in lengths if x > max_seq_length)
+        out.append(ColumnTruncation(col, (roles or {}).get(col, col), n, over, max(lengths, default=0)))
+    return out
+
+
+class ModelTruncation(NamedTuple):
+    """:func:`model_truncation_report`'s answer: the length, the per-column report, the pooling in
+    effect (:func:`cembed.model.load.pooling_in_effect`) and the weights' dtypes (:func:`cembed.model.load.weight_dtypes`)."""
+
+    max_seq_length: int
+    columns: list[ColumnTruncation]
+    pooling: str
+    weights: Any = None  # cembed.model.load.WeightDtypes: stored, training, autocast and saved dtypes
+    prompts: Any = None  # cembed.model.prompts.RolePrompts: each role's prompt
+    attention: Any = None  # cembed.model.unpad.Unpadding: packed rows or padded mini-batches (batch.unpad)
+
+
+def model_truncation_report(
+    model_cfg, data, sample_rows: int = 20000, prompts_cfg=None, unpad="auto"
+) -> ModelTruncation:
+    """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
+    the pooling the model uses, its stored / training / saved dtypes, each role's prompt
+    (``prompts_cfg``, the ``data.prompts`` section, resolved against the model; prompt tokens count
+    toward the length) and the attention path ``unpad`` (``batch.unpad``) gives it; the per-column
+    report is empty for :class:`UnloadedData` (only the model is checked).
+
+    Raises:
+        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it,
+            ``data.prompts`` names a prompt it lacks, or ``unpad`` is True and it cannot run packed rows.
+    """
+    from cembed.model.prompts import resolve_prompts
+    from cembed.model.unpad import resolve_unpad
+
+    quiet_libraries()
+    model = load_model(model_cfg, "cpu")
+    length = int(model.max_seq_length)
+    pooling = pooling_in_effect(model, model_cfg)
+    weights = weight_dtypes(model, model_cfg)
+    prompts = resolve_prompts(prompts_cfg, model)
+    attention = resolve_unpad(model, unpad)
+    if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
+        return ModelTruncation(length, [], pooling, weights, prompts, attention)
+    by_column = prompts.for_columns(data.columns)
+    report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows, by_column)
+    return ModelTruncation(length, report, pooling, weights, prompts, attention)

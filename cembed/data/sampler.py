@@ -1,0 +1,416 @@
+"""A no-duplicates batch sampler with an exact length.
+
+Contract:
+
+- No text appears twice in a batch, compared across all columns (anchor, positive, negatives): a
+  duplicate would be a false in-batch negative. Pre-tokenized columns are compared by their token
+  ids, as the model sees them ("A red car." and "a red car. " are one text to an uncased tokenizer).
+- A row that collides with the batch being filled is deferred to a later batch, never silently
+  dropped. The batches are exactly a row-by-row first fit's over the same order (a row is refused
+  only for a text it shares with a row *taken* into the batch). With ``drop_last``, rows left at the
+  end of an epoch (a short last batch, rows that collide with everything left) go unused; without
+  it, no batch has a single row (no in-batch negative: loss 0), so only a row that can share a batch
+  with no other row goes unused. :attr:`unplaced` counts the unused rows.
+- ``len(sampler)`` is exactly the number of batches ``iter(sampler)`` yields for the current epoch,
+  so the trainer's step count and LR schedule match the data.
+- Same seed and epoch -> same batches; a new epoch -> a new shuffle.
+
+Each text is hashed once (xxh64) at construction; an epoch's batches are then built in one pass
+over a permutation (first-fit with a FIFO of deferred rows), about linear in the number of rows
+(:func:`build_batches`; :func:`build_batches_row_by_row` is the same, row by row, as a reference).
+
+Distributed training (``world_size`` processes): the duplicate-free batch is the *global* batch of
+``batch_size x world_size`` rows, built identically on every rank (same hashes, same seed). The
+sampler yields each global batch as ``world_size`` consecutive per-device slices; accelerate's
+``BatchSamplerShard`` (applied by the trainer) deals batch ``i`` to rank ``i % world_size``, so rank
+``r`` trains on slice ``r`` of every global batch and all ranks run ``len(sampler) / world_size``
+steps. Only whole global batches are used then (every rank needs the same batch shape to gather).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+from sentence_transformers.base.sampler import DefaultBatchSampler
+from sentence_transformers.util import get_world_size
+
+from cembed.data.mixture import SourceMix
+from cembed.data.prepare import arrow_table
+from cembed.data.tokenize import PROMPT_SUFFIX, TOKEN_SUFFIX
+
+# Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
+SOURCE_SEED_STRIDE = 1_000_003
+
+
+def hash_texts(texts: list[str]) -> np.ndarray:
+    """xxh64 of each UTF-8 text, shape ``(len(texts),)``, dtype uint64."""
+    h = xxhash.xxh64_intdigest
+    return np.fromiter((h(t.encode("utf-8")) for t in texts), dtype=np.uint64, count=len(texts))
+
+
+def hash_token_ids(column, skip: int = 0) -> np.ndarray:
+    """xxh64 of each row's token ids (an arrow list column) after the first ``skip`` (a prompt's
+    tokens), shape ``(rows,)`` uint64."""
+    lists = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    offsets = lists.offsets.to_numpy()
+    values = np.ascontiguousarray(lists.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
+    h = xxhash.xxh64_intdigest
+    return np.fromiter(
+        (h(values[min(offsets[i] + skip, offsets[i + 1]) : offsets[i + 1]].tobytes()) for i in range(len(offsets) - 1)),
+        dtype=np.uint64,
+        count=len(offsets) - 1,
+    )
+
+
+def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
+    """Hash each of ``columns`` (None: every column but ``dataset_name``; ``[]``: none, shape
+    ``(rows, 0)``): shape ``(rows, columns)`` uint64. A column pre-tokenized as
+    ``<column>_input_ids`` is hashed by its token ids, the text as the model sees it (casing and
+    spacing an uncased tokenizer removes, truncation), without its prompt's tokens (a
+    ``<column>_prompt_length`` column: one text is one text whichever role's prompt it carries), else
+    by its text; ``None`` hashes as ``''``."""
+    table = arrow_table(dataset)
+    if columns is None:
+        columns = [c for c in table.column_names if c != "dataset_name"]
+    out = np.empty((table.num_rows, len(columns)), dtype=np.uint64)
+    for j, col in enumerate(columns):
+        if col + TOKEN_SUFFIX in table.column_names:
+            skip = 0
+            if col + PROMPT_SUFFIX in table.column_names and table.num_rows:
+                skip = int(table.column(col + PROMPT_SUFFIX)[0].as_py())
+            out[:, j] = hash_token_ids(table.column(col + TOKEN_SUFFIX), skip)
+        else:
+            out[:, j] = hash_texts(["" if t is None else str(t) for t in table.column(col).to_pylist()])
+    return out
+
+
+# Rounds of the vectorised exact fit before the rest of a chunk is decided row by row (a long chain
+# of rows each sharing a text with the next needs one round per link).
+_ROUNDS = 24
+
+
+def _sorted_member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """``values`` (any shape) that are in ``sorted_set`` (sorted 1-d), same shape, bool."""
+    if sorted_set.size == 0:
+        return np.zeros(values.shape, dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_set, values), sorted_set.size - 1)
+    return sorted_set[at] == values
+
+
+def _fits(hashes: np.ndarray, candidates: np.ndarray, used: np.ndarray, space: int) -> np.ndarray:
+    """Which candidate rows join a batch whose texts are ``used`` (sorted) with room for ``space``
+    more rows, exactly as a row-by-row first fit taking the candidates in order decides: a row is
+    refused if one of its texts is in ``used`` or in an earlier candidate that was *taken* (a clash
+    with an earlier refused candidate does not count), and rows past the ``space``-th taken one are
+    not taken. A text repeated inside one row does not count. Shape ``(len(candidates),)`` bool.
+
+    Vectorised in rounds over the undecided rows: a row whose texts all first occur in it is taken
+    (nothing before it can block it), and a row sharing a text with a row taken this round is
+    refused (the taken row is that text's first occurrence). Each round decides at least the first
+    undecided row; after ``_ROUNDS`` rounds the rest are decided row by row."""
+    h = hashes[candidates]  # (m, k)
+    m, k = h.shape
+    ok = np.zeros(m, dtype=bool)
+    if m == 0 or space <= 0:
+        return ok
+    if k == 0:  # no text columns: nothing can collide
+        ok[:space] = True
+        return ok
+    undecided = np.flatnonzero(~_sorted_member(h, used).any(axis=1))
+    for _ in range(_ROUNDS):
+        if ok.sum() >= space:  # rows after the space-th taken one are never looked at
+            undecided = undecided[undecided < np.flatnonzero(ok)[space - 1]]
+        if undecided.size == 0:
+            break
+        flat = h[undecided].ravel()
+        row_of = np.repeat(np.arange(undecided.size), k)
+        uniq, first = np.unique(flat, return_index=True)
+        first_row = row_of[first][np.searchsorted(uniq, flat)]
+        free = (first_row == row_of).reshape(-1, k).all(axis=1)
+        blocked = (free[first_row] & (first_row != row_of)).reshape(-1, k).any(axis=1)
+        ok[undecided[free]] = True
+        undecided = undecided[~free & ~blocked]
+    else:
+        seen = set(used.tolist()) | set(h[ok].ravel().tolist())
+        for i in undecided.tolist():
+            texts = set(h[i].tolist())
+            if seen.isdisjoint(texts):
+                ok[i] = True
+                seen |= texts
+    ok[np.cumsum(ok) > space] = False
+    return ok
+
+
+def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> tuple[list[list[int]], int]:
+    """Duplicate-free batches for one epoch: exactly :func:`build_batches_row_by_row`'s, vectorised.
+
+    First fit over a seeded permutation, with a FIFO of deferred rows: each new batch first offers
+    a place to the rows deferred so far (oldest first), then takes rows from the permutation; a row
+    that shares a text with the batch is deferred. The checks run vectorised on whole candidate
+    chunks (:func:`_fits`), so an epoch costs a few numpy passes per batch (about linear in the rows).
+
+    The end of an epoch: with ``drop_last`` the rows that cannot fill a batch go unused. Without it,
+    the partial batch is kept and the deferred rows are packed, first fit, into further batches; a
+    row that would be alone in a batch (``batch_size >= 2``) never is, since a 1-row batch has no
+    in-batch negative (it trains at loss 0): it gets a partner that shares no text with it, moved out
+    of the last batch of 3+ rows that has one (:func:`_pair_single`), else it goes unused.
+
+    Args:
+        hashes: ``(rows, columns)`` text hashes, see :func:`row_hashes`.
+        batch_size: rows per batch.
+        drop_last: drop the rows that cannot form a full batch at the end of the epoch.
+        seed: seed of the shuffle (the sampler passes ``seed + epoch``).
+
+    Returns:
+        ``(batches, unplaced)``: lists of row indices, and the number of rows left out.
+    """
+    n = hashes.shape[0]
+    order = np.random.default_rng(seed).permutation(n)
+    batches: list[list[int]] = []
+    deferred = np.empty(0, dtype=np.int64)
+    pos = 0
+    rows: list[np.ndarray] = []
+    used = np.empty(0, dtype=hashes.dtype)
+
+    def filled() -> int:
+        return sum(len(r) for r in rows)
+
+    def offer(candidates: np.ndarray) -> np.ndarray:
+        """Add the fitting candidates (up to the space left); return the others, in order."""
+        nonlocal used
+        ok = _fits(hashes, candidates, used, batch_size - filled())
+        taken = candidates[ok]
+        if taken.size:
+            rows.append(taken)
+            used = np.sort(np.concatenate([used, hashes[taken].ravel()]))
+        return candidates[~ok]
+
+    while True:
+        deferred = offer(deferred)
+        while filled() < batch_size and pos < n:
+            chunk = order[pos : pos + batch_size - filled()]
+            pos += len(chunk)
+            deferred = np.concatenate([deferred, offer(chunk)])
+        if filled() == batch_size:
+            batches.append(np.concatenate(rows).tolist())
+            rows, used = [], np.empty(0, dtype=hashes.dtype)
+            continue
+        break  # permutation exhausted and the batch cannot be filled
+    if drop_last:
+        return batches, filled() + len(deferred)
+    unplaced = 0
+    # Keep every row that can share a batch: the partial batch, then batches out of what was deferred.
+    while rows or len(deferred):
+        if rows:
+            batch = np.concatenate(rows).tolist()
+            if len(batch) >= min(2, batch_size):
+                batches.append(batch)
+            else:
+                unplaced += _pair_single(batches, hashes, batch[0])
+        rows, used = [], np.empty(0, dtype=hashes.dtype)
+        deferred = offer(deferred)
+    return batches, unplaced
+
+
+def _pair_single(batches: list[list[int]], hashes: np.ndarray, row: int) -> int:
+    """Give ``row``, left alone at the end of an epoch, a partner instead of a 1-row batch: the last
+    row sharing no text with it of the last batch of at least 3 rows moves out, and the two form a
+    new batch at the end. Returns 1 if there is no such row (``row`` goes unused), else 0."""
+    for batch in reversed(batches):
+        if len(batch) < 3:
+            continue
+        free = np.flatnonzero(~np.isin(hashes[batch], hashes[row]).any(axis=1))
+        if free.size:
+            batches.append([batch.pop(int(free[-1])), row])
+            return 0
+    return 1
+
+
+def build_batches_row_by_row(
+    hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int
+) -> tuple[list[list[int]], int]:
+    """The definition :func:`build_batches` implements, one row at a time in Python (slow; for tests
+    and ``scripts/bench_packing.py``): same permutation, same FIFO of deferred rows, same end of epoch.
+    A row joins the batch being filled unless it shares a text with a row already in it."""
+    order = np.random.default_rng(seed).permutation(hashes.shape[0]).tolist()
+    texts = [set(row) for row in hashes.tolist()]
+    batches: list[list[int]] = []
+    deferred: list[int] = []
+
+    def fill(candidates: list[int]) -> tuple[list[int], list[int]]:
+        batch, seen, left = [], set(), []
+        for i in candidates:
+            if len(batch) < batch_size and seen.isdisjoint(texts[i]):
+                batch.append(i)
+                seen |= texts[i]
+            else:
+                left.append(i)
+        return batch, left
+
+    pos = 0
+    while True:
+        batch, left = fill(deferred)
+        seen = set().union(*(texts[i] for i in batch))
+        while len(batch) < batch_size and pos < len(order):
+            i = order[pos]
+            pos += 1
+            if seen.isdisjoint(texts[i]):
+                batch.append(i)
+                seen |= texts[i]
+            else:
+                left.append(i)
+        deferred = left
+        if len(batch) < batch_size:
+            break
+        batches.append(batch)
+    if drop_last:
+        return batches, len(batch) + len(deferred)
+    unplaced = 0
+    while batch or deferred:
+        if len(batch) >= min(2, batch_size):
+            batches.append(batch)
+        elif batch:  # a row alone: a partner from the last batch of 3+ rows with a row sharing no text
+            donor = next(
+                (b for b in reversed(batches) if len(b) >= 3 and any(texts[i].isdisjoint(texts[batch[0]]) for i in b)),
+                None,
+            )
+            if donor is None:
+                unplaced += 1
+            else:
+                j = max(j for j, i in enumerate(donor) if texts[i].isdisjoint(texts[batch[0]]))
+                batches.append([donor.pop(j), batch[0]])
+        batch, deferred = fill(deferred)
+    return batches, unplaced
+
+
+class NoDuplicatesSampler(DefaultBatchSampler):
+    """Drop-in for sentence-transformers' ``NoDuplicatesBatchSampler`` with an exact ``__len__``.
+
+    Pass the class as ``batch_sampler`` in the training arguments; the trainer constructs it with
+    ``(dataset, batch_size, drop_last, valid_label_columns, generator, seed)`` and calls
+    :meth:`set_epoch` before each epoch.
+
+    ``batch_size`` is the per-device batch. ``world_size`` (default: the initialized
+    torch.distributed group's size, else 1) makes the duplicate-free unit the global batch of
+    ``batch_size x world_size`` rows, yielded as ``world_size`` consecutive per-device slices (see
+    the module docstring); with ``world_size > 1`` a short last global batch is always dropped.
+    ``sources`` (a :class:`cembed.data.mixture.SourceMix`): the dataset is several sources' rows, one
+    after another; every global batch holds one source's rows, laid out by the mix's schedule.
+    ``no_duplicates=False``: plain shuffled batches (no text compared).
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        drop_last: bool,
+        valid_label_columns: list[str] | None = None,
+        generator=None,
+        seed: int = 0,
+        world_size: int | None = None,
+        sources: SourceMix | None = None,
+        no_duplicates: bool = True,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            valid_label_columns=valid_label_columns,
+            generator=generator,
+            seed=seed,
+        )
+        label_columns = set(valid_label_columns or []) | {"dataset_name"}
+        # Only text columns: pre-tokenized datasets also carry <role>_input_ids lists.
+        self.columns = [
+            c
+            for c in dataset.column_names
+            if no_duplicates
+            and c not in label_columns
+            and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
+        ]
+        self.hashes = row_hashes(dataset, self.columns)
+        self.world_size = world_size or get_world_size()
+        self.sources = sources if sources is not None else SourceMix(("data",), (len(dataset),))
+        if sum(self.sources.sizes) != len(dataset):
+            raise ValueError(f"sources hold {sum(self.sources.sizes)} rows, the dataset {len(dataset)}")
+        self._cache: tuple[int, list[list[int]], int] | None = None
+        self._sizes: dict[int, list[int]] = {}  # epoch -> its global batches' sizes
+        self._origin: dict[int, list[int]] = {}  # epoch -> its global batches' source indices
+
+    def _build(self, epoch: int) -> tuple[list[list[int]], int]:
+        """Each source's batches (seed + epoch + i x SOURCE_SEED_STRIDE) in the mix's schedule order;
+        rows of batches the schedule leaves out (round_robin, weighted) count as unplaced."""
+        size, drop = self.batch_size * self.world_size, self.drop_last or self.world_size > 1
+        per_source, unplaced = [], 0
+        for i, (offset, n) in enumerate(zip(self.sources.offsets, self.sources.sizes)):
+            built, left = build_batches(
+                self.hashes[offset : offset + n], size, drop, self.seed + epoch + i * SOURCE_SEED_STRIDE
+            )
+            per_source.append([[r + offset for r in b] for b in built] if offset else built)
+            unplaced += left
+        order = self.sources.schedule([len(b) for b in per_source])
+        taken = [0] * len(per_source)
+        batches = []
+        for i in order:
+            batches.append(per_source[i][taken[i]])
+            taken[i] += 1
+        unplaced += sum(len(b) for i, built in enumerate(per_source) for b in built[taken[i] :])
+        self._sizes[epoch], self._origin[epoch] = [len(b) for b in batches], order
+        return batches, unplaced
+
+    def _epoch_batches(self) -> tuple[list[list[int]], int]:
+        if self._cache is None or self._cache[0] != self.epoch:
+            self._cache = (self.epoch, *self._build(self.epoch))
+        return self._cache[1], self._cache[2]
+
+    def rows_trained(self, steps: int, accumulation: int = 1) -> int:
+        """Rows (over all ranks) in the global batches the first ``steps`` optimizer steps trained on,
+        epoch after epoch, each step taking ``accumulation`` batches and an epoch's last step the
+        batches left (short batches counted as they are)."""
+        return sum(rows for _, rows in self.trained_per_source(steps, accumulation))
+
+    def trained_per_source(self, steps: int, accumulation: int = 1) -> list[tuple[int, int]]:
+        """``(global batches, rows)`` per source (in :attr:`sources` order) that the first ``steps``
+        optimizer steps trained on (see :meth:`rows_trained`)."""
+        counts = [[0, 0] for _ in self.sources.names]
+        epoch = 0
+        while steps > 0:
+            if epoch not in self._sizes:
+                self._build(epoch)
+            sizes, origin = self._sizes[epoch], self._origin[epoch]
+            per_epoch = -(-len(sizes) // accumulation)
+            if per_epoch == 0:
+                break
+            take = min(steps, per_epoch)
+            for size, i in zip(sizes[: take * accumulation], origin):
+                counts[i][0] += 1
+                counts[i][1] += size
+            steps, epoch = steps - take, epoch + 1
+        return [(b, r) for b, r in counts]
+
+    def batch_sources(self) -> list[int]:
+        """This epoch's global batches' source indices, in order."""
+        self._epoch_batches()
+        return self._origin[self.epoch]
+
+    def global_batches(self) -> list[list[int]]:
+        """This epoch's duplicate-free global batches (``batch_size x world_size`` row indices each)."""
+        return self._epoch_batches()[0]
+
+    @property
+    def unplaced(self) -> int:
+        """Rows not used this epoch (see :func:`build_batches`)."""
+        return self._epoch_batches()[1]
+
+    def __iter__(self):
+        size = self.batch_size
+        for batch in self._epoch_batches()[0]:
+            if self.world_size == 1:
+                yield batch
+            else:
+                for rank in range(self.world_size):
+                    yield batch[rank * size : (rank + 1) * size]
+
+    def __len__(self) -> int:
+        """Per-device batches yielded this epoch: ``world_size x`` the number of global batches."""
+        return len(self._epoch_batches()[0]) * self.world_size

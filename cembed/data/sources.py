@@ -1,0 +1,284 @@
+"""Training-data sources: one loader per source kind, each returning a ``datasets.Dataset``.
+
+A source kind is a pydantic class in :mod:`cembed.config.schema` (:class:`~cembed.config.schema.FileSource`,
+:class:`~cembed.config.schema.HubSource`, :class:`~cembed.config.schema.BeirSource`) plus a loader here registered
+in :data:`LOADERS`;
+:func:`load_source` dispatches on the source's class. A file is scanned with the standard library
+(:func:`diagnose_file`) so a malformed one is refused with its line, not a parser traceback.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import os
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cembed.config.schema import BeirSource, FileSource, HubSource
+from cembed.errors import HubUnavailable, UserError
+from cembed.eval.sets import beir_files, qrels_lines, read_corpus, read_queries
+
+
+def _builder_for(path: Path) -> tuple[str, dict]:
+    """The ``datasets`` builder and its options for a file, by extension; UserError if unsupported."""
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith((".jsonl", ".json")):
+        return "json", {}
+    if name.endswith(".csv"):
+        return "csv", {}
+    if name.endswith(".tsv"):
+        return "csv", {"delimiter": "\t"}
+    if name.endswith(".parquet"):
+        return "parquet", {}
+    raise UserError(f"{path}: unsupported file type; use .jsonl[.gz], .json, .csv, .tsv or .parquet")
+
+
+def load_file(source: FileSource):
+    """Load a local data file as a ``datasets.Dataset`` (one split, all rows).
+
+    Raises:
+        UserError: missing file, a folder, an empty file, unsupported extension, or unreadable/corrupt
+            content (named by :func:`diagnose_file` where it can: line, column, cause).
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(source.path)
+    if not path.exists():
+        raise UserError(f"{path}: data file not found (data paths resolve relative to the config file)")
+    if path.is_dir():
+        raise UserError(f"{path}: is a folder; data.train must name a file")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: data file is empty")
+    builder, kwargs = _builder_for(path)
+    if builder == "csv":
+        # pandas fills short rows with NaN silently; a ragged row must be named instead.
+        problem = diagnose_file(path)
+        if problem:
+            raise UserError(f"{path}: {problem}")
+    try:
+        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+        # The JSON reader can pass invalid UTF-8 through into string columns; catch it here.
+        dataset.data.table.validate(full=True)
+        return dataset
+    except Exception as err:  # datasets wraps parser errors in many types
+        problem = diagnose_file(path)
+        if problem is None and path.name.lower().removesuffix(".gz").endswith(".jsonl"):
+            # datasets' mixed-type fallback chokes on blank lines; the standard library does not.
+            return _read_jsonl_rows(path)
+        if problem is None:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+            problem = f"cannot read as {builder}: {first[:300]}"
+        raise UserError(f"{path}: {problem}") from None
+
+
+def load_hub(source: HubSource):
+    """Load ``source.split`` of a hub dataset (``source.subset`` its configuration) as a ``datasets.Dataset``.
+
+    Raises:
+        HubUnavailable: the hub is offline or unreachable (and the dataset is not cached).
+        UserError: the dataset, subset or split cannot be loaded (unknown id, ...).
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(source.path, source.subset, split=source.split)
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+        message = (
+            f"data: cannot load hub dataset {source.path!r} (subset={source.subset}, split={source.split}): "
+            f"{first[:300]}"
+        )
+        # datasets raises the builtin ConnectionError both offline and when the hub cannot be reached.
+        if isinstance(err, ConnectionError):
+            raise HubUnavailable(message, source.path, hub_unavailable_reason(first)) from None
+        raise UserError(message) from None
+
+
+def hub_unavailable_reason(error_line: str) -> str:
+    """Why the hub could not serve a dataset: ``offline: HF_DATASETS_OFFLINE=1`` (naming the variable
+    that switched offline mode on), or ``hub unreachable: <the library's message>``."""
+    import datasets
+
+    if datasets.config.HF_HUB_OFFLINE:
+        for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+            value = os.environ.get(var, "")
+            if value.upper() in ("1", "ON", "YES", "TRUE"):
+                return f"offline: {var}={value}"
+        return "offline mode"
+    return f"hub unreachable: {error_line[:200]}"
+
+
+def _read_jsonl_rows(path: Path):
+    """A JSON Lines file read with the standard library (it parsed in :func:`diagnose_file`) as a
+    ``datasets.Dataset``: a column of text (or null) cells is a string column; any other column is
+    kept as JSON text in pyarrow's ``json`` type, as ``datasets`` does for mixed columns, so the cell
+    checks can name its non-text cells."""
+    import datasets
+    import pyarrow as pa
+
+    rows = [json.loads(text) for _, text in _text_lines(path) if text.strip()]
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    columns = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if all(v is None or isinstance(v, str) for v in values):
+            columns[name] = pa.array(values, type=pa.string())
+        else:
+            cells = [None if v is None or v != v else json.dumps(v, ensure_ascii=False) for v in values]
+            columns[name] = pa.array(cells, type=pa.json_())
+    return datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)))
+
+
+def load_beir_pairs(source: BeirSource):
+    """(query, document) training pairs from a BEIR folder's ``qrels/<split>.tsv``, in file order:
+    ``anchor`` is the query text, ``positive`` the document as ``(title + " " + text).strip()`` (the
+    evaluator's rule, :func:`cembed.eval.sets.document_text`), plus ``query_id`` and ``doc_id``. Rows
+    with score <= 0 are left out; a repeated (query, document) line counts once (its last score).
+    A document relevant to several queries appears in several rows: the no-duplicates sampler keeps
+    them in different batches.
+
+    Raises:
+        UserError: a missing folder or file (see :func:`cembed.eval.sets.beir_files`), a bad corpus,
+            queries or qrels line, a qrels line naming a query or document that does not exist (file
+            and line), or no pair with a positive score.
+    """
+    import datasets
+
+    corpus_path, queries_path, qrels_path = beir_files(source.path, source.split)
+    corpus, queries = read_corpus(corpus_path), read_queries(queries_path)
+    pairs: dict[tuple[str, str], int] = {}
+    for n, qid, cid, score in qrels_lines(qrels_path):
+        if qid not in queries:
+            raise UserError(f"{qrels_path}:{n}: query-id {qid!r} is not in {queries_path.name}")
+        if cid not in corpus:
+            raise UserError(f"{qrels_path}:{n}: corpus-id {cid!r} (query {qid!r}) is not in {corpus_path.name}")
+        pairs.pop((qid, cid), None)  # a repeated line takes the later position and score
+        pairs[(qid, cid)] = score
+    kept = [key for key, score in pairs.items() if score > 0]
+    if not kept:
+        raise UserError(f"{qrels_path}: no (query, document) pair with score > 0; nothing to train on")
+    return datasets.Dataset.from_dict(
+        {
+            "anchor": [queries[q] for q, _ in kept],
+            "positive": [corpus[d] for _, d in kept],
+            "query_id": [q for q, _ in kept],
+            "doc_id": [d for _, d in kept],
+        }
+    )
+
+
+# Source class -> its loader. A new kind of source is one class in cembed.config.schema and one entry here.
+LOADERS: dict[type, Callable[[Any], Any]] = {FileSource: load_file, HubSource: load_hub, BeirSource: load_beir_pairs}
+
+
+def row_locator(source) -> Callable[[int], str]:
+    """How messages name a row of ``source``'s data by its 0-based index: ``line N`` for a JSON
+    Lines file (blank lines skipped, as the reader does), ``row N`` (1-based) otherwise."""
+    path = Path(source.path)
+    if not (isinstance(source, FileSource) and path.name.lower().removesuffix(".gz").endswith(".jsonl")):
+        return lambda index: f"row {index + 1}"
+
+    def locate(index: int) -> str:
+        rows = -1
+        try:
+            for number, text in _text_lines(path):
+                rows += bool(text.strip())
+                if rows == index:
+                    return f"line {number}"
+        except ValueError:
+            pass
+        return f"row {index + 1}"
+
+    return locate
+
+
+def load_source(source: FileSource | HubSource | BeirSource):
+    """Load any training-data source as a ``datasets.Dataset``, through its entry in :data:`LOADERS`.
+
+    Raises:
+        UserError: see :func:`load_file`, :func:`load_hub` and :func:`load_beir_pairs`.
+        TypeError: a source class with no registered loader (a programming error, not a user one).
+    """
+    loader = LOADERS.get(type(source))
+    if loader is None:
+        raise TypeError(f"no loader registered for {type(source).__name__} in cembed.data.sources.LOADERS")
+    return loader(source)
+
+
+def _text_lines(path: Path):
+    """Yield ``(line_number, text)``; raises ValueError naming the line for bad gzip or UTF-8."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    yield number, raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(
+                        f"line {number}: bytes that are not UTF-8 at column {err.start + 1}; re-encode the file as UTF-8"
+                    ) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise ValueError(f"corrupt or truncated gzip ({err.__class__.__name__}: {err}); re-create the file") from None
+    except PermissionError:
+        raise ValueError("cannot read the file: permission denied") from None
+
+
+def diagnose_file(path: Path) -> str | None:
+    """Scan a local data file with the standard library and describe its first problem, or return
+    ``None`` when it parses: corrupt/truncated gzip, non-UTF-8 bytes, invalid JSON on line N, a JSON
+    line that is not an object, a CSV/TSV row whose field count differs from the header's, no rows."""
+    name = path.name.lower().removesuffix(".gz")
+    try:
+        if name.endswith(".jsonl") or name.endswith(".json"):
+            lines = list(_text_lines(path))
+            if name.endswith(".json"):
+                text = "".join(t for _, t in lines)
+                try:
+                    data = json.loads(text)
+                except json.JSONDecodeError as err:
+                    # Not one JSON document: maybe JSON Lines in a .json file; check line by line.
+                    if "Extra data" not in err.msg:
+                        return f"invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}"
+                else:
+                    if isinstance(data, list) and not all(isinstance(r, dict) for r in data):
+                        return "a JSON array must hold one object per row"
+                    return None if data else "the file holds no rows"
+            rows = 0
+            for number, text in lines:
+                if not text.strip():
+                    continue
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as err:
+                    return f"invalid JSON on line {number}, column {err.colno}: {err.msg}"
+                if not isinstance(obj, dict):
+                    return f"line {number} is a JSON {type(obj).__name__}, expected an object per line"
+                rows += 1
+            return None if rows else "the file holds no rows"
+        if name.endswith((".csv", ".tsv")):
+            delimiter = "\t" if name.endswith(".tsv") else ","
+            text_lines = (t for _, t in _text_lines(path))
+            reader = csv.reader(text_lines, delimiter=delimiter)
+            header = next(reader, None)
+            if not header:
+                return "the file has no header row"
+            for row in reader:
+                if row and len(row) != len(header):
+                    return (
+                        f"line {reader.line_num}: {len(row)} fields, but the header has {len(header)} "
+                        f"({', '.join(header)}); quote fields that contain the delimiter"
+                    )
+            if reader.line_num <= 1:
+                return "the file holds a header but no rows"
+            return None
+    except ValueError as err:
+        return str(err)
+    except csv.Error as err:
+        return f"malformed CSV: {err}"
+    return None

@@ -1,0 +1,240 @@
+"""``cembed init``: a commented starter config for a model and a data file.
+
+:func:`make_starter` reads the file with cembed's own loader (:mod:`cembed.data.sources`), proposes which
+columns hold the anchor, the positive and hard negatives (by common column names), measures how the
+no-duplicates sampler can batch the rows (:func:`cembed.data.placement.inspect_batches`) and suggests a
+``per_device_train_batch_size``; :func:`write_starter` writes the YAML (never over an existing file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cembed.config.schema import ColumnMap, FileSource
+from cembed.data.placement import inspect_batches
+from cembed.data.prepare import check_cells, map_columns
+from cembed.data.sampler import row_hashes
+from cembed.data.sources import load_file
+from cembed.errors import UserError
+
+# Common column names, most specific first; a column is matched case-insensitively.
+ANCHOR_NAMES = ("anchor", "query", "question", "sentence1", "sentence_1", "text1", "premise", "title", "source")
+POSITIVE_NAMES = (
+    "positive",
+    "pos",
+    "answer",
+    "document",
+    "passage",
+    "sentence2",
+    "sentence_2",
+    "text2",
+    "response",
+    "context",
+    "text",
+    "target",
+)
+NEGATIVE_PATTERN = re.compile(r"^(hard_?)?neg(ative)?s?([_\- ]?\d+)?$", re.IGNORECASE)
+MAX_SUGGESTED_BATCH = 65536
+
+
+@dataclass
+class Starter:
+    """What ``cembed init`` found and wrote (or would write)."""
+
+    out: Path
+    model: str
+    data: Path
+    columns: list[str]  # every column of the file
+    roles: dict[str, str]  # "anchor"/"positive" -> column
+    negatives: list[str]
+    how: dict[str, str]  # role -> "by name" or "by position"
+    rows: int
+    rows_invalid: int  # rows with an empty/None/over-1-MB cell in a mapped column
+    largest_batch: int  # a duplicate-free batch found greedily (lower bound of the true maximum)
+    batch_size: int  # suggested per_device_train_batch_size
+    mini_batch_size: int
+    text: str = field(repr=False, default="")  # the YAML written
+
+
+def _text_columns(dataset) -> list[str]:
+    """Columns whose values are strings, in file order."""
+    return [
+        name for name, feat in dataset.features.items() if getattr(feat, "dtype", None) in ("string", "large_string")
+    ]
+
+
+def _by_name(columns: list[str], names: tuple[str, ...], taken: set[str]) -> str | None:
+    lowered = {c.lower(): c for c in columns if c not in taken}
+    return next((lowered[n] for n in names if n in lowered), None)
+
+
+def propose_roles(columns: list[str]) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    """Which text columns hold the anchor, the positive and the hard negatives.
+
+    By name first (``query``/``question``/``anchor``/``sentence1``... for the anchor,
+    ``positive``/``answer``/``document``/``passage``/``sentence2``... for the positive,
+    ``negative*``/``hard_negative*``/``neg*`` for negatives); a role no name matches takes the first
+    unused text column (by position).
+
+    Returns:
+        ``(roles, negatives, how)``: ``roles`` maps ``anchor``/``positive`` to a column, ``how`` says
+        for each role whether it was found ``by name`` or ``by position``.
+
+    Raises:
+        UserError: fewer than two text columns.
+    """
+    negatives = [c for c in columns if NEGATIVE_PATTERN.match(c)]
+    roles: dict[str, str] = {}
+    how: dict[str, str] = {}
+    taken = set(negatives)
+    for role, names in (("anchor", ANCHOR_NAMES), ("positive", POSITIVE_NAMES)):
+        found = _by_name(columns, names, taken)
+        if found is not None:
+            roles[role], how[role] = found, "by name"
+            taken.add(found)
+    for role in ("anchor", "positive"):
+        if role not in roles:
+            rest = [c for c in columns if c not in taken]
+            if not rest:
+                raise UserError(
+                    f"--data: needs two text columns (anchor, positive); it has {len(columns)} text column(s): "
+                    f"{', '.join(columns) or 'none'}"
+                )
+            roles[role], how[role] = rest[0], "by position"
+            taken.add(rest[0])
+    return {"anchor": roles["anchor"], "positive": roles["positive"]}, negatives, how
+
+
+def suggest_batch_size(largest_batch: int, rows: int, cap: int = MAX_SUGGESTED_BATCH) -> int:
+    """The largest power of two that is at most the largest duplicate-free batch, a quarter of the
+    rows (so an epoch has at least four steps) and ``cap``.
+
+    Raises:
+        UserError: not even a batch of 2 fits (too few rows or too many duplicates).
+    """
+    bound = min(largest_batch, rows // 4, cap)
+    if bound < 2:
+        raise UserError(
+            f"--data: {rows} rows, largest duplicate-free batch {largest_batch}: too few to fill batches of 2 "
+            "with at least 4 steps per epoch; in-batch negatives need more distinct rows"
+        )
+    return 1 << (bound.bit_length() - 1)
+
+
+def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
+    """Read ``data``, propose the role mapping and the batch size, and render the starter YAML.
+
+    Raises:
+        UserError: ``out`` exists (never overwritten), the data cannot be read, has too few text
+            columns or too few distinct rows (see :func:`suggest_batch_size`).
+    """
+    out, data = Path(out), Path(data)
+    if out.exists():
+        raise UserError(f"{out}: already exists; cembed init never overwrites a file (choose another name)")
+    raw = load_file(FileSource(path=str(data)))
+    columns = _text_columns(raw)
+    roles, negatives, how = propose_roles(columns)
+    column_map = ColumnMap(anchor=roles["anchor"], positive=roles["positive"], negatives=negatives)
+    mapped = map_columns(raw, column_map, str(data))
+    mapped, invalid = check_cells(mapped, str(data), {}, drop_invalid=True)
+    hashes = row_hashes(mapped, mapped.column_names)
+    largest = inspect_batches(hashes, batch_size=max(len(mapped), 1), drop_last=False, seed=seed)["largest_batch"]
+    batch = suggest_batch_size(largest, len(mapped))
+    starter = Starter(
+        out=out,
+        model=model,
+        data=data,
+        columns=list(raw.column_names),
+        roles=roles,
+        negatives=negatives,
+        how=how,
+        rows=len(raw),
+        rows_invalid=invalid,
+        largest_batch=largest,
+        batch_size=batch,
+        mini_batch_size=min(32, batch),
+    )
+    starter.text = render_starter(starter)
+    return starter
+
+
+def _line(text: str, comment: str = "") -> str:
+    """One YAML line with its comment aligned at column 36."""
+    return f"{text:<35} # {comment}" if comment else text
+
+
+def render_starter(s: Starter) -> str:
+    """The starter config as commented YAML; ``data.train`` is relative to the config's folder."""
+    q = json.dumps  # a JSON string is a valid YAML scalar, whatever the name holds
+    data_path = os.path.relpath(s.data.resolve(), s.out.resolve().parent)
+    negatives = f"[{', '.join(q(n) for n in s.negatives)}]"
+    invalid = (
+        ("true", f"{s.rows_invalid} rows have an empty cell; they are skipped and counted")
+        if s.rows_invalid
+        else ("false", "true: skip (and count) rows with an empty cell instead of stopping")
+    )
+    lines = [
+        f"# Starter config written by `cembed init` for {s.model} and {s.data.name}",
+        f"# ({s.rows} rows; columns {', '.join(s.columns)}). Check the column mapping, then:",
+        f"#   cembed validate {s.out}",
+        f"#   cembed inspect-data {s.out}",
+        f"#   cembed train {s.out}",
+        "model:",
+        _line(f"  name_or_path: {q(s.model)}"),
+        _line("  max_seq_length: null", "null: the model's own; lower it for short texts (faster)"),
+        _line("  device: auto", "auto | cpu | cuda"),
+        _line("  precision: auto", "auto: bf16 on a GPU with bf16, fp32 on CPU | fp32 | bf16 | fp16"),
+        "data:",
+        _line(f"  train: {q(data_path)}", "relative to this file"),
+        _line("  columns:", "data column -> role; every other column is dropped"),
+        _line(f"    anchor: {q(s.roles['anchor'])}", f"found {s.how['anchor']}"),
+        _line(f"    positive: {q(s.roles['positive'])}", f"found {s.how['positive']}"),
+        _line(f"    negatives: {negatives}", "hard negatives: columns named negative*/hard_negative*"),
+        _line(f"  drop_invalid_rows: {invalid[0]}", invalid[1]),
+        "batch:",
+        f"  # In-batch negatives per anchor = batch - 1. {s.batch_size} is the largest power of two the",
+        f"  # no-duplicates sampler can fill (it found a duplicate-free batch of {s.largest_batch} rows) that",
+        f"  # leaves at least 4 steps per epoch ({s.rows - s.rows_invalid} rows); `cembed inspect-data` shows more.",
+        f"  per_device_train_batch_size: {s.batch_size}",
+        _line(f"  mini_batch_size: {s.mini_batch_size}", "memory only; `cembed probe-minibatch` finds the largest"),
+        "optim:",
+        _line("  learning_rate: 2.0e-5", "the base LR, tuned at base_batch_size ..."),
+        "  base_batch_size: 32",
+        _line("  lr_scaling: sqrt", "... scaled to the batch (`cembed validate` shows it)"),
+        "  warmup_ratio: 0.1",
+        "loss:",
+        _line("  name: cached_mnrl", "in-batch negatives InfoNCE with GradCache"),
+        "  scale: 20",
+        "sampler:",
+        _line("  no_duplicates: true", "a text never appears twice in a batch (no false negatives)"),
+        "train:",
+        "  num_train_epochs: 1",
+        "  logging_steps: 10",
+        "  seed: 42",
+        _line(f"  output_dir: {q('runs/' + s.out.stem)}", "relative to this file"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_new_file(out: Path, text: str) -> Path:
+    """Write ``text`` to ``out``, which must not exist (checked atomically by the open).
+
+    Raises:
+        UserError: the file exists.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with out.open("x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        raise UserError(f"{out}: already exists; cembed init never overwrites a file") from None
+    return out
+
+
+def write_starter(starter: Starter) -> Path:
+    """Write ``starter.text`` to ``starter.out`` (see :func:`write_new_file`)."""
+    return write_new_file(starter.out, starter.text)

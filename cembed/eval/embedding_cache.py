@@ -1,0 +1,196 @@
+"""The on-disk cache of corpus embeddings, keyed by model and corpus fingerprints.
+
+A retrieval corpus is encoded once per (model, corpus): the cache file is named by
+:func:`model_fingerprint` (weights, module stack, max_seq_length, tokenizer, prompts, device type)
+and :func:`corpus_fingerprint` (document ids and texts in order), so any change misses and the same
+model on the same corpus never re-encodes. Files are float32 ``.npy`` arrays written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cembed.errors import UserError
+from cembed.model.load import tokenizer_spec
+
+# Bumped whenever the way documents are turned into text or encoded changes, so old caches miss.
+CACHE_FORMAT = "cembed-corpus-v1"
+
+
+def _hasher():
+    import xxhash
+
+    return xxhash.xxh3_128()
+
+
+def model_fingerprint(model) -> str:
+    """A hash of everything that decides a SentenceTransformer's embeddings.
+
+    Covers every weight (name, dtype, shape, bytes), the module stack as printed (pooling mode,
+    normalisation), max_seq_length, the tokenizer (vocabulary and rules, not its last
+    padding/truncation state), the prompts and the device type. Two loads of the same saved
+    model give the same fingerprint; any weight change gives another.
+
+    Returns:
+        32 hex characters (xxh3-128).
+    """
+    import torch
+
+    h = _hasher()
+    h.update(CACHE_FORMAT.encode())
+    h.update(repr(model).encode())
+    h.update(f"max_seq_length={getattr(model, 'max_seq_length', None)}|device={model.device.type}".encode())
+    for key, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is not None:
+        h.update(tokenizer_spec(tokenizer).encode())
+    prompts = getattr(model, "prompts", None)
+    h.update(json.dumps(prompts or {}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def corpus_fingerprint(corpus: dict[str, str], prompt: str | None = None) -> str:
+    """A hash of the documents as encoded: ids and texts in order, and the ``prompt`` prepended to
+    each when one is given (None: the model's own document prompt, covered by :func:`model_fingerprint`);
+    32 hex characters, xxh3-128."""
+    h = _hasher()
+    if prompt is not None:
+        h.update(b"prompt\x00" + prompt.encode() + b"\x01")
+    for doc_id, text in corpus.items():
+        h.update(doc_id.encode())
+        h.update(b"\x00")
+        h.update(text.encode())
+        h.update(b"\x01")
+    return h.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """``$CEMBED_CACHE_DIR``, else ``$XDG_CACHE_HOME/cembed/embeddings`` (``~/.cache/cembed/embeddings``)."""
+    if os.environ.get("CEMBED_CACHE_DIR"):
+        return Path(os.environ["CEMBED_CACHE_DIR"]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "cembed" / "embeddings"
+
+
+def cache_path(cache_dir: str | Path, model_fp: str, corpus_fp: str) -> Path:
+    """Where the corpus embeddings for (model, corpus) live: ``<cache_dir>/<model_fp>-<corpus_fp>.npy``."""
+    return Path(cache_dir) / f"{model_fp}-{corpus_fp}.npy"
+
+
+def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    from cembed.files import write_atomic
+
+    write_atomic(path, lambda f: np.save(f, array), binary=True)
+
+
+def _load_cached(path: Path, rows: int, dim: int | None) -> np.ndarray | None:
+    """The cached array if it is readable and has the expected shape, else None (re-encode)."""
+    if not path.is_file():
+        return None
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if arr.ndim != 2 or arr.shape[0] != rows or (dim is not None and arr.shape[1] != dim) or arr.dtype != np.float32:
+        return None
+    return arr
+
+
+ProgressFn = Callable[[int, int], None]  # (done, total) -> None
+
+
+def encode_documents(
+    model, texts: list[str], batch_size: int = 32, progress: ProgressFn | None = None, prompt: str | None = None
+) -> np.ndarray:
+    """Encode ``texts`` with ``model.encode_document`` (``prompt`` prepended; None: the model's
+    document prompt); returns float32 ``(len(texts), dim)``.
+
+    Texts are sorted by length (longest first, as ``encode`` does internally) and encoded in chunks
+    of ``batch_size * 8`` so ``progress(done, total)`` can be reported; the output is in input order.
+    Padding is masked, so chunking does not change the embeddings beyond float rounding.
+    """
+    order = np.argsort([-len(t) for t in texts], kind="stable")
+    out: np.ndarray | None = None
+    chunk = batch_size * 8
+    done = 0
+    if progress:
+        progress(0, len(texts))
+    for start in range(0, len(texts), chunk):
+        idx = order[start : start + chunk]
+        emb = model.encode_document(
+            [texts[i] for i in idx],
+            batch_size=batch_size,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+            prompt=prompt,
+        ).astype(np.float32, copy=False)
+        if out is None:
+            out = np.empty((len(texts), emb.shape[1]), dtype=np.float32)
+        out[idx] = emb
+        done += len(idx)
+        if progress:
+            progress(done, len(texts))
+    assert out is not None
+    return out
+
+
+@dataclass
+class CorpusEmbeddings:
+    """Corpus embeddings plus where they came from."""
+
+    embeddings: np.ndarray  # float32 (n_docs, dim), in corpus order
+    cache_file: str | None
+    cache_hit: bool
+    encode_seconds: float
+
+
+def corpus_embeddings(
+    model,
+    corpus: dict[str, str],
+    batch_size: int = 32,
+    cache_dir: str | Path | None = None,
+    progress: ProgressFn | None = None,
+    model_fp: str | None = None,
+    prompt: str | None = None,
+) -> CorpusEmbeddings:
+    """Embeddings of every corpus document, read from / written to the on-disk cache.
+
+    The cache file is keyed by :func:`model_fingerprint` and :func:`corpus_fingerprint` (with the
+    ``prompt``), so a changed weight, tokenizer, max_seq_length, prompt or document misses, and the
+    same model on the same corpus never re-encodes. ``cache_dir=None`` disables the cache. A corrupt
+    or mis-shaped cache file is ignored and rewritten. Writes are atomic.
+    """
+    texts = list(corpus.values())
+    path = None
+    if cache_dir is not None:
+        path = cache_path(cache_dir, model_fp or model_fingerprint(model), corpus_fingerprint(corpus, prompt))
+        get_dim = getattr(model, "get_embedding_dimension", None) or getattr(
+            model, "get_sentence_embedding_dimension", None
+        )
+        dim = get_dim() if get_dim else None
+        cached = _load_cached(path, len(texts), dim)
+        if cached is not None:
+            if progress:
+                progress(len(texts), len(texts))
+            return CorpusEmbeddings(cached, str(path), True, 0.0)
+    t0 = time.perf_counter()
+    emb = encode_documents(model, texts, batch_size, progress, prompt)
+    seconds = time.perf_counter() - t0
+    if path is not None:
+        try:
+            _save_npy_atomic(path, emb)
+        except OSError as err:
+            raise UserError(
+                f"{path.parent}: cannot write the embedding cache ({err}); use another --cache-dir or --no-cache"
+            ) from None
+    return CorpusEmbeddings(emb, str(path) if path else None, False, seconds)

@@ -1,0 +1,356 @@
+"""The evaluation sets: BEIR retrieval sets and STS pairs, loaded the way MTEB reads them.
+
+* Retrieval (BEIR layout: ``corpus.jsonl[.gz]``, ``queries.jsonl``, ``qrels/<split>.tsv``):
+  documents are encoded as ``(title + " " + text).strip()`` and queries as their ``text``, as MTEB
+  1.x does for BEIR sets (mteb ``AbsTaskRetrieval`` / ``DenseRetrievalExactSearch``).
+* STS (sentence pairs with gold scores): STS Benchmark TSV, ``sentence1, sentence2, score`` TSV or
+  JSONL, sentences used exactly as written.
+
+Every malformed input is a :class:`~cembed.errors.UserError` naming the file (and line). The
+scoring itself lives in :mod:`cembed.eval.evaluators`.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cembed.errors import UserError
+
+
+@dataclass
+class RetrievalSet:
+    """A BEIR retrieval set for one split.
+
+    ``corpus`` maps document id -> the text encoded for it, ``(title + " " + text).strip()``, in
+    file order; ``queries`` maps query id -> text for the queries that have at least one relevant
+    document in the split; ``relevant_docs`` maps query id -> ids of documents with qrels score > 0;
+    ``relevance`` maps query id -> {document id -> that score} (the grades graded NDCG uses).
+    """
+
+    name: str
+    path: str
+    split: str
+    corpus: dict[str, str]
+    queries: dict[str, str]
+    relevant_docs: dict[str, set[str]]
+    relevance: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass
+class StsSet:
+    """Sentence pairs with gold similarity scores (any scale; correlations ignore it)."""
+
+    name: str
+    path: str
+    sentences1: list[str]
+    sentences2: list[str]
+    scores: list[float]
+
+
+def _open_text(path: Path):
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="")
+
+
+def _read_jsonl(path: Path, required: tuple[str, ...]):
+    """Yield ``(line_number, object)`` for each non-blank line.
+
+    Raises:
+        UserError: unreadable file, a line that is not a JSON object, or one without a ``required`` key.
+    """
+    try:
+        with _open_text(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise UserError(
+                        f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object"
+                    ) from None
+                if not isinstance(obj, dict):
+                    raise UserError(f"{path}:{n}: expected a JSON object per line, got {type(obj).__name__}")
+                missing = [k for k in required if k not in obj]
+                if missing:
+                    raise UserError(f"{path}:{n}: missing field {missing[0]!r} (each line needs {', '.join(required)})")
+                yield n, obj
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read ({err.__class__.__name__}: {err})") from None
+
+
+def document_text(title: Any, text: Any) -> str:
+    """The string encoded for a BEIR document: ``(title + " " + text).strip()`` (MTEB's rule;
+    a missing/None title or text counts as empty)."""
+    return (f"{title or ''} {text or ''}").strip()
+
+
+def _find(folder: Path, names: tuple[str, ...], what: str) -> Path:
+    for name in names:
+        if (folder / name).is_file():
+            return folder / name
+    raise UserError(
+        f"{folder}: no {' or '.join(names)} ({what}); a BEIR folder holds corpus.jsonl[.gz], "
+        "queries.jsonl and qrels/<split>.tsv"
+    )
+
+
+def qrels_lines(path: Path):
+    """Yield ``(line_number, query_id, corpus_id, score)`` for each row of a BEIR qrels TSV
+    (``query-id<TAB>corpus-id<TAB>score``, optional header, LF or CRLF), in file order.
+
+    Raises:
+        UserError: a line with fewer than 3 fields or a non-integer score, naming file and line.
+    """
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
+                if not row or not "".join(row).strip():
+                    continue
+                if len(row) < 3:
+                    raise UserError(f"{path}:{n}: expected query-id, corpus-id, score separated by tabs; got {row!r}")
+                qid, cid, raw = row[0].strip(), row[1].strip(), row[2].strip()
+                try:
+                    score = int(float(raw))
+                except ValueError:
+                    if n == 1:  # the header line: query-id corpus-id score
+                        continue
+                    raise UserError(f"{path}:{n}: score {raw!r} is not a number") from None
+                yield n, qid, cid, score
+    except OSError as err:
+        raise UserError(f"{path}: cannot read ({err.__class__.__name__}: {err})") from None
+
+
+def load_qrels(path: Path) -> dict[str, dict[str, int]]:
+    """Read a BEIR qrels TSV (see :func:`qrels_lines`); a repeated (query, document) keeps its last score.
+
+    Returns:
+        query id -> {corpus id -> integer score}.
+
+    Raises:
+        UserError: a line with fewer than 3 fields or a non-integer score, naming file and line.
+    """
+    qrels: dict[str, dict[str, int]] = {}
+    for _, qid, cid, score in qrels_lines(path):
+        qrels.setdefault(qid, {})[cid] = score
+    return qrels
+
+
+def beir_files(folder: str | Path, split: str) -> tuple[Path, Path, Path]:
+    """``(corpus, queries, qrels)`` paths of a BEIR folder's ``split``.
+
+    Raises:
+        UserError: no such folder, no corpus or queries file, or no ``qrels/<split>.tsv`` (listing
+            the splits that exist).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(
+            f"{folder}: retrieval (BEIR) folder not found (expected a folder with corpus.jsonl[.gz], queries.jsonl, qrels/)"
+        )
+    corpus_path = _find(folder, ("corpus.jsonl", "corpus.jsonl.gz"), "the documents")
+    queries_path = _find(folder, ("queries.jsonl", "queries.jsonl.gz"), "the queries")
+    qrels_path = folder / "qrels" / f"{split}.tsv"
+    if not qrels_path.is_file():
+        found = sorted(p.stem for p in (folder / "qrels").glob("*.tsv")) if (folder / "qrels").is_dir() else []
+        have = f"; available splits: {', '.join(found)}" if found else "; the folder has no qrels/*.tsv"
+        raise UserError(f"{qrels_path}: qrels file for split {split!r} not found{have}")
+    return corpus_path, queries_path, qrels_path
+
+
+def read_corpus(path: Path) -> dict[str, str]:
+    """Document id -> :func:`document_text`, in file order, from a BEIR ``corpus.jsonl[.gz]``.
+
+    Raises:
+        UserError: a bad JSON line, a document with neither title nor text, a duplicate id, no documents.
+    """
+    corpus: dict[str, str] = {}
+    for n, obj in _read_jsonl(path, ("_id",)):
+        if "text" not in obj and "title" not in obj:
+            raise UserError(f"{path}:{n}: document has neither 'title' nor 'text'")
+        doc_id = str(obj["_id"])
+        if doc_id in corpus:
+            raise UserError(f"{path}:{n}: duplicate document _id {doc_id!r}")
+        corpus[doc_id] = document_text(obj.get("title"), obj.get("text"))
+    if not corpus:
+        raise UserError(f"{path}: the corpus has no documents")
+    return corpus
+
+
+def read_queries(path: Path) -> dict[str, str]:
+    """Query id -> text from a BEIR ``queries.jsonl[.gz]``.
+
+    Raises:
+        UserError: a bad JSON line or one without ``_id`` / ``text``.
+    """
+    return {str(obj["_id"]): str(obj["text"]) for _, obj in _read_jsonl(path, ("_id", "text"))}
+
+
+def load_beir(folder: str | Path, split: str = "test", name: str | None = None) -> RetrievalSet:
+    """Load one split of a BEIR-layout retrieval set.
+
+    Args:
+        folder: holds ``corpus.jsonl`` or ``corpus.jsonl.gz`` (``_id``, ``title``, ``text``),
+            ``queries.jsonl[.gz]`` (``_id``, ``text``) and ``qrels/<split>.tsv``.
+        split: the qrels file to use (``test``, ``train``, ``dev``).
+        name: label for metrics; defaults to ``<folder name>-<split>``.
+
+    Returns:
+        A :class:`RetrievalSet`; a qrels score <= 0 means "not relevant" and is left out; the
+        positive scores are kept as grades (``relevance``).
+
+    Raises:
+        UserError: missing folder/file, bad JSON line, duplicate id, an empty corpus, a split without
+            relevant pairs, or a qrels line naming a query or document that does not exist.
+    """
+    folder = Path(folder)
+    corpus_path, queries_path, qrels_path = beir_files(folder, split)
+    corpus = read_corpus(corpus_path)
+    all_queries = read_queries(queries_path)
+
+    qrels = load_qrels(qrels_path)
+    relevant: dict[str, set[str]] = {}
+    grades: dict[str, dict[str, int]] = {}
+    for qid, docs in qrels.items():
+        if qid not in all_queries:
+            raise UserError(
+                f"{qrels_path}: query-id {qid!r} is not in {queries_path.name}; fix the qrels or the queries file"
+            )
+        for cid, score in docs.items():
+            if cid not in corpus:
+                raise UserError(
+                    f"{qrels_path}: corpus-id {cid!r} (query {qid!r}) is not in {corpus_path.name}; fix the qrels or the corpus"
+                )
+            if score > 0:
+                relevant.setdefault(qid, set()).add(cid)
+                grades.setdefault(qid, {})[cid] = score
+    if not relevant:
+        raise UserError(f"{qrels_path}: no (query, document) pair with score > 0; nothing to evaluate")
+    queries = {qid: text for qid, text in all_queries.items() if qid in relevant}
+    return RetrievalSet(
+        name=name or f"{folder.name}-{split}",
+        path=str(folder),
+        split=split,
+        corpus=corpus,
+        queries=queries,
+        relevant_docs=relevant,
+        relevance=grades,
+    )
+
+
+def _sts_row(row: list[str], where: str) -> tuple[str, str, float]:
+    # STS Benchmark layout: genre, file, year, id, score, sentence1, sentence2[, notes...];
+    # a plain 3-column file: sentence1, sentence2, score.
+    if len(row) >= 7:
+        raw, s1, s2 = row[4], row[5], row[6]
+    elif len(row) == 3:
+        s1, s2, raw = row
+    else:
+        raise UserError(
+            f"{where}: expected 7 tab-separated fields (STS Benchmark: genre, file, year, id, score, "
+            f"sentence1, sentence2) or 3 (sentence1, sentence2, score); got {len(row)}"
+        )
+    try:
+        score = float(raw)
+    except ValueError:
+        raise UserError(f"{where}: score {raw!r} is not a number") from None
+    return s1, s2, score
+
+
+def load_sts(path: str | Path, name: str | None = None) -> StsSet:
+    """Load STS pairs with gold scores.
+
+    Formats: ``.jsonl[.gz]`` with ``sentence1``, ``sentence2``, ``score`` per line; otherwise a
+    tab-separated file read with quoting disabled (sentences contain ``"``), either in the STS
+    Benchmark layout (first 7 fields: genre, file, year, id, score, sentence1, sentence2; extra
+    trailing fields ignored) or as ``sentence1, sentence2, score``. Sentences are used exactly as
+    written (trailing spaces included, as MTEB does).
+
+    Args:
+        path: the file. name: label for metrics; defaults to the file name without extension.
+
+    Raises:
+        UserError: missing/unreadable file, a row with the wrong number of fields or a non-numeric
+            score (naming file and line), fewer than 2 pairs, or all gold scores equal.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: STS file not found")
+    s1s: list[str] = []
+    s2s: list[str] = []
+    scores: list[float] = []
+    base = path.name.lower().removesuffix(".gz")
+    if base.endswith(".jsonl"):
+        for n, obj in _read_jsonl(path, ("sentence1", "sentence2", "score")):
+            try:
+                scores.append(float(obj["score"]))
+            except (TypeError, ValueError):
+                raise UserError(f"{path}:{n}: score {obj['score']!r} is not a number") from None
+            s1s.append(str(obj["sentence1"]))
+            s2s.append(str(obj["sentence2"]))
+    else:
+        try:
+            with _open_text(path) as f:
+                for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
+                    if not row or not "".join(row).strip():
+                        continue
+                    try:
+                        s1, s2, score = _sts_row(row, f"{path}:{n}")
+                    except UserError:
+                        if n == 1 and len(row) == 3:  # a header line: sentence1, sentence2, score
+                            continue
+                        raise
+                    s1s.append(s1)
+                    s2s.append(s2)
+                    scores.append(score)
+        except (OSError, EOFError, UnicodeDecodeError) as err:
+            raise UserError(f"{path}: cannot read ({err.__class__.__name__}: {err})") from None
+    if len(scores) < 2:
+        raise UserError(f"{path}: needs at least 2 sentence pairs to correlate; found {len(scores)}")
+    if len(set(scores)) == 1:
+        raise UserError(f"{path}: every gold score is {scores[0]}; a correlation needs varying scores")
+    stem = path.name
+    for suffix in (".gz", ".jsonl", ".csv", ".tsv", ".txt"):
+        stem = stem.removesuffix(suffix)
+    return StsSet(name=name or stem, path=str(path), sentences1=s1s, sentences2=s2s, scores=scores)
+
+
+@dataclass
+class EvalSets:
+    """The loaded sets of a config's ``eval`` section."""
+
+    retrieval: list[RetrievalSet] = field(default_factory=list)
+    sts: list[StsSet] = field(default_factory=list)
+
+
+def load_eval_sets(eval_cfg) -> EvalSets:
+    """Load every set named in the config's ``eval`` section (see :class:`cembed.config.schema.EvalConfig`).
+
+    Raises:
+        UserError: as :func:`load_beir` / :func:`load_sts`; also two sets with the same name.
+    """
+
+    def named(field: str, i: int, load):
+        try:
+            return load()
+        except UserError as err:
+            raise UserError(f"eval.{field}[{i}]: {err}") from None
+
+    sets = EvalSets(
+        retrieval=[
+            named("retrieval", i, lambda r=r: load_beir(r.path, r.split, r.name))
+            for i, r in enumerate(eval_cfg.retrieval)
+        ],
+        sts=[named("sts", i, lambda s=s: load_sts(s.path, s.name)) for i, s in enumerate(eval_cfg.sts)],
+    )
+    names = [s.name for s in sets.retrieval] + [s.name for s in sets.sts]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise UserError(f"eval: two sets are named {dup!r}; give each a distinct 'name'")
+    return sets

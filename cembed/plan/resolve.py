@@ -1,0 +1,246 @@
+"""The resolved plan: what a validated config means on this machine.
+
+Device, world size, samples per optimizer step and the effective learning rate are decided here,
+once, and every later stage reads them from the :class:`Plan` instead of re-deriving them from the
+config.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict, dataclass
+
+from cembed.config.schema import CembedConfig
+from cembed.errors import UserError
+from cembed.model.load import DTYPE_NAMES, resolve_device
+from cembed.plan.lr import derivation, scale_lr
+from cembed.plan.precision import resolve_precision
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str  # "cpu" or "cuda"
+    world_size: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    samples_per_step: int  # per_device_train_batch_size x world_size x gradient_accumulation_steps
+    learning_rate: float  # effective (scaled) LR handed to the optimizer
+    lr_derivation: str
+    precision: str  # fp32 | bf16 | fp16: model.precision, auto resolved for the device (cembed.plan.precision)
+    gather_across_devices: bool = False  # each anchor sees all ranks' candidates (world_size > 1)
+    warnings: tuple[str, ...] = ()
+    # Rows embedded at once by a cached loss; None until the probe fills batch.mini_batch_size: auto
+    # (cembed.probe.search.resolve_auto), which also records its measurements here.
+    mini_batch_size: int | None = None
+    mini_batch_probe: dict | None = None
+    # Token positions per mini-batch (rows x padded width, cembed.losses.token_budget); with it set it cuts
+    # the mini-batches, not mini_batch_size. From batch.mini_batch_num_tokens, or the probe under auto.
+    mini_batch_num_tokens: int | None = None
+    save_dtype: str | None = None  # model.save_dtype as a torch name (bfloat16); None: the training dtype
+    # Data-loader worker processes (train.dataloader_num_workers, auto resolved) and how it was decided.
+    dataloader_num_workers: int = 0
+    dataloader_workers: str = ""
+    lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
+    tf32: bool = False  # TF32 on for fp32 matmuls (a CUDA GPU of compute capability 8.0+)
+    precision_reason: str = ""  # how the precision was chosen, e.g. "bf16 (auto: NVIDIA H200 ... has bf16)"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
+    """Resolve device, world size, samples per step and the effective LR for ``cfg``.
+
+    Args:
+        cfg: a validated config.
+        world_size: number of training processes; defaults to ``$WORLD_SIZE`` or 1.
+
+    ``gather_across_devices`` is ``loss.gather_across_devices``, or ``world_size > 1`` when unset.
+    ``model.precision: auto`` becomes fp32 on CPU, bf16 on a GPU with bf16 (see :mod:`cembed.plan.precision`).
+    The LR is scaled from the global samples per step (``per_device x world_size x accumulation``).
+
+    Raises:
+        UserError: fp16 requested on CPU, bf16 on a GPU without bf16, cuda requested without a GPU,
+            or a world size below 1.
+    """
+    device = resolve_device(cfg.model.device)
+    precision = resolve_precision(cfg.model.precision, device)
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1:
+        raise UserError(f"world size {world}: --nproc-per-node x --nnodes (or $WORLD_SIZE) must be at least 1")
+    b, o = cfg.batch, cfg.optim
+    samples = b.per_device_train_batch_size * world * b.gradient_accumulation_steps
+    warnings = []
+    if b.gradient_accumulation_steps > 1:
+        warnings.append(
+            f"batch.gradient_accumulation_steps={b.gradient_accumulation_steps}: accumulation adds no in-batch "
+            "negatives (each accumulated batch only sees its own); with loss cached_mnrl raise "
+            "per_device_train_batch_size instead"
+        )
+    gather = cfg.loss.gather_across_devices
+    gather = world > 1 if gather is None else gather
+    if world > 1 and not gather:
+        warnings.append(
+            f"loss.gather_across_devices=false with {world} processes: each anchor only sees the "
+            f"{b.per_device_train_batch_size} rows of its own rank as negatives, not the whole global batch"
+        )
+    if world > 1 and not b.drop_last:
+        warnings.append(
+            f"batch.drop_last=false has no effect with {world} processes: every rank needs a full batch of the "
+            "same size, so rows that cannot fill a whole global batch at the end of an epoch are left out"
+        )
+    n_columns = 2 + len(cfg.data.sources()[0].columns.negatives)  # every source maps the same roles
+    workers, how, shm = resolve_workers(
+        cfg.train.dataloader_num_workers,
+        b.per_device_train_batch_size,
+        n_columns,
+        cfg.model.max_seq_length,
+        processes_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+    )
+    warnings += [shm] if shm else []
+    return Plan(
+        device=device,
+        world_size=world,
+        per_device_train_batch_size=b.per_device_train_batch_size,
+        gradient_accumulation_steps=b.gradient_accumulation_steps,
+        samples_per_step=samples,
+        learning_rate=scale_lr(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
+        lr_derivation=derivation(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
+        precision=precision.precision,
+        gather_across_devices=gather,
+        warnings=tuple(warnings),
+        mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
+        mini_batch_num_tokens=b.mini_batch_num_tokens,
+        save_dtype=DTYPE_NAMES[cfg.model.save_dtype] if cfg.model.save_dtype else None,
+        dataloader_num_workers=workers,
+        dataloader_workers=how,
+        lora_merge=cfg.model.lora.merge if cfg.model.lora is not None else None,
+        tf32=precision.tf32,
+        precision_reason=precision.reason,
+    )
+
+
+SHM_PATH = "/dev/shm"
+# Per token and text column, what the collator's batch holds: int64 input_ids, attention_mask and
+# (BERT-style models) token_type_ids.
+TOKEN_BYTES = 24
+PREFETCH = 2  # batches each data-loader worker keeps in flight (torch's default prefetch_factor)
+# train.dataloader_num_workers: auto uses workers from this many texts (rows x columns) per device
+# batch: below it a batch is produced in the main process in tens of milliseconds.
+AUTO_WORKERS_MIN_TEXTS = 8192
+AUTO_WORKERS_MAX = 2  # a vectorised batch of 65536 x 256 takes ~1 s; two workers keep ahead of any step
+
+
+def _shm_need(batch_rows: int, n_columns: int, max_seq_length: int | None, workers: int) -> tuple[int, int]:
+    """(bytes of one batch at the widest padding, bytes of ``workers x PREFETCH`` such batches)."""
+    per_batch = batch_rows * n_columns * (max_seq_length or 512) * TOKEN_BYTES
+    return per_batch, per_batch * workers * PREFETCH
+
+
+def _shm_size(path: str) -> int | None:
+    try:
+        return shutil.disk_usage(path).total
+    except OSError:
+        return None
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def resolve_workers(
+    setting: int | str,
+    batch_rows: int,
+    n_columns: int,
+    max_seq_length: int | None,
+    processes_per_node: int = 1,
+    cpus: int | None = None,
+    path: str = SHM_PATH,
+) -> tuple[int, str, str | None]:
+    """Decide ``train.dataloader_num_workers``.
+
+    A number is kept (with :func:`shm_warning`'s warning when ``path`` is too small). ``auto``: 0
+    when a device batch has fewer than :data:`AUTO_WORKERS_MIN_TEXTS` texts (rows x columns) or the
+    node's cores (``cpus`` / ``processes_per_node``) leave none beside the training process; else
+    ``min(AUTO_WORKERS_MAX, cores - 1)`` workers, each prefetching :data:`PREFETCH` batches, unless
+    those batches (at the widest padding, :data:`TOKEN_BYTES` per token and column) would not fit in
+    the shared memory at ``path``: then 0, with a warning naming the field.
+
+    Args:
+        setting: ``train.dataloader_num_workers`` (an int >= 0 or ``"auto"``).
+        batch_rows: rows per device batch; n_columns: texts per row; max_seq_length: the width bound
+            (None: 512 assumed).
+        processes_per_node: training processes sharing this machine's cores.
+        cpus: cores available (default :func:`available_cpus`).
+
+    Returns:
+        ``(workers, how it was decided, warning or None)``.
+    """
+    if setting != "auto":
+        return (
+            int(setting),
+            f"{setting} (train.dataloader_num_workers)",
+            shm_warning(batch_rows, n_columns, max_seq_length, int(setting), path),
+        )
+    texts = batch_rows * n_columns
+    if texts < AUTO_WORKERS_MIN_TEXTS:
+        return (
+            0,
+            f"auto: 0, batches of {texts} texts (< {AUTO_WORKERS_MIN_TEXTS}) are produced in the main process",
+            None,
+        )
+    cores = max(1, (cpus or available_cpus()) // max(1, processes_per_node))
+    if cores < 2:
+        return 0, f"auto: 0, {cores} CPU core per training process leaves none for workers", None
+    workers = min(AUTO_WORKERS_MAX, cores - 1)
+    per_batch, need = _shm_need(batch_rows, n_columns, max_seq_length, workers)
+    size = _shm_size(path)
+    if size is not None and need > size:
+        mib = 1024**2
+        return (
+            0,
+            "auto: 0, shared memory too small for workers",
+            f"train.dataloader_num_workers: auto uses 0 workers (batches are produced in the main process, the GPU "
+            f"waits for each): {workers} workers x {PREFETCH} prefetched batches of up to {per_batch / mib:.0f} MiB "
+            f"need {need / mib:.0f} MiB of shared memory, but {path} holds {size / mib:.0f} MiB. Enlarge it (docker "
+            f"run --shm-size={-(-need // 1024**3) + 1}g) or set train.dataloader_num_workers to a number to use workers anyway",
+        )
+    return workers, f"auto: {workers}, batches of {texts} texts, {cores} CPU cores per training process", None
+
+
+def shm_warning(
+    batch_rows: int, n_columns: int, max_seq_length: int | None, workers: int, path: str = SHM_PATH
+) -> str | None:
+    """A warning when data-loader workers would pass more batch data through shared memory than
+    ``path`` holds (a small ``/dev/shm``, Docker's default 64 MB, kills workers with "Bus error").
+
+    Args:
+        batch_rows: rows per device batch.
+        n_columns: texts per row (anchor, positive, negatives).
+        max_seq_length: the padded width's upper bound (None: 512 assumed).
+        workers: ``train.dataloader_num_workers`` (0: batches never pass through shared memory).
+        path: the shared-memory mount.
+
+    Returns:
+        The warning (the numbers and the fix), or None when it fits, there are no workers, or
+        ``path`` cannot be read.
+    """
+    if workers < 1:
+        return None
+    per_batch, need = _shm_need(batch_rows, n_columns, max_seq_length, workers)
+    size = _shm_size(path)
+    if size is None or need <= size:
+        return None
+    mib = 1024**2
+    return (
+        f"train.dataloader_num_workers={workers}: a batch of {batch_rows} rows x {n_columns} columns x "
+        f"{max_seq_length or 512} tokens is up to {per_batch / mib:.0f} MiB, and {workers} workers x {PREFETCH} "
+        f"batches in flight need up to {need / mib:.0f} MiB of shared memory, but {path} holds {size / mib:.0f} "
+        f"MiB: workers may die with 'Bus error'. Enlarge it (docker run --shm-size={-(-need // 1024**3) + 1}g, or "
+        f"mount -o remount,size=... {path}) or set train.dataloader_num_workers: 0"
+    )

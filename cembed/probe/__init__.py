@@ -1,0 +1,1 @@
+"""cembed.probe.search."""

@@ -1,0 +1,173 @@
+"""One probe trial's work: the memory worst case of a cached-loss training step.
+
+:func:`worst_case_step` runs one step at a ``mini_batch_size`` (rows) or a ``mini_batch_num_tokens``
+(cembed's token budget, :mod:`cembed.losses.token_budget`) with every text at ``max_seq_length`` tokens,
+and returns a :class:`WorstCase` (throughput, the rows of its mini-batch, the tokens per row). The
+runners that measure its peak memory are in :mod:`cembed.probe.trials`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class WorstCase:
+    """What a worst-case step ran.
+
+    Attributes:
+        samples_per_s: estimated training rows per second of a full cached step.
+        rows: rows in its (first, largest) mini-batch.
+        tokens_per_row: the padded width of every row, tokens (``max_seq_length``, or less when the
+            tokenizer stops earlier).
+    """
+
+    samples_per_s: float
+    rows: int
+    tokens_per_row: int
+    setup: dict | None = None  # cembed.probe.setup.trial_setup: precision, LoRA, checkpointing, state bytes
+
+
+def worst_case_step(
+    model,
+    loss_cfg,
+    n_columns: int,
+    batch_size: int,
+    mini_batch_size: int,
+    precision: str,
+    repeats: int = 2,
+    world_size: int = 1,
+    sort_by_length: bool = True,
+    mini_batch_num_tokens: int | None = None,
+) -> WorstCase:
+    """Run the memory worst case of one cached-loss training step at ``mini_batch_size`` rows, or
+    at a token budget ``mini_batch_num_tokens``.
+
+    What is alive at the peak is what training holds: AdamW states (allocated by a real step), the
+    tokenized features of the whole batch (``n_columns`` x ``batch_size`` x ``max_seq_length``, every
+    text at full length), the cached embeddings of the whole batch and their gradients (from the
+    library's ``calculate_loss(..., with_backward=True)``, chunked by ``mini_batch_size`` as in
+    training), one mini-batch re-embedded with gradients and back-propagated into the parameters'
+    gradients, and the optimizer step. The no-grad embedding pass is run for one mini-batch only (its
+    activations are freed mini-batch by mini-batch, so it never exceeds the with-grad pass) and its
+    output is replicated to fill the batch.
+
+    The loss stage is the one training runs, whatever loss the config builds (a guide model loaded and
+    its embeddings alive; a Matryoshka wrapper's loss per dimension): outside autocast (the trainer autocasts only the
+    model's forward, so the scores are fp32), over ``world_size`` x ``batch_size`` gathered
+    candidates per column (the gather is simulated with local copies, so a trial issues no
+    collective), and, with ``sort_by_length``, with the sorted copy of the features and the
+    restored-order leaves of :class:`cembed.losses.registry.LengthSortedMixin` alive.
+
+    With ``mini_batch_num_tokens`` the loss is built with that budget and the mini-batch is the
+    first of the budget's ranges on these full-length rows (``budget // tokens_per_row`` rows, at
+    least 1): the longest rows are the budget's worst case (a mini-batch of shorter rows has at most
+    as many positions and a smaller attention matrix per row).
+
+    Args:
+        model: a SentenceTransformer on the target device (its ``max_seq_length`` is the length used).
+        loss_cfg: the ``loss`` config section, of a loss that ``uses_gradient_cache`` (the module
+            :func:`cembed.losses.registry.build_loss` builds from it provides ``embed_minibatch`` and
+            ``calculate_loss``).
+        n_columns: texts per row (anchor, positive, negatives), >= 2.
+        batch_size: ``per_device_train_batch_size``, rows.
+        mini_batch_size: rows embedded at once.
+        precision: fp32 | bf16 | fp16 (autocast, as the trainer runs it).
+        repeats: no-grad and with-grad mini-batch passes run; the fastest of each is timed (>= 1).
+        world_size: ranks whose candidates each rank's loss scores (1 without gathering).
+        sort_by_length: the loss sorts each column by length (a sorted copy of the features).
+        mini_batch_num_tokens: token positions per mini-batch (then ``mini_batch_size`` only
+            cuts columns without an attention mask, as in training).
+
+    Returns:
+        A :class:`WorstCase`: the estimated rows per second of a full cached step (``n_columns``
+        no-grad and with-grad embeddings per row plus the loss stage), the mini-batch's rows and the
+        tokens per row, and the setup it ran with (:func:`cembed.probe.setup.trial_setup`).
+    """
+    import torch
+
+    from cembed.losses.registry import build_loss, simulated_gather
+    from cembed.probe.setup import trial_setup
+
+    device = model.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
+    for p in params:  # a zero step allocates the AdamW states exactly as the first real step does
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    length = model.max_seq_length
+    preprocess = getattr(model, "preprocess", None) or model.tokenize
+    one = preprocess(["a " * (4 * length + 8)])  # truncated to max_seq_length tokens
+    features = [
+        {
+            k: v.expand(batch_size, *v.shape[1:]).contiguous().to(device) if torch.is_tensor(v) else v
+            for k, v in one.items()
+        }
+        for _ in range(n_columns)
+    ]
+    loss = build_loss(
+        model, loss_cfg, mini_batch_size, world_size > 1, mini_batch_num_tokens, sort_by_length=sort_by_length
+    ).module
+    loss = loss if hasattr(loss, "embed_minibatch") else loss.loss  # MatryoshkaLoss decorates its cached loss
+    sorted_copies = None
+    if getattr(loss, "sort_by_length", False):  # training holds the features and their sorted copy
+        from cembed.losses.registry import _take_rows
+
+        order = torch.arange(batch_size - 1, -1, -1, device=device)
+        sorted_copies = [_take_rows(f, order) for f in features]
+        loss._inverse = [order] * n_columns  # the loss stage builds its restored-order leaves
+    width = int(features[0].get("attention_mask", features[0]["input_ids"]).shape[1])
+    if mini_batch_num_tokens is not None:  # the budget's first range over full-length rows
+        from cembed.losses.token_budget import token_budget_ranges
+
+        mini_batch_size = token_budget_ranges(features[0], mini_batch_num_tokens)[0][1]
+    mini = min(mini_batch_size, batch_size)
+    repeats = max(1, repeats)
+    with autocast():
+        t_nograd = math.inf  # the fastest of `repeats` runs (the first one warms up)
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            emb, *extras, _ = loss.embed_minibatch(features[0], 0, mini, with_grad=False, copy_random_state=False)
+            sync()
+            t_nograd = min(t_nograd, time.perf_counter() - t0)
+    sizes = [min(b + mini, batch_size) - b for b in range(0, batch_size, mini)]  # fp32, as accelerate returns them
+    reps, *extras = [  # and a guide's embeddings (outputs before the RNG state), per column
+        [[e.detach().float()[:n].clone() for n in sizes] for _ in range(n_columns)] for e in (emb, *extras)
+    ]
+    [r.requires_grad_() for col in reps for r in col]
+    del emb
+    sync()
+    t0 = time.perf_counter()
+    with simulated_gather(loss, world_size):  # outside autocast, as in training
+        loss.calculate_loss(reps, *(extras or [None]), with_backward=True)
+    sync()
+    t_loss = time.perf_counter() - t0
+    t_grad = math.inf
+    for i in range(repeats):
+        col = i % n_columns
+        sync()
+        t0 = time.perf_counter()
+        with autocast():
+            reps_mb = loss.embed_minibatch(features[col], 0, mini, with_grad=True, copy_random_state=False)[0]
+        surrogate = torch.dot(reps_mb.flatten().float(), reps[col][0].grad.flatten().float())
+        surrogate.backward()
+        sync()
+        t_grad = min(t_grad, time.perf_counter() - t0)
+        del reps_mb, surrogate
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync()
+    del reps, features, sorted_copies, optimizer, loss
+    per_row = n_columns * (t_nograd + t_grad) / mini + t_loss / batch_size
+    setup = trial_setup(model, precision)
+    return WorstCase(float(1.0 / per_row) if per_row > 0 else float("nan"), mini, width, setup)

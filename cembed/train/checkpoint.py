@@ -1,0 +1,192 @@
+"""Checkpoints, resume, interruption and run failures: nothing is lost, nothing half-written is used.
+
+- A checkpoint is written by the trainer into a staging folder, marked complete, then renamed to
+  ``checkpoint-<step>``; a folder without the marker (a killed save, a copy in progress) is never
+  resumed from.
+- ``--resume`` picks the newest complete checkpoint; the trainer restores weights, optimizer, LR
+  schedule, RNG states and skips the batches already trained in the epoch (the sampler's batches are
+  a pure function of seed and epoch, so the order is the same).
+- SIGINT/SIGTERM finish the current optimizer step, save a checkpoint and stop; a second signal
+  abandons the step at once.
+- A non-finite loss stops the run naming the step and the last good checkpoint (or, with
+  ``train.nonfinite_loss: skip``, skips that step and counts it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from cembed.errors import UserError
+from cembed.files import write_json_atomic
+
+MARKER = "cembed_checkpoint_complete.json"
+STAGING = ".staging"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def mark_complete(checkpoint_dir: str | Path, step: int, run: dict | None = None) -> None:
+    """Write the completion marker (atomically) into a fully written checkpoint folder; ``run`` is
+    what the run that wrote it was (``cembed.train.preflight.training_record``), compared on resume."""
+    write_json_atomic(Path(checkpoint_dir) / MARKER, {"step": step, "time": time.time(), "run": run})
+
+
+def recorded_run(checkpoint_dir: str | Path) -> dict | None:
+    """The run record a checkpoint's marker holds, or None (an older checkpoint, an unreadable marker)."""
+    try:
+        return json.loads((Path(checkpoint_dir) / MARKER).read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def is_complete(checkpoint_dir: str | Path) -> bool:
+    return (Path(checkpoint_dir) / MARKER).is_file()
+
+
+def checkpoints(output_dir: str | Path) -> list[Path]:
+    """``checkpoint-<step>`` folders in ``output_dir``, oldest step first (complete or not)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_complete(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint that carries the completion marker, or ``None``."""
+    complete = [p for p in checkpoints(output_dir) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def remove_incomplete(output_dir: str | Path) -> list[Path]:
+    """Delete checkpoint folders without the marker and any staging leftovers; return them."""
+    removed = [p for p in checkpoints(output_dir) if not is_complete(p)]
+    staging = Path(output_dir) / STAGING
+    for p in removed + ([staging] if staging.exists() else []):
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None) -> str | None:
+    """The checkpoint to resume from, or ``None`` for a fresh run.
+
+    Raises:
+        UserError: ``--resume`` with no complete checkpoint in ``output_dir``, or a
+            ``--resume-from`` path that is not a complete checkpoint.
+    """
+    if resume_from:
+        path = Path(resume_from)
+        if not path.is_dir():
+            raise UserError(f"--resume-from {path}: no such checkpoint folder")
+        if not is_complete(path):
+            raise UserError(f"--resume-from {path}: not a complete cembed checkpoint (no {MARKER})")
+        return str(path)
+    if not resume:
+        return None
+    found = latest_complete(output_dir)
+    if found is None:
+        raise UserError(f"--resume: no complete checkpoint in {output_dir}; start without --resume")
+    return str(found)
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
+    """Refuse to train into a folder that holds a finished model unless told to.
+
+    Raises:
+        UserError: ``output_dir`` holds a finished model (a completed ``run_summary.json`` or a saved
+            SentenceTransformer) and neither ``--overwrite`` nor ``--resume`` was given.
+    """
+    out = Path(output_dir)
+    if overwrite or resuming or not out.is_dir():
+        return
+    summary = out / "run_summary.json"
+    finished = (out / "modules.json").exists()
+    if summary.exists():
+        try:
+            finished = finished or json.loads(summary.read_text()).get("status") == "completed"
+        except (OSError, ValueError):
+            pass
+    if finished:
+        resumable = ", --resume to continue it" if latest_complete(out) else ""
+        raise UserError(
+            f"train.output_dir {out} holds a finished model; pass --overwrite to replace it{resumable}, "
+            "or choose another output_dir"
+        )
+
+
+def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
+    """Refuse a resume that cannot continue the checkpoint's run as it was.
+
+    Raises:
+        UserError: the checkpoint is already at (or past) ``train.max_steps``, or ``train.max_steps``
+            differs from the one the checkpoint's LR schedule was built for.
+    """
+    state_file = Path(checkpoint) / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{checkpoint}: no readable trainer_state.json; resume from another checkpoint") from None
+    step, planned = int(state.get("global_step", 0)), int(state.get("max_steps", 0))
+    if max_steps is not None and step >= max_steps:
+        raise UserError(
+            f"{checkpoint} is at step {step}, already at train.max_steps={max_steps}; nothing to resume "
+            "(raise train.max_steps only for a fresh run with --overwrite)"
+        )
+    if max_steps is not None and planned and planned != max_steps:
+        raise UserError(
+            f"{checkpoint} belongs to a run of {planned} steps, but train.max_steps is {max_steps}; its LR "
+            f"schedule cannot be stretched: resume with train.max_steps={planned}, or start fresh with --overwrite"
+        )
+
+
+class InterruptCallback(TrainerCallback):
+    """On SIGINT/SIGTERM: finish the current optimizer step, save a checkpoint, stop training.
+
+    Install with :meth:`install` (main thread only) and undo with :meth:`uninstall`. A second
+    signal restores the default handler's behaviour (KeyboardInterrupt / termination) at once.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.step = 0
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # second signal: give up on the step
+            self.uninstall()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from cembed.distributed.group import max_over_ranks
+
+        self.step = state.global_step
+        # In a multi-process job all ranks stop at the same step and report the same signal, even
+        # if it reached only some of them (a rank that stopped alone would leave the others waiting
+        # in the next all-reduce).
+        seen = max_over_ranks(self.signum or 0)
+        if seen and self.signum is None:  # a peer was signalled (re-read: the handler may have run meanwhile)
+            self.signum = seen
+        if self.signum is not None:
+            control.should_save = True
+            control.should_training_stop = True
+        return control

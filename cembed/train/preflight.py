@@ -1,0 +1,284 @@
+"""Pre-flight checks: everything about a run that can be known before training starts.
+
+``cembed validate`` and the start of ``cembed train`` both run :func:`preflight` (through
+``cembed.train.recipe.check_run_inputs``), so a config that validates does not crash later on something
+knowable up front:
+
+- the model's position table against ``model.max_seq_length`` (a longer text would crash in the
+  position embeddings at the first long batch);
+- the LR scheduler: its arguments (``optim.lr_scheduler_kwargs``) are tried on a one-parameter
+  optimizer at the effective LR, so a missing argument or an end LR above the effective LR is found;
+- the tokenizer can pad (the collator pads every batch).
+
+Each problem is a :class:`Finding` whose text is one line naming the field and the fix.
+
+Resuming: :func:`training_record` is what a checkpoint records about the run that wrote it, and
+:func:`resume_differences` compares it with the config of a resume (see ``cembed.train.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from cembed.config.schema import CembedConfig, ModelConfig, OptimConfig
+from cembed.errors import UserError, first_line
+from cembed.model.load import resolve_model_path
+
+# Models whose positions come from a learned absolute table (a longer input crashes); RoBERTa-style
+# tables reserve the first pad_token_id + 1 entries.
+ABSOLUTE_POSITIONS = {"bert", "distilbert", "electra", "albert", "mpnet", "roberta", "xlm-roberta", "camembert"}
+PADDING_OFFSET = {"roberta", "xlm-roberta", "camembert", "mpnet"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One pre-flight problem: ``field`` (dotted config field) and a one-line ``message`` with the fix."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def preflight(cfg: CembedConfig, learning_rate: float) -> list[Finding]:
+    """Every pre-flight finding for ``cfg`` run at the effective ``learning_rate`` (empty: none).
+
+    A model that cannot be reached (a hub id offline) skips the model checks; loading it later says why.
+    """
+    return check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps) + check_model(cfg.model)
+
+
+def raise_findings(findings: list[Finding]) -> None:
+    """Raise the first finding as a :class:`UserError` (naming how many more there are).
+
+    Raises:
+        UserError: ``findings`` is not empty.
+    """
+    if findings:
+        more = f" (and {len(findings) - 1} more problem(s); fix this first)" if len(findings) > 1 else ""
+        raise UserError(f"{findings[0]}{more}")
+
+
+def check_scheduler(optim: OptimConfig, learning_rate: float, max_steps: int | None) -> list[Finding]:
+    """Build ``optim.lr_scheduler_type`` with ``optim.lr_scheduler_kwargs`` on a one-parameter optimizer
+    at ``learning_rate`` (``max_steps`` steps, or 100 when the run is counted in epochs)."""
+    import torch
+    from transformers import get_scheduler
+
+    name, kwargs = optim.lr_scheduler_type, dict(optim.lr_scheduler_kwargs)
+    steps = max_steps or 100
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=learning_rate)
+    field = "optim.lr_scheduler_kwargs"
+    if name == "warmup_stable_decay" and "num_decay_steps" not in kwargs:
+        return [
+            Finding(
+                field,
+                f"lr_scheduler_type warmup_stable_decay needs num_decay_steps (steps of the final decay); "
+                f"set e.g. optim.lr_scheduler_kwargs={{num_decay_steps: {max(1, steps // 10)}}}",
+            )
+        ]
+    try:
+        get_scheduler(
+            name,
+            opt,
+            num_warmup_steps=int(optim.warmup_ratio * steps),
+            num_training_steps=steps,
+            scheduler_specific_kwargs=kwargs,
+        )
+    except ValueError as err:
+        if name == "polynomial" and "lr_end" in str(err):
+            end = kwargs.get("lr_end", 1e-7)
+            return [
+                Finding(
+                    "optim.learning_rate",
+                    f"the effective LR {learning_rate:.3e} is not above the polynomial schedule's end LR {end:g}; "
+                    f"set optim.lr_scheduler_kwargs={{lr_end: {learning_rate / 10:.1e}}} or raise the LR",
+                )
+            ]
+        return [Finding(field, f"{name}: {first_line(err)}")]
+    except TypeError as err:
+        return [Finding(field, f"{name} does not accept these arguments ({first_line(err)}); fix or remove them")]
+    return []
+
+
+def _model_file(name: str, filename: str, revision: str | None) -> Path | None:
+    """``filename`` from a model folder or (cached) hub id; None when it is not there or unreachable."""
+    if Path(name).is_dir():
+        path = Path(name) / filename
+        return path if path.is_file() else None
+    try:
+        from sentence_transformers.util import load_file_path
+
+        found = load_file_path(name, filename, revision=revision)
+        return Path(found) if found else None
+    except Exception:
+        return None
+
+
+def _read_json(path: Path | None) -> dict:
+    try:
+        return json.loads(path.read_text()) if path else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def transformer_folder(cfg: ModelConfig) -> tuple[str, int | None]:
+    """Where the model's transformer (config.json, tokenizer) lives and the model's own
+    max_seq_length (``sentence_bert_config.json``; None when it sets none)."""
+    name = resolve_model_path(cfg.name_or_path)
+    modules = _read_json(_model_file(name, "modules.json", cfg.revision))
+    sub = next((m.get("path", "") for m in modules if "Transformer" in m.get("type", "")), "") if modules else ""
+    base = str(Path(name) / sub) if sub and Path(name).is_dir() else name
+    own = _read_json(_model_file(base, "sentence_bert_config.json", cfg.revision)).get("max_seq_length")
+    return base, own
+
+
+def check_model(cfg: ModelConfig) -> list[Finding]:
+    """The position table against ``model.max_seq_length`` (or the model's own), and a pad token."""
+    try:
+        base, own = transformer_folder(cfg)
+        hf = _read_json(_model_file(base, "config.json", cfg.revision))
+    except Exception:  # an unreachable or odd model: loading it reports the problem
+        return []
+    findings = []
+    kind, positions = hf.get("model_type"), hf.get("max_position_embeddings")
+    absolute = kind in ABSOLUTE_POSITIONS or hf.get("position_embedding_type") == "absolute"
+    length = cfg.max_seq_length or own
+    if absolute and isinstance(positions, int) and length:
+        limit = positions - ((hf.get("pad_token_id") or 0) + 1 if kind in PADDING_OFFSET else 0)
+        if length > limit:
+            what = f"{length}" if cfg.max_seq_length else f"unset (the model's own {length})"
+            findings.append(
+                Finding(
+                    "model.max_seq_length",
+                    f"{what} is longer than the model's position table ({limit} positions, {kind}); "
+                    f"set model.max_seq_length to at most {limit}",
+                )
+            )
+    if hf and not cfg.trust_remote_code:
+        findings += _check_padding(base, cfg)
+    return findings
+
+
+def _check_padding(base: str, cfg: ModelConfig) -> list[Finding]:
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(base, revision=cfg.revision, **cfg.tokenizer_kwargs)
+    except Exception:
+        return []
+    if getattr(tok, "pad_token", None) is None:
+        eos = getattr(tok, "eos_token", None)
+        hint = f"{{pad_token: {json.dumps(eos)}}}" if eos else "{pad_token: <a token of its vocabulary>}"
+        return [
+            Finding(
+                "model.tokenizer_kwargs",
+                f"the tokenizer has no padding token, and every batch is padded; set model.tokenizer_kwargs={hint}",
+            )
+        ]
+    return []
+
+
+# --- resuming: what a checkpoint's run was, and what a resume changes -------------------------------
+
+# Fields a resume may change: they affect logging, saving, evaluation, memory or speed, not what is trained.
+SAFE_TO_CHANGE = (
+    "train.logging_steps",
+    "train.save_steps",
+    "train.save_total_limit",
+    "train.output_dir",
+    "train.report_to",
+    "train.dataloader_num_workers",
+    "train.torch_compile",
+    "train.nonfinite_loss",
+    "train.push_to_hub",
+    "train.hub_model_id",
+    "train.hub_private_repo",
+    "eval",
+    "data.pretokenize",
+    "data.cache_dir",
+    "distributed",
+    "batch.mini_batch_size",
+    "batch.mini_batch_num_tokens",
+    "batch.sort_by_length",
+    "batch.pad_to_multiple_of",
+    "batch.unpad",
+    "model.device",
+    "model.save_dtype",
+    "model.gradient_checkpointing",  # exact (the recomputation replays the RNG), memory and speed only
+)
+
+
+def data_fingerprint(dataset) -> str:
+    """Row count and a hash of up to 1,000 evenly spaced rows (the texts as trained)."""
+    n = len(dataset)
+    digest = hashlib.sha256(str(n).encode())
+    for i in range(0, n, max(1, n // 1000)):
+        digest.update(json.dumps(dataset[i], sort_keys=True, default=str).encode())
+    return f"{n} rows, {digest.hexdigest()[:16]}"
+
+
+def training_record(cfg: CembedConfig, samples_per_step: int, learning_rate: float, dataset) -> dict:
+    """What a checkpoint records about its run: the config (JSON), the samples per step, the
+    effective LR and the training data's fingerprint."""
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "samples_per_step": samples_per_step,
+        "effective_learning_rate": learning_rate,
+        "data_fingerprint": data_fingerprint(dataset),
+    }
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """Compare two :func:`training_record` s.
+
+    Returns:
+        ``(refused, safe)``: each difference as ``"field old -> new"``; ``refused`` changes what is
+        trained (batch, LR, schedule, loss, data, seed, model ...), ``safe`` only how it is logged,
+        saved, evaluated or run (:data:`SAFE_TO_CHANGE`).
+    """
+    a, b = _flat(old), _flat(new)
+    refused, safe = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        field = key.removeprefix("config.")
+        text = f"{field} {a.get(key)!r} -> {b.get(key)!r}"
+        ok = any(field == s or field.startswith(s + ".") for s in SAFE_TO_CHANGE)
+        (safe if ok else refused).append(text)
+    return refused, safe
+
+
+def check_resume(checkpoint: str, old: dict | None, new: dict) -> list[str]:
+    """Refuse a resume whose config changes what is trained; return the safe changes it applies.
+
+    Args:
+        old: the checkpoint's :func:`training_record` (None: an older checkpoint, nothing to compare).
+        new: this run's record.
+
+    Raises:
+        UserError: naming every change to batch, LR, schedule, loss, data, seed, model or length.
+    """
+    if old is None:
+        return []
+    refused, safe = resume_differences(old, new)
+    if refused:
+        raise UserError(
+            f"cannot resume {checkpoint} with a changed config: {'; '.join(refused)}. Its optimizer, LR schedule "
+            "and sampler order belong to the checkpoint's values: resume without these changes, or start fresh "
+            "with --overwrite"
+        )
+    return safe

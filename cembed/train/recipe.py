@@ -1,0 +1,454 @@
+"""``cembed train`` as a recipe: named stages, each a function of the previous stage's output.
+
+    check_run_inputs   config -> (Plan, PreparedData)              (also all that ``validate`` checks)
+    prepare_output     output folder, resume point, run log        -> RunDir
+    resolve_runtime    process group, device, mini_batch_size: auto -> the final Plan
+    build_components   model, tokenized data, collator, loss, evaluation -> Components
+    build_trainer      CembedTrainer + callbacks                   -> Run
+    train              trainer.train(), failure / interruption recorded in run_summary.json
+    write_summary      model, run_summary.json, plot
+
+Nothing here reads the YAML again: the config's sections and the resolved :class:`~cembed.plan.resolve.Plan`
+are passed down. In a multi-process job every rank runs the recipe; only rank 0 prints, saves the
+model and writes the summary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from cembed.cli import report
+from cembed.config.schema import CembedConfig
+from cembed.data.mixture import SourceMix
+from cembed.data.prepare import PreparedData, UnloadedData, prepare_checked_data
+from cembed.data.tokenize import tokenize_stage
+from cembed.distributed.fsdp import gathered_model
+from cembed.distributed.group import (
+    backend_for,
+    dist_info,
+    freeze_unused_parameters,
+    init_distributed,
+    local_main_first,
+)
+from cembed.errors import RunFailed, RunInterrupted, UserError
+from cembed.files import append_log, save_model_atomic, write_json_atomic
+from cembed.losses.registry import build_loss
+from cembed.model.load import cast_for_saving, load_model, quiet_libraries, weight_dtypes
+from cembed.model.lora import adapter_facts, finish_lora, is_lora
+from cembed.model.prompts import RolePrompts, resolve_prompts
+from cembed.plan.precision import enable_tf32
+from cembed.plan.resolve import Plan, resolve_plan
+from cembed.probe.search import resolve_auto
+from cembed.train.args import build_training_args
+from cembed.train.checkpoint import (
+    InterruptCallback,
+    check_output_dir,
+    check_resume_point,
+    latest_complete,
+    recorded_run,
+    remove_incomplete,
+    resolve_resume,
+)
+from cembed.train.flops import build_flop_model
+from cembed.train.meter import ThroughputMeter, plot_run
+from cembed.train.preflight import check_resume, preflight, raise_findings, training_record
+from cembed.train.publish import add_card_facts, push_final_model
+from cembed.train.summary import Attempt, failed_summary, failures_recorded, samples_seen, source_summary, summary_base
+from cembed.train.trainer import CembedTrainer, RunLog, RunLogCallback
+
+
+def check_run_inputs(
+    cfg: CembedConfig, world_size: int | None = None, allow_unloaded: bool = False
+) -> tuple[Plan, PreparedData | UnloadedData]:
+    """Resolve the plan, run the pre-flight checks (model limits, scheduler, tokenizer; see
+    :mod:`cembed.train.preflight`) and load/check the training data (everything ``validate`` checks); with
+    ``allow_unloaded`` (validate) a hub dataset the hub cannot serve gives UnloadedData, not an error.
+
+    Raises:
+        UserError: a config, data or pre-flight mistake, one line naming the field and the fix.
+    """
+    plan = resolve_plan(cfg, world_size)
+    raise_findings(preflight(cfg, plan.learning_rate))
+    batch = plan.per_device_train_batch_size * plan.world_size
+    data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
+    plan = replace(plan, warnings=plan.warnings + getattr(data, "warnings", ()))  # unmapped / expanded columns
+    if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
+        from cembed.eval.evaluators import check_metric_name, load_eval_sets, training_eval_args
+
+        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval))
+        training_eval_args(cfg.eval, metric, cfg.train.save_steps)
+    return plan, data
+
+
+@dataclass
+class RunDir:
+    """Where a run writes, the checkpoint it resumes from (None: a fresh run), what the run is
+    (``preflight.training_record``, stored in its checkpoints) and the safe changes a resume applies."""
+
+    out: Path
+    checkpoint: str | None
+    record: dict | None = None
+    resume_changes: tuple[str, ...] = ()
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / "train.log"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.out / "run_summary.json"
+
+
+def prepare_output(
+    output_dir: str,
+    max_steps: int | None,
+    plan: Plan,
+    resume: bool,
+    resume_from: str | None,
+    overwrite: bool,
+    record: dict | None = None,
+) -> RunDir:
+    """Check ``output_dir`` and find the resume point; on rank 0 create the folder, remove
+    half-written checkpoints of a killed run and start the run's log.
+
+    Args:
+        record: this run's ``preflight.training_record``, compared with the checkpoint's on resume.
+
+    Raises:
+        UserError: the folder holds a finished model (without ``overwrite``), there is no checkpoint
+            to resume, the checkpoint cannot be resumed under ``max_steps``, or the config changes
+            what the checkpoint's run trains (naming each change).
+    """
+    out = Path(output_dir)
+    # Resuming a checkpoint of another folder into a finished output_dir still needs --overwrite.
+    continuing = resume or bool(resume_from and Path(resume_from).resolve().parent == out.resolve())
+    check_output_dir(out, overwrite, continuing)
+    checkpoint = resolve_resume(out, resume, resume_from)
+    changes: list[str] = []
+    if checkpoint:
+        check_resume_point(checkpoint, max_steps)
+        changes = check_resume(checkpoint, recorded_run(checkpoint), record) if record else []
+    run = RunDir(out, checkpoint, record, tuple(changes))
+    if dist_info().is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
+        start = (
+            f"resume from {checkpoint}" + (f" with {'; '.join(changes)}" if changes else "")
+            if checkpoint
+            else "fresh run"
+        )
+        append_log(run.log_path, f"start: {start}; lr {plan.lr_derivation}")
+    return run
+
+
+def resolve_runtime(cfg: CembedConfig, plan: Plan, data: PreparedData, console, max_memory: str | None):
+    """Join the process group and pick this rank's device, then probe ``mini_batch_size: auto``
+    there (after the group exists, so every rank agrees on the minimum).
+
+    Returns ``(device, plan with mini_batch_size set)``; device is ``cpu``, ``cuda`` or ``cuda:<local rank>``.
+    """
+    device = init_distributed(plan.device, cfg.distributed.timeout_minutes)
+    if plan.tf32:  # fp32 matmuls (the loss stage too) on TF32 tensor cores, the probe included
+        enable_tf32()
+    if plan.mini_batch_size is None:
+        report.print_probe_start(console, plan.device)
+    plan, probe = resolve_auto(
+        plan, cfg.model, cfg.loss, len(data.columns), max_memory, strategy=cfg.distributed.strategy
+    )
+    if probe is not None:
+        report.print_probe(console, probe)
+    return device, plan
+
+
+@dataclass
+class Components:
+    """Everything the trainer is built from."""
+
+    model: Any  # SentenceTransformer
+    train_dataset: Any  # datasets.Dataset (pre-tokenized, or the texts)
+    collator: Any  # PaddingCollator, or None for sentence-transformers' own
+    loss: Any  # the built loss (module and token counts)
+    evaluation: Any  # cembed.eval.evaluators.TrainingEvaluation, or None
+    token_info: dict
+    distributed: dict | None  # what run_summary.json records about the process group
+    source: str  # the training data's label, for messages
+    weights: Any = None  # cembed.model.load.WeightDtypes: stored, training, autocast and saved dtypes
+    prompts: RolePrompts = field(default_factory=RolePrompts)  # each role's prompt
+    sources: SourceMix | None = None  # the training sources and how batches are drawn from them
+
+
+def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None) -> Components:
+    """Load the model on ``device``, tokenize the data, build the loss and the evaluation.
+
+    Args:
+        on_line: receives the evaluation's printed lines (None: silent).
+
+    Raises:
+        UserError: the model cannot be loaded, or an eval set is wrong.
+    """
+    model = load_model(cfg.model, device, seed=cfg.train.seed)
+    prompts = resolve_prompts(cfg.data.prompts, model)
+    with local_main_first():  # one process per node fills the tokenization cache, the others load it
+        train_dataset, collator, token_info = tokenize_stage(
+            model,
+            data,
+            cfg.data.pretokenize,
+            cfg.data.cache_dir,
+            prompts.for_columns(data.columns),
+            cfg.batch.pad_to_multiple_of,
+        )
+    token_info["prompts"] = prompts.to_dict()
+    loss = build_loss(
+        model,
+        cfg.loss,
+        plan.mini_batch_size,
+        gather_across_devices=plan.gather_across_devices,
+        mini_batch_num_tokens=plan.mini_batch_num_tokens,
+        sort_by_length=cfg.batch.sort_by_length,
+        unpad=False if cfg.train.torch_compile else cfg.batch.unpad,  # compiled graphs bypass packing
+    )
+    distributed = None
+    if plan.world_size > 1:
+        distributed = {
+            "world_size": plan.world_size,
+            "strategy": cfg.distributed.strategy,  # fsdp: parameters, gradients, optimizer state sharded
+            "backend": backend_for(plan.device),
+            "gather_across_devices": plan.gather_across_devices,
+            # The sampler only yields whole global batches and these never get a gradient, so DDP
+            # needs no unused-parameter search.
+            "frozen_unused_parameters": freeze_unused_parameters(model, data.dataset[:1]),  # every column
+            "find_unused_parameters": False,
+        }
+    evaluation = None
+    if cfg.eval is not None:
+        from cembed.eval.evaluators import TrainingEvaluation
+
+        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
+    parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
+    mix = SourceMix.from_data(data, cfg.data.sampling)
+    weights = weight_dtypes(model, cfg.model.model_copy(update={"precision": plan.precision}))
+    return Components(*parts, weights, prompts, mix)
+
+
+@dataclass
+class Run:
+    """A trainer ready to train, with the callbacks the recipe reads afterwards."""
+
+    trainer: CembedTrainer
+    log: RunLog
+    interrupt: InterruptCallback
+    batches_per_epoch: int  # per rank = optimizer steps per epoch
+    rows_unplaced: int  # rows the no-duplicates sampler could not place in the first epoch
+    build_model: Any = None  # device -> the run's model as first loaded (FSDP's final model is gathered into it)
+
+
+def build_trainer(
+    cfg: CembedConfig,
+    plan: Plan,
+    parts: Components,
+    run_dir: RunDir,
+    console,
+    progress: bool,
+    trainer_cls: type[CembedTrainer] = CembedTrainer,
+) -> Run:
+    """Build ``trainer_cls`` with the meter, the non-finite-loss policy, the run log, progress
+    display, signal handling and evaluation callbacks.
+
+    Raises:
+        UserError: a ``train.report_to`` tracker is missing, or the sampler cannot fill one batch.
+    """
+    from transformers.trainer_callback import PrinterCallback
+
+    is_main = dist_info().is_main
+    layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
+    eval_args = parts.evaluation.training_args if parts.evaluation else None
+    args = build_training_args(cfg, plan, eval_args, layers, parts.sources)
+    if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
+        args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
+    flops = build_flop_model(parts.model, parts.loss.cached, plan.precision, plan.device, cfg.train.peak_tflops)
+    trainer = trainer_cls(
+        model=parts.model,
+        args=args,
+        train_dataset=parts.train_dataset,
+        loss=parts.loss.module,
+        data_collator=parts.collator,
+        evaluator=parts.evaluation.evaluator if parts.evaluation else None,
+        meter=ThroughputMeter(parts.loss.token_counts, flops, filter_counts=parts.loss.filter_counts),
+        nonfinite_policy=cfg.train.nonfinite_loss,
+    )
+    trainer.remove_callback(PrinterCallback)
+    trainer.run_record = run_dir.record
+    log = RunLog()
+    display = report.RichProgressCallback(console, log, plan.samples_per_step) if progress else None
+    on_line = display.print_line if display else None
+    trainer.add_callback(RunLogCallback(log, plan.samples_per_step, run_dir.log_path if is_main else None, on_line))
+    if display:
+        trainer.add_callback(display)
+    interrupt = InterruptCallback()
+    trainer.add_callback(interrupt)
+    if parts.evaluation:
+        trainer.add_callback(parts.evaluation.callback)
+    sampler = trainer.get_train_dataloader().batch_sampler
+    batches_per_epoch = len(sampler)  # per rank (accelerate's shard wrapper) = optimizer steps per epoch
+    sampler = getattr(sampler, "batch_sampler", sampler)
+    if batches_per_epoch == 0:
+        raise UserError(
+            f"{parts.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
+            "rows; lower batch.per_device_train_batch_size"
+        )
+    build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
+    return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0), build)
+
+
+def train(run: Run, run_dir: RunDir, base: dict):
+    """``trainer.train()`` with signal handling; a failure or an interruption is written to the
+    summary and the log (rank 0) before it propagates.
+
+    Returns:
+        The trainer's ``TrainOutput``.
+
+    Raises:
+        RunFailed: a non-finite loss under ``train.nonfinite_loss: stop``; summary status "failed".
+        RunInterrupted: SIGINT/SIGTERM; a checkpoint was saved and the summary says "interrupted".
+        UserError: training ran 0 optimizer steps.
+    """
+    trainer, is_main = run.trainer, dist_info().is_main
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        run.interrupt.install()
+    trainer.meter.start()
+    try:
+        result = trainer.train(resume_from_checkpoint=run_dir.checkpoint)
+    except RunFailed as err:
+        if is_main:
+            append_log(run_dir.log_path, f"failed: {err}")
+            last = latest_complete(run_dir.out)
+            step = trainer.state.global_step
+            write_json_atomic(run_dir.summary_path, failed_summary(base, err, step, str(last) if last else None, None))
+        raise
+    finally:
+        if main_thread:
+            run.interrupt.uninstall()
+    state = trainer.state
+    if run.interrupt.signum is not None:
+        err = RunInterrupted(run.interrupt.signum, state.global_step, trainer.last_checkpoint)
+        if is_main:
+            append_log(run_dir.log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
+            stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
+            write_json_atomic(run_dir.summary_path, {**base, **stopped})
+        raise err
+    if state.global_step == 0:
+        raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
+    return result
+
+
+def write_summary(
+    plan: Plan, run: Run, run_dir: RunDir, base: dict, result, data: PreparedData, evaluation=None, eval_before=None
+) -> dict:
+    """Save the model and evaluate it (rank 0), then write ``run_summary.json`` and the plot.
+
+    Returns:
+        The completed run's summary (every rank gets it; only rank 0 writes anything).
+    """
+    trainer, log, state = run.trainer, run.log, run.trainer.state
+    is_main = dist_info().is_main
+    model = gathered_model(trainer, run.build_model)  # the best checkpoint with eval.metric_for_best_model
+    lora = adapter_facts(trainer.model) | {"merged": plan.lora_merge} if is_lora(trainer.model) else None
+    if model is not None:  # FSDP: rank 0 alone holds the gathered model (the others save nothing)
+        add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
+        finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
+        cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
+    if is_main:
+        save_model_atomic(model, run_dir.out)
+    with trainer.eval_precision():  # as before and during training
+        eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
+    push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
+    wall = (log.ended or time.perf_counter()) - log.started
+    seen = samples_seen(trainer, state.global_step, plan.samples_per_step)
+    summary = {
+        "status": "completed",
+        **base,
+        "steps": state.global_step,
+        "epochs": state.epoch,
+        "samples_seen": seen,
+        "data": {**base["data"], "sources": source_summary(data, trainer, state.global_step)},
+        "wall_time_s": round(wall, 3),
+        "samples_per_s": round(seen / wall, 3) if wall > 0 else None,
+        "train_loss": result.training_loss,
+        "first_loss": log.losses[0][1] if log.losses else None,
+        "last_loss": log.losses[-1][1] if log.losses else None,
+        "losses": log.losses,
+        "step_losses": trainer.step_losses(),  # every optimizer step's loss (this process's)
+        "nonfinite_steps_skipped": trainer.nonfinite_skipped,
+        "throughput": trainer.meter.totals(),
+        "lora": lora,
+        "throughput_per_interval": trainer.meter.history,
+        "eval": evaluation.summary(eval_before, eval_after, state) if evaluation else None,
+    }
+    if not is_main:
+        return summary
+    curves = run_dir.out / "training_curves.png"
+    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, curves, summary["step_losses"])
+    summary["plot"] = str(plot) if plot else None
+    write_json_atomic(run_dir.summary_path, summary)
+    append_log(run_dir.log_path, f"completed: {state.global_step} steps; model in {run_dir.out}")
+    return summary
+
+
+def run_training(
+    cfg: CembedConfig,
+    plan: Plan,
+    data: PreparedData,
+    console=None,
+    progress: bool = True,
+    resume: bool = False,
+    resume_from: str | None = None,
+    overwrite: bool = False,
+    max_memory: str | None = None,
+    trainer_cls: type[CembedTrainer] = CembedTrainer,
+) -> dict:
+    """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
+
+    Args:
+        console: a rich Console for progress and notes (default: a new one; rank 0 only prints).
+        progress: show the progress bar and per-interval lines.
+        resume: continue from the newest complete checkpoint in ``train.output_dir``.
+        resume_from: continue from this checkpoint folder instead.
+        overwrite: allow an ``output_dir`` that already holds a finished model.
+        max_memory: memory budget for ``batch.mini_batch_size: auto`` (e.g. ``8GiB``).
+        trainer_cls: the trainer class (tests pass a subclass of :class:`CembedTrainer`).
+
+    Returns:
+        The run summary (also written to ``<output_dir>/run_summary.json`` by rank 0).
+
+    Raises:
+        UserError, RunInterrupted: see the stages.
+        RunFailed: a non-finite loss, or any unexpected exception in a stage (recorded in
+            ``run_summary.json``, ``train.log`` and ``error_traceback.txt``; see :mod:`cembed.train.summary`).
+    """
+    console = console or report.make_console()
+    is_main = dist_info().is_main
+    # model.precision: auto resolved
+    as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": plan.precision})})
+    record = training_record(as_run, plan.samples_per_step, plan.learning_rate, data.dataset)
+    t = cfg.train
+    run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
+    plan = replace(plan, warnings=plan.warnings + tuple(f"resume applies {c}" for c in run_dir.resume_changes))
+    quiet_libraries()
+    with failures_recorded(run_dir.out, is_main, Attempt()) as attempt:
+        device, plan = resolve_runtime(cfg, plan, data, console, max_memory)
+        report.print_run_header(console, cfg, plan)
+        eval_lines = (lambda line: console.print(line, highlight=False)) if progress and is_main else None
+        parts = build_components(cfg, plan, data, device, eval_lines)
+        if is_main:
+            report.print_components(console, parts.loss.unpadding, parts.distributed)
+        run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
+        attempt.trainer = run.trainer
+        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))
+        attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
+        result = train(run, run_dir, base)
+        return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before)

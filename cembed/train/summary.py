@@ -1,0 +1,193 @@
+"""``run_summary.json``: the entries every summary has, and what a failed run leaves behind.
+
+A run that stops on an unexpected exception (a library error, a bug) still ends with a summary
+whose status is ``failed`` (error type, message, step, last good checkpoint), a ``train.log`` line
+and the full traceback in ``output_dir/error_traceback.txt``; the exception reaches the CLI as a
+one-line :class:`~cembed.errors.RunFailed` (exit 3).
+"""
+
+from __future__ import annotations
+
+import platform
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from cembed.data.sampler import NoDuplicatesSampler
+from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
+from cembed.files import append_log, write_atomic, write_json_atomic
+from cembed.train.checkpoint import latest_complete
+
+TRACEBACK_FILE = "error_traceback.txt"
+
+
+def versions() -> dict[str, str]:
+    """Python and the library versions a run used (``not installed`` for a missing one)."""
+    out = {"python": platform.python_version()}
+    for pkg in ("cembed", "torch", "transformers", "sentence-transformers", "datasets"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
+    """The entries every ``run_summary.json`` has, whether the run completes, fails or stops.
+
+    Args: the recipe's stages' outputs (CembedConfig, Plan, PreparedData, Components, RunDir, Run).
+    """
+    # The config as run: batch.mini_batch_size: auto shows the probed size.
+    batch = {"mini_batch_size": plan.mini_batch_size, "mini_batch_num_tokens": plan.mini_batch_num_tokens}
+    as_run = cfg.model_copy(update={"batch": cfg.batch.model_copy(update=batch)})
+    return {
+        "config": as_run.model_dump(mode="json"),
+        "plan": plan.to_dict(),
+        "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
+        "data": {
+            "source": data.source,
+            "rows_read": data.rows_read,
+            "rows_dropped_invalid": data.rows_dropped,
+            "rows_trained": len(data.dataset),
+            "columns": data.roles,
+            "batches_per_epoch": run.batches_per_epoch,
+            "rows_unplaced_first_epoch": run.rows_unplaced,
+            "sampling": parts.sources.strategy if parts.sources else None,
+            "sources": source_summary(data, run.trainer),
+        },
+        "resumed_from": run_dir.checkpoint,
+        "resume_changes": list(run_dir.resume_changes),
+        "tokenization": parts.token_info,
+        "weights": parts.weights._asdict() if parts.weights else None,
+        "attention": parts.loss.unpadding.to_dict(),  # batch.unpad: packed rows or padded mini-batches
+        "device": plan.device,
+        "precision": {  # model.precision as asked and as run (auto resolved for the device; cembed.plan.precision)
+            "requested": cfg.model.precision,
+            "resolved": plan.precision,
+            "tf32": plan.tf32,
+            "reason": plan.precision_reason,
+        },
+        "distributed": parts.distributed,
+        "mini_batch_probe": plan.mini_batch_probe,
+        "versions": versions(),
+        "output_dir": str(run_dir.out),
+    }
+
+
+def samples_seen(trainer, steps: int, samples_per_step: int) -> int:
+    """Samples the first ``steps`` optimizer steps trained on: the rows of the no-duplicates
+    sampler's batches they took (partial and short batches counted as they are), else
+    ``steps x samples_per_step``."""
+    sampler = _sampler(trainer)
+    if sampler is None:
+        return steps * samples_per_step
+    return sampler.rows_trained(steps, trainer.args.gradient_accumulation_steps)
+
+
+def _sampler(trainer):
+    sampler = trainer.get_train_dataloader().batch_sampler
+    sampler = getattr(sampler, "batch_sampler", sampler)  # accelerate's shard wrapper
+    return sampler if isinstance(sampler, NoDuplicatesSampler) else None
+
+
+def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
+    """Per training source (a :class:`cembed.data.prepare.PreparedData`'s): name, path, rows read,
+    dropped and kept, global batches in the first epoch; with ``steps``, also the global batches
+    (``batches_trained``; optimizer steps when gradient_accumulation_steps is 1) and rows the first
+    ``steps`` optimizer steps trained on."""
+    sampler = _sampler(trainer)
+    first = sampler.batch_sources() if sampler is not None and sampler.epoch == 0 else None
+    trained = sampler.trained_per_source(steps, trainer.args.gradient_accumulation_steps) if sampler and steps else None
+    out = []
+    for i, src in enumerate(data.sources):
+        entry = {"name": src.name, "source": src.label, "rows_read": src.rows_read}
+        entry |= {"rows_dropped_invalid": src.rows_dropped, "rows": src.rows}
+        entry["batches_per_epoch"] = first.count(i) if first is not None else None
+        if trained is not None:
+            entry["batches_trained"], entry["rows_trained"] = trained[i]
+        out.append(entry)
+    return out
+
+
+def save_traceback(err: BaseException, folder: str | Path) -> Path:
+    """Write ``err``'s full traceback to ``folder/error_traceback.txt`` and return the path."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    return write_atomic(Path(folder) / TRACEBACK_FILE, lambda f: f.write(text))
+
+
+def failed_summary(base: dict, err: BaseException, step: int, checkpoint: str | None, tb: Path | None) -> dict:
+    """A ``failed`` summary: ``base`` plus the error's type and message, the step and the last good checkpoint."""
+    return {
+        **base,
+        "status": "failed",
+        "error": str(err),
+        "error_type": type(err).__name__,
+        "steps": step,
+        "last_good_checkpoint": checkpoint,
+        "traceback": str(tb) if tb else None,
+    }
+
+
+@dataclass
+class Attempt:
+    """What a run has built so far, for the failure record: the summary base and the trainer."""
+
+    base: dict | None = None
+    trainer: Any = None
+
+
+@contextmanager
+def failures_recorded(out: Path, is_main: bool, attempt: Attempt):
+    """Run a training's stages; turn an unexpected exception into a recorded failure.
+
+    UserError (RunFailed included: the ``train`` stage records it) and RunInterrupted pass through.
+    Any other exception: on rank 0 the traceback goes to ``out/error_traceback.txt``, a ``failed:``
+    line to ``train.log`` and a failed ``run_summary.json`` (see :func:`failed_summary`).
+
+    Raises:
+        RunFailed: one line naming the error type, message, step, last good checkpoint and the
+            traceback file, chained to the original exception.
+    """
+    try:
+        yield attempt
+    except (UserError, RunInterrupted):
+        raise
+    except Exception as err:
+        step = attempt.trainer.state.global_step if attempt.trainer is not None else 0
+        checkpoint = str(latest_complete(out)) if latest_complete(out) else None
+        tb = save_traceback(err, out) if is_main else None
+        message = (
+            f"run failed at step {step}: {type(err).__name__}: {first_line(err, 200)}; last good checkpoint: "
+            f"{checkpoint or 'none'}; traceback in {tb or out / TRACEBACK_FILE}"
+        )
+        if is_main:
+            append_log(out / "train.log", f"failed: {message}")
+            write_json_atomic(out / "run_summary.json", failed_summary(attempt.base or {}, err, step, checkpoint, tb))
+        raise RunFailed(message) from err
+
+
+# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.
+COMPARED_METRICS = ("_cosine_ndcg@10", "_cosine_recall@10", "_spearman_cosine")
+
+
+def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:
+    """``(metric, before, after, after - before)`` for each set's NDCG@10 and Recall@10 (retrieval)
+    and cosine Spearman (STS) in a run summary's ``eval`` block; a value not measured (no "before"
+    on a resumed run) is None, and so is its change."""
+    before, after = (block or {}).get("before") or {}, (block or {}).get("after") or {}
+    keys = [k for k in dict.fromkeys([*before, *after]) if k.endswith(COMPARED_METRICS)]
+
+    def set_and_metric(key: str) -> tuple[str, int]:
+        i = next(i for i, m in enumerate(COMPARED_METRICS) if key.endswith(m))
+        return key[: -len(COMPARED_METRICS[i])], i
+
+    sets = list(dict.fromkeys(set_and_metric(k)[0] for k in keys))
+    order = {k: (sets.index(set_and_metric(k)[0]), set_and_metric(k)[1]) for k in keys}
+    rows = []
+    for key in sorted(keys, key=order.__getitem__):  # per set: NDCG@10, Recall@10, Spearman
+        b, a = before.get(key), after.get(key)
+        rows.append((key, b, a, a - b if a is not None and b is not None else None))
+    return rows

@@ -1,0 +1,396 @@
+"""The trainer: sentence-transformers' ``SentenceTransformerTrainer`` plus what cembed adds to a run.
+
+:func:`cembed.train.args.build_training_args` turns the config and the resolved plan into the trainer's arguments.
+
+:class:`CembedTrainer` takes its collaborators as constructor arguments:
+
+- ``meter`` (:class:`~cembed.train.meter.ThroughputMeter`): every wait for the next batch is timed, and
+  each training log gets the interval's data-wait share, tokens/s, padded share, model FLOP/s and MFU
+  (the loss's token counts stay on the device until then: no host read per mini-batch);
+- ``nonfinite_policy``: a NaN/inf loss stops the run naming the step and the last good checkpoint
+  (``"stop"``, :class:`~cembed.errors.RunFailed`) or turns the optimizer step into a no-op and
+  counts it (``"skip"``). The decision is taken by all ranks together (one max all-reduce per
+  micro-batch), and the skipped step still runs its backward, so every rank issues the same
+  collectives (DDP's all-reduce, the gathered loss's backward) whatever the loss value; only the
+  optimizer update is dropped, in a way fp16's GradScaler accepts (see :meth:`CembedTrainer.skip_pending_step`);
+- every optimizer step's loss is kept (:meth:`CembedTrainer.step_losses`; detached tensors, turned
+  into numbers in bulk at each training log, so no host sync per mini-batch);
+- checkpoints are written into a staging folder, marked complete and renamed into place, so a save
+  cut short is never resumed from (see :mod:`cembed.train.checkpoint`).
+
+:class:`RunLogCallback` records what a run logged (losses, learning rate, wall time) for the run
+summary and appends one line per logging interval to ``output_dir/train.log``; it prints nothing
+(the progress display is :class:`cembed.cli.report.RichProgressCallback`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from sentence_transformers import SentenceTransformerTrainer
+from torch.utils.data import DataLoader
+from transformers import TrainerCallback
+
+from cembed.data.tokenize import PaddingCollator, TokenIdRows
+from cembed.distributed.fsdp import enable_fsdp_on_cpu
+from cembed.distributed.group import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
+from cembed.errors import RunFailed, UserError, first_line
+from cembed.files import append_log
+from cembed.model.lora import is_lora, load_adapter_checkpoint
+from cembed.train.checkpoint import STAGING, latest_complete, mark_complete
+from cembed.train.flops import format_flops
+from cembed.train.meter import ThroughputMeter
+
+
+class CembedTrainer(SentenceTransformerTrainer):
+    """``SentenceTransformerTrainer`` with a throughput meter, a non-finite-loss policy and atomic
+    checkpoints.
+
+    Args:
+        *args, **kwargs: as for ``SentenceTransformerTrainer``.
+        meter: times data waits and adds its statistics to every training log; None: no meter.
+        nonfinite_policy: ``"stop"`` (raise :class:`~cembed.errors.RunFailed`) or ``"skip"``.
+    """
+
+    def __init__(self, *args, meter: ThroughputMeter | None = None, nonfinite_policy: str = "stop", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.meter = meter
+        if meter is not None:
+            meter.gather = gather_over_ranks  # the job's tokens/s and data-wait, not rank 0's alone
+        self.nonfinite_policy = nonfinite_policy
+        self.nonfinite_skipped = 0
+        self._skip_step = False
+        self.add_callback(SkipNonfiniteCallback(self))
+        require_same_on_all_ranks(self.collective_facts())
+        self.last_checkpoint: str | None = None
+        self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
+        self._train_dataloader = None
+        self._staging_root: str | None = None
+        self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (step, detached loss) per micro-batch
+        self._step_losses: dict[int, float] = {}
+        self._skipped_steps: set[int] = set()
+
+    def collective_facts(self) -> dict[str, object]:
+        """What decides the collectives a training step issues: the loss and its mini-batching
+        (``mini_batch_size`` from ``auto`` included), the columns, rows per rank, accumulation,
+        precision, sequence length and the training rows. Every rank must have the same; the
+        constructor refuses a job whose ranks differ (:func:`~cembed.distributed.group.require_same_on_all_ranks`)."""
+        loss, args, data = self.loss, self.args, self.train_dataset
+        return {
+            "loss": type(loss).__name__,
+            "mini_batch_size": getattr(loss, "mini_batch_size", None),
+            "mini_batch_num_tokens": getattr(loss, "token_budget", getattr(loss, "mini_batch_num_tokens", None)),
+            "gather_across_devices": getattr(loss, "gather_across_devices", None),
+            "columns": list(getattr(data, "column_names", None) or []),
+            "rows": len(data) if data is not None else None,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "max_steps": args.max_steps,
+            "num_train_epochs": args.num_train_epochs,
+            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "max_seq_length": getattr(self.model, "max_seq_length", None),
+        }
+
+    def eval_precision(self):
+        """The precision every evaluation runs in: the training precision's autocast (bf16/fp16,
+        what accelerate wraps the model's forward in for training and for evaluation during and
+        after it), or none for fp32. Used around the evaluations before and after training, so
+        before -> during -> after differences are training effects, not a precision change."""
+        import contextlib
+
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.model.device.type, dtype=dtype)
+
+    def evaluate_base_model(self, evaluation, resuming: bool = False) -> dict | None:
+        """Evaluate the model "before training" on rank 0, in :meth:`eval_precision` (``None`` when
+        resuming, without evaluation, and on the other ranks). The other ranks wait for it on the
+        process group's store, not in a collective (:func:`~cembed.distributed.group.main_first`), so a
+        long evaluation is not cut off by the collective timeout. The base model's corpus
+        embeddings are cached across runs."""
+        if evaluation is None or resuming:
+            return None
+        with main_first(run_on_others=False) as runs_here:
+            if not runs_here:
+                return None
+            from cembed.eval.embedding_cache import default_cache_dir
+
+            with self.eval_precision():
+                return evaluation.evaluate(self.model, "before training", cache_dir=default_cache_dir())
+
+    def init_hf_repo(self, *args, **kwargs) -> None:
+        # Creating the hub repo (train.push_to_hub) needs the network and a token: say so in one line.
+        try:
+            super().init_hf_repo(*args, **kwargs)
+        except Exception as err:
+            raise UserError(
+                f"train.push_to_hub: cannot create or reach the hub repo {self.args.hub_model_id!r} "
+                f"(train.hub_model_id; needs network access and a token with write access): {first_line(err)}"
+            ) from None
+
+    # --- the throughput meter ----------------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; then the meter's totals are closed on every rank (one gather), before
+        rank 0 alone saves and evaluates."""
+        result = super().train(*args, **kwargs)
+        if self.meter is not None:
+            self.meter.finish()
+        return result
+
+    def get_train_dataloader(self):
+        # Built once: its sampler hashes every text, and the recipe reads its length before
+        # train() asks for it again.
+        if self._train_dataloader is None:
+            self._train_dataloader = super().get_train_dataloader()
+        return self._train_dataloader
+
+    def _build_dataloader(self, dataset, batch_size, dataset_kind):
+        # Pre-tokenized training batches are fetched a batch at a time from the Arrow table (TokenIdRows).
+        loader = super()._build_dataloader(dataset, batch_size, dataset_kind)
+        if dataset_kind != "train" or not isinstance(self.data_collator, PaddingCollator):
+            return loader
+        keep = ("batch_sampler", "collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        return DataLoader(TokenIdRows(dataset, self.data_collator.roles), **{k: getattr(loader, k) for k in keep})
+
+    def get_batch_samples(self, *args, **kwargs):
+        started = time.perf_counter()
+        out = super().get_batch_samples(*args, **kwargs)
+        if self.meter is not None:
+            self.meter.waited(time.perf_counter() - started)
+        return out
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs:
+            self._flush_step_losses()
+            if self.meter is not None:
+                # mfu is None without a known device peak: left out of the trainer's logs (trackers want numbers)
+                stats = self.meter.snapshot(self.state.global_step)
+                logs = {**logs, **{k: v for k, v in stats.items() if v is not None}}
+        return super().log(logs, *args, **kwargs)
+
+    # --- every optimizer step's loss -----------------------------------------------------------
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)  # detached, divided by the accumulation steps
+        self._pending_losses.append((self.state.global_step + 1, loss.detach()))
+        return loss
+
+    def _flush_step_losses(self) -> None:
+        if not self._pending_losses:
+            return
+        values = torch.stack([v.float().reshape(()) for _, v in self._pending_losses]).tolist()  # one sync
+        for (step, _), value in zip(self._pending_losses, values):
+            self._step_losses[step] = self._step_losses.get(step, 0.0) + value
+        self._pending_losses.clear()
+
+    def step_losses(self) -> list[tuple[int, float]]:
+        """``(step, loss)`` for every optimizer step this process trained (the sum over its
+        accumulated mini-batches of loss / accumulation steps, as the logged loss averages it);
+        steps skipped for a non-finite loss are left out."""
+        self._flush_step_losses()
+        return [(s, v) for s, v in sorted(self._step_losses.items()) if s not in self._skipped_steps]
+
+    # --- non-finite loss: stop naming the step and the last good checkpoint, or skip -----------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not torch.is_grad_enabled():  # evaluation: no step to skip
+            return out
+        value = out[0] if return_outputs else out
+        finite = bool(torch.isfinite(value.detach()).all())
+        # Every rank takes the same decision (a rank-local skip or stop would leave the others
+        # waiting in a collective this rank never joins).
+        if not max_over_ranks(int(not finite)):
+            return out
+        step = self.state.global_step + 1
+        if self.nonfinite_policy == "skip":
+            # The backward still runs (the same collectives on every rank); the optimizer update is
+            # dropped by skip_pending_step, just before optimizer.step().
+            self._skip_step = True
+            self._skipped_steps.add(step)
+            return out
+        last = latest_complete(self.args.output_dir)
+        what = f"loss is {float(value.detach())}" if not finite else "loss is non-finite on another rank"
+        raise RunFailed(
+            f"{what} at step {step}; training stopped. Last good checkpoint: "
+            f"{last or 'none (set train.save_steps to keep checkpoints)'}. Lower optim.learning_rate and "
+            "resume with --resume, or set train.nonfinite_loss: skip"
+        )
+
+    def skip_pending_step(self) -> bool:
+        """Turn the coming optimizer step into a no-op when a micro-batch of it had a non-finite loss
+        (``nonfinite_policy: skip``, decided on every rank alike); called just before
+        ``optimizer.step()`` (:class:`SkipNonfiniteCallback`). Returns whether the step is skipped.
+
+        The gradients are dropped (``grad = None``): torch's optimizers leave a parameter without a
+        gradient untouched (no update, no weight decay, no moment change). Under fp16 the GradScaler
+        must have checked the gradients for infs before ``step()`` (else it raises "No inf checks were
+        recorded for this optimizer"): the gradient norm/clipping usually has (``unscale_``); if not,
+        it is done here, before the gradients are dropped. ``scaler.update()`` then runs as
+        after any step (halving the scale if the gradients held infs).
+        """
+        if not self._skip_step:
+            return False
+        self._skip_step = False
+        self.nonfinite_skipped += 1
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and not _inf_checks_recorded(scaler, self.optimizer):
+            self.accelerator.unscale_gradients()
+        for param in self.model.parameters():
+            param.grad = None
+        return True
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        enable_fsdp_on_cpu(self)  # accelerate drops the FSDP plugin on CPU (cembed.distributed.fsdp)
+
+    def _load_from_checkpoint(self, checkpoint_path, *args, **kwargs) -> None:
+        # FSDP: the checkpoint holds the ranks' shards (torch.distributed.checkpoint), which only
+        # transformers' own loader reads; sentence-transformers' expects a full model folder.
+        if self.is_fsdp_enabled:
+            from transformers import Trainer
+
+            Trainer._load_from_checkpoint(self, checkpoint_path, *args, **kwargs)
+            return
+        # A LoRA checkpoint holds only the adapter (cembed.model.lora); sentence-transformers' loader
+        # would rebuild the model from it through transformers' own PEFT integration instead.
+        if is_lora(self.model):
+            load_adapter_checkpoint(self.model, checkpoint_path)
+            return
+        super()._load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+    # --- atomic checkpoints: staged, marked complete, then renamed into place ------------------
+
+    def _get_output_dir(self, trial):
+        return self._staging_root or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        from transformers.trainer_utils import rotate_checkpoints
+
+        run_dir = super()._get_output_dir(trial)
+        name = f"checkpoint-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, STAGING)
+        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+        if self.args.should_save:
+            shutil.rmtree(staged, ignore_errors=True)
+        self._staging_root = staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_root = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            mark_complete(staged, self.state.global_step, self.run_record)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staged, final)
+            best = self.state.best_model_checkpoint
+            if best and best.startswith(staging_root):
+                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+            )
+        self.accelerator.wait_for_everyone()
+        self.last_checkpoint = final
+
+
+def _inf_checks_recorded(scaler, optimizer) -> bool:
+    # torch.amp.GradScaler records, per optimizer, the inf checks of unscale_(); step() asserts them.
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(inner))
+    return bool(state and state.get("found_inf_per_device"))
+
+
+class SkipNonfiniteCallback(TrainerCallback):
+    """Calls :meth:`CembedTrainer.skip_pending_step` before every optimizer step."""
+
+    def __init__(self, trainer: CembedTrainer) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.skip_pending_step()
+
+
+@dataclass
+class RunLog:
+    """What a run logged: ``(step, loss)`` per logging interval, the last loss and LR, wall times."""
+
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    last_loss: float = float("nan")
+    last_lr: float = float("nan")
+    started: float = 0.0
+    ended: float = 0.0
+
+    def samples_per_s(self, step: int, samples_per_step: int) -> float:
+        """Samples trained per second since the run started (0.0 before any time passed)."""
+        elapsed = time.perf_counter() - self.started
+        return step * samples_per_step / elapsed if elapsed > 0 else 0.0
+
+
+def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict) -> str:
+    """One logging interval as text: step, loss, LR, samples/s and the meter's statistics (model
+    TFLOP/s and MFU when the meter has them)."""
+    meter = ""
+    if "data_wait" in logs:
+        meter = (
+            f"  {logs['tokens_per_s']:.0f} tok/s  data-wait {100 * logs['data_wait']:.1f}%  "
+            f"padding {100 * logs['padded_share']:.1f}%"
+        )
+    if "flops_per_s" in logs:
+        meter += f"  {format_flops(logs['flops_per_s'])}"
+    if logs.get("mfu") is not None:
+        meter += f"  MFU {100 * logs['mfu']:.1f}%"
+    if "masked_share" in logs:  # a false-negative filter: share of in-batch candidates left out
+        meter += f"  masked {100 * logs['masked_share']:.2f}%"
+    return (
+        f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
+        f"{log.samples_per_s(step, samples_per_step):.1f} samples/s{meter}"
+    )
+
+
+class RunLogCallback(TrainerCallback):
+    """Fills a :class:`RunLog`; on the main process also appends each interval's
+    :func:`progress_line` to ``log_path`` and hands it to ``on_line`` (the progress display)."""
+
+    def __init__(
+        self,
+        log: RunLog,
+        samples_per_step: int,
+        log_path: Path | None = None,
+        on_line: Callable[[str], None] | None = None,
+    ) -> None:
+        self.log = log
+        self.samples_per_step = samples_per_step
+        self.log_path = log_path
+        self.on_line = on_line
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.log.started = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "learning_rate" in logs:
+            self.log.last_lr = float(logs["learning_rate"])
+        if "loss" not in logs:
+            return
+        self.log.last_loss = float(logs["loss"])
+        self.log.losses.append((state.global_step, self.log.last_loss))
+        if not state.is_world_process_zero:
+            return
+        line = progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs)
+        if self.on_line is not None:
+            self.on_line(line)
+        if self.log_path is not None:
+            append_log(self.log_path, line)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.log.ended = time.perf_counter()
