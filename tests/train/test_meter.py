@@ -4,6 +4,8 @@ interval and for the run, on one rank and over two; the masked share; the smooth
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock(100.0)
-    monkeypatch.setattr(meter_module.time, "perf_counter", clock)
+    monkeypatch.setattr(meter_module, "time", SimpleNamespace(perf_counter=clock))  # the meter's clock only
     return clock
 
 
