@@ -1,25 +1,29 @@
 """cembed.train.summary: the entries every run_summary.json has, the per-source and samples-seen
 numbers of a completed run (counted by hand from the sampler's batches), what a failed run leaves
 (summary, log line, traceback, one-line error), what passes through for an interrupted one, and
-the before/after eval rows."""
+the before/after eval rows; and three tiny in-process runs (completed, interrupted by SIGTERM in
+step 2, failed in step 2) whose summaries hold exactly the base entries plus their own."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from conftest import distinct_pairs
 from datasets import Dataset
 
-from cembed.config.file import config_from_dict
+from cembed.config.file import config_from_dict, load_config
 from cembed.data.mixture import SourceMix
 from cembed.data.prepare import PreparedData, SourceData
 from cembed.data.sampler import NoDuplicatesSampler
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.plan.resolve import resolve_plan
-from cembed.train.checkpoint import mark_complete
+from cembed.train.checkpoint import MARKER, latest_complete, mark_complete
+from cembed.train.recipe import check_run_inputs, run_training
 from cembed.train.summary import (
     TRACEBACK_FILE,
     Attempt,
@@ -30,6 +34,7 @@ from cembed.train.summary import (
     source_summary,
     summary_base,
 )
+from cembed.train.trainer import CembedTrainer
 
 
 def _data(sizes=(10, 4)) -> PreparedData:
@@ -231,3 +236,97 @@ def test_eval_change_rows():
         ("new_cosine_ndcg@10", None, 0.125, None),
     ]
     assert eval_change_rows(None) == [] and eval_change_rows({"before": None, "after": {}}) == []
+
+
+# Entries only a completed run's summary has (beside summary_base's, status and steps).
+COMPLETED_ONLY = {
+    "epochs",
+    "samples_seen",
+    "wall_time_s",
+    "samples_per_s",
+    "train_loss",
+    "first_loss",
+    "last_loss",
+    "losses",
+    "step_losses",
+    "nonfinite_steps_skipped",
+    "throughput",
+    "lora",
+    "throughput_per_interval",
+    "eval",
+    "plot",
+}
+
+
+class _StopAtStep2(CembedTrainer):
+    """Signals itself during step 2 (SIGTERM) or fails in it, as a real run would."""
+
+    fail = False
+
+    def training_step(self, *args, **kwargs):
+        if self.state.global_step == 1:
+            if self.fail:
+                raise RuntimeError("boom in step 2")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(*args, **kwargs)
+
+
+class _FailAtStep2(_StopAtStep2):
+    fail = True
+
+
+def _tiny_run(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch, **train):
+    monkeypatch.setenv("CEMBED_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "run"
+    cfg = load_config(
+        write_config(
+            {
+                "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+                "data": {"train": str(pairs_file(distinct_pairs(16)))},
+                "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2},
+                "train": {"max_steps": 3, "logging_steps": 1, "output_dir": str(out), **train},
+            }
+        )
+    )
+    plan, data = check_run_inputs(cfg)
+    return cfg, plan, data, out
+
+
+def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
+    cfg, plan, data, out = _tiny_run(tiny_model_dir, write_config, pairs_file, tmp_path / "a", monkeypatch)
+    done = run_training(cfg, plan, data, progress=False)
+    assert json.loads((out / "run_summary.json").read_text())["status"] == "completed"
+    # 3 steps of 4 distinct rows (16 rows: 4 batches per epoch)
+    assert (done["status"], done["steps"], done["samples_seen"]) == ("completed", 3, 12)
+    assert done["data"]["batches_per_epoch"] == 4 and done["data"]["rows_trained"] == 16
+    assert [(s["batches_trained"], s["rows_trained"]) for s in done["data"]["sources"]] == [(3, 12)]
+    assert done["config"]["batch"]["mini_batch_size"] == 2 and done["plan"]["samples_per_step"] == 4
+
+    cfg, plan, data, out = _tiny_run(tiny_model_dir, write_config, pairs_file, tmp_path / "b", monkeypatch)
+    with pytest.raises(RunInterrupted) as caught:
+        run_training(cfg, plan, data, progress=False, trainer_cls=_StopAtStep2)
+    assert (caught.value.signum, caught.value.step) == (signal.SIGTERM, 2)
+    stopped = json.loads((out / "run_summary.json").read_text())
+    # step 2 finished, was saved as a complete checkpoint, and the summary has every base entry
+    assert (stopped["status"], stopped["steps"], stopped["checkpoint"]) == ("interrupted", 2, str(out / "checkpoint-2"))
+    assert latest_complete(out) == out / "checkpoint-2"
+    assert set(stopped) == {k for k in done if k not in COMPLETED_ONLY} | {"checkpoint"}
+    assert "status" not in json.loads((out / "checkpoint-2" / MARKER).read_text())  # the marker is not a summary
+
+    cfg, plan, data, out = _tiny_run(
+        tiny_model_dir, write_config, pairs_file, tmp_path / "c", monkeypatch, save_steps=1
+    )
+    with pytest.raises(RunFailed, match="^run failed at step 1: RuntimeError: boom in step 2; last good checkpoint: "):
+        run_training(cfg, plan, data, progress=False, trainer_cls=_FailAtStep2)
+    failed = json.loads((out / "run_summary.json").read_text())
+    assert (failed["status"], failed["steps"], failed["error"]) == ("failed", 1, "boom in step 2")
+    assert failed["last_good_checkpoint"] == str(out / "checkpoint-1")
+    assert "boom in step 2" in (out / TRACEBACK_FILE).read_text()
+    assert set(failed) == {k for k in done if k not in COMPLETED_ONLY} | {
+        "error",
+        "error_type",
+        "last_good_checkpoint",
+        "traceback",
+    }
