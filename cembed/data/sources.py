@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from cembed.config.schema import BeirSource, FileSource, HubSource
+from cembed.data.beir import beir_files, qrels_lines, read_corpus, read_queries
 from cembed.errors import HubUnavailable, UserError
-from cembed.eval.sets import beir_files, qrels_lines, read_corpus, read_queries
 
 
 def _builder_for(path: Path) -> tuple[str, dict]:
@@ -138,13 +138,13 @@ def _read_jsonl_rows(path: Path):
 def load_beir_pairs(source: BeirSource):
     """(query, document) training pairs from a BEIR folder's ``qrels/<split>.tsv``, in file order:
     ``anchor`` is the query text, ``positive`` the document as ``(title + " " + text).strip()`` (the
-    evaluator's rule, :func:`cembed.eval.sets.document_text`), plus ``query_id`` and ``doc_id``. Rows
+    evaluator's rule, :func:`cembed.data.beir.document_text`), plus ``query_id`` and ``doc_id``. Rows
     with score <= 0 are left out; a repeated (query, document) line counts once (its last score).
     A document relevant to several queries appears in several rows: the no-duplicates sampler keeps
     them in different batches.
 
     Raises:
-        UserError: a missing folder or file (see :func:`cembed.eval.sets.beir_files`), a bad corpus,
+        UserError: a missing folder or file (see :func:`cembed.data.beir.beir_files`), a bad corpus,
             queries or qrels line, a qrels line naming a query or document that does not exist (file
             and line), or no pair with a positive score.
     """
