@@ -34,9 +34,9 @@ import xxhash
 from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
+from cembed.data.collator import PROMPT_SUFFIX, TOKEN_SUFFIX
 from cembed.data.mixture import SourceMix
 from cembed.data.prepare import arrow_table
-from cembed.data.tokenize import PROMPT_SUFFIX, TOKEN_SUFFIX
 
 # Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
 SOURCE_SEED_STRIDE = 1_000_003
