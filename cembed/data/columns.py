@@ -22,16 +22,15 @@ from cembed.errors import UserError
 # BGE/FlagEmbedding's `neg`, MTEB-style `negative_passages`, `hard_negative_3` ...).
 NEGATIVE_NAME = re.compile(r"^(hard[_ ]?)?neg(ative)?s?([_ ]?(passages?|docs?|documents?|texts?))?([_ ]?\d+)?$", re.I)
 
-# Columns a source kind adds itself (not the user's data): BEIR pairs carry their ids.
-GENERATED_COLUMNS = {"beir": {"query_id", "doc_id"}}
-
 
 def mapped_columns(columns: ColumnMap) -> list[str]:
     """The data columns a mapping reads: anchor, positive, then the negatives."""
     return [columns.anchor, columns.positive, *columns.negatives]
 
 
-def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label: str, kind: str = "file") -> list[str]:
+def unmapped_column_notes(
+    names: list[str], columns: ColumnMap, key: str, label: str, generated: frozenset[str] = frozenset()
+) -> list[str]:
     """Warnings about the columns of ``names`` (a source's columns) that ``columns`` does not map.
 
     Args:
@@ -40,13 +39,14 @@ def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label:
         key: the config field holding the source (``data.train`` or ``data.train.<name>``), to name
             the mapping to add: ``data.columns`` for ``data.train``, else ``<key>.columns``.
         label: how messages name the source (its path).
-        kind: the source kind (its own generated columns are not listed).
+        generated: the columns the source's loader adds itself (its kind's
+            :attr:`~cembed.config.data.SourceConfig.generated_columns`), not listed.
 
     Returns:
         Up to two lines: one naming the columns that look like negatives and the mapping that trains
         them, one listing the other unmapped columns (left out of training). Empty when every column is mapped.
     """
-    used = set(mapped_columns(columns)) | GENERATED_COLUMNS.get(kind, set())
+    used = set(mapped_columns(columns)) | generated
     unused = [n for n in names if n not in used]
     if not unused:
         return []
