@@ -15,7 +15,7 @@ import re
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cembed.config.data import ColumnMap
+from cembed.config.data import SOURCE_CONFIGS, ColumnMap
 from cembed.errors import UserError
 
 # Column names that hold hard negatives by the usual conventions (sentence-transformers' datasets,
@@ -28,9 +28,7 @@ def mapped_columns(columns: ColumnMap) -> list[str]:
     return [columns.anchor, columns.positive, *columns.negatives]
 
 
-def unmapped_column_notes(
-    names: list[str], columns: ColumnMap, key: str, label: str, generated: frozenset[str] = frozenset()
-) -> list[str]:
+def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label: str, kind: str = "file") -> list[str]:
     """Warnings about the columns of ``names`` (a source's columns) that ``columns`` does not map.
 
     Args:
@@ -39,14 +37,15 @@ def unmapped_column_notes(
         key: the config field holding the source (``data.train`` or ``data.train.<name>``), to name
             the mapping to add: ``data.columns`` for ``data.train``, else ``<key>.columns``.
         label: how messages name the source (its path).
-        generated: the columns the source's loader adds itself (its kind's
-            :attr:`~cembed.config.data.SourceConfig.generated_columns`), not listed.
+        kind: the source kind; the columns its loader adds itself (the kind's
+            :attr:`~cembed.config.data.SourceConfig.generated_columns`) are not listed.
 
     Returns:
         Up to two lines: one naming the columns that look like negatives and the mapping that trains
         them, one listing the other unmapped columns (left out of training). Empty when every column is mapped.
     """
-    used = set(mapped_columns(columns)) | generated
+    kind_class = SOURCE_CONFIGS.get(kind)
+    used = set(mapped_columns(columns)) | (kind_class.generated_columns if kind_class is not None else set())
     unused = [n for n in names if n not in used]
     if not unused:
         return []

@@ -244,7 +244,7 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
     if item.max_samples is not None and item.max_samples < len(raw):
         raw = raw.select(range(item.max_samples))
     rows_read = len(raw)
-    notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.generated_columns)
+    notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.kind)
     raw, columns, expanded = expand_list_columns(raw, item.columns, label, item.key)
     roles = {role: src for src, role in role_columns(columns)}
     dataset = map_columns(raw, columns, label)
