@@ -1,4 +1,4 @@
-"""The ``data`` config section: training sources (file, hub, BEIR) and the column mapping."""
+"""The ``data`` config section: training sources (a registry of kinds: file, hub, BEIR) and the column mapping."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
+from pydantic_core.core_schema import ErrorType
 
 from cembed.config.base import Strict as _Strict
 from cembed.samples import is_sample
@@ -278,6 +280,9 @@ def _source_dict(train: Any, base: Path | None, where: str) -> Any:
     return train
 
 
+_PYDANTIC_ERROR_TYPES = frozenset(get_args(ErrorType))
+
+
 def _validated_source(item: Any, loc: tuple[Any, ...], errors: list[dict], named: bool = False) -> Any:
     """``item`` (one source as :func:`_source_dict` leaves it) validated by its kind's class; its
     errors are added to ``errors`` at ``loc``, in the form pydantic gives a discriminated union's.
@@ -298,7 +303,13 @@ def _validated_source(item: Any, loc: tuple[Any, ...], errors: list[dict], named
     try:
         source = cls.model_validate(item)
     except ValidationError as err:
-        errors.extend({**e, "loc": (*loc, *e["loc"])} for e in err.errors())
+        for e in err.errors():
+            # A kind's own PydanticCustomError keeps its type and message (pydantic rebuilds only its own types).
+            kind_error = e["type"] not in _PYDANTIC_ERROR_TYPES
+            errors.append(
+                {**e, "loc": (*loc, *e["loc"])}
+                | ({"type": PydanticCustomError(e["type"], e["msg"])} if kind_error else {})
+            )
         return None
     if named and source.name is None:
         source.name = source.default_name()

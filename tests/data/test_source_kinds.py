@@ -10,6 +10,8 @@ from typing import ClassVar, Literal
 
 import pytest
 from conftest import distinct_pairs
+from pydantic import field_validator
+from pydantic_core import PydanticCustomError
 
 from cembed.config.data import SOURCE_CONFIGS, SourceConfig, register_source_config
 from cembed.config.file import load_config
@@ -27,6 +29,13 @@ class SeparatedSource(SourceConfig):
 
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
     generated_columns: ClassVar[frozenset[str]] = frozenset({"line"})
+
+    @field_validator("separator")
+    @classmethod
+    def _not_empty(cls, value: str) -> str:
+        if not value:  # the kind's own error type: it must reach the message as the kind wrote it
+            raise PydanticCustomError("empty_separator", "the separator must not be empty; e.g. ' | '")
+        return value
 
     @property
     def label(self) -> str:
@@ -120,6 +129,10 @@ def test_toy_kind_errors_keep_file_line_and_did_you_mean(toy_kinds, tmp_path, wr
     with pytest.raises(UserError) as e:
         load_config(path)
     assert f"{path}:5: unknown key 'data.train.seperator'; did you mean 'data.train.separator'?" in str(e.value)
+    path = write_config("data:\n  train:\n    kind: separated\n    path: pairs.txt\n    separator: ''\n")
+    with pytest.raises(UserError) as e:
+        load_config(path)
+    assert f"{path}:5: data.train.separator: the separator must not be empty; e.g. ' | ' (got '')" in str(e.value)
     path = write_config("data:\n  train:\n    kind: inline\n")
     with pytest.raises(UserError) as e:
         load_config(path)
