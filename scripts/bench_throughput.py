@@ -106,7 +106,8 @@ def prepare_paths(model, data: dict[str, list[str]], cache: Path):
     from datasets import Dataset
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.data.tokenize import collator_for, pretokenize
+    from cembed.data.collator import collator_for
+    from cembed.data.tokenize import pretokenize
 
     ds = Dataset.from_dict(data)
     started = time.perf_counter()
@@ -252,7 +253,7 @@ def timed(fetch, collate, idx) -> tuple[float, float, dict]:
 
 
 def section_produce(args, cache: Path) -> None:
-    from cembed.data.tokenize import TokenIdRows
+    from cembed.data.collator import TokenIdRows
 
     model = load_minilm()
     sizes = [int(s) for s in args.produce_batches.split(",")]
@@ -313,8 +314,9 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
     from transformers.trainer_callback import PrinterCallback
 
+    from cembed.data.collator import collator_for
     from cembed.data.sampler import NoDuplicatesSampler
-    from cembed.data.tokenize import collator_for, pretokenize
+    from cembed.data.tokenize import pretokenize
     from cembed.losses.registry import LengthSortedCachedMNRL, TokenCounts
     from cembed.plan.resolve import resolve_workers
     from cembed.train.meter import ThroughputMeter

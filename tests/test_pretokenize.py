@@ -9,7 +9,8 @@ from datasets import Dataset
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-from cembed.data.tokenize import collator_for, matches_model_preprocessing, pretokenize
+from cembed.data.collator import collator_for
+from cembed.data.tokenize import matches_model_preprocessing, pretokenize
 
 ROWS = {
     "anchor": ["A man on a bus.", "two dogs", "the RED car " * 30, "cat", "people at the street, near a table!"],

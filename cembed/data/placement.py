@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cembed.data.prepare import PreparedData, arrow_table, source_views
-from cembed.data.sampler import SOURCE_SEED_STRIDE, _fits, build_batches, row_hashes
+from cembed.data.sampler import SOURCE_SEED_STRIDE, build_batches, fits, row_hashes
 from cembed.errors import UserError, first_line
 
 
@@ -186,7 +186,7 @@ def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: 
     """
     n = hashes.shape[0]
     order = np.random.default_rng(seed).permutation(n)
-    greedy = int(_fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
+    greedy = int(fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
     batches, unplaced = build_batches(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
     upper = min((len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])), default=n) if n else 0
     return {

@@ -37,7 +37,7 @@ from sentence_transformers import SentenceTransformerTrainer
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
-from cembed.data.tokenize import PaddingCollator, TokenIdRows
+from cembed.data.collator import PaddingCollator, TokenIdRows
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
 from cembed.distributed.group import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
 from cembed.errors import RunFailed, UserError, first_line

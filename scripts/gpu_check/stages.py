@@ -395,7 +395,8 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
     from cembed.config.schema import ModelConfig, loss_config
-    from cembed.data.tokenize import collator_for, pretokenize
+    from cembed.data.collator import collator_for
+    from cembed.data.tokenize import pretokenize
     from cembed.losses.registry import build_loss
     from cembed.model.load import load_model
     from cembed.plan.precision import enable_tf32, resolve_precision
