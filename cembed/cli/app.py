@@ -409,7 +409,9 @@ def eval_cmd(
     ),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Corpus-embedding cache (default $CEMBED_CACHE_DIR or ~/.cache/cembed/embeddings)."
+        None,
+        "--cache-dir",
+        help="Cache root: corpus embeddings in <root>/embeddings (default $CEMBED_CACHE_DIR or ~/.cache/cembed).",
     ),
     no_cache: bool = typer.Option(
         False, "--no-cache", help="Encode the corpus even when cached, and do not write the cache."

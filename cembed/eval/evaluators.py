@@ -25,8 +25,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from cembed.errors import UserError
-from cembed.eval.embedding_cache import CorpusEmbeddings, ProgressFn, corpus_embeddings, model_fingerprint
+from cembed.eval.embedding_cache import CorpusEmbeddings, ProgressFn, corpus_embeddings
 from cembed.eval.sets import EvalSets, RetrievalSet, StsSet, load_eval_sets
+from cembed.model.fingerprint import model_fingerprint
 
 LineFn = Callable[[str], None]  # receives one finished text line to show
 

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from cembed.errors import UserError
-from cembed.eval.embedding_cache import ProgressFn, default_cache_dir, model_fingerprint
+from cembed.eval.embedding_cache import ProgressFn
 from cembed.eval.evaluators import evaluate_retrieval, evaluate_sts, headline
 from cembed.eval.sets import load_beir, load_sts
+from cembed.files import cache_root
+from cembed.model.fingerprint import model_fingerprint
 from cembed.model.load import load_eval_model
 from cembed.model.prompts import resolve_prompts
 
@@ -63,8 +65,8 @@ def score_model(
     """Load the sets and the model, score it and, with ``json_out``, write the report as JSON
     (atomically). Prints nothing.
 
-    Data is loaded before the model, so a wrong path fails fast. The corpus cache is ``cache_dir`` or
-    :func:`~cembed.eval.embedding_cache.default_cache_dir`, none with ``no_cache``. ``progress(set_name, n_documents)``,
+    Data is loaded before the model, so a wrong path fails fast. The corpus cache is
+    :func:`cembed.files.cache_root` ``("embeddings", cache_dir)``, none with ``no_cache``. ``progress(set_name, n_documents)``,
     when given, returns a context manager entered around each retrieval set's scoring; it yields a
     ``(done, total)`` callback for the corpus encoding (or None).
 
@@ -93,7 +95,7 @@ def score_model(
     quiet_libraries()
     model = load_eval_model(model_name, device, max_seq_length)
     fp = model_fingerprint(model)
-    cache = None if no_cache else (cache_dir or default_cache_dir())
+    cache = None if no_cache else cache_root("embeddings", cache_dir)
     prompts = resolve_prompts(None, model)
     shown = {"query": prompts.to_dict()["anchor"], "document": prompts.to_dict()["positive"]}
     report = EvalReport(model_name, fp, model.max_seq_length, str(model.device), split, prompts=shown)

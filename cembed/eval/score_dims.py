@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from cembed.errors import UserError
-from cembed.eval.embedding_cache import corpus_embeddings, default_cache_dir, model_fingerprint
+from cembed.eval.embedding_cache import corpus_embeddings
 from cembed.eval.evaluators import evaluate_sts, headline, retrieval_evaluator
 from cembed.eval.sets import load_beir, load_sts
+from cembed.files import cache_root
+from cembed.model.fingerprint import model_fingerprint
 from cembed.model.load import load_eval_model
 
 
@@ -78,7 +80,7 @@ def score_dims(
     if max(dims) > full:
         raise UserError(f"--dims {','.join(map(str, dims))}: the model's embeddings have {full} dimensions")
     fp = model_fingerprint(model)
-    cache = None if no_cache else (cache_dir or default_cache_dir())
+    cache = None if no_cache else cache_root("embeddings", cache_dir)
     report = DimsReport(model_name, full)
     corpora = {rs.name: corpus_embeddings(model, rs.corpus, batch_size, cache, None, fp).embeddings for rs in rsets}
     try:

@@ -448,7 +448,8 @@ def run_training(
             report.print_components(console, parts.loss.unpadding, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
         attempt.trainer = run.trainer
-        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))
+        resuming = bool(run_dir.checkpoint)
+        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming, cfg.data.cache_dir)
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
         result = train(run, run_dir, base)
         return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before)
