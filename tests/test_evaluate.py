@@ -19,9 +19,10 @@ from conftest import REFERENCE, REPO, SCIFACT_TEST_SUBSET, SHARED_DATA, STS_TEST
 from cembed.config.file import load_config
 from cembed.errors import UserError
 from cembed.eval.embedding_cache import corpus_embeddings
-from cembed.eval.evaluators import check_metric_name, evaluate_retrieval, evaluate_sts
+from cembed.eval.evaluators import evaluate_retrieval, evaluate_sts
 from cembed.eval.sets import load_beir, load_eval_sets, load_sts
 from cembed.model.fingerprint import model_fingerprint
+from cembed.train.evaluation import check_metric_name
 
 SCIFACT = SHARED_DATA / "scifact"  # the full corpus: only CEMBED_FULL_REPRO and a clone with ../shared
 
