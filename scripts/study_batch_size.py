@@ -210,13 +210,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from cembed.config.file import config_from_dict
     from cembed.errors import UserError
-    from cembed.eval.embedding_cache import default_cache_dir
+    from cembed.files import cache_root
     from cembed.train.recipe import check_run_inputs
 
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    cache_dir = default_cache_dir()
+    cache_dir = cache_root("embeddings")
     pairs = scifact_train_pairs(SCIFACT)[: args.max_train_pairs]
     console.print(f"{len(pairs)} training pairs, {len({r['positive'] for r in pairs})} distinct positives")
 

@@ -102,7 +102,7 @@ def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     import torch.distributed as dist
 
     import cembed.data.tokenize as P
-    from cembed.eval.evaluators import TrainingEvaluation
+    from cembed.train.evaluation import TrainingEvaluation
 
     sts = tmp / "sts.tsv"
     sts.write_text("".join(f"a car on road {i}\ta vehicle on a street {i}\t{i % 5}\n" for i in range(8)))

@@ -458,7 +458,7 @@ def test_gradient_checkpointing_is_exact_with_the_cached_loss_under_dropout(tiny
 def test_eval_dims_scores_truncated_embeddings(tiny_model_dir, tmp_path):
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
 
-    from cembed.eval.score_dims import parse_dims, score_dims
+    from cembed.eval.score import parse_dims, score_dims
     from cembed.eval.sets import load_sts
 
     sts_path = "tests/data/stsbenchmark/sts-test.csv.gz"

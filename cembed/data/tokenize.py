@@ -30,22 +30,12 @@ import torch
 import xxhash
 
 from cembed.data.collator import PROMPT_SUFFIX, TOKEN_SUFFIX, PaddingCollator, TokenIdRows, collator_for
-from cembed.model.load import tokenizer_spec
+from cembed.files import cache_root
+from cembed.model.fingerprint import tokenizer_fingerprint
 from cembed.model.prompts import prompt_lengths
 
 # Bump when the stored layout changes, so old caches are not reused.
 FORMAT_VERSION = "1"
-
-
-def default_cache_dir() -> Path:
-    """``$CEMBED_CACHE_DIR`` or ``~/.cache/cembed``."""
-    return Path(os.environ.get("CEMBED_CACHE_DIR", Path.home() / ".cache" / "cembed"))
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """xxh64 of the tokenizer's definition (:func:`cembed.model.load.tokenizer_spec`: vocab, normalizer,
-    special tokens, post-processor; not the state of its last call)."""
-    return xxhash.xxh64_hexdigest(tokenizer_spec(tokenizer).encode("utf-8"))
 
 
 def cache_key(
@@ -104,8 +94,9 @@ def pretokenize(
         roles: the text columns, in loss order.
         tokenizer: the model's (fast) tokenizer.
         max_seq_length: truncation length in tokens, special tokens included.
-        cache_dir: where tokenized datasets are kept (default :func:`default_cache_dir`); ``None``
-            entries are keyed by ``dataset._fingerprint`` (datasets' content/transform fingerprint).
+        cache_dir: the cache root (``data.cache_dir``; None: the default root); tokenized datasets
+            are kept in :func:`cembed.files.cache_root` ``("tokenized", cache_dir)``, entries keyed
+            by ``dataset._fingerprint`` (datasets' content/transform fingerprint) among others.
         num_proc: tokenizer processes (default: up to 8 for 50k+ rows, else 1).
         prompts: ``{role: prompt}`` prepended to the role's texts before tokenizing, as
             sentence-transformers' ``Transformer.preprocess`` does (part of the cache key).
@@ -118,12 +109,11 @@ def pretokenize(
     """
     from datasets import List, Value, load_from_disk
 
-    cache_root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     prompts = {r: p for r, p in (prompts or {}).items() if p and r in roles}
     lengths = {r: n for r, n in (prompt_lengths or {}).items() if r in prompts}
     prompted = {"prompts": prompts, "prompt_lengths": lengths} if prompts else None
     key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted)
-    path = cache_root / "tokenized" / key
+    path = cache_root("tokenized", cache_dir) / key
     if (path / "dataset_info.json").exists():
         try:
             return Pretokenized(load_from_disk(str(path)), roles, path, True)

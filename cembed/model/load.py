@@ -13,7 +13,6 @@ processes and ``cembed eval`` never import the trainer.
   :func:`load_eval_model` checks a user-given path first (a saved model folder or a run's output).
 - :func:`quiet_libraries` silences the libraries' own logging and progress bars, which would
   interleave with cembed's progress display.
-- :func:`tokenizer_spec` is the tokenizer's definition without its per-call state, for fingerprints.
 - :func:`weight_dtypes`: the weights' stored, training and saved dtypes. A model is trained in fp32
   master weights whatever its stored dtype (``model.precision`` bf16/fp16 is autocast), and saved in
   ``model.save_dtype`` (default: the training dtype).
@@ -294,17 +293,6 @@ def load_guide_model(name_or_path: str, device, max_seq_length: int | None = Non
         raise UserError(str(err).replace("model.name_or_path", "loss.guide", 1)) from None
     guide.requires_grad_(False)
     return guide.eval()
-
-
-def tokenizer_spec(tokenizer) -> str:
-    """The tokenizer's definition as canonical JSON text: the fast tokenizer's full JSON (vocab,
-    normalizer, special tokens, post-processor) without its ``truncation``/``padding`` entries, which
-    record the last call rather than the tokenizer; for a slow tokenizer, its sorted vocabulary."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return json.dumps(sorted(tokenizer.get_vocab().items()))
-    spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
-    return json.dumps(spec, sort_keys=True)
 
 
 # --- weight dtypes: stored, trained, saved ---------------------------------------------------------

@@ -20,7 +20,7 @@ def build_training_args(
     sources: SourceMix | None = None,
 ):
     """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR);
-    ``eval_args`` (from :func:`cembed.eval.evaluators.training_eval_args`) override the save/eval settings;
+    ``eval_args`` (from :func:`cembed.train.evaluation.training_eval_args`) override the save/eval settings;
     ``fsdp_layers`` (the backbone's layer classes) with ``distributed.strategy: fsdp``;
     ``sources`` (several training sources): the sampler draws every batch from one source.
 

@@ -77,7 +77,8 @@ def check_run_inputs(
     data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
     plan = replace(plan, warnings=plan.warnings + getattr(data, "warnings", ()))  # unmapped / expanded columns
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
-        from cembed.eval.evaluators import check_metric_name, load_eval_sets, training_eval_args
+        from cembed.eval.sets import load_eval_sets
+        from cembed.train.evaluation import check_metric_name, training_eval_args
 
         metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval))
         training_eval_args(cfg.eval, metric, cfg.train.save_steps)
@@ -172,7 +173,7 @@ class Components:
     train_dataset: Any  # datasets.Dataset (pre-tokenized, or the texts)
     collator: Any  # PaddingCollator, or None for sentence-transformers' own
     loss: Any  # the built loss (module and token counts)
-    evaluation: Any  # cembed.eval.evaluators.TrainingEvaluation, or None
+    evaluation: Any  # cembed.train.evaluation.TrainingEvaluation, or None
     token_info: dict
     distributed: dict | None  # what run_summary.json records about the process group
     source: str  # the training data's label, for messages
@@ -225,7 +226,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         }
     evaluation = None
     if cfg.eval is not None:
-        from cembed.eval.evaluators import TrainingEvaluation
+        from cembed.train.evaluation import TrainingEvaluation
 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
@@ -448,7 +449,8 @@ def run_training(
             report.print_components(console, parts.loss.unpadding, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
         attempt.trainer = run.trainer
-        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))
+        resuming = bool(run_dir.checkpoint)
+        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming, cfg.data.cache_dir)
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
         result = train(run, run_dir, base)
         return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before)

@@ -109,21 +109,22 @@ class CembedTrainer(SentenceTransformerTrainer):
             return contextlib.nullcontext()
         return torch.autocast(self.model.device.type, dtype=dtype)
 
-    def evaluate_base_model(self, evaluation, resuming: bool = False) -> dict | None:
+    def evaluate_base_model(self, evaluation, resuming: bool = False, cache_dir: str | None = None) -> dict | None:
         """Evaluate the model "before training" on rank 0, in :meth:`eval_precision` (``None`` when
         resuming, without evaluation, and on the other ranks). The other ranks wait for it on the
         process group's store, not in a collective (:func:`~cembed.distributed.group.main_first`), so a
         long evaluation is not cut off by the collective timeout. The base model's corpus
-        embeddings are cached across runs."""
+        embeddings are cached across runs, in :func:`cembed.files.cache_root` ``("embeddings", cache_dir)``
+        (``cache_dir``: ``data.cache_dir``; None: the default root)."""
         if evaluation is None or resuming:
             return None
         with main_first(run_on_others=False) as runs_here:
             if not runs_here:
                 return None
-            from cembed.eval.embedding_cache import default_cache_dir
+            from cembed.files import cache_root
 
             with self.eval_precision():
-                return evaluation.evaluate(self.model, "before training", cache_dir=default_cache_dir())
+                return evaluation.evaluate(self.model, "before training", cache_dir=cache_root("embeddings", cache_dir))
 
     def init_hf_repo(self, *args, **kwargs) -> None:
         # Creating the hub repo (train.push_to_hub) needs the network and a token: say so in one line.
