@@ -29,9 +29,8 @@ from typing import Callable
 from cembed.distributed.collectives import agree_across_ranks, per_rank_peaks
 from cembed.errors import UserError
 from cembed.files import parse_bytes  # noqa: F401 - the CLI and callers read sizes through the probe
-from cembed.model.load import resolve_device
-from cembed.plan.precision import enable_tf32, resolve_precision
-from cembed.probe.setup import describe_setup, resolved_model_config  # noqa: F401 - the CLI resolves here
+from cembed.plan.precision import enable_tf32, resolve_device, resolve_precision
+from cembed.probe.setup import describe_setup
 from cembed.probe.trials import (
     CudaTrial,
     SubprocessTrial,
@@ -288,6 +287,7 @@ def run_probe(
     token_budget: bool = True,
     strategy: str = "ddp",
     ranks: int = 1,
+    precision: str | None = None,
 ) -> ProbeResult:
     """Probe ``mini_batch_size`` for ``model_cfg`` on ``device`` (auto | cpu | cuda), then (with
     ``token_budget``) the token budget ``mini_batch_num_tokens`` (:func:`probe_token_budget`).
@@ -309,6 +309,8 @@ def run_probe(
         token_budget: also measure the token budget (one more trial).
         strategy, ranks: ``distributed.strategy`` and the world size: FSDP's sharding is not
             measured (a trial holds the whole model), the result says what it would save.
+        precision: the resolved precision training runs in (``Plan.precision`` or
+            :func:`cembed.plan.resolve.resolve_model`'s); None resolves ``model_cfg.precision`` for the device.
 
     Returns:
         The :class:`ProbeResult`, with ``recommended`` (and ``recommended_num_tokens``) agreed
@@ -326,17 +328,18 @@ def run_probe(
     if max_size < 1:
         raise UserError(f"--max: must be at least 1, got {max_size}")
     dev = resolve_device(device)
-    precision = resolve_precision(model_cfg.precision, dev)  # auto -> the precision training would use
-    if precision.tf32:
+    resolved = resolve_precision(precision or model_cfg.precision, dev)  # auto -> what training would use
+    if resolved.tf32:
         enable_tf32()
     spec = TrialSpec(
-        model={**model_cfg.model_dump(), "precision": precision.precision},
+        model=model_cfg.model_dump(),
         loss=loss_cfg.model_dump(),
         n_columns=n_columns,
         batch_size=batch_size,
         device=dev,
         world_size=max(1, world_size),
         sort_by_length=sort_by_length,
+        precision=resolved.precision,
     )
     cap = min(max_size, batch_size)
     notes = []
@@ -425,7 +428,7 @@ def resolve_auto(
         ), None
     budget = parse_bytes(max_memory) if max_memory else None
     result = run_probe(
-        model_cfg.model_copy(update={"precision": plan.precision}),  # auto resolved by the plan
+        model_cfg,
         loss_cfg,
         plan.per_device_train_batch_size,
         n_columns,
@@ -437,6 +440,7 @@ def resolve_auto(
         token_budget=plan.mini_batch_num_tokens is None,
         strategy=strategy,
         ranks=plan.world_size,
+        precision=plan.precision,  # auto resolved by the plan
     )
     if result.cuda_context_lost:
         raise UserError(

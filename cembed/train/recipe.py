@@ -230,7 +230,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
-    weights = weight_dtypes(model, cfg.model.model_copy(update={"precision": plan.precision}))
+    weights = weight_dtypes(model, cfg.model, plan.precision)
     return Components(*parts, weights, prompts, mix)
 
 
@@ -432,9 +432,7 @@ def run_training(
     """
     console = console or report.make_console()
     is_main = dist_info().is_main
-    # model.precision: auto resolved
-    as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": plan.precision})})
-    record = training_record(as_run, plan.samples_per_step, plan.learning_rate, data.dataset)
+    record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset, plan.precision)
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
     plan = replace(plan, warnings=plan.warnings + tuple(f"resume applies {c}" for c in run_dir.resume_changes))

@@ -40,11 +40,11 @@ def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
 
     Args: the recipe's stages' outputs (CembedConfig, Plan, PreparedData, Components, RunDir, Run).
     """
-    # The config as run: batch.mini_batch_size: auto shows the probed size.
-    batch = {"mini_batch_size": plan.mini_batch_size, "mini_batch_num_tokens": plan.mini_batch_num_tokens}
-    as_run = cfg.model_copy(update={"batch": cfg.batch.model_copy(update=batch)})
+    # The config as run (a record, not a config to use): batch.mini_batch_size: auto shows the plan's size.
+    config = cfg.model_dump(mode="json")
+    config["batch"].update(mini_batch_size=plan.mini_batch_size, mini_batch_num_tokens=plan.mini_batch_num_tokens)
     return {
-        "config": as_run.model_dump(mode="json"),
+        "config": config,
         "plan": plan.to_dict(),
         "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
         "data": {
