@@ -106,14 +106,15 @@ def validate_cmd(
 
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
     from cembed.cli.report import print_truncation, print_validation
-    from cembed.data.placement import warn_unplaceable
+    from cembed.data.placement import unplaceable_warnings
     from cembed.train.recipe import check_run_inputs
 
     cfg = _load(config, overrides)
     plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes), allow_unloaded=True)
-    plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
+    found = (*getattr(data, "warnings", ()), *unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed))
     truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
-    print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
+    pooling = None if isinstance(truncation, Exception) else truncation.pooling
+    print_validation(console, cfg, plan, data, pooling, found)
     print_truncation(console, truncation)
     console.print("[green]config OK[/]")
 
@@ -203,7 +204,7 @@ def train_cmd(
     if peak_tflops is not None:
         overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
     from cembed.cli.report import make_console, print_done, print_eval_change
-    from cembed.data.placement import warn_unplaceable
+    from cembed.data.placement import unplaceable_warnings
     from cembed.distributed.group import dist_info, is_worker, leave_process_group, record_worker_error
     from cembed.train.recipe import check_run_inputs, run_training
 
@@ -230,9 +231,17 @@ def train_cmd(
     try:
         cfg = _load(config, overrides)
         plan, data = check_run_inputs(cfg)
-        plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
+        unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed)
         summary = run_training(
-            cfg, plan, data, out, resume=resume, resume_from=resume_from, overwrite=overwrite, max_memory=max_memory
+            cfg,
+            plan,
+            data,
+            out,
+            resume=resume,
+            resume_from=resume_from,
+            overwrite=overwrite,
+            max_memory=max_memory,
+            warnings=unplaced,
         )
     except RunInterrupted as stop:
         leave_process_group()  # every rank stopped at the same step (InterruptCallback)
@@ -290,8 +299,8 @@ def _launch_training(
     from cembed.train.recipe import check_run_inputs
 
     launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
-    plan, _ = check_run_inputs(cfg, world)
-    print_plan(console, plan)
+    plan, data = check_run_inputs(cfg, world)
+    print_plan(console, plan, data.warnings)
     console.print(
         f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
         highlight=False,

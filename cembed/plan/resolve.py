@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from cembed.config.schema import CembedConfig, ModelConfig
 from cembed.errors import UserError
@@ -64,6 +64,14 @@ def resolve_model(model_cfg: ModelConfig) -> ModelSpec:
 
 @dataclass(frozen=True)
 class Plan:
+    """What a validated config means on this machine, decided once by :func:`resolve_plan`.
+
+    The one later change is the probe's answer for ``batch.mini_batch_size: auto``
+    (:meth:`with_probe`, from :func:`cembed.probe.search.resolve_auto`, once the process group exists).
+    Every other stage's findings (the data's warnings, rows the sampler cannot place, the changes a
+    resume applies) are values of their own, printed and recorded beside the plan's ``warnings``.
+    """
+
     device: str  # "cpu" or "cuda"
     world_size: int
     per_device_train_batch_size: int
@@ -95,6 +103,27 @@ class Plan:
         """The resolved model (device, precision, save dtype) as a :class:`ModelSpec`."""
         return ModelSpec(
             self.name_or_path, self.device, self.precision, self.save_dtype, self.tf32, self.precision_reason
+        )
+
+    def with_probe(
+        self,
+        mini_batch_size: int,
+        mini_batch_num_tokens: int | None = None,
+        probe: dict | None = None,
+        warning: str | None = None,
+    ) -> Plan:
+        """This plan with the mini-batch that ``batch.mini_batch_size: auto`` resolved to: the
+        mini-batch rows and token budget (None: none), the probe's run-summary record (None: no
+        probe ran) and the probe's warning, added to ``warnings``.
+
+        The only amendment of a plan after :func:`resolve_plan` (see the class docstring).
+        """
+        return replace(
+            self,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            mini_batch_probe=probe,
+            warnings=self.warnings + ((warning,) if warning else ()),
         )
 
     def to_dict(self) -> dict:

@@ -23,7 +23,7 @@ probe measures it in the worst case instead of guessing:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from cembed.distributed.collectives import agree_across_ranks, per_rank_peaks
@@ -409,7 +409,8 @@ def resolve_auto(
     Probes on ``plan.device`` for ``plan.per_device_train_batch_size`` rows of ``n_columns`` texts
     (anchor, positive and the hard-negative columns), with the loss stage over the candidates of
     ``plan.world_size`` ranks when the plan gathers them (``strategy``: ``distributed.strategy``), and returns ``(plan with the recommended
-    size, token budget and run-summary record, ProbeResult)``. A token budget the config sets
+    size, token budget and run-summary record, ProbeResult)`` (:meth:`~cembed.plan.resolve.Plan.with_probe`,
+    the one amendment of a plan). A token budget the config sets
     (``plan.mini_batch_num_tokens``) is kept and not probed. A plan whose size is already set comes
     back unchanged with ``None``; so does a loss without mini-batches (its size becomes the batch
     size, with a warning).
@@ -421,10 +422,10 @@ def resolve_auto(
     if plan.mini_batch_size is not None:
         return plan, None
     if not loss_cfg.uses_gradient_cache:
-        return replace(
-            plan,
-            mini_batch_size=plan.per_device_train_batch_size,
-            warnings=plan.warnings + (f"batch.mini_batch_size: auto has no effect with loss {loss_cfg.name}",),
+        return plan.with_probe(
+            plan.per_device_train_batch_size,
+            plan.mini_batch_num_tokens,
+            warning=f"batch.mini_batch_size: auto has no effect with loss {loss_cfg.name}",
         ), None
     budget = parse_bytes(max_memory) if max_memory else None
     result = run_probe(
@@ -448,7 +449,4 @@ def resolve_auto(
             f"the probe's answer is {result.recommended}: pass {override_line(result)} and run again"
         )
     tokens = plan.mini_batch_num_tokens or result.recommended_num_tokens
-    resolved = replace(
-        plan, mini_batch_size=result.recommended, mini_batch_num_tokens=tokens, mini_batch_probe=summary_record(result)
-    )
-    return resolved, result
+    return plan.with_probe(result.recommended, tokens, summary_record(result)), result
