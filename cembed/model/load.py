@@ -32,7 +32,7 @@ from cembed.config.schema import ModelConfig
 from cembed.errors import ModelRefused, UserError, first_line
 from cembed.model.decoder import prepare_last_token_model
 from cembed.model.lora import apply_lora, is_lora, parameter_counts
-from cembed.plan.precision import autocast_name, resolve_device, resolve_precision, save_dtype
+from cembed.plan.precision import MASTER_DTYPE, autocast_name, resolve_device, resolve_precision, save_dtype
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -200,7 +200,7 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
     if for_training and not {"dtype", "torch_dtype"} & set(model_kwargs):
         # transformers loads the stored dtype by default: bf16 weights would train in bf16, where an
         # update smaller than the weight's precision rounds away.
-        model_kwargs["dtype"] = "float32"
+        model_kwargs["dtype"] = MASTER_DTYPE
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -358,7 +358,9 @@ class WeightDtypes(NamedTuple):
         """One line for ``cembed validate``."""
         autocast = f" with {self.autocast} autocast" if self.autocast else ""
         note = (
-            "" if self.training == "float32" else " (model.model_kwargs dtype: updates below its precision round away)"
+            ""
+            if self.training == MASTER_DTYPE
+            else " (model.model_kwargs dtype: updates below its precision round away)"
         )
         return (
             f"weights: stored {self.stored or 'unknown'}, trained in {self.training}{autocast}{note}, "
@@ -379,7 +381,7 @@ def weight_dtypes(model, cfg: ModelConfig, precision: str | None = None) -> Weig
         UserError: ``precision`` is None and ``cfg.precision`` cannot run on the model's device.
     """
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    training = str(param.dtype).removeprefix("torch.") if param is not None else "float32"
+    training = str(param.dtype).removeprefix("torch.") if param is not None else MASTER_DTYPE
     if precision is None:
         precision = resolve_precision(cfg.precision, str(model.device)).precision
     saved = save_dtype(cfg.save_dtype) or training

@@ -2,10 +2,10 @@
 
 - :data:`PRECISIONS` / :data:`RUN_PRECISIONS`: the names ``model.precision`` takes, and those a run
   resolves to; :data:`DTYPE_NAMES`: the ONE map from a run precision to its torch dtype name
-  (``bf16`` -> ``bfloat16``); :func:`torch_dtype`, :func:`autocast_dtype`, :func:`autocast` (the
-  forward's compute dtype: none for fp32), :func:`trainer_flags` (``TrainingArguments``'
-  ``bf16=``/``fp16=``) and :func:`precision_from_flags` (the way back), :func:`save_dtype`
-  (``model.save_dtype`` as a torch name).
+  (``bf16`` -> ``bfloat16``); :data:`MASTER_DTYPE`: the fp32 master weights' dtype.
+- :func:`torch_dtype`, :func:`autocast_dtype`, :func:`autocast` (the forward's compute dtype: none
+  for fp32), :func:`trainer_flags` (``TrainingArguments``' ``bf16=``/``fp16=``) and
+  :func:`precision_from_flags` (the way back), :func:`save_dtype` (``model.save_dtype`` as a torch name).
 - :func:`resolve_device` (``model.device: auto``) and :func:`resolve_precision`
   (``model.precision: auto``) for the device, and :func:`enable_tf32`.
 
@@ -39,6 +39,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # model.precision
 RUN_PRECISIONS = ("fp32", "bf16", "fp16")  # what a run computes in (auto resolved); also model.save_dtype
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # run precision -> torch dtype name
 AUTOCAST_PRECISIONS = ("bf16", "fp16")  # autocast over fp32 master weights; fp32 runs without autocast
+MASTER_DTYPE = DTYPE_NAMES["fp32"]  # the dtype a model trains (and the optimizer updates) in, whatever its stored one
 
 
 def _run_precision(precision: str) -> str:

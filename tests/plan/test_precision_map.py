@@ -56,6 +56,7 @@ def test_the_config_literals_are_the_precision_module_names():
     save = [a for a in typing.get_args(fields["save_dtype"].annotation) if a is not type(None)]
     assert typing.get_args(save[0]) == P.RUN_PRECISIONS
     assert set(P.DTYPE_NAMES) == set(P.RUN_PRECISIONS) == set(P.PRECISIONS) - {"auto"}
+    assert P.MASTER_DTYPE == "float32"  # bf16/fp16 are autocast over fp32 master weights
 
 
 def _precision_maps(tree: ast.AST) -> list[int]:
