@@ -106,29 +106,29 @@ def validate_cmd(
 
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
     from cembed.cli.report import print_truncation, print_validation
-    from cembed.data.placement import warn_unplaceable
+    from cembed.data.placement import unplaceable_warnings
     from cembed.train.recipe import check_run_inputs
 
     cfg = _load(config, overrides)
     plan, data = check_run_inputs(cfg, _world_size(nproc_per_node, nnodes), allow_unloaded=True)
-    plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
-    truncation = _truncation(
-        cfg.model.model_copy(update={"precision": plan.precision}), data, cfg.data.prompts, cfg.batch.unpad
-    )
-    print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
+    found = (*getattr(data, "warnings", ()), *unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed))
+    truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
+    pooling = None if isinstance(truncation, Exception) else truncation.pooling
+    print_validation(console, cfg, plan, data, pooling, found)
     print_truncation(console, truncation)
     console.print("[green]config OK[/]")
 
 
-def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto"):
+def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto", precision=None):
     """A ``ModelTruncation``, or the UserError of a model that cannot be loaded: validate and
     probe-minibatch must not need the model, so that only skips the report. A model cembed refuses
-    (ModelRefused: remote code without the option, a kind it cannot train) fails the command."""
+    (ModelRefused: remote code without the option, a kind it cannot train) fails the command.
+    ``precision``: the run's resolved precision (the dtypes' autocast)."""
     from cembed.data.prepare import model_truncation_report
     from cembed.errors import ModelRefused
 
     try:
-        return model_truncation_report(model_cfg, data, prompts_cfg=prompts_cfg, unpad=unpad)
+        return model_truncation_report(model_cfg, data, prompts_cfg=prompts_cfg, unpad=unpad, precision=precision)
     except ModelRefused:
         raise
     except UserError as err:
@@ -204,7 +204,7 @@ def train_cmd(
     if peak_tflops is not None:
         overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
     from cembed.cli.report import make_console, print_done, print_eval_change
-    from cembed.data.placement import warn_unplaceable
+    from cembed.data.placement import unplaceable_warnings
     from cembed.distributed.group import dist_info, is_worker, leave_process_group, record_worker_error
     from cembed.train.recipe import check_run_inputs, run_training
 
@@ -231,9 +231,17 @@ def train_cmd(
     try:
         cfg = _load(config, overrides)
         plan, data = check_run_inputs(cfg)
-        plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
+        unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed)
         summary = run_training(
-            cfg, plan, data, out, resume=resume, resume_from=resume_from, overwrite=overwrite, max_memory=max_memory
+            cfg,
+            plan,
+            data,
+            out,
+            resume=resume,
+            resume_from=resume_from,
+            overwrite=overwrite,
+            max_memory=max_memory,
+            warnings=unplaced,
         )
     except RunInterrupted as stop:
         leave_process_group()  # every rank stopped at the same step (InterruptCallback)
@@ -291,8 +299,8 @@ def _launch_training(
     from cembed.train.recipe import check_run_inputs
 
     launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
-    plan, _ = check_run_inputs(cfg, world)
-    print_plan(console, plan)
+    plan, data = check_run_inputs(cfg, world)
+    print_plan(console, plan, data.warnings)
     console.print(
         f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
         highlight=False,
@@ -339,13 +347,14 @@ def probe_minibatch_cmd(
     from cembed.cli.report import print_probe, print_truncation
     from cembed.config.file import model_config_from_flags, set_yaml_value
     from cembed.config.schema import CachedMNRLLossConfig, CembedConfig
-    from cembed.probe.search import parse_bytes, resolved_model_config, run_probe
+    from cembed.plan.resolve import resolve_model
+    from cembed.probe.search import parse_bytes, run_probe
 
     if write and config is None:
         raise UserError("--write: needs a config file to write batch.mini_batch_size into")
     cfg: CembedConfig | None = _load(config, overrides) if config is not None else None
     model_cfg = model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
-    model_cfg = resolved_model_config(model_cfg)  # precision auto -> fp32 | bf16 | fp16 for the device
+    resolved = resolve_model(model_cfg)  # device and precision auto -> what training would use here
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
     batch = batch_size or (cfg.batch.per_device_train_batch_size if cfg else 64)
@@ -354,10 +363,13 @@ def probe_minibatch_cmd(
     if cfg is not None:
         from cembed.data.prepare import prepare_data
 
-        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data), cfg.data.prompts, cfg.batch.unpad))
+        truncation = _truncation(
+            model_cfg, prepare_data(cfg.data), cfg.data.prompts, cfg.batch.unpad, resolved.precision
+        )
+        print_truncation(console, truncation)
     console.print(
         f"probing {model_cfg.name_or_path} (max_seq_length {model_cfg.max_seq_length or 'model default'}, "
-        f"{model_cfg.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",
+        f"{resolved.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",
         highlight=False,
     )
     result = run_probe(
@@ -366,6 +378,7 @@ def probe_minibatch_cmd(
         batch,
         n_columns,
         model_cfg.device,
+        precision=resolved.precision,
         max_size=max_size,
         margin=margin,
         max_memory=budget,

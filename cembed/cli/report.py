@@ -53,8 +53,9 @@ def print_suggestion(console: Console, s, base_lr: float, base_bs: int, bs: int)
     )
 
 
-def print_plan(console: Console, plan) -> None:
-    """World size, effective batch, gathering, the LR derivation and the plan's warnings."""
+def print_plan(console: Console, plan, warnings: tuple[str, ...] = ()) -> None:
+    """World size, effective batch, gathering, the LR derivation, the plan's warnings and ``warnings``
+    (what the checks before training found: the data's, the rows the sampler cannot place)."""
     per_node = f" ({plan.world_size} processes)" if plan.world_size > 1 else ""
     console.print(
         f"world size: {plan.world_size}{per_node}   effective batch: {plan.per_device_train_batch_size} per device x "
@@ -64,19 +65,22 @@ def print_plan(console: Console, plan) -> None:
     )
     console.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
     console.print(f"data-loader workers: {plan.dataloader_workers}", highlight=False)
-    for w in plan.warnings:
+    for w in (*plan.warnings, *warnings):
         warn(console, w)
 
 
-def print_validation(console: Console, cfg, plan, data, pooling: str | None = None) -> None:
-    """What ``cembed validate`` found: resolved config, device, pooling, plan, data counts, first row."""
+def print_validation(
+    console: Console, cfg, plan, data, pooling: str | None = None, warnings: tuple[str, ...] = ()
+) -> None:
+    """What ``cembed validate`` found: resolved config, device, pooling, plan, data counts, first row;
+    ``warnings``: the findings beside the plan's (see :func:`print_plan`)."""
     console.print("[bold]resolved config[/]")
     console.print_json(json.dumps(cfg.model_dump(mode="json")))
     console.print(f"device: {plan.device}   precision: {plan.precision_reason or plan.precision}", highlight=False)
     console.print(
         f"pooling: {pooling or cfg.model.pooling + ' (model.pooling; the model was not loaded)'}", highlight=False
     )
-    print_plan(console, plan)
+    print_plan(console, plan, warnings)
     if not hasattr(data, "dataset"):  # cembed.data.prepare.UnloadedData: the hub could not serve the rows
         warn(console, data.message)
         return
@@ -146,8 +150,9 @@ def print_starter(console: Console, s) -> None:
 # --- a training run ----------------------------------------------------------------------------
 
 
-def print_run_header(console: Console, cfg, plan) -> None:
-    """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR."""
+def print_run_header(console: Console, cfg, plan, warnings: tuple[str, ...] = ()) -> None:
+    """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR; then the
+    plan's warnings and ``warnings`` (the run's findings: data, unplaceable rows, resume changes)."""
     tokens = f" ({plan.mini_batch_num_tokens} tokens)" if plan.mini_batch_num_tokens else ""
     console.print(
         f"device {plan.device}  precision {plan.precision}{' (TF32 on)' if plan.tf32 else ''}  "
@@ -155,7 +160,7 @@ def print_run_header(console: Console, cfg, plan) -> None:
         f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
         highlight=False,
     )
-    for w in plan.warnings:
+    for w in (*plan.warnings, *warnings):
         warn(console, w)
 
 

@@ -12,7 +12,7 @@ token ids after truncation, as the sampler does with pre-tokenized data), else a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -83,17 +83,17 @@ def find_unplaceable(
     )
 
 
-def warn_unplaceable(plan, data, drop_last: bool, seed: int):
-    """``plan`` with :func:`find_unplaceable`'s report added to its warnings (printed by ``validate``
-    and at the start of ``train``); ``plan`` itself when every row can be placed or ``data`` has no
-    rows loaded (:class:`cembed.data.prepare.UnloadedData`)."""
+def unplaceable_warnings(plan, data, drop_last: bool, seed: int) -> tuple[str, ...]:
+    """:func:`find_unplaceable`'s report for each training source under ``plan``'s batch, as warnings
+    (printed by ``validate`` and at the start of ``train``, beside the plan's own); empty when every
+    row can be placed or ``data`` has no rows loaded (:class:`cembed.data.prepare.UnloadedData`)."""
     if not hasattr(data, "dataset"):
-        return plan
+        return ()
     batch = plan.per_device_train_batch_size * plan.world_size
     drop = drop_last or plan.world_size > 1
     views = source_views(data)  # source i is shuffled as the sampler shuffles it
     found = [find_unplaceable(view, batch, drop, seed + i * SOURCE_SEED_STRIDE) for i, view in enumerate(views)]
-    return replace(plan, warnings=plan.warnings + tuple(str(f) for f in found if f))
+    return tuple(str(f) for f in found if f)
 
 
 def model_hashes(data: PreparedData, model_cfg, cache_dir: str | None = None) -> tuple[np.ndarray, str]:

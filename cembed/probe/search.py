@@ -23,15 +23,14 @@ probe measures it in the worst case instead of guessing:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from cembed.distributed.collectives import agree_across_ranks, per_rank_peaks
 from cembed.errors import UserError
 from cembed.files import parse_bytes  # noqa: F401 - the CLI and callers read sizes through the probe
-from cembed.model.load import resolve_device
-from cembed.plan.precision import enable_tf32, resolve_precision
-from cembed.probe.setup import describe_setup, resolved_model_config  # noqa: F401 - the CLI resolves here
+from cembed.plan.precision import enable_tf32, resolve_device, resolve_precision
+from cembed.probe.setup import describe_setup
 from cembed.probe.trials import (
     CudaTrial,
     SubprocessTrial,
@@ -288,6 +287,7 @@ def run_probe(
     token_budget: bool = True,
     strategy: str = "ddp",
     ranks: int = 1,
+    precision: str | None = None,
 ) -> ProbeResult:
     """Probe ``mini_batch_size`` for ``model_cfg`` on ``device`` (auto | cpu | cuda), then (with
     ``token_budget``) the token budget ``mini_batch_num_tokens`` (:func:`probe_token_budget`).
@@ -309,6 +309,8 @@ def run_probe(
         token_budget: also measure the token budget (one more trial).
         strategy, ranks: ``distributed.strategy`` and the world size: FSDP's sharding is not
             measured (a trial holds the whole model), the result says what it would save.
+        precision: the resolved precision training runs in (``Plan.precision`` or
+            :func:`cembed.plan.resolve.resolve_model`'s); None resolves ``model_cfg.precision`` for the device.
 
     Returns:
         The :class:`ProbeResult`, with ``recommended`` (and ``recommended_num_tokens``) agreed
@@ -326,17 +328,18 @@ def run_probe(
     if max_size < 1:
         raise UserError(f"--max: must be at least 1, got {max_size}")
     dev = resolve_device(device)
-    precision = resolve_precision(model_cfg.precision, dev)  # auto -> the precision training would use
-    if precision.tf32:
+    resolved = resolve_precision(precision or model_cfg.precision, dev)  # auto -> what training would use
+    if resolved.tf32:
         enable_tf32()
     spec = TrialSpec(
-        model={**model_cfg.model_dump(), "precision": precision.precision},
+        model=model_cfg.model_dump(),
         loss=loss_cfg.model_dump(),
         n_columns=n_columns,
         batch_size=batch_size,
         device=dev,
         world_size=max(1, world_size),
         sort_by_length=sort_by_length,
+        precision=resolved.precision,
     )
     cap = min(max_size, batch_size)
     notes = []
@@ -406,7 +409,8 @@ def resolve_auto(
     Probes on ``plan.device`` for ``plan.per_device_train_batch_size`` rows of ``n_columns`` texts
     (anchor, positive and the hard-negative columns), with the loss stage over the candidates of
     ``plan.world_size`` ranks when the plan gathers them (``strategy``: ``distributed.strategy``), and returns ``(plan with the recommended
-    size, token budget and run-summary record, ProbeResult)``. A token budget the config sets
+    size, token budget and run-summary record, ProbeResult)`` (:meth:`~cembed.plan.resolve.Plan.with_probe`,
+    the one amendment of a plan). A token budget the config sets
     (``plan.mini_batch_num_tokens``) is kept and not probed. A plan whose size is already set comes
     back unchanged with ``None``; so does a loss without mini-batches (its size becomes the batch
     size, with a warning).
@@ -418,14 +422,14 @@ def resolve_auto(
     if plan.mini_batch_size is not None:
         return plan, None
     if not loss_cfg.uses_gradient_cache:
-        return replace(
-            plan,
-            mini_batch_size=plan.per_device_train_batch_size,
-            warnings=plan.warnings + (f"batch.mini_batch_size: auto has no effect with loss {loss_cfg.name}",),
+        return plan.with_probe(
+            plan.per_device_train_batch_size,
+            plan.mini_batch_num_tokens,
+            warning=f"batch.mini_batch_size: auto has no effect with loss {loss_cfg.name}",
         ), None
     budget = parse_bytes(max_memory) if max_memory else None
     result = run_probe(
-        model_cfg.model_copy(update={"precision": plan.precision}),  # auto resolved by the plan
+        model_cfg,
         loss_cfg,
         plan.per_device_train_batch_size,
         n_columns,
@@ -437,6 +441,7 @@ def resolve_auto(
         token_budget=plan.mini_batch_num_tokens is None,
         strategy=strategy,
         ranks=plan.world_size,
+        precision=plan.precision,  # auto resolved by the plan
     )
     if result.cuda_context_lost:
         raise UserError(
@@ -444,7 +449,4 @@ def resolve_auto(
             f"the probe's answer is {result.recommended}: pass {override_line(result)} and run again"
         )
     tokens = plan.mini_batch_num_tokens or result.recommended_num_tokens
-    resolved = replace(
-        plan, mini_batch_size=result.recommended, mini_batch_num_tokens=tokens, mini_batch_probe=summary_record(result)
-    )
-    return resolved, result
+    return plan.with_probe(result.recommended, tokens, summary_record(result)), result

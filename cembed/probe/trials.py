@@ -74,7 +74,7 @@ def _describe(exc: BaseException) -> str:
 class TrialSpec:
     """Everything a trial needs, picklable for a child process."""
 
-    model: dict  # ModelConfig fields (name_or_path, max_seq_length, precision, ...)
+    model: dict  # ModelConfig fields (name_or_path, max_seq_length, ...): how the trial loads the model
     loss: dict  # LossConfig fields
     n_columns: int
     batch_size: int
@@ -82,6 +82,7 @@ class TrialSpec:
     repeats: int = 2
     world_size: int = 1  # ranks whose gathered candidates each rank's loss scores (1: no gathering)
     sort_by_length: bool = True
+    precision: str = "fp32"  # the run's resolved precision (fp32 | bf16 | fp16): the step's autocast
 
 
 def _load(spec: TrialSpec):
@@ -122,7 +123,7 @@ def _trial_child(spec: TrialSpec, size: int, conn, num_tokens: int | None = None
             spec.n_columns,
             spec.batch_size,
             size,
-            spec.model.get("precision", "fp32"),
+            spec.precision,
             spec.repeats,
             spec.world_size,
             spec.sort_by_length,
@@ -297,7 +298,7 @@ class CudaTrial:
                 self.spec.n_columns,
                 self.spec.batch_size,
                 size,
-                self.spec.model.get("precision", "fp32"),
+                self.spec.precision,
                 self.spec.repeats,
                 self.spec.world_size,
                 self.spec.sort_by_length,

@@ -8,10 +8,12 @@ runners that measure its peak memory are in :mod:`cembed.probe.trials`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
+
+from cembed.plan.precision import autocast as precision_autocast
 
 
 @dataclass
@@ -94,8 +96,7 @@ def worst_case_step(
 
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+    autocast = partial(precision_autocast, precision, device.type)  # as the trainer runs the forward
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,8 @@ def check_run_inputs(
     """Resolve the plan, run the pre-flight checks (model limits, scheduler, tokenizer; see
     :mod:`cembed.train.preflight`) and load/check the training data (everything ``validate`` checks); with
     ``allow_unloaded`` (validate) a hub dataset the hub cannot serve gives UnloadedData, not an error.
+    The data's own warnings (unmapped / expanded columns) stay on the data (``PreparedData.warnings``),
+    beside the plan's.
 
     Raises:
         UserError: a config, data or pre-flight mistake, one line naming the field and the fix.
@@ -75,7 +77,6 @@ def check_run_inputs(
     raise_findings(preflight(cfg, plan.learning_rate))
     batch = plan.per_device_train_batch_size * plan.world_size
     data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
-    plan = replace(plan, warnings=plan.warnings + getattr(data, "warnings", ()))  # unmapped / expanded columns
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
         from cembed.eval.sets import load_eval_sets
         from cembed.train.evaluation import check_metric_name, training_eval_args
@@ -231,7 +232,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
-    weights = weight_dtypes(model, cfg.model.model_copy(update={"precision": plan.precision}))
+    weights = weight_dtypes(model, cfg.model, plan.precision)
     return Components(*parts, weights, prompts, mix)
 
 
@@ -411,6 +412,7 @@ def run_training(
     overwrite: bool = False,
     max_memory: str | None = None,
     trainer_cls: type[CembedTrainer] = CembedTrainer,
+    warnings: tuple[str, ...] = (),
 ) -> dict:
     """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
 
@@ -422,6 +424,9 @@ def run_training(
         overwrite: allow an ``output_dir`` that already holds a finished model.
         max_memory: memory budget for ``batch.mini_batch_size: auto`` (e.g. ``8GiB``).
         trainer_cls: the trainer class (tests pass a subclass of :class:`CembedTrainer`).
+        warnings: the caller's findings before training (the CLI's rows the sampler cannot place,
+            :func:`cembed.data.placement.unplaceable_warnings`), printed and recorded with the plan's
+            warnings, the data's and the changes a resume applies.
 
     Returns:
         The run summary (also written to ``<output_dir>/run_summary.json`` by rank 0).
@@ -433,16 +438,14 @@ def run_training(
     """
     console = console or report.make_console()
     is_main = dist_info().is_main
-    # model.precision: auto resolved
-    as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": plan.precision})})
-    record = training_record(as_run, plan.samples_per_step, plan.learning_rate, data.dataset)
+    record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset, plan.precision)
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
-    plan = replace(plan, warnings=plan.warnings + tuple(f"resume applies {c}" for c in run_dir.resume_changes))
+    findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))
     quiet_libraries()
     with failures_recorded(run_dir.out, is_main, Attempt()) as attempt:
         device, plan = resolve_runtime(cfg, plan, data, console, max_memory)
-        report.print_run_header(console, cfg, plan)
+        report.print_run_header(console, cfg, plan, findings)
         eval_lines = (lambda line: console.print(line, highlight=False)) if progress and is_main else None
         parts = build_components(cfg, plan, data, device, eval_lines)
         if is_main:
@@ -451,6 +454,6 @@ def run_training(
         attempt.trainer = run.trainer
         resuming = bool(run_dir.checkpoint)
         eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming, cfg.data.cache_dir)
-        attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
+        attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run, findings)
         result = train(run, run_dir, base)
         return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before)

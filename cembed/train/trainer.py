@@ -43,6 +43,7 @@ from cembed.distributed.group import gather_over_ranks, main_first, max_over_ran
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.files import append_log
 from cembed.model.lora import is_lora, load_adapter_checkpoint
+from cembed.plan.precision import autocast, precision_from_flags
 from cembed.train.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.train.flops import format_flops
 from cembed.train.meter import ThroughputMeter
@@ -93,7 +94,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "max_steps": args.max_steps,
             "num_train_epochs": args.num_train_epochs,
-            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "precision": precision_from_flags(args.bf16, args.fp16),
             "max_seq_length": getattr(self.model, "max_seq_length", None),
         }
 
@@ -102,12 +103,7 @@ class CembedTrainer(SentenceTransformerTrainer):
         what accelerate wraps the model's forward in for training and for evaluation during and
         after it), or none for fp32. Used around the evaluations before and after training, so
         before -> during -> after differences are training effects, not a precision change."""
-        import contextlib
-
-        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.model.device.type, dtype=dtype)
+        return autocast(precision_from_flags(self.args.bf16, self.args.fp16), self.model.device.type)
 
     def evaluate_base_model(self, evaluation, resuming: bool = False, cache_dir: str | None = None) -> dict | None:
         """Evaluate the model "before training" on rank 0, in :meth:`eval_precision` (``None`` when

@@ -301,7 +301,13 @@ def stage_gather(ctx: dict, work: Path) -> dict:
     peaks = {}
     for w in (1, 8):
         spec = TrialSpec(
-            model=mc, loss=loss_config().model_dump(), n_columns=3, batch_size=4096, device="cuda", world_size=w
+            model=mc,
+            loss=loss_config().model_dump(),
+            n_columns=3,
+            batch_size=4096,
+            device="cuda",
+            world_size=w,
+            precision="bf16",
         )
         t = CudaTrial(spec)
         peaks[w] = t(1024).peak_bytes
@@ -399,7 +405,7 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     from cembed.data.tokenize import pretokenize
     from cembed.losses.registry import build_loss
     from cembed.model.load import load_model
-    from cembed.plan.precision import enable_tf32, resolve_precision
+    from cembed.plan.precision import autocast_dtype, enable_tf32, resolve_precision
 
     b, mini, dev = ctx["batch"], _mini_batch(ctx), ctx["device"]
     model = load_model(ModelConfig(name_or_path=ctx["model"], max_seq_length=ctx["seq"], device=dev), dev)
@@ -408,7 +414,7 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     if precision.tf32:
         enable_tf32()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.precision)
+    dtype = autocast_dtype(precision.precision)
     if dtype is not None:
         _autocast_forward(model, dtype)
     rows = coco_rows(ctx, b)

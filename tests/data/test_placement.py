@@ -17,7 +17,7 @@ from datasets import Dataset
 
 from cembed.config.file import config_from_dict
 from cembed.config.schema import ModelConfig
-from cembed.data.placement import find_unplaceable, inspect_batches, inspect_data, warn_unplaceable
+from cembed.data.placement import find_unplaceable, inspect_batches, inspect_data, unplaceable_warnings
 from cembed.data.prepare import PreparedData, UnloadedData
 from cembed.data.sampler import row_hashes
 from cembed.plan.resolve import resolve_plan
@@ -101,7 +101,7 @@ def test_inspect_data_compares_token_ids_with_a_model(tmp_path):
     assert fallback.compared_as.startswith("raw text (model not loaded: ")
 
 
-def test_warn_unplaceable_adds_to_the_plan(tmp_path, monkeypatch):
+def test_unplaceable_warnings_beside_the_plan(tmp_path, monkeypatch):
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     cfg = config_from_dict(
@@ -113,10 +113,11 @@ def test_warn_unplaceable_adds_to_the_plan(tmp_path, monkeypatch):
         base=tmp_path,
     )
     plan = replace(resolve_plan(cfg, world_size=2), warnings=("earlier",))  # global batch 2 x 2 = 4
-    # drop_last false is forced on with two processes: the same 8 rows as above
-    assert warn_unplaceable(plan, _data(), drop_last=False, seed=5).warnings == ("earlier", EXPECTED)
-    assert warn_unplaceable(plan, UnloadedData("hub/x", "offline"), drop_last=True, seed=5) is plan
+    # drop_last false is forced on with two processes: the same 8 rows as above; the plan is not amended
+    assert unplaceable_warnings(plan, _data(), drop_last=False, seed=5) == (EXPECTED,)
+    assert plan.warnings == ("earlier",)
+    assert unplaceable_warnings(plan, UnloadedData("hub/x", "offline"), drop_last=True, seed=5) == ()
     # one process, batches of 2: a popular row needs one of the 4 unique rows as its partner, so at
     # least 4 popular rows are left out; seed 0's shuffle reaches that bound (4 batches, 4 rows out)
-    (warning,) = warn_unplaceable(resolve_plan(cfg, world_size=1), _data(), drop_last=True, seed=0).warnings
+    (warning,) = unplaceable_warnings(resolve_plan(cfg, world_size=1), _data(), drop_last=True, seed=0)
     assert warning.startswith("4 of 12 rows cannot be placed in a duplicate-free batch of 2 (4 batches per epoch)")
