@@ -197,7 +197,7 @@ def test_length_sorted_cached_loss_carries_prompt_length(prompted_model_dir, tmp
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     from cembed.data.tokenize import collator_for, pretokenize
-    from cembed.losses.registry import LengthSortedCachedMNRL
+    from cembed.losses.mnrl import LengthSortedCachedMNRL
 
     roles = ["anchor", "positive", "negative_1"]
     results = []

@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import distinct_pairs
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.base.losses.gradcache import _minibatch_ranges
 from test_losses import _loss_and_grads, _rel
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
 from cembed.config.file import config_from_dict, load_config
 from cembed.config.schema import ModelConfig, loss_config
+from cembed.losses.length_sorted import minibatch_ranges
 from cembed.losses.registry import build_loss
 from cembed.losses.token_budget import padded_ranges, row_extents, token_budget_ranges
 from cembed.plan.resolve import resolve_plan
@@ -76,7 +76,7 @@ def test_short_rows_get_larger_minibatches(tiny_model_dir):
     assert ranges == [(0, 2), (2, 4), (4, 10), (10, 20)]
     for b, e in ranges:
         assert (e - b) * lengths[b] <= 90
-    library = _minibatch_ranges(feature, 4, 90)  # counts non-padding tokens
+    library = minibatch_ranges(feature, 4, 90)  # counts non-padding tokens
     assert max((e - b) * max(lengths[b:e]) for b, e in library) > 90  # e.g. the 32-token row + short ones
 
 

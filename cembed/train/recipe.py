@@ -279,6 +279,7 @@ def build_trainer(
         evaluator=parts.evaluation.evaluator if parts.evaluation else None,
         meter=ThroughputMeter(parts.loss.token_counts, flops, filter_counts=parts.loss.filter_counts),
         nonfinite_policy=cfg.train.nonfinite_loss,
+        built_loss=parts.loss,
     )
     trainer.remove_callback(PrinterCallback)
     trainer.run_record = run_dir.record
