@@ -105,7 +105,7 @@ class BuiltLoss:
 
     def collective_facts(self) -> dict[str, object]:
         """What of this loss decides the collectives a training step issues, for
-        :func:`cembed.distributed.group.require_same_on_all_ranks`: the module's class, and (from
+        :func:`cembed.distributed.collectives.require_same_on_all_ranks`: the module's class, and (from
         :attr:`settings`) whether it gathers across ranks and, for a cached loss, its mini-batch
         size and token budget (None where they do not apply or are unknown)."""
         settings, cached = self.settings, self.cached

@@ -70,7 +70,7 @@ class ThroughputMeter:
     Attributes:
         token_counts: the loss's token counter (read and reset at every interval).
         flops: the run's FLOP model (adds ``flops_per_s`` and ``mfu``); None: no FLOP statistics.
-        gather: ``values -> every rank's values`` (e.g. :func:`cembed.distributed.group.gather_over_ranks`);
+        gather: ``values -> every rank's values`` (e.g. :func:`cembed.distributed.collectives.gather_over_ranks`);
             the default is this process alone.
     """
 

@@ -26,14 +26,9 @@ from cembed.config.schema import CembedConfig
 from cembed.data.mixture import SourceMix
 from cembed.data.prepare import PreparedData, UnloadedData, prepare_checked_data
 from cembed.data.tokenize import tokenize_stage
+from cembed.distributed.ddp import freeze_unused_parameters
 from cembed.distributed.fsdp import gathered_model
-from cembed.distributed.group import (
-    backend_for,
-    dist_info,
-    freeze_unused_parameters,
-    init_distributed,
-    local_main_first,
-)
+from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss

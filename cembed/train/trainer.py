@@ -38,8 +38,9 @@ from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
 from cembed.data.tokenize import PaddingCollator, TokenIdRows
+from cembed.distributed.collectives import gather_over_ranks, max_over_ranks, require_same_on_all_ranks
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
-from cembed.distributed.group import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
+from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.files import append_log
 from cembed.losses.counts import TokenCounts
@@ -92,7 +93,7 @@ class CembedTrainer(SentenceTransformerTrainer):
         """What decides the collectives a training step issues: the loss and its mini-batching
         (``mini_batch_size`` from ``auto`` included), the columns, rows per rank, accumulation,
         precision, sequence length and the training rows. Every rank must have the same; the
-        constructor refuses a job whose ranks differ (:func:`~cembed.distributed.group.require_same_on_all_ranks`)."""
+        constructor refuses a job whose ranks differ (:func:`~cembed.distributed.collectives.require_same_on_all_ranks`)."""
         args, data = self.args, self.train_dataset
         built = self.built_loss or BuiltLoss(self.loss, TokenCounts(), cached=False)
         return {
