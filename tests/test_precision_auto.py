@@ -17,7 +17,7 @@ from cembed.cli.app import app
 from cembed.config.schema import CembedConfig, ModelConfig
 from cembed.errors import UserError
 from cembed.plan.precision import enable_tf32, resolve_precision
-from cembed.probe.search import resolved_model_config
+from cembed.probe.setup import resolved_model_config
 
 GPUS = {
     "NVIDIA H200": (9, 0),

@@ -19,7 +19,8 @@ from cembed.losses.length_sorted import minibatch_ranges
 from cembed.losses.registry import build_loss
 from cembed.losses.token_budget import padded_ranges, row_extents, token_budget_ranges
 from cembed.plan.resolve import resolve_plan
-from cembed.probe.search import override_line, probe_token_budget, run_trial, search_mini_batch
+from cembed.probe.auto import override_line
+from cembed.probe.search import probe_token_budget, run_trial, search_mini_batch
 from cembed.probe.trials import SubprocessTrial, TrialOutcome, TrialSpec
 
 # Lengths (in words) from long to short with a gap: the case where counting non-padding tokens
@@ -215,7 +216,7 @@ class FakeTrials:
 
 
 def test_auto_sets_both_and_keeps_a_user_budget(monkeypatch, tiny_model_dir):
-    import cembed.probe.search as probe
+    import cembed.probe.auto as probe
     from cembed.plan.resolve import Plan
 
     monkeypatch.setattr(probe, "SubprocessTrial", FakeTrials)
@@ -241,7 +242,7 @@ def test_auto_sets_both_and_keeps_a_user_budget(monkeypatch, tiny_model_dir):
 
 
 def test_write_stores_both(monkeypatch, tiny_model_dir, write_config, pairs_file):
-    import cembed.probe.search as probe
+    import cembed.probe.auto as probe
 
     monkeypatch.setattr(probe, "SubprocessTrial", FakeTrials)
     cfg = write_config(

@@ -340,7 +340,9 @@ def probe_minibatch_cmd(
     from cembed.cli.report import print_probe, print_truncation
     from cembed.config.file import model_config_from_flags, set_yaml_value
     from cembed.config.schema import CachedMNRLLossConfig, CembedConfig
-    from cembed.probe.search import parse_bytes, resolved_model_config, run_probe
+    from cembed.files import parse_bytes
+    from cembed.probe.auto import run_probe
+    from cembed.probe.setup import resolved_model_config
 
     if write and config is None:
         raise UserError("--write: needs a config file to write batch.mini_batch_size into")

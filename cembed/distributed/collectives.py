@@ -56,7 +56,7 @@ def max_over_ranks(value: int) -> int:
 
 def agree_across_ranks(size: int) -> int:
     """The probe across ranks: every rank probes its own GPU and all ranks use the smallest answer
-    (:func:`reduce_over_ranks` with ``min``). Used by :func:`cembed.probe.search.run_probe`."""
+    (:func:`reduce_over_ranks` with ``min``). Used by :func:`cembed.probe.auto.run_probe`."""
     return reduce_over_ranks(size, "min")
 
 

@@ -31,7 +31,7 @@ class Plan:
     gather_across_devices: bool = False  # each anchor sees all ranks' candidates (world_size > 1)
     warnings: tuple[str, ...] = ()
     # Rows embedded at once by a cached loss; None until the probe fills batch.mini_batch_size: auto
-    # (cembed.probe.search.resolve_auto), which also records its measurements here.
+    # (cembed.probe.auto.resolve_auto), which also records its measurements here.
     mini_batch_size: int | None = None
     mini_batch_probe: dict | None = None
     # Token positions per mini-batch (rows x padded width, cembed.losses.token_budget); with it set it cuts

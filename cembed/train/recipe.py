@@ -37,7 +37,7 @@ from cembed.model.lora import adapter_facts, finish_lora, is_lora
 from cembed.model.prompts import RolePrompts, resolve_prompts
 from cembed.plan.precision import enable_tf32
 from cembed.plan.resolve import Plan, resolve_plan
-from cembed.probe.search import resolve_auto
+from cembed.probe.auto import resolve_auto
 from cembed.train.args import build_training_args
 from cembed.train.checkpoint import (
     InterruptCallback,
