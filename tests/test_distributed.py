@@ -436,3 +436,13 @@ def test_unused_parameter_search_sees_every_column(tiny_model_dir):
     unused = unused_parameters(model, rows, tasks)
     assert unused and not any(n.startswith("doc_proj") for n in unused)
     assert all("pooler" in n for n in unused)  # still finds what no column reaches
+
+
+def test_reduce_over_ranks_without_a_group_is_the_value():
+    """One process: max_over_ranks / agree_across_ranks (both reduce_over_ranks) return the value."""
+    from cembed.distributed.collectives import agree_across_ranks, max_over_ranks, reduce_over_ranks
+
+    assert reduce_over_ranks(7, "max") == reduce_over_ranks(7, "min") == 7
+    assert max_over_ranks(3) == 3 and agree_across_ranks(5) == 5
+    with pytest.raises(ValueError, match="op must be 'max' or 'min'"):
+        reduce_over_ranks(1, "sum")
