@@ -18,8 +18,9 @@ from test_losses import TEXTS, _features, _loss_and_grads, _rel
 from cembed.config.file import config_from_dict, load_config
 from cembed.config.schema import loss_config
 from cembed.errors import UserError
+from cembed.losses.gist import LengthSortedCachedGIST, SelfGuidedCachedMNRL
 from cembed.losses.matryoshka import CountingMatryoshkaLoss
-from cembed.losses.registry import LengthSortedCachedGIST, SelfGuidedCachedMNRL, build_loss
+from cembed.losses.registry import build_loss
 from cembed.train.recipe import check_run_inputs, run_training
 
 TRIPLETS = ("anchor", "positive", "negative_1")

@@ -98,7 +98,7 @@ def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config,
 def test_meter_interval_arithmetic(monkeypatch):
     """data_wait = waited / wall, tokens/s = real / wall, padded share = 1 - real / processed."""
     import cembed.train.meter as meter_mod
-    from cembed.losses.registry import TokenCounts
+    from cembed.losses.counts import TokenCounts
     from cembed.train.meter import ThroughputMeter
 
     clock = iter([100.0, 110.0, 130.0, 130.0])

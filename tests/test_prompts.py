@@ -199,7 +199,7 @@ def test_length_sorted_cached_loss_carries_prompt_length(prompted_model_dir, tmp
 
     from cembed.data.collator import collator_for
     from cembed.data.tokenize import pretokenize
-    from cembed.losses.registry import LengthSortedCachedMNRL
+    from cembed.losses.mnrl import LengthSortedCachedMNRL
 
     roles = ["anchor", "positive", "negative_1"]
     results = []

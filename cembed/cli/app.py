@@ -205,7 +205,8 @@ def train_cmd(
         overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
     from cembed.cli.report import make_console, print_done, print_eval_change
     from cembed.data.placement import unplaceable_warnings
-    from cembed.distributed.group import dist_info, is_worker, leave_process_group, record_worker_error
+    from cembed.distributed.group import dist_info, is_worker, leave_process_group
+    from cembed.distributed.launch import record_worker_error
     from cembed.train.recipe import check_run_inputs, run_training
 
     world = _world_size(nproc_per_node, nnodes)
@@ -295,7 +296,7 @@ def _launch_training(
     """Check config and data here (a user mistake exits 2 before any process starts), then run
     ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run."""
     from cembed.cli.report import print_plan
-    from cembed.distributed.group import launch, launcher_args
+    from cembed.distributed.launch import launch, launcher_args
     from cembed.train.recipe import check_run_inputs
 
     launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
@@ -347,8 +348,9 @@ def probe_minibatch_cmd(
     from cembed.cli.report import print_probe, print_truncation
     from cembed.config.file import model_config_from_flags, set_yaml_value
     from cembed.config.schema import CachedMNRLLossConfig, CembedConfig
+    from cembed.files import parse_bytes
     from cembed.plan.resolve import resolve_model
-    from cembed.probe.search import parse_bytes, run_probe
+    from cembed.probe.auto import run_probe
 
     if write and config is None:
         raise UserError("--write: needs a config file to write batch.mini_batch_size into")

@@ -16,7 +16,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from transformers import TrainerCallback
 
-from cembed.probe.search import ProbeResult, format_bytes, override_line
+from cembed.files import format_bytes
+from cembed.probe.auto import override_line
+from cembed.probe.search import ProbeResult
 from cembed.train.flops import format_flops
 from cembed.train.summary import eval_change_rows
 

@@ -67,7 +67,7 @@ class Plan:
     """What a validated config means on this machine, decided once by :func:`resolve_plan`.
 
     The one later change is the probe's answer for ``batch.mini_batch_size: auto``
-    (:meth:`with_probe`, from :func:`cembed.probe.search.resolve_auto`, once the process group exists).
+    (:meth:`with_probe`, from :func:`cembed.probe.auto.resolve_auto`, once the process group exists).
     Every other stage's findings (the data's warnings, rows the sampler cannot place, the changes a
     resume applies) are values of their own, printed and recorded beside the plan's ``warnings``.
     """
@@ -83,7 +83,7 @@ class Plan:
     gather_across_devices: bool = False  # each anchor sees all ranks' candidates (world_size > 1)
     warnings: tuple[str, ...] = ()
     # Rows embedded at once by a cached loss; None until the probe fills batch.mini_batch_size: auto
-    # (cembed.probe.search.resolve_auto), which also records its measurements here.
+    # (cembed.probe.auto.resolve_auto), which also records its measurements here.
     mini_batch_size: int | None = None
     mini_batch_probe: dict | None = None
     # Token positions per mini-batch (rows x padded width, cembed.losses.token_budget); with it set it cuts

@@ -26,14 +26,9 @@ from cembed.config.schema import CembedConfig
 from cembed.data.mixture import SourceMix
 from cembed.data.prepare import PreparedData, UnloadedData, prepare_checked_data
 from cembed.data.tokenize import tokenize_stage
+from cembed.distributed.ddp import freeze_unused_parameters
 from cembed.distributed.fsdp import gathered_model
-from cembed.distributed.group import (
-    backend_for,
-    dist_info,
-    freeze_unused_parameters,
-    init_distributed,
-    local_main_first,
-)
+from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
@@ -42,7 +37,7 @@ from cembed.model.lora import adapter_facts, finish_lora, is_lora
 from cembed.model.prompts import RolePrompts, resolve_prompts
 from cembed.plan.precision import enable_tf32
 from cembed.plan.resolve import Plan, resolve_plan
-from cembed.probe.search import resolve_auto
+from cembed.probe.auto import resolve_auto
 from cembed.train.args import build_training_args
 from cembed.train.checkpoint import (
     InterruptCallback,
@@ -281,6 +276,7 @@ def build_trainer(
         evaluator=parts.evaluation.evaluator if parts.evaluation else None,
         meter=ThroughputMeter(parts.loss.token_counts, flops, filter_counts=parts.loss.filter_counts),
         nonfinite_policy=cfg.train.nonfinite_loss,
+        built_loss=parts.loss,
     )
     trainer.remove_callback(PrinterCallback)
     trainer.run_record = run_dir.record

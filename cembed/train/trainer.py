@@ -38,10 +38,13 @@ from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
 from cembed.data.collator import PaddingCollator, TokenIdRows
+from cembed.distributed.collectives import gather_over_ranks, max_over_ranks, require_same_on_all_ranks
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
-from cembed.distributed.group import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
+from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.files import append_log
+from cembed.losses.counts import TokenCounts
+from cembed.losses.registry import BuiltLoss
 from cembed.model.lora import is_lora, load_adapter_checkpoint
 from cembed.plan.precision import autocast, precision_from_flags
 from cembed.train.checkpoint import STAGING, latest_complete, mark_complete
@@ -57,10 +60,20 @@ class CembedTrainer(SentenceTransformerTrainer):
         *args, **kwargs: as for ``SentenceTransformerTrainer``.
         meter: times data waits and adds its statistics to every training log; None: no meter.
         nonfinite_policy: ``"stop"`` (raise :class:`~cembed.errors.RunFailed`) or ``"skip"``.
+        built_loss: the :class:`~cembed.losses.registry.BuiltLoss` whose ``module`` is ``loss``: its
+            mini-batching is what :meth:`collective_facts` compares across ranks (None: the class only).
     """
 
-    def __init__(self, *args, meter: ThroughputMeter | None = None, nonfinite_policy: str = "stop", **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        meter: ThroughputMeter | None = None,
+        nonfinite_policy: str = "stop",
+        built_loss: BuiltLoss | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.built_loss = built_loss
         self.meter = meter
         if meter is not None:
             meter.gather = gather_over_ranks  # the job's tokens/s and data-wait, not rank 0's alone
@@ -81,13 +94,11 @@ class CembedTrainer(SentenceTransformerTrainer):
         """What decides the collectives a training step issues: the loss and its mini-batching
         (``mini_batch_size`` from ``auto`` included), the columns, rows per rank, accumulation,
         precision, sequence length and the training rows. Every rank must have the same; the
-        constructor refuses a job whose ranks differ (:func:`~cembed.distributed.group.require_same_on_all_ranks`)."""
-        loss, args, data = self.loss, self.args, self.train_dataset
+        constructor refuses a job whose ranks differ (:func:`~cembed.distributed.collectives.require_same_on_all_ranks`)."""
+        args, data = self.args, self.train_dataset
+        built = self.built_loss or BuiltLoss(self.loss, TokenCounts(), cached=False)
         return {
-            "loss": type(loss).__name__,
-            "mini_batch_size": getattr(loss, "mini_batch_size", None),
-            "mini_batch_num_tokens": getattr(loss, "token_budget", getattr(loss, "mini_batch_num_tokens", None)),
-            "gather_across_devices": getattr(loss, "gather_across_devices", None),
+            **built.collective_facts(),
             "columns": list(getattr(data, "column_names", None) or []),
             "rows": len(data) if data is not None else None,
             "per_device_train_batch_size": args.per_device_train_batch_size,

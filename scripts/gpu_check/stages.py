@@ -318,7 +318,7 @@ def stage_gather(ctx: dict, work: Path) -> dict:
 
 def stage_probe(ctx: dict, work: Path) -> dict:
     from cembed.config.schema import ModelConfig, loss_config
-    from cembed.probe.search import run_probe
+    from cembed.probe.auto import run_probe
 
     dev = ctx["device"]
     mc = ModelConfig(name_or_path=ctx["model"], max_seq_length=ctx["seq"], device=dev)
