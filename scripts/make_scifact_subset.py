@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write tests/data/scifact_test_top12.json: the SciFact documents that can reach any test query's
+"""Write tests/fixtures/scifact_test_top12.json: the SciFact documents that can reach any test query's
 top 10 under the packaged all-MiniLM-L6-v2, so the CI reproduction encodes ~2,300 abstracts
 instead of 5,183 and still computes NDCG@10 / MRR@10 / Recall@10 exactly.
 
@@ -36,7 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--embeddings", help="full-corpus embeddings (.npy, corpus file order)")
     p.add_argument("--scifact", default=str(REPO.parent / "shared" / "data" / "scifact"))
-    p.add_argument("--out", default=str(REPO / "tests" / "data" / "scifact_test_top12.json"))
+    p.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "scifact_test_top12.json"))
     args = p.parse_args()
     rs = load_beir(args.scifact, "test")
     model = load_eval_model("all-MiniLM-L6-v2", device="cpu")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the test suite's real-data copies in tests/data/ from ../shared/data, so the tests run in a
+"""Build the test suite's real-data copies in tests/fixtures/ from ../shared/data, so the tests run in a
 clone without it:
 
 - ``stsbenchmark/sts-test.csv.gz``: the STS Benchmark test file, byte for byte, gzipped, beside its
@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS_DATA = REPO / "tests" / "data"
+TESTS_DATA = REPO / "tests" / "fixtures"
 
 SCIFACT_LICENSE = """\
 # SciFact test subset (BEIR layout)

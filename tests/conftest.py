@@ -1,11 +1,12 @@
 """Shared fixtures: a tiny random BERT sentence-transformer built in the test (no downloads), the
-real data (in the repository: the packaged COCO pairs, tests/data; the larger optional sets in
+real data (in the repository: the packaged COCO pairs, tests/fixtures; the larger optional sets in
 ../shared/data, which a clone may not have), and a small config writer."""
 
 from __future__ import annotations
 
 import os
 import string
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"  # optional: full SciFact, the batch-size study
-TESTS_DATA = REPO / "tests" / "data"  # built by scripts/make_test_data.py, with licences
+TESTS_DATA = REPO / "tests" / "fixtures"  # built by scripts/make_test_data.py, with licences
 COCO_PAIRS = REPO / "cembed" / "samples" / "coco_captions" / "train_pairs.jsonl.gz"  # cembed:coco-captions
 COCO_HELDOUT = REPO / "cembed" / "samples" / "coco_captions" / "heldout"  # cembed:coco-captions-heldout
 STS_TEST = TESTS_DATA / "stsbenchmark" / "sts-test.csv.gz"
@@ -129,3 +130,80 @@ def join_gloo_rank(rank: int, world: int, port: int, hang_s: float) -> None:
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+
+
+# --- shared by the loss tests (tests/losses, tests/model) ---------------------------------------
+
+TEXTS = {
+    "anchor": [
+        "a man on a bus",
+        "two dogs",
+        "the red car",
+        "a cat on a table",
+        "people at the street",
+        "white plate of food",
+        "a train",
+    ],
+    "positive": [
+        "man riding bus",
+        "dogs playing",
+        "car in red",
+        "cat sitting on table",
+        "street with people",
+        "food on a plate",
+        "train on track",
+    ],
+    "negative_1": [
+        "a blue room",
+        "large black dog",
+        "small white car",
+        "top of the bus",
+        "near the table",
+        "next to a woman",
+        "the woman",
+    ],
+}
+
+
+def features_for(model, columns):
+    """The tokenized ``TEXTS`` of each named column, in order."""
+    return [model.tokenize(TEXTS[c]) for c in columns]
+
+
+def loss_and_grads(model, loss, features):
+    """``(loss value, every parameter's gradient flattened into one vector)`` after one backward."""
+    import torch
+
+    model.zero_grad()
+    value = loss(features, labels=None)
+    value.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return value.detach(), grads
+
+
+def rel_diff(a, b):
+    """``||a - b|| / ||b||``."""
+    import torch
+
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+# A training run that receives a real SIGTERM at the end of step 3 (tests/train, tests/model).
+KILL_AT_STEP_3 = textwrap.dedent(
+    """
+    import os, signal, sys
+    import cembed.train.recipe as T
+
+    class SigtermAtStep3(T.InterruptCallback):
+        # Delivers a real SIGTERM to this process at the end of step 3, through the real handler.
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3 and self.signum is None:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().on_step_end(args, state, control, **kw)
+
+    T.InterruptCallback = SigtermAtStep3
+    from cembed.cli.app import main
+    sys.argv = ["cembed", "train", sys.argv[1]]
+    main()
+    """
+)

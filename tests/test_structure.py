@@ -1,29 +1,49 @@
-"""The package's shape: imports run one way, only the CLI and the reporting module print."""
+"""The package's shape: the import-linter contracts hold and can fail, no import cycle, no private name
+crosses a module, package faces are docstrings, and validating a config loads no torch.
+
+The layer rules themselves live in pyproject.toml (``[tool.importlinter]``), run by ``make lint``."""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "cembed"
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = REPO / "cembed"
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def module_name(path: Path) -> str:
+    """``cembed/data/sampler.py`` -> ``cembed.data.sampler`` (a package's ``__init__`` -> the package)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    """Every ``cembed...`` module named by an import in ``tree`` (function-local imports included)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "cembed":
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "cembed")
+    return found
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module name -> cembed modules it imports, function-local imports included."""
-    modules = {p.stem for p in PKG.glob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for path in PKG.glob("*.py"):
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module.startswith("cembed."):
-                    deps.add(node.module.split(".")[1])
-                elif node.module == "cembed":
-                    deps.update(a.name for a in node.names)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name.split(".")[1] for a in node.names if a.name.startswith("cembed."))
-        graph[path.stem] = {d for d in deps if d in modules and d != path.stem}
-    return graph
+    """Module -> the cembed modules it imports (names that are not modules are dropped)."""
+    paths = {module_name(p): p for p in PKG.rglob("*.py")}
+    return {
+        name: {d for d in imported_modules(ast.parse(p.read_text())) if d in paths and d != name}
+        for name, p in paths.items()
+    }
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -53,21 +73,76 @@ def test_find_cycles_sees_a_cycle():
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_cembed_imports_have_no_cycle():
-    assert find_cycles(import_graph()) == []
+def test_cembed_modules_have_no_import_cycle():
+    graph = import_graph()
+    assert "cembed.data.sampler" in graph  # the walk sees the subpackages
+    # a package face importing its own modules is not a cycle (losses/__init__ registers the built-ins)
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    assert find_cycles(graph) == []
 
 
-def test_only_cli_and_report_import_rich():
-    printers = set()
-    for path in PKG.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module] if isinstance(node, ast.ImportFrom) else []
-            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if any(n and n.split(".")[0] == "rich" for n in names):
-                printers.add(path.stem)
-    assert printers <= {"cli", "report"}, printers
+def private_imports(path: Path) -> list[str]:
+    """``module.name`` for each ``_private`` name ``path`` imports from a module of this repository: a
+    cembed module, ``conftest``, a test module, or a sibling file (the scripts' own modules)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            top = node.module.split(".")[0]
+            ours = top in {"cembed", "conftest"} or top.startswith("test_") or (path.parent / f"{top}.py").exists()
+            if ours:
+                out += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return out
 
 
-def test_no_module_over_450_lines():
-    sizes = {p.name: len(p.read_text().splitlines()) for p in PKG.glob("*.py")}
-    assert {name: n for name, n in sizes.items() if n > 450} == {}
+def test_no_private_name_crosses_a_module():
+    files = [*PKG.rglob("*.py"), *(REPO / "scripts").rglob("*.py"), *(REPO / "tests").rglob("*.py")]
+    crossing = {str(p.relative_to(REPO)): names for p in files if (names := private_imports(p))}
+    assert crossing == {}
+
+
+def test_private_import_check_sees_one(tmp_path):
+    planted = tmp_path / "x.py"
+    (tmp_path / "helpers.py").write_text("_shared = 1\n")
+    planted.write_text("from cembed.data.sampler import _fits\nfrom helpers import _shared\nfrom torch import _C\n")
+    assert private_imports(planted) == ["cembed.data.sampler._fits", "helpers._shared"]
+
+
+def test_package_faces_hold_only_a_docstring():
+    """``__init__.py`` states the package's job; only ``losses`` imports (its built-ins register)."""
+    for init in PKG.rglob("__init__.py"):
+        if init.parent.name == "samples":  # a data package: its face resolves `cembed:<name>`
+            continue
+        body = ast.parse(init.read_text()).body
+        assert body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), init
+        rest = [n for n in body[1:] if not (init.parent == PKG and isinstance(n, ast.Assign))]
+        if init.parent.name == "losses":
+            assert rest and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in rest), init
+        else:
+            assert rest == [], init
+
+
+def test_config_imports_no_torch():
+    code = "import sys, cembed.config.file; print(sorted(m for m in ('torch','datasets','sentence_transformers','transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]"
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="import-linter is installed by `make install` (dev extra)")
+def test_import_contracts_hold_and_an_upward_import_breaks_them(tmp_path):
+    assert lint_imports(REPO).returncode == 0, lint_imports(REPO).stdout[-3000:]
+    shutil.copytree(PKG, tmp_path / "cembed", ignore=shutil.ignore_patterns("__pycache__", "samples"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    (tmp_path / "cembed" / "samples").mkdir()
+    shutil.copy(PKG / "samples" / "__init__.py", tmp_path / "cembed" / "samples")
+    columns = tmp_path / "cembed" / "data" / "columns.py"
+    columns.write_text(columns.read_text() + "\n\ndef _upward():\n    from cembed.train import recipe  # noqa\n")
+    broken = lint_imports(tmp_path)
+    assert broken.returncode != 0
+    assert "cembed.data.columns -> cembed.train.recipe" in broken.stdout

@@ -7,7 +7,7 @@ through accelerate and the trainer's ``fsdp`` options.
 - :func:`enable_fsdp_on_cpu`: accelerate (1.15, ``AcceleratorState.__init__``) turns the FSDP plugin
   into ``DistributedType.FSDP`` only inside its branch for accelerator devices (MULTI_GPU, XPU, NPU,
   ...); a CPU job stays ``MULTI_CPU``, drops the plugin and trains with DDP, silently. torch's
-  ``fully_shard`` itself works on CPU with gloo (tests/test_fsdp.py), so cembed hands the plugin to
+  ``fully_shard`` itself works on CPU with gloo (tests/distributed/test_fsdp.py), so cembed hands the plugin to
   the accelerator state itself there: the CPU job then runs the same FSDP2 code as a GPU job.
 - :func:`gathered_model`: the final model. The trained model's parameters are DTensor shards and
   every forward all-gathers them, so rank 0 cannot save or evaluate it alone: all ranks gather the

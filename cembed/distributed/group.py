@@ -23,7 +23,7 @@ Exactness: sentence-transformers' gathered MNRL gives each rank the mean loss ov
 (scored against all ranks' candidates), and the all-gather's backward sums the gradients that every
 rank's loss sends to each embedding, so each rank's parameter gradient is ``world_size x`` its share
 of the full-batch gradient; DDP's average over ranks then yields exactly the gradient of the
-full-batch loss (the mean of the per-rank losses). ``tests/test_distributed.py`` checks loss and
+full-batch loss (the mean of the per-rank losses). ``tests/distributed/test_distributed.py`` checks loss and
 updated weights against one process on the whole batch.
 """
 

@@ -1,8 +1,10 @@
-"""The loss seam and the built-in losses (may import: model, config, errors).
+"""The loss seam and the built-in losses: the registry (``register_loss`` -> ``BuiltLoss``, the contract
+the trainer and the probe read), one module per loss family that registers itself, the length-sorted /
+token-budget / packed mini-batch mixin, and the counters the meter reads.
 
-:mod:`cembed.losses.registry` holds the contract (``register_loss``, ``build_loss``, ``BuiltLoss``);
-each built-in loss module registers itself, and this file imports them so that they do
-(the one ``__init__`` in cembed that imports).
+May import: ``cembed.model``, ``cembed.plan``, ``cembed.config``, ``cembed.files``, ``cembed.errors``
+(never data, eval, probe, train or cli). This is the one ``__init__`` in cembed that imports: the
+built-in loss modules, so that they register.
 """
 
 import cembed.losses.gist  # noqa: F401 - registers cached_gist

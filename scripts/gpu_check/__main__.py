@@ -27,7 +27,7 @@ commands, timeouts) and checks the bundle's contents against its manifest, witho
 The check is a folder run as a program (``python scripts/gpu_check``), split along its import
 boundary: this orchestrator, ``bundle.py`` (the bundle's check and install) and ``sampler.py`` (GPU
 utilisation) use the standard library only, since the GPU image lacks pydantic and datasets until the
-bundle is installed (tests/test_gpu_check.py asserts it); ``stages.py``, run in a process of its own
+bundle is installed (tests/scripts/test_gpu_check.py asserts it); ``stages.py``, run in a process of its own
 per stage, is the only module that imports cembed and torch.
 """
 

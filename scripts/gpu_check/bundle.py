@@ -1,7 +1,7 @@
 """The GPU check's offline bundle (made by ``scripts/gpu_bundle.sh``): its check against
 ``MANIFEST.json`` and the pip call that installs its wheels with no package index.
 
-Standard library only: it runs before the bundle's packages are installed (tests/test_gpu_check.py
+Standard library only: it runs before the bundle's packages are installed (tests/scripts/test_gpu_check.py
 asserts it).
 """
 

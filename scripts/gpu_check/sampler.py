@@ -1,6 +1,6 @@
 """GPU utilisation sampled in a thread while a stage runs (the GPU check's (e)).
 
-Standard library only (tests/test_gpu_check.py asserts it): nvidia-ml-py is imported when present,
+Standard library only (tests/scripts/test_gpu_check.py asserts it): nvidia-ml-py is imported when present,
 else ``nvidia-smi`` is called.
 """
 

@@ -6,7 +6,7 @@ stage's numbers).
 
 The only module of the check that imports cembed (and torch, datasets, sentence-transformers), always
 inside the stage functions; the orchestrator, ``bundle.py`` and ``sampler.py`` use the standard library
-only (tests/test_gpu_check.py asserts it), since the GPU image lacks pydantic and datasets until the
+only (tests/scripts/test_gpu_check.py asserts it), since the GPU image lacks pydantic and datasets until the
 bundle is installed. The stages import cembed by full module path from the interpreter's path: the
 bundle's site folder, else this checkout (the orchestrator sets ``PYTHONPATH``).
 """

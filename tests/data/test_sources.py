@@ -1,7 +1,7 @@
 """Several training sources in one run (every batch from one source) and no column silently ignored.
 
 The two real sources: the packaged COCO caption pairs (``cembed:coco-captions``) and SciFact
-(query, abstract) pairs from the BEIR folder in tests/data (its test qrels: the repository holds no
+(query, abstract) pairs from the BEIR folder in tests/fixtures (its test qrels: the repository holds no
 SciFact train split; ../shared/data/scifact has the full one).
 """
 

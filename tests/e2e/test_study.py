@@ -9,7 +9,10 @@ import json
 import pytest
 from conftest import REPO, SHARED_DATA
 
-pytestmark = pytest.mark.skipif(not (SHARED_DATA / "scifact").exists(), reason="../shared/data is not present")
+pytestmark = [
+    pytest.mark.slow,  # tests/e2e: whole runs
+    pytest.mark.skipif(not (SHARED_DATA / "scifact").exists(), reason="../shared/data is not present"),
+]
 
 
 def _load_script():

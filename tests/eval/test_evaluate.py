@@ -418,14 +418,14 @@ def test_reproduces_mteb_stsbenchmark_test_spearman():
 # SciFact: encoding all 5,183 abstracts at max_seq_length 256 takes 14-19 min on 2 CPU cores (measured
 # on the shared 2-core machine: 857 s, and 1,117 s through `cembed eval` under load), most of CI's
 # 20-minute budget for the whole suite. The CI test therefore encodes, live, only the 2,339 abstracts
-# that can reach any test query's top 10 (tests/data/scifact_test_top12.json, written by
+# that can reach any test query's top 10 (tests/fixtures/scifact_test_top12.json, written by
 # scripts/make_scifact_subset.py from a full encode: each query's top 12 plus every relevant
 # document). NDCG@10, MRR@10 and Recall@10 on that subset equal the full-corpus values exactly when no
 # left-out document could outrank a query's 10th hit; the test checks that with the recorded bound on
 # every left-out document's score. Those abstracts, the test queries and qrels are stored in
-# tests/data/scifact-test-subset/ (scripts/make_test_data.py), so the test needs no ../shared.
+# tests/fixtures/scifact-test-subset/ (scripts/make_test_data.py), so the test needs no ../shared.
 # CEMBED_FULL_REPRO=1 runs the full encode (../shared/data/scifact) with every metric.
-SCIFACT_SUBSET = REPO / "tests" / "data" / "scifact_test_top12.json"
+SCIFACT_SUBSET = REPO / "tests" / "fixtures" / "scifact_test_top12.json"
 FULL_REPRO = os.environ.get("CEMBED_FULL_REPRO") == "1"
 
 
@@ -456,7 +456,7 @@ def test_reproduces_mteb_scifact_ndcg_at_10(tmp_path):
     published = json.loads((REFERENCE / "mteb_all-MiniLM-L6-v2_SciFact.json").read_text())["scores"]["test"][0]
     subset = json.loads(SCIFACT_SUBSET.read_text())
     model = _packaged_model()
-    full = load_beir(SCIFACT_TEST_SUBSET, "test", name="scifact-test")  # tests/data: the listed abstracts only
+    full = load_beir(SCIFACT_TEST_SUBSET, "test", name="scifact-test")  # tests/fixtures: the listed abstracts only
     keep = set(subset["doc_ids"])
     rs = dataclasses.replace(full, corpus={d: t for d, t in full.corpus.items() if d in keep})
     assert len(rs.corpus) == 2339 and all(d in rs.corpus for rel in rs.relevant_docs.values() for d in rel)

@@ -6,8 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import COCO_PAIRS, REPO
 from sentence_transformers import SentenceTransformer
+
+pytestmark = pytest.mark.slow  # tests/e2e: whole runs through the CLI
 
 
 def test_cli_train_on_coco_slice(tiny_model_dir, write_config, tmp_path):

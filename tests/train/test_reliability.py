@@ -7,10 +7,9 @@ import gzip
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
-from conftest import REPO, distinct_pairs
+from conftest import KILL_AT_STEP_3, REPO, distinct_pairs
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -39,26 +38,6 @@ def _config(write_config, tmp_path, model_dir, out, **train):
         },
         name=f"{out.name}.yaml",
     )
-
-
-KILL_AT_STEP_3 = textwrap.dedent(
-    """
-    import os, signal, sys
-    import cembed.train.recipe as T
-
-    class SigtermAtStep3(T.InterruptCallback):
-        # Delivers a real SIGTERM to this process at the end of step 3, through the real handler.
-        def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 3 and self.signum is None:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return super().on_step_end(args, state, control, **kw)
-
-    T.InterruptCallback = SigtermAtStep3
-    from cembed.cli.app import main
-    sys.argv = ["cembed", "train", sys.argv[1]]
-    main()
-    """
-)
 
 
 def _weights(folder):

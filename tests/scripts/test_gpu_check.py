@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GPU_CHECK = REPO / "scripts" / "gpu_check"
 STDLIB_ONLY = ("__main__", "bundle", "sampler")  # run before the bundle's packages are installed
 STAGES = ["install", "env", "correctness", "sticky", "fp16_skip", "gather", "probe", "train", "stock"]
