@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import cembed.train.meter as meter_module
-from cembed.losses.counts import TokenCounts
-from cembed.losses.guided import FilterCounts
+from cembed.losses.counts import FilterCounts, TokenCounts
 from cembed.train.flops import FlopModel
 from cembed.train.meter import ThroughputMeter, smooth
 
