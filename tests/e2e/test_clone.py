@@ -13,14 +13,14 @@ import sys
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # tests/e2e: whole runs through the CLI
+
 # `python -m cembed validate <config>` for each config, in one process so the libraries load once:
 # the same entry point as `python -m cembed` (cembed/__main__.py), each exit code printed.
 VALIDATE_ALL = """
 import json, sys
 from cembed.cli.app import main
 import cembed
-
-pytestmark = pytest.mark.slow  # tests/e2e: whole runs through the CLI
 codes = {}
 for path in sys.argv[1:]:
     sys.argv = ["cembed", "validate", path]
