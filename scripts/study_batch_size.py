@@ -137,6 +137,13 @@ def markdown(results: list[dict], baseline: float, args, command: str, n_pairs: 
     return "\n".join(lines)
 
 
+def run_display(console):
+    """What ``cembed train`` prints for a run (probe, header, components) on ``console``, without the progress bar."""
+    from cembed.cli.train import RichRunDisplay
+
+    return RichRunDisplay(console, progress=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="all-MiniLM-L6-v2")
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({**same, "lr_scaling": rule, "same_run_as": same["lr_scaling"]})
                 continue
             t0 = time.perf_counter()
-            summary = run_training(cfg, plan, data, console, progress=False)
+            summary = run_training(cfg, plan, data, run_display(console))
             train_s = time.perf_counter() - t0
             ndcg, eval_s = evaluate_model(str(out_dir), args, cache_dir)
             results.append(

@@ -4,7 +4,7 @@ The sets come from :mod:`cembed.eval.sets`, the metrics from :mod:`cembed.eval.e
 evaluators), the corpus embeddings from :mod:`cembed.eval.embedding_cache`. Retrieval queries get the
 model's query prompt and corpora its document prompt (:func:`cembed.model.prompts.resolve_prompts` with no
 ``data.prompts``: the same rule as training), so the numbers are those of the model as it is used.
-Nothing here prints; :mod:`cembed.cli.report` shows the :class:`EvalReport`.
+Nothing here prints; :mod:`cembed.cli.eval` shows the :class:`EvalReport`.
 """
 
 from __future__ import annotations
