@@ -341,7 +341,7 @@ def build_trainer(
     trainer.remove_callback(PrinterCallback)
     trainer.run_record = run_dir.record
     log = RunLog()
-    display = display or QuietRunDisplay()
+    display = display if display is not None else QuietRunDisplay()
     progress = display.progress(log, plan.samples_per_step)
     log_path = run_dir.log_path if is_main else None
     trainer.add_callback(RunLogCallback(log, plan.samples_per_step, log_path, display.log_line))
@@ -488,7 +488,7 @@ def run_training(
         RunFailed: a non-finite loss, or any unexpected exception in a stage (recorded in
             ``run_summary.json``, ``train.log`` and ``error_traceback.txt``; see :mod:`cembed.train.summary`).
     """
-    display = display or QuietRunDisplay()
+    display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
     # model.precision: auto resolved
     as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": plan.precision})})
