@@ -1,4 +1,15 @@
-"""Atomic writes: a reader never sees a half-written output file or model folder."""
+"""Atomic writes (a reader never sees a half-written output file or model folder) and the one cache root.
+
+The on-disk caches share one root (:func:`cache_root`), one folder per kind::
+
+    <root>/tokenized/<key>/                    pre-tokenized datasets (cembed.data.tokenize)
+    <root>/embeddings/<model>-<corpus>.npy     corpus embeddings of `cembed eval` and of the
+                                               evaluation before training (cembed.eval.embedding_cache)
+    <root>/mining/<model fingerprint>/         `cembed mine-negatives`' corpus embeddings (cembed.data.mining)
+
+``<root>`` is ``data.cache_dir`` (or ``--cache-dir``) when given, else ``$CEMBED_CACHE_DIR``, else
+``$XDG_CACHE_HOME/cembed`` (``~/.cache/cembed``).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +20,38 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Literal
 
 from cembed.errors import UserError
+
+CacheKind = Literal["tokenized", "embeddings", "mining"]
+CACHE_KINDS: tuple[str, ...] = ("tokenized", "embeddings", "mining")
+
+
+def cache_root(kind: CacheKind, cache_dir: str | Path | None = None) -> Path:
+    """The folder that holds one kind of cache (the layout: see the module docstring).
+
+    Args:
+        kind: ``"tokenized"`` (pre-tokenized datasets), ``"embeddings"`` (corpus embeddings) or
+            ``"mining"`` (``mine-negatives``' embedding cache).
+        cache_dir: the cache root the user gave (``data.cache_dir``, ``--cache-dir``); None: the
+            default root, ``$CEMBED_CACHE_DIR``, else ``$XDG_CACHE_HOME/cembed`` (``~/.cache/cembed``).
+
+    Returns:
+        ``<root>/<kind>``; not created here (the writers create it).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    if kind not in CACHE_KINDS:
+        raise ValueError(f"cache kind {kind!r}: expected one of {', '.join(CACHE_KINDS)}")
+    if cache_dir is not None:
+        root = Path(cache_dir).expanduser()
+    elif os.environ.get("CEMBED_CACHE_DIR"):
+        root = Path(os.environ["CEMBED_CACHE_DIR"]).expanduser()
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cembed"
+    return root / kind
 
 
 def write_atomic(path: str | Path, write: Callable[[IO], None], binary: bool = False) -> Path:

@@ -106,7 +106,8 @@ def prepare_paths(model, data: dict[str, list[str]], cache: Path):
     from datasets import Dataset
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.data.tokenize import collator_for, pretokenize
+    from cembed.data.collator import collator_for
+    from cembed.data.tokenize import pretokenize
 
     ds = Dataset.from_dict(data)
     started = time.perf_counter()
@@ -130,7 +131,8 @@ def features_of(batch: dict) -> list[dict]:
 
 
 def processed_positions(features, mbs: int, sort: bool) -> tuple[int, int]:
-    from cembed.losses.registry import TokenCounts, _count_tokens, _minibatch_ranges
+    from cembed.losses.counts import TokenCounts, count_tokens
+    from cembed.losses.length_sorted import minibatch_ranges
 
     counts = TokenCounts()
     for f in features:
@@ -138,14 +140,14 @@ def processed_positions(features, mbs: int, sort: bool) -> tuple[int, int]:
         if sort:
             order = torch.argsort(mask.sum(1), descending=True, stable=True)
             f = {"attention_mask": mask[order]}
-        _count_tokens(f, _minibatch_ranges(f, mbs), counts, longest_first=sort)
+        count_tokens(f, minibatch_ranges(f, mbs), counts, longest_first=sort)
     return counts.read()[:2]
 
 
 def section_step(args, cache: Path) -> None:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
-    from cembed.losses.registry import LengthSortedCachedMNRL
+    from cembed.losses.mnrl import LengthSortedCachedMNRL
 
     model = load_minilm()
     model.eval()  # dropout off, so every path must give the same loss; gradients still flow
@@ -252,7 +254,7 @@ def timed(fetch, collate, idx) -> tuple[float, float, dict]:
 
 
 def section_produce(args, cache: Path) -> None:
-    from cembed.data.tokenize import TokenIdRows
+    from cembed.data.collator import TokenIdRows
 
     model = load_minilm()
     sizes = [int(s) for s in args.produce_batches.split(",")]
@@ -313,9 +315,11 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
     from transformers.trainer_callback import PrinterCallback
 
+    from cembed.data.collator import collator_for
     from cembed.data.sampler import NoDuplicatesSampler
-    from cembed.data.tokenize import collator_for, pretokenize
-    from cembed.losses.registry import LengthSortedCachedMNRL, TokenCounts
+    from cembed.data.tokenize import pretokenize
+    from cembed.losses.counts import TokenCounts
+    from cembed.losses.mnrl import LengthSortedCachedMNRL
     from cembed.plan.resolve import resolve_workers
     from cembed.train.meter import ThroughputMeter
     from cembed.train.trainer import CembedTrainer

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The one-call GPU verification of cembed (issue 14; fits 8 minutes on one H200). Runs
-# scripts/gpu_check.py: each stage in its own process with a timeout, then one JSON with a pass/fail
+# The one-call GPU verification of cembed (issue 14; fits 8 minutes on one H200). Runs the folder
+# scripts/gpu_check/ as a program (its __main__.py, standard library only): each stage (stages.py, the
+# one module that imports cembed) in its own process with a timeout, then one JSON with a pass/fail
 # status per stage and (a) bf16 cached vs fp32 plain loss/gradient + dropout replay on the GPU,
 # (b) probe-minibatch at 256 tokens, batch 65536, (c) tokens/s, MFU, data-wait, padded share at
 # batch 65536 on COCO pairs, (d) stock sentence-transformers' step on the same batch and the ratio,
@@ -15,4 +16,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1
-exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"
+exec "${PYTHON:-python3}" scripts/gpu_check "$@"

@@ -137,14 +137,8 @@ def markdown(results: list[dict], baseline: float, args, command: str, n_pairs: 
     return "\n".join(lines)
 
 
-def run_display(console):
-    """What ``cembed train`` prints for a run (probe, header, components) on ``console``, without the progress bar."""
-    from cembed.cli.train import RichRunDisplay
-
-    return RichRunDisplay(console, progress=False)
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The study's command line (``argv`` None: ``sys.argv[1:]``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="all-MiniLM-L6-v2")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64, 256, 512])
@@ -162,7 +156,59 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", type=Path, default=REPO / "docs")
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "study_batch_size")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run_display(console):
+    """What ``cembed train`` prints for a run (probe, header, components) on ``console``, without the progress bar."""
+    from cembed.cli.train import RichRunDisplay
+
+    return RichRunDisplay(console, progress=False)
+
+
+def train_and_score(cfg, plan, data, args, bs: int, rule: str, out_dir: Path, cache_dir: Path, console) -> dict:
+    """Train one configuration through cembed (``run_training``) and score the saved model on the
+    SciFact test split; returns its row of the results (seconds are wall-clock)."""
+    from cembed.train.recipe import run_training
+
+    t0 = time.perf_counter()
+    summary = run_training(cfg, plan, data, run_display(console))
+    train_s = time.perf_counter() - t0
+    ndcg, eval_s = evaluate_model(str(out_dir), args, cache_dir)
+    return {
+        "batch_size": bs,
+        "lr_scaling": rule,
+        "learning_rate": plan.learning_rate,
+        "steps": summary["steps"],
+        "train_seconds": round(train_s, 1),
+        "eval_seconds": round(eval_s, 1),
+        "ndcg@10": ndcg,
+        "first_loss": summary["first_loss"],
+        "last_loss": summary["last_loss"],
+    }
+
+
+def write_report(results: list[dict], baseline: float, args, command: str, n_pairs: int) -> None:
+    """Write ``<out>/batch_size_study.{json,md,png}`` from the results so far (atomically, so a long
+    study that is stopped keeps what it measured)."""
+    from cembed.files import write_atomic, write_json_atomic
+
+    report = {
+        "command": command,
+        "baseline_ndcg@10": baseline,
+        "published_ndcg@10": PUBLISHED_NDCG10,
+        "train_pairs": n_pairs,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "results": results,
+    }
+    write_json_atomic(args.out / "batch_size_study.json", report)
+    table = markdown(results, baseline, args, command, n_pairs)
+    write_atomic(args.out / "batch_size_study.md", lambda f: f.write(table))
+    plot(results, baseline, args.out / "batch_size_study.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     command = "python scripts/study_batch_size.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
     )
@@ -171,20 +217,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from cembed.config.file import config_from_dict
     from cembed.errors import UserError
-    from cembed.eval.embedding_cache import default_cache_dir
-    from cembed.files import write_atomic, write_json_atomic
-    from cembed.train.recipe import check_run_inputs, run_training
+    from cembed.files import cache_root
+    from cembed.train.recipe import check_run_inputs
 
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    cache_dir = default_cache_dir()
+    cache_dir = cache_root("embeddings")
     pairs = scifact_train_pairs(SCIFACT)[: args.max_train_pairs]
     console.print(f"{len(pairs)} training pairs, {len({r['positive'] for r in pairs})} distinct positives")
 
     baseline, secs = evaluate_model(args.model, args, cache_dir)
     console.print(f"baseline NDCG@10 {baseline:.5f} ({secs:.0f}s)")
-    results_file = args.out / "batch_size_study.json"
     results = []
     for bs in args.batch_sizes:
         for rule in args.rules:
@@ -201,39 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             if same is not None:  # e.g. batch == base_batch_size: sqrt and fixed are the same run
                 results.append({**same, "lr_scaling": rule, "same_run_as": same["lr_scaling"]})
                 continue
-            t0 = time.perf_counter()
-            summary = run_training(cfg, plan, data, run_display(console))
-            train_s = time.perf_counter() - t0
-            ndcg, eval_s = evaluate_model(str(out_dir), args, cache_dir)
-            results.append(
-                {
-                    "batch_size": bs,
-                    "lr_scaling": rule,
-                    "learning_rate": plan.learning_rate,
-                    "steps": summary["steps"],
-                    "train_seconds": round(train_s, 1),
-                    "eval_seconds": round(eval_s, 1),
-                    "ndcg@10": ndcg,
-                    "first_loss": summary["first_loss"],
-                    "last_loss": summary["last_loss"],
-                }
-            )
+            row = train_and_score(cfg, plan, data, args, bs, rule, out_dir, cache_dir, console)
+            results.append(row)
             console.print(
-                f"batch {bs} {rule}: lr {plan.learning_rate:.2e}, {summary['steps']} steps, NDCG@10 {ndcg:.5f}"
+                f"batch {bs} {rule}: lr {plan.learning_rate:.2e}, {row['steps']} steps, NDCG@10 {row['ndcg@10']:.5f}"
             )
             # Write after every run, so a long study that is stopped keeps what it measured.
-            report = {
-                "command": command,
-                "baseline_ndcg@10": baseline,
-                "published_ndcg@10": PUBLISHED_NDCG10,
-                "train_pairs": len(pairs),
-                "args": {k: str(v) for k, v in vars(args).items()},
-                "results": results,
-            }
-            write_json_atomic(results_file, report)
-            table = markdown(results, baseline, args, command, len(pairs))
-            write_atomic(args.out / "batch_size_study.md", lambda f: f.write(table))
-            plot(results, baseline, args.out / "batch_size_study.png")
+            write_report(results, baseline, args, command, len(pairs))
     if not results:
         console.print("[red]no run finished[/]")
         return 1

@@ -13,7 +13,8 @@ from sentence_transformers import SentenceTransformer
 
 import cembed.plan.resolve as P
 from cembed.config.schema import CembedConfig
-from cembed.data.tokenize import TOKEN_SUFFIX, IdColumn, TokenIdRows, collator_for, pretokenize
+from cembed.data.collator import TOKEN_SUFFIX, IdColumn, TokenIdRows, collator_for
+from cembed.data.tokenize import pretokenize
 
 ROLES = ["anchor", "positive"]
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import get_args
 
 import pytest
 from conftest import distinct_pairs
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
+from cembed.config.data import SOURCE_CONFIGS
 from cembed.config.file import load_config
-from cembed.config.schema import DataSource, FileSource, HubSource
+from cembed.config.schema import FileSource, HubSource
 from cembed.data.sources import LOADERS
 from cembed.errors import UserError
 from cembed.train.recipe import check_run_inputs
@@ -145,7 +145,7 @@ def test_unknown_source_kind_names_field_line_and_kinds(write_config):
 
 
 def test_every_source_kind_has_a_loader():
-    assert set(LOADERS) == set(get_args(get_args(DataSource)[0]))
+    assert set(LOADERS) == set(SOURCE_CONFIGS)
 
 
 def _mixed_file(tmp_path, lines: list[str]):

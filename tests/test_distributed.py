@@ -353,7 +353,7 @@ dist.barrier()  # rank 0 would wait here forever if the launcher did not stop it
 def test_failing_rank_stops_the_job(tmp_path):
     (tmp_path / "failing_worker.py").write_text(FAILING_WORKER)
     code = (
-        "from cembed.distributed.group import launch\nfrom cembed.errors import WorkerFailed\n"
+        "from cembed.distributed.launch import launch\nfrom cembed.errors import WorkerFailed\n"
         "try:\n    launch([], 2, module='failing_worker')\n"
         "except WorkerFailed as e:\n    print('FAILED', e.rank, e.exitcode, e.message)\n"
     )
@@ -366,7 +366,7 @@ def test_failing_rank_stops_the_job(tmp_path):
 def test_launcher_args_and_validate_show_world_size(write_config, pairs_file, tmp_path):
     from conftest import distinct_pairs
 
-    from cembed.distributed.group import launcher_args
+    from cembed.distributed.launch import launcher_args
     from cembed.errors import UserError
 
     assert launcher_args("cembed", ["train", "c.yaml"], 4, 2, 1, "node0:29400") == [
@@ -410,7 +410,7 @@ def test_unused_parameter_search_sees_every_column(tiny_model_dir):
     asymmetric models) must not be found unused, or DDP would freeze it while one process trains it."""
     from sentence_transformers import SentenceTransformer
 
-    from cembed.distributed.group import unused_parameters
+    from cembed.distributed.ddp import unused_parameters
 
     base = SentenceTransformer(str(tiny_model_dir), device="cpu")
 
@@ -435,3 +435,13 @@ def test_unused_parameter_search_sees_every_column(tiny_model_dir):
     unused = unused_parameters(model, rows, tasks)
     assert unused and not any(n.startswith("doc_proj") for n in unused)
     assert all("pooler" in n for n in unused)  # still finds what no column reaches
+
+
+def test_reduce_over_ranks_without_a_group_is_the_value():
+    """One process: max_over_ranks / agree_across_ranks (both reduce_over_ranks) return the value."""
+    from cembed.distributed.collectives import agree_across_ranks, max_over_ranks, reduce_over_ranks
+
+    assert reduce_over_ranks(7, "max") == reduce_over_ranks(7, "min") == 7
+    assert max_over_ranks(3) == 3 and agree_across_ranks(5) == 5
+    with pytest.raises(ValueError, match="op must be 'max' or 'min'"):
+        reduce_over_ranks(1, "sum")

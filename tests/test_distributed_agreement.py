@@ -66,7 +66,8 @@ def _run(cfg_dict: dict, base: Path, trainer_cls=None) -> dict:
 def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     import torch.distributed as dist
 
-    import cembed.probe.search as probe
+    import cembed.probe.auto as probe
+    from cembed.probe.search import ProbeResult, TrialRecord
 
     seen = {}
     real = probe.search_mini_batch
@@ -74,8 +75,8 @@ def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     def search(trial, capacity, *args, **kwargs):
         seen["group_initialized"] = dist.is_initialized()
         size = 2 if rank == 0 else 4
-        trials = [probe.TrialRecord(size, True, 1000 * (rank + 1), 1.0)]  # this rank's peak at its answer
-        return probe.ProbeResult(size, size, "patched", capacity, 0.1, int(0.9 * capacity), 4, trials)
+        trials = [TrialRecord(size, True, 1000 * (rank + 1), 1.0)]  # this rank's peak at its answer
+        return ProbeResult(size, size, "patched", capacity, 0.1, int(0.9 * capacity), 4, trials)
 
     probe.search_mini_batch = search
     try:
@@ -101,7 +102,7 @@ def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
     import torch.distributed as dist
 
     import cembed.data.tokenize as P
-    from cembed.eval.evaluators import TrainingEvaluation
+    from cembed.train.evaluation import TrainingEvaluation
 
     sts = tmp / "sts.tsv"
     sts.write_text("".join(f"a car on road {i}\ta vehicle on a street {i}\t{i % 5}\n" for i in range(8)))

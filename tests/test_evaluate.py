@@ -18,9 +18,11 @@ from conftest import REFERENCE, REPO, SCIFACT_TEST_SUBSET, SHARED_DATA, STS_TEST
 
 from cembed.config.file import load_config
 from cembed.errors import UserError
-from cembed.eval.embedding_cache import corpus_embeddings, model_fingerprint
-from cembed.eval.evaluators import check_metric_name, evaluate_retrieval, evaluate_sts
+from cembed.eval.embedding_cache import corpus_embeddings
+from cembed.eval.evaluators import evaluate_retrieval, evaluate_sts
 from cembed.eval.sets import load_beir, load_eval_sets, load_sts
+from cembed.model.fingerprint import model_fingerprint
+from cembed.train.evaluation import check_metric_name
 
 SCIFACT = SHARED_DATA / "scifact"  # the full corpus: only CEMBED_FULL_REPRO and a clone with ../shared
 
@@ -344,7 +346,9 @@ def test_eval_during_training_logs_metrics_and_keeps_best(
     for e in ev["during"]:
         assert {"toy_cosine_ndcg@10", "toy_cosine_mrr@10", "sts_spearman_cosine"} <= set(e["metrics"])
     assert set(ev["before"]) == set(ev["after"]) and "toy_cosine_map@100" in ev["before"]
-    assert len(list((tmp_path / "cache").glob("*.npy"))) == 1  # the base model's corpus, for the next run
+    assert (
+        len(list((tmp_path / "cache" / "embeddings").glob("*.npy"))) == 1
+    )  # the base model's corpus, for the next run
     # Logged next to the training loss in the trainer's history (what report_to integrations receive).
     history = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
     assert any("loss" in h and h["step"] == 2 for h in history)

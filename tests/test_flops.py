@@ -11,7 +11,7 @@ from conftest import distinct_pairs
 from sentence_transformers import SentenceTransformer
 from typer.testing import CliRunner
 
-from cembed.losses.registry import TokenCounts
+from cembed.losses.counts import TokenCounts
 from cembed.train.flops import FlopModel, build_flop_model, device_peak, encoder_shape, format_flops, matmul_precision
 from cembed.train.meter import ThroughputMeter, plot_run
 

@@ -1,16 +1,23 @@
 """scripts/gpu_check.sh, the one-call GPU verification, in its CPU dry-run: the plan (stages,
 commands, timeouts, a fresh run folder each time) and the offline bundle's check against its
-manifest. No CUDA, no torch import."""
+manifest. No CUDA, no torch import. And its import boundary: the orchestrator, bundle and sampler
+modules of scripts/gpu_check/ import only the standard library (and each other); stages.py alone
+imports cembed."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+GPU_CHECK = REPO / "scripts" / "gpu_check"
+STDLIB_ONLY = ("__main__", "bundle", "sampler")  # run before the bundle's packages are installed
 STAGES = ["install", "env", "correctness", "sticky", "fp16_skip", "gather", "probe", "train", "stock"]
 WHEELS = [
     "pydantic-2.14.4-py3-none-any.whl",
@@ -70,7 +77,9 @@ def test_dry_run_prints_the_plan_without_cuda():
     assert [s["name"] for s in plan["stages"]] == STAGES
     assert (plan["batch"], plan["seq"], plan["deadline_s"]) == (65536, 256, 470.0)
     for stage in plan["stages"]:
-        assert stage["command"].endswith(f"scripts/gpu_check.py --stage {stage['name']} --run-dir {plan['run_dir']}")
+        assert stage["command"].endswith(
+            f"scripts/gpu_check/stages.py --stage {stage['name']} --run-dir {plan['run_dir']}"
+        )
         assert 0 < stage["timeout_s"] <= 240 and stage["what"]
     assert plan["bundle_check"] == {"ok": True, "bundle": None, "note": "no --bundle: the current environment is used"}
     # a second run gets a fresh folder, so it never trips on the first one's outputs
@@ -107,7 +116,7 @@ def test_dry_run_checks_the_bundle_against_its_manifest(tmp_path):
 
 def test_a_run_refuses_an_existing_output_folder(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path), "--stages", "env"],
+        [sys.executable, str(GPU_CHECK), "--out", str(tmp_path), "--stages", "env"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -116,3 +125,77 @@ def test_a_run_refuses_an_existing_output_folder(tmp_path):
         "ok": False,
         "error": f"{tmp_path} exists; give a fresh --out",
     }
+
+
+# Exceptions that make an import optional: inside ``try:`` with one of these handled, a missing
+# package falls back (the sampler's nvidia-ml-py falls back to nvidia-smi).
+IMPORT_FALLBACKS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
+def _guarded(try_node: ast.Try) -> bool:
+    for handler in try_node.handlers:
+        names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        if handler.type is None or any(isinstance(n, ast.Name) and n.id in IMPORT_FALLBACKS for n in names):
+            return True
+    return False
+
+
+def non_stdlib_imports(path: Path, own: tuple[str, ...] = STDLIB_ONLY) -> list[str]:
+    """Every import in ``path`` (function-local ones too) of a module outside the standard library
+    and outside ``own`` (the check's stdlib-only modules, imported by name since the folder is run as
+    a program), as ``"line N: import X"``; an import inside ``try:`` whose handler catches ImportError
+    (or a base of it) is optional and allowed."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    optional: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and _guarded(node):
+            optional |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else [node.module or a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top in own or top == "__future__" or id(node) in optional:
+                continue
+            found.append(f"line {node.lineno}: import {name}")
+    return found
+
+
+@pytest.mark.parametrize("module", STDLIB_ONLY)
+def test_the_orchestrator_bundle_and_sampler_import_only_the_standard_library(module):
+    assert non_stdlib_imports(GPU_CHECK / f"{module}.py") == []
+
+
+def test_only_stages_imports_cembed():
+    modules = sorted(p.stem for p in GPU_CHECK.glob("*.py"))
+    assert modules == sorted([*STDLIB_ONLY, "stages"])
+    assert any(i.endswith("import cembed.cli.app") for i in non_stdlib_imports(GPU_CHECK / "stages.py"))
+    for module in STDLIB_ONLY:
+        assert "stages" not in {
+            n.split(".")[0]
+            for node in ast.walk(ast.parse((GPU_CHECK / f"{module}.py").read_text()))
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for n in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+        }
+
+
+def test_the_stdlib_check_catches_a_planted_third_party_import(tmp_path):
+    source = (GPU_CHECK / "sampler.py").read_text()
+    planted = tmp_path / "sampler.py"
+    planted.write_text(
+        source + "\n\ndef planted():\n    from cembed.config.schema import loss_config\n\n    import numpy\n"
+    )
+    assert [i.split(": ", 1)[1] for i in non_stdlib_imports(planted)] == [
+        "import cembed.config.schema",
+        "import numpy",
+    ]
+    # nvidia-ml-py is optional only inside its try: at the top of the module it is caught too
+    planted.write_text("import pynvml\n" + source)
+    assert non_stdlib_imports(planted) == ["line 1: import pynvml"]
+    planted.write_text(source.replace("import shutil\n", "import shutil\n\nimport yaml\n"))
+    assert [i.split(": ", 1)[1] for i in non_stdlib_imports(planted)] == ["import yaml"]

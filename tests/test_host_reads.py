@@ -23,7 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cembed
 from cembed.config.schema import loss_config
-from cembed.losses.registry import TokenCounts, _count_tokens, _minibatch_ranges, build_loss
+from cembed.losses.counts import TokenCounts, count_tokens
+from cembed.losses.length_sorted import minibatch_ranges
+from cembed.losses.registry import build_loss
 from cembed.losses.token_budget import token_budget_ranges
 
 CEMBED_DIR = str(Path(cembed.__file__).parent)
@@ -150,7 +152,7 @@ def test_cached_step_bookkeeping_reads_nothing_per_minibatch(tiny_model_dir, sor
 def _cut(feature: dict, rows: int, budget: int | None) -> list[tuple[int, int]]:
     """The loss's mini-batches of a column: its rows sorted longest first, cut by ``budget`` or ``rows``."""
     if budget is None:
-        return _minibatch_ranges(feature, rows)
+        return minibatch_ranges(feature, rows)
     mask = feature["attention_mask"]
     return token_budget_ranges({"attention_mask": mask[mask.sum(dim=1).argsort(descending=True, stable=True)]}, budget)
 
@@ -200,10 +202,10 @@ LENGTHS = [5, 3, 7, 2, 6]  # real = 23, sum of squares = 25 + 9 + 49 + 4 + 36 = 
 )
 def test_token_counts_are_exact(rows, ranges, longest_first, processed):
     counts = TokenCounts()
-    _count_tokens(_mask(rows), ranges, counts, longest_first=longest_first)
+    count_tokens(_mask(rows), ranges, counts, longest_first=longest_first)
     assert isinstance(counts.real, torch.Tensor)  # kept on the device until read
     assert counts.read() == (23, processed, 123)
-    _count_tokens(_mask(rows), ranges, counts, longest_first=longest_first)  # accumulates
+    count_tokens(_mask(rows), ranges, counts, longest_first=longest_first)  # accumulates
     assert counts.read() == (46, 2 * processed, 246)
     counts.reset()
     assert counts.read() == (0, 0, 0)
@@ -242,7 +244,7 @@ def test_bookkeeping_does_not_synchronise_cuda(tiny_model_dir, monkeypatch):
     try:
         loss(features, None)
         for longest_first in (True, False):
-            _count_tokens(features[0], [(0, 1), (1, 9), (9, 16)], counts, longest_first=longest_first)
+            count_tokens(features[0], [(0, 1), (1, 9), (9, 16)], counts, longest_first=longest_first)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     real = sum(int(f["attention_mask"].sum()) for f in features)

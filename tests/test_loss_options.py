@@ -18,8 +18,9 @@ from test_losses import TEXTS, _features, _loss_and_grads, _rel
 from cembed.config.file import config_from_dict, load_config
 from cembed.config.schema import loss_config
 from cembed.errors import UserError
+from cembed.losses.gist import LengthSortedCachedGIST, SelfGuidedCachedMNRL
 from cembed.losses.matryoshka import CountingMatryoshkaLoss
-from cembed.losses.registry import LengthSortedCachedGIST, SelfGuidedCachedMNRL, build_loss
+from cembed.losses.registry import build_loss
 from cembed.train.recipe import check_run_inputs, run_training
 
 TRIPLETS = ("anchor", "positive", "negative_1")
@@ -458,7 +459,7 @@ def test_gradient_checkpointing_is_exact_with_the_cached_loss_under_dropout(tiny
 def test_eval_dims_scores_truncated_embeddings(tiny_model_dir, tmp_path):
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
 
-    from cembed.eval.score_dims import parse_dims, score_dims
+    from cembed.eval.score import parse_dims, score_dims
     from cembed.eval.sets import load_sts
 
     sts_path = "tests/data/stsbenchmark/sts-test.csv.gz"

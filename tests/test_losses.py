@@ -14,16 +14,11 @@ from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
 from cembed.config.file import config_from_dict, load_config
-from cembed.config.schema import LOSS_CONFIGS, CachedMNRLLossConfig, LossConfig, MNRLLossConfig, loss_config
+from cembed.config.loss import MNRLOptionsConfig
+from cembed.config.schema import LOSS_CONFIGS, CachedMNRLLossConfig, MNRLLossConfig, loss_config
 from cembed.errors import UserError
-from cembed.losses.registry import (
-    LOSS_BUILDERS,
-    CountingMNRL,
-    LengthSortedCachedMNRL,
-    build_loss,
-    loss_directions,
-    register_loss,
-)
+from cembed.losses.mnrl import CountingMNRL, LengthSortedCachedMNRL
+from cembed.losses.registry import LOSS_BUILDERS, build_loss, register_loss
 from cembed.train.recipe import check_run_inputs, run_training
 
 TEXTS = {
@@ -171,7 +166,7 @@ def test_token_budget_minibatches(tiny_model_dir):
 # The extension point: a loss defined outside cembed, registered only through register_loss.
 
 
-class ScaledMNRLConfig(LossConfig):
+class ScaledMNRLConfig(MNRLOptionsConfig):
     """A third loss for the test: the plain loss with its scale multiplied by ``factor``."""
 
     uses_gradient_cache: ClassVar[bool] = False
@@ -187,7 +182,7 @@ def scaled_mnrl():
 
     def build(model, cfg, settings):
         calls.append(cfg)
-        return CountingMNRL(model, scale=cfg.scale * cfg.factor, directions=loss_directions(cfg.symmetric))
+        return CountingMNRL(model, scale=cfg.scale * cfg.factor, directions=cfg.resolved_directions())
 
     register_loss(ScaledMNRLConfig, build)
     try:
@@ -248,3 +243,11 @@ def test_built_loss_reports_caching(tiny_model_dir):
     assert not plain.cached and isinstance(plain.module, CountingMNRL)
     assert cached.token_counts is cached.module.token_counts
     assert CachedMNRLLossConfig.uses_gradient_cache and not MNRLLossConfig.uses_gradient_cache
+
+
+def test_resolved_directions_follow_symmetric_unless_set():
+    """The one rule for an MNRL loss's directions (the builders pass it to the library)."""
+    assert MNRLLossConfig().resolved_directions() == ("query_to_doc",)
+    assert MNRLLossConfig(symmetric=True).resolved_directions() == ("query_to_doc", "doc_to_query")
+    dirs = CachedMNRLLossConfig(directions=["query_to_doc", "query_to_query"]).resolved_directions()
+    assert dirs == ("query_to_doc", "query_to_query")

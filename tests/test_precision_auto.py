@@ -17,7 +17,6 @@ from cembed.cli.app import app
 from cembed.config.schema import CembedConfig, ModelConfig
 from cembed.errors import UserError
 from cembed.plan.precision import enable_tf32, resolve_precision
-from cembed.probe.search import resolved_model_config
 
 GPUS = {
     "NVIDIA H200": (9, 0),
@@ -88,10 +87,10 @@ def test_explicit_precision_on_cuda(monkeypatch):
 
 
 def test_probe_without_a_plan_resolves_auto_for_its_device():
-    assert resolved_model_config(ModelConfig(device="cpu")).precision == "fp32"
+    assert P.resolve_model(ModelConfig(device="cpu")).precision == "fp32"
     assert resolve_precision("auto", "cpu").precision == "fp32"
     with pytest.raises(UserError, match="fp16 needs a CUDA device"):
-        resolved_model_config(ModelConfig(device="cpu", precision="fp16"))
+        P.resolve_model(ModelConfig(device="cpu", precision="fp16"))
 
 
 def test_enable_tf32_leaves_every_backend_consistent():

@@ -9,7 +9,8 @@ from datasets import Dataset
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-from cembed.data.tokenize import collator_for, matches_model_preprocessing, pretokenize
+from cembed.data.collator import collator_for
+from cembed.data.tokenize import matches_model_preprocessing, pretokenize
 
 ROWS = {
     "anchor": ["A man on a bus.", "two dogs", "the RED car " * 30, "cat", "people at the street, near a table!"],
@@ -97,7 +98,7 @@ def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config,
 def test_meter_interval_arithmetic(monkeypatch):
     """data_wait = waited / wall, tokens/s = real / wall, padded share = 1 - real / processed."""
     import cembed.train.meter as meter_mod
-    from cembed.losses.registry import TokenCounts
+    from cembed.losses.counts import TokenCounts
     from cembed.train.meter import ThroughputMeter
 
     clock = iter([100.0, 110.0, 130.0, 130.0])

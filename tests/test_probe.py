@@ -17,7 +17,8 @@ from cembed.config.file import load_config, set_yaml_value
 from cembed.config.schema import ModelConfig, loss_config
 from cembed.data.prepare import truncation_report
 from cembed.errors import UserError
-from cembed.probe.search import parse_bytes, search_mini_batch
+from cembed.files import parse_bytes
+from cembed.probe.search import search_mini_batch
 from cembed.probe.trials import SubprocessTrial, TrialOutcome, TrialSpec
 
 FITS_UP_TO = 37
@@ -218,7 +219,7 @@ def test_truncation_report_counts_rows_over_max_seq_length(tiny_model_dir):
 
 def test_probe_asks_the_loss_whether_it_caches():
     from cembed.plan.resolve import Plan
-    from cembed.probe.search import resolve_auto, run_probe
+    from cembed.probe.auto import resolve_auto, run_probe
 
     model_cfg = ModelConfig(name_or_path="x", device="cpu")
     with pytest.raises(UserError, match=r"loss\.name: probe-minibatch measures the cached loss; with 'mnrl' mini_"):
@@ -287,7 +288,7 @@ def test_probe_counts_gathered_loss_stage(tiny_model_dir, monkeypatch):
     collective, with the length-sorted copies and restored-order leaves; resolve_auto gives the
     trial the plan's world size (when it gathers) and the config's columns."""
     import cembed.losses.registry as losses
-    import cembed.probe.search as probe
+    import cembed.probe.auto as probe
     from cembed.model.load import load_model
     from cembed.probe.trials import worst_case_step
 

@@ -120,7 +120,8 @@ def test_pretokenized_path_equals_sentence_transformers_collator(prompted_model_
     import datasets
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.data.tokenize import collator_for, matches_model_preprocessing, pretokenize
+    from cembed.data.collator import collator_for
+    from cembed.data.tokenize import matches_model_preprocessing, pretokenize
 
     model = _model(prompted_model_dir, include_prompt)
     roles = ["anchor", "positive", "negative_1"]
@@ -196,8 +197,9 @@ def test_length_sorted_cached_loss_carries_prompt_length(prompted_model_dir, tmp
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    from cembed.data.tokenize import collator_for, pretokenize
-    from cembed.losses.registry import LengthSortedCachedMNRL
+    from cembed.data.collator import collator_for
+    from cembed.data.tokenize import pretokenize
+    from cembed.losses.mnrl import LengthSortedCachedMNRL
 
     roles = ["anchor", "positive", "negative_1"]
     results = []

@@ -68,13 +68,13 @@ def test_impossible_data_yields_no_batch():
 def test_refused_candidate_does_not_block_a_later_one():
     # Issue 12 case 7: row 1 shares "a" with row 0 and is refused; row 2 shares "c" only with the
     # refused row 1, so a row-by-row first fit takes it (the sampler used to refuse it too).
-    from cembed.data.sampler import _fits
+    from cembed.data.sampler import fits
 
     h = np.array([[1, 2], [1, 3], [3, 4], [5, 6]], dtype=np.uint64)  # (a,b) (a,c) (c,d) (e,f)
     empty = np.empty(0, dtype=np.uint64)
-    assert _fits(h, np.arange(4), empty, 4).tolist() == [True, False, True, True]
-    assert _fits(h, np.arange(4), empty, 2).tolist() == [True, False, True, False]  # full after 2
-    assert _fits(h, np.arange(4), np.array([2], dtype=np.uint64), 4).tolist() == [False, True, False, True]
+    assert fits(h, np.arange(4), empty, 4).tolist() == [True, False, True, True]
+    assert fits(h, np.arange(4), empty, 2).tolist() == [True, False, True, False]  # full after 2
+    assert fits(h, np.arange(4), np.array([2], dtype=np.uint64), 4).tolist() == [False, True, False, True]
 
 
 @pytest.mark.parametrize("drop_last", [True, False])

@@ -300,7 +300,7 @@ def test_sources_with_different_roles_are_refused(tmp_path, pairs_file):
 
 
 def test_inspect_data_and_unplaceable_rows_per_source(tiny_model_dir, tmp_path):
-    from cembed.data.placement import inspect_data, warn_unplaceable
+    from cembed.data.placement import inspect_data, unplaceable_warnings
     from cembed.plan.resolve import resolve_plan
 
     cfg, data = _prepared(tmp_path, tiny_model_dir)
@@ -311,11 +311,11 @@ def test_inspect_data_and_unplaceable_rows_per_source(tiny_model_dir, tmp_path):
     ]
     assert [r.batching["rows_unplaced"] for r in reports] == [8, 0]
     # coco's 8 unused rows are a whole batch beyond 96 % 8 = 0: named, for coco only.
-    plan = warn_unplaceable(
+    found = unplaceable_warnings(
         resolve_plan(cfg.model_copy(update={"batch": cfg.batch.model_copy(update={"per_device_train_batch_size": 8})})),
         data,
         True,
         7,
     )
-    placed = [w for w in plan.warnings if "cannot be placed" in w]
+    placed = [w for w in found if "cannot be placed" in w]
     assert len(placed) == 1 and placed[0].startswith("8 of 96 rows cannot be placed in a duplicate-free batch of 8")

@@ -9,17 +9,18 @@ import pytest
 import torch
 from conftest import distinct_pairs
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.base.losses.gradcache import _minibatch_ranges
 from test_losses import _loss_and_grads, _rel
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
 from cembed.config.file import config_from_dict, load_config
 from cembed.config.schema import ModelConfig, loss_config
+from cembed.losses.length_sorted import minibatch_ranges
 from cembed.losses.registry import build_loss
 from cembed.losses.token_budget import padded_ranges, row_extents, token_budget_ranges
 from cembed.plan.resolve import resolve_plan
-from cembed.probe.search import override_line, probe_token_budget, run_trial, search_mini_batch
+from cembed.probe.auto import override_line
+from cembed.probe.search import probe_token_budget, run_trial, search_mini_batch
 from cembed.probe.trials import SubprocessTrial, TrialOutcome, TrialSpec
 
 # Lengths (in words) from long to short with a gap: the case where counting non-padding tokens
@@ -76,7 +77,7 @@ def test_short_rows_get_larger_minibatches(tiny_model_dir):
     assert ranges == [(0, 2), (2, 4), (4, 10), (10, 20)]
     for b, e in ranges:
         assert (e - b) * lengths[b] <= 90
-    library = _minibatch_ranges(feature, 4, 90)  # counts non-padding tokens
+    library = minibatch_ranges(feature, 4, 90)  # counts non-padding tokens
     assert max((e - b) * max(lengths[b:e]) for b, e in library) > 90  # e.g. the 32-token row + short ones
 
 
@@ -215,7 +216,7 @@ class FakeTrials:
 
 
 def test_auto_sets_both_and_keeps_a_user_budget(monkeypatch, tiny_model_dir):
-    import cembed.probe.search as probe
+    import cembed.probe.auto as probe
     from cembed.plan.resolve import Plan
 
     monkeypatch.setattr(probe, "SubprocessTrial", FakeTrials)
@@ -241,7 +242,7 @@ def test_auto_sets_both_and_keeps_a_user_budget(monkeypatch, tiny_model_dir):
 
 
 def test_write_stores_both(monkeypatch, tiny_model_dir, write_config, pairs_file):
-    import cembed.probe.search as probe
+    import cembed.probe.auto as probe
 
     monkeypatch.setattr(probe, "SubprocessTrial", FakeTrials)
     cfg = write_config(

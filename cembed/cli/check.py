@@ -33,29 +33,29 @@ def validate_cmd(
     """Check config, data files and columns without training (no GPU needed).
 
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
-    from cembed.data.placement import warn_unplaceable
+    from cembed.data.placement import unplaceable_warnings
     from cembed.train.recipe import check_run_inputs
 
     cfg = load(config, overrides)
     plan, data = check_run_inputs(cfg, world_size_from_flags(nproc_per_node, nnodes), allow_unloaded=True)
-    plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
-    truncation = _truncation(
-        cfg.model.model_copy(update={"precision": plan.precision}), data, cfg.data.prompts, cfg.batch.unpad
-    )
-    print_validation(console, cfg, plan, data, None if isinstance(truncation, Exception) else truncation.pooling)
+    found = (*getattr(data, "warnings", ()), *unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed))
+    truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
+    pooling = None if isinstance(truncation, Exception) else truncation.pooling
+    print_validation(console, cfg, plan, data, pooling, found)
     print_truncation(console, truncation)
     console.print("[green]config OK[/]")
 
 
-def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto"):
+def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto", precision=None):
     """A ``ModelTruncation``, or the UserError of a model that cannot be loaded: validate and
     probe-minibatch must not need the model, so that only skips the report. A model cembed refuses
-    (ModelRefused: remote code without the option, a kind it cannot train) fails the command."""
+    (ModelRefused: remote code without the option, a kind it cannot train) fails the command.
+    ``precision``: the run's resolved precision (the dtypes' autocast)."""
     from cembed.data.prepare import model_truncation_report
     from cembed.errors import ModelRefused
 
     try:
-        return model_truncation_report(model_cfg, data, prompts_cfg=prompts_cfg, unpad=unpad)
+        return model_truncation_report(model_cfg, data, prompts_cfg=prompts_cfg, unpad=unpad, precision=precision)
     except ModelRefused:
         raise
     except UserError as err:
@@ -102,14 +102,14 @@ def probe_minibatch_cmd(
     from cembed.config.file import set_yaml_value
     from cembed.config.schema import CachedMNRLLossConfig, CembedConfig
     from cembed.files import parse_bytes
-    from cembed.probe.search import run_probe
-    from cembed.probe.setup import resolved_model_config
+    from cembed.plan.resolve import resolve_model
+    from cembed.probe.auto import run_probe
 
     if write and config is None:
         raise UserError("--write: needs a config file to write batch.mini_batch_size into")
     cfg: CembedConfig | None = load(config, overrides) if config is not None else None
     model_cfg = model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
-    model_cfg = resolved_model_config(model_cfg)  # precision auto -> fp32 | bf16 | fp16 for the device
+    resolved = resolve_model(model_cfg)  # device and precision auto -> what training would use here
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
     batch = batch_size or (cfg.batch.per_device_train_batch_size if cfg else 64)
@@ -118,10 +118,13 @@ def probe_minibatch_cmd(
     if cfg is not None:
         from cembed.data.prepare import prepare_data
 
-        print_truncation(console, _truncation(model_cfg, prepare_data(cfg.data), cfg.data.prompts, cfg.batch.unpad))
+        truncation = _truncation(
+            model_cfg, prepare_data(cfg.data), cfg.data.prompts, cfg.batch.unpad, resolved.precision
+        )
+        print_truncation(console, truncation)
     console.print(
         f"probing {model_cfg.name_or_path} (max_seq_length {model_cfg.max_seq_length or 'model default'}, "
-        f"{model_cfg.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",
+        f"{resolved.precision}) with per-device batch {batch}, {n_columns} texts per row, up to {min(max_size, batch)}",
         highlight=False,
     )
     result = run_probe(
@@ -130,6 +133,7 @@ def probe_minibatch_cmd(
         batch,
         n_columns,
         model_cfg.device,
+        precision=resolved.precision,
         max_size=max_size,
         margin=margin,
         max_memory=budget,
@@ -184,15 +188,18 @@ def model_config_from_flags(
 # --- rendering ----------------------------------------------------------------------------------
 
 
-def print_validation(console: Console, cfg, plan, data, pooling: str | None = None) -> None:
-    """What ``cembed validate`` found: resolved config, device, pooling, plan, data counts, first row."""
+def print_validation(
+    console: Console, cfg, plan, data, pooling: str | None = None, warnings: tuple[str, ...] = ()
+) -> None:
+    """What ``cembed validate`` found: resolved config, device, pooling, plan, data counts, first row;
+    ``warnings``: the findings beside the plan's (see :func:`cembed.cli.common.print_plan`)."""
     console.print("[bold]resolved config[/]")
     console.print_json(json.dumps(cfg.model_dump(mode="json")))
     console.print(f"device: {plan.device}   precision: {plan.precision_reason or plan.precision}", highlight=False)
     console.print(
         f"pooling: {pooling or cfg.model.pooling + ' (model.pooling; the model was not loaded)'}", highlight=False
     )
-    print_plan(console, plan)
+    print_plan(console, plan, warnings)
     if not hasattr(data, "dataset"):  # cembed.data.prepare.UnloadedData: the hub could not serve the rows
         warn(console, data.message)
         return
@@ -316,7 +323,7 @@ def print_probe(console: Console, result: ProbeResult) -> None:
     """The probe table, notes, the recommendation with its reason and the override line (also what
     ``cembed train`` prints after probing ``mini_batch_size: auto``)."""
     from cembed.files import format_bytes
-    from cembed.probe.search import override_line
+    from cembed.probe.auto import override_line
 
     console.print(probe_table(result))
     for text in result.notes:

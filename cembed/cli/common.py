@@ -95,8 +95,9 @@ def note(console: Console, text: str) -> None:
     console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
 
 
-def print_plan(console: Console, plan: Plan) -> None:
-    """World size, effective batch, gathering, the LR derivation and the plan's warnings."""
+def print_plan(console: Console, plan: Plan, warnings: tuple[str, ...] = ()) -> None:
+    """World size, effective batch, gathering, the LR derivation, the plan's warnings and ``warnings``
+    (what the checks before training found: the data's, the rows the sampler cannot place)."""
     per_node = f" ({plan.world_size} processes)" if plan.world_size > 1 else ""
     console.print(
         f"world size: {plan.world_size}{per_node}   effective batch: {plan.per_device_train_batch_size} per device x "
@@ -106,5 +107,5 @@ def print_plan(console: Console, plan: Plan) -> None:
     )
     console.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
     console.print(f"data-loader workers: {plan.dataloader_workers}", highlight=False)
-    for w in plan.warnings:
+    for w in (*plan.warnings, *warnings):
         warn(console, w)

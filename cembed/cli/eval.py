@@ -39,7 +39,9 @@ def eval_cmd(
     ),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Corpus-embedding cache (default $CEMBED_CACHE_DIR or ~/.cache/cembed/embeddings)."
+        None,
+        "--cache-dir",
+        help="Cache root: corpus embeddings in <root>/embeddings (default $CEMBED_CACHE_DIR or ~/.cache/cembed).",
     ),
     no_cache: bool = typer.Option(
         False, "--no-cache", help="Encode the corpus even when cached, and do not write the cache."
@@ -54,7 +56,7 @@ def eval_cmd(
     sets = ([resolve_sample(str(p)) or p for p in retrieval or []], [resolve_sample(str(p)) or p for p in sts or []])
     cache = None if no_cache else cache_dir
     if dims is not None:
-        from cembed.eval.score_dims import parse_dims, score_dims
+        from cembed.eval.score import parse_dims, score_dims
 
         args = (split, batch_size, max_seq_length, device, cache, no_cache, json_out)
         return print_dims_report(console, score_dims(model, *sets, parse_dims(dims), *args))

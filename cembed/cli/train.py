@@ -64,8 +64,9 @@ def train_cmd(
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     if peak_tflops is not None:
         overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
-    from cembed.data.placement import warn_unplaceable
-    from cembed.distributed.group import dist_info, is_worker, leave_process_group, record_worker_error
+    from cembed.data.placement import unplaceable_warnings
+    from cembed.distributed.group import dist_info, is_worker, leave_process_group
+    from cembed.distributed.launch import record_worker_error
     from cembed.train.recipe import check_run_inputs, run_training
 
     world = world_size_from_flags(nproc_per_node, nnodes)
@@ -91,7 +92,7 @@ def train_cmd(
     try:
         cfg = load(config, overrides)
         plan, data = check_run_inputs(cfg)
-        plan = warn_unplaceable(plan, data, cfg.batch.drop_last, cfg.train.seed)
+        unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed)
         summary = run_training(
             cfg,
             plan,
@@ -101,6 +102,7 @@ def train_cmd(
             resume_from=resume_from,
             overwrite=overwrite,
             max_memory=max_memory,
+            warnings=unplaced,
         )
     except RunInterrupted as stop:
         leave_process_group()  # every rank stopped at the same step (InterruptCallback)
@@ -153,12 +155,12 @@ def _launch_training(
 ) -> None:
     """Check config and data here (a user mistake exits 2 before any process starts), then run
     ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run."""
-    from cembed.distributed.group import launch, launcher_args
+    from cembed.distributed.launch import launch, launcher_args
     from cembed.train.recipe import check_run_inputs
 
     launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
-    plan, _ = check_run_inputs(cfg, world)
-    print_plan(console, plan)
+    plan, data = check_run_inputs(cfg, world)
+    print_plan(console, plan, data.warnings)
     console.print(
         f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
         highlight=False,
@@ -204,9 +206,9 @@ class RichRunDisplay:
 
         print_probe(self.console, result)
 
-    def run_header(self, cfg: CembedConfig, plan: Plan) -> None:
+    def run_header(self, cfg: CembedConfig, plan: Plan, warnings: tuple[str, ...] = ()) -> None:
         """See :func:`print_run_header`."""
-        print_run_header(self.console, cfg, plan)
+        print_run_header(self.console, cfg, plan, warnings)
 
     def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
         """See :func:`print_components`."""
@@ -291,8 +293,9 @@ def rich_progress_callback_class() -> type:
     return type("RichProgressCallback", (RichProgress, TrainerCallback), {"__doc__": RichProgress.__doc__})
 
 
-def print_run_header(console: Console, cfg, plan) -> None:
-    """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR."""
+def print_run_header(console: Console, cfg, plan, warnings: tuple[str, ...] = ()) -> None:
+    """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR; then the
+    plan's warnings and ``warnings`` (the run's findings: data, unplaceable rows, resume changes)."""
     tokens = f" ({plan.mini_batch_num_tokens} tokens)" if plan.mini_batch_num_tokens else ""
     console.print(
         f"device {plan.device}  precision {plan.precision}{' (TF32 on)' if plan.tf32 else ''}  "
@@ -300,7 +303,7 @@ def print_run_header(console: Console, cfg, plan) -> None:
         f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
         highlight=False,
     )
-    for w in plan.warnings:
+    for w in (*plan.warnings, *warnings):
         warn(console, w)
 
 

@@ -1,12 +1,23 @@
-"""The ``data`` config section: training sources (file, hub, BEIR) and the column mapping."""
+"""The ``data`` config section: training sources (a registry of kinds: file, hub, BEIR) and the column mapping."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import Discriminator, Field, PositiveFloat, PositiveInt, Tag, ValidationInfo, model_validator
+from pydantic import (
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    SerializeAsAny,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+from pydantic_core.core_schema import ErrorType
 
 from cembed.config.base import Strict as _Strict
 from cembed.samples import is_sample
@@ -37,7 +48,48 @@ class SourceOptions(_Strict):
     )
 
 
-class FileSource(SourceOptions):
+class SourceConfig(SourceOptions):
+    """A kind of training source: the base every source config extends. A kind answers its own
+    questions, so a new kind is one subclass here (registered with :func:`register_source_config`)
+    plus one loader (``cembed.data.sources.register_source_loader``), nothing else.
+
+    A subclass declares ``kind: Literal["<kind>"] = "<kind>"``, its own fields, and answers:
+
+    * :attr:`label`: how messages and the run summary name the source;
+    * :meth:`default_name`: the source's name when it sets none;
+    * :attr:`path_fields`: the fields that hold local paths, resolved against the config file's
+      folder (``cembed:<name>`` -> the packaged data) by ``cembed.config.file.resolve_paths``;
+    * :attr:`generated_columns`: the columns its loader adds itself (not the user's data, so not
+      reported as unmapped);
+    * :attr:`shorthand` / :attr:`shorthand_hint`, optionally: a YAML key that names the kind and
+      holds its path (``{beir: folder}`` -> ``{kind: beir, path: folder}``).
+    """
+
+    kind: str = Field(description="source kind")
+
+    path_fields: ClassVar[tuple[str, ...]] = ()
+    generated_columns: ClassVar[frozenset[str]] = frozenset()
+    shorthand: ClassVar[str | None] = None
+    shorthand_hint: ClassVar[str] = ""  # the shorthand's form, for the message when it is mixed up
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source."""
+        raise NotImplementedError(f"{type(self).__name__} must define label")
+
+    def default_name(self) -> str:
+        """The source's name when it sets none (from its fields as written, before paths are resolved)."""
+        raise NotImplementedError(f"{type(self).__name__} must define default_name")
+
+
+def _strip_extension(name: str) -> str:
+    for ext in sorted(LOCAL_EXTENSIONS, key=len, reverse=True):
+        if name.lower().endswith(ext):
+            return name[: -len(ext)]
+    return name
+
+
+class FileSource(SourceConfig):
     """A local data file: .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet."""
 
     kind: Literal["file"] = Field("file", description="source kind; inferred from path when not given")
@@ -45,13 +97,19 @@ class FileSource(SourceOptions):
     split: str = Field("train", description="accepted for symmetry with hub sources; a file is one split")
     subset: str | None = Field(None, description="accepted for symmetry with hub sources; ignored for a file")
 
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
+
     @property
     def label(self) -> str:
         """How messages and the run summary name this source."""
         return self.path
 
+    def default_name(self) -> str:
+        """The file name without its extensions (``cembed:coco-captions`` -> ``coco-captions``)."""
+        return _strip_extension(self.path.split(":", 1)[1] if self.path.startswith("cembed:") else Path(self.path).name)
 
-class HubSource(SourceOptions):
+
+class HubSource(SourceConfig):
     """A dataset on the datasets hub (or any id ``datasets.load_dataset`` accepts)."""
 
     kind: Literal["hub"] = Field("hub", description="source kind; inferred from path when not given")
@@ -64,22 +122,94 @@ class HubSource(SourceOptions):
         """How messages and the run summary name this source."""
         return self.path
 
+    def default_name(self) -> str:
+        """The hub id's last part, with its subset (``org/all-nli`` + ``pair`` -> ``all-nli-pair``)."""
+        return self.path.rsplit("/", 1)[-1] + (f"-{self.subset}" if self.subset else "")
 
-class BeirSource(SourceOptions):
+
+class BeirSource(SourceConfig):
     """A BEIR folder's qrels as (query, document) training pairs; YAML ``{beir: folder, split: train}``."""
 
     kind: Literal["beir"] = Field("beir", description="source kind; set by the `beir:` key")
     path: str = Field(description="the BEIR folder; a relative path resolves against the config file's folder")
     split: str = Field("train", description="the qrels file to read, qrels/<split>.tsv")
 
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
+    generated_columns: ClassVar[frozenset[str]] = frozenset({"query_id", "doc_id"})  # the pair's ids
+    shorthand: ClassVar[str | None] = "beir"
+    shorthand_hint: ClassVar[str] = "the BEIR folder as `beir: <folder>`"
+
     @property
     def label(self) -> str:
         """How messages and the run summary name this source."""
         return f"{self.path} (BEIR, qrels/{self.split}.tsv)"
 
+    def default_name(self) -> str:
+        """The BEIR folder's name with its split (``scifact-train``)."""
+        return f"{Path(self.path).name}-{self.split}"
 
-# One class per kind of training data; `kind` picks it (inferred by DataConfig when not given).
-DataSource = Annotated[FileSource | HubSource | BeirSource, Field(discriminator="kind")]
+
+# kind -> its config class; `kind` picks it (inferred by DataConfig when not given).
+SOURCE_CONFIGS: dict[str, type[SourceConfig]] = {}
+
+
+def register_source_config(cls: type[SourceConfig]) -> type[SourceConfig]:
+    """Register a :class:`SourceConfig` subclass under its ``kind`` default (usable as a decorator).
+
+    Raises:
+        TypeError: ``cls`` is not a SourceConfig subclass with a one-value ``Literal`` kind.
+        ValueError: the kind is already registered to another class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, SourceConfig)) or cls is SourceConfig:
+        raise TypeError(f"{cls!r}: a source config must be a subclass of cembed.config.data.SourceConfig")
+    field = cls.model_fields["kind"]
+    values = get_args(field.annotation)
+    if len(values) != 1 or not isinstance(values[0], str) or field.default != values[0]:
+        raise TypeError(f"{cls.__name__}.kind: declare it as kind: Literal['<kind>'] = '<kind>'")
+    kind = values[0]
+    if SOURCE_CONFIGS.get(kind, cls) is not cls:
+        raise ValueError(f"source kind {kind!r} is already registered ({SOURCE_CONFIGS[kind].__name__})")
+    SOURCE_CONFIGS[kind] = cls
+    return cls
+
+
+def source_config_class(kind: Any) -> type[SourceConfig]:
+    """The registered :class:`SourceConfig` subclass for ``kind``.
+
+    Raises:
+        ValueError: an unknown kind; the message lists the known ones.
+    """
+    cls = SOURCE_CONFIGS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"unknown source kind {kind!r}; known: {', '.join(SOURCE_CONFIGS)}")
+    return cls
+
+
+def source_config(**fields: Any) -> SourceConfig:
+    """The registered source config for ``fields["kind"]``, validated.
+
+    Raises:
+        ValueError: unknown kind (listing the known ones); pydantic's ValidationError for bad fields.
+    """
+    return source_config_class(fields.get("kind")).model_validate(fields)
+
+
+def source_config_class_of(item: Any) -> type[SourceConfig]:
+    """The class a ``data.train`` entry as written picks (its ``kind``, else its shorthand key);
+    :class:`FileSource` when neither names a registered kind (a file and a hub id have the same fields).
+    Used for did-you-mean on an unknown key."""
+    if isinstance(item, dict):
+        if item.get("kind") in SOURCE_CONFIGS:
+            return SOURCE_CONFIGS[item["kind"]]
+        for cls in SOURCE_CONFIGS.values():
+            if cls.shorthand is not None and cls.shorthand in item:
+                return cls
+    return FileSource
+
+
+register_source_config(FileSource)
+register_source_config(HubSource)
+register_source_config(BeirSource)
 
 
 def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
@@ -120,20 +250,28 @@ class SamplingConfig(_Strict):
         return self.strategy or ("weighted" if self.weights else "proportional")
 
 
-# Keys that make a mapping under data.train one source (else it maps names to sources).
-_SOURCE_KEYS = {"kind", "path", "beir", "split", "subset", "name", "columns", "max_samples"}
+def source_keys() -> set[str]:
+    """The keys that make a mapping under ``data.train`` one source (else it maps names to
+    sources): every registered kind's fields and shorthand key."""
+    keys = {"kind"}
+    for cls in SOURCE_CONFIGS.values():
+        keys |= set(cls.model_fields) | ({cls.shorthand} if cls.shorthand else set())
+    return keys
 
 
 def _source_dict(train: Any, base: Path | None, where: str) -> Any:
-    """One source as the dict pydantic validates: ``file.jsonl`` -> ``{path: ...}``, ``{beir: folder}``
-    -> ``{kind: beir, path: folder}``, ``kind`` inferred (:func:`infer_source_kind`) when not given."""
+    """One source as the dict pydantic validates: ``file.jsonl`` -> ``{path: ...}``, a kind's
+    shorthand (``{beir: folder}``) -> ``{kind: beir, path: folder}``, ``kind`` inferred
+    (:func:`infer_source_kind`) when not given."""
     if isinstance(train, str):
         train = {"path": train}
-    if isinstance(train, dict) and "beir" in train:
-        # `train: {beir: folder, split: ...}` is the BEIR source's YAML form.
-        if "path" in train or train.get("kind", "beir") != "beir":
-            raise ValueError(f"{where}: give the BEIR folder as `beir: <folder>` without `path` or `kind`")
-        train = {k: v for k, v in train.items() if k != "beir"} | {"kind": "beir", "path": train["beir"]}
+    for kind, cls in SOURCE_CONFIGS.items():
+        key = cls.shorthand
+        if key is not None and isinstance(train, dict) and key in train:
+            # e.g. `train: {beir: folder, split: ...}`, the BEIR source's YAML form.
+            if "path" in train or train.get("kind", kind) != kind:
+                raise ValueError(f"{where}: give {cls.shorthand_hint} without `path` or `kind`")
+            train = {k: v for k, v in train.items() if k != key} | {"kind": kind, "path": train[key]}
     if isinstance(train, dict) and "kind" not in train:
         path = train.get("path")
         # Without a usable path any kind reports the same error (missing or not a string).
@@ -142,29 +280,40 @@ def _source_dict(train: Any, base: Path | None, where: str) -> Any:
     return train
 
 
-def default_source_name(kind: str, path: str, split: str = "train", subset: str | None = None) -> str:
-    """A source's name when it sets none: the file name without its extensions
-    (``cembed:coco-captions`` -> ``coco-captions``), the BEIR folder's name with its split
-    (``scifact-train``), or the hub id's last part (with its subset)."""
-    if kind == "beir":
-        return f"{Path(path).name}-{split}"
-    if kind == "hub":
-        return path.rsplit("/", 1)[-1] + (f"-{subset}" if subset else "")
-    name = path.split(":", 1)[1] if path.startswith("cembed:") else Path(path).name
-    for ext in sorted(LOCAL_EXTENSIONS, key=len, reverse=True):
-        if name.lower().endswith(ext):
-            return name[: -len(ext)]
-    return name
+_PYDANTIC_ERROR_TYPES = frozenset(get_args(ErrorType))
 
 
-def _named(item: Any) -> Any:
-    """A list entry with its default ``name`` filled in from the path as written (before paths are
-    resolved), so names stay what the user sees."""
-    if isinstance(item, dict) and item.get("name") is None and isinstance(item.get("path"), str):
-        kind = item.get("kind", "file")
-        split, subset = item.get("split", "train"), item.get("subset")
-        return {**item, "name": default_source_name(kind, item["path"], str(split), subset)}
-    return item
+def _validated_source(item: Any, loc: tuple[Any, ...], errors: list[dict], named: bool = False) -> Any:
+    """``item`` (one source as :func:`_source_dict` leaves it) validated by its kind's class; its
+    errors are added to ``errors`` at ``loc``, in the form pydantic gives a discriminated union's.
+    ``named``: an entry of a list gets its :meth:`~SourceConfig.default_name` when it sets no name,
+    from its fields as written (before paths are resolved), so names stay what the user sees."""
+    if isinstance(item, SourceConfig):
+        return item
+    if not isinstance(item, dict):
+        errors.append({"type": "model_attributes_type", "loc": loc, "input": item})
+        return None
+    kind = item.get("kind")
+    cls = SOURCE_CONFIGS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        expected = ", ".join(repr(k) for k in SOURCE_CONFIGS)
+        ctx = {"discriminator": "'kind'", "tag": str(kind), "expected_tags": expected}
+        errors.append({"type": "union_tag_invalid", "loc": loc, "input": item, "ctx": ctx})
+        return None
+    try:
+        source = cls.model_validate(item)
+    except ValidationError as err:
+        for e in err.errors():
+            # A kind's own PydanticCustomError keeps its type and message (pydantic rebuilds only its own types).
+            kind_error = e["type"] not in _PYDANTIC_ERROR_TYPES
+            errors.append(
+                {**e, "loc": (*loc, *e["loc"])}
+                | ({"type": PydanticCustomError(e["type"], e["msg"])} if kind_error else {})
+            )
+        return None
+    if named and source.name is None:
+        source.name = source.default_name()
+    return source
 
 
 @dataclass(frozen=True)
@@ -173,14 +322,10 @@ class TrainSource:
     and row cap (its own, else ``data.columns`` / ``data.max_samples``)."""
 
     name: str
-    source: FileSource | HubSource | BeirSource
+    source: SourceConfig
     columns: ColumnMap
     max_samples: int | None
     key: str  # the config field that holds it: data.train or data.train.<name>
-
-
-# The tags of data.train's two forms (pydantic puts them in error locations; messages drop them).
-TRAIN_FORMS = ("one", "several")
 
 
 class PromptName(_Strict):
@@ -216,10 +361,7 @@ class PromptsConfig(_Strict):
 class DataConfig(_Strict):
     """The training data: where it comes from, which columns feed the loss, how it is checked."""
 
-    train: Annotated[
-        Annotated[DataSource, Tag(TRAIN_FORMS[0])] | Annotated[list[DataSource], Tag(TRAIN_FORMS[1])],
-        Discriminator(lambda value: "several" if isinstance(value, list) else "one"),
-    ] = Field(
+    train: SerializeAsAny[SourceConfig] | list[SerializeAsAny[SourceConfig]] = Field(
         description="a file path, a hub id, {kind, path, split, subset} or {beir, split}; or several sources: "
         "a list of them, or a mapping name -> source"
     )
@@ -245,19 +387,33 @@ class DataConfig(_Strict):
             data = dict(data)
             train = data.get("train")
             base = (info.context or {}).get("base")
-            if isinstance(train, dict) and train and not (set(train) & _SOURCE_KEYS):
+            if isinstance(train, dict) and train and not (set(train) & source_keys()):
                 named = []
                 for name, item in train.items():
                     item = _source_dict(item, base, f"data.train.{name}")
                     named.append({**item, "name": name} if isinstance(item, dict) else item)
                 train = named
             if isinstance(train, list):
-                train = [_named(_source_dict(item, base, f"data.train.{i}")) for i, item in enumerate(train)]
+                train = [_source_dict(item, base, f"data.train.{i}") for i, item in enumerate(train)]
             elif train is not None:
                 train = _source_dict(train, base, "data.train")
             if train is not None:
                 data["train"] = train
         return data
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _source_classes(cls, value: Any) -> Any:
+        # `kind` picks the registered class, which then validates (only) its own fields; its errors
+        # keep their location (data.train.<field>, data.train.<i>.<field>).
+        errors: list[dict] = []
+        if isinstance(value, list):
+            value = [_validated_source(item, (i,), errors, named=True) for i, item in enumerate(value)]
+        else:
+            value = _validated_source(value, (), errors)
+        if errors:
+            raise ValidationError.from_exception_data("SourceConfig", errors)
+        return value
 
     @model_validator(mode="after")
     def _names_and_weights(self) -> DataConfig:
@@ -281,7 +437,7 @@ class DataConfig(_Strict):
         items = self.train if isinstance(self.train, list) else [self.train]
         out = []
         for item in items:
-            name = item.name or default_source_name(item.kind, item.path, item.split, getattr(item, "subset", None))
+            name = item.name or item.default_name()
             key = f"data.train.{name}" if isinstance(self.train, list) else "data.train"
             columns = item.columns if item.columns is not None else self.columns
             max_samples = item.max_samples if item.max_samples is not None else self.max_samples

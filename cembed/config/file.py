@@ -17,13 +17,11 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cembed.config.data import TRAIN_FORMS
+from cembed.config.data import SourceConfig, source_config_class_of
 from cembed.config.schema import (
     DEFAULT_LOSS,
     LOSS_CONFIGS,
-    BeirSource,
     CembedConfig,
-    FileSource,
     LossConfig,
 )
 from cembed.errors import UserError
@@ -99,7 +97,8 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...], data: Any = None
     """The field names valid at ``loc`` (the parent of an unknown key), for did-you-mean.
 
     ``data`` is the validated mapping: under ``loss`` its ``name`` picks the registered loss class,
-    whose own fields are the valid ones (the schema only names the :class:`LossConfig` base).
+    whose own fields are the valid ones (the schema only names the :class:`LossConfig` base); under
+    ``data.train`` the source's ``kind`` (or shorthand key) picks the registered source class.
     """
     current: Any = model
     for part in loc:
@@ -113,31 +112,9 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...], data: Any = None
         if current is LossConfig:
             name = data.get("name", DEFAULT_LOSS) if isinstance(data, dict) else DEFAULT_LOSS
             current = LOSS_CONFIGS.get(name, LossConfig) if isinstance(name, str) else LossConfig
+        elif current is SourceConfig:
+            current = source_config_class_of(data)
     return list(getattr(current, "model_fields", {}))
-
-
-def _without_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:
-    """Drop the tag pydantic puts after a discriminated-union field (``data.train.file.path`` ->
-    ``data.train.path``): it is the value of ``kind``, not a YAML key."""
-    out: list[str] = []
-    current: Any = CembedConfig
-    tag_next = tag_after_index = False
-    for part in loc:
-        if tag_next:
-            tag_next = False
-            continue
-        if out[-2:] == ["data", "train"] and part in TRAIN_FORMS:  # one source, or a list of several
-            tag_next, tag_after_index = part == "one", part == "several"  # then the source's kind tag
-            continue
-        out.append(part)
-        if tag_after_index:
-            tag_next, tag_after_index = True, False
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:  # a list index, or past the schema
-            continue
-        tag_next = field.discriminator is not None
-        current = next(iter(_models_in(field.annotation)), None)  # list[Model] -> Model
-    return tuple(out)
 
 
 def _format_validation_error(
@@ -151,8 +128,8 @@ def _format_validation_error(
     messages = []
     for e in err.errors():
         loc = tuple(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-        # pydantic reports union members as extra loc parts (a class name, or a discriminated union's tag); drop them.
-        loc = _without_union_tags(tuple(p for p in loc if not p[:1].isupper()))
+        # pydantic reports union members as extra loc parts (a class name); drop them.
+        loc = tuple(p for p in loc if not p[:1].isupper())
         if e["type"] == "union_tag_invalid":  # an unknown `kind`: name the kind key (and its line)
             loc += (e["ctx"]["discriminator"].strip("'"),)
         dotted = ".".join(loc) or "(top level)"
@@ -200,8 +177,10 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
     ``cembed:<name>`` becomes the packaged data it names (:func:`cembed.samples.resolve_sample`)."""
     cfg = cfg.model_copy(deep=True)
     for item in cfg.data.sources():
-        if isinstance(item.source, (FileSource, BeirSource)):  # a hub id is not a path
-            item.source.path = _resolve_data_path(item.source.path, base, item.key)
+        for field in item.source.path_fields:  # the source kind says which fields hold paths (a hub id does not)
+            value = getattr(item.source, field)
+            if isinstance(value, str):
+                setattr(item.source, field, _resolve_data_path(value, base, item.key))
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
     if cfg.data.cache_dir is not None:
         cfg.data.cache_dir = _resolve_path(cfg.data.cache_dir, base)

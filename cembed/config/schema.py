@@ -28,7 +28,6 @@ from cembed.config.data import LOCAL_EXTENSIONS as LOCAL_EXTENSIONS
 from cembed.config.data import BeirSource as BeirSource
 from cembed.config.data import ColumnMap as ColumnMap
 from cembed.config.data import DataConfig as DataConfig
-from cembed.config.data import DataSource as DataSource
 from cembed.config.data import FileSource as FileSource
 from cembed.config.data import HubSource as HubSource
 from cembed.config.data import infer_source_kind as infer_source_kind

@@ -15,15 +15,12 @@ import re
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cembed.config.data import ColumnMap
+from cembed.config.data import SOURCE_CONFIGS, ColumnMap
 from cembed.errors import UserError
 
 # Column names that hold hard negatives by the usual conventions (sentence-transformers' datasets,
 # BGE/FlagEmbedding's `neg`, MTEB-style `negative_passages`, `hard_negative_3` ...).
 NEGATIVE_NAME = re.compile(r"^(hard[_ ]?)?neg(ative)?s?([_ ]?(passages?|docs?|documents?|texts?))?([_ ]?\d+)?$", re.I)
-
-# Columns a source kind adds itself (not the user's data): BEIR pairs carry their ids.
-GENERATED_COLUMNS = {"beir": {"query_id", "doc_id"}}
 
 
 def mapped_columns(columns: ColumnMap) -> list[str]:
@@ -40,13 +37,15 @@ def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label:
         key: the config field holding the source (``data.train`` or ``data.train.<name>``), to name
             the mapping to add: ``data.columns`` for ``data.train``, else ``<key>.columns``.
         label: how messages name the source (its path).
-        kind: the source kind (its own generated columns are not listed).
+        kind: the source kind; the columns its loader adds itself (the kind's
+            :attr:`~cembed.config.data.SourceConfig.generated_columns`) are not listed.
 
     Returns:
         Up to two lines: one naming the columns that look like negatives and the mapping that trains
         them, one listing the other unmapped columns (left out of training). Empty when every column is mapped.
     """
-    used = set(mapped_columns(columns)) | GENERATED_COLUMNS.get(kind, set())
+    kind_class = SOURCE_CONFIGS.get(kind)
+    used = set(mapped_columns(columns)) | (kind_class.generated_columns if kind_class is not None else set())
     unused = [n for n in names if n not in used]
     if not unused:
         return []

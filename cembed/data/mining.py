@@ -29,9 +29,10 @@ What cembed adds around it:
 * **embedding cache.** ``mine_hard_negatives`` takes no precomputed embeddings; it has its own
   ``cache_folder``, whose file names hash the model's *name* (``model_card_data.base_model``), the
   prompts and the texts, but not the weights, so two fine-tuned models of one base would share
-  entries. cembed therefore points it at ``<embedding cache>/mining/<model fingerprint>``: the same
-  cache root and model key (weights, tokenizer, length, prompts) as ``cembed eval``'s corpus
-  embeddings, with sentence-transformers' own file names inside.
+  entries. cembed therefore points it at ``<cache root>/mining/<model fingerprint>``
+  (:func:`mining_cache_folder`): the same cache root (:func:`cembed.files.cache_root`) and model key
+  (:func:`cembed.model.fingerprint.model_fingerprint`: weights, tokenizer, length, prompts) as
+  ``cembed eval``'s corpus embeddings, with sentence-transformers' own file names inside.
 """
 
 from __future__ import annotations
@@ -217,21 +218,11 @@ def mine_negatives(
             not ``.jsonl[.gz]``, an impossible rank range, or a model that cannot be loaded.
     """
     from datasets import Dataset
-    from sentence_transformers.util import mine_hard_negatives
 
-    from cembed.eval.embedding_cache import default_cache_dir, model_fingerprint
     from cembed.model.load import load_eval_model, quiet_libraries
     from cembed.model.prompts import resolve_prompts
 
-    if not output.name.lower().endswith((".jsonl", ".jsonl.gz")):
-        raise UserError(f"--output {output}: write .jsonl or .jsonl.gz (a file `cembed train` reads)")
-    if output_format not in ("columns", "rows"):
-        raise UserError(f"--output-format {output_format!r}: use columns (negative_1..k) or rows (one per negative)")
-    if num_negatives < 1 or range_min < 0 or (range_max is not None and range_max - range_min < num_negatives):
-        raise UserError(
-            f"--num-negatives {num_negatives}, --range-min {range_min}, --range-max {range_max}: need "
-            "num_negatives >= 1, range_min >= 0 and range_max - range_min >= num_negatives"
-        )
+    _check_arguments(output, output_format, num_negatives, range_min, range_max)
     started = time.perf_counter()
     anchors, positives, groups = _load_pairs(data, anchor_column, positive_column, group_column, max_samples)
     pairs = list(dict.fromkeys(zip(anchors, positives)))
@@ -239,65 +230,21 @@ def mine_negatives(
     quiet_libraries()
     model = load_eval_model(model_name, device)
     prompts = resolve_prompts(None, model)
-    cache = None
-    if not no_cache:
-        cache = Path(cache_dir or default_cache_dir()) / "mining" / model_fingerprint(model)
+    cache = None if no_cache else mining_cache_folder(model, cache_dir)
     mined_input = Dataset.from_dict(
         {"anchor": [a for a, _ in pairs + extra], "positive": [p for _, p in pairs + extra]}
     )
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(captured):
-            mined = mine_hard_negatives(
-                mined_input,
-                model,
-                anchor_column_name="anchor",
-                positive_column_name="positive",
-                range_min=range_min,
-                range_max=range_max,
-                absolute_margin=absolute_margin,
-                relative_margin=relative_margin,
-                num_negatives=num_negatives,
-                sampling_strategy="top",
-                query_prompt=prompts.anchor,
-                corpus_prompt=prompts.positive,
-                output_format="n-tuple" if output_format == "columns" else "triplet",
-                batch_size=batch_size,
-                verbose=True,
-                cache_folder=str(cache) if cache else None,
-            )
-    except ValueError as err:  # sentence-transformers' own argument checks (rank range vs corpus)
-        raise UserError(f"mine-negatives: {err}") from None
-    log = [line for line in captured.getvalue().splitlines() if line.strip()]
-    skipped = {"absolute_margin": 0, "relative_margin": 0}
-    for line in log:
-        match = _SKIPPED.search(line)
-        if match:
-            skipped[match.group(2)] = int(match.group(1).replace(",", ""))
-        derived = _RANGE_MAX.search(line)
-        if derived and range_max is None:
-            range_max = int(derived.group(1))  # sentence-transformers' default, reported
-    keep = set(pairs)
-    rows, negatives = [], 0
-    neg_cols = [f"negative_{i}" for i in range(1, num_negatives + 1)] if output_format == "columns" else ["negative"]
-    for row in mined:
-        if (row["anchor"], row["positive"]) not in keep:
-            continue  # an added exclusion pair
-        rows.append({anchor_column: row["anchor"], positive_column: row["positive"], **{c: row[c] for c in neg_cols}})
-        negatives += len(neg_cols)
-    if output_format == "columns":
-        short = len(pairs) - len(rows)
-    else:
-        per_pair: dict[tuple[str, str], int] = {}
-        for row in rows:
-            key = (row[anchor_column], row[positive_column])
-            per_pair[key] = per_pair.get(key, 0) + 1
-        short = sum(1 for p in pairs if per_pair.get(p, 0) < num_negatives)
-    if not rows:
-        raise UserError(
-            f"mine-negatives: no pair got {num_negatives} negatives; lower --num-negatives or the margins, "
-            "or raise --range-max"
-        )
+    settings = {
+        "range_min": range_min,
+        "range_max": range_max,
+        "absolute_margin": absolute_margin,
+        "relative_margin": relative_margin,
+        "num_negatives": num_negatives,
+        "batch_size": batch_size,
+    }
+    mined, log = _run_library(mined_input, model, prompts, settings, output_format, cache)
+    skipped, range_max = _read_library_log(log, range_max)
+    rows, neg_cols, short = _output_rows(mined, pairs, anchor_column, positive_column, num_negatives, output_format)
     _write_jsonl(output, rows)
     columns = {"anchor": anchor_column, "positive": positive_column, "negatives": neg_cols}
     return MiningReport(
@@ -319,7 +266,7 @@ def mine_negatives(
         skipped=skipped,
         rows_out=len(rows),
         short=short,
-        negatives=negatives,
+        negatives=len(rows) * len(neg_cols),
         columns=columns,
         prompts={"query": prompts.anchor, "document": prompts.positive},
         cache_dir=str(cache) if cache else None,
@@ -327,3 +274,105 @@ def mine_negatives(
         seconds=round(time.perf_counter() - started, 2),
         log=log,
     )
+
+
+def mining_cache_folder(model, cache_dir: str | Path | None = None) -> Path:
+    """The folder given to sentence-transformers' ``mine_hard_negatives(cache_folder=...)`` for ``model``:
+    :func:`cembed.files.cache_root` ``("mining", cache_dir)`` / :func:`cembed.model.fingerprint.model_fingerprint`
+    (``cache_dir``: ``--cache-dir``; None: the default root). Not created here."""
+    from cembed.files import cache_root
+    from cembed.model.fingerprint import model_fingerprint
+
+    return cache_root("mining", cache_dir) / model_fingerprint(model)
+
+
+def _check_arguments(
+    output: Path, output_format: str, num_negatives: int, range_min: int, range_max: int | None
+) -> None:
+    """Refuse an output sentence-transformers cannot write for training, or an impossible rank range."""
+    if not output.name.lower().endswith((".jsonl", ".jsonl.gz")):
+        raise UserError(f"--output {output}: write .jsonl or .jsonl.gz (a file `cembed train` reads)")
+    if output_format not in ("columns", "rows"):
+        raise UserError(f"--output-format {output_format!r}: use columns (negative_1..k) or rows (one per negative)")
+    if num_negatives < 1 or range_min < 0 or (range_max is not None and range_max - range_min < num_negatives):
+        raise UserError(
+            f"--num-negatives {num_negatives}, --range-min {range_min}, --range-max {range_max}: need "
+            "num_negatives >= 1, range_min >= 0 and range_max - range_min >= num_negatives"
+        )
+
+
+def _run_library(mined_input, model, prompts, settings: dict, output_format: str, cache: Path | None):
+    """sentence-transformers' ``mine_hard_negatives`` on the pairs (and the added exclusion pairs),
+    its printed statistics captured. Returns ``(mined dataset, non-empty printed lines)``."""
+    from sentence_transformers.util import mine_hard_negatives
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            mined = mine_hard_negatives(
+                mined_input,
+                model,
+                anchor_column_name="anchor",
+                positive_column_name="positive",
+                sampling_strategy="top",
+                query_prompt=prompts.anchor,
+                corpus_prompt=prompts.positive,
+                output_format="n-tuple" if output_format == "columns" else "triplet",
+                verbose=True,
+                cache_folder=str(cache) if cache else None,
+                **settings,
+            )
+    except ValueError as err:  # sentence-transformers' own argument checks (rank range vs corpus)
+        raise UserError(f"mine-negatives: {err}") from None
+    return mined, [line for line in captured.getvalue().splitlines() if line.strip()]
+
+
+def _read_library_log(log: list[str], range_max: int | None) -> tuple[dict[str, int], int | None]:
+    """From sentence-transformers' printed lines: candidates each margin filter removed, and the
+    ``range_max`` it chose when none was given. Returns ``(skipped, range_max)``."""
+    skipped = {"absolute_margin": 0, "relative_margin": 0}
+    for line in log:
+        match = _SKIPPED.search(line)
+        if match:
+            skipped[match.group(2)] = int(match.group(1).replace(",", ""))
+        derived = _RANGE_MAX.search(line)
+        if derived and range_max is None:
+            range_max = int(derived.group(1))  # sentence-transformers' default, reported
+    return skipped, range_max
+
+
+def _output_rows(
+    mined,
+    pairs: list[tuple[str, str]],
+    anchor_column: str,
+    positive_column: str,
+    num_negatives: int,
+    output_format: str,
+) -> tuple[list[dict], list[str], int]:
+    """The rows to write: the input's pairs only (the added exclusion pairs dropped), in the input's
+    column names. Returns ``(rows, negative columns, pairs short of num_negatives)``.
+
+    Raises:
+        UserError: no pair got ``num_negatives`` negatives.
+    """
+    keep = set(pairs)
+    rows = []
+    neg_cols = [f"negative_{i}" for i in range(1, num_negatives + 1)] if output_format == "columns" else ["negative"]
+    for row in mined:
+        if (row["anchor"], row["positive"]) not in keep:
+            continue  # an added exclusion pair
+        rows.append({anchor_column: row["anchor"], positive_column: row["positive"], **{c: row[c] for c in neg_cols}})
+    if output_format == "columns":
+        short = len(pairs) - len(rows)
+    else:
+        per_pair: dict[tuple[str, str], int] = {}
+        for row in rows:
+            key = (row[anchor_column], row[positive_column])
+            per_pair[key] = per_pair.get(key, 0) + 1
+        short = sum(1 for p in pairs if per_pair.get(p, 0) < num_negatives)
+    if not rows:
+        raise UserError(
+            f"mine-negatives: no pair got {num_negatives} negatives; lower --num-negatives or the margins, "
+            "or raise --range-max"
+        )
+    return rows, neg_cols, short

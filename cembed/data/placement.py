@@ -12,12 +12,12 @@ token ids after truncation, as the sampler does with pre-tokenized data), else a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from cembed.data.prepare import PreparedData, arrow_table, source_views
-from cembed.data.sampler import SOURCE_SEED_STRIDE, _fits, build_batches, row_hashes
+from cembed.data.sampler import SOURCE_SEED_STRIDE, build_batches, fits, row_hashes
 from cembed.errors import UserError, first_line
 
 
@@ -83,17 +83,17 @@ def find_unplaceable(
     )
 
 
-def warn_unplaceable(plan, data, drop_last: bool, seed: int):
-    """``plan`` with :func:`find_unplaceable`'s report added to its warnings (printed by ``validate``
-    and at the start of ``train``); ``plan`` itself when every row can be placed or ``data`` has no
-    rows loaded (:class:`cembed.data.prepare.UnloadedData`)."""
+def unplaceable_warnings(plan, data, drop_last: bool, seed: int) -> tuple[str, ...]:
+    """:func:`find_unplaceable`'s report for each training source under ``plan``'s batch, as warnings
+    (printed by ``validate`` and at the start of ``train``, beside the plan's own); empty when every
+    row can be placed or ``data`` has no rows loaded (:class:`cembed.data.prepare.UnloadedData`)."""
     if not hasattr(data, "dataset"):
-        return plan
+        return ()
     batch = plan.per_device_train_batch_size * plan.world_size
     drop = drop_last or plan.world_size > 1
     views = source_views(data)  # source i is shuffled as the sampler shuffles it
     found = [find_unplaceable(view, batch, drop, seed + i * SOURCE_SEED_STRIDE) for i, view in enumerate(views)]
-    return replace(plan, warnings=plan.warnings + tuple(str(f) for f in found if f))
+    return tuple(str(f) for f in found if f)
 
 
 def model_hashes(data: PreparedData, model_cfg, cache_dir: str | None = None) -> tuple[np.ndarray, str]:
@@ -186,7 +186,7 @@ def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: 
     """
     n = hashes.shape[0]
     order = np.random.default_rng(seed).permutation(n)
-    greedy = int(_fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
+    greedy = int(fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
     batches, unplaced = build_batches(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
     upper = min((len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])), default=n) if n else 0
     return {

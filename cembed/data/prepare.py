@@ -406,13 +406,15 @@ class ModelTruncation(NamedTuple):
 
 
 def model_truncation_report(
-    model_cfg, data, sample_rows: int = 20000, prompts_cfg=None, unpad="auto"
+    model_cfg, data, sample_rows: int = 20000, prompts_cfg=None, unpad="auto", precision: str | None = None
 ) -> ModelTruncation:
     """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
     the pooling the model uses, its stored / training / saved dtypes, each role's prompt
     (``prompts_cfg``, the ``data.prompts`` section, resolved against the model; prompt tokens count
     toward the length) and the attention path ``unpad`` (``batch.unpad``) gives it; the per-column
-    report is empty for :class:`UnloadedData` (only the model is checked).
+    report is empty for :class:`UnloadedData` (only the model is checked). ``precision`` is the run's
+    resolved precision for the dtypes' autocast (``Plan.precision``; None: ``model_cfg.precision``
+    resolved on CPU, where the model is loaded).
 
     Raises:
         UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it,
@@ -425,7 +427,7 @@ def model_truncation_report(
     model = load_model(model_cfg, "cpu")
     length = int(model.max_seq_length)
     pooling = pooling_in_effect(model, model_cfg)
-    weights = weight_dtypes(model, model_cfg)
+    weights = weight_dtypes(model, model_cfg, precision)
     prompts = resolve_prompts(prompts_cfg, model)
     attention = resolve_unpad(model, unpad)
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure

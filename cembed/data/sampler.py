@@ -34,9 +34,9 @@ import xxhash
 from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
+from cembed.data.collator import PROMPT_SUFFIX, TOKEN_SUFFIX
 from cembed.data.mixture import SourceMix
 from cembed.data.prepare import arrow_table
-from cembed.data.tokenize import PROMPT_SUFFIX, TOKEN_SUFFIX
 
 # Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
 SOURCE_SEED_STRIDE = 1_000_003
@@ -97,7 +97,7 @@ def _sorted_member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     return sorted_set[at] == values
 
 
-def _fits(hashes: np.ndarray, candidates: np.ndarray, used: np.ndarray, space: int) -> np.ndarray:
+def fits(hashes: np.ndarray, candidates: np.ndarray, used: np.ndarray, space: int) -> np.ndarray:
     """Which candidate rows join a batch whose texts are ``used`` (sorted) with room for ``space``
     more rows, exactly as a row-by-row first fit taking the candidates in order decides: a row is
     refused if one of its texts is in ``used`` or in an earlier candidate that was *taken* (a clash
@@ -147,7 +147,7 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
     First fit over a seeded permutation, with a FIFO of deferred rows: each new batch first offers
     a place to the rows deferred so far (oldest first), then takes rows from the permutation; a row
     that shares a text with the batch is deferred. The checks run vectorised on whole candidate
-    chunks (:func:`_fits`), so an epoch costs a few numpy passes per batch (about linear in the rows).
+    chunks (:func:`fits`), so an epoch costs a few numpy passes per batch (about linear in the rows).
 
     The end of an epoch: with ``drop_last`` the rows that cannot fill a batch go unused. Without it,
     the partial batch is kept and the deferred rows are packed, first fit, into further batches; a
@@ -178,7 +178,7 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
     def offer(candidates: np.ndarray) -> np.ndarray:
         """Add the fitting candidates (up to the space left); return the others, in order."""
         nonlocal used
-        ok = _fits(hashes, candidates, used, batch_size - filled())
+        ok = fits(hashes, candidates, used, batch_size - filled())
         taken = candidates[ok]
         if taken.size:
             rows.append(taken)

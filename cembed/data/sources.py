@@ -1,10 +1,11 @@
 """Training-data sources: one loader per source kind, each returning a ``datasets.Dataset``.
 
-A source kind is a pydantic class in :mod:`cembed.config.schema` (:class:`~cembed.config.schema.FileSource`,
-:class:`~cembed.config.schema.HubSource`, :class:`~cembed.config.schema.BeirSource`) plus a loader here registered
-in :data:`LOADERS`;
-:func:`load_source` dispatches on the source's class. A file is scanned with the standard library
-(:func:`diagnose_file`) so a malformed one is refused with its line, not a parser traceback.
+A source kind is a config class in :mod:`cembed.config.data` (a :class:`~cembed.config.data.SourceConfig`
+subclass registered with :func:`~cembed.config.data.register_source_config`: :class:`~cembed.config.data.FileSource`,
+:class:`~cembed.config.data.HubSource`, :class:`~cembed.config.data.BeirSource`) plus a loader here registered
+with :func:`register_source_loader` (in :data:`LOADERS`); :func:`load_source` dispatches on the source's
+``kind``. A file is scanned with the standard library (:func:`diagnose_file`) so a malformed one is
+refused with its line, not a parser traceback.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import json
 import os
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cembed.config.schema import BeirSource, FileSource, HubSource
+from cembed.config.data import BeirSource, FileSource, HubSource, SourceConfig
+from cembed.data.beir import beir_files, qrels_lines, read_corpus, read_queries
 from cembed.errors import HubUnavailable, UserError
-from cembed.eval.sets import beir_files, qrels_lines, read_corpus, read_queries
 
 
 def _builder_for(path: Path) -> tuple[str, dict]:
@@ -138,13 +140,13 @@ def _read_jsonl_rows(path: Path):
 def load_beir_pairs(source: BeirSource):
     """(query, document) training pairs from a BEIR folder's ``qrels/<split>.tsv``, in file order:
     ``anchor`` is the query text, ``positive`` the document as ``(title + " " + text).strip()`` (the
-    evaluator's rule, :func:`cembed.eval.sets.document_text`), plus ``query_id`` and ``doc_id``. Rows
+    evaluator's rule, :func:`cembed.data.beir.document_text`), plus ``query_id`` and ``doc_id``. Rows
     with score <= 0 are left out; a repeated (query, document) line counts once (its last score).
     A document relevant to several queries appears in several rows: the no-duplicates sampler keeps
     them in different batches.
 
     Raises:
-        UserError: a missing folder or file (see :func:`cembed.eval.sets.beir_files`), a bad corpus,
+        UserError: a missing folder or file (see :func:`cembed.data.beir.beir_files`), a bad corpus,
             queries or qrels line, a qrels line naming a query or document that does not exist (file
             and line), or no pair with a positive score.
     """
@@ -173,16 +175,17 @@ def load_beir_pairs(source: BeirSource):
     )
 
 
-# Source class -> its loader. A new kind of source is one class in cembed.config.schema and one entry here.
-LOADERS: dict[type, Callable[[Any], Any]] = {FileSource: load_file, HubSource: load_hub, BeirSource: load_beir_pairs}
+def row_number(index: int) -> str:
+    """How messages name a row by its 0-based index when its source has no better locator: ``row N`` (1-based)."""
+    return f"row {index + 1}"
 
 
-def row_locator(source) -> Callable[[int], str]:
-    """How messages name a row of ``source``'s data by its 0-based index: ``line N`` for a JSON
-    Lines file (blank lines skipped, as the reader does), ``row N`` (1-based) otherwise."""
+def file_row_locator(source: FileSource) -> Callable[[int], str]:
+    """How messages name a row of a data file by its 0-based index: ``line N`` for a JSON Lines file
+    (blank lines skipped, as the reader does), ``row N`` (1-based) otherwise."""
     path = Path(source.path)
-    if not (isinstance(source, FileSource) and path.name.lower().removesuffix(".gz").endswith(".jsonl")):
-        return lambda index: f"row {index + 1}"
+    if not path.name.lower().removesuffix(".gz").endswith(".jsonl"):
+        return row_number
 
     def locate(index: int) -> str:
         rows = -1
@@ -193,22 +196,78 @@ def row_locator(source) -> Callable[[int], str]:
                     return f"line {number}"
         except ValueError:
             pass
-        return f"row {index + 1}"
+        return row_number(index)
 
     return locate
 
 
-def load_source(source: FileSource | HubSource | BeirSource):
-    """Load any training-data source as a ``datasets.Dataset``, through its entry in :data:`LOADERS`.
+@dataclass(frozen=True)
+class SourceLoader:
+    """How one source kind's data is read.
+
+    Attributes:
+        load: ``(source config) -> datasets.Dataset``; raises :class:`~cembed.errors.UserError` for
+            bad data (naming the source, and the file and line where it can).
+        row_locator: ``(source config) -> (0-based row index -> "line N" / "row N")`` for messages
+            about one row; ``None``: ``row N`` (1-based).
+    """
+
+    load: Callable[[Any], Any]
+    row_locator: Callable[[Any], Callable[[int], str]] | None = None
+
+
+# kind -> its loader. A new kind of source is one class in cembed.config.data and one entry here.
+LOADERS: dict[str, SourceLoader] = {}
+
+
+def register_source_loader(
+    kind: str, load: Callable[[Any], Any], row_locator: Callable[[Any], Callable[[int], str]] | None = None
+) -> None:
+    """Register the loader (and optionally the row locator, see :class:`SourceLoader`) of the source
+    kind ``kind`` (the ``kind`` of a class registered with :func:`cembed.config.data.register_source_config`).
 
     Raises:
-        UserError: see :func:`load_file`, :func:`load_hub` and :func:`load_beir_pairs`.
-        TypeError: a source class with no registered loader (a programming error, not a user one).
+        ValueError: ``kind`` already has another loader.
     """
-    loader = LOADERS.get(type(source))
-    if loader is None:
-        raise TypeError(f"no loader registered for {type(source).__name__} in cembed.data.sources.LOADERS")
-    return loader(source)
+    entry = SourceLoader(load, row_locator)
+    if LOADERS.get(kind, entry) != entry:
+        raise ValueError(f"source kind {kind!r} already has a loader ({LOADERS[kind].load.__name__})")
+    LOADERS[kind] = entry
+
+
+def _loader(source: SourceConfig) -> SourceLoader:
+    entry = LOADERS.get(source.kind)
+    if entry is None:
+        raise TypeError(
+            f"no loader registered for {type(source).__name__} (kind {source.kind!r}) in cembed.data.sources.LOADERS"
+        )
+    return entry
+
+
+def row_locator(source: SourceConfig) -> Callable[[int], str]:
+    """How messages name a row of ``source``'s data by its 0-based index: its kind's row locator
+    (``line N`` for a JSON Lines file), else ``row N`` (1-based).
+
+    Raises:
+        TypeError: a source kind with no registered loader (a programming error, not a user one).
+    """
+    locator = _loader(source).row_locator
+    return locator(source) if locator is not None else row_number
+
+
+def load_source(source: SourceConfig):
+    """Load any training-data source as a ``datasets.Dataset``, through its kind's entry in :data:`LOADERS`.
+
+    Raises:
+        UserError: see :func:`load_file`, :func:`load_hub` and :func:`load_beir_pairs` (or the kind's loader).
+        TypeError: a source kind with no registered loader (a programming error, not a user one).
+    """
+    return _loader(source).load(source)
+
+
+register_source_loader("file", load_file, file_row_locator)
+register_source_loader("hub", load_hub)
+register_source_loader("beir", load_beir_pairs)
 
 
 def _text_lines(path: Path):

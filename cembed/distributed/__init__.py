@@ -1,1 +1,5 @@
-"""cembed.distributed.group."""
+"""Several processes: the process group, the collectives (rank agreement), the launcher, and one module
+per strategy (DDP's unused-parameter handling, FSDP).
+
+May import: ``cembed.errors`` only (torch lazily).
+"""

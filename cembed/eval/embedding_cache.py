@@ -1,15 +1,15 @@
 """The on-disk cache of corpus embeddings, keyed by model and corpus fingerprints.
 
 A retrieval corpus is encoded once per (model, corpus): the cache file is named by
-:func:`model_fingerprint` (weights, module stack, max_seq_length, tokenizer, prompts, device type)
-and :func:`corpus_fingerprint` (document ids and texts in order), so any change misses and the same
-model on the same corpus never re-encodes. Files are float32 ``.npy`` arrays written atomically.
+:func:`cembed.model.fingerprint.model_fingerprint` (weights, module stack, max_seq_length, tokenizer,
+prompts, device type) and :func:`corpus_fingerprint` (document ids and texts in order, the prompt),
+salted with :data:`CACHE_FORMAT` (:func:`cache_path`), so any change misses and the same model on the
+same corpus never re-encodes. Files are float32 ``.npy`` arrays written atomically, in
+:func:`cembed.files.cache_root` ``("embeddings", ...)``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from cembed.errors import UserError
-from cembed.model.load import tokenizer_spec
+from cembed.model.fingerprint import model_fingerprint
 
 # Bumped whenever the way documents are turned into text or encoded changes, so old caches miss.
 CACHE_FORMAT = "cembed-corpus-v1"
@@ -30,38 +30,9 @@ def _hasher():
     return xxhash.xxh3_128()
 
 
-def model_fingerprint(model) -> str:
-    """A hash of everything that decides a SentenceTransformer's embeddings.
-
-    Covers every weight (name, dtype, shape, bytes), the module stack as printed (pooling mode,
-    normalisation), max_seq_length, the tokenizer (vocabulary and rules, not its last
-    padding/truncation state), the prompts and the device type. Two loads of the same saved
-    model give the same fingerprint; any weight change gives another.
-
-    Returns:
-        32 hex characters (xxh3-128).
-    """
-    import torch
-
-    h = _hasher()
-    h.update(CACHE_FORMAT.encode())
-    h.update(repr(model).encode())
-    h.update(f"max_seq_length={getattr(model, 'max_seq_length', None)}|device={model.device.type}".encode())
-    for key, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().to("cpu").contiguous()
-        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is not None:
-        h.update(tokenizer_spec(tokenizer).encode())
-    prompts = getattr(model, "prompts", None)
-    h.update(json.dumps(prompts or {}, sort_keys=True).encode())
-    return h.hexdigest()
-
-
 def corpus_fingerprint(corpus: dict[str, str], prompt: str | None = None) -> str:
     """A hash of the documents as encoded: ids and texts in order, and the ``prompt`` prepended to
-    each when one is given (None: the model's own document prompt, covered by :func:`model_fingerprint`);
+    each when one is given (None: the model's own document prompt, covered by the model fingerprint);
     32 hex characters, xxh3-128."""
     h = _hasher()
     if prompt is not None:
@@ -74,17 +45,14 @@ def corpus_fingerprint(corpus: dict[str, str], prompt: str | None = None) -> str
     return h.hexdigest()
 
 
-def default_cache_dir() -> Path:
-    """``$CEMBED_CACHE_DIR``, else ``$XDG_CACHE_HOME/cembed/embeddings`` (``~/.cache/cembed/embeddings``)."""
-    if os.environ.get("CEMBED_CACHE_DIR"):
-        return Path(os.environ["CEMBED_CACHE_DIR"]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "cembed" / "embeddings"
-
-
 def cache_path(cache_dir: str | Path, model_fp: str, corpus_fp: str) -> Path:
-    """Where the corpus embeddings for (model, corpus) live: ``<cache_dir>/<model_fp>-<corpus_fp>.npy``."""
-    return Path(cache_dir) / f"{model_fp}-{corpus_fp}.npy"
+    """Where the corpus embeddings for (model, corpus) live: ``<cache_dir>/<model_fp>-<key>.npy``, ``key``
+    the xxh3-128 of :data:`CACHE_FORMAT` and ``corpus_fp`` (so a format change misses every old entry;
+    one model's entries share the file-name prefix). ``cache_dir``: the embeddings folder,
+    :func:`cembed.files.cache_root` ``("embeddings", ...)``."""
+    h = _hasher()
+    h.update(f"{CACHE_FORMAT}|{corpus_fp}".encode())
+    return Path(cache_dir) / f"{model_fp}-{h.hexdigest()}.npy"
 
 
 def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
@@ -165,7 +133,8 @@ def corpus_embeddings(
 ) -> CorpusEmbeddings:
     """Embeddings of every corpus document, read from / written to the on-disk cache.
 
-    The cache file is keyed by :func:`model_fingerprint` and :func:`corpus_fingerprint` (with the
+    The cache file (:func:`cache_path` in ``cache_dir``, the embeddings folder) is keyed by ``model_fp``
+    (default :func:`cembed.model.fingerprint.model_fingerprint`) and :func:`corpus_fingerprint` (with the
     ``prompt``), so a changed weight, tokenizer, max_seq_length, prompt or document misses, and the
     same model on the same corpus never re-encodes. ``cache_dir=None`` disables the cache. A corrupt
     or mis-shaped cache file is ignored and rewritten. Writes are atomic.

@@ -8,27 +8,16 @@ sentence-transformers' own evaluators.
 
 No metric is computed here: sets come from :mod:`cembed.eval.sets`, corpus embeddings from
 :mod:`cembed.eval.embedding_cache`, both go to those evaluators (graded NDCG: :mod:`cembed.eval.metrics`). Nothing
-here prints: training-time lines go to an ``on_line`` callable (``cembed eval``: :mod:`cembed.eval.score`).
-
-During training, :func:`build_training_evaluator` turns the config's ``eval`` section into one
-evaluator for ``SentenceTransformerTrainer``; the trainer logs its metrics (prefixed ``eval_``)
-next to the training loss and to the trackers in ``train.report_to``.
+here prints (``cembed eval``: :mod:`cembed.eval.score`; evaluation during training, built from these
+evaluators: :mod:`cembed.train.evaluation`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from transformers import TrainerCallback
-
-from cembed.errors import UserError
-from cembed.eval.embedding_cache import CorpusEmbeddings, ProgressFn, corpus_embeddings, model_fingerprint
-from cembed.eval.sets import EvalSets, RetrievalSet, StsSet, load_eval_sets
-
-LineFn = Callable[[str], None]  # receives one finished text line to show
+from cembed.eval.embedding_cache import CorpusEmbeddings, ProgressFn, corpus_embeddings
+from cembed.eval.sets import RetrievalSet, StsSet
 
 # The metrics shown for each kind of set: (label, key suffix in the evaluator's output).
 RETRIEVAL_HEADLINE = (
@@ -39,10 +28,6 @@ RETRIEVAL_HEADLINE = (
     ("Recall@100", "cosine_recall@100"),
 )
 STS_HEADLINE = (("Spearman (cosine)", "spearman_cosine"), ("Pearson (cosine)", "pearson_cosine"))
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluators (sentence-transformers' own metric code)
 
 
 def retrieval_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False, prompts=None):
@@ -126,225 +111,3 @@ def headline(metrics: dict[str, float], name: str, kind: str) -> dict[str, float
     """The few metrics shown for a set: label -> value (``kind`` is ``retrieval`` or ``sts``)."""
     rows = RETRIEVAL_HEADLINE if kind == "retrieval" else STS_HEADLINE
     return {label: metrics[f"{name}_{suffix}"] for label, suffix in rows if f"{name}_{suffix}" in metrics}
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluation during training
-
-
-def build_training_evaluator(sets: EvalSets, batch_size: int = 32, prompts=None):
-    """One evaluator for the trainer: the sets' evaluators in a ``SequentialEvaluator`` (metrics of
-    all sets, each prefixed by its set name; retrieval ``prompts`` as in :func:`retrieval_evaluator`).
-    Corpus embeddings are not cached here: the weights change between evaluations."""
-    from sentence_transformers.base.evaluation import SequentialEvaluator
-
-    evaluators = [retrieval_evaluator(r, batch_size, prompts=prompts) for r in sets.retrieval]
-    evaluators += [sts_evaluator(s, batch_size) for s in sets.sts]
-    return SequentialEvaluator(evaluators)
-
-
-def metric_names(sets: EvalSets) -> list[str]:
-    """Metric names usable as ``eval.metric_for_best_model`` (the trainer logs them with an
-    ``eval_`` prefix)."""
-    names = []
-    for r in sets.retrieval:
-        names += [f"{r.name}_{suffix}" for _, suffix in RETRIEVAL_HEADLINE]
-        names += [f"{r.name}_cosine_{m}@{k}" for m in ("accuracy", "precision") for k in (1, 3, 5, 10)]
-        names += [f"{r.name}_cosine_recall@{k}" for k in (1, 3, 5)]
-        names += [f"{r.name}_cosine_precision@100"]
-    for s in sets.sts:
-        names += [f"{s.name}_{suffix}" for _, suffix in STS_HEADLINE]
-    return names
-
-
-def check_metric_name(metric: str | None, sets: EvalSets) -> str | None:
-    """Normalise ``eval.metric_for_best_model`` (an optional ``eval_`` prefix is dropped) and check it
-    is a metric the sets produce.
-
-    Raises:
-        UserError: unknown metric (or `loss`, which no eval set produces), with a did-you-mean and choices.
-    """
-    import difflib
-
-    if metric is None:
-        return None
-    bare = metric.removeprefix("eval_")
-    known = metric_names(sets)
-    if bare in known:
-        return bare
-    if bare == "loss":  # the trainer's eval_loss needs an eval dataset; cembed evaluates with evaluators only
-        raise UserError(
-            f"eval.metric_for_best_model: {metric!r} needs an evaluation loss, which the eval sets do not produce "
-            f"(they are scored, not trained on); pick one of their metrics, e.g. {known[0]!r}"
-        )
-    close = difflib.get_close_matches(bare, known, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    choices = ", ".join(known[: 6 if sets.retrieval else 2])
-    raise UserError(f"eval.metric_for_best_model: {metric!r} is not a metric of the eval sets{hint} (e.g. {choices})")
-
-
-def greater_is_better(metric: str, explicit: bool | None) -> bool:
-    """``explicit`` when set, else False for a loss and True for every other metric."""
-    if explicit is not None:
-        return explicit
-    return not metric.endswith("loss")
-
-
-def training_eval_args(eval_cfg, metric: str | None, save_steps: int | None) -> dict[str, Any]:
-    """Training-argument overrides for evaluation during training.
-
-    ``eval_steps`` -> ``eval_strategy="steps"``; with a ``metric_for_best_model`` a checkpoint is
-    saved at every evaluation (or at ``train.save_steps`` when set, which must then be a multiple of
-    ``eval_steps``), the best one is kept and loaded at the end.
-
-    Raises:
-        UserError: ``train.save_steps`` not a multiple of ``eval.eval_steps`` with a best-model metric.
-    """
-    if eval_cfg is None or eval_cfg.eval_steps is None:
-        return {}
-    args: dict[str, Any] = {"eval_strategy": "steps", "eval_steps": eval_cfg.eval_steps}
-    if metric is not None:
-        if save_steps is not None and save_steps % eval_cfg.eval_steps:
-            raise UserError(
-                f"train.save_steps ({save_steps}) must be a multiple of eval.eval_steps ({eval_cfg.eval_steps}) "
-                "to keep the best checkpoint; change one of them or unset train.save_steps"
-            )
-        args.update(
-            save_strategy="steps",
-            save_steps=save_steps or eval_cfg.eval_steps,
-            load_best_model_at_end=True,
-            metric_for_best_model=metric,
-            greater_is_better=greater_is_better(metric, eval_cfg.greater_is_better),
-            save_total_limit=eval_cfg.save_total_limit,
-        )
-    return args
-
-
-class EvalLogCallback(TrainerCallback):
-    """Trainer callback that records each evaluation (step, metrics without the ``eval_`` prefix)
-    and hands ``on_line`` one line per evaluation with the headline metrics
-    (``eval step <step>: <metric> <value:.4f>  ...``); ``on_line=None`` shows nothing."""
-
-    def __init__(self, on_line: LineFn | None = None, headline_keys: list[str] | None = None) -> None:
-        self.on_line = on_line
-        self.history: list[dict[str, Any]] = []
-        self.headline_keys = headline_keys or []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        metrics = {
-            k.removeprefix("eval_"): float(v)
-            for k, v in logs.items()
-            if k.startswith("eval_") and isinstance(v, (int, float))
-        }
-        metrics = {k: v for k, v in metrics.items() if k not in ("runtime", "samples_per_second", "steps_per_second")}
-        if not metrics:
-            return
-        self.history.append({"step": state.global_step, "metrics": metrics})
-        if self.on_line is not None:
-            shown = [k for k in self.headline_keys if k in metrics] or list(metrics)[:4]
-            text = "  ".join(f"{k} {metrics[k]:.4f}" for k in shown)
-            self.on_line(f"eval step {state.global_step}: {text}")
-
-
-def headline_keys(sets: EvalSets) -> list[str]:
-    """The primary metric of each set: ``<name>_cosine_ndcg@10`` / ``<name>_spearman_cosine``."""
-    return [f"{r.name}_cosine_ndcg@10" for r in sets.retrieval] + [f"{s.name}_spearman_cosine" for s in sets.sts]
-
-
-def run_evaluator(evaluator, model) -> dict[str, float]:
-    """Call a (sequential) evaluator outside the trainer; returns float metrics without the
-    ``sequential_score`` entry."""
-    metrics = evaluator(model)
-    return {k: float(v) for k, v in metrics.items() if k != "sequential_score"}
-
-
-@dataclass
-class TrainingEvaluation:
-    """Everything ``run_training`` needs to evaluate before, during and after training."""
-
-    sets: EvalSets
-    evaluator: Any
-    metric: str | None  # metric_for_best_model without the eval_ prefix
-    training_args: dict[str, Any]
-    callback: EvalLogCallback
-    batch_size: int = 32
-    prompts: Any = None  # cembed.model.prompts.RolePrompts: query = anchor prompt, corpus = positive prompt
-
-    @classmethod
-    def from_config(
-        cls, eval_cfg, save_steps: int | None, on_line: LineFn | None = None, prompts=None
-    ) -> TrainingEvaluation:
-        """Load the sets of ``eval_cfg`` and build evaluator, training-argument overrides and log
-        callback; retrieval queries get ``prompts.anchor``, corpora ``prompts.positive``.
-
-        ``on_line`` receives the evaluation lines (see :class:`EvalLogCallback` and :meth:`evaluate`).
-
-        Raises:
-            UserError: see :func:`load_eval_sets`, :func:`check_metric_name`, :func:`training_eval_args`.
-        """
-        sets = load_eval_sets(eval_cfg)
-        metric = check_metric_name(eval_cfg.metric_for_best_model, sets)
-        return cls(
-            sets=sets,
-            evaluator=build_training_evaluator(sets, eval_cfg.batch_size, prompts),
-            metric=metric,
-            training_args=training_eval_args(eval_cfg, metric, save_steps),
-            callback=EvalLogCallback(on_line, headline_keys(sets)),
-            batch_size=eval_cfg.batch_size,
-            prompts=prompts,
-        )
-
-    def evaluate(self, model, label: str, cache_dir: str | Path | None = None) -> dict[str, float]:
-        """Run every set's evaluator on ``model``; the callback's ``on_line`` (if any) gets the headline
-        metrics as ``eval <label>: <metric> <value:.4f>  ...``.
-
-        With ``cache_dir`` (used before training, when the weights are the base model's) retrieval
-        corpora come from / go to the corpus-embedding cache; the metrics are the same.
-        """
-        if cache_dir is None:
-            metrics = run_evaluator(self.evaluator, model)
-        else:
-            metrics = {}
-            fp = model_fingerprint(model) if self.sets.retrieval else None
-            for rs in self.sets.retrieval:
-                metrics.update(evaluate_retrieval(model, rs, self.batch_size, cache_dir, None, fp, self.prompts)[0])
-            for ss in self.sets.sts:
-                metrics.update(evaluate_sts(model, ss, self.batch_size))
-        if self.callback.on_line is not None:
-            shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in headline_keys(self.sets) if k in metrics)
-            self.callback.on_line(f"eval {label}: {shown}")
-        return metrics
-
-    def summary(self, before: dict[str, float], after: dict[str, float], state) -> dict[str, Any]:
-        """The ``eval`` block of ``run_summary.json``: metrics before and after training, every
-        evaluation during training, and the best checkpoint (when a metric was chosen)."""
-        best = None
-        if self.metric is not None:
-            ckpt = getattr(state, "best_model_checkpoint", None)
-            best = {
-                "metric": self.metric,
-                "greater_is_better": self.training_args.get("greater_is_better"),
-                "value": getattr(state, "best_metric", None),
-                "step": int(Path(ckpt).name.rsplit("-", 1)[-1]) if ckpt else None,
-                "checkpoint": ckpt,
-                "note": "the model saved in output_dir is this checkpoint (loaded at the end of training)",
-            }
-        return {
-            "sets": [
-                {
-                    "name": r.name,
-                    "kind": "retrieval",
-                    "path": r.path,
-                    "split": r.split,
-                    "queries": len(r.queries),
-                    "documents": len(r.corpus),
-                }
-                for r in self.sets.retrieval
-            ]
-            + [{"name": s.name, "kind": "sts", "path": s.path, "pairs": len(s.scores)} for s in self.sets.sts],
-            "before": before,
-            "after": after,
-            "during": self.callback.history,
-            "best": best,
-        }

@@ -6,19 +6,18 @@
 * STS (sentence pairs with gold scores): STS Benchmark TSV, ``sentence1, sentence2, score`` TSV or
   JSONL, sentences used exactly as written.
 
-Every malformed input is a :class:`~cembed.errors.UserError` naming the file (and line). The
-scoring itself lives in :mod:`cembed.eval.evaluators`.
+Every malformed input is a :class:`~cembed.errors.UserError` naming the file (and line). The BEIR
+file readers live in :mod:`cembed.data.beir` (training reads the same folders); the scoring itself
+lives in :mod:`cembed.eval.evaluators`.
 """
 
 from __future__ import annotations
 
 import csv
-import gzip
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from cembed.data.beir import beir_files, load_qrels, open_text, read_corpus, read_jsonl, read_queries
 from cembed.errors import UserError
 
 
@@ -50,146 +49,6 @@ class StsSet:
     sentences1: list[str]
     sentences2: list[str]
     scores: list[float]
-
-
-def _open_text(path: Path):
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
-
-
-def _read_jsonl(path: Path, required: tuple[str, ...]):
-    """Yield ``(line_number, object)`` for each non-blank line.
-
-    Raises:
-        UserError: unreadable file, a line that is not a JSON object, or one without a ``required`` key.
-    """
-    try:
-        with _open_text(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise UserError(
-                        f"{path}:{n}: not valid JSON ({err.msg}); each line must be one JSON object"
-                    ) from None
-                if not isinstance(obj, dict):
-                    raise UserError(f"{path}:{n}: expected a JSON object per line, got {type(obj).__name__}")
-                missing = [k for k in required if k not in obj]
-                if missing:
-                    raise UserError(f"{path}:{n}: missing field {missing[0]!r} (each line needs {', '.join(required)})")
-                yield n, obj
-    except (OSError, EOFError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read ({err.__class__.__name__}: {err})") from None
-
-
-def document_text(title: Any, text: Any) -> str:
-    """The string encoded for a BEIR document: ``(title + " " + text).strip()`` (MTEB's rule;
-    a missing/None title or text counts as empty)."""
-    return (f"{title or ''} {text or ''}").strip()
-
-
-def _find(folder: Path, names: tuple[str, ...], what: str) -> Path:
-    for name in names:
-        if (folder / name).is_file():
-            return folder / name
-    raise UserError(
-        f"{folder}: no {' or '.join(names)} ({what}); a BEIR folder holds corpus.jsonl[.gz], "
-        "queries.jsonl and qrels/<split>.tsv"
-    )
-
-
-def qrels_lines(path: Path):
-    """Yield ``(line_number, query_id, corpus_id, score)`` for each row of a BEIR qrels TSV
-    (``query-id<TAB>corpus-id<TAB>score``, optional header, LF or CRLF), in file order.
-
-    Raises:
-        UserError: a line with fewer than 3 fields or a non-integer score, naming file and line.
-    """
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
-                if not row or not "".join(row).strip():
-                    continue
-                if len(row) < 3:
-                    raise UserError(f"{path}:{n}: expected query-id, corpus-id, score separated by tabs; got {row!r}")
-                qid, cid, raw = row[0].strip(), row[1].strip(), row[2].strip()
-                try:
-                    score = int(float(raw))
-                except ValueError:
-                    if n == 1:  # the header line: query-id corpus-id score
-                        continue
-                    raise UserError(f"{path}:{n}: score {raw!r} is not a number") from None
-                yield n, qid, cid, score
-    except OSError as err:
-        raise UserError(f"{path}: cannot read ({err.__class__.__name__}: {err})") from None
-
-
-def load_qrels(path: Path) -> dict[str, dict[str, int]]:
-    """Read a BEIR qrels TSV (see :func:`qrels_lines`); a repeated (query, document) keeps its last score.
-
-    Returns:
-        query id -> {corpus id -> integer score}.
-
-    Raises:
-        UserError: a line with fewer than 3 fields or a non-integer score, naming file and line.
-    """
-    qrels: dict[str, dict[str, int]] = {}
-    for _, qid, cid, score in qrels_lines(path):
-        qrels.setdefault(qid, {})[cid] = score
-    return qrels
-
-
-def beir_files(folder: str | Path, split: str) -> tuple[Path, Path, Path]:
-    """``(corpus, queries, qrels)`` paths of a BEIR folder's ``split``.
-
-    Raises:
-        UserError: no such folder, no corpus or queries file, or no ``qrels/<split>.tsv`` (listing
-            the splits that exist).
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(
-            f"{folder}: retrieval (BEIR) folder not found (expected a folder with corpus.jsonl[.gz], queries.jsonl, qrels/)"
-        )
-    corpus_path = _find(folder, ("corpus.jsonl", "corpus.jsonl.gz"), "the documents")
-    queries_path = _find(folder, ("queries.jsonl", "queries.jsonl.gz"), "the queries")
-    qrels_path = folder / "qrels" / f"{split}.tsv"
-    if not qrels_path.is_file():
-        found = sorted(p.stem for p in (folder / "qrels").glob("*.tsv")) if (folder / "qrels").is_dir() else []
-        have = f"; available splits: {', '.join(found)}" if found else "; the folder has no qrels/*.tsv"
-        raise UserError(f"{qrels_path}: qrels file for split {split!r} not found{have}")
-    return corpus_path, queries_path, qrels_path
-
-
-def read_corpus(path: Path) -> dict[str, str]:
-    """Document id -> :func:`document_text`, in file order, from a BEIR ``corpus.jsonl[.gz]``.
-
-    Raises:
-        UserError: a bad JSON line, a document with neither title nor text, a duplicate id, no documents.
-    """
-    corpus: dict[str, str] = {}
-    for n, obj in _read_jsonl(path, ("_id",)):
-        if "text" not in obj and "title" not in obj:
-            raise UserError(f"{path}:{n}: document has neither 'title' nor 'text'")
-        doc_id = str(obj["_id"])
-        if doc_id in corpus:
-            raise UserError(f"{path}:{n}: duplicate document _id {doc_id!r}")
-        corpus[doc_id] = document_text(obj.get("title"), obj.get("text"))
-    if not corpus:
-        raise UserError(f"{path}: the corpus has no documents")
-    return corpus
-
-
-def read_queries(path: Path) -> dict[str, str]:
-    """Query id -> text from a BEIR ``queries.jsonl[.gz]``.
-
-    Raises:
-        UserError: a bad JSON line or one without ``_id`` / ``text``.
-    """
-    return {str(obj["_id"]): str(obj["text"]) for _, obj in _read_jsonl(path, ("_id", "text"))}
 
 
 def load_beir(folder: str | Path, split: str = "test", name: str | None = None) -> RetrievalSet:
@@ -287,7 +146,7 @@ def load_sts(path: str | Path, name: str | None = None) -> StsSet:
     scores: list[float] = []
     base = path.name.lower().removesuffix(".gz")
     if base.endswith(".jsonl"):
-        for n, obj in _read_jsonl(path, ("sentence1", "sentence2", "score")):
+        for n, obj in read_jsonl(path, ("sentence1", "sentence2", "score")):
             try:
                 scores.append(float(obj["score"]))
             except (TypeError, ValueError):
@@ -296,7 +155,7 @@ def load_sts(path: str | Path, name: str | None = None) -> StsSet:
             s2s.append(str(obj["sentence2"]))
     else:
         try:
-            with _open_text(path) as f:
+            with open_text(path) as f:
                 for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
                     if not row or not "".join(row).strip():
                         continue

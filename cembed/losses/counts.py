@@ -1,8 +1,9 @@
-"""Token accounting for the throughput meter: real vs processed (padded) positions, kept on the device.
+"""The counters the throughput meter reads from a loss: token positions (real vs processed, kept on
+the device) and, for a false-negative filter, the candidates it masked.
 
-The counts are device tensors added to without a host read; :meth:`TokenCounts.read` turns them
-into numbers once per logging interval, so counting adds no host-device synchronisation per
-mini-batch.
+The token counts are device tensors added to without a host read; :meth:`TokenCounts.read` turns
+them into numbers once per logging interval, so counting adds no host-device synchronisation per
+mini-batch. :class:`FilterCounts` is filled by the guided losses of :mod:`cembed.losses.gist`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class FilterCounts:
+    """In-batch candidates scored and masked as false negatives since the last :meth:`reset`.
+
+    ``candidates`` counts every (anchor, candidate) score in the softmax except the anchor's own
+    positive and, with GIST's ``contrast_anchors`` / ``contrast_positives``, the self-pairs (an anchor
+    with itself, a positive with itself), which the guide always masks; ``masked`` counts those of them
+    that were left out. With ``loss.matryoshka`` each dimension's loss counts once.
+    """
+
+    masked: int = 0
+    candidates: int = 0
+
+    def reset(self) -> None:
+        self.masked = self.candidates = 0
+
+    def share(self) -> float | None:
+        """``masked / candidates``, or None before any candidate was scored."""
+        return self.masked / self.candidates if self.candidates else None
 
 
 @dataclass
@@ -56,7 +78,7 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _count_tokens(
+def count_tokens(
     feature: dict, ranges: list[tuple[int, int]] | None, counts: TokenCounts, *, longest_first: bool = False
 ) -> None:
     """Add a column's real and processed token positions to ``counts``, as device tensors.
@@ -64,8 +86,9 @@ def _count_tokens(
     Args:
         feature: the column's features; counted from ``attention_mask`` of shape ``(rows, seq_len)``
             (right padding), skipped without one.
-        ranges: the ``(begin, end)`` row ranges of its mini-batches (sentence-transformers'
-            ``_minibatch_ranges``), or None for one forward over the whole column.
+        ranges: the ``(begin, end)`` row ranges of its mini-batches
+            (:func:`cembed.losses.length_sorted.minibatch_ranges`), or None for one forward over the
+            whole column.
         counts: the counter to add to.
         longest_first: the rows are sorted by length, longest first, so a mini-batch's padded width
             is its first row's length (one strided view or one gather instead of a max per range).

@@ -1,20 +1,50 @@
 """Length-sorted cached-loss mini-batches: :class:`LengthSortedMixin`, the piece cembed adds in
 front of a sentence-transformers ``CachedLossMixin`` loss (sorting, the token budget's ranges,
-packed rows, device-side token counts). :mod:`cembed.losses.registry` builds the losses from it.
+packed rows, device-side token counts). The built-in losses (:mod:`cembed.losses.mnrl`,
+:mod:`cembed.losses.gist`) are built from it.
 """
 
 from __future__ import annotations
 
 import torch
-from sentence_transformers.base.losses.gradcache import _get_batch_size, _minibatch_ranges
+from sentence_transformers.base.losses.gradcache import _get_batch_size
+from sentence_transformers.base.losses.gradcache import _minibatch_ranges as _library_ranges
 from torch import nn
 
-from cembed.losses.counts import TokenCounts, _count_tokens
+from cembed.losses.counts import TokenCounts, count_tokens
 from cembed.losses.token_budget import token_budget_ranges
 from cembed.model.unpad import PackRegistry, Unpadding, UnpadSetting, packed_encoder, resolve_unpad
 
 
-def _take_rows(feature: dict, order: torch.Tensor) -> dict:
+def minibatch_ranges(
+    feature: dict, mini_batch_size: int, mini_batch_num_tokens: int | None = None
+) -> list[tuple[int, int]]:
+    """sentence-transformers' own cut of one column into mini-batches (its ``_minibatch_ranges``).
+
+    Args:
+        feature: a column's tokenized inputs (``input_ids`` / ``attention_mask`` of shape
+            ``(rows, seq_len)``).
+        mini_batch_size: rows per mini-batch.
+        mini_batch_num_tokens: if set, the library's budget of *non-padding* tokens per mini-batch
+            (not cembed's padded budget, :mod:`cembed.losses.token_budget`).
+
+    Returns:
+        Consecutive ``(begin, end)`` row ranges covering the column.
+    """
+    return _library_ranges(feature, mini_batch_size, mini_batch_num_tokens)
+
+
+def take_rows(feature: dict, order: torch.Tensor) -> dict:
+    """The rows ``order`` of a column's features, in that order.
+
+    Args:
+        feature: a column's tokenized inputs; every tensor with ``len(order)`` rows is indexed
+            (``index_select`` on dim 0: a copy), anything else is passed through.
+        order: ``(rows,)`` int64 row indices (moved to each tensor's device).
+
+    Returns:
+        A new dict with the same keys.
+    """
     n = order.numel()
     return {
         k: (
@@ -79,44 +109,60 @@ class LengthSortedMixin:
         features = list(sentence_features)
         self._inverse = []
         if self.sort_by_length:
-            sorted_features = []
-            for feature in features:
-                mask = feature.get("attention_mask")
-                if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
-                    sorted_features.append(feature)
-                    self._inverse.append(None)
-                    continue
-                order = torch.argsort(mask.sum(dim=1), descending=True, stable=True)
-                inverse = torch.empty_like(order)
-                inverse[order] = torch.arange(order.numel(), device=order.device)
-                sorted_features.append(_take_rows(feature, order))
-                self._inverse.append(inverse)
-            features = sorted_features
+            features = self.sort_rows(features)
         self._budget_ranges = {}
         self._packs.reset()
         for feature in features:
             ranges = self._ranges(feature)
             plans = self._packs.plan_column(feature, ranges) if self.unpadding.enabled else None
             if plans is None:
-                _count_tokens(feature, ranges, self.token_counts, longest_first=self.sort_by_length)
+                count_tokens(feature, ranges, self.token_counts, longest_first=self.sort_by_length)
             else:  # the encoder runs on the packs' positions (host ints: the plans are made on the host)
                 lengths = feature["attention_mask"].sum(dim=1, dtype=torch.int64)
                 processed = sum(p.processed for p in plans)
                 self.token_counts.add(sum(p.real for p in plans), processed, (lengths * lengths).sum())
         return super().forward(features, labels)
 
+    def sort_rows(self, features: list[dict]) -> list[dict]:
+        """Sort each column's rows by token length, longest first (stable), and remember the order,
+        so that :meth:`calculate_loss` puts the embeddings back in the original row order.
+
+        :meth:`forward` calls it when ``sort_by_length``; the probe calls it to hold what training
+        holds (the sorted copies, and the restored-order leaves of the loss stage).
+
+        Args:
+            features: one dict per column; a column without a 2-D ``attention_mask`` stays as it is.
+
+        Returns:
+            The sorted copies (:func:`take_rows`), one per column, in column order.
+        """
+        self._inverse = []
+        sorted_features = []
+        for feature in features:
+            mask = feature.get("attention_mask")
+            if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+                sorted_features.append(feature)
+                self._inverse.append(None)
+                continue
+            order = torch.argsort(mask.sum(dim=1), descending=True, stable=True)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            sorted_features.append(take_rows(feature, order))
+            self._inverse.append(inverse)
+        return sorted_features
+
     def _ranges(self, feature: dict) -> list[tuple[int, int]]:
         """The mini-batches of one column: by ``token_budget`` (computed once per forward), else
         the library's cut by ``mini_batch_size`` rows."""
         if self.token_budget is None:
-            return _minibatch_ranges(feature, self.mini_batch_size, None)
+            return minibatch_ranges(feature, self.mini_batch_size, None)
         rows = _get_batch_size(feature)
         known = self._budget_ranges.get(id(feature))
         if known is not None and known[0] == rows:
             return known[1]
         ranges = token_budget_ranges(feature, self.token_budget)
         if ranges is None:  # no attention mask: no widths to budget
-            return _minibatch_ranges(feature, self.mini_batch_size, None)
+            return minibatch_ranges(feature, self.mini_batch_size, None)
         self._budget_ranges[id(feature)] = (rows, ranges)
         return ranges
 

@@ -1,4 +1,4 @@
-"""The contrastive losses, and the seam a new loss plugs into.
+"""The seam a new loss plugs into: :func:`register_loss`, :func:`build_loss` and :class:`BuiltLoss`.
 
 The contract. A loss is three things, and nothing else in cembed names it:
 
@@ -11,114 +11,31 @@ The contract. A loss is three things, and nothing else in cembed names it:
   ``features`` holds one dict per input column (anchor, positive, negatives...) with
   ``input_ids`` / ``attention_mask`` of shape ``(rows, seq_len)``, and it returns a scalar loss.
   The model turns a feature dict into ``sentence_embedding`` of shape ``(rows, dim)``. A module
-  should carry ``token_counts`` (:class:`TokenCounts`) for the throughput meter. A module whose
-  ``uses_gradient_cache`` is True must be a sentence-transformers ``CachedLossMixin`` loss
-  (``embed_minibatch``, ``calculate_loss``): the probe measures its memory with them;
-* one :func:`register_loss` call. :func:`build_loss` then returns a :class:`BuiltLoss`.
+  should carry ``token_counts`` (:class:`~cembed.losses.counts.TokenCounts`) for the throughput
+  meter. A module whose ``uses_gradient_cache`` is True must be a sentence-transformers
+  ``CachedLossMixin`` loss (``embed_minibatch``, ``calculate_loss``): the probe measures its memory
+  with them, reaching it as :attr:`BuiltLoss.cached_module`;
+* one :func:`register_loss` call, in the loss's own module. :func:`build_loss` then returns a
+  :class:`BuiltLoss`, which is all the trainer, the meter and the probe read.
 
-The built-in losses are both InfoNCE with in-batch negatives (``MultipleNegativesRankingLoss``,
-Henderson et al. 2017, arXiv:1705.00652):
-
-* ``cached_mnrl`` is sentence-transformers' ``CachedMultipleNegativesRankingLoss`` (GradCache, Gao
-  et al. 2021, arXiv:2101.06983): memory depends on ``mini_batch_size`` only, the loss and gradients
-  do not. cembed sorts each column's rows by token length before cutting mini-batches
-  (:class:`LengthSortedMixin`), which removes most padded positions without changing the loss;
-* ``mnrl`` is the plain loss, the whole batch embedded at once.
-
-Both take the library's ``directions`` / ``partition_mode`` / ``hardness_*`` options. ``cached_mnrl``
-with ``false_negative_filter`` builds :class:`SelfGuidedCachedMNRL` and ``cached_gist``
-:class:`LengthSortedCachedGIST` (both on ``CachedGISTEmbedLoss``, :mod:`cembed.losses.guided`);
-``loss.matryoshka`` wraps any of them in :class:`cembed.losses.matryoshka.CountingMatryoshkaLoss`.
+The built-in losses register from their own modules, which ``cembed/losses/__init__.py`` imports:
+:mod:`cembed.losses.mnrl` (``cached_mnrl``, ``mnrl``) and :mod:`cembed.losses.gist` (``cached_gist``).
+``loss.matryoshka`` wraps any of them in :class:`cembed.losses.matryoshka.CountingMatryoshkaLoss`
+(applied here, by :func:`build_loss`).
 """
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, get_args
 
-import torch
-from sentence_transformers.base.losses.gradcache import _minibatch_ranges, uses_gradient_cache  # noqa: F401 - re-exported
-from sentence_transformers.sentence_transformer.losses import (
-    CachedGISTEmbedLoss,
-    CachedMultipleNegativesRankingLoss,
-    MultipleNegativesRankingLoss,
-)
+from sentence_transformers.base.losses.gradcache import uses_gradient_cache
 from torch import nn
 
-from cembed.config.loss import CachedGISTLossConfig
-from cembed.config.schema import CachedMNRLLossConfig, LossConfig, MNRLLossConfig, register_loss_config
-from cembed.losses.counts import TokenCounts, _count_tokens  # noqa: F401 - _count_tokens is re-exported
-from cembed.losses.guided import FilterCounts, GuidedFilterMixin, SelfGuidedMixin
-from cembed.losses.length_sorted import LengthSortedMixin, _take_rows  # noqa: F401 - _take_rows is re-exported
+from cembed.config.schema import LossConfig, register_loss_config
+from cembed.losses.counts import FilterCounts, TokenCounts
 from cembed.losses.matryoshka import CountingMatryoshkaLoss
-from cembed.model.load import load_guide_model
 from cembed.model.unpad import Unpadding, UnpadSetting
-
-
-@contextmanager
-def simulated_gather(loss, world_size: int):
-    """Inside the block, ``loss``'s cross-rank gathers (``all_gather_with_grad`` / ``all_gather``
-    as its modules imported them) return ``world_size`` local copies of the tensor instead of
-    gathering: the memory of ``world_size`` ranks' candidates, with gradients, and no collective
-    (probe trials run a different number of times on different ranks)."""
-
-    def copies(tensor, *args, **kwargs):
-        return torch.cat([tensor] * world_size)
-
-    patched = []
-    for cls in type(loss).__mro__:
-        module = sys.modules.get(cls.__module__)
-        for name in ("all_gather_with_grad", "all_gather"):
-            if module is not None and callable(getattr(module, name, None)):
-                patched.append((module, name, getattr(module, name)))
-                setattr(module, name, copies)
-    try:
-        yield
-    finally:
-        for module, name, original in reversed(patched):
-            setattr(module, name, original)
-
-
-class LengthSortedCachedMNRL(LengthSortedMixin, CachedMultipleNegativesRankingLoss):
-    """``CachedMultipleNegativesRankingLoss`` with length-sorted mini-batches (:class:`LengthSortedMixin`)."""
-
-
-class CountingMNRL(MultipleNegativesRankingLoss):
-    """Plain ``MultipleNegativesRankingLoss`` that also counts real vs processed token positions."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.token_counts = TokenCounts()
-
-    def forward(self, sentence_features, labels):
-        """Count the tokens of each column (one padded forward each), then run the plain loss."""
-        features = list(sentence_features)
-        for feature in features:
-            _count_tokens(feature, None, self.token_counts)
-        return super().forward(features, labels)
-
-
-class LengthSortedCachedGIST(GuidedFilterMixin, LengthSortedMixin, CachedGISTEmbedLoss):
-    """``CachedGISTEmbedLoss`` (guide model) with length-sorted mini-batches and a count of the
-    candidates the guide masked (:class:`cembed.losses.guided.GuidedFilterMixin`)."""
-
-
-class SelfGuidedCachedMNRL(GuidedFilterMixin, SelfGuidedMixin, LengthSortedMixin, CachedGISTEmbedLoss):
-    """InfoNCE with GradCache whose in-batch false negatives are masked by the model's own no-grad
-    embeddings (:class:`cembed.losses.guided.SelfGuidedMixin`); build it with ``guide=model``,
-    ``contrast_anchors=False`` and ``contrast_positives=False``: the loss is then ``cached_mnrl``'s
-    with the masked candidates left out of each softmax."""
-
-
-def loss_directions(symmetric: bool) -> tuple[str, ...]:
-    """``query_to_doc`` (standard InfoNCE), plus ``doc_to_query`` when ``symmetric``."""
-    return ("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",)
-
-
-# ----------------------------------------------------------------------------------------------
-# The registry
 
 
 @dataclass(frozen=True)
@@ -141,6 +58,19 @@ class LossSettings:
     sort_by_length: bool = True
     unpad: UnpadSetting = "auto"
 
+    def cached_kwargs(self) -> dict:
+        """The constructor keywords a cached loss built on
+        :class:`~cembed.losses.length_sorted.LengthSortedMixin` takes from these settings
+        (``mini_batch_size``, ``mini_batch_num_tokens``, ``sort_by_length``, ``unpad``,
+        ``gather_across_devices``)."""
+        return dict(
+            mini_batch_size=self.mini_batch_size,
+            mini_batch_num_tokens=self.mini_batch_num_tokens,
+            sort_by_length=self.sort_by_length,
+            unpad=self.unpad,
+            gather_across_devices=self.gather_across_devices,
+        )
+
 
 LossBuilder = Callable[..., nn.Module]  # (model, cfg: LossConfig, settings: LossSettings) -> nn.Module
 
@@ -159,6 +89,10 @@ class BuiltLoss:
             (sentence-transformers' ``uses_gradient_cache``).
         filter_counts: candidates scored and masked as false negatives, for a filtering loss.
         unpadding: which attention path the module's mini-batches take (padded when it has none).
+        settings: the mini-batching and gathering the builder was given (None: built elsewhere).
+        cached_module: for a cached loss, the ``CachedLossMixin`` module whose ``embed_minibatch``
+            and ``calculate_loss`` run the mini-batches: the builder's module, which a
+            ``loss.matryoshka`` wrapper (``module``) holds inside; None for a plain loss.
     """
 
     module: nn.Module
@@ -166,6 +100,21 @@ class BuiltLoss:
     cached: bool
     filter_counts: FilterCounts | None = None
     unpadding: Unpadding = Unpadding(False, "padded (the loss embeds whole columns)")
+    settings: LossSettings | None = None
+    cached_module: nn.Module | None = None
+
+    def collective_facts(self) -> dict[str, object]:
+        """What of this loss decides the collectives a training step issues, for
+        :func:`cembed.distributed.collectives.require_same_on_all_ranks`: the module's class, and (from
+        :attr:`settings`) whether it gathers across ranks and, for a cached loss, its mini-batch
+        size and token budget (None where they do not apply or are unknown)."""
+        settings, cached = self.settings, self.cached
+        return {
+            "loss": type(self.module).__name__,
+            "mini_batch_size": settings.mini_batch_size if settings and cached else None,
+            "mini_batch_num_tokens": settings.mini_batch_num_tokens if settings and cached else None,
+            "gather_across_devices": settings.gather_across_devices if settings else None,
+        }
 
 
 def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBuilder:
@@ -182,66 +131,6 @@ def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBui
     (name,) = get_args(config_cls.model_fields["name"].annotation)
     LOSS_BUILDERS[name] = builder
     return builder
-
-
-def _mnrl_kwargs(cfg: MNRLLossConfig | CachedMNRLLossConfig, settings: LossSettings) -> dict:
-    return dict(
-        scale=cfg.scale,
-        gather_across_devices=settings.gather_across_devices,
-        directions=cfg.resolved_directions(),
-        partition_mode=cfg.partition_mode,
-        hardness_mode=cfg.hardness_mode,
-        hardness_strength=cfg.hardness_strength,
-    )
-
-
-def _cached_kwargs(settings: LossSettings) -> dict:
-    return dict(
-        mini_batch_size=settings.mini_batch_size,
-        mini_batch_num_tokens=settings.mini_batch_num_tokens,
-        sort_by_length=settings.sort_by_length,
-        unpad=settings.unpad,
-        gather_across_devices=settings.gather_across_devices,
-    )
-
-
-def _build_cached_gist(model, cfg: CachedGISTLossConfig, settings: LossSettings) -> nn.Module:
-    guide = load_guide_model(cfg.guide, model.device, cfg.guide_max_seq_length)
-    return LengthSortedCachedGIST(
-        model,
-        guide,
-        temperature=cfg.temperature,
-        margin_strategy=cfg.margin_strategy,
-        margin=cfg.margin,
-        contrast_anchors=cfg.contrast_anchors,
-        contrast_positives=cfg.contrast_positives,
-        **_cached_kwargs(settings),
-    )
-
-
-def _build_cached_mnrl(model, cfg: CachedMNRLLossConfig, settings: LossSettings) -> nn.Module:
-    if cfg.false_negative_filter is not None:
-        return SelfGuidedCachedMNRL(
-            model,
-            model,
-            temperature=1.0 / cfg.scale,
-            margin_strategy=cfg.false_negative_filter.strategy,
-            margin=cfg.false_negative_filter.margin,
-            contrast_anchors=False,
-            contrast_positives=False,
-            **_cached_kwargs(settings),
-        )
-    kwargs = _cached_kwargs(settings) | _mnrl_kwargs(cfg, settings)
-    return LengthSortedCachedMNRL(model, **kwargs)
-
-
-def _build_mnrl(model, cfg: MNRLLossConfig, settings: LossSettings) -> nn.Module:
-    return CountingMNRL(model, **_mnrl_kwargs(cfg, settings))
-
-
-register_loss(CachedMNRLLossConfig, _build_cached_mnrl)
-register_loss(MNRLLossConfig, _build_mnrl)
-register_loss(CachedGISTLossConfig, _build_cached_gist)
 
 
 def build_loss(
@@ -280,7 +169,7 @@ def build_loss(
     if builder is None:
         raise ValueError(f"no builder registered for loss {loss_cfg.name!r}; known: {', '.join(LOSS_BUILDERS)}")
     settings = LossSettings(mini_batch_size, gather_across_devices, mini_batch_num_tokens, sort_by_length, unpad)
-    module = builder(model, loss_cfg, settings)
+    module = inner = builder(model, loss_cfg, settings)
     if loss_cfg.matryoshka is not None:
         module = CountingMatryoshkaLoss(model, module, loss_cfg.matryoshka.dims, loss_cfg.matryoshka.weights)
     cached = bool(uses_gradient_cache(module))
@@ -300,4 +189,6 @@ def build_loss(
         cached,
         filter_counts if isinstance(filter_counts, FilterCounts) else None,
         unpadding if isinstance(unpadding, Unpadding) else BuiltLoss.unpadding,
+        settings,
+        inner if cached else None,
     )

@@ -3,7 +3,7 @@
 ``batch.mini_batch_num_tokens`` replaces the fixed row count ``mini_batch_size`` of a cached loss
 (GradCache, Gao et al. 2021, arXiv:2101.06983) with a budget of token positions, so a mini-batch of
 short rows holds many rows and one of long rows few: with cembed's longest-first sorting
-(:class:`cembed.losses.registry.LengthSortedMixin`) short rows travel in large mini-batches, long rows in
+(:class:`cembed.losses.length_sorted.LengthSortedMixin`) short rows travel in large mini-batches, long rows in
 small ones, and the encoder does about the same work per mini-batch.
 
 The budget counts *padded* positions, not the non-padding tokens sentence-transformers'

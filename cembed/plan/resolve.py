@@ -2,24 +2,76 @@
 
 Device, world size, samples per optimizer step and the effective learning rate are decided here,
 once, and every later stage reads them from the :class:`Plan` instead of re-deriving them from the
-config.
+config. What the stages need to know about the model as resolved (device, precision, save dtype)
+is a :class:`ModelSpec` (:attr:`Plan.model`, or :func:`resolve_model` without a plan): functions
+that need a resolved value take it, or the precision, next to the config's ``ModelConfig``, never a
+config copy with the resolved value written in.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from cembed.config.schema import CembedConfig
+from cembed.config.schema import CembedConfig, ModelConfig
 from cembed.errors import UserError
-from cembed.model.load import DTYPE_NAMES, resolve_device
 from cembed.plan.lr import derivation, scale_lr
-from cembed.plan.precision import resolve_precision
+from cembed.plan.precision import resolve_device, resolve_precision, save_dtype
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as a run resolves it: what the stages need beside the config's ``ModelConfig``.
+
+    Attributes:
+        name_or_path: ``model.name_or_path``.
+        device: ``cpu`` or ``cuda`` (``model.device: auto`` resolved).
+        precision: ``fp32`` | ``bf16`` | ``fp16`` (``model.precision: auto`` resolved for ``device``,
+            :func:`cembed.plan.precision.resolve_precision`).
+        save_dtype: ``model.save_dtype`` as a torch dtype name (``bfloat16``); None: the training dtype.
+        tf32: TF32 on for fp32 matmuls (a CUDA GPU of compute capability 8.0+).
+        precision_reason: how the precision was chosen, one line.
+    """
+
+    name_or_path: str
+    device: str
+    precision: str
+    save_dtype: str | None = None
+    tf32: bool = False
+    precision_reason: str = ""
+
+
+def resolve_model(model_cfg: ModelConfig) -> ModelSpec:
+    """Resolve ``model_cfg``'s device and precision on this machine (``probe-minibatch`` without a
+    config uses this directly; :func:`resolve_plan` puts the same on the :class:`Plan`).
+
+    Raises:
+        UserError: cuda requested without a GPU; fp16 on CPU, bf16 on a GPU without bf16 (see
+            :func:`cembed.plan.precision.resolve_precision`).
+    """
+    device = resolve_device(model_cfg.device)
+    precision = resolve_precision(model_cfg.precision, device)
+    return ModelSpec(
+        name_or_path=model_cfg.name_or_path,
+        device=device,
+        precision=precision.precision,
+        save_dtype=save_dtype(model_cfg.save_dtype),
+        tf32=precision.tf32,
+        precision_reason=precision.reason,
+    )
 
 
 @dataclass(frozen=True)
 class Plan:
+    """What a validated config means on this machine, decided once by :func:`resolve_plan`.
+
+    The one later change is the probe's answer for ``batch.mini_batch_size: auto``
+    (:meth:`with_probe`, from :func:`cembed.probe.auto.resolve_auto`, once the process group exists).
+    Every other stage's findings (the data's warnings, rows the sampler cannot place, the changes a
+    resume applies) are values of their own, printed and recorded beside the plan's ``warnings``.
+    """
+
     device: str  # "cpu" or "cuda"
     world_size: int
     per_device_train_batch_size: int
@@ -31,7 +83,7 @@ class Plan:
     gather_across_devices: bool = False  # each anchor sees all ranks' candidates (world_size > 1)
     warnings: tuple[str, ...] = ()
     # Rows embedded at once by a cached loss; None until the probe fills batch.mini_batch_size: auto
-    # (cembed.probe.search.resolve_auto), which also records its measurements here.
+    # (cembed.probe.auto.resolve_auto), which also records its measurements here.
     mini_batch_size: int | None = None
     mini_batch_probe: dict | None = None
     # Token positions per mini-batch (rows x padded width, cembed.losses.token_budget); with it set it cuts
@@ -44,6 +96,35 @@ class Plan:
     lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
     tf32: bool = False  # TF32 on for fp32 matmuls (a CUDA GPU of compute capability 8.0+)
     precision_reason: str = ""  # how the precision was chosen, e.g. "bf16 (auto: NVIDIA H200 ... has bf16)"
+    name_or_path: str = ""  # model.name_or_path (with the fields above: the ModelSpec, Plan.model)
+
+    @property
+    def model(self) -> ModelSpec:
+        """The resolved model (device, precision, save dtype) as a :class:`ModelSpec`."""
+        return ModelSpec(
+            self.name_or_path, self.device, self.precision, self.save_dtype, self.tf32, self.precision_reason
+        )
+
+    def with_probe(
+        self,
+        mini_batch_size: int,
+        mini_batch_num_tokens: int | None = None,
+        probe: dict | None = None,
+        warning: str | None = None,
+    ) -> Plan:
+        """This plan with the mini-batch that ``batch.mini_batch_size: auto`` resolved to: the
+        mini-batch rows and token budget (None: none), the probe's run-summary record (None: no
+        probe ran) and the probe's warning, added to ``warnings``.
+
+        The only amendment of a plan after :func:`resolve_plan` (see the class docstring).
+        """
+        return replace(
+            self,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            mini_batch_probe=probe,
+            warnings=self.warnings + ((warning,) if warning else ()),
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,8 +145,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
         UserError: fp16 requested on CPU, bf16 on a GPU without bf16, cuda requested without a GPU,
             or a world size below 1.
     """
-    device = resolve_device(cfg.model.device)
-    precision = resolve_precision(cfg.model.precision, device)
+    model = resolve_model(cfg.model)
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UserError(f"world size {world}: --nproc-per-node x --nnodes (or $WORLD_SIZE) must be at least 1")
@@ -100,24 +180,25 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
     )
     warnings += [shm] if shm else []
     return Plan(
-        device=device,
+        device=model.device,
         world_size=world,
         per_device_train_batch_size=b.per_device_train_batch_size,
         gradient_accumulation_steps=b.gradient_accumulation_steps,
         samples_per_step=samples,
         learning_rate=scale_lr(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
         lr_derivation=derivation(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
-        precision=precision.precision,
+        precision=model.precision,
         gather_across_devices=gather,
         warnings=tuple(warnings),
         mini_batch_size=None if b.mini_batch_size == "auto" else b.mini_batch_size,
         mini_batch_num_tokens=b.mini_batch_num_tokens,
-        save_dtype=DTYPE_NAMES[cfg.model.save_dtype] if cfg.model.save_dtype else None,
+        save_dtype=model.save_dtype,
         dataloader_num_workers=workers,
         dataloader_workers=how,
         lora_merge=cfg.model.lora.merge if cfg.model.lora is not None else None,
-        tf32=precision.tf32,
-        precision_reason=precision.reason,
+        tf32=model.tf32,
+        precision_reason=model.precision_reason,
+        name_or_path=model.name_or_path,
     )
 
 

@@ -7,7 +7,7 @@ probe measures it in the worst case instead of guessing:
   (``size -> TrialOutcome``) so it is testable with fakes: double from a small size until a trial
   fails, then bisect between the last success and the first failure. Every size it returns was run.
   A trial "fits" when it ran and its measured peak stays under ``(1 - margin)`` of the capacity.
-* :mod:`cembed.probe.trials` holds the trials: :func:`~cembed.probe.trials.worst_case_step` (one
+* :mod:`cembed.probe.trials` holds the trials: :func:`~cembed.probe.worst_case.worst_case_step` (one
   worst-case cached-loss step) and the runners that measure its peak memory, in this process on
   CUDA (:class:`~cembed.probe.trials.CudaTrial`) or in a child process
   (:class:`~cembed.probe.trials.SubprocessTrial`).
@@ -15,34 +15,21 @@ probe measures it in the worst case instead of guessing:
   :mod:`cembed.losses.token_budget`): rows x tokens per row of the worst case, confirmed by a trial run at
   that budget.
 * :mod:`cembed.probe.setup` says what the trials measured (precision, LoRA, checkpointing, FSDP).
-* :func:`run_probe` picks the runner and the budget; :func:`resolve_auto` fills
-  ``batch.mini_batch_size: auto`` (and the token budget). Both ask the loss config whether it uses
-  gradient caching.
+* :mod:`cembed.probe.auto` runs a probe: :func:`~cembed.probe.auto.run_probe` picks the runner and
+  the budget; :func:`~cembed.probe.auto.resolve_auto` fills ``batch.mini_batch_size: auto`` (and the
+  token budget).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from cembed.distributed.collectives import agree_across_ranks, per_rank_peaks
 from cembed.errors import UserError
-from cembed.files import parse_bytes  # noqa: F401 - the CLI and callers read sizes through the probe
-from cembed.model.load import resolve_device
-from cembed.plan.precision import enable_tf32, resolve_precision
-from cembed.probe.setup import describe_setup, resolved_model_config  # noqa: F401 - the CLI resolves here
-from cembed.probe.trials import (
-    CudaTrial,
-    SubprocessTrial,
-    TrialOutcome,
-    TrialSpec,
-    _describe,
-    format_bytes,
-    is_device_failure,
-)
+from cembed.files import format_bytes
+from cembed.probe.trials import TrialOutcome, describe_failure, is_device_failure
 
-DEFAULT_MARGIN = 0.10
+DEFAULT_MARGIN = 0.10  # headroom fraction of the device's memory
 DEFAULT_CAP = 65536
 KNEE_FRACTION = 0.95
 START_SIZE = 8
@@ -201,7 +188,7 @@ def run_trial(
     except Exception as exc:  # noqa: BLE001 - classified just below
         if not is_device_failure(exc):
             raise
-        out = TrialOutcome(error=_describe(exc))
+        out = TrialOutcome(error=describe_failure(exc))
     fits = out.error is None and out.peak_bytes is not None and out.peak_bytes <= limit
     rows = out.rows if num_tokens is not None and out.rows else size
     return TrialRecord(rows, fits, out.peak_bytes, out.samples_per_s, out.error, num_tokens, out.tokens_per_row)
@@ -261,190 +248,3 @@ def choose_recommendation(records: list[TrialRecord], max_fit: int, knee_fractio
         f"(at {best.size}); larger fitting sizes (up to {max_fit}) are not >{100 * (1 - knee_fraction):.0f}% faster "
         "and use more memory"
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Running a probe
-
-
-def cpu_capacity() -> int:
-    """Physical memory of this machine, bytes (the default CPU budget)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def run_probe(
-    model_cfg,
-    loss_cfg,
-    batch_size: int,
-    n_columns: int = 2,
-    device: str = "auto",
-    max_size: int = DEFAULT_CAP,
-    margin: float = DEFAULT_MARGIN,
-    max_memory: int | None = None,
-    knee_fraction: float | None = KNEE_FRACTION,
-    on_trial: Callable[[TrialRecord], None] | None = None,
-    world_size: int = 1,
-    sort_by_length: bool = True,
-    token_budget: bool = True,
-    strategy: str = "ddp",
-    ranks: int = 1,
-) -> ProbeResult:
-    """Probe ``mini_batch_size`` for ``model_cfg`` on ``device`` (auto | cpu | cuda), then (with
-    ``token_budget``) the token budget ``mini_batch_num_tokens`` (:func:`probe_token_budget`).
-
-    Args:
-        model_cfg: a ModelConfig (name_or_path, max_seq_length, precision).
-        loss_cfg: a LossConfig; only a loss whose class ``uses_gradient_cache`` has a mini-batch size.
-        batch_size: ``per_device_train_batch_size`` (rows); the search cap is ``min(max_size, batch_size)``.
-        n_columns: texts per row.
-        device: where training would run.
-        max_size: ``--max``.
-        margin: headroom fraction.
-        max_memory: budget in bytes; default: the CUDA device's total memory, or this machine's
-            physical memory on CPU.
-        knee_fraction: see :func:`search_mini_batch`.
-        world_size: ranks whose candidates the loss gathers (training's ``world_size`` with
-            ``gather_across_devices``, else 1): the trials' loss stage scores that many.
-        sort_by_length: the loss sorts columns by length (its sorted feature copies are measured).
-        token_budget: also measure the token budget (one more trial).
-        strategy, ranks: ``distributed.strategy`` and the world size: FSDP's sharding is not
-            measured (a trial holds the whole model), the result says what it would save.
-
-    Returns:
-        The :class:`ProbeResult`, with ``recommended`` (and ``recommended_num_tokens``) agreed
-        across ranks (minimum) and every rank's own answer and peak (``ranks``).
-
-    Raises:
-        UserError: a plain (uncached) loss, fp16 on CPU (``precision: auto`` is resolved for the
-            device as training does, :func:`cembed.plan.precision.resolve_precision`), a model that
-            cannot load, nothing fits.
-    """
-    if not loss_cfg.uses_gradient_cache:
-        raise UserError(
-            f"loss.name: probe-minibatch measures the cached loss; with {loss_cfg.name!r} mini_batch_size is unused"
-        )
-    if max_size < 1:
-        raise UserError(f"--max: must be at least 1, got {max_size}")
-    dev = resolve_device(device)
-    precision = resolve_precision(model_cfg.precision, dev)  # auto -> the precision training would use
-    if precision.tf32:
-        enable_tf32()
-    spec = TrialSpec(
-        model={**model_cfg.model_dump(), "precision": precision.precision},
-        loss=loss_cfg.model_dump(),
-        n_columns=n_columns,
-        batch_size=batch_size,
-        device=dev,
-        world_size=max(1, world_size),
-        sort_by_length=sort_by_length,
-    )
-    cap = min(max_size, batch_size)
-    notes = []
-    if dev == "cuda":
-        import torch
-
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        capacity = min(total, max_memory) if max_memory else total
-        trial = CudaTrial(spec)
-    else:
-        capacity = max_memory or cpu_capacity()
-        if not max_memory:
-            notes.append(f"no --max-memory: budget is this machine's physical memory ({format_bytes(capacity)})")
-        trial = SubprocessTrial(spec, kill_above_bytes=capacity)
-    try:
-        result = search_mini_batch(trial, capacity, margin, cap, knee_fraction=knee_fraction, on_trial=on_trial)
-        if token_budget:
-            probe_token_budget(result, trial, on_trial)
-    finally:
-        if isinstance(trial, CudaTrial):
-            trial.close()  # never raises
-    if getattr(trial, "poisoned", False):
-        result.cuda_context_lost = True
-        notes.append("a CUDA error left this process's GPU context unusable; later trials ran in child processes")
-    result.world_size = spec.world_size
-    result.ranks = per_rank_peaks(result)
-    agreed = agree_across_ranks(result.recommended)
-    if agreed != result.recommended:
-        notes.append(f"this rank fits {result.recommended}; all ranks use the minimum, {agreed}")
-        result.recommended = agreed
-        if result.recommended_num_tokens is not None:
-            result.recommended_num_tokens = agreed * result.tokens_per_row
-    result.device = dev
-    result.measured = {**(getattr(trial, "setup", None) or {}), "strategy": strategy, "ranks": ranks}
-    result.notes = result.notes + notes + describe_setup(result.measured)  # what the trials measured
-    return result
-
-
-def summary_record(result: ProbeResult) -> dict:
-    """The ``mini_batch_probe`` entry of ``run_summary.json``."""
-    d = result.to_dict()
-    d["override"] = override_line(result)
-    return d
-
-
-def override_line(result: ProbeResult) -> str:
-    """The config override that applies the probe's answer (both fields when a budget was found)."""
-    line = f"batch.mini_batch_size={result.recommended}"
-    if result.recommended_num_tokens is not None:
-        line += f" batch.mini_batch_num_tokens={result.recommended_num_tokens}"
-    return line
-
-
-def resolve_auto(
-    plan,
-    model_cfg,
-    loss_cfg,
-    n_columns: int,
-    max_memory: str | None = None,
-    margin: float = DEFAULT_MARGIN,
-    sort_by_length: bool = True,
-    strategy: str = "ddp",
-):
-    """Fill ``plan.mini_batch_size`` and ``plan.mini_batch_num_tokens`` when the config says
-    ``batch.mini_batch_size: auto``.
-
-    Probes on ``plan.device`` for ``plan.per_device_train_batch_size`` rows of ``n_columns`` texts
-    (anchor, positive and the hard-negative columns), with the loss stage over the candidates of
-    ``plan.world_size`` ranks when the plan gathers them (``strategy``: ``distributed.strategy``), and returns ``(plan with the recommended
-    size, token budget and run-summary record, ProbeResult)``. A token budget the config sets
-    (``plan.mini_batch_num_tokens``) is kept and not probed. A plan whose size is already set comes
-    back unchanged with ``None``; so does a loss without mini-batches (its size becomes the batch
-    size, with a warning).
-
-    Raises:
-        UserError: see :func:`run_probe`; also an unparsable ``max_memory``, or a CUDA error during
-            the probe that left this process unable to train on the GPU (the message gives the size).
-    """
-    if plan.mini_batch_size is not None:
-        return plan, None
-    if not loss_cfg.uses_gradient_cache:
-        return replace(
-            plan,
-            mini_batch_size=plan.per_device_train_batch_size,
-            warnings=plan.warnings + (f"batch.mini_batch_size: auto has no effect with loss {loss_cfg.name}",),
-        ), None
-    budget = parse_bytes(max_memory) if max_memory else None
-    result = run_probe(
-        model_cfg.model_copy(update={"precision": plan.precision}),  # auto resolved by the plan
-        loss_cfg,
-        plan.per_device_train_batch_size,
-        n_columns,
-        plan.device,
-        margin=margin,
-        max_memory=budget,
-        world_size=plan.world_size if plan.gather_across_devices else 1,
-        sort_by_length=sort_by_length,  # default True: the sorted copies counted (the larger case)
-        token_budget=plan.mini_batch_num_tokens is None,
-        strategy=strategy,
-        ranks=plan.world_size,
-    )
-    if result.cuda_context_lost:
-        raise UserError(
-            "batch.mini_batch_size: auto: a CUDA error during the probe left this process unable to use the GPU; "
-            f"the probe's answer is {result.recommended}: pass {override_line(result)} and run again"
-        )
-    tokens = plan.mini_batch_num_tokens or result.recommended_num_tokens
-    resolved = replace(
-        plan, mini_batch_size=result.recommended, mini_batch_num_tokens=tokens, mini_batch_probe=summary_record(result)
-    )
-    return resolved, result

@@ -12,8 +12,7 @@ gathered during the replay, on top of the rank's own shard (measured: ``scripts/
 
 from __future__ import annotations
 
-from cembed.model.load import resolve_device
-from cembed.plan.precision import resolve_precision
+from cembed.plan.precision import uses_autocast
 
 # AdamW keeps two fp32 moments per trainable parameter (torch.optim.AdamW, exp_avg and exp_avg_sq).
 ADAMW_STATES = 2
@@ -43,7 +42,7 @@ def trial_setup(model, precision: str) -> dict:
         "grad_bytes": grad_bytes,
         "optimizer_bytes": adam_bytes,
         "weights_dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
-        "autocast": precision if precision in ("bf16", "fp16") else None,
+        "autocast": precision if uses_autocast(precision) else None,
         "parameters": sum(p.numel() for p in params),
         "trainable_parameters": sum(p.numel() for p in trainable),
         "lora": is_lora(model),
@@ -111,14 +110,3 @@ def describe_setup(measured: dict) -> list[str]:
     if measured.get("strategy") == "fsdp":
         lines.append("not measured: FSDP sharding (distributed.strategy: fsdp); " + _fsdp_saving(measured))
     return lines
-
-
-def resolved_model_config(model_cfg):
-    """``model_cfg`` (a :class:`cembed.config.schema.ModelConfig`) with ``precision: auto`` replaced by the
-    precision it resolves to on ``model_cfg.device`` (``probe-minibatch`` without a plan).
-
-    Raises:
-        UserError: see :func:`resolve_precision`; cuda requested without a GPU.
-    """
-    resolved = resolve_precision(model_cfg.precision, resolve_device(model_cfg.device))
-    return model_cfg.model_copy(update={"precision": resolved.precision})

@@ -1,5 +1,5 @@
 """Probe trials: one worst-case cached-loss training step at a given ``mini_batch_size``, and the
-runners that execute it and measure its peak memory (used by :mod:`cembed.probe.search`'s search).
+runners that execute it and measure its peak memory (used by :mod:`cembed.probe.search`'s search, run by :mod:`cembed.probe.auto`).
 
 * :func:`~cembed.probe.worst_case.worst_case_step` (in :mod:`cembed.probe.worst_case`) is one trial's work: every
   column at ``max_seq_length`` tokens, AdamW states allocated, the cached embeddings (and their
@@ -12,7 +12,8 @@ runners that execute it and measure its peak memory (used by :mod:`cembed.probe.
 * :class:`TrialOutcome` is what a trial returns; :func:`is_device_failure` tells "does not fit"
   errors from bugs.
 
-This module must not import :mod:`cembed.probe.search` (the import graph stays one-way).
+This module must not import :mod:`cembed.probe.search` or :mod:`cembed.probe.auto` (the import graph
+stays one-way).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def is_device_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and bool(_DEVICE_FAILURE.search(str(exc)))
 
 
-def _describe(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     """``Type: first line of the message`` (160 characters at most), for the probe table."""
     return f"{type(exc).__name__}: {first_line(exc, 160)}"
 
@@ -74,7 +75,7 @@ def _describe(exc: BaseException) -> str:
 class TrialSpec:
     """Everything a trial needs, picklable for a child process."""
 
-    model: dict  # ModelConfig fields (name_or_path, max_seq_length, precision, ...)
+    model: dict  # ModelConfig fields (name_or_path, max_seq_length, ...): how the trial loads the model
     loss: dict  # LossConfig fields
     n_columns: int
     batch_size: int
@@ -82,6 +83,7 @@ class TrialSpec:
     repeats: int = 2
     world_size: int = 1  # ranks whose gathered candidates each rank's loss scores (1: no gathering)
     sort_by_length: bool = True
+    precision: str = "fp32"  # the run's resolved precision (fp32 | bf16 | fp16): the step's autocast
 
 
 def _load(spec: TrialSpec):
@@ -122,7 +124,7 @@ def _trial_child(spec: TrialSpec, size: int, conn, num_tokens: int | None = None
             spec.n_columns,
             spec.batch_size,
             size,
-            spec.model.get("precision", "fp32"),
+            spec.precision,
             spec.repeats,
             spec.world_size,
             spec.sort_by_length,
@@ -144,7 +146,7 @@ def _trial_child(spec: TrialSpec, size: int, conn, num_tokens: int | None = None
     except UserError as err:
         conn.send({"user_error": str(err)})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which classifies it
-        conn.send({"error": _describe(exc), "device_failure": is_device_failure(exc)})
+        conn.send({"error": describe_failure(exc), "device_failure": is_device_failure(exc)})
     finally:
         conn.close()
 
@@ -297,7 +299,7 @@ class CudaTrial:
                 self.spec.n_columns,
                 self.spec.batch_size,
                 size,
-                self.spec.model.get("precision", "fp32"),
+                self.spec.precision,
                 self.spec.repeats,
                 self.spec.world_size,
                 self.spec.sort_by_length,

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from dataclasses import dataclass
+from functools import partial
+
+from cembed.plan.precision import autocast as precision_autocast
 
 
 @dataclass
@@ -60,7 +64,7 @@ def worst_case_step(
     model's forward, so the scores are fp32), over ``world_size`` x ``batch_size`` gathered
     candidates per column (the gather is simulated with local copies, so a trial issues no
     collective), and, with ``sort_by_length``, with the sorted copy of the features and the
-    restored-order leaves of :class:`cembed.losses.registry.LengthSortedMixin` alive.
+    restored-order leaves of :class:`cembed.losses.length_sorted.LengthSortedMixin` alive.
 
     With ``mini_batch_num_tokens`` the loss is built with that budget and the mini-batch is the
     first of the budget's ranges on these full-length rows (``budget // tokens_per_row`` rows, at
@@ -70,7 +74,8 @@ def worst_case_step(
     Args:
         model: a SentenceTransformer on the target device (its ``max_seq_length`` is the length used).
         loss_cfg: the ``loss`` config section, of a loss that ``uses_gradient_cache`` (the module
-            :func:`cembed.losses.registry.build_loss` builds from it provides ``embed_minibatch`` and
+            :func:`cembed.losses.registry.build_loss` builds from it, its
+            :attr:`~cembed.losses.registry.BuiltLoss.cached_module`, provides ``embed_minibatch`` and
             ``calculate_loss``).
         n_columns: texts per row (anchor, positive, negatives), >= 2.
         batch_size: ``per_device_train_batch_size``, rows.
@@ -86,75 +91,138 @@ def worst_case_step(
         A :class:`WorstCase`: the estimated rows per second of a full cached step (``n_columns``
         no-grad and with-grad embeddings per row plus the loss stage), the mini-batch's rows and the
         tokens per row, and the setup it ran with (:func:`cembed.probe.setup.trial_setup`).
+
+    Raises:
+        TypeError: the configured loss does not use gradient caching (it has no mini-batches).
     """
     import torch
 
-    from cembed.losses.registry import build_loss, simulated_gather
+    from cembed.losses.registry import build_loss
+    from cembed.losses.token_budget import token_budget_ranges
     from cembed.probe.setup import trial_setup
 
-    device = model.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    autocast = partial(precision_autocast, precision, model.device.type)  # as the trainer runs the forward
     model.train()
+    optimizer = allocated_optimizer(model)
+    features = full_length_features(model, n_columns, batch_size)
+    loss = build_loss(
+        model, loss_cfg, mini_batch_size, world_size > 1, mini_batch_num_tokens, sort_by_length=sort_by_length
+    ).cached_module
+    if loss is None:
+        raise TypeError(f"loss {loss_cfg.name!r} does not use gradient caching: the probe measures cached losses")
+    # training holds the features and their sorted copy; the loss stage then builds its restored-order leaves
+    sorted_copies = loss.sort_rows(features) if getattr(loss, "sort_by_length", False) else None
+    width = int(features[0].get("attention_mask", features[0]["input_ids"]).shape[1])
+    if mini_batch_num_tokens is not None:  # the budget's first range over full-length rows
+        mini_batch_size = token_budget_ranges(features[0], mini_batch_num_tokens)[0][1]
+    mini = min(mini_batch_size, batch_size)
+    repeats = max(1, repeats)
+    t_nograd, outputs = time_nograd_pass(loss, features[0], mini, repeats, autocast, sync)
+    sizes = [min(b + mini, batch_size) - b for b in range(0, batch_size, mini)]
+    reps, *extras = cached_embeddings(outputs, sizes, n_columns)
+    del outputs
+    t_loss = time_loss_stage(loss, reps, extras, world_size, sync)
+    t_grad = time_grad_passes(loss, features, reps, mini, repeats, autocast, sync)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync()
+    del reps, extras, features, sorted_copies, optimizer, loss
+    per_row = n_columns * (t_nograd + t_grad) / mini + t_loss / batch_size
+    setup = trial_setup(model, precision)
+    return WorstCase(float(1.0 / per_row) if per_row > 0 else float("nan"), mini, width, setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# The steps of a worst-case step, in the order it runs them
+
+
+def allocated_optimizer(model):
+    """An AdamW over ``model``'s trainable parameters whose states are allocated, as the first real
+    step allocates them (one zero-gradient step at learning rate 0: the weights do not change).
+
+    Returns:
+        The optimizer, gradients reset to None.
+    """
+    import torch
+
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0)
     for p in params:  # a zero step allocates the AdamW states exactly as the first real step does
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return optimizer
 
-    length = model.max_seq_length
+
+def full_length_features(model, n_columns: int, batch_size: int) -> list[dict]:
+    """``n_columns`` columns of ``batch_size`` rows, every text tokenized to ``model.max_seq_length``
+    tokens (a long text truncated), on the model's device.
+
+    Returns:
+        One feature dict per column, tensors of shape ``(batch_size, tokens)`` (contiguous copies).
+    """
+    import torch
+
     preprocess = getattr(model, "preprocess", None) or model.tokenize
-    one = preprocess(["a " * (4 * length + 8)])  # truncated to max_seq_length tokens
-    features = [
+    one = preprocess(["a " * (4 * model.max_seq_length + 8)])  # truncated to max_seq_length tokens
+    return [
         {
-            k: v.expand(batch_size, *v.shape[1:]).contiguous().to(device) if torch.is_tensor(v) else v
+            k: v.expand(batch_size, *v.shape[1:]).contiguous().to(model.device) if torch.is_tensor(v) else v
             for k, v in one.items()
         }
         for _ in range(n_columns)
     ]
-    loss = build_loss(
-        model, loss_cfg, mini_batch_size, world_size > 1, mini_batch_num_tokens, sort_by_length=sort_by_length
-    ).module
-    loss = loss if hasattr(loss, "embed_minibatch") else loss.loss  # MatryoshkaLoss decorates its cached loss
-    sorted_copies = None
-    if getattr(loss, "sort_by_length", False):  # training holds the features and their sorted copy
-        from cembed.losses.registry import _take_rows
 
-        order = torch.arange(batch_size - 1, -1, -1, device=device)
-        sorted_copies = [_take_rows(f, order) for f in features]
-        loss._inverse = [order] * n_columns  # the loss stage builds its restored-order leaves
-    width = int(features[0].get("attention_mask", features[0]["input_ids"]).shape[1])
-    if mini_batch_num_tokens is not None:  # the budget's first range over full-length rows
-        from cembed.losses.token_budget import token_budget_ranges
 
-        mini_batch_size = token_budget_ranges(features[0], mini_batch_num_tokens)[0][1]
-    mini = min(mini_batch_size, batch_size)
-    repeats = max(1, repeats)
+def time_nograd_pass(loss, feature: dict, mini: int, repeats: int, autocast, sync) -> tuple[float, tuple]:
+    """Run the no-grad embedding of the first ``mini`` rows of ``feature`` ``repeats`` times under
+    ``autocast`` (the first run warms up).
+
+    Returns:
+        ``(fastest seconds, outputs)``: the last run's embeddings ``(mini, dim)`` and, for a guided
+        loss, the guide's embeddings (the outputs before the RNG state).
+    """
+    t_nograd = math.inf
     with autocast():
-        t_nograd = math.inf  # the fastest of `repeats` runs (the first one warms up)
         for _ in range(repeats):
             sync()
             t0 = time.perf_counter()
-            emb, *extras, _ = loss.embed_minibatch(features[0], 0, mini, with_grad=False, copy_random_state=False)
+            emb, *extras, _ = loss.embed_minibatch(feature, 0, mini, with_grad=False, copy_random_state=False)
             sync()
             t_nograd = min(t_nograd, time.perf_counter() - t0)
-    sizes = [min(b + mini, batch_size) - b for b in range(0, batch_size, mini)]  # fp32, as accelerate returns them
-    reps, *extras = [  # and a guide's embeddings (outputs before the RNG state), per column
-        [[e.detach().float()[:n].clone() for n in sizes] for _ in range(n_columns)] for e in (emb, *extras)
-    ]
+    return t_nograd, (emb, *extras)
+
+
+def cached_embeddings(outputs: tuple, sizes: list[int], n_columns: int) -> list[list[list]]:
+    """The whole batch's cached embeddings, replicated from one mini-batch's ``outputs``: per output
+    (the model's, then a guide's), per column, one fp32 tensor per mini-batch of ``sizes`` rows (as
+    accelerate returns them); the model's require gradients (the GradCache cache)."""
+    reps, *extras = [[[e.detach().float()[:n].clone() for n in sizes] for _ in range(n_columns)] for e in outputs]
     [r.requires_grad_() for col in reps for r in col]
-    del emb
+    return [reps, *extras]
+
+
+def time_loss_stage(loss, reps, extras, world_size: int, sync) -> float:
+    """Seconds of the loss stage with its backward into the cached embeddings
+    (``calculate_loss(..., with_backward=True)``), outside autocast as in training, over
+    ``world_size`` ranks' candidates (:func:`simulated_gather`)."""
     sync()
     t0 = time.perf_counter()
     with simulated_gather(loss, world_size):  # outside autocast, as in training
         loss.calculate_loss(reps, *(extras or [None]), with_backward=True)
     sync()
-    t_loss = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def time_grad_passes(loss, features, reps, mini: int, repeats: int, autocast, sync) -> float:
+    """The fastest of ``repeats`` with-grad re-embeddings of one mini-batch (cycling over the
+    columns) back-propagated with the cached gradients into the parameters' gradients, seconds."""
+    import torch
+
     t_grad = math.inf
     for i in range(repeats):
-        col = i % n_columns
+        col = i % len(features)
         sync()
         t0 = time.perf_counter()
         with autocast():
@@ -164,10 +232,29 @@ def worst_case_step(
         sync()
         t_grad = min(t_grad, time.perf_counter() - t0)
         del reps_mb, surrogate
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    sync()
-    del reps, features, sorted_copies, optimizer, loss
-    per_row = n_columns * (t_nograd + t_grad) / mini + t_loss / batch_size
-    setup = trial_setup(model, precision)
-    return WorstCase(float(1.0 / per_row) if per_row > 0 else float("nan"), mini, width, setup)
+    return t_grad
+
+
+@contextlib.contextmanager
+def simulated_gather(loss, world_size: int):
+    """Inside the block, ``loss``'s cross-rank gathers (``all_gather_with_grad`` / ``all_gather``
+    as its modules imported them) return ``world_size`` local copies of the tensor instead of
+    gathering: the memory of ``world_size`` ranks' candidates, with gradients, and no collective
+    (probe trials run a different number of times on different ranks)."""
+    import torch
+
+    def copies(tensor, *args, **kwargs):
+        return torch.cat([tensor] * world_size)
+
+    patched = []
+    for cls in type(loss).__mro__:
+        module = sys.modules.get(cls.__module__)
+        for name in ("all_gather_with_grad", "all_gather"):
+            if module is not None and callable(getattr(module, name, None)):
+                patched.append((module, name, getattr(module, name)))
+                setattr(module, name, copies)
+    try:
+        yield
+    finally:
+        for module, name, original in reversed(patched):
+            setattr(module, name, original)

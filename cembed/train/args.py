@@ -9,6 +9,7 @@ from cembed.data.mixture import SourceMix
 from cembed.data.sampler import NoDuplicatesSampler
 from cembed.distributed.fsdp import fsdp_args
 from cembed.errors import UserError, first_line
+from cembed.plan.precision import trainer_flags
 from cembed.plan.resolve import Plan
 
 
@@ -20,7 +21,7 @@ def build_training_args(
     sources: SourceMix | None = None,
 ):
     """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR);
-    ``eval_args`` (from :func:`cembed.eval.evaluators.training_eval_args`) override the save/eval settings;
+    ``eval_args`` (from :func:`cembed.train.evaluation.training_eval_args`) override the save/eval settings;
     ``fsdp_layers`` (the backbone's layer classes) with ``distributed.strategy: fsdp``;
     ``sources`` (several training sources): the sampler draws every batch from one source.
 
@@ -61,8 +62,7 @@ def build_training_args(
         save_total_limit=t.save_total_limit,
         batch_sampler=sampler,
         dataloader_drop_last=cfg.batch.drop_last or plan.world_size > 1,
-        bf16=plan.precision == "bf16",
-        fp16=plan.precision == "fp16",
+        **trainer_flags(plan.precision),  # bf16= / fp16=
         use_cpu=plan.device == "cpu",
         report_to="none" if t.report_to == ["none"] else list(t.report_to),
         disable_tqdm=True,

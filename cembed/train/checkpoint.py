@@ -177,7 +177,7 @@ class InterruptCallback(TrainerCallback):
         self._previous.clear()
 
     def on_step_end(self, args, state, control, **kwargs):
-        from cembed.distributed.group import max_over_ranks
+        from cembed.distributed.collectives import max_over_ranks
 
         self.step = state.global_step
         # In a multi-process job all ranks stop at the same step and report the same signal, even

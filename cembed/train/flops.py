@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cembed.plan.precision import uses_autocast
+
 # Dense (no sparsity) peak TFLOP/s per GPU from NVIDIA's datasheets: (name pattern, part, bf16 =
 # fp16 tensor with fp32 accumulate, TF32 tensor, fp32 non-tensor). Matched in order against
 # torch.cuda.get_device_name(), case-insensitive: the more specific pattern first.
@@ -95,7 +97,7 @@ def format_flops(flops_per_s: float) -> str:
 def matmul_precision(precision: str, device: str) -> str:
     """The peak that bounds the run's matmuls: ``bf16``/``fp16`` as configured; for fp32 on CUDA
     ``tf32`` when TF32 matmuls are allowed (``torch.backends.cuda.matmul.allow_tf32``), else ``fp32``."""
-    if precision in ("bf16", "fp16"):
+    if uses_autocast(precision):
         return precision
     if device.startswith("cuda") and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"

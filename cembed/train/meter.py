@@ -13,7 +13,7 @@ Per logging interval (the trainer's ``logging_steps``):
 The loss keeps its token counts as device tensors (:class:`~cembed.losses.counts.TokenCounts`); the meter
 reads them once per interval, so counting adds no host-device synchronisation per mini-batch.
 
-- ``masked_share`` (with a false-negative filter, :class:`cembed.losses.guided.FilterCounts`): share
+- ``masked_share`` (with a false-negative filter, :class:`cembed.losses.counts.FilterCounts`): share
   of the in-batch candidates left out of the softmax as likely false negatives (summed over ranks).
 
 With several processes (``gather``: one all-gather per logging interval, on every rank at the same
@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from cembed.files import write_atomic
-from cembed.losses.counts import TokenCounts
-from cembed.losses.guided import FilterCounts
+from cembed.losses.counts import FilterCounts, TokenCounts
 from cembed.train.flops import FlopModel
 
 
@@ -71,7 +70,7 @@ class ThroughputMeter:
     Attributes:
         token_counts: the loss's token counter (read and reset at every interval).
         flops: the run's FLOP model (adds ``flops_per_s`` and ``mfu``); None: no FLOP statistics.
-        gather: ``values -> every rank's values`` (e.g. :func:`cembed.distributed.group.gather_over_ranks`);
+        gather: ``values -> every rank's values`` (e.g. :func:`cembed.distributed.collectives.gather_over_ranks`);
             the default is this process alone.
     """
 

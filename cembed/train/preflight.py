@@ -222,11 +222,22 @@ def data_fingerprint(dataset) -> str:
     return f"{n} rows, {digest.hexdigest()[:16]}"
 
 
-def training_record(cfg: CembedConfig, samples_per_step: int, learning_rate: float, dataset) -> dict:
-    """What a checkpoint records about its run: the config (JSON), the samples per step, the
-    effective LR and the training data's fingerprint."""
+def training_record(
+    cfg: CembedConfig, samples_per_step: int, learning_rate: float, dataset, precision: str | None = None
+) -> dict:
+    """What a checkpoint records about its run: the config (JSON) as run, the samples per step, the
+    effective LR and the training data's fingerprint.
+
+    Args:
+        precision: the resolved precision (``Plan.precision``), recorded as the config's
+            ``model.precision`` so that ``auto`` and the precision it resolved to compare equal on
+            resume; None records ``cfg.model.precision`` as written.
+    """
+    config = cfg.model_dump(mode="json")
+    if precision is not None:
+        config["model"]["precision"] = precision
     return {
-        "config": cfg.model_dump(mode="json"),
+        "config": config,
         "samples_per_step": samples_per_step,
         "effective_learning_rate": learning_rate,
         "data_fingerprint": data_fingerprint(dataset),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,14 +27,9 @@ from cembed.config.schema import CembedConfig
 from cembed.data.mixture import SourceMix
 from cembed.data.prepare import PreparedData, UnloadedData, prepare_checked_data
 from cembed.data.tokenize import tokenize_stage
+from cembed.distributed.ddp import freeze_unused_parameters
 from cembed.distributed.fsdp import gathered_model
-from cembed.distributed.group import (
-    backend_for,
-    dist_info,
-    freeze_unused_parameters,
-    init_distributed,
-    local_main_first,
-)
+from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
@@ -43,7 +38,8 @@ from cembed.model.lora import adapter_facts, finish_lora, is_lora
 from cembed.model.prompts import RolePrompts, resolve_prompts
 from cembed.plan.precision import enable_tf32
 from cembed.plan.resolve import Plan, resolve_plan
-from cembed.probe.search import ProbeResult, resolve_auto
+from cembed.probe.auto import resolve_auto
+from cembed.probe.search import ProbeResult
 from cembed.train.args import build_training_args
 from cembed.train.checkpoint import (
     InterruptCallback,
@@ -79,8 +75,9 @@ class RunDisplay(Protocol):
     def probe(self, result: ProbeResult) -> None:
         """The probe's result (:class:`cembed.probe.search.ProbeResult`), once it is measured."""
 
-    def run_header(self, cfg: CembedConfig, plan: Plan) -> None:
-        """The final plan (device, precision, batch, mini-batch, loss, LR, warnings) before the model loads."""
+    def run_header(self, cfg: CembedConfig, plan: Plan, warnings: tuple[str, ...]) -> None:
+        """The final plan (device, precision, batch, mini-batch, loss, LR, its warnings) before the model
+        loads, and ``warnings``: the run's findings (the data's, unplaceable rows, resume changes)."""
 
     def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
         """The attention path the loss runs and, for several processes, ``run_summary['distributed']``."""
@@ -104,7 +101,7 @@ class QuietRunDisplay:
     def probe(self, result: ProbeResult) -> None:
         pass
 
-    def run_header(self, cfg: CembedConfig, plan: Plan) -> None:
+    def run_header(self, cfg: CembedConfig, plan: Plan, warnings: tuple[str, ...]) -> None:
         pass
 
     def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
@@ -126,6 +123,8 @@ def check_run_inputs(
     """Resolve the plan, run the pre-flight checks (model limits, scheduler, tokenizer; see
     :mod:`cembed.train.preflight`) and load/check the training data (everything ``validate`` checks); with
     ``allow_unloaded`` (validate) a hub dataset the hub cannot serve gives UnloadedData, not an error.
+    The data's own warnings (unmapped / expanded columns) stay on the data (``PreparedData.warnings``),
+    beside the plan's.
 
     Raises:
         UserError: a config, data or pre-flight mistake, one line naming the field and the fix.
@@ -134,9 +133,9 @@ def check_run_inputs(
     raise_findings(preflight(cfg, plan.learning_rate))
     batch = plan.per_device_train_batch_size * plan.world_size
     data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
-    plan = replace(plan, warnings=plan.warnings + getattr(data, "warnings", ()))  # unmapped / expanded columns
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
-        from cembed.eval.evaluators import check_metric_name, load_eval_sets, training_eval_args
+        from cembed.eval.sets import load_eval_sets
+        from cembed.train.evaluation import check_metric_name, training_eval_args
 
         metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval))
         training_eval_args(cfg.eval, metric, cfg.train.save_steps)
@@ -231,7 +230,7 @@ class Components:
     train_dataset: Any  # datasets.Dataset (pre-tokenized, or the texts)
     collator: Any  # PaddingCollator, or None for sentence-transformers' own
     loss: Any  # the built loss (module and token counts)
-    evaluation: Any  # cembed.eval.evaluators.TrainingEvaluation, or None
+    evaluation: Any  # cembed.train.evaluation.TrainingEvaluation, or None
     token_info: dict
     distributed: dict | None  # what run_summary.json records about the process group
     source: str  # the training data's label, for messages
@@ -284,12 +283,12 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         }
     evaluation = None
     if cfg.eval is not None:
-        from cembed.eval.evaluators import TrainingEvaluation
+        from cembed.train.evaluation import TrainingEvaluation
 
         evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
-    weights = weight_dtypes(model, cfg.model.model_copy(update={"precision": plan.precision}))
+    weights = weight_dtypes(model, cfg.model, plan.precision)
     return Components(*parts, weights, prompts, mix)
 
 
@@ -337,6 +336,7 @@ def build_trainer(
         evaluator=parts.evaluation.evaluator if parts.evaluation else None,
         meter=ThroughputMeter(parts.loss.token_counts, flops, filter_counts=parts.loss.filter_counts),
         nonfinite_policy=cfg.train.nonfinite_loss,
+        built_loss=parts.loss,
     )
     trainer.remove_callback(PrinterCallback)
     trainer.run_record = run_dir.record
@@ -468,6 +468,7 @@ def run_training(
     overwrite: bool = False,
     max_memory: str | None = None,
     trainer_cls: type[CembedTrainer] = CembedTrainer,
+    warnings: tuple[str, ...] = (),
 ) -> dict:
     """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
 
@@ -479,6 +480,9 @@ def run_training(
         overwrite: allow an ``output_dir`` that already holds a finished model.
         max_memory: memory budget for ``batch.mini_batch_size: auto`` (e.g. ``8GiB``).
         trainer_cls: the trainer class (tests pass a subclass of :class:`CembedTrainer`).
+        warnings: the caller's findings before training (the CLI's rows the sampler cannot place,
+            :func:`cembed.data.placement.unplaceable_warnings`), printed and recorded with the plan's
+            warnings, the data's and the changes a resume applies.
 
     Returns:
         The run summary (also written to ``<output_dir>/run_summary.json`` by rank 0).
@@ -490,22 +494,21 @@ def run_training(
     """
     display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
-    # model.precision: auto resolved
-    as_run = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": plan.precision})})
-    record = training_record(as_run, plan.samples_per_step, plan.learning_rate, data.dataset)
+    record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset, plan.precision)
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
-    plan = replace(plan, warnings=plan.warnings + tuple(f"resume applies {c}" for c in run_dir.resume_changes))
+    findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))
     quiet_libraries()
     with failures_recorded(run_dir.out, is_main, Attempt()) as attempt:
         device, plan = resolve_runtime(cfg, plan, data, display, max_memory)
-        display.run_header(cfg, plan)
+        display.run_header(cfg, plan, findings)
         parts = build_components(cfg, plan, data, device, display.eval_line if is_main else None)
         if is_main:
             display.components(parts.loss.unpadding, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, display, trainer_cls)
         attempt.trainer = run.trainer
-        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming=bool(run_dir.checkpoint))
-        attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run)
+        resuming = bool(run_dir.checkpoint)
+        eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming, cfg.data.cache_dir)
+        attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run, findings)
         result = train(run, run_dir, base)
         return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before)

@@ -35,17 +35,19 @@ def versions() -> dict[str, str]:
     return out
 
 
-def summary_base(cfg, plan, data, parts, run_dir, run) -> dict:
+def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...] = ()) -> dict:
     """The entries every ``run_summary.json`` has, whether the run completes, fails or stops.
 
-    Args: the recipe's stages' outputs (CembedConfig, Plan, PreparedData, Components, RunDir, Run).
+    Args: the recipe's stages' outputs (CembedConfig, Plan, PreparedData, Components, RunDir, Run),
+    and the run's findings beside the plan's warnings (data, unplaceable rows, resume changes): the
+    ``plan`` entry's ``warnings`` lists both.
     """
-    # The config as run: batch.mini_batch_size: auto shows the probed size.
-    batch = {"mini_batch_size": plan.mini_batch_size, "mini_batch_num_tokens": plan.mini_batch_num_tokens}
-    as_run = cfg.model_copy(update={"batch": cfg.batch.model_copy(update=batch)})
+    # The config as run (a record, not a config to use): batch.mini_batch_size: auto shows the plan's size.
+    config = cfg.model_dump(mode="json")
+    config["batch"].update(mini_batch_size=plan.mini_batch_size, mini_batch_num_tokens=plan.mini_batch_num_tokens)
     return {
-        "config": as_run.model_dump(mode="json"),
-        "plan": plan.to_dict(),
+        "config": config,
+        "plan": {**plan.to_dict(), "warnings": (*plan.warnings, *warnings)},
         "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
         "data": {
             "source": data.source,

@@ -37,12 +37,16 @@ from sentence_transformers import SentenceTransformerTrainer
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
-from cembed.data.tokenize import PaddingCollator, TokenIdRows
+from cembed.data.collator import PaddingCollator, TokenIdRows
+from cembed.distributed.collectives import gather_over_ranks, max_over_ranks, require_same_on_all_ranks
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
-from cembed.distributed.group import gather_over_ranks, main_first, max_over_ranks, require_same_on_all_ranks
+from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.files import append_log
+from cembed.losses.counts import TokenCounts
+from cembed.losses.registry import BuiltLoss
 from cembed.model.lora import is_lora, load_adapter_checkpoint
+from cembed.plan.precision import autocast, precision_from_flags
 from cembed.train.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.train.flops import format_flops
 from cembed.train.meter import ThroughputMeter
@@ -56,10 +60,20 @@ class CembedTrainer(SentenceTransformerTrainer):
         *args, **kwargs: as for ``SentenceTransformerTrainer``.
         meter: times data waits and adds its statistics to every training log; None: no meter.
         nonfinite_policy: ``"stop"`` (raise :class:`~cembed.errors.RunFailed`) or ``"skip"``.
+        built_loss: the :class:`~cembed.losses.registry.BuiltLoss` whose ``module`` is ``loss``: its
+            mini-batching is what :meth:`collective_facts` compares across ranks (None: the class only).
     """
 
-    def __init__(self, *args, meter: ThroughputMeter | None = None, nonfinite_policy: str = "stop", **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        meter: ThroughputMeter | None = None,
+        nonfinite_policy: str = "stop",
+        built_loss: BuiltLoss | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.built_loss = built_loss
         self.meter = meter
         if meter is not None:
             meter.gather = gather_over_ranks  # the job's tokens/s and data-wait, not rank 0's alone
@@ -80,20 +94,18 @@ class CembedTrainer(SentenceTransformerTrainer):
         """What decides the collectives a training step issues: the loss and its mini-batching
         (``mini_batch_size`` from ``auto`` included), the columns, rows per rank, accumulation,
         precision, sequence length and the training rows. Every rank must have the same; the
-        constructor refuses a job whose ranks differ (:func:`~cembed.distributed.group.require_same_on_all_ranks`)."""
-        loss, args, data = self.loss, self.args, self.train_dataset
+        constructor refuses a job whose ranks differ (:func:`~cembed.distributed.collectives.require_same_on_all_ranks`)."""
+        args, data = self.args, self.train_dataset
+        built = self.built_loss or BuiltLoss(self.loss, TokenCounts(), cached=False)
         return {
-            "loss": type(loss).__name__,
-            "mini_batch_size": getattr(loss, "mini_batch_size", None),
-            "mini_batch_num_tokens": getattr(loss, "token_budget", getattr(loss, "mini_batch_num_tokens", None)),
-            "gather_across_devices": getattr(loss, "gather_across_devices", None),
+            **built.collective_facts(),
             "columns": list(getattr(data, "column_names", None) or []),
             "rows": len(data) if data is not None else None,
             "per_device_train_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "max_steps": args.max_steps,
             "num_train_epochs": args.num_train_epochs,
-            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "precision": precision_from_flags(args.bf16, args.fp16),
             "max_seq_length": getattr(self.model, "max_seq_length", None),
         }
 
@@ -102,28 +114,24 @@ class CembedTrainer(SentenceTransformerTrainer):
         what accelerate wraps the model's forward in for training and for evaluation during and
         after it), or none for fp32. Used around the evaluations before and after training, so
         before -> during -> after differences are training effects, not a precision change."""
-        import contextlib
+        return autocast(precision_from_flags(self.args.bf16, self.args.fp16), self.model.device.type)
 
-        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.model.device.type, dtype=dtype)
-
-    def evaluate_base_model(self, evaluation, resuming: bool = False) -> dict | None:
+    def evaluate_base_model(self, evaluation, resuming: bool = False, cache_dir: str | None = None) -> dict | None:
         """Evaluate the model "before training" on rank 0, in :meth:`eval_precision` (``None`` when
         resuming, without evaluation, and on the other ranks). The other ranks wait for it on the
         process group's store, not in a collective (:func:`~cembed.distributed.group.main_first`), so a
         long evaluation is not cut off by the collective timeout. The base model's corpus
-        embeddings are cached across runs."""
+        embeddings are cached across runs, in :func:`cembed.files.cache_root` ``("embeddings", cache_dir)``
+        (``cache_dir``: ``data.cache_dir``; None: the default root)."""
         if evaluation is None or resuming:
             return None
         with main_first(run_on_others=False) as runs_here:
             if not runs_here:
                 return None
-            from cembed.eval.embedding_cache import default_cache_dir
+            from cembed.files import cache_root
 
             with self.eval_precision():
-                return evaluation.evaluate(self.model, "before training", cache_dir=default_cache_dir())
+                return evaluation.evaluate(self.model, "before training", cache_dir=cache_root("embeddings", cache_dir))
 
     def init_hf_repo(self, *args, **kwargs) -> None:
         # Creating the hub repo (train.push_to_hub) needs the network and a token: say so in one line.

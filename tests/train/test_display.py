@@ -24,8 +24,8 @@ class RecordingDisplay:
     def probe(self, result):
         self.calls.append(("probe", result))
 
-    def run_header(self, cfg, plan):
-        self.calls.append(("run_header", cfg, plan))
+    def run_header(self, cfg, plan, warnings):
+        self.calls.append(("run_header", cfg, plan, warnings))
 
     def components(self, unpadding, distributed):
         self.calls.append(("components", unpadding, distributed))
@@ -90,8 +90,8 @@ def test_a_recording_display_gets_every_call_of_a_run(tiny_model_dir, tmp_path, 
     assert names[:5] == ["probe_start", "probe", "run_header", "components", "progress"]
     assert display.calls[0] == ("probe_start", "cpu")
     assert display.calls[1][1] is probed
-    header_cfg, header_plan = display.calls[2][1:]
-    assert header_cfg is cfg and header_plan.mini_batch_size == 8
+    header_cfg, header_plan, findings = display.calls[2][1:]
+    assert header_cfg is cfg and header_plan.mini_batch_size == 8 and findings == tuple(data.warnings)
     assert display.calls[3][1].description  # the attention path (cembed.model.unpad.Unpadding)
     assert display.calls[3][2] is None  # one process: no distributed block
     assert display.calls[4][2] == plan.samples_per_step

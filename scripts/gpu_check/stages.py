@@ -1,363 +1,31 @@
 #!/usr/bin/env python
-"""One-call GPU verification of cembed (issue 14), run by ``scripts/gpu_check.sh``.
+"""The GPU check's stages (issue 14), each run in its own process by the orchestrator
+(``scripts/gpu_check/__main__.py``): ``python scripts/gpu_check/stages.py --stage NAME --run-dir DIR``
+reads ``DIR/context.json`` and writes ``DIR/NAME/result.json`` (``status`` pass/fail/skipped and the
+stage's numbers).
 
-Runs each stage in its own process with a timeout, under one overall deadline (default 470 s,
-so the whole check fits 8 minutes on one H200), and prints one JSON object: a pass/fail status per
-stage and, under ``summary``:
-
-  (a) ``correctness``: fp32 cached == fp32 plain (TF32 off), bf16 cached vs fp32 plain loss and
-      gradient on a small batch, and dropout replay exact on the GPU (with a negative control);
-  (b) ``probe``: ``probe-minibatch`` for all-MiniLM-L6-v2 at 256 tokens, batch 65536;
-  (c) ``train``: tokens/s, MFU/FLOP/s (whatever the meter records), data-wait and padded share over a
-      few steps at batch 65536 on the COCO pairs (read from the run's ``run_summary.json``);
-  (d) ``stock``: stock sentence-transformers' step (tokenizing collator, its cached loss) and cembed's
-      on the same 65536 rows, timed alike, and their ratio;
-  (e) ``gpu_util``: GPU utilisation sampled (nvidia-ml-py, else nvidia-smi) during (c) and (d).
-
-Also issue 13's CUDA-only checks (a sticky CUDA error, fp16 + nonfinite_loss: skip under the real
-GradScaler, the probe's gathered loss stage). Every run writes under a fresh folder
-(``--out``, default ``/tmp/cembed-gpu-check/run-<time>-<pid>``), so a second run never trips on the
-first one's outputs; the tokenization cache beside it is keyed by content and shared.
-
-``--bundle DIR`` (made by ``scripts/gpu_bundle.sh``) installs the bundle's wheels with no package
-index (``pip install --no-index --no-deps --target``), checks cembed's requirements are met, and
-uses the bundle's fp16 all-MiniLM-L6-v2 and COCO pairs. ``--dry-run`` prints the plan (stages,
-commands, timeouts) and checks the bundle's contents against its manifest, without CUDA or torch.
-
-The orchestrator uses the standard library only; the stages import cembed.
+The only module of the check that imports cembed (and torch, datasets, sentence-transformers), always
+inside the stage functions; the orchestrator, ``bundle.py`` and ``sampler.py`` use the standard library
+only (tests/test_gpu_check.py asserts it), since the GPU image lacks pydantic and datasets until the
+bundle is installed. The stages import cembed by full module path from the interpreter's path: the
+bundle's site folder, else this checkout (the orchestrator sets ``PYTHONPATH``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BUNDLE_LIMIT = 60 * 2**20
-# What the bundle must hold beyond the GPU image (torch 2.11, transformers 5.17, sentence-transformers
-# 6.0.1, no pydantic or datasets): see scripts/gpu_bundle.sh.
-BUNDLE_PACKAGES = (
-    "pydantic",
-    "pydantic_core",
-    "annotated_types",
-    "typing_inspection",
-    "typing_extensions",
-    "datasets",
-    "dill",
-    "multiprocess",
-    "fsspec",
-    "sentence_transformers",
-    "cembed",
-)
-MODEL_FILES = ("modules.json", "config.json", "model.safetensors", "tokenizer.json")
-
-# name, timeout (s), what it checks
-STAGES = (
-    ("install", 90, "install the bundle's wheels with no index, check cembed's requirements, versions"),
-    ("env", 60, "CUDA device, driver, torch/cembed versions, /dev/shm, precision auto resolution"),
-    ("correctness", 150, "(a) fp32 cached == plain, bf16 cached vs fp32 plain, dropout replay exact"),
-    ("sticky", 60, "issue 13 C5: a sticky CUDA error; cembed's health check and trial close"),
-    ("fp16_skip", 120, "issue 13 C3: fp16 + nonfinite_loss: skip with the real GradScaler"),
-    ("gather", 120, "issue 13 C2: the probe's loss stage over 8 ranks' gathered candidates"),
-    ("probe", 180, "(b) probe-minibatch, all-MiniLM-L6-v2, 256 tokens, batch 65536"),
-    ("train", 240, "(c) cembed train at batch 65536 on COCO pairs: tokens/s, MFU, data-wait, padding"),
-    ("stock", 180, "(d) stock sentence-transformers step vs cembed's on the same batch"),
-)
-SAMPLED = ("train", "stock")  # (e) GPU utilisation sampled while these run
-
-
-# --------------------------------------------------------------------------------------------
-# the bundle
-# --------------------------------------------------------------------------------------------
-
-
-def _dist_name(wheel: str) -> str:
-    return wheel.split("/")[-1].split("-")[0].lower().replace("-", "_").replace(".", "_")
-
-
-def check_bundle(bundle: Path | None) -> dict:
-    """Check a bundle against its ``MANIFEST.json``: every listed file present with its size and
-    sha256, the total within 60 MiB, one wheel per needed package, the model folder complete.
-
-    Returns:
-        ``{"ok": bool, "problems": [...], "wheels": [...], "total_mib": float, ...}``; ``ok`` is
-        True with ``bundle: null`` when no bundle is used.
-    """
-    if bundle is None:
-        return {"ok": True, "bundle": None, "note": "no --bundle: the current environment is used"}
-    problems: list[str] = []
-    manifest_path = bundle / "MANIFEST.json"
-    if not manifest_path.is_file():
-        return {"ok": False, "bundle": str(bundle), "problems": [f"{manifest_path} is missing"]}
-    manifest = json.loads(manifest_path.read_text())
-    for rel, meta in manifest.get("files", {}).items():
-        path = bundle / rel
-        if not path.is_file():
-            problems.append(f"missing {rel}")
-        elif path.stat().st_size != meta["bytes"]:
-            problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {meta['bytes']}")
-        elif hashlib.sha256(path.read_bytes()).hexdigest() != meta["sha256"]:
-            problems.append(f"{rel}: sha256 differs from the manifest")
-    wheels = sorted(str(p.relative_to(bundle)) for p in (bundle / "wheels").glob("*.whl"))
-    names = [_dist_name(w) for w in wheels]
-    for pkg in BUNDLE_PACKAGES:
-        count = names.count(pkg)
-        if count != 1:
-            problems.append(f"wheels/: {count} wheels of {pkg} (need exactly 1)")
-    model = bundle / manifest.get("model", "all-MiniLM-L6-v2-fp16")
-    problems += [f"model folder lacks {f}" for f in MODEL_FILES if not any(model.rglob(f))]
-    if not (bundle / manifest.get("coco_pairs", "coco_pairs.jsonl.gz")).is_file():
-        problems.append("coco pairs file missing")
-    total = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
-    if total > BUNDLE_LIMIT:
-        problems.append(f"bundle is {total / 2**20:.1f} MiB, over 60 MiB")
-    return {
-        "ok": not problems,
-        "bundle": str(bundle),
-        "problems": problems,
-        "wheels": wheels,
-        "model": str(model),
-        "total_mib": round(total / 2**20, 2),
-    }
-
-
-def install_command(py: str, bundle: Path, site: Path) -> list[str]:
-    """The pip call that installs the bundle's wheels into ``site`` without an index."""
-    wheels = sorted(str(p) for p in (bundle / "wheels").glob("*.whl"))
-    return [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", str(site), *wheels]
-
-
-# --------------------------------------------------------------------------------------------
-# the orchestrator
-# --------------------------------------------------------------------------------------------
-
-
-class GpuSampler:
-    """Samples GPU utilisation (%) and memory used every ``period`` s in a thread, through
-    nvidia-ml-py (``pynvml``) or, without it, ``nvidia-smi``."""
-
-    def __init__(self, period: float = 0.25) -> None:
-        self.period, self.samples, self.source = period, [], None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _reader(self):
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self.source = "nvidia-ml-py"
-
-            def read():
-                u = pynvml.nvmlDeviceGetUtilizationRates(handle)
-                return u.gpu, pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
-
-            return read
-        except Exception:
-            if shutil.which("nvidia-smi") is None:
-                return None
-            self.source = "nvidia-smi"
-
-            def read():
-                out = subprocess.run(
-                    [
-                        "nvidia-smi",
-                        "--id=0",
-                        "--query-gpu=utilization.gpu,memory.used",
-                        "--format=csv,noheader,nounits",
-                    ],
-                    capture_output=True,
-                    text=True,
-                    timeout=5,
-                ).stdout.split(",")
-                return float(out[0]), float(out[1]) / 1024
-
-            return read
-
-    def _run(self) -> None:
-        read = self._reader()
-        while read is not None and not self._stop.is_set():
-            try:
-                self.samples.append((time.time(), *read()))
-            except Exception:
-                pass
-            self._stop.wait(self.period)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def stats(self) -> dict:
-        util = [s[1] for s in self.samples]
-        if not util:
-            return {"source": self.source, "samples": 0}
-        return {
-            "source": self.source,
-            "samples": len(util),
-            "mean_pct": round(statistics.fmean(util), 1),
-            "median_pct": statistics.median(util),
-            "min_pct": min(util),
-            "share_ge_90pct": round(sum(u >= 90 for u in util) / len(util), 3),
-            "max_mem_gib": round(max(s[2] for s in self.samples), 2),
-        }
-
-
-def stage_command(py: str, name: str, run_dir: Path) -> list[str]:
-    return [py, str(Path(__file__).resolve()), "--stage", name, "--run-dir", str(run_dir)]
-
-
-def run_stage(name: str, timeout: float, cmd: list[str], env: dict, run_dir: Path) -> dict:
-    """Run one stage's process; its result is the ``result.json`` it writes (status pass/fail),
-    else ``error`` (it crashed) or ``timeout``."""
-    work = run_dir / name
-    work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with open(work / "log.txt", "w") as log:
-        try:
-            rc = subprocess.run(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=work
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    seconds = round(time.perf_counter() - started, 1)
-    result_path = work / "result.json"
-    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
-    if rc is None:
-        status = "timeout"
-    elif result.get("status") == "skipped":
-        status = result.pop("status")
-    elif rc != 0 or "status" not in result:
-        status = "error"
-    else:
-        status = result.pop("status")
-    out = {"status": status, "seconds": seconds, "timeout_s": round(timeout, 1), **result}
-    if status in ("error", "timeout"):
-        tail = (work / "log.txt").read_text(errors="replace").strip().splitlines()[-6:]
-        out["log_tail"] = tail
-    return out
-
-
-def orchestrate(args) -> int:
-    py = args.python or sys.executable
-    bundle = Path(args.bundle).resolve() if args.bundle else None
-    root = Path(args.root)
-    run_dir = Path(args.out) if args.out else root / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    selected = [s for s in STAGES if not args.stages or s[0] in args.stages.split(",")]
-    site = run_dir / "site"
-    plan = {
-        "run_dir": str(run_dir),
-        "deadline_s": args.deadline,
-        "batch": args.batch,
-        "seq": args.seq,
-        "steps": args.steps,
-        "stages": [
-            {
-                "name": n,
-                "timeout_s": t,
-                "what": w,
-                "command": " ".join(install_command(py, bundle, site))
-                if n == "install" and bundle
-                else " ".join(stage_command(py, n, run_dir)),
-            }
-            for n, t, w in selected
-        ],
-    }
-    bundle_check = check_bundle(bundle)
-    if args.dry_run:
-        print(json.dumps({"dry_run": True, "ok": bundle_check["ok"], "bundle_check": bundle_check, **plan}, indent=1))
-        return 0 if bundle_check["ok"] else 1
-    if run_dir.exists():
-        print(json.dumps({"ok": False, "error": f"{run_dir} exists; give a fresh --out"}))
-        return 2
-    run_dir.mkdir(parents=True)
-    context = {
-        "batch": args.batch,
-        "seq": args.seq,
-        "steps": args.steps,
-        "cache_dir": str(root / "cache"),
-        "device": args.device,
-        "bundle": str(bundle) if bundle else None,
-        "model": bundle_check.get("model") or "all-MiniLM-L6-v2",
-        "coco": str(bundle / "coco_pairs.jsonl.gz") if bundle else None,
-    }
-    (run_dir / "context.json").write_text(json.dumps(context))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
-    env.update({k: "1" for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")})
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    tests = str(REPO / "tests")
-    # The bundle's wheels first (cembed's included), then this checkout (its cembed where no bundle
-    # is used), tests/ for the tiny-model helper.
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(site)] * bool(bundle) + [str(REPO), tests] + [p for p in [os.environ.get("PYTHONPATH")] if p]
-    )
-    deadline = time.perf_counter() + args.deadline
-    stages, util = {}, {}
-    for name, timeout, _ in selected:
-        timeout *= args.timeout_scale
-        left = deadline - time.perf_counter()
-        if left < 15:
-            stages[name] = {"status": "skipped", "reason": "the overall deadline was reached"}
-            continue
-        if name == "install":
-            if bundle is None:
-                cmd = stage_command(py, "install", run_dir)
-            elif not bundle_check["ok"]:
-                stages[name] = {"status": "fail", "bundle_check": bundle_check}
-                break
-            else:
-                pip = subprocess.run(install_command(py, bundle, site), capture_output=True, text=True, timeout=timeout)
-                if pip.returncode != 0:
-                    stages[name] = {"status": "fail", "pip": pip.stderr.strip().splitlines()[-6:]}
-                    break
-                cmd = stage_command(py, "install", run_dir)
-        else:
-            cmd = stage_command(py, name, run_dir)
-        if name in SAMPLED:
-            with GpuSampler() as sampler:
-                stages[name] = run_stage(name, min(timeout, left), cmd, env, run_dir)
-            util[name] = stages[name]["gpu_util"] = sampler.stats()
-        else:
-            stages[name] = run_stage(name, min(timeout, left), cmd, env, run_dir)
-        if name in ("install", "env") and stages[name]["status"] != "pass":
-            break  # nothing else can run
-    report = {
-        "ok": all(s["status"] in ("pass", "skipped") for s in stages.values())
-        and not any(s.get("reason") == "the overall deadline was reached" for s in stages.values())
-        and len(stages) == len(selected),
-        "run_dir": str(run_dir),
-        "seconds": round(args.deadline - (deadline - time.perf_counter()), 1),
-        "summary": {
-            "correctness": stages.get("correctness", {}).get("checks"),
-            "probe": stages.get("probe", {}).get("probe"),
-            "train": stages.get("train", {}).get("throughput"),
-            "stock": stages.get("stock", {}).get("comparison"),
-            "gpu_util": util,
-        },
-        "stages": stages,
-    }
-    (run_dir / "report.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-    return 0 if report["ok"] else 1
-
-
-# --------------------------------------------------------------------------------------------
-# the stages (each in its own process; they import cembed)
-# --------------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+CUDA_ONLY = ("sticky", "fp16_skip", "gather")
 
 
 def coco_rows(ctx: dict, n: int) -> dict[str, list[str]]:
@@ -641,7 +309,13 @@ def stage_gather(ctx: dict, work: Path) -> dict:
     peaks = {}
     for w in (1, 8):
         spec = TrialSpec(
-            model=mc, loss=loss_config().model_dump(), n_columns=3, batch_size=4096, device="cuda", world_size=w
+            model=mc,
+            loss=loss_config().model_dump(),
+            n_columns=3,
+            batch_size=4096,
+            device="cuda",
+            world_size=w,
+            precision="bf16",
         )
         t = CudaTrial(spec)
         peaks[w] = t(1024).peak_bytes
@@ -652,7 +326,7 @@ def stage_gather(ctx: dict, work: Path) -> dict:
 
 def stage_probe(ctx: dict, work: Path) -> dict:
     from cembed.config.schema import ModelConfig, loss_config
-    from cembed.probe.search import run_probe
+    from cembed.probe.auto import run_probe
 
     dev = ctx["device"]
     mc = ModelConfig(name_or_path=ctx["model"], max_seq_length=ctx["seq"], device=dev)
@@ -735,10 +409,11 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
     from cembed.config.schema import ModelConfig, loss_config
-    from cembed.data.tokenize import collator_for, pretokenize
+    from cembed.data.collator import collator_for
+    from cembed.data.tokenize import pretokenize
     from cembed.losses.registry import build_loss
     from cembed.model.load import load_model
-    from cembed.plan.precision import enable_tf32, resolve_precision
+    from cembed.plan.precision import autocast_dtype, enable_tf32, resolve_precision
 
     b, mini, dev = ctx["batch"], _mini_batch(ctx), ctx["device"]
     model = load_model(ModelConfig(name_or_path=ctx["model"], max_seq_length=ctx["seq"], device=dev), dev)
@@ -747,7 +422,7 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     if precision.tf32:
         enable_tf32()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.precision)
+    dtype = autocast_dtype(precision.precision)
     if dtype is not None:
         _autocast_forward(model, dtype)
     rows = coco_rows(ctx, b)
@@ -797,10 +472,10 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     return {"status": "pass" if ok else "fail", "comparison": comparison}
 
 
-CUDA_ONLY = ("sticky", "fp16_skip", "gather")
-
-
 def run_one_stage(name: str, run_dir: Path) -> int:
+    """Run ``stage_<name>`` on ``run_dir/context.json`` (a CUDA-only stage is skipped on another
+    device) and write its result to ``run_dir/<name>/result.json``; returns 0. Raises KeyError for an
+    unknown stage, and whatever the stage raises (the orchestrator reports it as ``error``)."""
     ctx = {**json.loads((run_dir / "context.json").read_text()), "run_dir": str(run_dir)}
     work = run_dir / name
     if ctx["device"] != "cuda" and name in CUDA_ONLY:
@@ -812,25 +487,13 @@ def run_one_stage(name: str, run_dir: Path) -> int:
 
 
 def main(argv=None) -> int:
+    """Run one stage (``--stage NAME --run-dir DIR``, as the orchestrator calls it); 0 once its
+    ``result.json`` is written (a failing check is ``status: fail`` there, a crash a non-zero exit)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--bundle", help="offline bundle made by scripts/gpu_bundle.sh")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and check the bundle; no CUDA")
-    p.add_argument("--out", help="this run's folder (must not exist); default a fresh one under --root")
-    p.add_argument("--root", default="/tmp/cembed-gpu-check", help="where run folders and the shared cache go")
-    p.add_argument("--stages", help="comma-separated subset of: " + ",".join(s[0] for s in STAGES))
-    p.add_argument("--deadline", type=float, default=470.0, help="seconds for the whole check")
-    p.add_argument("--batch", type=int, default=65536)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--python", help="the interpreter the stages run in (default: this one)")
-    p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every stage's timeout (slow machines)")
-    p.add_argument("--device", default="cuda", help="cuda; cpu runs the stages' code at small sizes (a smoke test)")
-    p.add_argument("--stage", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--stage", required=True, help="the stage to run (scripts/gpu_check/__main__.py's STAGES)")
+    p.add_argument("--run-dir", required=True, help="the run folder holding context.json")
     args = p.parse_args(argv)
-    if args.stage:
-        return run_one_stage(args.stage, Path(args.run_dir))
-    return orchestrate(args)
+    return run_one_stage(args.stage, Path(args.run_dir))
 
 
 if __name__ == "__main__":

@@ -12,39 +12,26 @@ above the anchor's positive (``absolute``: ``g(a, c) > g(a, p) - margin``; ``rel
   already embeds the whole batch, so those embeddings serve as the guide's: no second model, no extra
   forward pass (``cached_mnrl`` with ``loss.false_negative_filter``).
 
-Both count the candidates they mask (:class:`FilterCounts`, read by the meter). This module sits below
-:mod:`cembed.losses.registry`, which combines these mixins with its ``LengthSortedMixin``.
+Both count the candidates they mask (:class:`cembed.losses.counts.FilterCounts`, read by the meter).
+The losses put the mixins in front of :class:`cembed.losses.length_sorted.LengthSortedMixin`:
+:class:`LengthSortedCachedGIST` is ``loss.name: cached_gist`` (registered here);
+:class:`SelfGuidedCachedMNRL` is what :mod:`cembed.losses.mnrl` builds for ``cached_mnrl`` with a
+``false_negative_filter``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from sentence_transformers.base.losses.gradcache import CachedLossMixin
+from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
 from sentence_transformers.util import cos_sim, get_rank
 from torch import nn
 
-
-@dataclass
-class FilterCounts:
-    """In-batch candidates scored and masked as false negatives since the last :meth:`reset`.
-
-    ``candidates`` counts every (anchor, candidate) score in the softmax except the anchor's own
-    positive and, with GIST's ``contrast_anchors`` / ``contrast_positives``, the self-pairs (an anchor
-    with itself, a positive with itself), which the guide always masks; ``masked`` counts those of them
-    that were left out. With ``loss.matryoshka`` each dimension's loss counts once.
-    """
-
-    masked: int = 0
-    candidates: int = 0
-
-    def reset(self) -> None:
-        self.masked = self.candidates = 0
-
-    def share(self) -> float | None:
-        """``masked / candidates``, or None before any candidate was scored."""
-        return self.masked / self.candidates if self.candidates else None
+from cembed.config.loss import CachedGISTLossConfig
+from cembed.losses.counts import FilterCounts
+from cembed.losses.length_sorted import LengthSortedMixin
+from cembed.losses.registry import LossSettings, register_loss
+from cembed.model.load import load_guide_model
 
 
 class CountingCrossEntropy(nn.CrossEntropyLoss):
@@ -168,3 +155,38 @@ class SelfGuidedMixin:
             self, sentence_feature, begin, end, with_grad, copy_random_state, random_state
         )
         return reps, (None if with_grad else reps.detach()), state
+
+
+class LengthSortedCachedGIST(GuidedFilterMixin, LengthSortedMixin, CachedGISTEmbedLoss):
+    """``CachedGISTEmbedLoss`` (guide model) with length-sorted mini-batches and a count of the
+    candidates the guide masked (:class:`GuidedFilterMixin`)."""
+
+
+class SelfGuidedCachedMNRL(GuidedFilterMixin, SelfGuidedMixin, LengthSortedMixin, CachedGISTEmbedLoss):
+    """InfoNCE with GradCache whose in-batch false negatives are masked by the model's own no-grad
+    embeddings (:class:`SelfGuidedMixin`); build it with ``guide=model``, ``contrast_anchors=False``
+    and ``contrast_positives=False``: the loss is then ``cached_mnrl``'s with the masked candidates
+    left out of each softmax."""
+
+
+def build_cached_gist(model, cfg: CachedGISTLossConfig, settings: LossSettings) -> nn.Module:
+    """The ``cached_gist`` builder: load ``cfg.guide`` on the model's device and build
+    :class:`LengthSortedCachedGIST` with the run's mini-batching (:meth:`LossSettings.cached_kwargs`).
+
+    Raises:
+        UserError: ``loss.guide`` cannot be loaded (:func:`cembed.model.load.load_guide_model`).
+    """
+    guide = load_guide_model(cfg.guide, model.device, cfg.guide_max_seq_length)
+    return LengthSortedCachedGIST(
+        model,
+        guide,
+        temperature=cfg.temperature,
+        margin_strategy=cfg.margin_strategy,
+        margin=cfg.margin,
+        contrast_anchors=cfg.contrast_anchors,
+        contrast_positives=cfg.contrast_positives,
+        **settings.cached_kwargs(),
+    )
+
+
+register_loss(CachedGISTLossConfig, build_cached_gist)

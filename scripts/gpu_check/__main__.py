@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""One-call GPU verification of cembed (issue 14), run by ``scripts/gpu_check.sh``.
+
+Runs each stage in its own process with a timeout, under one overall deadline (default 470 s,
+so the whole check fits 8 minutes on one H200), and prints one JSON object: a pass/fail status per
+stage and, under ``summary``:
+
+  (a) ``correctness``: fp32 cached == fp32 plain (TF32 off), bf16 cached vs fp32 plain loss and
+      gradient on a small batch, and dropout replay exact on the GPU (with a negative control);
+  (b) ``probe``: ``probe-minibatch`` for all-MiniLM-L6-v2 at 256 tokens, batch 65536;
+  (c) ``train``: tokens/s, MFU/FLOP/s (whatever the meter records), data-wait and padded share over a
+      few steps at batch 65536 on the COCO pairs (read from the run's ``run_summary.json``);
+  (d) ``stock``: stock sentence-transformers' step (tokenizing collator, its cached loss) and cembed's
+      on the same 65536 rows, timed alike, and their ratio;
+  (e) ``gpu_util``: GPU utilisation sampled (nvidia-ml-py, else nvidia-smi) during (c) and (d).
+
+Also issue 13's CUDA-only checks (a sticky CUDA error, fp16 + nonfinite_loss: skip under the real
+GradScaler, the probe's gathered loss stage). Every run writes under a fresh folder
+(``--out``, default ``/tmp/cembed-gpu-check/run-<time>-<pid>``), so a second run never trips on the
+first one's outputs; the tokenization cache beside it is keyed by content and shared.
+
+``--bundle DIR`` (made by ``scripts/gpu_bundle.sh``) installs the bundle's wheels with no package
+index (``pip install --no-index --no-deps --target``), checks cembed's requirements are met, and
+uses the bundle's fp16 all-MiniLM-L6-v2 and COCO pairs. ``--dry-run`` prints the plan (stages,
+commands, timeouts) and checks the bundle's contents against its manifest, without CUDA or torch.
+
+The check is a folder run as a program (``python scripts/gpu_check``), split along its import
+boundary: this orchestrator, ``bundle.py`` (the bundle's check and install) and ``sampler.py`` (GPU
+utilisation) use the standard library only, since the GPU image lacks pydantic and datasets until the
+bundle is installed (tests/test_gpu_check.py asserts it); ``stages.py``, run in a process of its own
+per stage, is the only module that imports cembed and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Run as ``python scripts/gpu_check``: this folder is sys.path[0], so its stdlib modules import by name.
+from bundle import check_bundle, install_command
+from sampler import GpuSampler
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES_PY = Path(__file__).resolve().with_name("stages.py")  # run, never imported: it imports cembed
+# name, timeout (s), what it checks
+STAGES = (
+    ("install", 90, "install the bundle's wheels with no index, check cembed's requirements, versions"),
+    ("env", 60, "CUDA device, driver, torch/cembed versions, /dev/shm, precision auto resolution"),
+    ("correctness", 150, "(a) fp32 cached == plain, bf16 cached vs fp32 plain, dropout replay exact"),
+    ("sticky", 60, "issue 13 C5: a sticky CUDA error; cembed's health check and trial close"),
+    ("fp16_skip", 120, "issue 13 C3: fp16 + nonfinite_loss: skip with the real GradScaler"),
+    ("gather", 120, "issue 13 C2: the probe's loss stage over 8 ranks' gathered candidates"),
+    ("probe", 180, "(b) probe-minibatch, all-MiniLM-L6-v2, 256 tokens, batch 65536"),
+    ("train", 240, "(c) cembed train at batch 65536 on COCO pairs: tokens/s, MFU, data-wait, padding"),
+    ("stock", 180, "(d) stock sentence-transformers step vs cembed's on the same batch"),
+)
+SAMPLED = ("train", "stock")  # (e) GPU utilisation sampled while these run
+DEADLINE_REACHED = "the overall deadline was reached"
+
+
+def stage_command(py: str, name: str, run_dir: Path) -> list[str]:
+    """The command that runs stage ``name`` of the run in ``run_dir`` in its own process (stages.py)."""
+    return [py, str(STAGES_PY), "--stage", name, "--run-dir", str(run_dir)]
+
+
+def run_stage(name: str, timeout: float, cmd: list[str], env: dict, run_dir: Path) -> dict:
+    """Run one stage's process; its result is the ``result.json`` it writes (status pass/fail),
+    else ``error`` (it crashed) or ``timeout``."""
+    work = run_dir / name
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(work / "log.txt", "w") as log:
+        try:
+            rc = subprocess.run(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=work
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    seconds = round(time.perf_counter() - started, 1)
+    result_path = work / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.is_file() else {}
+    if rc is None:
+        status = "timeout"
+    elif result.get("status") == "skipped":
+        status = result.pop("status")
+    elif rc != 0 or "status" not in result:
+        status = "error"
+    else:
+        status = result.pop("status")
+    out = {"status": status, "seconds": seconds, "timeout_s": round(timeout, 1), **result}
+    if status in ("error", "timeout"):
+        tail = (work / "log.txt").read_text(errors="replace").strip().splitlines()[-6:]
+        out["log_tail"] = tail
+    return out
+
+
+def run_plan(args, py: str, bundle: Path | None, run_dir: Path, selected: list[tuple]) -> dict:
+    """What ``--dry-run`` prints beside the bundle check: the run folder, the sizes and, per selected
+    stage, its timeout (s), what it checks and its command (the pip call for ``install`` with a bundle)."""
+    site = run_dir / "site"
+    return {
+        "run_dir": str(run_dir),
+        "deadline_s": args.deadline,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "stages": [
+            {
+                "name": n,
+                "timeout_s": t,
+                "what": w,
+                "command": " ".join(install_command(py, bundle, site))
+                if n == "install" and bundle
+                else " ".join(stage_command(py, n, run_dir)),
+            }
+            for n, t, w in selected
+        ],
+    }
+
+
+def stage_context(args, root: Path, bundle: Path | None, bundle_check: dict) -> dict:
+    """The ``context.json`` every stage reads: sizes, device, the shared cache, the model and COCO
+    pairs (the bundle's, else the defaults the stages resolve)."""
+    return {
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "cache_dir": str(root / "cache"),
+        "device": args.device,
+        "bundle": str(bundle) if bundle else None,
+        "model": bundle_check.get("model") or "all-MiniLM-L6-v2",
+        "coco": str(bundle / "coco_pairs.jsonl.gz") if bundle else None,
+    }
+
+
+def child_env(bundle: Path | None, site: Path) -> dict:
+    """The stages' environment: offline Hugging Face, unbuffered, no tqdm, and ``PYTHONPATH`` with
+    the bundle's site folder first (cembed's wheel included), then this checkout (its cembed where no
+    bundle is used), then tests/ (the tiny-model helper), then the caller's."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    env.update({k: "1" for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")})
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    tests = str(REPO / "tests")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(site)] * bool(bundle) + [str(REPO), tests] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    )
+    return env
+
+
+def install_stage(
+    py: str, bundle: Path | None, bundle_check: dict, site: Path, run_dir: Path, timeout: float
+) -> tuple[list[str] | None, dict | None]:
+    """Install the bundle's wheels into ``site`` (pip with no index, ``timeout`` s) before the install
+    stage runs; with no bundle, nothing to install.
+
+    Returns:
+        ``(command, None)``: the install stage's command to run; ``(None, failure)``: the bundle
+        failed its check or pip failed (``failure`` is the stage's result, status ``fail``).
+    """
+    if bundle is None:
+        return stage_command(py, "install", run_dir), None
+    if not bundle_check["ok"]:
+        return None, {"status": "fail", "bundle_check": bundle_check}
+    pip = subprocess.run(install_command(py, bundle, site), capture_output=True, text=True, timeout=timeout)
+    if pip.returncode != 0:
+        return None, {"status": "fail", "pip": pip.stderr.strip().splitlines()[-6:]}
+    return stage_command(py, "install", run_dir), None
+
+
+def run_stages(args, py: str, bundle, bundle_check: dict, run_dir: Path, env: dict, deadline: float, selected):
+    """Run the selected stages in order, each within its timeout (scaled by ``--timeout-scale``) and
+    what is left of ``deadline`` (a ``time.perf_counter()`` value); a stage with under 15 s left is
+    skipped, and a failed install or env stage ends the run.
+
+    Returns:
+        ``(stages, util)``: each stage's result by name, and the GPU utilisation sampled per stage.
+    """
+    stages, util = {}, {}
+    for name, timeout, _ in selected:
+        timeout *= args.timeout_scale
+        left = deadline - time.perf_counter()
+        if left < 15:
+            stages[name] = {"status": "skipped", "reason": DEADLINE_REACHED}
+            continue
+        if name == "install":
+            cmd, failed = install_stage(py, bundle, bundle_check, run_dir / "site", run_dir, timeout)
+            if failed is not None:
+                stages[name] = failed
+                break
+        else:
+            cmd = stage_command(py, name, run_dir)
+        if name in SAMPLED:
+            with GpuSampler() as sampler:
+                stages[name] = run_stage(name, min(timeout, left), cmd, env, run_dir)
+            util[name] = stages[name]["gpu_util"] = sampler.stats()
+        else:
+            stages[name] = run_stage(name, min(timeout, left), cmd, env, run_dir)
+        if name in ("install", "env") and stages[name]["status"] != "pass":
+            break  # nothing else can run
+    return stages, util
+
+
+def run_report(stages: dict, util: dict, selected: list[tuple], run_dir: Path, seconds: float) -> dict:
+    """The one JSON object a run prints: ``ok`` (every selected stage ran and passed or was skipped
+    for a reason other than the deadline), the run's ``seconds``, the ``summary`` of (a)-(e) and every
+    stage's result."""
+    return {
+        "ok": all(s["status"] in ("pass", "skipped") for s in stages.values())
+        and not any(s.get("reason") == DEADLINE_REACHED for s in stages.values())
+        and len(stages) == len(selected),
+        "run_dir": str(run_dir),
+        "seconds": seconds,
+        "summary": {
+            "correctness": stages.get("correctness", {}).get("checks"),
+            "probe": stages.get("probe", {}).get("probe"),
+            "train": stages.get("train", {}).get("throughput"),
+            "stock": stages.get("stock", {}).get("comparison"),
+            "gpu_util": util,
+        },
+        "stages": stages,
+    }
+
+
+def orchestrate(args) -> int:
+    """Plan the run, then (unless ``--dry-run``) run every selected stage in a fresh run folder and
+    print the report. Returns the exit code: 0 ok, 1 a stage or the bundle check failed, 2 the run
+    folder exists."""
+    py = args.python or sys.executable
+    bundle = Path(args.bundle).resolve() if args.bundle else None
+    root = Path(args.root)
+    run_dir = Path(args.out) if args.out else root / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    selected = [s for s in STAGES if not args.stages or s[0] in args.stages.split(",")]
+    plan = run_plan(args, py, bundle, run_dir, selected)
+    bundle_check = check_bundle(bundle)
+    if args.dry_run:
+        print(json.dumps({"dry_run": True, "ok": bundle_check["ok"], "bundle_check": bundle_check, **plan}, indent=1))
+        return 0 if bundle_check["ok"] else 1
+    if run_dir.exists():
+        print(json.dumps({"ok": False, "error": f"{run_dir} exists; give a fresh --out"}))
+        return 2
+    run_dir.mkdir(parents=True)
+    (run_dir / "context.json").write_text(json.dumps(stage_context(args, root, bundle, bundle_check)))
+    env = child_env(bundle, run_dir / "site")
+    deadline = time.perf_counter() + args.deadline
+    stages, util = run_stages(args, py, bundle, bundle_check, run_dir, env, deadline, selected)
+    report = run_report(stages, util, selected, run_dir, round(args.deadline - (deadline - time.perf_counter()), 1))
+    (run_dir / "report.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return 0 if report["ok"] else 1
+
+
+def main(argv=None) -> int:
+    """The check's command line (see the module docstring); returns orchestrate's exit code."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bundle", help="offline bundle made by scripts/gpu_bundle.sh")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and check the bundle; no CUDA")
+    p.add_argument("--out", help="this run's folder (must not exist); default a fresh one under --root")
+    p.add_argument("--root", default="/tmp/cembed-gpu-check", help="where run folders and the shared cache go")
+    p.add_argument("--stages", help="comma-separated subset of: " + ",".join(s[0] for s in STAGES))
+    p.add_argument("--deadline", type=float, default=470.0, help="seconds for the whole check")
+    p.add_argument("--batch", type=int, default=65536)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--python", help="the interpreter the stages run in (default: this one)")
+    p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every stage's timeout (slow machines)")
+    p.add_argument("--device", default="cuda", help="cuda; cpu runs the stages' code at small sizes (a smoke test)")
+    return orchestrate(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""cembed.train.checkpoint: which checkpoint a run resumes from (a half-written one never), what
+the output folder may hold, and the interrupt callback's stop-after-this-step contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+from transformers import TrainerControl, TrainerState
+
+from cembed.errors import UserError
+from cembed.train.checkpoint import (
+    MARKER,
+    STAGING,
+    InterruptCallback,
+    check_output_dir,
+    check_resume_point,
+    checkpoints,
+    is_complete,
+    latest_complete,
+    mark_complete,
+    recorded_run,
+    remove_incomplete,
+    resolve_resume,
+)
+
+
+def _checkpoint(root, step, complete=True, state=None):
+    folder = root / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"weights")
+    if state is not None:
+        (folder / "trainer_state.json").write_text(json.dumps(state))
+    if complete:
+        mark_complete(folder, step, run={"samples_per_step": 64})
+    return folder
+
+
+def test_checkpoints_sorted_by_step_number_not_name(tmp_path):
+    for step in (100, 20, 3):
+        _checkpoint(tmp_path, step)
+    (tmp_path / "checkpoint-x").mkdir()  # not a step folder
+    (tmp_path / "checkpoint-7").write_text("a file, not a folder")
+    (tmp_path / "runs").mkdir()
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-20", "checkpoint-100"]
+    assert checkpoints(tmp_path / "missing") == []
+
+
+def test_latest_complete_skips_a_half_written_checkpoint(tmp_path):
+    _checkpoint(tmp_path, 10)
+    good = _checkpoint(tmp_path, 20)
+    _checkpoint(tmp_path, 30, complete=False)  # killed mid-save: no marker
+    assert not is_complete(tmp_path / "checkpoint-30")
+    assert latest_complete(tmp_path) == good
+    assert resolve_resume(tmp_path, resume=True, resume_from=None) == str(good)
+    assert latest_complete(tmp_path / "empty") is None
+
+
+def test_marker_records_step_and_run(tmp_path):
+    folder = _checkpoint(tmp_path, 12)
+    marker = json.loads((folder / MARKER).read_text())
+    assert marker["step"] == 12 and marker["run"] == {"samples_per_step": 64}
+    assert recorded_run(folder) == {"samples_per_step": 64}
+    (folder / MARKER).write_text("{not json")
+    assert recorded_run(folder) is None  # unreadable marker
+    assert recorded_run(tmp_path / "nowhere") is None
+
+
+def test_remove_incomplete_deletes_unmarked_and_staging(tmp_path):
+    keep = _checkpoint(tmp_path, 5)
+    half = _checkpoint(tmp_path, 6, complete=False)
+    (tmp_path / STAGING / "checkpoint-7").mkdir(parents=True)
+    assert remove_incomplete(tmp_path) == [half]
+    assert not half.exists() and not (tmp_path / STAGING).exists()
+    assert keep.exists() and checkpoints(tmp_path) == [keep]
+
+
+def test_resolve_resume_refusals(tmp_path):
+    assert resolve_resume(tmp_path, resume=False, resume_from=None) is None
+    _checkpoint(tmp_path, 4, complete=False)
+    with pytest.raises(UserError, match="--resume: no complete checkpoint"):
+        resolve_resume(tmp_path, resume=True, resume_from=None)
+    with pytest.raises(UserError, match="not a complete cembed checkpoint"):
+        resolve_resume(tmp_path, resume=False, resume_from=str(tmp_path / "checkpoint-4"))
+    with pytest.raises(UserError, match="no such checkpoint folder"):
+        resolve_resume(tmp_path, resume=False, resume_from=str(tmp_path / "checkpoint-99"))
+    done = _checkpoint(tmp_path, 8)
+    # --resume-from wins over --resume's newest pick
+    _checkpoint(tmp_path, 9)
+    assert resolve_resume(tmp_path, resume=True, resume_from=str(done)) == str(done)
+
+
+def test_check_output_dir(tmp_path):
+    check_output_dir(tmp_path / "new", overwrite=False, resuming=False)  # no folder yet
+    (tmp_path / "run_summary.json").write_text(json.dumps({"status": "failed"}))
+    check_output_dir(tmp_path, overwrite=False, resuming=False)  # a failed run may be replaced
+    (tmp_path / "run_summary.json").write_text(json.dumps({"status": "completed"}))
+    with pytest.raises(UserError, match="holds a finished model; pass --overwrite to replace it, or") as err:
+        check_output_dir(tmp_path, overwrite=False, resuming=False)
+    assert "--resume" not in str(err.value)  # no checkpoint to continue
+    _checkpoint(tmp_path, 3)
+    with pytest.raises(UserError, match="--overwrite to replace it, --resume to continue it"):
+        check_output_dir(tmp_path, overwrite=False, resuming=False)
+    check_output_dir(tmp_path, overwrite=True, resuming=False)
+    check_output_dir(tmp_path, overwrite=False, resuming=True)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "modules.json").write_text("[]")  # a saved SentenceTransformer, no summary
+    with pytest.raises(UserError, match="holds a finished model"):
+        check_output_dir(saved, overwrite=False, resuming=False)
+
+
+def test_check_resume_point(tmp_path):
+    ck = _checkpoint(tmp_path, 40, state={"global_step": 40, "max_steps": 100})
+    check_resume_point(str(ck), 100)
+    check_resume_point(str(ck), None)
+    with pytest.raises(UserError, match="belongs to a run of 100 steps, but train.max_steps is 120"):
+        check_resume_point(str(ck), 120)
+    with pytest.raises(UserError, match="is at step 40, already at train.max_steps=40"):
+        check_resume_point(str(ck), 40)
+    with pytest.raises(UserError, match="no readable trainer_state.json"):
+        check_resume_point(str(_checkpoint(tmp_path, 50)), 100)
+
+
+def test_interrupt_finishes_the_step_then_saves_and_stops():
+    cb = InterruptCallback()
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 3
+    before = signal.getsignal(signal.SIGINT)
+    cb.install()
+    try:
+        assert cb.on_step_end(None, state, control) is control
+        assert (cb.step, control.should_save, control.should_training_stop) == (3, False, False)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: recorded, the process lives on
+        assert cb.signum == signal.SIGTERM
+        state.global_step = 4
+        cb.on_step_end(None, state, control)
+        assert (cb.step, control.should_save, control.should_training_stop) == (4, True, True)
+        with pytest.raises(KeyboardInterrupt):  # a second signal abandons the step at once
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is before  # handlers restored
+    finally:
+        cb.uninstall()
