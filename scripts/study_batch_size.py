@@ -159,13 +159,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def run_display(console):
+    """What ``cembed train`` prints for a run (probe, header, components) on ``console``, without the progress bar."""
+    from cembed.cli.train import RichRunDisplay
+
+    return RichRunDisplay(console, progress=False)
+
+
 def train_and_score(cfg, plan, data, args, bs: int, rule: str, out_dir: Path, cache_dir: Path, console) -> dict:
     """Train one configuration through cembed (``run_training``) and score the saved model on the
     SciFact test split; returns its row of the results (seconds are wall-clock)."""
     from cembed.train.recipe import run_training
 
     t0 = time.perf_counter()
-    summary = run_training(cfg, plan, data, console, progress=False)
+    summary = run_training(cfg, plan, data, run_display(console))
     train_s = time.perf_counter() - t0
     ndcg, eval_s = evaluate_model(str(out_dir), args, cache_dir)
     return {

@@ -23,7 +23,6 @@ from cembed.config.schema import (
     LOSS_CONFIGS,
     CembedConfig,
     LossConfig,
-    ModelConfig,
 )
 from cembed.errors import UserError
 from cembed.samples import resolve_sample
@@ -281,30 +280,3 @@ def set_yaml_value(path: str | Path, key: tuple[str, str], value: Any) -> None:
         path.write_text("".join(lines), encoding="utf-8")
     except OSError as err:
         raise UserError(f"{path}: cannot write the config for --write ({err})") from None
-
-
-def model_config_from_flags(
-    base: ModelConfig | None, model: str | None, max_seq_length: int | None, precision: str | None, device: str | None
-) -> ModelConfig:
-    """``base`` (or the defaults) with the command line's model flags applied (``probe-minibatch``);
-    ``None`` leaves a field as it is.
-
-    Raises:
-        UserError: a flag value the config would reject, naming the flag.
-    """
-    fields = base.model_dump() if base is not None else {}
-    flags = {
-        "name_or_path": ("--model", model),
-        "max_seq_length": ("--max-seq-length", max_seq_length),
-        "precision": ("--precision", precision),
-        "device": ("--device", device),
-    }
-    for key, (_, value) in flags.items():
-        if value is not None:
-            fields[key] = value
-    try:
-        return ModelConfig(**fields)
-    except ValidationError as err:
-        e = err.errors()[0]
-        flag = flags.get(str(e["loc"][0]), (str(e["loc"][0]), None))[0]
-        raise UserError(f"{flag}: {e['msg']} (got {e.get('input')!r})") from None

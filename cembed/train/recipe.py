@@ -9,8 +9,10 @@
     write_summary      model, run_summary.json, plot
 
 Nothing here reads the YAML again: the config's sections and the resolved :class:`~cembed.plan.resolve.Plan`
-are passed down. In a multi-process job every rank runs the recipe; only rank 0 prints, saves the
-model and writes the summary.
+are passed down. Nothing here prints either: what a run shows goes to the :class:`RunDisplay` it is
+handed (``cembed train``: :class:`cembed.cli.train.RichRunDisplay`; by default :class:`QuietRunDisplay`).
+In a multi-process job every rank runs the recipe; only rank 0 prints, saves the model and writes
+the summary.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from cembed.cli import report
 from cembed.config.schema import CembedConfig
 from cembed.data.mixture import SourceMix
 from cembed.data.prepare import PreparedData, UnloadedData, prepare_checked_data
@@ -38,6 +39,7 @@ from cembed.model.prompts import RolePrompts, resolve_prompts
 from cembed.plan.precision import enable_tf32
 from cembed.plan.resolve import Plan, resolve_plan
 from cembed.probe.auto import resolve_auto
+from cembed.probe.search import ProbeResult
 from cembed.train.args import build_training_args
 from cembed.train.checkpoint import (
     InterruptCallback,
@@ -54,6 +56,65 @@ from cembed.train.preflight import check_resume, preflight, raise_findings, trai
 from cembed.train.publish import add_card_facts, push_final_model
 from cembed.train.summary import Attempt, failed_summary, failures_recorded, samples_seen, source_summary, summary_base
 from cembed.train.trainer import CembedTrainer, RunLog, RunLogCallback
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+    from cembed.model.unpad import Unpadding
+
+
+class RunDisplay(Protocol):
+    """What a training run shows, in the order the recipe calls it. The recipe computes every value
+    and never prints; a display decides how (or whether) to show it. Only rank 0's display is asked
+    for the components and the evaluation lines; every rank's for the rest (the CLI hands other ranks
+    a quiet one)."""
+
+    def probe_start(self, device: str) -> None:
+        """``batch.mini_batch_size: auto`` is about to be probed on ``device``."""
+
+    def probe(self, result: ProbeResult) -> None:
+        """The probe's result (:class:`cembed.probe.search.ProbeResult`), once it is measured."""
+
+    def run_header(self, cfg: CembedConfig, plan: Plan, warnings: tuple[str, ...]) -> None:
+        """The final plan (device, precision, batch, mini-batch, loss, LR, its warnings) before the model
+        loads, and ``warnings``: the run's findings (the data's, unplaceable rows, resume changes)."""
+
+    def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
+        """The attention path the loss runs and, for several processes, ``run_summary['distributed']``."""
+
+    def progress(self, log: RunLog, samples_per_step: int) -> TrainerCallback | None:
+        """A trainer callback that shows progress from ``log`` (the run's :class:`RunLog`), or None."""
+
+    def log_line(self, line: str) -> None:
+        """One logging interval's line (step, loss, LR, samples/s; also written to ``train.log``)."""
+
+    def eval_line(self, line: str) -> None:
+        """One evaluation's headline metrics (``eval before training: ...``, ``eval step N: ...``)."""
+
+
+class QuietRunDisplay:
+    """A :class:`RunDisplay` that shows nothing: the default of :func:`run_training` (scripts, tests)."""
+
+    def probe_start(self, device: str) -> None:
+        pass
+
+    def probe(self, result: ProbeResult) -> None:
+        pass
+
+    def run_header(self, cfg: CembedConfig, plan: Plan, warnings: tuple[str, ...]) -> None:
+        pass
+
+    def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
+        pass
+
+    def progress(self, log: RunLog, samples_per_step: int) -> TrainerCallback | None:
+        return None
+
+    def log_line(self, line: str) -> None:
+        pass
+
+    def eval_line(self, line: str) -> None:
+        pass
 
 
 def check_run_inputs(
@@ -142,9 +203,9 @@ def prepare_output(
     return run
 
 
-def resolve_runtime(cfg: CembedConfig, plan: Plan, data: PreparedData, console, max_memory: str | None):
+def resolve_runtime(cfg: CembedConfig, plan: Plan, data: PreparedData, display: RunDisplay, max_memory: str | None):
     """Join the process group and pick this rank's device, then probe ``mini_batch_size: auto``
-    there (after the group exists, so every rank agrees on the minimum).
+    there (after the group exists, so every rank agrees on the minimum); ``display`` shows the probe.
 
     Returns ``(device, plan with mini_batch_size set)``; device is ``cpu``, ``cuda`` or ``cuda:<local rank>``.
     """
@@ -152,12 +213,12 @@ def resolve_runtime(cfg: CembedConfig, plan: Plan, data: PreparedData, console, 
     if plan.tf32:  # fp32 matmuls (the loss stage too) on TF32 tensor cores, the probe included
         enable_tf32()
     if plan.mini_batch_size is None:
-        report.print_probe_start(console, plan.device)
+        display.probe_start(plan.device)
     plan, probe = resolve_auto(
         plan, cfg.model, cfg.loss, len(data.columns), max_memory, strategy=cfg.distributed.strategy
     )
     if probe is not None:
-        report.print_probe(console, probe)
+        display.probe(probe)
     return device, plan
 
 
@@ -248,12 +309,11 @@ def build_trainer(
     plan: Plan,
     parts: Components,
     run_dir: RunDir,
-    console,
-    progress: bool,
+    display: RunDisplay | None = None,
     trainer_cls: type[CembedTrainer] = CembedTrainer,
 ) -> Run:
-    """Build ``trainer_cls`` with the meter, the non-finite-loss policy, the run log, progress
-    display, signal handling and evaluation callbacks.
+    """Build ``trainer_cls`` with the meter, the non-finite-loss policy, the run log, the progress
+    callback of ``display`` (default: none), signal handling and evaluation callbacks.
 
     Raises:
         UserError: a ``train.report_to`` tracker is missing, or the sampler cannot fill one batch.
@@ -281,11 +341,12 @@ def build_trainer(
     trainer.remove_callback(PrinterCallback)
     trainer.run_record = run_dir.record
     log = RunLog()
-    display = report.RichProgressCallback(console, log, plan.samples_per_step) if progress else None
-    on_line = display.print_line if display else None
-    trainer.add_callback(RunLogCallback(log, plan.samples_per_step, run_dir.log_path if is_main else None, on_line))
-    if display:
-        trainer.add_callback(display)
+    display = display if display is not None else QuietRunDisplay()
+    progress = display.progress(log, plan.samples_per_step)
+    log_path = run_dir.log_path if is_main else None
+    trainer.add_callback(RunLogCallback(log, plan.samples_per_step, log_path, display.log_line))
+    if progress is not None:
+        trainer.add_callback(progress)
     interrupt = InterruptCallback()
     trainer.add_callback(interrupt)
     if parts.evaluation:
@@ -401,8 +462,7 @@ def run_training(
     cfg: CembedConfig,
     plan: Plan,
     data: PreparedData,
-    console=None,
-    progress: bool = True,
+    display: RunDisplay | None = None,
     resume: bool = False,
     resume_from: str | None = None,
     overwrite: bool = False,
@@ -413,8 +473,8 @@ def run_training(
     """Train ``cfg.model`` on ``data`` under ``plan`` and write the model and ``run_summary.json``.
 
     Args:
-        console: a rich Console for progress and notes (default: a new one; rank 0 only prints).
-        progress: show the progress bar and per-interval lines.
+        display: what the run shows (probe, header, components, progress, evaluation lines;
+            default :class:`QuietRunDisplay`, which shows nothing).
         resume: continue from the newest complete checkpoint in ``train.output_dir``.
         resume_from: continue from this checkpoint folder instead.
         overwrite: allow an ``output_dir`` that already holds a finished model.
@@ -432,7 +492,7 @@ def run_training(
         RunFailed: a non-finite loss, or any unexpected exception in a stage (recorded in
             ``run_summary.json``, ``train.log`` and ``error_traceback.txt``; see :mod:`cembed.train.summary`).
     """
-    console = console or report.make_console()
+    display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
     record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset, plan.precision)
     t = cfg.train
@@ -440,13 +500,12 @@ def run_training(
     findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))
     quiet_libraries()
     with failures_recorded(run_dir.out, is_main, Attempt()) as attempt:
-        device, plan = resolve_runtime(cfg, plan, data, console, max_memory)
-        report.print_run_header(console, cfg, plan, findings)
-        eval_lines = (lambda line: console.print(line, highlight=False)) if progress and is_main else None
-        parts = build_components(cfg, plan, data, device, eval_lines)
+        device, plan = resolve_runtime(cfg, plan, data, display, max_memory)
+        display.run_header(cfg, plan, findings)
+        parts = build_components(cfg, plan, data, device, display.eval_line if is_main else None)
         if is_main:
-            report.print_components(console, parts.loss.unpadding, parts.distributed)
-        run = build_trainer(cfg, plan, parts, run_dir, console, progress, trainer_cls)
+            display.components(parts.loss.unpadding, parts.distributed)
+        run = build_trainer(cfg, plan, parts, run_dir, display, trainer_cls)
         attempt.trainer = run.trainer
         resuming = bool(run_dir.checkpoint)
         eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming, cfg.data.cache_dir)

@@ -169,27 +169,3 @@ def failures_recorded(out: Path, is_main: bool, attempt: Attempt):
             append_log(out / "train.log", f"failed: {message}")
             write_json_atomic(out / "run_summary.json", failed_summary(attempt.base or {}, err, step, checkpoint, tb))
         raise RunFailed(message) from err
-
-
-# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.
-COMPARED_METRICS = ("_cosine_ndcg@10", "_cosine_recall@10", "_spearman_cosine")
-
-
-def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:
-    """``(metric, before, after, after - before)`` for each set's NDCG@10 and Recall@10 (retrieval)
-    and cosine Spearman (STS) in a run summary's ``eval`` block; a value not measured (no "before"
-    on a resumed run) is None, and so is its change."""
-    before, after = (block or {}).get("before") or {}, (block or {}).get("after") or {}
-    keys = [k for k in dict.fromkeys([*before, *after]) if k.endswith(COMPARED_METRICS)]
-
-    def set_and_metric(key: str) -> tuple[str, int]:
-        i = next(i for i, m in enumerate(COMPARED_METRICS) if key.endswith(m))
-        return key[: -len(COMPARED_METRICS[i])], i
-
-    sets = list(dict.fromkeys(set_and_metric(k)[0] for k in keys))
-    order = {k: (sets.index(set_and_metric(k)[0]), set_and_metric(k)[1]) for k in keys}
-    rows = []
-    for key in sorted(keys, key=order.__getitem__):  # per set: NDCG@10, Recall@10, Spearman
-        b, a = before.get(key), after.get(key)
-        rows.append((key, b, a, a - b if a is not None and b is not None else None))
-    return rows

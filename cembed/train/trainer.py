@@ -20,7 +20,7 @@
 
 :class:`RunLogCallback` records what a run logged (losses, learning rate, wall time) for the run
 summary and appends one line per logging interval to ``output_dir/train.log``; it prints nothing
-(the progress display is :class:`cembed.cli.report.RichProgressCallback`).
+(the progress display comes from the run's :class:`cembed.train.recipe.RunDisplay`).
 """
 
 from __future__ import annotations

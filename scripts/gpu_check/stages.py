@@ -251,6 +251,14 @@ def stage_sticky(ctx: dict, work: Path) -> dict:
     }
 
 
+def run_display():
+    """What ``cembed train`` prints for a run (probe, header, components), without the progress bar."""
+    from cembed.cli.common import make_console
+    from cembed.cli.train import RichRunDisplay
+
+    return RichRunDisplay(make_console(), progress=False)
+
+
 def stage_fp16_skip(ctx: dict, work: Path) -> dict:
     from conftest import make_tiny_model
 
@@ -285,7 +293,7 @@ def stage_fp16_skip(ctx: dict, work: Path) -> dict:
         base=work,
     )
     plan, data = T.check_run_inputs(cfg)
-    s = T.run_training(cfg, plan, data, progress=False)
+    s = T.run_training(cfg, plan, data, run_display())
     ok = s["status"] == "completed" and s["steps"] == 4 and s["nonfinite_steps_skipped"] == 1
     return {"status": "pass" if ok else "fail", "steps": s["steps"], "skipped": s["nonfinite_steps_skipped"]}
 
@@ -362,7 +370,7 @@ def stage_train(ctx: dict, work: Path) -> dict:
         base=work,
     )
     plan = resolve_plan(cfg)
-    summary = run_training(cfg, plan, data, progress=False)
+    summary = run_training(cfg, plan, data, run_display())
     saved = json.loads((work / "out" / "run_summary.json").read_text())
     history = saved.get("throughput_per_interval") or []
     steady = history[1:] or history  # the first step includes warm-up (allocator, kernels)

@@ -89,7 +89,7 @@ def test_user_error_text_with_brackets_prints_verbatim(capsys):
     printed as text, not read as rich markup (a closing tag there raised MarkupError: a traceback)."""
     import typer
 
-    from cembed.cli.app import user_errors
+    from cembed.cli.common import user_errors
     from cembed.errors import UserError
 
     message = "run failed: RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:553] Connection closed [bold]x"

@@ -238,7 +238,7 @@ def test_training_with_auto_workers_same_losses(
             )
         )
         plan, data = check_run_inputs(cfg)
-        runs[workers] = run_training(cfg, plan, data, progress=False)
+        runs[workers] = run_training(cfg, plan, data)
     assert runs[0]["plan"]["dataloader_num_workers"] == 0
     assert runs["auto"]["plan"]["dataloader_num_workers"] == 1
     assert runs["auto"]["plan"]["dataloader_workers"].startswith("auto: 1")

@@ -86,7 +86,7 @@ def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config,
             )
         )
         plan, data = check_run_inputs(cfg)
-        summary = run_training(cfg, plan, data, progress=False)
+        summary = run_training(cfg, plan, data)
         assert summary["tokenization"]["pretokenized"] is True
         assert summary["tokenization"]["from_cache"] is (workers == 2)  # second run reuses the cache
         losses.append(summary["losses"][0][1])

@@ -10,13 +10,12 @@ import pytest
 from conftest import COCO_HELDOUT, COCO_PAIRS, REPO, TESTS_DATA
 from rich.console import Console
 
-from cembed.cli.report import print_eval_change
+from cembed.cli.train import eval_change_rows, print_eval_change
 from cembed.config.file import load_config
 from cembed.errors import UserError
 from cembed.eval.sets import load_beir
 from cembed.samples import known_samples, resolve_sample
 from cembed.train.recipe import check_run_inputs, run_training
-from cembed.train.summary import eval_change_rows
 
 
 def test_short_names_resolve_to_packaged_data():
@@ -108,7 +107,7 @@ def test_every_step_loss_in_summary_and_plot(tiny_model_dir, write_config, pairs
         )
     )
     plan, data = check_run_inputs(cfg)
-    summary = run_training(cfg, plan, data, progress=False)
+    summary = run_training(cfg, plan, data)
     steps = summary["step_losses"]
     assert [s for s, _ in steps] == [1, 2, 3, 4, 5]  # step 5 was never logged
     by_step = dict(steps)

@@ -148,14 +148,13 @@ def test_two_ranks_get_one_source_per_step(tiny_model_dir, tmp_path):
 
 
 def _run(cfg_dict, base, trainer_cls=None, **kwargs):
-    from rich.console import Console
 
     from cembed.train.recipe import check_run_inputs, run_training
 
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
     extra = {"trainer_cls": trainer_cls} if trainer_cls else {}
-    return run_training(cfg, plan, data, Console(quiet=True), progress=False, **extra, **kwargs)
+    return run_training(cfg, plan, data, **extra, **kwargs)
 
 
 def _sigterm_at(step: int):

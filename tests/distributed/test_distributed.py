@@ -160,7 +160,6 @@ def _install_recording(monkeypatch=None):
 
 
 def _run(cfg_dict: dict, base: Path, trainer_cls=None):
-    from rich.console import Console
 
     from cembed.config.file import config_from_dict
     from cembed.train.recipe import check_run_inputs, run_training
@@ -168,7 +167,7 @@ def _run(cfg_dict: dict, base: Path, trainer_cls=None):
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
     kwargs = {"trainer_cls": trainer_cls} if trainer_cls else {}
-    return run_training(cfg, plan, data, Console(quiet=True), progress=False, **kwargs)
+    return run_training(cfg, plan, data, **kwargs)
 
 
 def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:

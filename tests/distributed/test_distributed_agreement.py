@@ -53,7 +53,6 @@ def _config(tmp: Path, model_dir: Path, name: str, mini, **train) -> dict:
 
 
 def _run(cfg_dict: dict, base: Path, trainer_cls=None) -> dict:
-    from rich.console import Console
 
     from cembed.config.file import config_from_dict
     from cembed.train.recipe import check_run_inputs, run_training
@@ -61,7 +60,7 @@ def _run(cfg_dict: dict, base: Path, trainer_cls=None) -> dict:
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
     kwargs = {"trainer_cls": trainer_cls} if trainer_cls else {}
-    return run_training(cfg, plan, data, Console(quiet=True), progress=False, **kwargs)
+    return run_training(cfg, plan, data, **kwargs)
 
 
 def _auto_case(rank: int, tmp: Path, model_dir: Path) -> dict:

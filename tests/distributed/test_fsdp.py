@@ -81,16 +81,13 @@ def _sgd_trainer(record: list):
 
 
 def _run(cfg_dict: dict, base: Path, trainer_cls, resume_from: str | None = None) -> dict:
-    from rich.console import Console
 
     from cembed.config.file import config_from_dict
     from cembed.train.recipe import check_run_inputs, run_training
 
     cfg = config_from_dict(cfg_dict, base=base)
     plan, data = check_run_inputs(cfg)
-    return run_training(
-        cfg, plan, data, Console(quiet=True), progress=False, resume_from=resume_from, trainer_cls=trainer_cls
-    )
+    return run_training(cfg, plan, data, resume_from=resume_from, trainer_cls=trainer_cls)
 
 
 def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:

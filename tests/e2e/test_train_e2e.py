@@ -57,7 +57,6 @@ def test_evaluations_before_during_after_share_the_training_precision(tiny_model
     as the evaluations during training (accelerate's wrapped forward) and after it, so the deltas
     are training effects, not a precision change. Every no-grad forward is recorded."""
     import torch
-    from rich.console import Console
 
     import cembed.train.recipe as T
     from cembed.config.file import config_from_dict
@@ -93,7 +92,7 @@ def test_evaluations_before_during_after_share_the_training_precision(tiny_model
         base=tmp_path,
     )
     plan, data = T.check_run_inputs(cfg)
-    summary = T.run_training(cfg, plan, data, Console(quiet=True), progress=False)
+    summary = T.run_training(cfg, plan, data)
     ev = summary["eval"]
     assert ev["before"] and ev["after"] and len(ev["during"]) == 2
     no_grad = [s for s in seen if s is not None]

@@ -340,7 +340,7 @@ def test_eval_during_training_logs_metrics_and_keeps_best(
         _train_config(write_config, tiny_model_dir, pairs, beir, sts, out, metric_for_best_model="sts_spearman_cosine")
     )
     plan, data = check_run_inputs(cfg)
-    summary = run_training(cfg, plan, data, progress=False)
+    summary = run_training(cfg, plan, data)
     ev = summary["eval"]
     assert [e["step"] for e in ev["during"]] == [2, 4, 6]
     for e in ev["during"]:

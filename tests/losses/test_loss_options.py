@@ -341,7 +341,7 @@ def test_masked_share_reaches_the_log_and_run_summary(tiny_model_dir, pairs_file
     }
     cfg = config_from_dict(data, base=tmp_path)
     plan, prepared = check_run_inputs(cfg)
-    summary = run_training(cfg, plan, prepared, progress=False)
+    summary = run_training(cfg, plan, prepared)
     saved = json.loads((tmp_path / "run" / "run_summary.json").read_text())
     totals = saved["throughput"]
     assert totals["candidates"] == 2 * 16 * 15 and 0 <= totals["masked"] <= totals["candidates"]

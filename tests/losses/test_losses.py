@@ -161,7 +161,7 @@ def test_registered_loss_trains_through_the_registry(scaled_mnrl, tiny_model_dir
     cfg = config_from_dict(data, base=tmp_path)
     assert type(cfg.loss) is ScaledMNRLConfig and cfg.loss.factor == 2
     plan, prepared = check_run_inputs(cfg)
-    summary = run_training(cfg, plan, prepared, progress=False)
+    summary = run_training(cfg, plan, prepared)
     assert summary["status"] == "completed" and summary["steps"] == 1
     assert len(scaled_mnrl) == 1 and isinstance(scaled_mnrl[0], ScaledMNRLConfig) and scaled_mnrl[0].factor == 2
     assert summary["config"]["loss"]["factor"] == 2  # the subclass's own fields reach run_summary.json

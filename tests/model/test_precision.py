@@ -60,7 +60,7 @@ def train_3_steps(model_dir, tmp_path, name, **model_extra):
     }
     cfg = config_from_dict(data, base=tmp_path)
     plan, prepared = check_run_inputs(cfg)
-    summary = run_training(cfg, plan, prepared, progress=False)
+    summary = run_training(cfg, plan, prepared)
     assert summary["status"] == "completed" and summary["steps"] == 3
     return tmp_path / name, summary
 

@@ -278,7 +278,6 @@ def _small_heldout(folder, n: int = 150):
 
 
 def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir, tmp_path):
-    from rich.console import Console
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
     import cembed.train.recipe as T
@@ -298,7 +297,7 @@ def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir
         base=tmp_path,
     )
     plan, data = T.check_run_inputs(cfg)
-    summary = T.run_training(cfg, plan, data, Console(quiet=True), progress=False)
+    summary = T.run_training(cfg, plan, data)
     tok = summary["tokenization"]
     assert tok["pretokenized"] is True
     assert tok["prompts"]["anchor"] == {"prompt": "query: ", "from": "model prompt 'query'"}
@@ -341,7 +340,6 @@ def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir
 
 
 def test_without_pretokenization_the_trainers_collator_gets_the_prompts(prompted_model_dir, tmp_path):
-    from rich.console import Console
 
     import cembed.train.recipe as T
     from cembed.config.file import config_from_dict
@@ -365,7 +363,7 @@ def test_without_pretokenization_the_trainers_collator_gets_the_prompts(prompted
     plan, data = T.check_run_inputs(cfg)
     parts = T.build_components(cfg, plan, data, "cpu")
     assert parts.collator is None and parts.token_info["prompts"]["negatives"]["from"] == "data.prompts.negatives"
-    run = T.build_trainer(cfg, plan, parts, T.RunDir(tmp_path / "out", None), Console(quiet=True), False)
+    run = T.build_trainer(cfg, plan, parts, T.RunDir(tmp_path / "out", None), T.QuietRunDisplay())
     collator = run.trainer.data_collator
     assert collator.prompts == {"anchor": "query: ", "positive": "passage: ", "negative_1": "hard: "}
     batch = collator([dict(r) for r in data.dataset.select(range(2))])

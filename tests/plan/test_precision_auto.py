@@ -144,7 +144,7 @@ def test_run_summary_records_the_precision_and_a_resume_compares_it_resolved(tin
         }
         config = config_from_dict(data, base=tmp_path)
         plan, prepared = check_run_inputs(config)
-        run_training(config, plan, prepared, progress=False, resume_from=resume_from)
+        run_training(config, plan, prepared, resume_from=resume_from)
         return json.loads((tmp_path / "out" / "run_summary.json").read_text())
 
     first = run(None, precision="fp32")

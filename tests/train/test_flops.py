@@ -139,7 +139,7 @@ def test_training_reports_flops_and_mfu(tiny_model_dir, write_config, pairs_file
         )
     )
     plan, data = check_run_inputs(cfg)
-    summary = run_training(cfg, plan, data, progress=False)
+    summary = run_training(cfg, plan, data)
     assert summary["samples_seen"] == 32
     t = summary["throughput"]
     assert t["flop_model"] | {"formula": None} == {

@@ -47,7 +47,7 @@ def test_model_card_keeps_cembed_facts(tmp_path, tiny_model_dir, pairs_file):
     }
     cfg = config_from_dict(data, base=tmp_path)
     plan, prepared = check_run_inputs(cfg)
-    summary = run_training(cfg, plan, prepared, progress=False)
+    summary = run_training(cfg, plan, prepared)
     assert summary["status"] == "completed"
     card = (tmp_path / "run" / "README.md").read_text()
     assert "- `cembed_effective_batch_size`: 8 (8 per device x 1 processes x 1 accumulation)" in card

@@ -115,7 +115,7 @@ def test_nan_loss_stops_naming_step_and_checkpoint(tiny_model_dir, write_config,
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "nan", save_steps=1))
     plan, data = check_run_inputs(cfg)
     with pytest.raises(RunFailed, match=r"loss is nan at step 2; .*Last good checkpoint: .*checkpoint-1") as err:
-        run_training(cfg, plan, data, progress=False)
+        run_training(cfg, plan, data)
     assert err.value.exit_code == 3
     summary = json.loads((tmp_path / "nan" / "run_summary.json").read_text())
     assert summary["status"] == "failed" and "step 2" in summary["error"]
@@ -125,7 +125,7 @@ def test_nan_loss_skip_policy_counts(tiny_model_dir, write_config, tmp_path, mon
     monkeypatch.setattr("cembed.train.recipe.build_loss", _nan_at_call(2))
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "skip", nonfinite_loss="skip"))
     plan, data = check_run_inputs(cfg)
-    summary = run_training(cfg, plan, data, progress=False)
+    summary = run_training(cfg, plan, data)
     assert summary["status"] == "completed" and summary["steps"] == 6 and summary["nonfinite_steps_skipped"] == 1
 
 
@@ -168,7 +168,7 @@ def test_skip_nonfinite_with_grad_scaler(tiny_model_dir, write_config, tmp_path,
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "fp16skip", nonfinite_loss="skip"))
     plan, data = check_run_inputs(cfg)
     record: dict = {}
-    summary = run_training(cfg, plan, data, progress=False, trainer_cls=_fp16_scaler_trainer(record))
+    summary = run_training(cfg, plan, data, trainer_cls=_fp16_scaler_trainer(record))
     assert summary["status"] == "completed" and summary["steps"] == 6 and summary["nonfinite_steps_skipped"] == 1
     w = record["weights"]
     assert all(w[2][k].equal(w[1][k]) for k in w[1])  # step 2 changed nothing
@@ -180,12 +180,12 @@ def test_finished_output_dir_not_overwritten(tiny_model_dir, write_config, tmp_p
     path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "done", max_steps=1)
     cfg = load_config(path)
     plan, data = check_run_inputs(cfg)
-    run_training(cfg, plan, data, progress=False)
+    run_training(cfg, plan, data)
     before = (tmp_path / "done" / "model.safetensors").read_bytes()
     r = CliRunner().invoke(app, ["train", str(path)])
     assert r.exit_code == 2 and "holds a finished model; pass --overwrite" in r.output
     assert (tmp_path / "done" / "model.safetensors").read_bytes() == before
-    summary = run_training(cfg, plan, data, progress=False, overwrite=True)
+    summary = run_training(cfg, plan, data, overwrite=True)
     assert summary["status"] == "completed"
 
 
@@ -303,20 +303,20 @@ def test_resume_refuses_finished_or_changed_schedule(tiny_model_dir, write_confi
     path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "short", max_steps=2, save_steps=1)
     cfg = load_config(path)
     plan, data = check_run_inputs(cfg)
-    run_training(cfg, plan, data, progress=False)
+    run_training(cfg, plan, data)
     with pytest.raises(UserError, match=r"checkpoint-2 is at step 2, already at train.max_steps=2; nothing to resume"):
-        run_training(cfg, plan, data, progress=False, resume=True)
+        run_training(cfg, plan, data, resume=True)
     longer = load_config(path, ["train.max_steps=4"])
     with pytest.raises(UserError, match=r"belongs to a run of 2 steps, but train.max_steps is 4"):
-        run_training(longer, plan, data, progress=False, resume_from=str(tmp_path / "short" / "checkpoint-1"))
+        run_training(longer, plan, data, resume_from=str(tmp_path / "short" / "checkpoint-1"))
     with pytest.raises(UserError, match=r"--resume-from .*checkpoint-9: no such checkpoint folder"):
-        run_training(cfg, plan, data, progress=False, resume_from=str(tmp_path / "short" / "checkpoint-9"))
+        run_training(cfg, plan, data, resume_from=str(tmp_path / "short" / "checkpoint-9"))
     # A finished folder without checkpoints does not suggest --resume.
     nockpt = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "nockpt", max_steps=1)
     c2 = load_config(nockpt)
-    run_training(c2, plan, data, progress=False)
+    run_training(c2, plan, data)
     with pytest.raises(UserError) as err:
-        run_training(c2, plan, data, progress=False)
+        run_training(c2, plan, data)
     assert "pass --overwrite to replace it, or choose" in str(err.value) and "--resume" not in str(err.value)
 
 

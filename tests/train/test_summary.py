@@ -16,6 +16,7 @@ import pytest
 from conftest import distinct_pairs
 from datasets import Dataset
 
+from cembed.cli.train import eval_change_rows
 from cembed.config.file import config_from_dict, load_config
 from cembed.data.mixture import SourceMix
 from cembed.data.prepare import PreparedData, SourceData
@@ -27,7 +28,6 @@ from cembed.train.recipe import check_run_inputs, run_training
 from cembed.train.summary import (
     TRACEBACK_FILE,
     Attempt,
-    eval_change_rows,
     failed_summary,
     failures_recorded,
     samples_seen,
@@ -296,7 +296,7 @@ def _tiny_run(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch, *
 
 def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
     cfg, plan, data, out = _tiny_run(tiny_model_dir, write_config, pairs_file, tmp_path / "a", monkeypatch)
-    done = run_training(cfg, plan, data, progress=False)
+    done = run_training(cfg, plan, data)
     assert json.loads((out / "run_summary.json").read_text())["status"] == "completed"
     # 3 steps of 4 distinct rows (16 rows: 4 batches per epoch)
     assert (done["status"], done["steps"], done["samples_seen"]) == ("completed", 3, 12)
@@ -306,7 +306,7 @@ def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pai
 
     cfg, plan, data, out = _tiny_run(tiny_model_dir, write_config, pairs_file, tmp_path / "b", monkeypatch)
     with pytest.raises(RunInterrupted) as caught:
-        run_training(cfg, plan, data, progress=False, trainer_cls=_StopAtStep2)
+        run_training(cfg, plan, data, trainer_cls=_StopAtStep2)
     assert (caught.value.signum, caught.value.step) == (signal.SIGTERM, 2)
     stopped = json.loads((out / "run_summary.json").read_text())
     # step 2 finished, was saved as a complete checkpoint, and the summary has every base entry
@@ -319,7 +319,7 @@ def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pai
         tiny_model_dir, write_config, pairs_file, tmp_path / "c", monkeypatch, save_steps=1
     )
     with pytest.raises(RunFailed, match="^run failed at step 1: RuntimeError: boom in step 2; last good checkpoint: "):
-        run_training(cfg, plan, data, progress=False, trainer_cls=_FailAtStep2)
+        run_training(cfg, plan, data, trainer_cls=_FailAtStep2)
     failed = json.loads((out / "run_summary.json").read_text())
     assert (failed["status"], failed["steps"], failed["error"]) == ("failed", 1, "boom in step 2")
     assert failed["last_good_checkpoint"] == str(out / "checkpoint-1")

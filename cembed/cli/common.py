@@ -1,0 +1,111 @@
+"""What every command module shares: the consoles, the config argument and its overrides, the
+UserError handler, config loading, and the lines and plan every command may print.
+
+Command modules import only the standard library, typer, rich and this module at import time; the
+rest of cembed (torch, transformers, datasets) is imported inside each command, so ``cembed --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# Library progress bars (weights loading, shard writing) would interleave with cembed's own rich
+# progress; tqdm reads this at import time, so it is set before anything imports tqdm.
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from cembed.errors import UserError
+
+if TYPE_CHECKING:
+    from cembed.config.schema import CembedConfig
+    from cembed.plan.resolve import Plan
+
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config file.")]
+OverridesArg = Annotated[Optional[List[str]], typer.Argument(help="section.field=value overrides.")]
+
+
+def user_errors(fn):
+    """Turn a UserError into a short red message and exit code 2 (never a traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as err:
+            where = (
+                escape(f"[rank {os.environ['RANK']}] ")
+                if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+                else ""
+            )
+            err_console.print(
+                f"{where}[bold red]error:[/] {escape(str(err))}", highlight=False, markup=True, soft_wrap=True
+            )
+            raise typer.Exit(err.exit_code) from None
+
+    return wrapper
+
+
+def load(config: Path, overrides: list[str] | None) -> CembedConfig:
+    """The config file with the command line's ``section.field=value`` overrides applied.
+
+    Raises:
+        UserError: see :func:`cembed.config.file.load_config`.
+    """
+    from cembed.config.file import load_config
+
+    return load_config(config, overrides or [])
+
+
+def world_size_from_flags(nproc_per_node: int | None, nnodes: int) -> int | None:
+    """World size asked for on the command line, or None (then $WORLD_SIZE or 1).
+
+    Raises:
+        UserError: either flag below 1.
+    """
+    if nproc_per_node is None and nnodes == 1:
+        return None
+    if (nproc_per_node or 1) < 1 or nnodes < 1:
+        raise UserError(f"--nproc-per-node {nproc_per_node} / --nnodes {nnodes}: both must be at least 1")
+    return (nproc_per_node or 1) * nnodes
+
+
+def make_console(quiet: bool = False) -> Console:
+    """A console for cembed's output (``quiet``: prints nothing, for ranks other than 0)."""
+    return Console(soft_wrap=True, quiet=quiet)
+
+
+def warn(console: Console, text: str) -> None:
+    """One yellow ``warning:`` line."""
+    console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False)  # [..] in text is not markup
+
+
+def note(console: Console, text: str) -> None:
+    """One yellow ``note:`` line."""
+    console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
+
+
+def print_plan(console: Console, plan: Plan, warnings: tuple[str, ...] = ()) -> None:
+    """World size, effective batch, gathering, the LR derivation, the plan's warnings and ``warnings``
+    (what the checks before training found: the data's, the rows the sampler cannot place)."""
+    per_node = f" ({plan.world_size} processes)" if plan.world_size > 1 else ""
+    console.print(
+        f"world size: {plan.world_size}{per_node}   effective batch: {plan.per_device_train_batch_size} per device x "
+        f"{plan.world_size} x {plan.gradient_accumulation_steps} accumulation = {plan.samples_per_step} samples per "
+        f"optimizer step   gather_across_devices: {str(plan.gather_across_devices).lower()}",
+        highlight=False,
+    )
+    console.print(f"effective learning_rate: {plan.lr_derivation}", highlight=False)
+    console.print(f"data-loader workers: {plan.dataloader_workers}", highlight=False)
+    for w in (*plan.warnings, *warnings):
+        warn(console, w)

@@ -1,0 +1,406 @@
+"""``cembed train``: its options, the launch of several processes, and everything a run prints —
+:class:`RichRunDisplay` (the :class:`cembed.train.recipe.RunDisplay` the recipe is handed: probe,
+run header, components, progress bar) and the closing lines (done, evaluation before / after).
+Registered by :mod:`cembed.cli.app`.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from cembed.cli.common import (
+    ConfigArg,
+    OverridesArg,
+    console,
+    err_console,
+    load,
+    make_console,
+    print_plan,
+    warn,
+    world_size_from_flags,
+)
+from cembed.errors import RunInterrupted, UserError, WorkerFailed
+
+if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
+    from cembed.config.schema import CembedConfig
+    from cembed.model.unpad import Unpadding
+    from cembed.plan.resolve import Plan
+    from cembed.probe.search import ProbeResult
+    from cembed.train.trainer import RunLog
+
+NPROC_HELP = "Processes (GPUs) per node; >1 launches them through torch.distributed.run (torchrun)."
+NNODES_HELP = "Machines taking part; run the same command on each with its own --node-rank."
+
+
+def train_cmd(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output_dir."),
+    resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished model in output_dir."),
+    max_memory: Optional[str] = typer.Option(
+        None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."
+    ),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help=NPROC_HELP),
+    nnodes: int = typer.Option(1, "--nnodes", help=NNODES_HELP),
+    node_rank: int = typer.Option(0, "--node-rank", help="This machine's index, 0 .. nnodes-1 (multi-node)."),
+    rdzv_endpoint: Optional[str] = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of node 0, reachable from every node (multi-node)."
+    ),
+    peak_tflops: Optional[float] = typer.Option(
+        None, "--peak-tflops", help="The GPU's dense peak TFLOP/s for MFU (same as train.peak_tflops=...)."
+    ),
+) -> None:
+    """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
+    if peak_tflops is not None:
+        overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
+    from cembed.data.placement import unplaceable_warnings
+    from cembed.distributed.group import dist_info, is_worker, leave_process_group
+    from cembed.distributed.launch import record_worker_error
+    from cembed.train.recipe import check_run_inputs, run_training
+
+    world = world_size_from_flags(nproc_per_node, nnodes)
+    if is_worker() and world is not None:
+        raise UserError(
+            "--nproc-per-node/--nnodes: this process was already started by a launcher (torchrun); drop them"
+        )
+    # Flags every worker process must see as well.
+    worker_flags = (
+        (["--resume"] if resume else [])
+        + (["--resume-from", resume_from] if resume_from else [])
+        + (["--overwrite"] if overwrite else [])
+        + (["--max-memory", max_memory] if max_memory else [])
+    )
+    if world is not None and world > 1:
+        cfg = load(config, overrides)
+        _launch_training(
+            cfg, config, (overrides or []) + worker_flags, world, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint
+        )
+        return
+    out = console if dist_info().is_main else make_console(quiet=True)  # only rank 0 prints
+    cfg = None
+    try:
+        cfg = load(config, overrides)
+        plan, data = check_run_inputs(cfg)
+        unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed)
+        summary = run_training(
+            cfg,
+            plan,
+            data,
+            RichRunDisplay(out),
+            resume=resume,
+            resume_from=resume_from,
+            overwrite=overwrite,
+            max_memory=max_memory,
+            warnings=unplaced,
+        )
+    except RunInterrupted as stop:
+        leave_process_group()  # every rank stopped at the same step (InterruptCallback)
+        if dist_info().is_main:
+            extra = " ".join(overrides or [])
+            err_console.print(
+                f"[yellow]{stop}[/]: checkpoint saved to {stop.checkpoint}\n"
+                f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume",
+                highlight=False,
+            )
+        raise typer.Exit(stop.exit_code) from None
+    except Exception as err:
+        record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
+        if isinstance(err, UserError):
+            raise
+        _unexpected(err, cfg.train.output_dir if cfg is not None else None)
+    leave_process_group()
+    print_done(out, summary)
+    print_eval_change(out, summary)
+
+
+def _unexpected(err: Exception, output_dir: str | None) -> None:
+    """An exception that escaped every stage (e.g. while loading data): one line, the traceback in a
+    file (``output_dir`` when it exists, else the temp folder), exit code 1."""
+    import tempfile
+
+    from cembed.errors import first_line
+    from cembed.train.summary import save_traceback
+
+    folder = output_dir if output_dir and Path(output_dir).is_dir() else tempfile.mkdtemp(prefix="cembed-error-")
+    tb = save_traceback(err, folder)
+    err_console.print(
+        f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(first_line(err, 200))} (traceback in {tb})",
+        highlight=False,
+        markup=True,
+        soft_wrap=True,
+    )
+    raise typer.Exit(1) from None
+
+
+def _launch_training(
+    cfg,
+    config: Path,
+    overrides: list[str],
+    world: int,
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+) -> None:
+    """Check config and data here (a user mistake exits 2 before any process starts), then run
+    ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run."""
+    from cembed.distributed.launch import launch, launcher_args
+    from cembed.train.recipe import check_run_inputs
+
+    launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
+    plan, data = check_run_inputs(cfg, world)
+    print_plan(console, plan, data.warnings)
+    console.print(
+        f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
+        highlight=False,
+    )
+    try:
+        launch(["train", str(config.resolve()), *overrides], nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    except WorkerFailed as err:
+        err_console.print(
+            f"[bold red]error:[/] rank {err.rank} failed (exit code {err.exitcode}): {escape(err.message)}; "
+            "the other processes were stopped",
+            highlight=False,
+            markup=True,
+            soft_wrap=True,
+        )
+        raise typer.Exit(2 if err.exitcode == 2 else 1) from None
+
+
+# --- what a run prints while it trains ------------------------------------------------------------
+
+
+class RichRunDisplay:
+    """The :class:`cembed.train.recipe.RunDisplay` of ``cembed train``: everything the recipe shows,
+    on a rich console.
+
+    Args:
+        console: where to print (a quiet one on ranks other than 0).
+        progress: show the progress bar, the per-interval lines above it and the evaluation lines;
+            without it only the probe, the run header and the components are printed.
+    """
+
+    def __init__(self, console: Console, progress: bool = True) -> None:
+        self.console = console
+        self.show_progress = progress
+        self.bar = None  # the RichProgressCallback of the run, once progress() built it
+
+    def probe_start(self, device: str) -> None:
+        """The line printed before ``mini_batch_size: auto`` is probed at the start of training."""
+        self.console.print(f"probing mini_batch_size on {device} (batch.mini_batch_size: auto)", highlight=False)
+
+    def probe(self, result: ProbeResult) -> None:
+        """The probe's table and recommendation (as ``cembed probe-minibatch`` prints them)."""
+        from cembed.cli.check import print_probe
+
+        print_probe(self.console, result)
+
+    def run_header(self, cfg: CembedConfig, plan: Plan, warnings: tuple[str, ...] = ()) -> None:
+        """See :func:`print_run_header`."""
+        print_run_header(self.console, cfg, plan, warnings)
+
+    def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
+        """See :func:`print_components`."""
+        print_components(self.console, unpadding, distributed)
+
+    def progress(self, log: RunLog, samples_per_step: int) -> TrainerCallback | None:
+        """A :class:`RichProgressCallback` reading ``log`` (None without ``progress``)."""
+        if not self.show_progress:
+            return None
+        self.bar = rich_progress_callback_class()(self.console, log, samples_per_step)
+        return self.bar
+
+    def log_line(self, line: str) -> None:
+        """One interval's line (step, loss, LR, samples/s), printed above the progress bar."""
+        if self.bar is not None:
+            self.bar.print_line(line)
+
+    def eval_line(self, line: str) -> None:
+        """One evaluation's headline metrics (before, during or after training)."""
+        if self.show_progress:
+            self.console.print(line, highlight=False)
+
+
+class RichProgress:
+    """Progress bar (step, loss, LR, samples/s, ETA) on the main process, reading the run's
+    :class:`~cembed.train.trainer.RunLog`; :meth:`print_line` prints a log line above the bar.
+
+    The trainer's hooks (``on_train_begin``, ``on_step_end``, ``on_log``, ``on_train_end``) without their
+    base class: :func:`rich_progress_callback_class` mixes in transformers' ``TrainerCallback``, so that
+    importing the CLI does not import transformers (seconds; ``cembed --help`` must stay fast)."""
+
+    def __init__(self, console: Console, log, samples_per_step: int) -> None:
+        self.console = console
+        self.log = log
+        self.samples_per_step = samples_per_step
+        self.progress: Progress | None = None
+        self.task = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=state.max_steps, info="")
+
+    def _refresh(self, step: int) -> None:
+        if self.progress is not None:
+            rate = self.log.samples_per_s(step, self.samples_per_step)
+            info = f"loss {self.log.last_loss:.4f}  lr {self.log.last_lr:.2e}  {rate:.1f} samples/s"
+            self.progress.update(self.task, completed=step, info=info)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._refresh(state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._refresh(state.global_step)
+
+    def print_line(self, line: str) -> None:
+        """Print ``line`` above the bar (ignored before the bar starts or off the main process)."""
+        if self.progress is not None:
+            self.progress.console.print(line, highlight=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.stop()
+
+
+@functools.cache
+def rich_progress_callback_class() -> type:
+    """``RichProgressCallback``: :class:`RichProgress` as a transformers ``TrainerCallback`` (built on
+    first use, so that transformers is imported only by a command that trains)."""
+    from transformers import TrainerCallback
+
+    return type("RichProgressCallback", (RichProgress, TrainerCallback), {"__doc__": RichProgress.__doc__})
+
+
+def print_run_header(console: Console, cfg, plan, warnings: tuple[str, ...] = ()) -> None:
+    """The line ``cembed train`` prints before training: device, batch, mini-batch, loss, LR; then the
+    plan's warnings and ``warnings`` (the run's findings: data, unplaceable rows, resume changes)."""
+    tokens = f" ({plan.mini_batch_num_tokens} tokens)" if plan.mini_batch_num_tokens else ""
+    console.print(
+        f"device {plan.device}  precision {plan.precision}{' (TF32 on)' if plan.tf32 else ''}  "
+        f"batch {plan.samples_per_step} samples/step  mini-batch {plan.mini_batch_size}{tokens}  "
+        f"loss {cfg.loss.name}  lr {plan.lr_derivation}",
+        highlight=False,
+    )
+    for w in (*plan.warnings, *warnings):
+        warn(console, w)
+
+
+def print_components(console: Console, unpadding, distributed: dict | None) -> None:
+    """The attention path the loss runs (a :class:`cembed.model.unpad.Unpadding`) and, for several
+    processes, :func:`print_distributed`."""
+    console.print(f"attention: {unpadding.description}", highlight=False)
+    if distributed:
+        print_distributed(console, distributed)
+
+
+def print_distributed(console: Console, info: dict) -> None:
+    """Processes, backend, gathering and the parameters frozen for DDP (``run_summary['distributed']``)."""
+    frozen = info["frozen_unused_parameters"]
+    shown = ", ".join(frozen[:4]) + (f" and {len(frozen) - 4} more" if len(frozen) > 4 else "")
+    console.print(
+        f"distributed: {info['world_size']} processes ({info['backend']}), gather_across_devices="
+        f"{str(info['gather_across_devices']).lower()}; "
+        + (
+            f"froze {len(frozen)} parameters that never receive a gradient ({shown}), "
+            if frozen
+            else "every parameter receives a gradient, "
+        )
+        + f"{'FSDP (sharded)' if info.get('strategy') == 'fsdp' else 'DDP'}, unused-parameter detection off",
+        highlight=False,
+    )
+
+
+# --- after the run ------------------------------------------------------------------------------
+
+
+def print_done(console: Console, summary: dict) -> None:
+    """The closing lines of a completed run."""
+    from cembed.files import format_bytes
+    from cembed.train.flops import format_flops
+
+    console.print(
+        f"[green]done[/]: {summary['steps']} steps, {summary['samples_seen']} samples in {summary['wall_time_s']:.1f}s "
+        f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
+        highlight=False,
+    )
+    t = summary.get("throughput") or {}
+    if "flops_per_s" in t:
+        mfu = f", MFU {100 * t['mfu']:.1f}%" if t.get("mfu") is not None else " (no device peak: MFU not computed)"
+        console.print(
+            f"throughput: {t['tokens_per_s']:.0f} tok/s, model {format_flops(t['flops_per_s'])}{mfu}, "
+            f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%",
+            highlight=False,
+        )
+    lora = summary.get("lora")
+    if lora:
+        share = lora["adapter_parameters"] / lora["total_parameters"]
+        saved = "merged into the weights" if lora["merged"] else "saved as the adapter only"
+        console.print(
+            f"LoRA: adapter {lora['adapter_parameters']:,} parameters ({format_bytes(lora['adapter_bytes'])} fp32) "
+            f"vs full {lora['total_parameters']:,} ({format_bytes(lora['full_bytes'])}), {share:.2%}; {saved}",
+            highlight=False,
+        )
+    console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
+
+
+# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.
+COMPARED_METRICS = ("_cosine_ndcg@10", "_cosine_recall@10", "_spearman_cosine")
+
+
+def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:
+    """``(metric, before, after, after - before)`` for each set's NDCG@10 and Recall@10 (retrieval)
+    and cosine Spearman (STS) in a run summary's ``eval`` block; a value not measured (no "before"
+    on a resumed run) is None, and so is its change."""
+    before, after = (block or {}).get("before") or {}, (block or {}).get("after") or {}
+    keys = [k for k in dict.fromkeys([*before, *after]) if k.endswith(COMPARED_METRICS)]
+
+    def set_and_metric(key: str) -> tuple[str, int]:
+        i = next(i for i, m in enumerate(COMPARED_METRICS) if key.endswith(m))
+        return key[: -len(COMPARED_METRICS[i])], i
+
+    sets = list(dict.fromkeys(set_and_metric(k)[0] for k in keys))
+    order = {k: (sets.index(set_and_metric(k)[0]), set_and_metric(k)[1]) for k in keys}
+    rows = []
+    for key in sorted(keys, key=order.__getitem__):  # per set: NDCG@10, Recall@10, Spearman
+        b, a = before.get(key), after.get(key)
+        rows.append((key, b, a, a - b if a is not None and b is not None else None))
+    return rows
+
+
+def print_eval_change(console: Console, summary: dict) -> None:
+    """The evaluation before and after training side by side (metric, before, after, change);
+    prints nothing for a run without an ``eval`` section."""
+    rows = eval_change_rows(summary.get("eval"))
+    if not rows:
+        return
+    table = Table("metric", "before", "after", "change", title="evaluation before / after training")
+
+    def fmt(value: float | None, sign: str = "") -> str:
+        return "-" if value is None else f"{value:{sign}.4f}"
+
+    for key, b, a, change in rows:
+        style = "" if change is None or change == 0 else ("green" if change > 0 else "red")
+        table.add_row(key, fmt(b), fmt(a), f"[{style}]{fmt(change, '+')}[/]" if style else fmt(change, "+"))
+    console.print(table)
