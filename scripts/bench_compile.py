@@ -66,7 +66,8 @@ def batches(model, n_batches: int, batch: int, pad_multiple: int):
 def run(compiled: bool, unpad: bool, args) -> dict:
     from sentence_transformers.base.trainer import BaseTrainer  # noqa: F401  (import cost outside timing)
 
-    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.config.loss import loss_config
+    from cembed.config.schema import ModelConfig
     from cembed.losses.registry import build_loss
     from cembed.model.load import load_model
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from cembed.config.schema import ModelConfig, loss_config
+from cembed.config.loss import loss_config
+from cembed.config.schema import ModelConfig
 from cembed.losses.registry import build_loss
 from cembed.model.load import load_model, quiet_libraries
 

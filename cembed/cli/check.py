@@ -100,7 +100,8 @@ def probe_minibatch_cmd(
 ) -> None:
     """Measure the largest mini_batch_size and token budget whose cached-loss step fits (worst case)."""
     from cembed.config.file import set_yaml_value
-    from cembed.config.schema import CachedMNRLLossConfig, CembedConfig
+    from cembed.config.loss import CachedMNRLLossConfig
+    from cembed.config.schema import CembedConfig
     from cembed.files import parse_bytes
     from cembed.plan.resolve import resolve_model
     from cembed.probe.auto import run_probe

@@ -18,12 +18,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from cembed.config.data import SourceConfig, source_config_class_of
-from cembed.config.schema import (
-    DEFAULT_LOSS,
-    LOSS_CONFIGS,
-    CembedConfig,
-    LossConfig,
-)
+from cembed.config.loss import DEFAULT_LOSS, LOSS_CONFIGS, LossConfig
+from cembed.config.schema import CembedConfig
 from cembed.errors import UserError
 from cembed.samples import resolve_sample
 

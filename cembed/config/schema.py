@@ -23,22 +23,14 @@ from pydantic import (
 
 from cembed.config.base import Strict as _Strict
 
-# The data and loss sections live in their own modules; their names are re-exported here.
-from cembed.config.data import LOCAL_EXTENSIONS as LOCAL_EXTENSIONS
-from cembed.config.data import BeirSource as BeirSource
-from cembed.config.data import ColumnMap as ColumnMap
-from cembed.config.data import DataConfig as DataConfig
-from cembed.config.data import FileSource as FileSource
-from cembed.config.data import HubSource as HubSource
-from cembed.config.data import infer_source_kind as infer_source_kind
-from cembed.config.loss import DEFAULT_LOSS as DEFAULT_LOSS
-from cembed.config.loss import LOSS_CONFIGS as LOSS_CONFIGS
-from cembed.config.loss import CachedMNRLLossConfig as CachedMNRLLossConfig
-from cembed.config.loss import LossConfig as LossConfig
-from cembed.config.loss import MNRLLossConfig as MNRLLossConfig
-from cembed.config.loss import loss_config as loss_config
-from cembed.config.loss import loss_config_class as loss_config_class
-from cembed.config.loss import register_loss_config as register_loss_config
+# The data and loss sections live in their own modules (cembed.config.data, cembed.config.loss).
+from cembed.config.data import DataConfig
+from cembed.config.loss import (
+    DEFAULT_LOSS,
+    CachedMNRLLossConfig,
+    LossConfig,
+    loss_config_class,
+)
 
 SCHEDULERS = (
     "linear",

@@ -14,8 +14,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cembed.config.data import TrainSource
-from cembed.config.schema import ColumnMap, DataConfig
+from cembed.config.data import ColumnMap, DataConfig, TrainSource
 from cembed.data.columns import expand_list_columns, unmapped_column_notes
 from cembed.data.sources import load_source, row_locator
 from cembed.errors import HubUnavailable, UserError

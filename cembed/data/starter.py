@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cembed.config.schema import ColumnMap, FileSource
+from cembed.config.data import ColumnMap, FileSource
 from cembed.data.placement import inspect_batches
 from cembed.data.prepare import check_cells, map_columns
 from cembed.data.sampler import row_hashes

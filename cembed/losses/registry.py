@@ -32,7 +32,7 @@ from typing import Callable, get_args
 from sentence_transformers.base.losses.gradcache import uses_gradient_cache
 from torch import nn
 
-from cembed.config.schema import LossConfig, register_loss_config
+from cembed.config.loss import LossConfig, register_loss_config
 from cembed.losses.counts import FilterCounts, TokenCounts
 from cembed.losses.matryoshka import CountingMatryoshkaLoss
 from cembed.model.unpad import Unpadding, UnpadSetting

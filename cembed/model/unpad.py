@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from cembed.errors import ModelRefused
-from cembed.model.packing import PackPlan, attention_cost, pack_rows, plan_packing  # noqa: F401 - re-exported
+from cembed.model.packing import PackPlan, attention_cost, plan_packing
 
 # Keys a packed column may carry besides its per-token tensors: sentence-transformers' bookkeeping.
 _PASSTHROUGH_KEYS = frozenset({"modality", "prompt_length", "task"})

@@ -116,7 +116,7 @@ def _trial_child(spec: TrialSpec, size: int, conn, num_tokens: int | None = None
         if spec.device.startswith("cuda:"):
             torch.cuda.set_device(int(spec.device.split(":")[1]))  # the parent's GPU, not GPU 0
         model = _load(spec)
-        from cembed.config.schema import loss_config
+        from cembed.config.loss import loss_config
 
         ran = worst_case_step(
             model,
@@ -284,7 +284,7 @@ class CudaTrial:
         """Run one trial at ``size`` rows, or at the token budget ``num_tokens`` when given."""
         import torch
 
-        from cembed.config.schema import loss_config
+        from cembed.config.loss import loss_config
 
         if self.fallback is not None:
             return self.fallback(size) if num_tokens is None else self.fallback(size, num_tokens)

@@ -150,7 +150,8 @@ def stage_correctness(ctx: dict, work: Path) -> dict:
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.config.loss import loss_config
+    from cembed.config.schema import ModelConfig
     from cembed.losses.registry import build_loss
     from cembed.model.load import load_model
     from cembed.plan.precision import enable_tf32
@@ -301,7 +302,8 @@ def stage_fp16_skip(ctx: dict, work: Path) -> dict:
 def stage_gather(ctx: dict, work: Path) -> dict:
     from conftest import make_tiny_model
 
-    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.config.loss import loss_config
+    from cembed.config.schema import ModelConfig
     from cembed.probe.trials import CudaTrial, TrialSpec
 
     m = make_tiny_model(work / "tiny")
@@ -325,7 +327,8 @@ def stage_gather(ctx: dict, work: Path) -> dict:
 
 
 def stage_probe(ctx: dict, work: Path) -> dict:
-    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.config.loss import loss_config
+    from cembed.config.schema import ModelConfig
     from cembed.probe.auto import run_probe
 
     dev = ctx["device"]
@@ -408,7 +411,8 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
-    from cembed.config.schema import ModelConfig, loss_config
+    from cembed.config.loss import loss_config
+    from cembed.config.schema import ModelConfig
     from cembed.data.collator import collator_for
     from cembed.data.tokenize import pretokenize
     from cembed.losses.registry import build_loss

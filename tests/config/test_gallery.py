@@ -151,8 +151,8 @@ def test_unreachable_hub_reason_names_the_library_message(tmp_path, tiny_model_d
 
 
 def test_recipes_name_their_public_dataset_in_the_header():
+    from cembed.config.data import HubSource
     from cembed.config.file import load_config
-    from cembed.config.schema import HubSource
 
     for name in RECIPES:
         path = REPO / "configs" / name

@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import SHARED_DATA
 
+from cembed.config.data import BeirSource
 from cembed.config.file import load_config
-from cembed.config.schema import BeirSource
 from cembed.data.prepare import prepare_data
 from cembed.errors import UserError
 

@@ -9,9 +9,8 @@ from conftest import distinct_pairs
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
-from cembed.config.data import SOURCE_CONFIGS
+from cembed.config.data import SOURCE_CONFIGS, FileSource, HubSource
 from cembed.config.file import load_config
-from cembed.config.schema import FileSource, HubSource
 from cembed.data.sources import LOADERS
 from cembed.errors import UserError
 from cembed.train.recipe import check_run_inputs

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cembed
-from cembed.config.schema import loss_config
+from cembed.config.loss import loss_config
 from cembed.losses.counts import TokenCounts, count_tokens
 from cembed.losses.length_sorted import minibatch_ranges
 from cembed.losses.registry import build_loss

@@ -15,7 +15,7 @@ from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import GISTEmbedLoss, MultipleNegativesRankingLoss
 
 from cembed.config.file import config_from_dict, load_config
-from cembed.config.schema import loss_config
+from cembed.config.loss import loss_config
 from cembed.errors import UserError
 from cembed.losses.gist import LengthSortedCachedGIST, SelfGuidedCachedMNRL
 from cembed.losses.matryoshka import CountingMatryoshkaLoss

@@ -14,8 +14,7 @@ from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
 from cembed.config.file import config_from_dict, load_config
-from cembed.config.loss import MNRLOptionsConfig
-from cembed.config.schema import LOSS_CONFIGS, CachedMNRLLossConfig, MNRLLossConfig, loss_config
+from cembed.config.loss import LOSS_CONFIGS, CachedMNRLLossConfig, MNRLLossConfig, MNRLOptionsConfig, loss_config
 from cembed.errors import UserError
 from cembed.losses.mnrl import CountingMNRL, LengthSortedCachedMNRL
 from cembed.losses.registry import LOSS_BUILDERS, build_loss, register_loss

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from cembed.cli.app import app
 from cembed.config.file import config_from_dict, load_config
-from cembed.config.schema import ModelConfig, loss_config
+from cembed.config.loss import loss_config
+from cembed.config.schema import ModelConfig
 from cembed.losses.length_sorted import minibatch_ranges
 from cembed.losses.registry import build_loss
 from cembed.losses.token_budget import padded_ranges, row_extents, token_budget_ranges

@@ -12,7 +12,7 @@ from pydantic import PositiveFloat
 from torch import nn
 
 from cembed.config.file import config_from_dict
-from cembed.config.schema import LOSS_CONFIGS, LossConfig, loss_config
+from cembed.config.loss import LOSS_CONFIGS, LossConfig, loss_config
 from cembed.losses.registry import LOSS_BUILDERS, BuiltLoss, LossSettings, build_loss, register_loss
 
 

@@ -18,7 +18,8 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.gradcache import _create_minibatch
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-from cembed.config.schema import LoraOptions, ModelConfig, loss_config
+from cembed.config.loss import loss_config
+from cembed.config.schema import LoraOptions, ModelConfig
 from cembed.losses.registry import build_loss
 from cembed.model.decoder import appends_eos
 from cembed.model.load import load_model

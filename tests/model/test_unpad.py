@@ -17,10 +17,11 @@ from typer.testing import CliRunner
 
 from cembed.cli.app import app
 from cembed.config.file import load_config
-from cembed.config.schema import CachedMNRLLossConfig
+from cembed.config.loss import CachedMNRLLossConfig
 from cembed.errors import ModelRefused
 from cembed.losses.registry import build_loss
-from cembed.model.unpad import attention_cost, pack_rows, packed_encoder, plan_packing, resolve_unpad
+from cembed.model.packing import attention_cost, pack_rows, plan_packing
+from cembed.model.unpad import packed_encoder, resolve_unpad
 
 WORDS = "a man dog on the street with two red car cat table people sitting near white plate".split()
 

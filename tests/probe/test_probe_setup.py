@@ -8,7 +8,8 @@ from conftest import distinct_pairs
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
-from cembed.config.schema import LoraOptions, ModelConfig, loss_config
+from cembed.config.loss import loss_config
+from cembed.config.schema import LoraOptions, ModelConfig
 from cembed.model.load import load_model
 from cembed.probe.setup import describe_setup, fsdp_saved_bytes
 from cembed.probe.worst_case import worst_case_step
