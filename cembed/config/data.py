@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ErrorType
 
 from cembed.config.base import Strict as _Strict
+from cembed.config.base import register_by_literal
 from cembed.samples import is_sample
 
 # Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
@@ -160,17 +161,7 @@ def register_source_config(cls: type[SourceConfig]) -> type[SourceConfig]:
         TypeError: ``cls`` is not a SourceConfig subclass with a one-value ``Literal`` kind.
         ValueError: the kind is already registered to another class.
     """
-    if not (isinstance(cls, type) and issubclass(cls, SourceConfig)) or cls is SourceConfig:
-        raise TypeError(f"{cls!r}: a source config must be a subclass of cembed.config.data.SourceConfig")
-    field = cls.model_fields["kind"]
-    values = get_args(field.annotation)
-    if len(values) != 1 or not isinstance(values[0], str) or field.default != values[0]:
-        raise TypeError(f"{cls.__name__}.kind: declare it as kind: Literal['<kind>'] = '<kind>'")
-    kind = values[0]
-    if SOURCE_CONFIGS.get(kind, cls) is not cls:
-        raise ValueError(f"source kind {kind!r} is already registered ({SOURCE_CONFIGS[kind].__name__})")
-    SOURCE_CONFIGS[kind] = cls
-    return cls
+    return register_by_literal(SOURCE_CONFIGS, cls, SourceConfig, "kind", "source kind")
 
 
 def source_config_class(kind: Any) -> type[SourceConfig]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
-from pydantic_core import PydanticUndefined
 
 from cembed.config.base import Strict as _Strict
+from cembed.config.base import register_by_literal
 
 DEFAULT_LOSS = "cached_mnrl"
 
@@ -214,17 +214,7 @@ def register_loss_config(cls: type[LossConfig]) -> type[LossConfig]:
         TypeError: ``cls`` is not a LossConfig subclass with a one-value ``Literal`` name.
         ValueError: the name is already registered to another class.
     """
-    if not (isinstance(cls, type) and issubclass(cls, LossConfig)) or cls is LossConfig:
-        raise TypeError(f"{cls!r}: a loss config must be a subclass of cembed.config.schema.LossConfig")
-    field = cls.model_fields["name"]
-    values = get_args(field.annotation)
-    if len(values) != 1 or not isinstance(values[0], str) or field.default not in (values[0], PydanticUndefined):
-        raise TypeError(f"{cls.__name__}.name: declare it as name: Literal['<name>'] = '<name>'")
-    name = values[0]
-    if LOSS_CONFIGS.get(name, cls) is not cls:
-        raise ValueError(f"loss {name!r} is already registered ({LOSS_CONFIGS[name].__name__})")
-    LOSS_CONFIGS[name] = cls
-    return cls
+    return register_by_literal(LOSS_CONFIGS, cls, LossConfig, "name", "loss")
 
 
 def loss_config_class(name: Any) -> type[LossConfig]:
