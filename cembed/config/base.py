@@ -33,3 +33,15 @@ def register_by_literal(registry: dict, cls: Any, base: type, field: str, what: 
         raise ValueError(f"{what} {key!r} is already registered ({registry[key].__name__})")
     registry[key] = cls
     return cls
+
+
+def registered(registry: dict, key: Any, what: str) -> type:
+    """The class ``registry`` holds for ``key`` (see :func:`register_by_literal`).
+
+    Raises:
+        ValueError: an unknown key (or not a string); the message lists the known ones.
+    """
+    cls = registry.get(key) if isinstance(key, str) else None
+    if cls is None:
+        raise ValueError(f"unknown {what} {key!r}; known: {', '.join(registry)}")
+    return cls

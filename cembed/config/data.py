@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ErrorType
 
 from cembed.config.base import Strict as _Strict
-from cembed.config.base import register_by_literal
+from cembed.config.base import register_by_literal, registered
 from cembed.samples import is_sample
 
 # Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
@@ -170,10 +170,7 @@ def source_config_class(kind: Any) -> type[SourceConfig]:
     Raises:
         ValueError: an unknown kind; the message lists the known ones.
     """
-    cls = SOURCE_CONFIGS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ValueError(f"unknown source kind {kind!r}; known: {', '.join(SOURCE_CONFIGS)}")
-    return cls
+    return registered(SOURCE_CONFIGS, kind, "source kind")
 
 
 def source_config(**fields: Any) -> SourceConfig:

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
 from cembed.config.base import Strict as _Strict
-from cembed.config.base import register_by_literal
+from cembed.config.base import register_by_literal, registered
 
 DEFAULT_LOSS = "cached_mnrl"
 
@@ -223,10 +223,7 @@ def loss_config_class(name: Any) -> type[LossConfig]:
     Raises:
         ValueError: an unknown name; the message lists the known ones.
     """
-    cls = LOSS_CONFIGS.get(name) if isinstance(name, str) else None
-    if cls is None:
-        raise ValueError(f"unknown loss {name!r}; known: {', '.join(LOSS_CONFIGS)}")
-    return cls
+    return registered(LOSS_CONFIGS, name, "loss")
 
 
 def loss_config(**fields: Any) -> LossConfig:
