@@ -12,6 +12,11 @@ from ``config_sentence_transformers.json``); ``encode_query`` uses the prompt na
 ``default_prompt_name`` one. A prompt is prepended to the text before tokenization and its token
 count (``prompt_length``) travels with the features, so ``Pooling(include_prompt=False)`` leaves the
 prompt's tokens out of the mean.
+
+The prompts a run trains with are written into the trained model's own prompts
+(:func:`set_trained_prompts`: ``query`` = the anchor's, ``document`` = the positive's, in
+``config_sentence_transformers.json``), so the saved model encodes queries and documents as it was
+trained without being told the prompts again.
 """
 
 from __future__ import annotations
@@ -127,6 +132,35 @@ def resolve_prompts(cfg: PromptsConfig | None, model, where: str = "data.prompts
         out["negatives"] = _configured(cfg.negatives, "negatives", prompts, where)
         origin["negatives"] = f"{where}.negatives"
     return RolePrompts(out["anchor"], out["positive"], out["negatives"], origin)
+
+
+# The model prompt names a trained model's prompts are saved under: what encode_query and
+# encode_document look up first, so the saved model encodes as it was trained.
+SAVED_NAMES = {"anchor": QUERY_NAMES[0], "positive": DOCUMENT_NAMES[0]}
+
+
+def set_trained_prompts(model, prompts: RolePrompts) -> dict[str, str]:
+    """Write the prompts a run trains with into ``model.prompts`` (saved in
+    ``config_sentence_transformers.json`` by every ``model.save``): ``query`` = the anchor's prompt,
+    ``document`` = the positive's ("" when the role trains without one, so ``encode_query`` /
+    ``encode_document`` do not fall back to another prompt of the model). The negatives' prompt has
+    no sentence-transformers name and is not saved (it is the positive's unless
+    ``data.prompts.negatives`` sets it). The model's other prompts and ``default_prompt_name`` are
+    kept. With per-source prompts (``data.train.<name>.prompts``) the run-wide ones are saved
+    (``data.prompts``, else the model's own): a source's own instruction is the user's to give at
+    encode time.
+
+    Args:
+        model: a SentenceTransformer (its ``prompts`` dict is updated in place).
+        prompts: the resolved run-wide prompts (:func:`resolve_prompts`).
+
+    Returns:
+        The entries written, ``{"query": ..., "document": ...}``.
+    """
+    written = {name: getattr(prompts, role) for role, name in SAVED_NAMES.items()}
+    current = getattr(model, "prompts", None)
+    model.prompts = {**(current or {}), **written}
+    return written
 
 
 def prompt_lengths(model, prompts: dict[str, str]) -> dict[str, int]:

@@ -35,7 +35,7 @@ from cembed.files import append_log, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
 from cembed.model.load import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.model.lora import adapter_facts, finish_lora, is_lora
-from cembed.model.prompts import RolePrompts, resolve_prompts
+from cembed.model.prompts import RolePrompts, resolve_prompts, set_trained_prompts
 from cembed.plan.precision import enable_tf32
 from cembed.plan.resolve import Plan, resolve_plan
 from cembed.probe.auto import resolve_auto
@@ -250,6 +250,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     """
     model = load_model(cfg.model, device, seed=cfg.train.seed)
     prompts = resolve_prompts(cfg.data.prompts, model)
+    set_trained_prompts(model, prompts)  # every save (checkpoints, the final model) carries them
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
         train_dataset, collator, token_info = tokenize_stage(
             model,
@@ -406,9 +407,19 @@ def train(run: Run, run_dir: RunDir, base: dict):
 
 
 def write_summary(
-    plan: Plan, run: Run, run_dir: RunDir, base: dict, result, data: PreparedData, evaluation=None, eval_before=None
+    plan: Plan,
+    run: Run,
+    run_dir: RunDir,
+    base: dict,
+    result,
+    data: PreparedData,
+    evaluation=None,
+    eval_before=None,
+    prompts: RolePrompts | None = None,
 ) -> dict:
     """Save the model and evaluate it (rank 0), then write ``run_summary.json`` and the plot.
+    ``prompts``: the run's prompts, saved as the model's ``query`` / ``document`` prompts
+    (:func:`cembed.model.prompts.set_trained_prompts`; FSDP's gathered model is a fresh load).
 
     Returns:
         The completed run's summary (every rank gets it; only rank 0 writes anything).
@@ -419,6 +430,8 @@ def write_summary(
     lora = adapter_facts(trainer.model) | {"merged": plan.lora_merge} if is_lora(trainer.model) else None
     if model is not None:  # FSDP: rank 0 alone holds the gathered model (the others save nothing)
         add_card_facts(model, plan, base["data"]["rows_trained"], state.global_step)
+        if prompts is not None:
+            set_trained_prompts(model, prompts)
         finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
         cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
     if is_main:
@@ -511,4 +524,4 @@ def run_training(
         eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming, cfg.data.cache_dir)
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run, findings)
         result = train(run, run_dir, base)
-        return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before)
+        return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before, parts.prompts)

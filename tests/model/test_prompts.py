@@ -384,3 +384,61 @@ def test_corpus_cache_key_includes_the_prompt(tiny_model_dir, tmp_path):
     expected = model.encode(list(corpus.values()), prompt="passage: ")
     np.testing.assert_allclose(prompted.embeddings, expected, atol=1e-6)
     assert corpus_embeddings(model, corpus, cache_dir=tmp_path, prompt="passage: ").cache_hit
+
+
+# --- the prompts a run trained with are saved with the model -----------------------------------------
+
+
+def test_literal_prompts_are_saved_with_the_trained_model(tiny_model_dir, tmp_path):
+    """data.prompts given as literal text (the model has none): the saved model's query / document
+    prompts are them, so encode_query / encode_document embed as training did, without naming them."""
+    import cembed.train.recipe as T
+    from cembed.config.file import config_from_dict
+
+    rows = [{"anchor": f"question {i} about a car", "positive": f"answer {i} on the street"} for i in range(16)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {
+                "train": str(tmp_path / "p.jsonl"),
+                "prompts": {"anchor": "search query: ", "positive": "search document: "},
+                "cache_dir": str(tmp_path / "cache"),
+            },
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+            "train": {"max_steps": 2, "output_dir": str(tmp_path / "out"), "save_steps": 1},
+        },
+        base=tmp_path,
+    )
+    plan, data = T.check_run_inputs(cfg)
+    T.run_training(cfg, plan, data)
+    saved = json.loads((tmp_path / "out" / "config_sentence_transformers.json").read_text())
+    assert saved["prompts"]["query"] == "search query: " and saved["prompts"]["document"] == "search document: "
+    checkpoint = json.loads((tmp_path / "out" / "checkpoint-1" / "config_sentence_transformers.json").read_text())
+    assert checkpoint["prompts"]["query"] == "search query: "
+    model = SentenceTransformer(str(tmp_path / "out"), device="cpu")
+    texts = ["a red car", "two dogs on a street"]
+    q = model.encode_query(texts, convert_to_tensor=True)
+    d = model.encode_document(texts, convert_to_tensor=True)
+    assert torch.equal(q, model.encode(texts, prompt="search query: ", convert_to_tensor=True))
+    assert torch.equal(d, model.encode(texts, prompt="search document: ", convert_to_tensor=True))
+    assert not torch.allclose(q, model.encode(texts, convert_to_tensor=True), atol=1e-4)  # the prompt matters
+
+
+def test_trained_prompts_replace_the_models_and_keep_its_others(tiny_model_dir):
+    """A role trained without a prompt saves "" (encode_document must not fall back to 'passage');
+    the model's other prompts and default_prompt_name stay."""
+    from cembed.model.prompts import set_trained_prompts
+
+    model = SentenceTransformer(
+        str(tiny_model_dir), device="cpu", prompts={"passage": "passage: ", "sts": "sts: "}, default_prompt_name="sts"
+    )
+    cfg = PromptsConfig.model_validate({"anchor": "q> ", "positive": ""})
+    written = set_trained_prompts(model, resolve_prompts(cfg, model))
+    assert written == {"query": "q> ", "document": ""}
+    assert model.prompts == {"query": "q> ", "document": "", "passage": "passage: ", "sts": "sts: "}
+    assert model.default_prompt_name == "sts"
+    texts = ["a red car"]
+    assert torch.equal(
+        model.encode_document(texts, convert_to_tensor=True), model.encode(texts, prompt="", convert_to_tensor=True)
+    )
