@@ -114,7 +114,7 @@ def probe_minibatch_cmd(
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size: must be at least 1, got {batch_size}")
     batch = batch_size or (cfg.batch.per_device_train_batch_size if cfg else 64)
-    n_columns = 2 + len(cfg.data.sources()[0].columns.negatives) if cfg else 2
+    n_columns = cfg.data.max_columns() if cfg else 2  # the widest source: the worst case of a step
     budget = parse_bytes(max_memory) if max_memory else None
     if cfg is not None:
         from cembed.data.prepare import prepare_data

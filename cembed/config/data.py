@@ -37,6 +37,36 @@ class ColumnMap(_Strict):
     )
 
 
+class PromptName(_Strict):
+    """A prompt of the model, by name: a key of its ``prompts`` (``config_sentence_transformers.json``)."""
+
+    name: str = Field(min_length=1, description="the model's prompt name, e.g. query or document")
+
+
+class PromptText(_Strict):
+    """A literal prompt; the YAML ``{text: ...}`` form forces literal text where a plain string
+    would be refused for equalling one of the model's prompt names."""
+
+    text: str = Field(description="prepended verbatim to every text of the role")
+
+
+# A plain string is literal text; {name: ...} names a model prompt; {text: ...} is literal text.
+Prompt = str | PromptName | PromptText
+
+
+class PromptsConfig(_Strict):
+    """Per-role prompts prepended to every text before tokenization (sentence-transformers' prompts).
+
+    An unset role uses the model's own prompt: ``query`` for the anchor, the first non-empty of
+    ``document`` / ``passage`` / ``corpus`` for positives and negatives, else the model's
+    ``default_prompt_name``, else none (see :func:`cembed.model.prompts.resolve_prompts`).
+    """
+
+    anchor: Prompt | None = Field(None, description="the anchor's (query's) prompt: text, {name: ...} or {text: ...}")
+    positive: Prompt | None = Field(None, description="the positive's (document's) prompt")
+    negatives: Prompt | None = Field(None, description="the hard negatives' prompt (default: the positive's)")
+
+
 class SourceOptions(_Strict):
     """What every training source may set for itself (with several sources, each its own)."""
 
@@ -46,6 +76,11 @@ class SourceOptions(_Strict):
     columns: ColumnMap | None = Field(None, description="this source's column mapping (default: data.columns)")
     max_samples: PositiveInt | None = Field(
         None, description="this source's first N rows only (default: data.max_samples)"
+    )
+    prompts: PromptsConfig | None = Field(
+        None,
+        description="this source's prompts (e.g. its task instruction); a role it leaves unset takes data.prompts', "
+        "then the model's own",
     )
 
 
@@ -314,36 +349,8 @@ class TrainSource:
     columns: ColumnMap
     max_samples: int | None
     key: str  # the config field that holds it: data.train or data.train.<name>
-
-
-class PromptName(_Strict):
-    """A prompt of the model, by name: a key of its ``prompts`` (``config_sentence_transformers.json``)."""
-
-    name: str = Field(min_length=1, description="the model's prompt name, e.g. query or document")
-
-
-class PromptText(_Strict):
-    """A literal prompt; the YAML ``{text: ...}`` form forces literal text where a plain string
-    would be refused for equalling one of the model's prompt names."""
-
-    text: str = Field(description="prepended verbatim to every text of the role")
-
-
-# A plain string is literal text; {name: ...} names a model prompt; {text: ...} is literal text.
-Prompt = str | PromptName | PromptText
-
-
-class PromptsConfig(_Strict):
-    """Per-role prompts prepended to every text before tokenization (sentence-transformers' prompts).
-
-    An unset role uses the model's own prompt: ``query`` for the anchor, the first non-empty of
-    ``document`` / ``passage`` / ``corpus`` for positives and negatives, else the model's
-    ``default_prompt_name``, else none (see :func:`cembed.model.prompts.resolve_prompts`).
-    """
-
-    anchor: Prompt | None = Field(None, description="the anchor's (query's) prompt: text, {name: ...} or {text: ...}")
-    positive: Prompt | None = Field(None, description="the positive's (document's) prompt")
-    negatives: Prompt | None = Field(None, description="the hard negatives' prompt (default: the positive's)")
+    prompts: PromptsConfig | None = None  # its own prompts over data.prompts, role by role (None: data.prompts)
+    own_prompts: bool = False  # the source sets prompts of its own (messages name <key>.prompts)
 
 
 class DataConfig(_Strict):
@@ -429,5 +436,23 @@ class DataConfig(_Strict):
             key = f"data.train.{name}" if isinstance(self.train, list) else "data.train"
             columns = item.columns if item.columns is not None else self.columns
             max_samples = item.max_samples if item.max_samples is not None else self.max_samples
-            out.append(TrainSource(name, item, columns, max_samples, key))
+            prompts = merged_prompts(item.prompts, self.prompts)
+            out.append(TrainSource(name, item, columns, max_samples, key, prompts, item.prompts is not None))
         return out
+
+    def max_columns(self) -> int:
+        """The most columns one source maps (anchor, positive and its negatives): the widest layout,
+        the worst case of a step (sources may map different numbers of negatives)."""
+        return max(2 + len(s.columns.negatives) for s in self.sources())
+
+
+def merged_prompts(own: PromptsConfig | None, run: PromptsConfig | None) -> PromptsConfig | None:
+    """A source's prompts: each role its own (``data.train.<name>.prompts``) if set, else ``run``'s
+    (``data.prompts``); None when neither sets any."""
+    if own is None:
+        return run
+    if run is None:
+        return own
+    return PromptsConfig(
+        **{f: getattr(own, f) if getattr(own, f) is not None else getattr(run, f) for f in PromptsConfig.model_fields}
+    )

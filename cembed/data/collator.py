@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
 TOKEN_SUFFIX = "_input_ids"
 PROMPT_SUFFIX = "_prompt_length"  # a constant int column next to a prompted role's ids
@@ -139,16 +140,24 @@ class TokenIdRows(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> dict[str, Any]:
         """``{role: RaggedIds}`` for the rows ``indices`` (in that order), plus ``<role>_prompt_length``
-        (an int, the first row's) for a prompted role."""
+        (an int, the first row's) for a prompted role. A batch holds one source's rows, so the first
+        row tells the batch's layout and prompts: a role whose first cell is null (a source that does
+        not map it) is left out, and so is the prompt length of a role its source has no prompt for."""
         columns = self._views()
         rows = np.asarray(indices, dtype=np.int64)
         if self._mapping is not None:
             rows = self._mapping[rows]
-        out: dict[str, Any] = {role: column.take(rows) for role, column in columns.items()}
         table = self.dataset.data.table
-        for role in self.roles:
-            if len(rows) and role + PROMPT_SUFFIX in table.column_names:
-                out[role + PROMPT_SUFFIX] = int(table.column(role + PROMPT_SUFFIX)[int(rows[0])].as_py())
+        first = int(rows[0]) if len(rows) else None
+        out: dict[str, Any] = {}
+        for role, column in columns.items():
+            if first is not None and not table.column(role + TOKEN_SUFFIX)[first].is_valid:
+                continue
+            out[role] = column.take(rows)
+            if first is not None and role + PROMPT_SUFFIX in table.column_names:
+                length = table.column(role + PROMPT_SUFFIX)[first].as_py()
+                if length is not None:
+                    out[role + PROMPT_SUFFIX] = int(length)
         return out
 
 
@@ -199,9 +208,17 @@ class PaddingCollator:
         np.copyto(attention_np, mask)
         return ids, attention
 
+    def present(self, rows: dict[str, RaggedIds] | list[dict[str, Any]]) -> list[str]:
+        """The roles the batch carries, in loss order: a batch holds one source's rows, and a role
+        that source does not map (null ids, see :func:`cembed.data.prepare.prepare_data`) is left
+        out, so the loss embeds only the source's own columns."""
+        if isinstance(rows, dict):
+            return [r for r in self.roles if r in rows]
+        return [r for r in self.roles if not rows or rows[0].get(r + TOKEN_SUFFIX) is not None]
+
     def __call__(self, rows: dict[str, RaggedIds] | list[dict[str, Any]]) -> dict[str, Any]:
         batch: dict[str, Any] = {}
-        for role in self.roles:
+        for role in self.present(rows):
             seqs = rows[role] if isinstance(rows, dict) else [r[role + TOKEN_SUFFIX] for r in rows]
             ids, mask = self.pad(seqs)
             batch[f"{role}_input_ids"] = ids
@@ -212,7 +229,7 @@ class PaddingCollator:
                 batch[f"{role}_{key}"] = value
             if isinstance(rows, dict) and role + PROMPT_SUFFIX in rows:
                 batch[role + PROMPT_SUFFIX] = rows[role + PROMPT_SUFFIX]
-            elif isinstance(rows, list) and rows and role + PROMPT_SUFFIX in rows[0]:
+            elif isinstance(rows, list) and rows and rows[0].get(role + PROMPT_SUFFIX) is not None:
                 batch[role + PROMPT_SUFFIX] = int(rows[0][role + PROMPT_SUFFIX])
         return batch
 
@@ -252,3 +269,50 @@ def collator_for(model, roles: list[str], pad_to_multiple_of: int | None = None)
         pad_to_multiple_of=pad_to_multiple_of,
         max_length=getattr(model, "max_seq_length", None),
     )
+
+
+@dataclass
+class TextCollator(SentenceTransformerDataCollator):
+    """sentence-transformers' collator (tokenizing texts as it goes, ``data.pretokenize: false``) for
+    batches of one source each: a column the batch's source does not map (null in the batch's rows,
+    see :func:`cembed.data.prepare.prepare_data`) is left out before tokenizing, so the loss embeds
+    the source's own columns. Per-source prompts use sentence-transformers' own per-dataset form
+    (``prompts = {source name: {column: prompt}}`` with a ``dataset_name`` in each row,
+    :class:`SourceNamedRows`)."""
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        if features:
+            absent = [k for k, v in features[0].items() if v is None]
+            if absent:
+                features = [{k: v for k, v in row.items() if k not in absent} for row in features]
+        return super().__call__(features)
+
+
+class SourceNamedRows(torch.utils.data.Dataset):
+    """A dataset whose rows also carry ``dataset_name``: the name of the source that holds the row
+    (sources' rows are consecutive, in ``names`` order, ``sizes`` rows each), which
+    sentence-transformers' collator reads to pick that source's prompts.
+
+    Args:
+        dataset: the training dataset (row indices as the sampler gives them).
+        names: each source's name.
+        sizes: each source's rows.
+    """
+
+    def __init__(self, dataset, names: list[str], sizes: list[int]) -> None:
+        self.dataset = dataset
+        self.names = list(names)
+        self.ends = np.cumsum(sizes)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _name(self, index: int) -> str:
+        return self.names[int(np.searchsorted(self.ends, index, side="right"))]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {**self.dataset[index], "dataset_name": self._name(index)}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        rows = self.dataset.__getitems__(list(indices))
+        return [{**row, "dataset_name": self._name(i)} for row, i in zip(rows, indices)]

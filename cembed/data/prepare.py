@@ -3,12 +3,17 @@
 The output is a :class:`PreparedData` whose ``dataset`` has exactly the columns the loss embeds, in
 order: ``anchor``, ``positive``, then ``negative_1`` ... ``negative_k``. Nothing unnamed survives,
 so nothing unnamed is embedded.
+
+Several sources may map different numbers of negatives (triplets beside pairs): the dataset then has
+the widest source's columns and a source's rows hold nulls in the columns it does not map. Every
+batch holds one source's rows (:mod:`cembed.data.mixture`), so a batch carries only its source's
+columns: the collators leave the null columns out and the loss embeds the columns that come.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import pyarrow as pa
@@ -39,7 +44,21 @@ class PreparedData:
 
     @property
     def columns(self) -> list[str]:
+        """The dataset's role columns: the widest source's layout (see the module docstring)."""
         return list(self.dataset.column_names)
+
+    def source_columns(self) -> list[list[str]]:
+        """Each source's own role columns, in ``dataset`` order (one entry for a single source)."""
+        return [[c for c in self.columns if c in s.roles] for s in self.sources] or [self.columns]
+
+    def sample_texts(self) -> dict[str, list[str]]:
+        """One text of every column (``{column: [text]}``), from the first source that maps it; for
+        the checks that run the model once per column (unused parameters)."""
+        out: dict[str, list[str]] = {}
+        for src, columns in zip(self.sources or [None], self.source_columns()):
+            row = self.dataset[src.offset if src is not None else 0]
+            out |= {c: [row[c]] for c in columns if c not in out}
+        return {c: out[c] for c in self.columns if c in out}
 
     def source_sizes(self) -> list[int]:
         """Rows of each source, in ``dataset`` order (one entry for a single source)."""
@@ -58,6 +77,9 @@ class SourceData:
     rows: int
     offset: int
     roles: dict[str, str] = field(default_factory=dict)  # role column -> this source's column
+    prompts: Any = (
+        None  # PromptsConfig: its own prompts over data.prompts (data.train.<name>.prompts); None: data.prompts'
+    )
 
     @property
     def where(self) -> str:
@@ -216,11 +238,21 @@ def source_views(data: PreparedData) -> list[PreparedData]:
     if len(data.sources) <= 1:
         return [data]
     views = []
-    for src in data.sources:
-        rows = data.dataset.select(range(src.offset, src.offset + src.rows))
-        view_src = SourceData(src.name, src.label, src.key, src.rows_read, src.rows_dropped, src.rows, 0, src.roles)
+    for src, columns in zip(data.sources, data.source_columns()):
+        rows = data.dataset.select(range(src.offset, src.offset + src.rows)).select_columns(columns)
+        view_src = replace(src, offset=0)
         views.append(PreparedData(rows, src.where, src.rows_read, src.rows_dropped, src.roles, [view_src]))
     return views
+
+
+def card_datasets(data: PreparedData):
+    """Each source's rows with its own columns, as a ``DatasetDict`` by source name, for what the
+    model card describes, when the sources' columns differ; None otherwise (the dataset itself)."""
+    if len({tuple(c) for c in data.source_columns()}) <= 1:
+        return None
+    import datasets
+
+    return datasets.DatasetDict({s.name: v.dataset for s, v in zip(data.sources, source_views(data))})
 
 
 def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, SourceData, list[str]]:
@@ -250,7 +282,8 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
     dataset, dropped = check_cells(dataset, label, roles, drop_invalid, row_locator(source))
     if len(dataset) == 0:
         raise UserError(f"{label}: every row was invalid and dropped; nothing is left to train on")
-    info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles)
+    prompts = item.prompts if item.own_prompts else None
+    info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles, prompts)
     return dataset, info, notes + expanded
 
 
@@ -258,10 +291,12 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     """Prepare every source of ``cfg.train`` (:func:`prepare_source`); several sources are
     concatenated in config order (:attr:`PreparedData.sources` says which rows are whose).
 
+    Sources may map different numbers of negatives: a source's rows hold nulls in the columns of
+    the wider sources' layout that it does not map (every batch is one source, and carries only its
+    source's columns).
+
     Raises:
-        UserError: see :func:`prepare_source`; also sources whose roles differ (every batch is one
-            source, but a run trains one column layout: the collator, the loss and the ranks'
-            collectives see the same columns at every step).
+        UserError: see :func:`prepare_source`.
     """
     parts = [prepare_source(item, cfg.drop_invalid_rows) for item in cfg.sources()]
     datasets_, infos = [p[0] for p in parts], [p[1] for p in parts]
@@ -269,19 +304,14 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     if len(parts) == 1:
         info = infos[0]
         return PreparedData(datasets_[0], info.where, info.rows_read, info.rows_dropped, info.roles, infos, warnings)
-    layouts = {tuple(d.column_names) for d in datasets_}
-    if len(layouts) > 1:
-        shown = "; ".join(f"{i.name}: {', '.join(d.column_names)}" for i, d in zip(infos, datasets_))
-        raise UserError(
-            f"data.train: the sources map different roles ({shown}); a run trains one column layout, so map "
-            "the same number of negatives in every source's columns (or none)"
-        )
     import datasets
 
+    widest = max((d.column_names for d in datasets_), key=len)  # anchor, positive, negative_1..k: nested layouts
+    datasets_ = [_widened(d, widest) for d in datasets_]
     offset = 0
     for info in infos:
         info.offset, offset = offset, offset + info.rows
-    roles = {role: " | ".join(dict.fromkeys(i.roles[role] for i in infos)) for role in datasets_[0].column_names}
+    roles = {role: " | ".join(dict.fromkeys(i.roles[role] for i in infos if role in i.roles)) for role in widest}
     return PreparedData(
         dataset=datasets.concatenate_datasets(datasets_),
         source=" + ".join(i.name for i in infos),
@@ -291,6 +321,16 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
         sources=infos,
         warnings=warnings,
     )
+
+
+def _widened(dataset, columns: list[str]):
+    """``dataset`` with a null text column for each of ``columns`` it lacks, in ``columns``' order."""
+    import datasets
+
+    missing = [c for c in columns if c not in dataset.column_names]
+    for column in missing:
+        dataset = dataset.add_column(column, [None] * len(dataset), feature=datasets.Value("string"))
+    return dataset.select_columns(columns) if missing else dataset
 
 
 def prepare_checked_data(
@@ -334,7 +374,7 @@ def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: b
         if not no_duplicates:
             continue
         rows = table.slice(src.offset, n)
-        for role in data.columns:
+        for role in [c for c in data.columns if c in src.roles or not data.sources]:
             distinct = pc.count_distinct(rows.column(role)).as_py()
             if distinct < global_batch_size:
                 raise UserError(
@@ -385,11 +425,47 @@ def truncation_report(
     out = []
     for col in dataset.column_names:
         prompt = (prompts or {}).get(col, "")
-        texts = [prompt + str(t) for t in (dataset[col][:n] if n < len(dataset) else dataset[col])]
+        cells = dataset[col][:n] if n < len(dataset) else dataset[col]
+        texts = [prompt + str(t) for t in cells if t is not None]  # null: a source without this column
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]]
         over = sum(1 for x in lengths if x > max_seq_length)
-        out.append(ColumnTruncation(col, (roles or {}).get(col, col), n, over, max(lengths, default=0)))
+        out.append(ColumnTruncation(col, (roles or {}).get(col, col), len(texts), over, max(lengths, default=0)))
     return out
+
+
+def resolve_source_prompts(data: PreparedData, model, run_prompts) -> list | None:
+    """Each source's prompts (:class:`cembed.model.prompts.RolePrompts`, in ``data.sources`` order)
+    when a source sets its own (``data.train.<name>.prompts``, role by role over ``data.prompts``,
+    then the model's own); None when none does (every source trains with ``run_prompts``).
+
+    Raises:
+        ModelRefused: a source's ``{name: ...}`` names no prompt of the model (the message names
+            ``data.train.<name>.prompts.<role>``).
+    """
+    from cembed.model.prompts import resolve_prompts
+
+    if not any(s.prompts is not None for s in data.sources):
+        return None
+    return [
+        run_prompts if s.prompts is None else resolve_prompts(s.prompts, model, where=f"{s.key}.prompts")
+        for s in data.sources
+    ]
+
+
+def _merged_truncation(reports: list[list[ColumnTruncation]]) -> list[ColumnTruncation]:
+    """Per-source truncation reports as one per column (rows and truncated rows summed, longest kept)."""
+    merged: dict[str, ColumnTruncation] = {}
+    for report in reports:
+        for c in report:
+            m = merged.get(c.column)
+            merged[c.column] = (
+                c
+                if m is None
+                else ColumnTruncation(
+                    c.column, m.source, m.rows + c.rows, m.truncated + c.truncated, max(m.max_tokens, c.max_tokens)
+                )
+            )
+    return list(merged.values())
 
 
 class ModelTruncation(NamedTuple):
@@ -431,6 +507,16 @@ def model_truncation_report(
     attention = resolve_unpad(model, unpad)
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
         return ModelTruncation(length, [], pooling, weights, prompts, attention)
-    by_column = prompts.for_columns(data.columns)
-    report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows, by_column)
+    per_source = resolve_source_prompts(data, model, prompts)
+    if per_source is None:
+        by_column = prompts.for_columns(data.columns)
+        report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows, by_column)
+    else:  # each source's rows with its own prompts
+        views = source_views(data)
+        report = _merged_truncation(
+            [
+                truncation_report(v.dataset, model.tokenizer, length, data.roles, sample_rows, p.for_columns(v.columns))
+                for v, p in zip(views, per_source)
+            ]
+        )
     return ModelTruncation(length, report, pooling, weights, prompts, attention)

@@ -48,15 +48,19 @@ def hash_texts(texts: list[str]) -> np.ndarray:
     return np.fromiter((h(t.encode("utf-8")) for t in texts), dtype=np.uint64, count=len(texts))
 
 
-def hash_token_ids(column, skip: int = 0) -> np.ndarray:
+def hash_token_ids(column, skip: int | np.ndarray = 0) -> np.ndarray:
     """xxh64 of each row's token ids (an arrow list column) after the first ``skip`` (a prompt's
-    tokens), shape ``(rows,)`` uint64."""
+    tokens; one count for every row, or one per row), shape ``(rows,)`` uint64."""
     lists = column.combine_chunks() if hasattr(column, "combine_chunks") else column
     offsets = lists.offsets.to_numpy()
-    values = np.ascontiguousarray(lists.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
+    values = np.ascontiguousarray(lists.values.to_numpy(zero_copy_only=False), dtype=np.int64)
+    # ``values`` is the whole child array: offsets index into it (a null row's slot is skipped by them).
+    starts = np.minimum(
+        offsets[:-1] + np.broadcast_to(np.asarray(skip, dtype=np.int64), offsets[:-1].shape), offsets[1:]
+    )
     h = xxhash.xxh64_intdigest
     return np.fromiter(
-        (h(values[min(offsets[i] + skip, offsets[i + 1]) : offsets[i + 1]].tobytes()) for i in range(len(offsets) - 1)),
+        (h(values[starts[i] : offsets[i + 1]].tobytes()) for i in range(len(offsets) - 1)),
         dtype=np.uint64,
         count=len(offsets) - 1,
     )
@@ -67,20 +71,28 @@ def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
     ``(rows, 0)``): shape ``(rows, columns)`` uint64. A column pre-tokenized as
     ``<column>_input_ids`` is hashed by its token ids, the text as the model sees it (casing and
     spacing an uncased tokenizer removes, truncation), without its prompt's tokens (a
-    ``<column>_prompt_length`` column: one text is one text whichever role's prompt it carries), else
-    by its text; ``None`` hashes as ``''``."""
+    ``<column>_prompt_length`` column, per row: one text is one text whichever prompt it carries),
+    else by its text. A null cell (a source that does not map the column, see
+    :func:`cembed.data.prepare.prepare_data`) is no text: it takes the row's first column's hash, and
+    a text repeated inside one row never collides."""
     table = arrow_table(dataset)
     if columns is None:
         columns = [c for c in table.column_names if c != "dataset_name"]
     out = np.empty((table.num_rows, len(columns)), dtype=np.uint64)
+    null = np.zeros((table.num_rows, len(columns)), dtype=bool)
     for j, col in enumerate(columns):
+        null[:, j] = table.column(col).is_null().to_numpy(zero_copy_only=False)
         if col + TOKEN_SUFFIX in table.column_names:
             skip = 0
-            if col + PROMPT_SUFFIX in table.column_names and table.num_rows:
-                skip = int(table.column(col + PROMPT_SUFFIX)[0].as_py())
+            if col + PROMPT_SUFFIX in table.column_names:
+                lengths = table.column(col + PROMPT_SUFFIX).fill_null(0)
+                skip = np.asarray(lengths.to_numpy(), dtype=np.int64)
             out[:, j] = hash_token_ids(table.column(col + TOKEN_SUFFIX), skip)
         else:
             out[:, j] = hash_texts(["" if t is None else str(t) for t in table.column(col).to_pylist()])
+    if null.any() and len(columns):
+        rows, cols = np.nonzero(null)
+        out[rows, cols] = out[rows, 0]  # the anchor: every source maps it
     return out
 
 

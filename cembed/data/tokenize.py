@@ -17,12 +17,13 @@ does not hold, the caller falls back to tokenizing in the collator.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,21 +50,60 @@ def cache_key(
 
 
 def _tokenize_batch(
-    batch: dict[str, list], roles: list[str], tokenizer, max_length: int, prompts: dict[str, str] | None = None
+    batch: dict[str, list],
+    indices: list[int],
+    roles: list[str],
+    tokenizer,
+    max_length: int,
+    starts: list[int],
+    prompts: list[dict[str, str]],
 ) -> dict[str, list]:
-    # Module level: datasets.map(num_proc>1) pickles it into worker processes.
+    # Module level: datasets.map(num_proc>1) pickles it into worker processes. Row ``i`` belongs to
+    # the source whose first row is the last of ``starts`` <= i, and takes that source's prompts; a
+    # null cell (a source without the column) stays null.
+    groups = [bisect.bisect_right(starts, i) - 1 for i in indices]
     out = {}
     for role in roles:
-        prompt = (prompts or {}).get(role, "")
+        cells = batch[role]
+        present = [k for k, t in enumerate(cells) if t is not None]
+        texts = [prompts[groups[k]].get(role, "") + cells[k] for k in present]
         enc = tokenizer(
-            [prompt + t for t in batch[role]] if prompt else batch[role],
+            texts,
             truncation=True,
             max_length=max_length,
             add_special_tokens=True,
             return_attention_mask=False,
             return_token_type_ids=False,
-        )
-        out[role + TOKEN_SUFFIX] = enc["input_ids"]
+        )["input_ids"]
+        ids: list = [None] * len(cells)
+        for k, row_ids in zip(present, enc):
+            ids[k] = row_ids
+        out[role + TOKEN_SUFFIX] = ids
+    return out
+
+
+@dataclass(frozen=True)
+class SourcePrompts:
+    """One training source's prompts for :func:`pretokenize`: its ``rows`` follow the previous
+    sources' rows in the dataset (``data.train.<name>.prompts``, see :mod:`cembed.model.prompts`)."""
+
+    rows: int
+    prompts: dict[str, str] = field(default_factory=dict)  # role column -> prompt (absent or "": none)
+    lengths: dict[str, int] = field(default_factory=dict)  # role column -> the prompt's token count
+
+
+def _prompt_groups(
+    n: int, roles: list[str], prompts, prompt_lengths, sources: list[SourcePrompts] | None
+) -> list[SourcePrompts]:
+    """The per-source prompts, restricted to ``roles`` and non-empty prompts (one group for the
+    whole dataset when ``sources`` is None)."""
+    groups = sources if sources is not None else [SourcePrompts(n, prompts or {}, prompt_lengths or {})]
+    out = []
+    for g in groups:
+        kept = {r: p for r, p in g.prompts.items() if p and r in roles}
+        out.append(SourcePrompts(g.rows, kept, {r: n for r, n in g.lengths.items() if r in kept}))
+    if sum(g.rows for g in out) != n:
+        raise ValueError(f"the sources' prompts cover {sum(g.rows for g in out)} rows, the dataset {n}")
     return out
 
 
@@ -86,8 +126,10 @@ def pretokenize(
     num_proc: int | None = None,
     prompts: dict[str, str] | None = None,
     prompt_lengths: dict[str, int] | None = None,
+    sources: list[SourcePrompts] | None = None,
 ) -> Pretokenized:
-    """Tokenize each role column once (or load the cached result).
+    """Tokenize each role column once (or load the cached result). A null cell (a source that does
+    not map the column) stays null.
 
     Args:
         dataset: a ``datasets.Dataset`` with one text column per role.
@@ -103,15 +145,22 @@ def pretokenize(
         prompt_lengths: ``{role: tokens}`` (:func:`cembed.model.prompts.prompt_lengths`), stored as a
             constant ``<role>_prompt_length`` column: the collator passes it to the model
             (``Pooling(include_prompt=False)``), the sampler compares texts without it.
+        sources: per-source prompts instead of ``prompts`` / ``prompt_lengths`` (several sources,
+            each with its own prompts): each source's rows get its prompts, and the
+            ``<role>_prompt_length`` column holds each row's source's count (null where the source has
+            no prompt for the role).
 
     Returns:
         :class:`Pretokenized`; ``from_cache`` tells whether tokenization was skipped.
     """
     from datasets import List, Value, load_from_disk
 
-    prompts = {r: p for r, p in (prompts or {}).items() if p and r in roles}
-    lengths = {r: n for r, n in (prompt_lengths or {}).items() if r in prompts}
-    prompted = {"prompts": prompts, "prompt_lengths": lengths} if prompts else None
+    groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, sources)
+    prompted = None
+    if len(groups) == 1 and groups[0].prompts:  # the key of one source's prompts, as before sources had them
+        prompted = {"prompts": groups[0].prompts, "prompt_lengths": groups[0].lengths}
+    elif any(g.prompts for g in groups):
+        prompted = {"sources": [[g.rows, g.prompts, g.lengths] for g in groups]}
     key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted)
     path = cache_root("tokenized", cache_dir) / key
     if (path / "dataset_info.json").exists():
@@ -127,15 +176,23 @@ def pretokenize(
     tokenized = dataset.map(
         _tokenize_batch,
         batched=True,
+        with_indices=True,
         batch_size=2048,
         num_proc=num_proc if num_proc > 1 else None,
-        fn_kwargs={"roles": roles, "tokenizer": tokenizer, "max_length": max_seq_length, "prompts": prompts},
+        fn_kwargs={
+            "roles": roles,
+            "tokenizer": tokenizer,
+            "max_length": max_seq_length,
+            "starts": [sum(g.rows for g in groups[:i]) for i in range(len(groups))],
+            "prompts": [g.prompts for g in groups],
+        },
         features=features,
         desc="Tokenizing",
         load_from_cache_file=False,
     )
-    for role, length in lengths.items():
-        tokenized = tokenized.add_column(role + PROMPT_SUFFIX, [length] * len(tokenized), feature=Value("int32"))
+    for role in [r for r in roles if any(r in g.lengths for g in groups)]:
+        column = [n for g in groups for n in [g.lengths.get(role)] * g.rows]
+        tokenized = tokenized.add_column(role + PROMPT_SUFFIX, column, feature=Value("int32"))
     # Written to a temporary sibling, then renamed: a killed run never leaves a half-written entry.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=path.parent))
@@ -150,23 +207,38 @@ def pretokenize(
 
 
 def matches_model_preprocessing(
-    model, collator: PaddingCollator, dataset, rows: int = 64, prompts: dict[str, str] | None = None
+    model,
+    collator: PaddingCollator,
+    dataset,
+    rows: int = 64,
+    prompts: dict[str, str] | None = None,
+    sources: list[SourcePrompts] | None = None,
 ) -> bool:
-    """Whether padding the stored ids of the first ``rows`` rows gives exactly what
-    ``model.preprocess`` gives for their texts with the role's prompt (ids, attention mask, token
-    types, prompt length). The ids are fetched as training fetches them (:class:`TokenIdRows`) and
-    padded to the longest row, as the model pads (``pad_to_multiple_of`` is left out)."""
-    sample = dataset.select(range(min(rows, len(dataset))))
+    """Whether padding the stored ids of the first ``rows`` rows (of each source, with ``sources``)
+    gives exactly what ``model.preprocess`` gives for their texts with the role's prompt (ids,
+    attention mask, token types, prompt length), for the columns the source maps, and no batch
+    carries a column its source does not map. The ids are fetched as training fetches them
+    (:class:`TokenIdRows`) and padded to the longest row, as the model pads (``pad_to_multiple_of``
+    is left out)."""
     plain = replace(collator, pad_to_multiple_of=None)
-    batch = plain(TokenIdRows(dataset, collator.roles).__getitems__(list(range(len(sample)))))
-    for role in collator.roles:
-        prompt = (prompts or {}).get(role) or None
-        ref = model.preprocess(sample[role], prompt=prompt) if prompt else model.preprocess(sample[role])
-        for key in ("input_ids", "attention_mask", "token_type_ids"):
-            if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"]):
+    start = 0
+    for group in _prompt_groups(len(dataset), collator.roles, prompts, None, sources):
+        indices = list(range(start, start + min(rows, group.rows)))
+        start += group.rows
+        sample = dataset.select(indices)
+        batch = plain(TokenIdRows(dataset, collator.roles).__getitems__(indices))
+        for role in collator.roles:
+            if sample[0][role] is None:  # a column this source does not map is left out of its batches
+                if any(k.startswith(role + "_") for k in batch):
+                    return False
+                continue
+            prompt = group.prompts.get(role) or None
+            ref = model.preprocess(sample[role], prompt=prompt) if prompt else model.preprocess(sample[role])
+            for key in ("input_ids", "attention_mask", "token_type_ids"):
+                if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"]):
+                    return False
+            if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
                 return False
-        if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
-            return False
     return True
 
 
@@ -177,11 +249,13 @@ def tokenize_stage(
     cache_dir: str | None,
     prompts: dict | None = None,
     pad_to_multiple_of: int | None = None,
+    source_prompts: list[dict[str, str]] | None = None,
 ):
     """Pre-tokenize ``data`` (:class:`cembed.data.prepare.PreparedData`) for ``model`` (cached), ``prompts`` (``{role column: prompt}``)
     prepended, or leave tokenizing to the collator. Returns ``(dataset, collator or None, info)``:
     ``collator`` is ``None`` when sentence-transformers' collator (tokenizing on the fly) is used, ``info`` says why.
     ``pad_to_multiple_of`` (``batch.pad_to_multiple_of``) is applied by the pre-tokenized collator.
+    ``source_prompts``: one ``{role column: prompt}`` per source of ``data.sources`` instead of ``prompts``.
     """
     roles = data.columns
     if not enabled:
@@ -190,9 +264,15 @@ def tokenize_stage(
     if collator is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
     started = time.perf_counter()
+    sources = None
+    if source_prompts is not None:
+        sizes = data.source_sizes()
+        sources = [SourcePrompts(n, p, prompt_lengths(model, p)) for n, p in zip(sizes, source_prompts)]
     lengths = prompt_lengths(model, prompts or {})  # ``Pooling(include_prompt=False)`` needs them
-    result = pretokenize(data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir, None, prompts, lengths)
-    if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts):
+    result = pretokenize(
+        data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir, None, prompts, lengths, sources
+    )
+    if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts, sources=sources):
         return data.dataset, None, {"pretokenized": False, "reason": "stored ids differ from the model's preprocessing"}
     info = {
         "pretokenized": True,

@@ -170,7 +170,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
             f"batch.drop_last=false has no effect with {world} processes: every rank needs a full batch of the "
             "same size, so rows that cannot fill a whole global batch at the end of an epoch are left out"
         )
-    n_columns = 2 + len(cfg.data.sources()[0].columns.negatives)  # every source maps the same roles
+    n_columns = cfg.data.max_columns()  # the widest source: the worst case of a step
     workers, how, shm = resolve_workers(
         cfg.train.dataloader_num_workers,
         b.per_device_train_batch_size,

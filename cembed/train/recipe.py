@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from cembed.config.schema import CembedConfig
 from cembed.data.mixture import SourceMix
-from cembed.data.prepare import PreparedData, UnloadedData, prepare_checked_data
+from cembed.data.prepare import (
+    PreparedData,
+    UnloadedData,
+    card_datasets,
+    prepare_checked_data,
+    resolve_source_prompts,
+)
 from cembed.data.tokenize import tokenize_stage
 from cembed.distributed.ddp import freeze_unused_parameters
 from cembed.distributed.fsdp import gathered_model
@@ -237,6 +243,8 @@ class Components:
     weights: Any = None  # cembed.model.load.WeightDtypes: stored, training, autocast and saved dtypes
     prompts: RolePrompts = field(default_factory=RolePrompts)  # each role's prompt
     sources: SourceMix | None = None  # the training sources and how batches are drawn from them
+    source_prompts: list[RolePrompts] | None = None  # per source, when a source sets prompts of its own
+    card_dataset: Any = None  # what the model card describes (sources with different columns), else None
 
 
 def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None) -> Components:
@@ -251,6 +259,10 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     model = load_model(cfg.model, device, seed=cfg.train.seed)
     prompts = resolve_prompts(cfg.data.prompts, model)
     set_trained_prompts(model, prompts)  # every save (checkpoints, the final model) carries them
+    per_source = resolve_source_prompts(data, model, prompts)  # sources with prompts of their own
+    by_source = None
+    if per_source is not None:
+        by_source = [p.for_columns(c) for p, c in zip(per_source, data.source_columns())]
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
         train_dataset, collator, token_info = tokenize_stage(
             model,
@@ -259,8 +271,11 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
             cfg.data.cache_dir,
             prompts.for_columns(data.columns),
             cfg.batch.pad_to_multiple_of,
+            by_source,
         )
     token_info["prompts"] = prompts.to_dict()
+    if per_source is not None:
+        token_info["source_prompts"] = {s.name: p.to_dict() for s, p in zip(data.sources, per_source)}
     loss = build_loss(
         model,
         cfg.loss,
@@ -279,7 +294,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
             "gather_across_devices": plan.gather_across_devices,
             # The sampler only yields whole global batches and these never get a gradient, so DDP
             # needs no unused-parameter search.
-            "frozen_unused_parameters": freeze_unused_parameters(model, data.dataset[:1]),  # every column
+            "frozen_unused_parameters": freeze_unused_parameters(model, data.sample_texts()),  # every column
             "find_unused_parameters": False,
         }
     evaluation = None
@@ -290,7 +305,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
     weights = weight_dtypes(model, cfg.model, plan.precision)
-    return Components(*parts, weights, prompts, mix)
+    return Components(*parts, weights, prompts, mix, per_source, card_datasets(data))
 
 
 @dataclass
@@ -327,6 +342,11 @@ def build_trainer(
     args = build_training_args(cfg, plan, eval_args, layers, parts.sources)
     if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
         args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
+        if parts.source_prompts is not None:  # its per-dataset form: source name -> column -> prompt
+            names = list(parts.sources.names)
+            args.prompts = {
+                n: p.for_columns(parts.train_dataset.column_names) for n, p in zip(names, parts.source_prompts)
+            }
     flops = build_flop_model(parts.model, parts.loss.cached, plan.precision, plan.device, cfg.train.peak_tflops)
     trainer = trainer_cls(
         model=parts.model,
@@ -338,9 +358,12 @@ def build_trainer(
         meter=ThroughputMeter(parts.loss.token_counts, flops, filter_counts=parts.loss.filter_counts),
         nonfinite_policy=cfg.train.nonfinite_loss,
         built_loss=parts.loss,
+        card_dataset=parts.card_dataset,
     )
     trainer.remove_callback(PrinterCallback)
     trainer.run_record = run_dir.record
+    if parts.collator is None and parts.source_prompts is not None:  # rows name their source for its prompts
+        trainer.source_rows = (list(parts.sources.names), list(parts.sources.sizes))
     log = RunLog()
     display = display if display is not None else QuietRunDisplay()
     progress = display.progress(log, plan.samples_per_step)

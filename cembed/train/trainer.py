@@ -37,7 +37,7 @@ from sentence_transformers import SentenceTransformerTrainer
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
-from cembed.data.collator import PaddingCollator, TokenIdRows
+from cembed.data.collator import PaddingCollator, SourceNamedRows, TextCollator, TokenIdRows
 from cembed.distributed.collectives import gather_over_ranks, max_over_ranks, require_same_on_all_ranks
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
 from cembed.distributed.group import main_first
@@ -62,7 +62,17 @@ class CembedTrainer(SentenceTransformerTrainer):
         nonfinite_policy: ``"stop"`` (raise :class:`~cembed.errors.RunFailed`) or ``"skip"``.
         built_loss: the :class:`~cembed.losses.registry.BuiltLoss` whose ``module`` is ``loss``: its
             mini-batching is what :meth:`collective_facts` compares across ranks (None: the class only).
+        card_dataset: what the model card describes as the training data instead of ``train_dataset``
+            (sources with different columns: a ``DatasetDict`` of each source's own columns, since the
+            card's statistics cannot read the null cells of the columns a source does not map).
+
+    Without pre-tokenization the collator is :class:`~cembed.data.collator.TextCollator` (a batch
+    carries only its source's columns); with per-source prompts (``args.prompts`` keyed by source
+    name) the training rows carry their source's name (:class:`~cembed.data.collator.SourceNamedRows`,
+    from :attr:`source_rows`: ``(names, sizes)``, set before the data loader is built).
     """
+
+    data_collator_class = TextCollator
 
     def __init__(
         self,
@@ -70,8 +80,10 @@ class CembedTrainer(SentenceTransformerTrainer):
         meter: ThroughputMeter | None = None,
         nonfinite_policy: str = "stop",
         built_loss: BuiltLoss | None = None,
+        card_dataset=None,
         **kwargs,
     ) -> None:
+        self._card_dataset = card_dataset
         super().__init__(*args, **kwargs)
         self.built_loss = built_loss
         self.meter = meter
@@ -84,11 +96,22 @@ class CembedTrainer(SentenceTransformerTrainer):
         require_same_on_all_ranks(self.collective_facts())
         self.last_checkpoint: str | None = None
         self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
+        self.source_rows: tuple[list[str], list[int]] | None = None  # per-source prompts without pre-tokenization
         self._train_dataloader = None
         self._staging_root: str | None = None
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (step, detached loss) per micro-batch
         self._step_losses: dict[int, float] = {}
         self._skipped_steps: set[int] = set()
+
+    def add_model_card_callback(self, default_args_dict: dict) -> None:
+        # sentence-transformers' card reads ``self.train_dataset`` once, here (datasets, widget examples).
+        if self._card_dataset is None:
+            return super().add_model_card_callback(default_args_dict)
+        train, self.train_dataset = self.train_dataset, self._card_dataset
+        try:
+            super().add_model_card_callback(default_args_dict)
+        finally:
+            self.train_dataset = train
 
     def collective_facts(self) -> dict[str, object]:
         """What decides the collectives a training step issues: the loss and its mini-batching
@@ -163,9 +186,13 @@ class CembedTrainer(SentenceTransformerTrainer):
     def _build_dataloader(self, dataset, batch_size, dataset_kind):
         # Pre-tokenized training batches are fetched a batch at a time from the Arrow table (TokenIdRows).
         loader = super()._build_dataloader(dataset, batch_size, dataset_kind)
+        keep = ("batch_sampler", "collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        if dataset_kind == "train" and isinstance(self.data_collator, TextCollator) and self.source_rows:
+            # Text batches name their source, so sentence-transformers' collator picks its prompts.
+            rows = SourceNamedRows(dataset, *self.source_rows)
+            return DataLoader(rows, **{k: getattr(loader, k) for k in keep})
         if dataset_kind != "train" or not isinstance(self.data_collator, PaddingCollator):
             return loader
-        keep = ("batch_sampler", "collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
         return DataLoader(TokenIdRows(dataset, self.data_collator.roles), **{k: getattr(loader, k) for k in keep})
 
     def get_batch_samples(self, *args, **kwargs):

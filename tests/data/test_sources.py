@@ -285,18 +285,34 @@ def test_list_of_negatives_is_expanded_with_a_count(tmp_path, pairs_file):
         prepare_data(cfg.data)
 
 
-def test_sources_with_different_roles_are_refused(tmp_path, pairs_file):
+def test_sources_with_different_roles_share_the_widest_layout(tmp_path, pairs_file):
+    """Pairs beside triplets: the dataset has the triplets' columns, the pairs' rows hold nulls in the
+    negative they do not map; each source keeps its own columns (views, batchability, sample texts)."""
+    from cembed.data.prepare import check_batchable, source_views
+
     triplets = pairs_file([{"anchor": f"a{i}", "positive": f"p{i}", "negative": f"n{i}"} for i in range(8)], "t.jsonl")
-    pairs = pairs_file([{"anchor": f"a{i}", "positive": f"p{i}"} for i in range(8)], "p.jsonl")
+    pairs = pairs_file([{"q": f"q{i}", "a": f"x{i}"} for i in range(6)], "p.jsonl")
     cfg = config_from_dict(
-        {"data": {"train": [str(pairs), {"path": str(triplets), "columns": {"negatives": ["negative"]}}]}},
+        {
+            "data": {
+                "train": [
+                    {"path": str(pairs), "columns": {"anchor": "q", "positive": "a"}},
+                    {"path": str(triplets), "columns": {"negatives": ["negative"]}},
+                ]
+            }
+        },
         base=tmp_path,
     )
-    assert [s.name for s in cfg.data.sources()] == ["p", "t"]
-    with pytest.raises(
-        UserError, match=r"the sources map different roles \(p: anchor, positive; t: anchor, positive, negative_1\)"
-    ):
-        prepare_data(cfg.data)
+    assert [s.name for s in cfg.data.sources()] == ["p", "t"] and cfg.data.max_columns() == 3
+    data = prepare_data(cfg.data)
+    assert data.columns == ["anchor", "positive", "negative_1"]
+    assert data.source_columns() == [["anchor", "positive"], ["anchor", "positive", "negative_1"]]
+    assert data.dataset[0] == {"anchor": "q0", "positive": "x0", "negative_1": None}
+    assert data.dataset[6] == {"anchor": "a0", "positive": "p0", "negative_1": "n0"}
+    assert data.roles == {"anchor": "q | anchor", "positive": "a | positive", "negative_1": "negative"}
+    assert [v.columns for v in source_views(data)] == data.source_columns()
+    assert data.sample_texts() == {"anchor": ["q0"], "positive": ["x0"], "negative_1": ["n0"]}
+    check_batchable(data, 6, no_duplicates=True)  # the pairs' null negatives are not 1 distinct text
 
 
 def test_inspect_data_and_unplaceable_rows_per_source(tiny_model_dir, tmp_path):
