@@ -442,3 +442,167 @@ def test_trained_prompts_replace_the_models_and_keep_its_others(tiny_model_dir):
     assert torch.equal(
         model.encode_document(texts, convert_to_tensor=True), model.encode(texts, prompt="", convert_to_tensor=True)
     )
+
+
+# --- per-source prompts (data.train.<name>.prompts) ---------------------------------------------------
+
+
+def _two_sources(tmp_path, extra: dict | None = None, **sections):
+    """Pairs (task one) and triplets (task two), each with its own anchor prompt; data.prompts gives
+    the positive's."""
+    from cembed.config.file import config_from_dict
+
+    pairs = [{"q": f"what is item {i}", "a": f"item {i} is a red car"} for i in range(16)]
+    triplets = [{"anchor": f"find dog {i}", "positive": f"a dog {i}", "negative": f"a cat {i}"} for i in range(16)]
+    triplets[1]["positive"] = "find dog 0"  # row 0's anchor text, under the positive's prompt
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    (tmp_path / "trip.jsonl").write_text("".join(json.dumps(r) + "\n" for r in triplets))
+    return config_from_dict(
+        {
+            "model": sections.pop("model", {"name_or_path": "unused", "device": "cpu"}),
+            "data": {
+                "train": {
+                    "qa": {
+                        "path": str(tmp_path / "pairs.jsonl"),
+                        "columns": {"anchor": "q", "positive": "a"},
+                        "prompts": {"anchor": "task one: "},
+                    },
+                    "nli": {
+                        "path": str(tmp_path / "trip.jsonl"),
+                        "columns": {"negatives": ["negative"]},
+                        "prompts": {"anchor": "task number two: ", "negatives": ""},
+                    },
+                },
+                "prompts": {"anchor": "run: ", "positive": "doc: "},
+                **(extra or {}),
+            },
+            **sections,
+        },
+        base=tmp_path,
+    )
+
+
+def test_source_prompts_fall_back_role_by_role(tiny_model_dir, tmp_path):
+    from cembed.data.prepare import prepare_data, resolve_source_prompts
+
+    cfg = _two_sources(tmp_path)
+    data = prepare_data(cfg.data)
+    model = _model(tiny_model_dir)
+    run = resolve_prompts(cfg.data.prompts, model)
+    qa, nli = resolve_source_prompts(data, model, run)
+    assert (qa.anchor, qa.positive, qa.negatives) == ("task one: ", "doc: ", "doc: ")
+    assert (nli.anchor, nli.positive, nli.negatives) == ("task number two: ", "doc: ", "")
+    assert qa.origin["anchor"] == "data.train.qa.prompts.anchor"
+    for src in data.sources:  # no source with prompts of its own: every source trains with data.prompts
+        src.prompts = None
+    assert resolve_source_prompts(data, model, run) is None
+
+
+def test_a_source_prompt_naming_no_model_prompt_names_the_source_field(tiny_model_dir, tmp_path):
+    from cembed.data.prepare import prepare_data, resolve_source_prompts
+
+    cfg = _two_sources(tmp_path)
+    cfg.data.train[1].prompts.anchor = PromptsConfig.model_validate({"anchor": {"name": "nli"}}).anchor
+    data = prepare_data(cfg.data)
+    model = _model(tiny_model_dir)
+    with pytest.raises(ModelRefused, match=r"data.train.nli.prompts.anchor: the model has no prompt named 'nli'"):
+        resolve_source_prompts(data, model, resolve_prompts(cfg.data.prompts, model))
+
+
+@pytest.mark.parametrize("include_prompt", [True, False])
+def test_each_source_is_tokenized_with_its_own_prompts(tiny_model_dir, tmp_path, include_prompt):
+    """The pre-tokenized batch of each source equals sentence-transformers' collator given that
+    source's prompts (ids, prompt_length: per source, so Pooling(include_prompt=False) leaves the
+    right number of tokens out), and sentence-transformers' per-dataset prompts (the text path) give
+    the same; the sampler compares texts without their source's prompt."""
+    from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
+
+    from cembed.data.collator import SourceNamedRows, TextCollator, TokenIdRows, collator_for
+    from cembed.data.prepare import prepare_data, resolve_source_prompts
+    from cembed.data.sampler import row_hashes
+    from cembed.data.tokenize import tokenize_stage
+
+    cfg = _two_sources(tmp_path)
+    data = prepare_data(cfg.data)
+    model = _model(tiny_model_dir, include_prompt)
+    run = resolve_prompts(cfg.data.prompts, model)
+    per_source = resolve_source_prompts(data, model, run)
+    by_source = [p.for_columns(c) for p, c in zip(per_source, data.source_columns())]
+    dataset, collator, info = tokenize_stage(
+        model, data, True, str(tmp_path / "cache"), run.for_columns(data.columns), None, by_source
+    )
+    assert info["pretokenized"] is True, info
+    lengths = dataset["anchor_prompt_length"]
+    assert set(lengths[:16]) == {prompt_lengths(model, {"a": "task one: "})["a"]}
+    assert set(lengths[16:]) == {prompt_lengths(model, {"a": "task number two: "})["a"]}
+    assert "negative_1_prompt_length" not in dataset.column_names  # nli: negatives: "" (no prompt); qa: none
+    assert set(dataset["positive_prompt_length"]) == {prompt_lengths(model, {"p": "doc: "})["p"]}
+    text_collator = TextCollator(preprocess_fn=model.preprocess, prompts={"qa": by_source[0], "nli": by_source[1]})
+    named = SourceNamedRows(data.dataset, ["qa", "nli"], [16, 16])
+    for src, rows in ((0, list(range(0, 4))), (1, list(range(16, 20)))):
+        ours = collator(TokenIdRows(dataset, collator.roles).__getitems__(rows))
+        texts = [{c: data.dataset[i][c] for c in data.source_columns()[src]} for i in rows]
+        ref = SentenceTransformerDataCollator(preprocess_fn=model.preprocess, prompts=by_source[src])(texts)
+        text_path = text_collator(named.__getitems__(rows))
+        assert text_path.pop("dataset_name") == ("qa", "nli")[src]
+        for batch in (ours, text_path):
+            assert set(batch) == set(ref), (src, sorted(batch), sorted(ref))
+            for key, value in ref.items():
+                assert torch.equal(batch[key], value) if isinstance(value, torch.Tensor) else batch[key] == value, key
+        with torch.no_grad():
+            for role in data.source_columns()[src]:
+                feats = {k[len(role) + 1 :]: v for k, v in ours.items() if k.startswith(role + "_")}
+                emb = model(feats)["sentence_embedding"]
+                prompt = by_source[src].get(role)
+                enc = model.encode([t[role] for t in texts], prompt=prompt, convert_to_tensor=True)
+                assert torch.allclose(emb, enc, atol=1e-5, rtol=0), (src, role)
+    # "find dog 0" is nli row 0's anchor ("task number two: ...") and row 1's positive ("doc: ..."):
+    # one text to the sampler, since each row's own source's prompt length is skipped.
+    h = row_hashes(dataset, data.columns)
+    assert h[16, 0] == h[17, 1] and len(set(h[:, 0].tolist())) == 32
+
+
+def test_text_path_batches_take_their_sources_prompts(tiny_model_dir, tmp_path):
+    """data.pretokenize: false: the trainer's collator gets sentence-transformers' per-dataset prompts
+    and every batch the data loader yields names its source and carries that source's prompt."""
+    import cembed.train.recipe as T
+
+    cfg = _two_sources(
+        tmp_path,
+        {"pretokenize": False},
+        model={"name_or_path": str(tiny_model_dir), "device": "cpu"},
+        batch={"per_device_train_batch_size": 8, "mini_batch_size": 8},
+        train={"output_dir": str(tmp_path / "out"), "max_steps": 1},
+    )
+    plan, data = T.check_run_inputs(cfg)
+    parts = T.build_components(cfg, plan, data, "cpu")
+    run = T.build_trainer(cfg, plan, parts, T.RunDir(tmp_path / "out", None), T.QuietRunDisplay())
+    assert run.trainer.data_collator.prompts["nli"]["anchor"] == "task number two: "
+    loader = run.trainer.get_train_dataloader()
+    expected = {name: prompt_lengths(parts.model, {"a": p})["a"] for name, p in [("qa", "task one: "), ("nli", "task number two: ")]}
+    seen = set()
+    for batch in loader:
+        name = batch["dataset_name"]
+        seen.add(name)
+        assert batch["anchor_prompt_length"] == expected[name]
+        assert ("negative_1_input_ids" in batch) is (name == "nli")
+    assert seen == {"qa", "nli"}
+
+
+def test_with_source_prompts_the_run_wide_prompts_are_saved(tiny_model_dir, tmp_path):
+    import cembed.train.recipe as T
+
+    cfg = _two_sources(
+        tmp_path,
+        {"cache_dir": str(tmp_path / "cache")},
+        model={"name_or_path": str(tiny_model_dir), "device": "cpu"},
+        batch={"per_device_train_batch_size": 8, "mini_batch_size": 4},
+        train={"output_dir": str(tmp_path / "out"), "max_steps": 2},
+    )
+    plan, data = T.check_run_inputs(cfg)
+    summary = T.run_training(cfg, plan, data)
+    tok = summary["tokenization"]
+    assert tok["pretokenized"] is True
+    assert tok["source_prompts"]["nli"]["anchor"] == {"prompt": "task number two: ", "from": "data.train.nli.prompts.anchor"}
+    saved = json.loads((tmp_path / "out" / "config_sentence_transformers.json").read_text())["prompts"]
+    assert (saved["query"], saved["document"]) == ("run: ", "doc: ")  # data.prompts: the sources' own are not saved
