@@ -579,7 +579,10 @@ def test_text_path_batches_take_their_sources_prompts(tiny_model_dir, tmp_path):
     run = T.build_trainer(cfg, plan, parts, T.RunDir(tmp_path / "out", None), T.QuietRunDisplay())
     assert run.trainer.data_collator.prompts["nli"]["anchor"] == "task number two: "
     loader = run.trainer.get_train_dataloader()
-    expected = {name: prompt_lengths(parts.model, {"a": p})["a"] for name, p in [("qa", "task one: "), ("nli", "task number two: ")]}
+    expected = {
+        name: prompt_lengths(parts.model, {"a": p})["a"]
+        for name, p in [("qa", "task one: "), ("nli", "task number two: ")]
+    }
     seen = set()
     for batch in loader:
         name = batch["dataset_name"]
@@ -603,6 +606,9 @@ def test_with_source_prompts_the_run_wide_prompts_are_saved(tiny_model_dir, tmp_
     summary = T.run_training(cfg, plan, data)
     tok = summary["tokenization"]
     assert tok["pretokenized"] is True
-    assert tok["source_prompts"]["nli"]["anchor"] == {"prompt": "task number two: ", "from": "data.train.nli.prompts.anchor"}
+    assert tok["source_prompts"]["nli"]["anchor"] == {
+        "prompt": "task number two: ",
+        "from": "data.train.nli.prompts.anchor",
+    }
     saved = json.loads((tmp_path / "out" / "config_sentence_transformers.json").read_text())["prompts"]
     assert (saved["query"], saved["document"]) == ("run: ", "doc: ")  # data.prompts: the sources' own are not saved
