@@ -517,7 +517,7 @@ def test_each_source_is_tokenized_with_its_own_prompts(tiny_model_dir, tmp_path,
     the same; the sampler compares texts without their source's prompt."""
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.data.collator import SourceNamedRows, TextCollator, TokenIdRows, collator_for
+    from cembed.data.collator import SourceNamedRows, TextCollator, TokenIdRows
     from cembed.data.prepare import prepare_data, resolve_source_prompts
     from cembed.data.sampler import row_hashes
     from cembed.data.tokenize import tokenize_stage
