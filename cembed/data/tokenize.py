@@ -157,9 +157,10 @@ def pretokenize(
 
     groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, sources)
     prompted = None
-    if len(groups) == 1 and groups[0].prompts:  # the key of one source's prompts, as before sources had them
+    same = all((g.prompts, g.lengths) == (groups[0].prompts, groups[0].lengths) for g in groups)
+    if same and groups[0].prompts:  # the key of one set of prompts, as before sources had their own
         prompted = {"prompts": groups[0].prompts, "prompt_lengths": groups[0].lengths}
-    elif any(g.prompts for g in groups):
+    elif not same:
         prompted = {"sources": [[g.rows, g.prompts, g.lengths] for g in groups]}
     key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted)
     path = cache_root("tokenized", cache_dir) / key
@@ -264,11 +265,12 @@ def tokenize_stage(
     if collator is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
     started = time.perf_counter()
-    sources = None
-    if source_prompts is not None:
-        sizes = data.source_sizes()
-        sources = [SourcePrompts(n, p, prompt_lengths(model, p)) for n, p in zip(sizes, source_prompts)]
     lengths = prompt_lengths(model, prompts or {})  # ``Pooling(include_prompt=False)`` needs them
+    # One group per source, so the check below covers each source's rows (and layout).
+    sizes = data.source_sizes()
+    sources = [SourcePrompts(n, prompts or {}, lengths) for n in sizes]
+    if source_prompts is not None:
+        sources = [SourcePrompts(n, p, prompt_lengths(model, p)) for n, p in zip(sizes, source_prompts)]
     result = pretokenize(
         data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir, None, prompts, lengths, sources
     )
