@@ -33,7 +33,7 @@ MAX_TEXT_BYTES = 1_000_000
 class PreparedData:
     """A checked dataset plus what the run summary reports about it."""
 
-    dataset: object  # datasets.Dataset with columns anchor, positive, negative_1..k
+    dataset: object  # datasets.Dataset with columns anchor, positive, negative_1..k (the widest source's)
     source: str
     rows_read: int
     rows_dropped: int = 0
@@ -478,6 +478,7 @@ class ModelTruncation(NamedTuple):
     weights: Any = None  # cembed.model.load.WeightDtypes: stored, training, autocast and saved dtypes
     prompts: Any = None  # cembed.model.prompts.RolePrompts: each role's prompt
     attention: Any = None  # cembed.model.unpad.Unpadding: packed rows or padded mini-batches (batch.unpad)
+    source_prompts: Any = None  # {source name: RolePrompts} when a source sets prompts of its own, else None
 
 
 def model_truncation_report(
@@ -485,8 +486,9 @@ def model_truncation_report(
 ) -> ModelTruncation:
     """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
     the pooling the model uses, its stored / training / saved dtypes, each role's prompt
-    (``prompts_cfg``, the ``data.prompts`` section, resolved against the model; prompt tokens count
-    toward the length) and the attention path ``unpad`` (``batch.unpad``) gives it; the per-column
+    (``prompts_cfg``, the ``data.prompts`` section, resolved against the model; a source's own
+    ``prompts`` for its rows, :func:`resolve_source_prompts`; prompt tokens count toward the length)
+    and the attention path ``unpad`` (``batch.unpad``) gives it; the per-column
     report is empty for :class:`UnloadedData` (only the model is checked). ``precision`` is the run's
     resolved precision for the dtypes' autocast (``Plan.precision``; None: ``model_cfg.precision``
     resolved on CPU, where the model is loaded).
@@ -519,4 +521,5 @@ def model_truncation_report(
                 for v, p in zip(views, per_source)
             ]
         )
-    return ModelTruncation(length, report, pooling, weights, prompts, attention)
+    by_source = None if per_source is None else {s.name: p for s, p in zip(data.sources, per_source)}
+    return ModelTruncation(length, report, pooling, weights, prompts, attention, by_source)

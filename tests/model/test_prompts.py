@@ -612,3 +612,24 @@ def test_with_source_prompts_the_run_wide_prompts_are_saved(tiny_model_dir, tmp_
     }
     saved = json.loads((tmp_path / "out" / "config_sentence_transformers.json").read_text())["prompts"]
     assert (saved["query"], saved["document"]) == ("run: ", "doc: ")  # data.prompts: the sources' own are not saved
+
+
+def test_validate_reports_each_sources_prompts_and_measures_its_rows_with_them(tiny_model_dir, tmp_path):
+    from cembed.data.prepare import model_truncation_report, prepare_data
+
+    cfg = _two_sources(tmp_path, model={"name_or_path": str(tiny_model_dir), "device": "cpu"})
+    data = prepare_data(cfg.data)
+    report = model_truncation_report(cfg.model, data, prompts_cfg=cfg.data.prompts)
+    assert report.source_prompts["nli"].anchor == "task number two: " and report.prompts.anchor == "run: "
+    columns = {c.column: c for c in report.columns}
+    assert (columns["anchor"].rows, columns["negative_1"].rows) == (32, 16)  # the pairs have no negative_1
+    model = _model(tiny_model_dir)
+    longest = max(
+        len(model.tokenizer(p + t)["input_ids"])
+        for p, texts in (
+            ("task one: ", data.dataset["anchor"][:16]),
+            ("task number two: ", data.dataset["anchor"][16:]),
+        )
+        for t in texts
+    )
+    assert columns["anchor"].max_tokens == longest
