@@ -212,18 +212,41 @@ def test_unsaved_trainable_names_what_a_checkpoint_would_lose(dense_dir):
     assert unsaved_trainable(model) == []
 
 
+def test_a_module_no_checkpoint_restores_is_refused(dense_dir):
+    """A module after the backbone that is not a sentence-transformers module has no weights folder a
+    resume could read: training it under LoRA is refused rather than silently reset on resume."""
+    model = _load(dense_dir)
+    model.append(torch.nn.Linear(16, 16))
+    with pytest.raises(UserError, match=r"^model.lora: 2 trainable parameter\(s\) .* \(first: 3.weight\)"):
+        apply_lora(model, OPTIONS)
+
+
 def test_lora_parts_name_the_dense_head(dense_dir, model_dir):
+    """What ``cembed validate`` says trains: the adapters, and the Dense head beside them."""
+    from cembed.config.schema import ModelConfig
+    from cembed.model.load import load_model, pooling_in_effect
+
     model = _load(dense_dir)
     apply_lora(model, OPTIONS)
     assert trainable_parts(model) == {"adapters": ADAPTER_PARAMS, "2_Dense": DENSE_PARAMS}
     plain = _load(model_dir)
     apply_lora(plain, OPTIONS)
     assert trainable_parts(plain) == {"adapters": ADAPTER_PARAMS}
+    cfg = ModelConfig(name_or_path=str(dense_dir), device="cpu", lora=OPTIONS)
+    text = pooling_in_effect(load_model(cfg, "cpu"), cfg)
+    total = parameter_counts(_load(dense_dir))["total"] + ADAPTER_PARAMS
+    assert text.endswith(
+        f"; LoRA: {ADAPTER_PARAMS + DENSE_PARAMS:,} of {total:,} parameters train (adapters {ADAPTER_PARAMS}; "
+        f"outside them 2_Dense {DENSE_PARAMS}, saved in checkpoints and resumed)"
+    )
 
 
 def _dense_config(write_config, tmp_path, model_dir, out):
     data = tmp_path / "pairs.jsonl"
-    rows = [{"anchor": f"question {i} about a {'red ' * (i % 5)}car", "positive": f"answer {i} on the street"} for i in range(96)]
+    rows = [
+        {"anchor": f"question {i} about a {'red ' * (i % 5)}car", "positive": f"answer {i} on the street"}
+        for i in range(96)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return write_config(
         {
