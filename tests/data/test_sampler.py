@@ -219,7 +219,11 @@ def test_no_repair_shrinks_a_full_batch(seed):
 
     negatives = ["a popular hard negative" if i % 2 else f"negative {i}" for i in range(64)]
     ds = Dataset.from_dict(
-        {"anchor": [f"query {i}" for i in range(64)], "positive": [f"doc {i}" for i in range(64)], "negative": negatives}
+        {
+            "anchor": [f"query {i}" for i in range(64)],
+            "positive": [f"doc {i}" for i in range(64)],
+            "negative": negatives,
+        }
     )
     sampler = NoDuplicatesSampler(ds, batch_size=16, drop_last=False, seed=seed)
     batches = list(sampler)
