@@ -324,6 +324,9 @@ class NoDuplicatesSampler(DefaultBatchSampler):
             and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
         ]
         self.hashes = row_hashes(dataset, self.columns)
+        # How texts were compared, for messages (row_hashes uses the token ids where they exist).
+        token_ids = any(c + TOKEN_SUFFIX in dataset.column_names for c in self.columns)
+        self.compared_as = "token ids, as the model sees them" if token_ids else "raw text"
         self.world_size = world_size or get_world_size()
         self.sources = sources if sources is not None else SourceMix(("data",), (len(dataset),))
         if sum(self.sources.sizes) != len(dataset):
