@@ -87,9 +87,7 @@ def find_unplaceable(
     )
 
 
-def unplaceable_warnings(
-    plan, data, drop_last: bool, seed: int, hashes: np.ndarray | None = None
-) -> tuple[str, ...]:
+def unplaceable_warnings(plan, data, drop_last: bool, seed: int, hashes: np.ndarray | None = None) -> tuple[str, ...]:
     """:func:`find_unplaceable`'s report for each training source under ``plan``'s batch, as warnings
     (printed by ``validate`` and at the start of ``train``, beside the plan's own); empty when every
     row can be placed or ``data`` has no rows loaded (:class:`cembed.data.prepare.UnloadedData`).
