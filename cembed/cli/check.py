@@ -33,13 +33,22 @@ def validate_cmd(
     """Check config, data files and columns without training (no GPU needed).
 
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
-    from cembed.data.placement import unplaceable_warnings
+    from cembed.data.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
     from cembed.train.recipe import check_run_inputs
 
     cfg = load(config, overrides)
     plan, data = check_run_inputs(cfg, world_size_from_flags(nproc_per_node, nnodes), allow_unloaded=True)
-    found = (*getattr(data, "warnings", ()), *unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed))
     truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
+    hashes = None
+    if cfg.sampler.no_duplicates and hasattr(data, "dataset"):
+        # Duplicates and batchability judged as the training sampler will judge them (token ids when
+        # training pre-tokenizes), so what validate passes, train does not refuse.
+        model_cfg = cfg.model if not isinstance(truncation, Exception) else None
+        if model_cfg is not None:
+            hashes, compared = sampler_hashes(data, model_cfg, cfg.data)
+            check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
+    unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes)
+    found = (*getattr(data, "warnings", ()), *unplaced)
     pooling = None if isinstance(truncation, Exception) else truncation.pooling
     print_validation(console, cfg, plan, data, pooling, found)
     print_truncation(console, truncation)
@@ -72,7 +81,7 @@ def inspect_data_cmd(config: ConfigArg, overrides: OverridesArg = None) -> None:
     plan = resolve_plan(cfg)
     data = prepare_data(cfg.data)
     batch, drop_last = plan.per_device_train_batch_size * plan.world_size, cfg.batch.drop_last or plan.world_size > 1
-    print_data_report(console, inspect_data(data, batch, drop_last, cfg.train.seed, cfg.model, cfg.data.cache_dir))
+    print_data_report(console, inspect_data(data, batch, drop_last, cfg.train.seed, cfg.model, cfg.data))
 
 
 def probe_minibatch_cmd(
