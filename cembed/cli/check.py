@@ -52,7 +52,7 @@ def validate_cmd(
     if as_json:  # stdout holds the JSON alone, for `| jq`
         typer.echo(json.dumps(report, indent=2))
         return
-    print_validation(console, report, verbose)
+    print_validation(console, report)
     if verbose:
         console.print("[bold]resolved config[/]")
         console.print_json(json.dumps(report["config"]))
@@ -292,7 +292,9 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
         "model": {
             "name_or_path": cfg.model.name_or_path,
             "max_seq_length": truncation.max_seq_length if model_ok else cfg.model.max_seq_length,
-            "pooling": truncation.pooling if model_ok else f"{cfg.model.pooling} (model.pooling; the model was not loaded)",
+            "pooling": truncation.pooling
+            if model_ok
+            else f"{cfg.model.pooling} (model.pooling; the model was not loaded)",
             "weights": weights._asdict() if weights is not None else None,
             "weights_line": weights.describe() if weights is not None else None,
             "prompts": truncation.prompts.to_dict() if model_ok and truncation.prompts is not None else None,
@@ -330,12 +332,12 @@ def _short(text: str, width: int = 60) -> str:
     return repr(text if len(text) <= width else text[: width - 3] + "...")
 
 
-def print_validation(console: Console, report: dict, verbose: bool = False) -> None:
+def print_validation(console: Console, report: dict) -> None:
     """The summary of :func:`validation_report`, about a dozen lines: what will train (model, loss,
     columns), on what (sources, rows, first row, batches per epoch), how big and how fast (batch,
     mini-batch, effective LR, steps), the model's checks (device and precision, dtypes, prompts,
-    attention path, truncation) and the warnings. ``verbose``: one line per source and the
-    data-loader workers even with one source (the resolved config is the caller's to print)."""
+    attention path, truncation) and the warnings; with several sources one more line per source.
+    (``validate --verbose`` adds the resolved config and the tables after it.)"""
     m, d, b, st, dev = report["model"], report["data"], report["batch"], report["steps"], report["device"]
     p = lambda text: console.print(text, highlight=False)  # noqa: E731
     length = f"max_seq_length {m['max_seq_length']}" if m["max_seq_length"] else "model's max_seq_length"
@@ -345,7 +347,9 @@ def print_validation(console: Console, report: dict, verbose: bool = False) -> N
     if d["loaded"]:
         sources = d["sources"]
         what = sources[0]["path"] if len(sources) == 1 else f"{len(sources)} sources"
-        per_epoch = f"{d['batches_per_epoch']} batches of {b['per_device_train_batch_size'] * b['world_size']} per epoch"
+        per_epoch = (
+            f"{d['batches_per_epoch']} batches of {b['per_device_train_batch_size'] * b['world_size']} per epoch"
+        )
         p(
             f"data: {what}: {d['rows_read']} rows read, {d['rows_dropped']} dropped, {d['rows']} to train on; "
             f"{per_epoch}" + (f" (sampling: {d['sampling']}; every batch holds one source)" if d["sampling"] else "")
@@ -358,7 +362,7 @@ def print_validation(console: Console, report: dict, verbose: bool = False) -> N
         if d["first_row"]:
             p("  first row: " + " | ".join(f"{k} {_short(v)}" for k, v in d["first_row"].items()))
     else:
-        p(f"data: {d['source']} not loaded ({d['reason']}): rows, columns and batches unchecked")
+        p(f"data: {d['source']} (not loaded: see the warning below)")
     mini = f"mini_batch_size: {b['mini_batch_size']}"
     if b["mini_batch_size"] == "auto":
         mini += " (probed when train starts)"
@@ -376,8 +380,9 @@ def print_validation(console: Console, report: dict, verbose: bool = False) -> N
         p(f"steps: {st['total']} optimizer steps ({st['from']}), {st['warmup']} of them warmup{epoch}")
     else:
         p(f"steps: unknown until the data is loaded ({st['from']})")
-    workers = f"   data-loader workers: {dev['dataloader_workers']}" if verbose else ""
-    p(f"device: {dev['device']}   precision: {dev['precision_reason']}{workers}")
+    p(
+        f"device: {dev['device']}   precision: {dev['precision_reason']}   data-loader workers: {dev['dataloader_workers']}"
+    )
     if m["load_error"] is not None:
         console.print(f"[yellow]truncation report skipped:[/] {escape(m['load_error'])}", highlight=False)
     else:

@@ -73,7 +73,9 @@ def test_ignored_columns_are_not_listed():
 
 def test_ignoring_a_column_the_data_lacks_names_the_closest():
     with pytest.raises(UserError) as err:
-        unmapped_column_notes(["anchor", "positive", "image_id"], ColumnMap(ignore=["imageid"]), "data.train", "c.jsonl")
+        unmapped_column_notes(
+            ["anchor", "positive", "image_id"], ColumnMap(ignore=["imageid"]), "data.train", "c.jsonl"
+        )
     assert str(err.value) == (
         "c.jsonl: data.columns.ignore: no column 'imageid' in the data; did you mean 'image_id'? "
         "(the data has columns: anchor, positive, image_id)"
