@@ -144,3 +144,15 @@ def test_packaged_quickstart_example_is_the_repo_config_and_validates(tmp_path, 
     cfg = load_config(tmp_path / "quick.yaml")
     assert cfg.train.output_dir == str(tmp_path / "runs" / "quickstart")
     assert cfg.data.train.path == str(resolve_sample("cembed:coco-captions"))
+
+
+def test_quickstart_data_trains_without_a_warning_about_its_own_columns():
+    # Issue 23 item 11: `make demo` warned "column(s) image_id, anchor_caption_id, positive_caption_id
+    # are not mapped ... and are not trained on" about the packaged file; the config now declares
+    # them ids (data.columns.ignore), so the demo's own data warns about nothing.
+    from cembed.data.prepare import prepare_data
+
+    for path in (REPO / "configs" / "quickstart.yaml", resolve_sample("cembed:coco-captions").parents[1] / "examples"):
+        cfg = load_config(path if path.suffix == ".yaml" else path / "quickstart.yaml")
+        data = prepare_data(cfg.data)
+        assert data.warnings == () and len(data.dataset) == 40066 and data.columns == ["anchor", "positive"]
