@@ -14,8 +14,11 @@ live inside the model's forward, so a DDP-wrapped model is called as before.
 
 Which models (:func:`resolve_unpad`): a ``Transformer`` whose model takes ``position_ids`` and runs
 ``sdpa`` or ``eager`` attention (both take a prepared 4D mask as is, see
-``transformers.masking_utils``), confirmed by embedding a few rows both ways. Flash attention
-ignores a 4D mask; relative-position models may differ: those fall back to sorted padding.
+``transformers.masking_utils``), whose config declares only full attention within a row (the 4D mask
+replaces the model's own, so a sliding window or local blocks would silently widen to the whole row),
+confirmed at start-up by embedding rows of up to ~100 tokens, several per pack, packed and each alone.
+Flash attention ignores a 4D mask; relative-position models, causal decoders (the mask is
+bidirectional within a row) and local attention fall back to sorted padding, saying why.
 
 Packing plans (which rows share a pack, the index tensors): :mod:`cembed.model.packing`.
 """
@@ -252,7 +255,8 @@ def _local_attention(config, max_seq_length: int | None) -> str:
 
     for cfg in _configs(config):
         window = getattr(cfg, "sliding_window", None)
-        reach = f"{window}-token window, rows up to {max_seq_length} tokens"
+        reach = f"{window}-token window" if isinstance(window, int) else "a window"
+        reach += f", rows up to {max_seq_length} tokens"
         layer_types = getattr(cfg, "layer_types", None)
         if layer_types:  # authoritative where present (Qwen2/ModernBERT set sliding_window regardless)
             kinds = sorted(set(layer_types) - {"full_attention"})
@@ -267,7 +271,8 @@ def _local_attention(config, max_seq_length: int | None) -> str:
         if window and getattr(cfg, "use_sliding_window", True) and window_binds(window):
             return f"it uses sliding-window attention (sliding_window: {reach})"
         local = getattr(cfg, "local_attention", None)
-        if local and getattr(cfg, "global_attn_every_n_layers", 1) != 1 and window_binds(local // 2):
+        half = local // 2 if isinstance(local, int) else None  # ModernBERT: local_attention is both sides
+        if local and getattr(cfg, "global_attn_every_n_layers", 1) != 1 and window_binds(half):
             return f"it uses sliding-window attention (local_attention: {local} tokens)"
         if getattr(cfg, "attention_window", None):
             return f"it uses local attention (attention_window: {cfg.attention_window})"
@@ -288,17 +293,22 @@ def _exact_eval(model, device: torch.device):
     """Eval mode, no autograd, fp32 matmuls at full precision (no TF32) and no ambient autocast; every
     module's mode, the float32 matmul precision and the RNG state are given back as they were."""
     modes = [(module, module.training) for module in model.modules()]
-    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:  # the legacy API, as cembed.plan.precision.enable_tf32 sets it
+        precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    except RuntimeError:  # someone set the per-backend fp32_precision: reading the legacy one raises; leave it
+        precision = cudnn_tf32 = None
     model.eval()
     try:
-        torch.set_float32_matmul_precision("highest")
-        torch.backends.cudnn.allow_tf32 = False
+        if precision is not None:
+            torch.set_float32_matmul_precision("highest")
+            torch.backends.cudnn.allow_tf32 = False
         with torch.no_grad(), torch.random.fork_rng(devices=[]), torch.autocast(device.type, enabled=False):
             yield
     finally:
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
-        for module, training in modes:
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        for module, training in modes:  # each module's own flag: model.train(x) would set them all alike
             module.training = training
 
 

@@ -326,8 +326,12 @@ def test_support_check_keeps_every_module_mode(tiny_dropout_model_dir):
     model.train()
     model[0].auto_model.encoder.eval()  # another mixed state, set by hand
     modes = _modes(model)
-    resolve_unpad(model, "auto")
-    assert _modes(model) == modes
+    torch.set_float32_matmul_precision("high")  # TF32 on, as cembed.plan.precision.enable_tf32 sets it
+    try:
+        resolve_unpad(model, "auto")  # the check itself runs at "highest" and gives "high" back
+        assert _modes(model) == modes and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision("highest")
 
 
 def _sliding_modernbert(folder, tokenizer_dir, every: int):
