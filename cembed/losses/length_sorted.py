@@ -149,10 +149,9 @@ class LengthSortedMixin:
                 f"{self._packed_runs} ran on packs: its mini-batches reach the model without "
                 "LengthSortedMixin.embed_minibatch_iter"
             )
-        if (
-            isinstance(loss, torch.Tensor) and loss.requires_grad
-        ):  # the GradCache backward replays the plans: release them after it
-            # runs after the library's hook on the same tensor (hooks run in registration order)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            # The GradCache backward replays the plans: release them after it. This hook runs after
+            # the library's backward hook on the same tensor (a tensor's hooks run in registration order).
             loss.register_hook(lambda grad: self._release(step))
         else:  # no backward (evaluation): nothing replays this step
             self._release(step)
