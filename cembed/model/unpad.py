@@ -91,6 +91,13 @@ def _unpack_tensor(value: torch.Tensor, plan: PackPlan, keep: torch.Tensor) -> t
     return torch.where(keep.view(plan.rows, plan.width, *([1] * (value.ndim - 2))), out, out.new_zeros(()))
 
 
+@dataclass
+class PackedForwards:
+    """What :func:`packed_encoder` yields: ``count``, the first module's forwards it packed so far."""
+
+    count: int = 0
+
+
 @contextmanager
 def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
     """Inside the block, ``model``'s next forward runs its first module on ``plan``'s packed rows.
@@ -100,7 +107,8 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
     block-diagonal ``attention_mask`` and per-row ``position_ids``); its outputs of shape
     ``(packs, pack_width, ...)`` (``token_embeddings``, ``all_layer_embeddings``) are scattered back to
     ``(rows, width, ...)`` (zeros at padding) into the original features, which the remaining modules
-    read. ``model`` may be DDP- or compile-wrapped.
+    read. ``model`` may be DDP- or compile-wrapped. Yields a :class:`PackedForwards` counting the packed
+    forwards, so a caller can check that the model really ran on the packs.
 
     Raises:
         RuntimeError: the features the model was called with do not match ``plan``.
@@ -108,6 +116,7 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
     first = _first_module(model)
     dtype = next(first.parameters()).dtype
     original: dict = {}
+    ran = PackedForwards()
 
     def pre(module, args, kwargs):
         features = args[0]
@@ -125,6 +134,7 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
                 packed[key] = value
         packed["position_ids"] = plan.positions + unpadding.position_offset
         original["packed_keys"] = set(packed)
+        ran.count += 1
         return (packed, *args[1:]), kwargs
 
     def post(module, args, kwargs, output):
@@ -149,7 +159,7 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
         first.register_forward_hook(post, with_kwargs=True),
     ]
     try:
-        yield
+        yield ran
     finally:
         for handle in handles:
             handle.remove()
@@ -176,15 +186,21 @@ def column_lengths(feature: dict) -> list[int] | None:
 
 @dataclass
 class PackRegistry:
-    """The plans of the features of the current forward, so that the cached loss's second pass
+    """The plans of the features of the current step, so that the cached loss's second pass
     replays the first pass's packing (a plan is a pure function of the lengths, so a miss, e.g.
-    after another forward, recomputes the same plan)."""
+    after another forward, recomputes the same plan). It holds the step's features: the loss
+    calls :meth:`reset` when the step's backward ends."""
 
     unpadding: Unpadding
     _plans: dict[int, tuple[dict, dict[tuple[int, int], PackPlan | None]]] = field(default_factory=dict)
 
     def reset(self) -> None:
+        """Forget every plan (and the features they hold)."""
         self._plans = {}
+
+    def planned(self) -> int:
+        """Mini-batches of the registered columns that have a plan (are to run packed)."""
+        return sum(plan is not None for _, plans in self._plans.values() for plan in plans.values())
 
     def plan_column(self, feature: dict, ranges: list[tuple[int, int]]) -> list[PackPlan] | None:
         """Plan every mini-batch of one column (one host read of its lengths); None when the column
