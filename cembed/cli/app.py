@@ -30,10 +30,14 @@ app = typer.Typer(
 
 
 def _print_version(value: bool) -> None:
+    """``--version``: the installed distribution's version (pyproject.toml's, via importlib.metadata)."""
     if value:
-        from cembed import __version__
+        from importlib.metadata import PackageNotFoundError, version
 
-        typer.echo(f"cembed {__version__}")
+        try:
+            typer.echo(f"cembed {version('cembed')}")
+        except PackageNotFoundError:  # a source tree on sys.path, never installed
+            typer.echo("cembed: version unknown (not installed; pip install -e . records it)")
         raise typer.Exit()
 
 
