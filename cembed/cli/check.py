@@ -60,10 +60,15 @@ def validate_cmd(
     ),
     nnodes: int = typer.Option(1, "--nnodes", help="Check for this many nodes."),
     verbose: bool = flag(
-        False, "--verbose/--no-verbose", "-v", help="After the summary, also print the full resolved config and the tables."
+        False,
+        "--verbose/--no-verbose",
+        "-v",
+        help="After the summary, also print the full resolved config and the tables.",
     ),
     as_json: bool = flag(
-        False, "--json/--no-json", help="Print only one JSON object: the summary's facts, the plan and the resolved config."
+        False,
+        "--json/--no-json",
+        help="Print only one JSON object: the summary's facts, the plan and the resolved config.",
     ),
 ) -> None:
     """Check config, data files and columns without training (no GPU needed); print a short summary.
@@ -137,7 +142,9 @@ def probe_minibatch_cmd(
     max_seq_length: Optional[int] = typer.Option(
         None, "--max-seq-length", help="Tokens per text (every text is probed at this length)."
     ),
-    precision: Optional[Precision] = typer.Option(None, "--precision", help="Training precision (default: the config's)."),
+    precision: Optional[Precision] = typer.Option(
+        None, "--precision", help="Training precision (default: the config's)."
+    ),
     device: Optional[Device] = typer.Option(None, "--device", help="Where training would run (default: the config's)."),
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", help="per_device_train_batch_size (default: the config's)."
@@ -150,7 +157,9 @@ def probe_minibatch_cmd(
         None, "--max-memory", help="Memory budget, e.g. 8GiB (CPU default: physical memory)."
     ),
     write: bool = flag(
-        False, "--write/--no-write", help="Store batch.mini_batch_size and batch.mini_batch_num_tokens in the config file."
+        False,
+        "--write/--no-write",
+        help="Store batch.mini_batch_size and batch.mini_batch_num_tokens in the config file.",
     ),
 ) -> None:
     """Measure the largest mini_batch_size and token budget whose cached-loss step fits (worst case)."""

@@ -50,7 +50,9 @@ def eval_cmd(
         help="Cache root: corpus embeddings in <root>/embeddings (default $CEMBED_CACHE_DIR or ~/.cache/cembed).",
     ),
     cache: bool = flag(
-        True, "--cache/--no-cache", help="Reuse and write cached corpus embeddings (--no-cache: encode anew, write none)."
+        True,
+        "--cache/--no-cache",
+        help="Reuse and write cached corpus embeddings (--no-cache: encode anew, write none).",
     ),
     dims: Optional[str] = typer.Option(None, "--dims", help="Also score truncated embeddings, e.g. 384,128,64."),
 ) -> None:

@@ -98,7 +98,9 @@ def mine_negatives_cmd(
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Encoding batch size."),
     device: Device = typer.Option("auto", "--device", help="Where to encode (auto: CUDA when available)."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Embedding cache (as cembed eval's)."),
-    cache: bool = flag(True, "--cache/--no-cache", help="Reuse and write the embedding cache (--no-cache: encode anew)."),
+    cache: bool = flag(
+        True, "--cache/--no-cache", help="Reuse and write the embedding cache (--no-cache: encode anew)."
+    ),
 ) -> None:
     """Mine hard negatives for a pair file with a model (sentence-transformers' mine_hard_negatives)."""
     from cembed.data.mining import mine_negatives
