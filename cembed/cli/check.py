@@ -16,12 +16,40 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from cembed.cli.common import ConfigArg, OverridesArg, console, load, note, warn, world_size_from_flags
+from cembed.cli.common import (
+    ConfigArg,
+    Device,
+    OverridesArg,
+    Precision,
+    console,
+    examples,
+    flag,
+    load,
+    note,
+    warn,
+    world_size_from_flags,
+)
 from cembed.errors import UserError
 
 if TYPE_CHECKING:
     from cembed.config.schema import ModelConfig
     from cembed.probe.search import ProbeResult
+
+VALIDATE_EXAMPLES = examples(
+    "cembed validate quickstart.yaml",
+    "cembed validate quickstart.yaml batch.per_device_train_batch_size=256 --verbose",
+    "cembed validate quickstart.yaml --nproc-per-node 4",
+    "cembed validate quickstart.yaml --json | jq .steps",
+)
+INSPECT_DATA_EXAMPLES = examples(
+    "cembed inspect-data quickstart.yaml",
+    "cembed inspect-data quickstart.yaml batch.per_device_train_batch_size=1024",
+)
+PROBE_MINIBATCH_EXAMPLES = examples(
+    "cembed probe-minibatch quickstart.yaml --write",
+    "cembed probe-minibatch --model all-MiniLM-L6-v2 --max-seq-length 128 --device cpu --max-memory 3GiB",
+    "cembed probe-minibatch --model all-MiniLM-L6-v2 --max-seq-length 256 --precision bf16 --device cuda --batch-size 65536",
+)
 
 
 def validate_cmd(
@@ -31,20 +59,25 @@ def validate_cmd(
         None, "--nproc-per-node", help="Check for this many processes per node."
     ),
     nnodes: int = typer.Option(1, "--nnodes", help="Check for this many nodes."),
-    verbose: bool = typer.Option(
-        False, "--verbose", "-v", help="After the summary, also print the full resolved config and the tables."
+    verbose: bool = flag(
+        False,
+        "--verbose/--no-verbose",
+        "-v",
+        help="After the summary, also print the full resolved config and the tables.",
     ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print only one JSON object: the summary's facts, the plan and the resolved config."
+    as_json: bool = flag(
+        False,
+        "--json/--no-json",
+        help="Print only one JSON object: the summary's facts, the plan and the resolved config.",
     ),
 ) -> None:
     """Check config, data files and columns without training (no GPU needed); print a short summary.
 
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
+    cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
     from cembed.data.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
     from cembed.train.recipe import check_run_inputs
 
-    cfg = load(config, overrides)
     plan, data = check_run_inputs(cfg, world_size_from_flags(nproc_per_node, nnodes), allow_unloaded=True)
     truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
     hashes = None
@@ -91,11 +124,11 @@ def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto", precision=None)
 
 def inspect_data_cmd(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """Report duplicates in the training data and how the no-duplicates sampler will batch it."""
+    cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
     from cembed.data.placement import inspect_data
     from cembed.data.prepare import prepare_data
     from cembed.plan.resolve import resolve_plan
 
-    cfg = load(config, overrides)
     plan = resolve_plan(cfg)
     data = prepare_data(cfg.data)
     batch, drop_last = plan.per_device_train_batch_size * plan.world_size, cfg.batch.drop_last or plan.world_size > 1
@@ -109,8 +142,10 @@ def probe_minibatch_cmd(
     max_seq_length: Optional[int] = typer.Option(
         None, "--max-seq-length", help="Tokens per text (every text is probed at this length)."
     ),
-    precision: Optional[str] = typer.Option(None, "--precision", help="auto | fp32 | bf16 | fp16."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda: where training would run."),
+    precision: Optional[Precision] = typer.Option(
+        None, "--precision", help="Training precision (default: the config's)."
+    ),
+    device: Optional[Device] = typer.Option(None, "--device", help="Where training would run (default: the config's)."),
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", help="per_device_train_batch_size (default: the config's)."
     ),
@@ -121,21 +156,22 @@ def probe_minibatch_cmd(
     max_memory: Optional[str] = typer.Option(
         None, "--max-memory", help="Memory budget, e.g. 8GiB (CPU default: physical memory)."
     ),
-    write: bool = typer.Option(
-        False, "--write", help="Store batch.mini_batch_size and batch.mini_batch_num_tokens in the config file."
+    write: bool = flag(
+        False,
+        "--write/--no-write",
+        help="Store batch.mini_batch_size and batch.mini_batch_num_tokens in the config file.",
     ),
 ) -> None:
     """Measure the largest mini_batch_size and token budget whose cached-loss step fits (worst case)."""
+    if write and config is None:
+        raise UserError("--write: needs a config file to write batch.mini_batch_size into")
+    cfg = load(config, overrides) if config is not None else None  # config mistakes answer first
     from cembed.config.file import set_yaml_value
     from cembed.config.loss import CachedMNRLLossConfig
-    from cembed.config.schema import CembedConfig
     from cembed.files import parse_bytes
     from cembed.plan.resolve import resolve_model
     from cembed.probe.auto import run_probe
 
-    if write and config is None:
-        raise UserError("--write: needs a config file to write batch.mini_batch_size into")
-    cfg: CembedConfig | None = load(config, overrides) if config is not None else None
     model_cfg = model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
     resolved = resolve_model(model_cfg)  # device and precision auto -> what training would use here
     if batch_size is not None and batch_size < 1:

@@ -140,7 +140,9 @@ def test_packaged_quickstart_example_is_the_repo_config_and_validates(tmp_path, 
     again = runner.invoke(app, ["init", "quick.yaml", "--example", "quickstart"])
     assert again.exit_code == 2 and "already exists; cembed init never overwrites a file" in again.output
     unknown = runner.invoke(app, ["init", "other.yaml", "--example", "nope"])
-    assert unknown.exit_code == 2 and "--example nope: no such example; known: quickstart" in unknown.output
+    assert unknown.exit_code == 2 and "'--example'" in unknown.output and "'quickstart'" in unknown.output  # a choice
+    with pytest.raises(UserError, match="--example nope: no such example; known: quickstart"):
+        example_config("nope")
     cfg = load_config(tmp_path / "quick.yaml")
     assert cfg.train.output_dir == str(tmp_path / "runs" / "quickstart")
     assert cfg.data.train.path == str(resolve_sample("cembed:coco-captions"))
