@@ -491,7 +491,6 @@ class EncoderCalls:
 
     def _seen(self, args, kwargs):
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        ids = kwargs.get("input_ids", args[0] if args else None)
         self.calls += 1
         if positions is not None and (mask is None or mask.ndim == 4):
             self.packed += 1
@@ -524,6 +523,31 @@ class EncoderCalls:
         if self.slots:
             out["padded_share"] = round(1 - self.real_tokens / self.slots, 4)
         return out
+
+
+def _time_sides(model, sides: dict, rounds: int, sync, paths: dict) -> tuple[dict, dict]:
+    """Run each side's loss forward + backward ``rounds`` times, alternating (the first round is a
+    warm-up); record in ``paths[side]`` what its encoder ran (:class:`EncoderCalls`).
+
+    Returns:
+        ``(median step seconds, last loss)`` per side.
+    """
+    times, losses = {k: [] for k in sides}, {}
+    for r in range(rounds):
+        for label, (loss, feats) in sides.items():
+            model.zero_grad(set_to_none=True)
+            sync()
+            with EncoderCalls(model) as calls:
+                t0 = time.perf_counter()
+                value = loss(feats, None)
+                value.backward()
+                sync()
+                elapsed = time.perf_counter() - t0
+            if r > 0:
+                times[label].append(elapsed)
+            losses[label] = float(value.detach())
+            paths[label].update(calls.summary())
+    return {k: statistics.median(v) for k, v in times.items()}, losses
 
 
 def stage_stock(ctx: dict, work: Path) -> dict:
@@ -583,22 +607,7 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     ours_feats = _to(_features(collator_for(model, ["anchor", "positive"])(ds.select(range(b)).to_list())), dev)
     ours_collate = time.perf_counter() - t0
     sides = {"stock": (stock_loss, stock_feats), "cembed": (built.module, ours_feats)}
-    times, losses = {k: [] for k in sides}, {}
-    for r in range(2 if ctx.get("quick") else 3):
-        for label, (loss, feats) in sides.items():
-            model.zero_grad(set_to_none=True)
-            sync()
-            with EncoderCalls(model) as calls:
-                t0 = time.perf_counter()
-                value = loss(feats, None)
-                value.backward()
-                sync()
-                elapsed = time.perf_counter() - t0
-            if r > 0:
-                times[label].append(elapsed)
-            losses[label] = float(value.detach())
-            paths[label].update(calls.summary())
-    step = {k: statistics.median(v) for k, v in times.items()}
+    step, losses = _time_sides(model, sides, 2 if ctx.get("quick") else 3, sync, paths)
     real = sum(int(f["attention_mask"].sum()) for f in ours_feats)
     comparison = {
         "batch": b,
@@ -621,11 +630,7 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     }
     for k in paths:
         paths[k]["as_configured"] = paths[k]["ran"] == expected[k]
-    ok = (
-        comparison["loss_rel"] <= 2e-2
-        and all(p["as_configured"] for p in paths.values())
-        and built.unpadding.enabled
-    )
+    ok = comparison["loss_rel"] <= 2e-2 and all(p["as_configured"] for p in paths.values()) and built.unpadding.enabled
     return {"status": "pass" if ok else "fail", "comparison": comparison, "paths": paths}
 
 

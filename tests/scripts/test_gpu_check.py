@@ -7,9 +7,9 @@ imports cembed."""
 from __future__ import annotations
 
 import ast
-import os
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,9 +47,10 @@ def dry_run(*extra: str) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout)
 
 
-def fake_bundle(folder: Path) -> Path:
-    """A bundle laid out as scripts/gpu_bundle.sh lays it out (placeholder bytes), with its manifest."""
-    for name in WHEELS:
+def fake_bundle(folder: Path, extra: tuple[str, ...] = ()) -> Path:
+    """A bundle laid out as scripts/gpu_bundle.sh lays it out (placeholder bytes), with its manifest;
+    ``extra``: more wheels (pyarrow, which the script adds when the image's is too old)."""
+    for name in [*WHEELS, *extra]:
         (folder / "wheels").mkdir(parents=True, exist_ok=True)
         (folder / "wheels" / name).write_bytes(name.encode())
     model = folder / "all-MiniLM-L6-v2-fp16"
@@ -302,11 +303,24 @@ def test_the_check_runs_end_to_end_on_cpu(tmp_path):
     assert summary["correctness"]["fp32_cached_vs_plain"]["grad_rel_l2"] <= 1e-4
     assert summary["probe"]["recommended"] >= 1
     assert summary["train"]["steps"] == 2 and summary["train"]["tokens_per_s_after_step1"] > 0
-    # the stock stage runs in bf16 autocast on CPU too, and cembed still packs: its loss is built on
-    # the fp32 forward, as in training (built under the autocast patch, its packing check fell back)
+    # the stock stage runs in bf16 autocast on CPU too, and each side ran the path it reports: cembed
+    # packed (its loss is built on the fp32 forward, as in training; built under the autocast patch its
+    # packing check may fail its fp32 tolerance on a GPU and fall back to padding), stock padded
     assert summary["stock"]["precision"] == "bf16" and summary["stock"]["loss_rel"] <= 2e-2
     paths = summary["attention_paths"]
     assert paths["cembed"]["enabled"] is True and paths["cembed"]["configured"].startswith("packed rows")
-    assert paths["cembed"]["ran"] == "packed" and paths["cembed"]["packed_calls"] == paths["cembed"]["encoder_calls"] > 0
+    assert (
+        paths["cembed"]["ran"] == "packed" and paths["cembed"]["packed_calls"] == paths["cembed"]["encoder_calls"] > 0
+    )
     assert paths["stock"]["ran"] == "padded" and paths["stock"]["attn_implementation"] == "sdpa"
     assert all(p["as_configured"] for p in paths.values())
+
+
+def test_the_bundle_may_bring_one_pyarrow(tmp_path):
+    # scripts/gpu_bundle.sh adds pyarrow when the image's is too old for the bundled datasets
+    pyarrow = "pyarrow-26.0.1-cp312-cp312-manylinux_2_28_x86_64.whl"
+    rc, plan = dry_run("--bundle", str(fake_bundle(tmp_path / "one", extra=(pyarrow,))))
+    assert rc == 0 and plan["bundle_check"]["problems"] == [] and len(plan["bundle_check"]["wheels"]) == 12
+    two = fake_bundle(tmp_path / "two", extra=(pyarrow, "pyarrow-25.0.0-cp312-cp312-manylinux_2_28_x86_64.whl"))
+    rc, plan = dry_run("--bundle", str(two))
+    assert rc == 1 and plan["bundle_check"]["problems"] == ["wheels/: 2 wheels of pyarrow (at most 1)"]
