@@ -55,9 +55,10 @@ STAGES_PY = Path(__file__).resolve().with_name("stages.py")  # run, never import
 # name, budget (s) on one H200 at the full sizes, budget (s) on CPU with --quick, what it checks.
 # Each column sums under its deadline (DEADLINES), so no stage is cut short by the overall deadline.
 # The GPU column is an estimate (never measured on a GPU). The CPU column: a --quick run on a 2-core
-# machine shared with other jobs took (wall / CPU s) install 12 / 7, env 3 / 2, correctness 33 / 24,
-# probe 61 / 3 + its trial processes, train 78 / 40, stock 54 / 56; 240 s in all (the CUDA-only
-# stages skip at once). What a stage leaves unused goes to the later ones.
+# machine shared with other jobs, empty tokenization cache, took (wall / CPU s) install 9 / 9, env 2 / 2,
+# correctness 9 / 11, probe 13 / 2 + its trial processes, train 62 / 58, stock 16 / 17: 110 s in all (the
+# CUDA-only stages skip at once); at a load of ~6 on 2 cores, 240 s. What a stage leaves unused goes
+# to the later ones.
 STAGES = (
     ("install", 30, 20, "install the bundle's wheels (no index), report the image's versions and unmet pins"),
     ("env", 20, 10, "CUDA device, driver, torch/cembed versions, /dev/shm, precision auto resolution"),
