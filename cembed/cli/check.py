@@ -75,9 +75,14 @@ def validate_cmd(
 
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
     cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
+    from transformers.utils import logging as transformers_logging
+
     from cembed.data.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
     from cembed.train.recipe import check_run_inputs
 
+    # The summary is validate's output: transformers' "Loading weights" bars (on or off depending on
+    # which library was imported first) would open it with noise.
+    transformers_logging.disable_progress_bar()
     plan, data = check_run_inputs(cfg, world_size_from_flags(nproc_per_node, nnodes), allow_unloaded=True)
     truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
     hashes = None
