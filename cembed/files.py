@@ -72,6 +72,23 @@ def write_atomic(path: str | Path, write: Callable[[IO], None], binary: bool = F
     return path
 
 
+def write_new_file(out: Path, text: str) -> Path:
+    """Write ``text`` to ``out``, which must not exist (checked atomically by the open); ``cembed init``'s
+    writer, here rather than in :mod:`cembed.data.starter` so that ``init --example`` imports no data
+    library.
+
+    Raises:
+        UserError: the file exists.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with out.open("x", encoding="utf-8") as f:
+            f.write(text)
+    except FileExistsError:
+        raise UserError(f"{out}: already exists; cembed init never overwrites a file") from None
+    return out
+
+
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
     """Write ``obj`` as indented JSON to ``path`` atomically (see :func:`write_atomic`)."""
     return write_atomic(path, lambda f: (json.dump(obj, f, indent=2, default=str), f.write("\n")))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-call GPU verification of cembed (issue 14; fits 8 minutes on one H200). Runs the folder
+# The one-call GPU verification of cembed (issue 14; stage budgets sum under a 470 s deadline). Runs the folder
 # scripts/gpu_check/ as a program (its __main__.py, standard library only): each stage (stages.py, the
 # one module that imports cembed) in its own process with a timeout, then one JSON with a pass/fail
 # status per stage and (a) bf16 cached vs fp32 plain loss/gradient + dropout replay on the GPU,
@@ -10,6 +10,7 @@
 #   bash scripts/gpu_check.sh                     # in an environment where cembed is installed
 #   bash scripts/gpu_check.sh --bundle DIR        # offline: install the bundle made by gpu_bundle.sh
 #   bash scripts/gpu_check.sh --dry-run [--bundle DIR]   # the plan and the bundle check, no CUDA
+#   bash scripts/gpu_check.sh --device cpu --quick       # the same stages on CPU, small sizes (CI)
 #   options: --out DIR (fresh run folder) --stages a,b --deadline S --batch N --seq N --steps N
 # Every run writes to a new folder under /tmp/cembed-gpu-check, so runs never trip on each other.
 # env: PYTHON (the interpreter; default python3)

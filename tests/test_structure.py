@@ -1,5 +1,6 @@
 """The package's shape: the import-linter contracts hold and can fail, no import cycle, no private name
-crosses a module, package faces are docstrings, and validating a config loads no torch.
+crosses a module, package faces are docstrings, validating a config loads no torch, and the CLI's
+command modules import nothing heavy at startup.
 
 The layer rules themselves live in pyproject.toml (``[tool.importlinter]``), run by ``make lint``."""
 
@@ -125,6 +126,57 @@ def test_config_imports_no_torch():
     code = "import sys, cembed.config.file; print(sorted(m for m in ('torch','datasets','sentence_transformers','transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
+
+
+# What a command module may import when ``cembed`` starts (before its arguments are read): the
+# standard library, typer, rich and cembed's light modules; the rest is imported inside a command.
+CLI_STARTUP_IMPORTS = {"typer", "rich", "cembed.cli", "cembed.errors", "cembed.files", "cembed.samples"}
+
+
+def module_level_imports(tree: ast.Module) -> set[str]:
+    """Modules imported when ``tree``'s module is imported: top-level imports, also under ``if``/``try``,
+    but not under ``if TYPE_CHECKING:`` (never run) nor inside functions."""
+    found: set[str] = set()
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+            elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                visit(node.body), visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body), visit(node.orelse), visit(node.finalbody)
+
+    visit(tree.body)
+    return found
+
+
+def test_cli_modules_import_only_light_modules_at_startup():
+    """``cembed --help``, ``suggest-lr``, ``init --example`` and a config mistake answer in about a
+    second because no command module imports torch, transformers, datasets, pydantic or cembed's
+    data/model/train code at import time (tests/cli/test_app.py checks the loaded modules themselves)."""
+    heavy = {}
+    for path in (PKG / "cli").glob("*.py"):
+        names = module_level_imports(ast.parse(path.read_text()))
+        bad = [
+            n
+            for n in names
+            if n.split(".")[0] not in sys.stdlib_module_names
+            and not any(n == ok or n.startswith(ok + ".") for ok in CLI_STARTUP_IMPORTS)
+        ]
+        if bad:
+            heavy[path.name] = sorted(bad)
+    assert heavy == {}
+
+
+def test_the_startup_import_check_sees_a_heavy_import():
+    tree = ast.parse(
+        "import os\nfrom typing import TYPE_CHECKING\nimport torch\nif TYPE_CHECKING:\n    import datasets\n"
+        "def f():\n    import transformers\n"
+    )
+    assert module_level_imports(tree) == {"os", "typing", "torch"}
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:

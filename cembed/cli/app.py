@@ -6,6 +6,8 @@ Each command lives with its options, body and rendering in its group's module: :
 :mod:`cembed.cli.common`. A new command is a function in its group's module and one line here.
 
 User mistakes (:class:`cembed.errors.UserError`) print one or two lines in red and exit with code 2.
+Every command answers ``-h``/``--help`` with its examples last (the ``*_EXAMPLES`` beside each
+command); ``cembed --version`` prints the installed package's version.
 """
 
 from __future__ import annotations
@@ -14,27 +16,49 @@ import sys
 
 import typer
 
-from cembed.cli.check import inspect_data_cmd, probe_minibatch_cmd, validate_cmd
+from cembed.cli import check, prepare, train
+from cembed.cli import eval as evaluate
 from cembed.cli.common import err_console, user_errors
-from cembed.cli.eval import eval_cmd
-from cembed.cli.prepare import init_cmd, mine_negatives_cmd, suggest_lr_cmd
-from cembed.cli.train import train_cmd
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
     help="Fine-tune sentence-embedding models with contrastive losses at batch sizes far beyond GPU memory.",
 )
 
-app.command("suggest-lr")(user_errors(suggest_lr_cmd))
-app.command("validate")(user_errors(validate_cmd))
-app.command("init")(user_errors(init_cmd))
-app.command("inspect-data")(user_errors(inspect_data_cmd))
-app.command("train")(user_errors(train_cmd))
-app.command("probe-minibatch")(user_errors(probe_minibatch_cmd))
-app.command("eval")(user_errors(eval_cmd))
-app.command("mine-negatives")(user_errors(mine_negatives_cmd))
+
+def _print_version(value: bool) -> None:
+    """``--version``: the installed distribution's version (pyproject.toml's, via importlib.metadata)."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"cembed {version('cembed')}")
+        except PackageNotFoundError:  # a source tree on sys.path, never installed
+            typer.echo("cembed: version unknown (not installed; pip install -e . records it)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, metavar="", help="Print cembed's version and exit."
+    ),
+) -> None:
+    # The app's own options, before any command; no docstring: the help is the Typer's ``help``.
+    del version  # handled eagerly by its callback
+
+
+app.command("suggest-lr", epilog=prepare.SUGGEST_LR_EXAMPLES)(user_errors(prepare.suggest_lr_cmd))
+app.command("validate", epilog=check.VALIDATE_EXAMPLES)(user_errors(check.validate_cmd))
+app.command("init", epilog=prepare.INIT_EXAMPLES)(user_errors(prepare.init_cmd))
+app.command("inspect-data", epilog=check.INSPECT_DATA_EXAMPLES)(user_errors(check.inspect_data_cmd))
+app.command("train", epilog=train.TRAIN_EXAMPLES)(user_errors(train.train_cmd))
+app.command("probe-minibatch", epilog=check.PROBE_MINIBATCH_EXAMPLES)(user_errors(check.probe_minibatch_cmd))
+app.command("eval", epilog=evaluate.EVAL_EXAMPLES)(user_errors(evaluate.eval_cmd))
+app.command("mine-negatives", epilog=prepare.MINE_NEGATIVES_EXAMPLES)(user_errors(prepare.mine_negatives_cmd))
 
 
 def main() -> None:

@@ -7,19 +7,49 @@ and ``cembed probe-minibatch`` (the largest ``mini_batch_size`` that fits). Regi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from cembed.cli.common import ConfigArg, OverridesArg, console, load, note, print_plan, warn, world_size_from_flags
+from cembed.cli.common import (
+    ConfigArg,
+    Device,
+    OverridesArg,
+    Precision,
+    console,
+    examples,
+    flag,
+    load,
+    note,
+    warn,
+    world_size_from_flags,
+)
 from cembed.errors import UserError
 
 if TYPE_CHECKING:
     from cembed.config.schema import ModelConfig
     from cembed.probe.search import ProbeResult
+
+VALIDATE_EXAMPLES = examples(
+    "cembed validate quickstart.yaml",
+    "cembed validate quickstart.yaml batch.per_device_train_batch_size=256 --verbose",
+    "cembed validate quickstart.yaml --nproc-per-node 4",
+    "cembed validate quickstart.yaml --json | jq .steps",
+)
+INSPECT_DATA_EXAMPLES = examples(
+    "cembed inspect-data quickstart.yaml",
+    "cembed inspect-data quickstart.yaml batch.per_device_train_batch_size=1024",
+)
+PROBE_MINIBATCH_EXAMPLES = examples(
+    "cembed probe-minibatch quickstart.yaml --write",
+    "cembed probe-minibatch --model all-MiniLM-L6-v2 --max-seq-length 128 --device cpu --max-memory 3GiB",
+    "cembed probe-minibatch --model all-MiniLM-L6-v2 --max-seq-length 256 --precision bf16 --device cuda --batch-size 65536",
+)
 
 
 def validate_cmd(
@@ -29,21 +59,56 @@ def validate_cmd(
         None, "--nproc-per-node", help="Check for this many processes per node."
     ),
     nnodes: int = typer.Option(1, "--nnodes", help="Check for this many nodes."),
+    verbose: bool = flag(
+        False,
+        "--verbose/--no-verbose",
+        "-v",
+        help="After the summary, also print the full resolved config and the tables.",
+    ),
+    as_json: bool = flag(
+        False,
+        "--json/--no-json",
+        help="Print only one JSON object: the summary's facts, the plan and the resolved config.",
+    ),
 ) -> None:
-    """Check config, data files and columns without training (no GPU needed).
+    """Check config, data files and columns without training (no GPU needed); print a short summary.
 
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
-    from cembed.data.placement import unplaceable_warnings
+    cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
+    from transformers.utils import logging as transformers_logging
+
+    from cembed.data.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
     from cembed.train.recipe import check_run_inputs
 
-    cfg = load(config, overrides)
+    # The summary is validate's output: transformers' "Loading weights" bars (on or off depending on
+    # which library was imported first) would open it with noise.
+    transformers_logging.disable_progress_bar()
     plan, data = check_run_inputs(cfg, world_size_from_flags(nproc_per_node, nnodes), allow_unloaded=True)
-    found = (*getattr(data, "warnings", ()), *unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed))
     truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
-    pooling = None if isinstance(truncation, Exception) else truncation.pooling
-    print_validation(console, cfg, plan, data, pooling, found)
-    print_truncation(console, truncation)
-    console.print("[green]config OK[/]")
+    hashes = None
+    if cfg.sampler.no_duplicates and hasattr(data, "dataset"):
+        # Duplicates and batchability judged as the training sampler will judge them (token ids when
+        # training pre-tokenizes), so what validate passes, train does not refuse.
+        model_cfg = cfg.model if not isinstance(truncation, Exception) else None
+        if model_cfg is not None:
+            hashes, compared = sampler_hashes(data, model_cfg, cfg.data)
+            check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
+    unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes)
+    found = (*getattr(data, "warnings", ()), *unplaced)
+    report = validation_report(cfg, plan, data, truncation, found)
+    if as_json:  # stdout holds the JSON alone, for `| jq`
+        typer.echo(json.dumps(report, indent=2))
+        return
+    print_validation(console, report)
+    if verbose:
+        console.print("[bold]resolved config[/]")
+        console.print_json(json.dumps(report["config"]))
+        if hasattr(data, "dataset"):
+            print_first_row(console, data)
+        if not isinstance(truncation, Exception) and truncation.columns:
+            console.print(truncation_table(truncation.max_seq_length, truncation.columns))
+    more = "" if verbose else " (full resolved config: --verbose; machine-readable: --json)"
+    console.print(f"[green]config OK[/]{more}", highlight=False)
 
 
 def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto", precision=None):
@@ -64,15 +129,15 @@ def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto", precision=None)
 
 def inspect_data_cmd(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """Report duplicates in the training data and how the no-duplicates sampler will batch it."""
+    cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
     from cembed.data.placement import inspect_data
     from cembed.data.prepare import prepare_data
     from cembed.plan.resolve import resolve_plan
 
-    cfg = load(config, overrides)
     plan = resolve_plan(cfg)
     data = prepare_data(cfg.data)
     batch, drop_last = plan.per_device_train_batch_size * plan.world_size, cfg.batch.drop_last or plan.world_size > 1
-    print_data_report(console, inspect_data(data, batch, drop_last, cfg.train.seed, cfg.model, cfg.data.cache_dir))
+    print_data_report(console, inspect_data(data, batch, drop_last, cfg.train.seed, cfg.model, cfg.data))
 
 
 def probe_minibatch_cmd(
@@ -82,8 +147,10 @@ def probe_minibatch_cmd(
     max_seq_length: Optional[int] = typer.Option(
         None, "--max-seq-length", help="Tokens per text (every text is probed at this length)."
     ),
-    precision: Optional[str] = typer.Option(None, "--precision", help="auto | fp32 | bf16 | fp16."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto | cpu | cuda: where training would run."),
+    precision: Optional[Precision] = typer.Option(
+        None, "--precision", help="Training precision (default: the config's)."
+    ),
+    device: Optional[Device] = typer.Option(None, "--device", help="Where training would run (default: the config's)."),
     batch_size: Optional[int] = typer.Option(
         None, "--batch-size", help="per_device_train_batch_size (default: the config's)."
     ),
@@ -94,21 +161,22 @@ def probe_minibatch_cmd(
     max_memory: Optional[str] = typer.Option(
         None, "--max-memory", help="Memory budget, e.g. 8GiB (CPU default: physical memory)."
     ),
-    write: bool = typer.Option(
-        False, "--write", help="Store batch.mini_batch_size and batch.mini_batch_num_tokens in the config file."
+    write: bool = flag(
+        False,
+        "--write/--no-write",
+        help="Store batch.mini_batch_size and batch.mini_batch_num_tokens in the config file.",
     ),
 ) -> None:
     """Measure the largest mini_batch_size and token budget whose cached-loss step fits (worst case)."""
+    if write and config is None:
+        raise UserError("--write: needs a config file to write batch.mini_batch_size into")
+    cfg = load(config, overrides) if config is not None else None  # config mistakes answer first
     from cembed.config.file import set_yaml_value
     from cembed.config.loss import CachedMNRLLossConfig
-    from cembed.config.schema import CembedConfig
     from cembed.files import parse_bytes
     from cembed.plan.resolve import resolve_model
     from cembed.probe.auto import run_probe
 
-    if write and config is None:
-        raise UserError("--write: needs a config file to write batch.mini_batch_size into")
-    cfg: CembedConfig | None = load(config, overrides) if config is not None else None
     model_cfg = model_config_from_flags(cfg.model if cfg else None, model, max_seq_length, precision, device)
     resolved = resolve_model(model_cfg)  # device and precision auto -> what training would use here
     if batch_size is not None and batch_size < 1:
@@ -189,34 +257,215 @@ def model_config_from_flags(
 # --- rendering ----------------------------------------------------------------------------------
 
 
-def print_validation(
-    console: Console, cfg, plan, data, pooling: str | None = None, warnings: tuple[str, ...] = ()
-) -> None:
-    """What ``cembed validate`` found: resolved config, device, pooling, plan, data counts, first row;
-    ``warnings``: the findings beside the plan's (see :func:`cembed.cli.common.print_plan`)."""
-    console.print("[bold]resolved config[/]")
-    console.print_json(json.dumps(cfg.model_dump(mode="json")))
-    console.print(f"device: {plan.device}   precision: {plan.precision_reason or plan.precision}", highlight=False)
-    console.print(
-        f"pooling: {pooling or cfg.model.pooling + ' (model.pooling; the model was not loaded)'}", highlight=False
-    )
-    print_plan(console, plan, warnings)
-    if not hasattr(data, "dataset"):  # cembed.data.prepare.UnloadedData: the hub could not serve the rows
-        warn(console, data.message)
-        return
-    console.print(
-        f"data: {data.rows_read} rows read, {data.rows_dropped} dropped, {len(data.dataset)} to train on; "
-        f"columns {data.roles}",
-        highlight=False,
-    )
-    if len(data.sources) > 1:
-        console.print(f"sampling: {cfg.data.sampling.resolved_strategy}; every batch holds one source", highlight=False)
-    for src in data.sources if len(data.sources) > 1 else []:
-        console.print(
-            f"  source {src.name}: {src.rows_read} rows read, {src.rows_dropped} dropped, {src.rows} to train on "
-            f"({src.label}); columns {src.roles}",
-            highlight=False,
+def _batches(rows: int, batch: int, drop_last: bool) -> int:
+    return rows // batch if drop_last else -(-rows // batch)
+
+
+def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = ()) -> dict:
+    """What ``cembed validate`` found, as JSON-ready values (``--json`` prints it, the summary renders it).
+
+    Args:
+        cfg: the loaded config; plan: its :class:`cembed.plan.resolve.Plan`.
+        data: a :class:`cembed.data.prepare.PreparedData`, or ``UnloadedData`` (hub offline).
+        truncation: a :class:`cembed.data.prepare.ModelTruncation`, or the UserError that kept the
+            model from loading (then ``model.load_error`` holds it and the model's facts are None).
+        warnings: the findings beside the plan's own warnings (data, unplaceable rows).
+
+    Returns:
+        ``{model, loss, data, batch, learning_rate, steps, device, truncation, warnings, plan,
+        config}``. ``data.batches_per_epoch`` counts global batches from the rows (``rows / batch``,
+        a short last batch counted unless ``drop_last``, per source, in the sampling schedule); the
+        no-duplicates sampler can build fewer, and then a warning says how many. ``steps.total`` is
+        ``train.max_steps``, else epochs x ``ceil(batches / accumulation)``; None when the rows are
+        unknown (unloaded hub data).
+    """
+    from cembed.data.mixture import SourceMix
+
+    loaded = hasattr(data, "dataset")
+    model_ok = not isinstance(truncation, Exception)
+    batch = plan.per_device_train_batch_size * plan.world_size
+    drop = cfg.batch.drop_last or plan.world_size > 1
+    if loaded:
+        roles = dict(data.roles)
+        sources = [
+            {
+                "name": s.name,
+                "path": s.label,
+                "rows_read": s.rows_read,
+                "rows_dropped": s.rows_dropped,
+                "rows": s.rows,
+                "columns": s.roles,
+                "batches_per_epoch": _batches(s.rows, batch, drop),
+            }
+            for s in data.sources
+        ]
+        per_source = [s["batches_per_epoch"] for s in sources] or [_batches(len(data.dataset), batch, drop)]
+        batches = len(SourceMix.from_data(data, cfg.data.sampling).schedule(per_source))
+        first = {k: str(v) for k, v in data.dataset[0].items()} if len(data.dataset) else {}
+        data_facts = {
+            "loaded": True,
+            "rows_read": data.rows_read,
+            "rows_dropped": data.rows_dropped,
+            "rows": len(data.dataset),
+            "batches_per_epoch": batches,
+            "sampling": cfg.data.sampling.resolved_strategy if len(sources) > 1 else None,
+            "sources": sources,
+            "first_row": first,
+        }
+    else:
+        columns = cfg.data.sources()[0].columns
+        roles = {"anchor": columns.anchor, "positive": columns.positive}
+        roles |= {f"negative_{i + 1}": n for i, n in enumerate(columns.negatives)}
+        batches = None
+        data_facts = {"loaded": False, "source": data.source, "reason": data.reason, "batches_per_epoch": None}
+    accumulation = plan.gradient_accumulation_steps
+    per_epoch = max(1, -(-batches // accumulation)) if batches else None
+    if cfg.train.max_steps:
+        total, length = cfg.train.max_steps, "train.max_steps"
+    else:
+        epochs = cfg.train.num_train_epochs
+        total = math.ceil(epochs * per_epoch) if per_epoch else None
+        length = f"train.num_train_epochs: {epochs:g}"
+    warmup = math.ceil(total * cfg.optim.warmup_ratio) if total is not None else None
+    trunc = None
+    if model_ok:
+        trunc = {
+            "max_seq_length": truncation.max_seq_length,
+            "rows_checked": truncation.columns[0].rows if truncation.columns else 0,
+            "columns": [
+                {"column": c.column, "source": c.source, "truncated": c.truncated, "max_tokens": c.max_tokens}
+                for c in truncation.columns
+            ],
+        }
+    weights = truncation.weights if model_ok else None
+    return {
+        "model": {
+            "name_or_path": cfg.model.name_or_path,
+            "max_seq_length": truncation.max_seq_length if model_ok else cfg.model.max_seq_length,
+            "pooling": truncation.pooling
+            if model_ok
+            else f"{cfg.model.pooling} (model.pooling; the model was not loaded)",
+            "weights": weights._asdict() if weights is not None else None,
+            "weights_line": weights.describe() if weights is not None else None,
+            "prompts": truncation.prompts.to_dict() if model_ok and truncation.prompts is not None else None,
+            "attention": truncation.attention.description if model_ok and truncation.attention is not None else None,
+            "load_error": None if model_ok else str(truncation),
+        },
+        "loss": {"name": cfg.loss.name, "columns": roles},
+        "data": data_facts,
+        "batch": {
+            "per_device_train_batch_size": plan.per_device_train_batch_size,
+            "world_size": plan.world_size,
+            "gradient_accumulation_steps": accumulation,
+            "samples_per_step": plan.samples_per_step,
+            "mini_batch_size": plan.mini_batch_size if plan.mini_batch_size is not None else "auto",
+            "mini_batch_num_tokens": plan.mini_batch_num_tokens,
+            "gather_across_devices": plan.gather_across_devices,
+            "drop_last": drop,
+        },
+        "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
+        "steps": {"total": total, "from": length, "per_epoch": per_epoch, "warmup": warmup},
+        "device": {
+            "device": plan.device,
+            "precision": plan.precision,
+            "precision_reason": plan.precision_reason or plan.precision,
+            "dataloader_workers": plan.dataloader_workers,
+        },
+        "truncation": trunc,
+        "warnings": [*plan.warnings, *warnings, *([] if loaded else [data.message])],
+        "plan": plan.to_dict(),
+        "config": cfg.model_dump(mode="json"),
+    }
+
+
+def _short(text: str, width: int = 60) -> str:
+    return repr(text if len(text) <= width else text[: width - 3] + "...")
+
+
+def print_validation(console: Console, report: dict) -> None:
+    """The summary of :func:`validation_report`, about a dozen lines: what will train (model, loss,
+    columns), on what (sources, rows, first row, batches per epoch), how big and how fast (batch,
+    mini-batch, effective LR, steps), the model's checks (device and precision, dtypes, prompts,
+    attention path, truncation) and the warnings; with several sources one more line per source.
+    (``validate --verbose`` adds the resolved config and the tables after it.)"""
+    m, d, b, st, dev = report["model"], report["data"], report["batch"], report["steps"], report["device"]
+    p = lambda text: console.print(text, highlight=False)  # noqa: E731
+    length = f"max_seq_length {m['max_seq_length']}" if m["max_seq_length"] else "model's max_seq_length"
+    p(f"model: {m['name_or_path']} ({length})   pooling: {m['pooling']}")
+    cols = ", ".join(role if role == src else f"{role} <- {src}" for role, src in report["loss"]["columns"].items())
+    p(f"loss: {report['loss']['name']} on {cols}")
+    if d["loaded"]:
+        sources = d["sources"]
+        what = sources[0]["path"] if len(sources) == 1 else f"{len(sources)} sources"
+        per_epoch = (
+            f"{d['batches_per_epoch']} batches of {b['per_device_train_batch_size'] * b['world_size']} per epoch"
         )
+        p(
+            f"data: {what}: {d['rows_read']} rows read, {d['rows_dropped']} dropped, {d['rows']} to train on; "
+            f"{per_epoch}" + (f" (sampling: {d['sampling']}; every batch holds one source)" if d["sampling"] else "")
+        )
+        for s in sources if len(sources) > 1 else []:
+            p(
+                f"  source {s['name']}: {s['rows_read']} rows read, {s['rows_dropped']} dropped, {s['rows']} to train "
+                f"on ({s['path']}); {s['batches_per_epoch']} batches; columns {s['columns']}"
+            )
+        if d["first_row"]:
+            p("  first row: " + " | ".join(f"{k} {_short(v)}" for k, v in d["first_row"].items()))
+    else:
+        p(f"data: {d['source']} (not loaded: see the warning below)")
+    mini = f"mini_batch_size: {b['mini_batch_size']}"
+    if b["mini_batch_size"] == "auto":
+        mini += " (probed when train starts)"
+    if b["mini_batch_num_tokens"]:
+        mini += f", mini_batch_num_tokens: {b['mini_batch_num_tokens']}"
+    processes = f" ({b['world_size']} processes)" if b["world_size"] > 1 else ""
+    p(
+        f"batch: world size: {b['world_size']}{processes}   effective batch: {b['per_device_train_batch_size']} per "
+        f"device x {b['world_size']} x {b['gradient_accumulation_steps']} accumulation = {b['samples_per_step']} "
+        f"samples per optimizer step   {mini}   gather_across_devices: {str(b['gather_across_devices']).lower()}"
+    )
+    p(f"effective learning_rate: {report['learning_rate']['derivation']}")
+    if st["total"] is not None:
+        epoch = f"; an epoch is {st['per_epoch']} steps" if st["per_epoch"] else ""
+        p(f"steps: {st['total']} optimizer steps ({st['from']}), {st['warmup']} of them warmup{epoch}")
+    else:
+        p(f"steps: unknown until the data is loaded ({st['from']})")
+    p(
+        f"device: {dev['device']}   precision: {dev['precision_reason']}   data-loader workers: {dev['dataloader_workers']}"
+    )
+    if m["load_error"] is not None:
+        console.print(f"[yellow]truncation report skipped:[/] {escape(m['load_error'])}", highlight=False)
+    else:
+        for line in (m["weights_line"], _prompts_line(m["prompts"]), m["attention"] and f"attention: {m['attention']}"):
+            if line:
+                p(line)
+        p(_truncation_line(report["truncation"]))
+    for w in report["warnings"]:
+        warn(console, w)
+
+
+def _prompts_line(prompts: dict | None) -> str | None:
+    if prompts is None:
+        return None
+    if not any(v["prompt"] for v in prompts.values()):
+        return "prompts: none (neither data.prompts nor the model sets one)"
+    return "prompts: " + "; ".join(f"{r} {v['prompt']!r} ({v['from']})" for r, v in prompts.items())
+
+
+def _truncation_line(t: dict) -> str:
+    if not t["columns"]:
+        return f"model loads; max_seq_length {t['max_seq_length']}; truncation unchecked (no rows)"
+    rows = t["rows_checked"]
+    cols = ", ".join(
+        f"{c['column']} {c['truncated']} ({100 * c['truncated'] / rows if rows else 0:.1f}%; longest "
+        f"{c['max_tokens']} tokens)"
+        for c in t["columns"]
+    )
+    return f"truncation at max_seq_length {t['max_seq_length']} ({rows} rows checked): rows cut: {cols}"
+
+
+def print_first_row(console: Console, data) -> None:
+    """The first training row after column mapping, one table row per role (``validate --verbose``)."""
     table = Table("role", "first training row")
     for key, value in data.dataset[0].items():
         table.add_row(key, str(value))

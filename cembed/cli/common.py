@@ -16,7 +16,7 @@ import os
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, List, Optional
+from typing import TYPE_CHECKING, Annotated, List, Literal, Optional
 
 import typer
 from rich.console import Console
@@ -33,6 +33,27 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config file.")]
 OverridesArg = Annotated[Optional[List[str]], typer.Argument(help="section.field=value overrides.")]
+
+# Choice flags: typer lists the values in --help and refuses any other with exit code 2. They repeat
+# the schema's and the library's Literal types (importing those here would load pydantic and data
+# code for every `cembed --help`); tests/cli/test_app.py checks they do not drift apart.
+Precision = Literal["auto", "fp32", "bf16", "fp16"]  # model.precision
+Device = Literal["auto", "cpu", "cuda"]  # model.device
+LRRule = Literal["sqrt", "linear"]  # cembed.plan.lr.Rule without "none"
+OutputFormat = Literal["columns", "rows"]  # cembed.data.mining.OutputFormat
+
+
+def flag(default: bool, names: str, *short: str, help: str):
+    """A boolean option declared as ``--name/--no-name`` (``names``) with an empty metavar: typer
+    would otherwise print ``<bool>`` beside it, as if the flag took a value."""
+    return typer.Option(default, names, *short, metavar="", help=help)
+
+
+def examples(*commands: str) -> str:
+    """The ``epilog`` of a command's ``--help``: an "Examples" heading and one indented command line
+    each (rich markup in them escaped). The leading blank line keeps the indentation, which
+    typer's ``inspect.cleandoc`` would otherwise strip."""
+    return "\n[bold]Examples[/]\n" + "\n".join(f"  {escape(c)}" for c in commands)
 
 
 def user_errors(fn):

@@ -12,10 +12,16 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cembed.cli.common import console
+from cembed.cli.common import Device, console, examples, flag
 
 if TYPE_CHECKING:
     from cembed.eval.score import EvalReport
+
+EVAL_EXAMPLES = examples(
+    "cembed eval --model all-MiniLM-L6-v2 -r cembed:coco-captions-heldout",
+    "cembed eval --model runs/quickstart -r cembed:coco-captions-heldout --json after.json",
+    "cembed eval --model runs/quickstart --sts sts-test.csv --dims 384,128,64",
+)
 
 
 def eval_cmd(
@@ -37,14 +43,16 @@ def eval_cmd(
     max_seq_length: Optional[int] = typer.Option(
         None, "--max-seq-length", min=1, help="Override the model's max_seq_length."
     ),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    device: Device = typer.Option("auto", "--device", help="Where to encode (auto: CUDA when available)."),
     cache_dir: Optional[Path] = typer.Option(
         None,
         "--cache-dir",
         help="Cache root: corpus embeddings in <root>/embeddings (default $CEMBED_CACHE_DIR or ~/.cache/cembed).",
     ),
-    no_cache: bool = typer.Option(
-        False, "--no-cache", help="Encode the corpus even when cached, and do not write the cache."
+    cache: bool = flag(
+        True,
+        "--cache/--no-cache",
+        help="Reuse and write cached corpus embeddings (--no-cache: encode anew, write none).",
     ),
     dims: Optional[str] = typer.Option(None, "--dims", help="Also score truncated embeddings, e.g. 384,128,64."),
 ) -> None:
@@ -52,6 +60,7 @@ def eval_cmd(
     from cembed.eval.score import score_model
     from cembed.samples import resolve_sample
 
+    no_cache = not cache
     # cembed:<name>: packaged data
     sets = ([resolve_sample(str(p)) or p for p in retrieval or []], [resolve_sample(str(p)) or p for p in sts or []])
     cache = None if no_cache else cache_dir

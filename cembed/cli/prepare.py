@@ -6,14 +6,31 @@ starter config for a data file), ``cembed suggest-lr`` (a learning rate for a ne
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from cembed.cli.common import console, make_console
+from cembed.cli.common import Device, LRRule, OutputFormat, console, examples, flag, make_console
 from cembed.errors import UserError
+from cembed.samples import EXAMPLES
+
+# The packaged example configs, as a choice (`cembed init OUT --example NAME`).
+ExampleName = Literal[tuple(EXAMPLES)]  # type: ignore[valid-type]
+
+INIT_EXAMPLES = examples(
+    "cembed init quickstart.yaml --example quickstart",
+    "cembed init my.yaml --model all-MiniLM-L6-v2 --data pairs.jsonl",
+)
+SUGGEST_LR_EXAMPLES = examples(
+    "cembed suggest-lr --base-lr 2e-5 --base-bs 32 --bs 65536",
+    "cembed suggest-lr --base-lr 2e-5 --base-bs 32 --bs 65536 --rule linear",
+)
+MINE_NEGATIVES_EXAMPLES = examples(
+    "cembed mine-negatives cembed:coco-captions -o mined.jsonl.gz --num-negatives 3 --relative-margin 0.05",
+    "cembed mine-negatives pairs.jsonl --model all-MiniLM-L6-v2 -o mined.jsonl.gz --output-format rows --no-cache",
+)
 
 
 def init_cmd(
@@ -22,13 +39,12 @@ def init_cmd(
         None, "--data", help="Training data: .jsonl[.gz], .json, .csv, .tsv or .parquet."
     ),
     model: str = typer.Option("all-MiniLM-L6-v2", "--model", help="Model folder or hub id to fine-tune."),
-    example: Optional[str] = typer.Option(None, "--example", help="Write a packaged example instead: quickstart."),
+    example: Optional[ExampleName] = typer.Option(None, "--example", help="Write a packaged example config instead."),
 ) -> None:
     """Write a commented starter config for a model and a data file (proposes the column roles and a
     per_device_train_batch_size the no-duplicates sampler can fill), or a packaged --example."""
-    from cembed.data.starter import make_starter, write_new_file, write_starter
-
-    if example is not None:
+    if example is not None:  # a file copy: no data library to import
+        from cembed.files import write_new_file
         from cembed.samples import example_config
 
         write_new_file(out, example_config(example))
@@ -36,6 +52,8 @@ def init_cmd(
         return
     if data is None:
         raise UserError("cembed init: give --data FILE (or --example quickstart)")
+    from cembed.data.starter import make_starter, write_starter
+
     starter = make_starter(out, model, data)
     write_starter(starter)
     print_starter(console, starter)
@@ -45,7 +63,7 @@ def suggest_lr_cmd(
     base_lr: float = typer.Option(..., "--base-lr", help="Learning rate tuned at --base-bs, e.g. 2e-5."),
     base_bs: int = typer.Option(..., "--base-bs", help="Batch size the base LR was tuned at, e.g. 32."),
     bs: int = typer.Option(..., "--bs", help="Samples per optimizer step now (batch x GPUs x accumulation)."),
-    rule: str = typer.Option("sqrt", "--rule", help="sqrt (default) or linear."),
+    rule: LRRule = typer.Option("sqrt", "--rule", help="Scaling rule: sqrt (default) or linear."),
 ) -> None:
     """Suggest a learning rate for a new batch size (sqrt rule by default) and a bracket to try."""
     from cembed.plan.lr import suggest_lr
@@ -68,7 +86,7 @@ def mine_negatives_cmd(
     absolute_margin: Optional[float] = typer.Option(
         None, "--absolute-margin", help="Drop candidates scoring above positive - margin (e.g. 0.1)."
     ),
-    output_format: str = typer.Option(
+    output_format: OutputFormat = typer.Option(
         "columns", "--output-format", help="columns: negative_1..k per pair; rows: one row per negative."
     ),
     group_column: Optional[str] = typer.Option(
@@ -78,12 +96,16 @@ def mine_negatives_cmd(
     ),
     max_samples: Optional[int] = typer.Option(None, "--max-samples", min=1, help="Use only the first N rows."),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Encoding batch size."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    device: Device = typer.Option("auto", "--device", help="Where to encode (auto: CUDA when available)."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Embedding cache (as cembed eval's)."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Encode even when cached; write no cache."),
+    cache: bool = flag(
+        True, "--cache/--no-cache", help="Reuse and write the embedding cache (--no-cache: encode anew)."
+    ),
 ) -> None:
     """Mine hard negatives for a pair file with a model (sentence-transformers' mine_hard_negatives)."""
     from cembed.data.mining import mine_negatives
+
+    no_cache = not cache
 
     report = mine_negatives(
         data,

@@ -21,6 +21,8 @@ from cembed.cli.common import (
     OverridesArg,
     console,
     err_console,
+    examples,
+    flag,
     load,
     make_console,
     print_plan,
@@ -41,13 +43,23 @@ if TYPE_CHECKING:
 NPROC_HELP = "Processes (GPUs) per node; >1 launches them through torch.distributed.run (torchrun)."
 NNODES_HELP = "Machines taking part; run the same command on each with its own --node-rank."
 
+TRAIN_EXAMPLES = examples(
+    "cembed train quickstart.yaml",
+    "cembed train quickstart.yaml batch.per_device_train_batch_size=256 optim.learning_rate=1e-4",
+    "cembed train quickstart.yaml --resume",
+    "cembed train quickstart.yaml --nproc-per-node 4",
+    "cembed train quickstart.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400",
+)
+
 
 def train_cmd(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output_dir."),
+    resume: bool = flag(
+        False, "--resume/--no-resume", help="Continue from the newest complete checkpoint in output_dir."
+    ),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished model in output_dir."),
+    overwrite: bool = flag(False, "--overwrite/--no-overwrite", help="Replace a finished model in output_dir."),
     max_memory: Optional[str] = typer.Option(
         None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."
     ),
@@ -64,12 +76,18 @@ def train_cmd(
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     if peak_tflops is not None:
         overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
-    from cembed.data.placement import unplaceable_warnings
-    from cembed.distributed.group import dist_info, is_worker, leave_process_group
     from cembed.distributed.launch import record_worker_error
-    from cembed.train.recipe import check_run_inputs, run_training
 
     world = world_size_from_flags(nproc_per_node, nnodes)
+    try:  # a config mistake answers before torch is imported (seconds)
+        cfg = load(config, overrides)
+    except UserError as err:
+        record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
+        raise
+    from cembed.data.placement import unplaceable_warnings
+    from cembed.distributed.group import dist_info, is_worker, leave_process_group
+    from cembed.train.recipe import check_run_inputs, run_training
+
     if is_worker() and world is not None:
         raise UserError(
             "--nproc-per-node/--nnodes: this process was already started by a launcher (torchrun); drop them"
@@ -82,15 +100,12 @@ def train_cmd(
         + (["--max-memory", max_memory] if max_memory else [])
     )
     if world is not None and world > 1:
-        cfg = load(config, overrides)
         _launch_training(
             cfg, config, (overrides or []) + worker_flags, world, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint
         )
         return
     out = console if dist_info().is_main else make_console(quiet=True)  # only rank 0 prints
-    cfg = None
     try:
-        cfg = load(config, overrides)
         plan, data = check_run_inputs(cfg)
         unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed)
         summary = run_training(
@@ -118,7 +133,7 @@ def train_cmd(
         record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
         if isinstance(err, UserError):
             raise
-        _unexpected(err, cfg.train.output_dir if cfg is not None else None)
+        _unexpected(err, cfg.train.output_dir)
     leave_process_group()
     print_done(out, summary)
     print_eval_change(out, summary)

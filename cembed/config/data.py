@@ -35,6 +35,18 @@ class ColumnMap(_Strict):
     negatives: list[str] = Field(
         default_factory=list, description="columns holding hard negatives, one role (negative_1..k) each"
     )
+    # None, not []: a checkpoint recorded before this field compares equal on resume.
+    ignore: list[str] | None = Field(
+        None, description="columns known not to be text for training (ids, labels): dropped without a warning"
+    )
+
+    @model_validator(mode="after")
+    def _ignored_not_mapped(self) -> ColumnMap:
+        roles = {self.anchor: "anchor", self.positive: "positive"} | {n: "a negative" for n in self.negatives}
+        mapped = next((n for n in self.ignore or () if n in roles), None)
+        if mapped is not None:
+            raise ValueError(f"ignore: column {mapped!r} is mapped as {roles[mapped]}; remove it from ignore")
+        return self
 
 
 class PromptName(_Strict):

@@ -1,8 +1,9 @@
 """No column silently ignored: what a source's columns are used for before they are mapped to roles.
 
-- :func:`unmapped_column_notes`: the columns the mapping leaves out, listed; a column whose name
-  looks like a role the config does not use (``negative``, ``negative_1``, ``hard_negative``,
-  ``neg`` ...) gets a warning naming the mapping to add (``data.columns.negatives: [negative]``).
+- :func:`unmapped_column_notes`: the columns the mapping leaves out and does not declare in
+  ``ignore`` (ids, labels), listed; a column whose name looks like a role the config does not use
+  (``negative``, ``negative_1``, ``hard_negative``, ``neg`` ...) gets a warning naming the mapping
+  to add (``data.columns.negatives: [negative]``).
 - :func:`expand_list_columns`: a mapped negatives column whose cells are lists of texts (several
   negatives per row) becomes one column per position (``negatives[1]``, ``negatives[2]`` ...), as
   many as the shortest list holds, instead of being refused as non-text (or trained as text).
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 
 import pyarrow as pa
@@ -33,7 +35,7 @@ def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label:
 
     Args:
         names: the source's column names, in file order.
-        columns: the effective mapping of the source.
+        columns: the effective mapping of the source; its ``ignore`` columns are left out of the notes.
         key: the config field holding the source (``data.train`` or ``data.train.<name>``), to name
             the mapping to add: ``data.columns`` for ``data.train``, else ``<key>.columns``.
         label: how messages name the source (its path).
@@ -42,14 +44,26 @@ def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label:
 
     Returns:
         Up to two lines: one naming the columns that look like negatives and the mapping that trains
-        them, one listing the other unmapped columns (left out of training). Empty when every column is mapped.
+        them, one listing the other unmapped columns (left out of training) and the ``ignore`` list that
+        says so. Empty when every column is mapped or ignored.
+
+    Raises:
+        UserError: an ``ignore`` column the source does not have (naming the closest column it has).
     """
+    field = "data.columns" if key == "data.train" else f"{key}.columns"
+    ignored = list(columns.ignore or ())
+    missing = next((n for n in ignored if n not in names), None)
+    if missing is not None:
+        close = difflib.get_close_matches(missing, names, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UserError(
+            f"{label}: {field}.ignore: no column {missing!r} in the data{hint} (the data has columns: {', '.join(names)})"
+        )
     kind_class = SOURCE_CONFIGS.get(kind)
     used = set(mapped_columns(columns)) | (kind_class.generated_columns if kind_class is not None else set())
-    unused = [n for n in names if n not in used]
+    unused = [n for n in names if n not in used and n not in ignored]
     if not unused:
         return []
-    field = "data.columns" if key == "data.train" else f"{key}.columns"
     negatives = [n for n in unused if NEGATIVE_NAME.match(n)]
     others = [n for n in unused if n not in negatives]
     notes = []
@@ -60,7 +74,10 @@ def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label:
             f"them add {field}.negatives: [{shown}]"
         )
     if others:
-        notes.append(f"{label}: column(s) {', '.join(others)} are not mapped in {field} and are not trained on")
+        notes.append(
+            f"{label}: column(s) {', '.join(others)} are not mapped in {field} and are not trained on; if that is "
+            f"intended, say so: {field}.ignore: [{', '.join(ignored + others)}]"
+        )
     return notes
 
 

@@ -6,8 +6,12 @@ rows leaves half the rows out). :func:`find_unplaceable` runs the sampler's firs
 rows go unused beyond the short last batch, says how many and why (the column and text that repeat);
 ``validate`` and the start of ``train`` show it as a plan warning, ``inspect-data`` in its table.
 
-``inspect-data`` compares texts as the model sees them when the config's model can be loaded (the
-token ids after truncation, as the sampler does with pre-tokenized data), else as raw text.
+``validate`` and ``inspect-data`` compare texts exactly as the training sampler will
+(:func:`sampler_hashes`): the data tokenized as training tokenizes it (same prompts, same
+``data.pretokenize``, same fallback) and hashed by :func:`cembed.data.sampler.row_hashes`, so token
+ids after truncation when training pre-tokenizes, raw text when it does not or the model cannot be
+loaded. Data the sampler cannot fill one batch from is refused there, naming the column
+(:func:`no_batch_reason`), as ``train`` refuses it.
 """
 
 from __future__ import annotations
@@ -83,36 +87,104 @@ def find_unplaceable(
     )
 
 
-def unplaceable_warnings(plan, data, drop_last: bool, seed: int) -> tuple[str, ...]:
+def unplaceable_warnings(plan, data, drop_last: bool, seed: int, hashes: np.ndarray | None = None) -> tuple[str, ...]:
     """:func:`find_unplaceable`'s report for each training source under ``plan``'s batch, as warnings
     (printed by ``validate`` and at the start of ``train``, beside the plan's own); empty when every
-    row can be placed or ``data`` has no rows loaded (:class:`cembed.data.prepare.UnloadedData`)."""
+    row can be placed or ``data`` has no rows loaded (:class:`cembed.data.prepare.UnloadedData`).
+    ``hashes``: all rows' hashes, shape ``(rows, columns)`` (:func:`sampler_hashes`; default: raw text)."""
     if not hasattr(data, "dataset"):
         return ()
     batch = plan.per_device_train_batch_size * plan.world_size
     drop = drop_last or plan.world_size > 1
-    views = source_views(data)  # source i is shuffled as the sampler shuffles it
-    found = [find_unplaceable(view, batch, drop, seed + i * SOURCE_SEED_STRIDE) for i, view in enumerate(views)]
+    found = []
+    for i, (view, offset) in enumerate(_views_with_offsets(data)):  # source i shuffled as the sampler does
+        part = None if hashes is None else hashes[offset : offset + len(view.dataset)]
+        found.append(find_unplaceable(view, batch, drop, seed + i * SOURCE_SEED_STRIDE, part))
     return tuple(str(f) for f in found if f)
 
 
-def model_hashes(data: PreparedData, model_cfg, cache_dir: str | None = None) -> tuple[np.ndarray, str]:
-    """The rows' text hashes as the model sees them: token ids after truncation, with the model's
-    tokenizer (loaded on CPU; tokenized once, cached like training's), and a note saying so; raw
-    text, and why, when the model cannot be loaded."""
-    from cembed.data.tokenize import pretokenize
-    from cembed.model.load import load_model, quiet_libraries
+def _views_with_offsets(data: PreparedData) -> list[tuple[PreparedData, int]]:
+    """Each source's view (:func:`cembed.data.prepare.source_views`) and its first row in ``data``."""
+    views = source_views(data)
+    offsets = [src.offset for src in data.sources] if len(views) > 1 else [0]
+    return list(zip(views, offsets))
 
+
+def no_batch_reason(hashes: np.ndarray, columns: list[str], batch_size: int, compared: str = "raw text") -> str:
+    """Why rows hashed as ``hashes`` (``(rows, columns)``, the sampler's) cannot fill one
+    duplicate-free batch of ``batch_size``: the columns with fewer distinct texts than the batch, or
+    else the column holding the text most rows share (a batch holds it once). ``columns`` name the
+    hash columns (``"'answer' (role positive)"``), ``compared`` says how texts were compared."""
+    n, k = hashes.shape
+    few = [(columns[j], len(np.unique(hashes[:, j]))) for j in range(k)]
+    few = [(c, d) for c, d in few if d < batch_size]
+    if few:
+        listed = ", ".join(f"column {c} has only {d} distinct texts" for c, d in few)
+        return f"{listed} (compared as {compared}), so no duplicate-free batch of {batch_size} rows exists"
+    if n == 0 or k == 0:
+        return f"there are {n} rows"
+    uniq, counts = np.unique(hashes, return_counts=True)
+    top = uniq[np.argmax(counts)]
+    where = [columns[j] for j in range(k) if (hashes[:, j] == top).any()]
+    holders = int((hashes == top).any(axis=1).sum())
+    return (
+        f"one text of column {' and '.join(where)} is in {holders} rows (compared as {compared}) and texts "
+        f"repeat across rows and columns, so no duplicate-free batch of {batch_size} rows can be built"
+    )
+
+
+def check_sampler_batches(plan, data, drop_last: bool, seed: int, hashes: np.ndarray, compared: str) -> None:
+    """Refuse what ``train`` would refuse: a source from which the no-duplicates sampler builds no
+    batch of ``plan``'s global batch in epoch 0, with rows hashed as the sampler hashes them
+    (:func:`sampler_hashes`).
+
+    Raises:
+        UserError: naming the source, the batch and the column(s) (:func:`no_batch_reason`).
+    """
+    if not hasattr(data, "dataset"):
+        return
+    batch = plan.per_device_train_batch_size * plan.world_size
+    drop = drop_last or plan.world_size > 1
+    for i, (view, offset) in enumerate(_views_with_offsets(data)):
+        part = hashes[offset : offset + len(view.dataset)]
+        if part.shape[1] and not build_batches(part, batch, drop, seed + i * SOURCE_SEED_STRIDE)[0]:
+            names = [f"{view.roles.get(c, c)!r} (role {c})" for c in view.columns]
+            raise UserError(
+                f"{view.source}: the no-duplicates sampler cannot fill a single batch of {batch} rows: "
+                f"{no_batch_reason(part, names, batch, compared)}; lower batch.per_device_train_batch_size, "
+                "deduplicate that column or set sampler.no_duplicates: false"
+            )
+
+
+def sampler_hashes(data: PreparedData, model_cfg, data_cfg=None, model=None) -> tuple[np.ndarray, str]:
+    """The rows' text hashes exactly as the training sampler will compute them, and a note saying how
+    texts were compared: the data tokenized as training tokenizes it
+    (:func:`cembed.data.tokenize.tokenize_stage` with ``data_cfg``'s prompts, ``pretokenize`` and
+    cache folder; the model loaded on CPU unless given) and hashed by
+    :func:`cembed.data.sampler.row_hashes` over ``data.columns``: token ids after truncation when
+    training pre-tokenizes, raw text when it does not (the sampler then sees the texts) or when the
+    model cannot be loaded (the note says why). ``data_cfg`` None: the ``data`` section's defaults.
+    Shape ``(rows, len(data.columns))`` uint64."""
+    from cembed.data.tokenize import tokenize_stage
+    from cembed.model.load import load_model, quiet_libraries
+    from cembed.model.prompts import resolve_prompts
+
+    pretokenize, cache_dir, prompts_cfg = (
+        (True, None, None) if data_cfg is None else (data_cfg.pretokenize, data_cfg.cache_dir, data_cfg.prompts)
+    )
     quiet_libraries()
     try:
-        model = load_model(model_cfg, "cpu", for_training=False)
+        model = model if model is not None else load_model(model_cfg, "cpu", for_training=False)
+        prompts = resolve_prompts(prompts_cfg, model).for_columns(data.columns)
     except UserError as err:
         return row_hashes(data.dataset, data.columns), f"raw text (model not loaded: {first_line(err, 120)})"
-    length = int(model.max_seq_length)
     if getattr(model, "tokenizer", None) is None:
         return row_hashes(data.dataset, data.columns), "raw text (the model has no tokenizer)"
-    tokenized = pretokenize(data.dataset, data.columns, model.tokenizer, length, cache_dir).dataset
-    return row_hashes(tokenized, data.columns), f"token ids ({model_cfg.name_or_path}, max_seq_length {length})"
+    dataset, _, info = tokenize_stage(model, data, pretokenize, cache_dir, prompts)
+    if not info["pretokenized"]:
+        return row_hashes(data.dataset, data.columns), f"raw text, as the sampler compares them ({info['reason']})"
+    length = int(model.max_seq_length)
+    return row_hashes(dataset, data.columns), f"token ids ({model_cfg.name_or_path}, max_seq_length {length})"
 
 
 @dataclass
@@ -130,25 +202,22 @@ class DataReport:
 
 
 def inspect_data(
-    data: PreparedData, batch_size: int, drop_last: bool, seed: int, model_cfg=None, cache_dir: str | None = None
+    data: PreparedData, batch_size: int, drop_last: bool, seed: int, model_cfg=None, data_cfg=None
 ) -> list[DataReport]:
     """Per training source: distinct texts per column and how the no-duplicates sampler batches
     its rows at ``batch_size`` rows (epoch 0, each source shuffled as the sampler shuffles it; every
-    batch holds one source's rows), comparing texts as ``model_cfg``'s model sees them
-    (:func:`model_hashes`, tokenized into ``cache_dir``; raw text without a model), with the rows
-    that cannot be placed."""
-    import pyarrow.compute as pc
-
+    batch holds one source's rows), comparing texts as the training sampler will
+    (:func:`sampler_hashes` with ``model_cfg`` and ``data_cfg``, the ``data`` section; raw text
+    without a model), with the rows that cannot be placed. The distinct counts are of those hashes."""
     if model_cfg is None:
         all_hashes, compared = row_hashes(data.dataset, data.columns), "raw text"
     else:
-        all_hashes, compared = model_hashes(data, model_cfg, cache_dir)
+        all_hashes, compared = sampler_hashes(data, model_cfg, data_cfg)
     reports = []
     for i, (view, src) in enumerate(zip(source_views(data), data.sources or [None])):
         offset, source_seed = (src.offset if src is not None else 0), seed + i * SOURCE_SEED_STRIDE
         hashes = all_hashes[offset : offset + len(view.dataset)]
-        table = arrow_table(view.dataset)
-        distinct = {role: (view.roles[role], pc.count_distinct(table.column(role)).as_py()) for role in view.columns}
+        distinct = {role: (view.roles[role], len(np.unique(hashes[:, j]))) for j, role in enumerate(view.columns)}
         batching = inspect_batches(hashes, batch_size, drop_last, source_seed)
         unplaceable = find_unplaceable(view, batch_size, drop_last, source_seed, hashes)
         reports.append(

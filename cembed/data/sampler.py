@@ -9,8 +9,10 @@ Contract:
   dropped. The batches are exactly a row-by-row first fit's over the same order (a row is refused
   only for a text it shares with a row *taken* into the batch). With ``drop_last``, rows left at the
   end of an epoch (a short last batch, rows that collide with everything left) go unused; without
-  it, no batch has a single row (no in-batch negative: loss 0), so only a row that can share a batch
-  with no other row goes unused. :attr:`unplaced` counts the unused rows.
+  it, one short last batch is kept (the largest the leftover rows form, never a single row: no
+  in-batch negative, loss 0) and the other leftover rows go unused. Every other batch is full, so
+  the batch size the plan states (and scales the learning rate for) is the one that trains.
+  :attr:`unplaced` counts the unused rows.
 - ``len(sampler)`` is exactly the number of batches ``iter(sampler)`` yields for the current epoch,
   so the trainer's step count and LR schedule match the data.
 - Same seed and epoch -> same batches; a new epoch -> a new shuffle.
@@ -162,10 +164,11 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
     chunks (:func:`fits`), so an epoch costs a few numpy passes per batch (about linear in the rows).
 
     The end of an epoch: with ``drop_last`` the rows that cannot fill a batch go unused. Without it,
-    the partial batch is kept and the deferred rows are packed, first fit, into further batches; a
-    row that would be alone in a batch (``batch_size >= 2``) never is, since a 1-row batch has no
-    in-batch negative (it trains at loss 0): it gets a partner that shares no text with it, moved out
-    of the last batch of 3+ rows that has one (:func:`_pair_single`), else it goes unused.
+    the partial batch and the deferred rows are packed, first fit, into further batches: the full
+    ones are kept, and of the short ones only the largest, as the epoch's one short last batch, if
+    it has 2+ rows (a 1-row batch has no in-batch negative: it trains at loss 0); the other rows go
+    unused (counted in ``unplaced``, reported by :mod:`cembed.data.placement`). Every batch but the
+    last is full: no row is moved out of a full batch to give a leftover row company.
 
     Args:
         hashes: ``(rows, columns)`` text hashes, see :func:`row_hashes`.
@@ -210,32 +213,26 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
         break  # permutation exhausted and the batch cannot be filled
     if drop_last:
         return batches, filled() + len(deferred)
+    # The rows left: the partial batch, then batches out of what was deferred (first fit). A full one
+    # is kept; of the short ones only the largest (the first on a tie) is, as the epoch's one short
+    # last batch, and only with 2+ rows (a 1-row batch has no in-batch negative: loss 0). No row is
+    # ever moved out of a full batch: the plan's batch size and learning rate hold for every batch.
+    short: list[int] = []
     unplaced = 0
-    # Keep every row that can share a batch: the partial batch, then batches out of what was deferred.
     while rows or len(deferred):
-        if rows:
-            batch = np.concatenate(rows).tolist()
-            if len(batch) >= min(2, batch_size):
-                batches.append(batch)
-            else:
-                unplaced += _pair_single(batches, hashes, batch[0])
+        batch = np.concatenate(rows).tolist() if rows else []
+        if len(batch) == batch_size:
+            batches.append(batch)
+        elif len(batch) > len(short) and len(batch) >= min(2, batch_size):
+            unplaced += len(short)
+            short = batch
+        else:
+            unplaced += len(batch)
         rows, used = [], np.empty(0, dtype=hashes.dtype)
         deferred = offer(deferred)
+    if short:
+        batches.append(short)
     return batches, unplaced
-
-
-def _pair_single(batches: list[list[int]], hashes: np.ndarray, row: int) -> int:
-    """Give ``row``, left alone at the end of an epoch, a partner instead of a 1-row batch: the last
-    row sharing no text with it of the last batch of at least 3 rows moves out, and the two form a
-    new batch at the end. Returns 1 if there is no such row (``row`` goes unused), else 0."""
-    for batch in reversed(batches):
-        if len(batch) < 3:
-            continue
-        free = np.flatnonzero(~np.isin(hashes[batch], hashes[row]).any(axis=1))
-        if free.size:
-            batches.append([batch.pop(int(free[-1])), row])
-            return 0
-    return 1
 
 
 def build_batches_row_by_row(
@@ -277,21 +274,19 @@ def build_batches_row_by_row(
         batches.append(batch)
     if drop_last:
         return batches, len(batch) + len(deferred)
+    short: list[int] = []
     unplaced = 0
     while batch or deferred:
-        if len(batch) >= min(2, batch_size):
+        if len(batch) == batch_size:
             batches.append(batch)
-        elif batch:  # a row alone: a partner from the last batch of 3+ rows with a row sharing no text
-            donor = next(
-                (b for b in reversed(batches) if len(b) >= 3 and any(texts[i].isdisjoint(texts[batch[0]]) for i in b)),
-                None,
-            )
-            if donor is None:
-                unplaced += 1
-            else:
-                j = max(j for j, i in enumerate(donor) if texts[i].isdisjoint(texts[batch[0]]))
-                batches.append([donor.pop(j), batch[0]])
+        elif len(batch) > len(short) and len(batch) >= min(2, batch_size):  # the largest short batch
+            unplaced += len(short)
+            short = batch
+        else:
+            unplaced += len(batch)
         batch, deferred = fill(deferred)
+    if short:
+        batches.append(short)
     return batches, unplaced
 
 
@@ -341,6 +336,9 @@ class NoDuplicatesSampler(DefaultBatchSampler):
             and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
         ]
         self.hashes = row_hashes(dataset, self.columns)
+        # How texts were compared, for messages (row_hashes uses the token ids where they exist).
+        token_ids = any(c + TOKEN_SUFFIX in dataset.column_names for c in self.columns)
+        self.compared_as = "token ids, as the model sees them" if token_ids else "raw text"
         self.world_size = world_size or get_world_size()
         self.sources = sources if sources is not None else SourceMix(("data",), (len(dataset),))
         if sum(self.sources.sizes) != len(dataset):

@@ -25,18 +25,83 @@ from cembed.data.beir import beir_files, qrels_lines, read_corpus, read_queries
 from cembed.errors import HubUnavailable, UserError
 
 
+def _delimited(path: Path) -> tuple[str, int] | None:
+    """``(delimiter, csv quoting)`` of a CSV or TSV file, by extension; None for other files. A TSV
+    cell is exactly its bytes between tabs: no quote processing (``csv.QUOTE_NONE``)."""
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith(".csv"):
+        return ",", csv.QUOTE_MINIMAL
+    if name.endswith(".tsv"):
+        return "\t", csv.QUOTE_NONE
+    return None
+
+
 def _builder_for(path: Path) -> tuple[str, dict]:
-    """The ``datasets`` builder and its options for a file, by extension; UserError if unsupported."""
+    """The ``datasets`` builder and its options for a file, by extension; UserError if unsupported.
+
+    CSV and TSV go to the ``csv`` builder (pandas) with every column read as text as written (a
+    text file carries no types: ``007`` stays ``007``) and no NA words (pandas' defaults would
+    turn cells reading ``nan``, ``None``, ``NA``, ``null`` ... into missing values): only an empty
+    cell is missing, so the cell checks name it as empty."""
     name = path.name.lower().removesuffix(".gz")
     if name.endswith((".jsonl", ".json")):
         return "json", {}
-    if name.endswith(".csv"):
-        return "csv", {}
-    if name.endswith(".tsv"):
-        return "csv", {"delimiter": "\t"}
+    delimited = _delimited(path)
+    if delimited is not None:
+        delimiter, quoting = delimited
+        header = _csv_header(path, delimiter, quoting)
+        features = datasets_string_features(header) if header else None
+        return "csv", {
+            "sep": delimiter,
+            "quoting": quoting,
+            "keep_default_na": False,
+            "na_values": [""],
+            "features": features,
+        }
     if name.endswith(".parquet"):
         return "parquet", {}
     raise UserError(f"{path}: unsupported file type; use .jsonl[.gz], .json, .csv, .tsv or .parquet")
+
+
+def datasets_string_features(names: list[str]):
+    """``datasets.Features`` of text columns named ``names``."""
+    import datasets
+
+    return datasets.Features({name: datasets.Value("string") for name in names})
+
+
+def _csv_header(path: Path, delimiter: str, quoting: int) -> list[str] | None:
+    """The header row of a CSV/TSV file (None: unreadable; :func:`diagnose_file` says why)."""
+    try:
+        return next(csv.reader((t for _, t in _text_lines(path)), delimiter=delimiter, quoting=quoting), None)
+    except (ValueError, csv.Error):
+        return None
+
+
+def _csv_records(path: Path, delimiter: str, quoting: int):
+    """Yield ``(first line, last line, fields)`` of each record of a CSV/TSV file, header included,
+    blank lines skipped (as the reader skips them); ValueError naming the line for bad bytes, a
+    quote never closed, or a line break inside a TSV cell."""
+    reader = csv.reader((t for _, t in _text_lines(path)), delimiter=delimiter, quoting=quoting, strict=True)
+    last = 0
+    while True:
+        try:
+            row = next(reader, None)
+        except csv.Error as err:
+            start = last + 1
+            if "end of data" in str(err) or "EOF" in str(err):
+                raise ValueError(
+                    f"line {start}: a quote opened in this row is never closed (it runs to the end of the file); "
+                    'close it, or write a quote inside a quoted field as two ("")'
+                ) from None
+            raise ValueError(
+                f"line {reader.line_num}: malformed {'TSV' if quoting == csv.QUOTE_NONE else 'CSV'}: {err}"
+            ) from None
+        if row is None:
+            return
+        first, last = last + 1, reader.line_num
+        if row:
+            yield first, last, row
 
 
 def load_file(source: FileSource):
@@ -182,8 +247,22 @@ def row_number(index: int) -> str:
 
 def file_row_locator(source: FileSource) -> Callable[[int], str]:
     """How messages name a row of a data file by its 0-based index: ``line N`` for a JSON Lines file
-    (blank lines skipped, as the reader does), ``row N`` (1-based) otherwise."""
+    (blank lines skipped, as the reader does) and for a CSV/TSV file (the line the row starts on,
+    after the header; blank lines skipped), ``row N`` (1-based) otherwise."""
     path = Path(source.path)
+    delimited = _delimited(path)
+    if delimited is not None:
+
+        def locate_record(index: int) -> str:
+            try:
+                for number, (first, _, _) in enumerate(_csv_records(path, *delimited), start=-1):
+                    if number == index:
+                        return f"line {first}"
+            except ValueError:
+                pass
+            return row_number(index)
+
+        return locate_record
     if not path.name.lower().removesuffix(".gz").endswith(".jsonl"):
         return row_number
 
@@ -320,24 +399,31 @@ def diagnose_file(path: Path) -> str | None:
                     return f"line {number} is a JSON {type(obj).__name__}, expected an object per line"
                 rows += 1
             return None if rows else "the file holds no rows"
-        if name.endswith((".csv", ".tsv")):
-            delimiter = "\t" if name.endswith(".tsv") else ","
-            text_lines = (t for _, t in _text_lines(path))
-            reader = csv.reader(text_lines, delimiter=delimiter)
-            header = next(reader, None)
-            if not header:
+        delimited = _delimited(path)
+        if delimited is not None:
+            delimiter, quoting = delimited
+            records = _csv_records(path, delimiter, quoting)
+            header = next(records, None)
+            if header is None:
                 return "the file has no header row"
-            for row in reader:
-                if row and len(row) != len(header):
-                    return (
-                        f"line {reader.line_num}: {len(row)} fields, but the header has {len(header)} "
-                        f"({', '.join(header)}); quote fields that contain the delimiter"
-                    )
-            if reader.line_num <= 1:
-                return "the file holds a header but no rows"
-            return None
+            names = header[2]
+            twice = next((c for i, c in enumerate(names) if c in names[:i]), None)
+            if twice is not None:
+                return f"line {header[0]}: column name {twice!r} appears twice in the header; rename one"
+            rows = 0
+            for first, last, row in records:
+                rows += 1
+                if len(row) == len(names):
+                    continue
+                where = f"line {first}" if first == last else f"line {first} (a row running to line {last})"
+                advice = (
+                    "TSV has no quoting: a cell cannot hold a tab or a line break (remove them, or write the data "
+                    "as .csv or .jsonl)"
+                    if quoting == csv.QUOTE_NONE
+                    else "quote fields that contain the delimiter, and check the row's quotes are balanced"
+                )
+                return f"{where}: {len(row)} fields, but the header has {len(names)} ({', '.join(names)}); {advice}"
+            return None if rows else "the file holds a header but no rows"
     except ValueError as err:
         return str(err)
-    except csv.Error as err:
-        return f"malformed CSV: {err}"
     return None

@@ -20,6 +20,7 @@ from cembed.data.prepare import check_cells, map_columns
 from cembed.data.sampler import row_hashes
 from cembed.data.sources import load_file
 from cembed.errors import UserError
+from cembed.files import write_new_file
 
 # Common column names, most specific first; a column is matched case-insensitively.
 ANCHOR_NAMES = ("anchor", "query", "question", "sentence1", "sentence_1", "text1", "premise", "title", "source")
@@ -218,21 +219,6 @@ def render_starter(s: Starter) -> str:
         _line(f"  output_dir: {q('runs/' + s.out.stem)}", "relative to this file"),
     ]
     return "\n".join(lines) + "\n"
-
-
-def write_new_file(out: Path, text: str) -> Path:
-    """Write ``text`` to ``out``, which must not exist (checked atomically by the open).
-
-    Raises:
-        UserError: the file exists.
-    """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with out.open("x", encoding="utf-8") as f:
-            f.write(text)
-    except FileExistsError:
-        raise UserError(f"{out}: already exists; cembed init never overwrites a file") from None
-    return out
 
 
 def write_starter(starter: Starter) -> Path:

@@ -8,7 +8,8 @@ evaluation of IR techniques", with the linear gain trec_eval uses): on a set wit
 keeps the library's ranking, tie-breaking, metric names and every other metric, and recomputes
 
 * NDCG@k with graded gain: ``DCG = sum_i grade(doc_i) / log2(i + 1)`` over the top k (i from 1), divided
-  by the DCG of the judged grades sorted best first (the ideal ranking), as pytrec_eval does;
+  by the DCG of the judged grades sorted best first (the ideal ranking: every judged document, retrieved
+  or not, cut at k), as pytrec_eval does;
 * MAP@k as pytrec_eval's ``map_cut_k``: the precisions at the relevant documents in the top k divided
   by the number of relevant documents (the library divides by ``min(k, relevant)``, which differs only
   for a query with more than k relevant documents).
@@ -29,7 +30,8 @@ def dcg_at_k(gains: list[float], k: int) -> float:
 
 def graded_ndcg_at_k(ranked_ids: list[str], grades: dict[str, int], k: int) -> float:
     """NDCG@k of one query as pytrec_eval computes it: the DCG of the ranking's grades (a document
-    without a positive grade gains 0) over the DCG of all positive grades sorted best first.
+    without a positive grade gains 0) over the DCG of all positive grades sorted best first, cut at
+    ``k`` (the ideal counts the judged documents ranked below ``k`` or not retrieved at all).
 
     Args:
         ranked_ids: document ids, best first. grades: document id -> qrels grade.

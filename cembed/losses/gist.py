@@ -150,7 +150,12 @@ class SelfGuidedMixin:
     """
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
-        """``(embeddings, guide embeddings or None in the with-grad pass, RandContext)``."""
+        """``(embeddings, guide embeddings or None in the with-grad pass, RandContext)``.
+
+        The library's one-model ``embed_minibatch`` (``CachedGISTEmbedLoss``'s would run the model a
+        second time as the guide). Packed or padded is not decided here:
+        :meth:`cembed.losses.length_sorted.LengthSortedMixin.embed_minibatch_iter` runs this whole call
+        with the encoder on the mini-batch's packs."""
         reps, state = CachedLossMixin.embed_minibatch(
             self, sentence_feature, begin, end, with_grad, copy_random_state, random_state
         )

@@ -77,7 +77,14 @@ class LengthSortedMixin:
     With ``unpad`` (``auto``: where the model supports it, see :func:`cembed.model.unpad.resolve_unpad`)
     each mini-batch's rows are packed without padding (:mod:`cembed.model.unpad`); the plans are made once
     per column in :meth:`forward` and replayed by the second (gradient) pass, so both passes pack
-    alike and draw the same dropout masks. ``unpadding`` says which path runs.
+    alike and draw the same dropout masks. ``unpadding`` says which path runs. One place decides it:
+    :meth:`embed_minibatch_iter`, the library's only way into the mini-batches in both passes, runs
+    each mini-batch's ``embed_minibatch`` (whichever class defines it) with the model's encoder on the
+    packs, and a step whose planned mini-batches did not all run packed fails instead of reporting
+    packed rows (a subclass that reaches the model some other way is caught, not misreported).
+
+    The step's state (sorted copies, plans, row orders) lives only as long as the step: the row
+    orders until :meth:`forward` returns, the plans until the GradCache backward ends.
     """
 
     mini_batch_size: int
@@ -103,10 +110,19 @@ class LengthSortedMixin:
         self._budget_ranges: dict[int, tuple[int, list[tuple[int, int]]]] = {}
         self.unpadding: Unpadding = resolve_unpad(self.model, unpad)
         self._packs = PackRegistry(self.unpadding)
+        self._step = 0  # forwards so far: a step's release leaves a later step's state alone
+        self._packed_runs = 0  # mini-batches embedded on packs (embed_minibatch_iter)
 
     def forward(self, sentence_features, labels):
-        """Sort each column by length, count its tokens per mini-batch, then run the cached loss."""
+        """Sort each column by length, count its tokens per mini-batch, then run the cached loss.
+
+        Raises:
+            RuntimeError: a mini-batch planned (and counted) packed reached the model without the
+                packing (a subclass that does not embed through :meth:`embed_minibatch_iter`).
+        """
         features = list(sentence_features)
+        self._step += 1
+        step = self._step
         self._inverse = []
         if self.sort_by_length:
             features = self.sort_rows(features)
@@ -121,7 +137,32 @@ class LengthSortedMixin:
                 lengths = feature["attention_mask"].sum(dim=1, dtype=torch.int64)
                 processed = sum(p.processed for p in plans)
                 self.token_counts.add(sum(p.real for p in plans), processed, (lengths * lengths).sum())
-        return super().forward(features, labels)
+        planned, self._packed_runs = self._packs.planned(), 0
+        try:
+            loss = super().forward(features, labels)
+        finally:
+            self._inverse = []  # this forward's row order: never applied to other embeddings
+        if self._packed_runs != planned:
+            self._release(step)
+            raise RuntimeError(
+                f"{type(self).__name__}: {planned} mini-batches planned packed (and counted so) but "
+                f"{self._packed_runs} ran on packs: its mini-batches reach the model without "
+                "LengthSortedMixin.embed_minibatch_iter"
+            )
+        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+            # The GradCache backward replays the plans: release them after it. This hook runs after
+            # the library's backward hook on the same tensor (a tensor's hooks run in registration order).
+            loss.register_hook(lambda grad: self._release(step))
+        else:  # no backward (evaluation): nothing replays this step
+            self._release(step)
+        return loss
+
+    def _release(self, step: int) -> None:
+        """Drop step ``step``'s packing plans (and the features they hold) and mini-batch ranges,
+        unless a later forward has replaced them."""
+        if step == self._step:
+            self._packs.reset()
+            self._budget_ranges = {}
 
     def sort_rows(self, features: list[dict]) -> list[dict]:
         """Sort each column's rows by token length, longest first (stable), and remember the order,
@@ -167,7 +208,9 @@ class LengthSortedMixin:
         return ranges
 
     def embed_minibatch_iter(self, sentence_feature, with_grad, copy_random_state, random_states=None, ranges=None):
-        """The library's mini-batch iterator over the token budget's ranges (when a budget is set).
+        """The library's mini-batch iterator (same arguments and items: each item starts with the
+        embeddings ``(rows, dim)``), over the token budget's ranges when a budget is set, with the
+        model's encoder on the packs for every packed mini-batch.
 
         The library cuts ``mini_batch_size`` rows (its ``mini_batch_num_tokens`` is None); with a
         budget both its no-grad pass and its backward replay come here with that cut and get the
@@ -175,19 +218,32 @@ class LengthSortedMixin:
         states line up with the mini-batches they belong to. (The library's DDP flush of a frozen
         last mini-batch indexes its own cut; cembed trains every column through the whole model,
         so no mini-batch is frozen.)
-        """
-        if self.token_budget is not None:
-            ranges = self._ranges(sentence_feature)
-        return super().embed_minibatch_iter(sentence_feature, with_grad, copy_random_state, random_states, ranges)
 
-    def embed_minibatch(self, sentence_feature, begin, end, *args, **kwargs):
-        """The parent's ``embed_minibatch``, inside :func:`cembed.model.unpad.packed_encoder` when this
-        mini-batch is packed (same arguments and result: ``(embeddings (rows, dim), random state)``)."""
-        plan = self._packs.plan_for(sentence_feature, begin, end) if self.unpadding.enabled else None
-        if plan is None:
-            return super().embed_minibatch(sentence_feature, begin, end, *args, **kwargs)
-        with packed_encoder(self.model, plan, self.unpadding):
-            return super().embed_minibatch(sentence_feature, begin, end, *args, **kwargs)
+        Packing is decided here, around each mini-batch's whole ``embed_minibatch`` (the library's,
+        GIST's, or a mixin's such as the self-guided filter's), not inside one of them: whatever
+        embeds the mini-batch, the model's encoder runs on its packs
+        (:func:`cembed.model.unpad.packed_encoder`).
+
+        Raises:
+            RuntimeError: a packed mini-batch was embedded without the model running on its packs.
+        """
+        if self.token_budget is not None or ranges is None:
+            ranges = self._ranges(sentence_feature)
+        items = super().embed_minibatch_iter(sentence_feature, with_grad, copy_random_state, random_states, ranges)
+        for begin, end in ranges:
+            plan = self._packs.plan_for(sentence_feature, begin, end) if self.unpadding.enabled else None
+            if plan is None:
+                yield next(items)
+                continue
+            with packed_encoder(self.model, plan, self.unpadding) as ran:
+                item = next(items)
+            if ran.count == 0:
+                raise RuntimeError(
+                    f"{type(self).__name__}: mini-batch {begin}:{end} was planned packed but embedded "
+                    "without the model's encoder running on its packs"
+                )
+            self._packed_runs += 1
+            yield item
 
     def calculate_loss(self, reps, labels=None, *, with_backward: bool = False):
         """Run the parent's loss on the embeddings in original row order.
@@ -195,9 +251,23 @@ class LengthSortedMixin:
         The parent may back-propagate chunk by chunk, so the reordering cannot be a shared autograd
         graph: each column is reordered into a fresh leaf, and the leaf's gradient is scattered
         back onto the sorted mini-batch embeddings whose ``.grad`` is the GradCache cache.
+
+        The order is the one :meth:`sort_rows` made in the running :meth:`forward` (or an explicit
+        :meth:`sort_rows` call, as the probe makes); :meth:`forward` forgets it when it returns, so
+        embeddings given after a step are taken in the order given.
+
+        Raises:
+            ValueError: a column's embeddings are not as many as the rows of its order.
         """
         if not any(inv is not None for inv in self._inverse):
             return super().calculate_loss(reps, labels, with_backward=with_backward)
+        for index, (col, inv) in enumerate(zip(reps, self._inverse)):
+            rows = sum(r.shape[0] for r in col)
+            if inv is not None and inv.numel() != rows:
+                raise ValueError(
+                    f"column {index}: {rows} embeddings but a row order of {inv.numel()} rows; "
+                    "calculate_loss reorders only the rows sort_rows sorted"
+                )
         leaves: list[torch.Tensor | None] = []
         ordered = []
         for col, inv in zip(reps, self._inverse):

@@ -13,7 +13,7 @@ The contract. A loss is three things, and nothing else in cembed names it:
   The model turns a feature dict into ``sentence_embedding`` of shape ``(rows, dim)``. A module
   should carry ``token_counts`` (:class:`~cembed.losses.counts.TokenCounts`) for the throughput
   meter. A module whose ``uses_gradient_cache`` is True must be a sentence-transformers
-  ``CachedLossMixin`` loss (``embed_minibatch``, ``calculate_loss``): the probe measures its memory
+  ``CachedLossMixin`` loss (``embed_minibatch_iter``, ``calculate_loss``): the probe measures its memory
   with them, reaching it as :attr:`BuiltLoss.cached_module`;
 * one :func:`register_loss` call, in the loss's own module. :func:`build_loss` then returns a
   :class:`BuiltLoss`, which is all the trainer, the meter and the probe read.
@@ -90,7 +90,7 @@ class BuiltLoss:
         filter_counts: candidates scored and masked as false negatives, for a filtering loss.
         unpadding: which attention path the module's mini-batches take (padded when it has none).
         settings: the mini-batching and gathering the builder was given (None: built elsewhere).
-        cached_module: for a cached loss, the ``CachedLossMixin`` module whose ``embed_minibatch``
+        cached_module: for a cached loss, the ``CachedLossMixin`` module whose ``embed_minibatch_iter``
             and ``calculate_loss`` run the mini-batches: the builder's module, which a
             ``loss.matryoshka`` wrapper (``module``) holds inside; None for a plain loss.
     """

@@ -30,7 +30,7 @@ from typing import NamedTuple
 from cembed.config.schema import ModelConfig
 from cembed.errors import ModelRefused, UserError, first_line
 from cembed.model.decoder import prepare_last_token_model
-from cembed.model.lora import apply_lora, is_lora, parameter_counts
+from cembed.model.lora import apply_lora, is_lora, parameter_counts, trainable_parts
 from cembed.plan.precision import MASTER_DTYPE, autocast_name, resolve_device, resolve_precision, save_dtype
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
@@ -154,7 +154,7 @@ def check_trainable(model, name: str) -> None:
 def pooling_in_effect(model, cfg: ModelConfig) -> str:
     """The pooling the loaded ``model`` uses and where it comes from, for ``cembed validate``, with
     what cembed changed in its tokenizer for last-token pooling and, under ``model.lora``, how many
-    parameters train."""
+    parameters train (and which modules outside the adapters train with them)."""
     modes = [m.pooling_mode for m in model if hasattr(m, "pooling_mode")]
     mode = "none (no Pooling module)" if not modes else str(modes[0])
     if has_st_config(resolve_model_path(cfg.name_or_path), cfg.revision):
@@ -166,6 +166,10 @@ def pooling_in_effect(model, cfg: ModelConfig) -> str:
     if is_lora(model):
         counts = parameter_counts(model)
         text += f"; LoRA: {counts['trainable']:,} of {counts['total']:,} parameters train"
+        parts = trainable_parts(model)
+        outside = ", ".join(f"{name} {n:,}" for name, n in parts.items() if name != "adapters")
+        if outside:  # modules after the backbone keep training: say so, and that resume restores them
+            text += f" (adapters {parts['adapters']:,}; outside them {outside}, saved in checkpoints and resumed)"
     return text
 
 

@@ -5,9 +5,14 @@ Models", arXiv:2106.09685): the transformer's weights stay frozen and only the l
 The sentence-transformers ``Transformer`` module's backbone is wrapped in a ``peft.PeftModel``
 (composition: the module calls it as before). Consequences cembed relies on:
 
-* the trainer's optimizer sees only the adapter parameters (the others have ``requires_grad``
-  False), and a checkpoint holds only the adapter (``PeftModel.save_pretrained`` writes
-  ``adapter_model.safetensors``), which :func:`load_adapter_checkpoint` loads on resume;
+* in the backbone only the adapters train (peft sets ``requires_grad`` False on the rest); the
+  modules after it (a ``Dense`` projection after pooling, as many models have) are not LoRA's
+  business and keep training. What trains is what a checkpoint restores: sentence-transformers'
+  trainer saves the model with ``save_pretrained``, which writes the backbone as the adapter only
+  (``adapter_model.safetensors``) and every other module into its own folder (``2_Dense/``);
+  :func:`load_lora_checkpoint` loads both on resume. :func:`unsaved_trainable` names any trainable
+  parameter a checkpoint would not restore, and :func:`apply_lora` refuses a model that has one, so
+  a resumed run never silently restarts part of the model from the base weights;
 * LoRA dropout draws from torch's RNG, which the cached loss's per-mini-batch RNG replay restores,
   so the cached loss stays exact with dropout on (tested);
 * the final model is merged into plain weights (``model.lora.merge: true``, the default: a folder
@@ -16,9 +21,10 @@ The sentence-transformers ``Transformer`` module's backbone is wrapped in a ``pe
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from cembed.errors import UserError
+from cembed.errors import UserError, first_line
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -70,6 +76,13 @@ def apply_lora(model, options, seed: int = 0) -> None:
             holder.model = peft.get_peft_model(holder.model, config)
     except ValueError as err:
         raise UserError(f"model.lora.target_modules: {err}".splitlines()[0]) from None
+    lost = unsaved_trainable(model)
+    if lost:
+        raise UserError(
+            f"model.lora: {len(lost)} trainable parameter(s) outside the adapters that a checkpoint would not "
+            f"restore on resume (first: {lost[0]}); use a model whose modules after the transformer are "
+            "sentence-transformers modules, or train without model.lora"
+        )
 
 
 def parameter_counts(model) -> dict[str, int]:
@@ -89,11 +102,60 @@ def adapter_facts(model) -> dict:
     }
 
 
-def load_adapter_checkpoint(model, checkpoint_dir: str | Path) -> None:
-    """Load the adapter weights a checkpoint holds into ``model``'s adapters (resume).
+def _module_folder(index: int, module) -> str:
+    # The folder sentence-transformers' save_pretrained writes a module into (after the first).
+    return f"{index}_{type(module).__name__}"
+
+
+def _restorable_module(module) -> bool:
+    # A sentence-transformers Module is saved into its own folder with its weights and read back by
+    # Module.load_torch_weights (strict); anything else has no weights format cembed can rely on.
+    from sentence_transformers.base.modules import Module
+
+    return isinstance(module, Module)
+
+
+def unsaved_trainable(model) -> list[str]:
+    """Names (as in ``model.named_parameters()``) of the parameters that train but that a LoRA
+    checkpoint would not restore on resume; ``[]`` when every trainable parameter is covered.
+
+    Covered are: in the backbone, what peft saves as the adapter (the adapters and any
+    ``modules_to_save``; the tensors of ``get_peft_model_state_dict``); after it, every parameter of
+    a sentence-transformers module (saved in its own folder of the checkpoint). Without adapters
+    (no :func:`apply_lora`) every parameter is saved as the full model: ``[]``.
+    """
+    if not is_lora(model):
+        return []
+    holder = backbone_holder(model)
+    saved = {t.data_ptr() for t in _peft().get_peft_model_state_dict(holder.model).values()}
+    lost = [f"0.{n}" for n, p in holder.named_parameters() if p.requires_grad and p.data_ptr() not in saved]
+    for index, module in enumerate(model):
+        if index == 0 or _restorable_module(module):
+            continue
+        lost += [f"{index}.{n}" for n, p in module.named_parameters() if p.requires_grad]
+    return lost
+
+
+def trainable_parts(model) -> dict[str, int]:
+    """What trains under LoRA, in parameters: ``{"adapters": n}`` plus, for each module after the
+    backbone with trainable parameters, its checkpoint folder name (``"2_Dense"``) and count."""
+    parts = {"adapters": sum(p.numel() for p in backbone_holder(model).parameters() if p.requires_grad)}
+    for index, module in enumerate(model):
+        count = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        if index and count:
+            parts[_module_folder(index, module)] = count
+    return parts
+
+
+def load_lora_checkpoint(model, checkpoint_dir: str | Path) -> None:
+    """Resume: load what a LoRA run's checkpoint holds into ``model`` (already :func:`apply_lora`'d):
+    the adapter weights into the backbone's adapters, and the weights of every module after the
+    backbone that has any (a ``Dense`` head) from its folder (named in the checkpoint's
+    ``modules.json``), so every parameter that trains is where it was when the checkpoint was written.
 
     Raises:
-        UserError: the checkpoint has no adapter weights file.
+        UserError: the checkpoint has no adapter weights file, or lacks (or holds other weights for)
+            a module after the backbone.
     """
     from safetensors.torch import load_file
 
@@ -104,6 +166,22 @@ def load_adapter_checkpoint(model, checkpoint_dir: str | Path) -> None:
     holder = backbone_holder(model)
     state = load_file(str(found[0]), device=str(next(holder.model.parameters()).device))
     _peft().set_peft_model_state_dict(holder.model, state)
+    # Modules of another kind cannot train under LoRA (apply_lora refuses them): nothing to restore.
+    with_weights = [(i, m) for i, m in enumerate(model) if i and m.state_dict() and _restorable_module(m)]
+    if not with_weights:
+        return
+    try:
+        folders = {entry["idx"]: entry["path"] for entry in json.loads((path / "modules.json").read_text())}
+    except (OSError, ValueError, KeyError, TypeError):
+        folders = {}
+    for index, module in with_weights:
+        name = _module_folder(index, module)
+        if index not in folders:
+            raise UserError(f"{path}: no saved {name} module in this checkpoint; resume from a checkpoint of this run")
+        try:
+            module.load_torch_weights(str(path), subfolder=folders[index], model=module)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise UserError(f"{path}: cannot restore module {name} from {folders[index]}/: {first_line(err)}") from None
 
 
 def finish_lora(model, merge: bool) -> None:

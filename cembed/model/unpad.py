@@ -14,8 +14,11 @@ live inside the model's forward, so a DDP-wrapped model is called as before.
 
 Which models (:func:`resolve_unpad`): a ``Transformer`` whose model takes ``position_ids`` and runs
 ``sdpa`` or ``eager`` attention (both take a prepared 4D mask as is, see
-``transformers.masking_utils``), confirmed by embedding a few rows both ways. Flash attention
-ignores a 4D mask; relative-position models may differ: those fall back to sorted padding.
+``transformers.masking_utils``), whose config declares only full attention within a row (the 4D mask
+replaces the model's own, so a sliding window or local blocks would silently widen to the whole row),
+confirmed at start-up by embedding rows of up to ~100 tokens, several per pack, packed and each alone.
+Flash attention ignores a 4D mask; relative-position models, causal decoders (the mask is
+bidirectional within a row) and local attention fall back to sorted padding, saying why.
 
 Packing plans (which rows share a pack, the index tensors): :mod:`cembed.model.packing`.
 """
@@ -88,6 +91,13 @@ def _unpack_tensor(value: torch.Tensor, plan: PackPlan, keep: torch.Tensor) -> t
     return torch.where(keep.view(plan.rows, plan.width, *([1] * (value.ndim - 2))), out, out.new_zeros(()))
 
 
+@dataclass
+class PackedForwards:
+    """What :func:`packed_encoder` yields: ``count``, the first module's forwards it packed so far."""
+
+    count: int = 0
+
+
 @contextmanager
 def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
     """Inside the block, ``model``'s next forward runs its first module on ``plan``'s packed rows.
@@ -97,7 +107,8 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
     block-diagonal ``attention_mask`` and per-row ``position_ids``); its outputs of shape
     ``(packs, pack_width, ...)`` (``token_embeddings``, ``all_layer_embeddings``) are scattered back to
     ``(rows, width, ...)`` (zeros at padding) into the original features, which the remaining modules
-    read. ``model`` may be DDP- or compile-wrapped.
+    read. ``model`` may be DDP- or compile-wrapped. Yields a :class:`PackedForwards` counting the packed
+    forwards, so a caller can check that the model really ran on the packs.
 
     Raises:
         RuntimeError: the features the model was called with do not match ``plan``.
@@ -105,6 +116,7 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
     first = _first_module(model)
     dtype = next(first.parameters()).dtype
     original: dict = {}
+    ran = PackedForwards()
 
     def pre(module, args, kwargs):
         features = args[0]
@@ -122,6 +134,7 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
                 packed[key] = value
         packed["position_ids"] = plan.positions + unpadding.position_offset
         original["packed_keys"] = set(packed)
+        ran.count += 1
         return (packed, *args[1:]), kwargs
 
     def post(module, args, kwargs, output):
@@ -146,7 +159,7 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
         first.register_forward_hook(post, with_kwargs=True),
     ]
     try:
-        yield
+        yield ran
     finally:
         for handle in handles:
             handle.remove()
@@ -173,15 +186,21 @@ def column_lengths(feature: dict) -> list[int] | None:
 
 @dataclass
 class PackRegistry:
-    """The plans of the features of the current forward, so that the cached loss's second pass
+    """The plans of the features of the current step, so that the cached loss's second pass
     replays the first pass's packing (a plan is a pure function of the lengths, so a miss, e.g.
-    after another forward, recomputes the same plan)."""
+    after another forward, recomputes the same plan). It holds the step's features: the loss
+    calls :meth:`reset` when the step's backward ends."""
 
     unpadding: Unpadding
     _plans: dict[int, tuple[dict, dict[tuple[int, int], PackPlan | None]]] = field(default_factory=dict)
 
     def reset(self) -> None:
+        """Forget every plan (and the features they hold)."""
         self._plans = {}
+
+    def planned(self) -> int:
+        """Mini-batches of the registered columns that have a plan (are to run packed)."""
+        return sum(plan is not None for _, plans in self._plans.values() for plan in plans.values())
 
     def plan_column(self, feature: dict, ranges: list[tuple[int, int]]) -> list[PackPlan] | None:
         """Plan every mini-batch of one column (one host read of its lengths); None when the column
@@ -207,31 +226,149 @@ class PackRegistry:
         return plan_packing(lengths[begin:end], self.unpadding.cost_per_width, feature["attention_mask"].device)
 
 
-def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
-    """Embed a few rows of different lengths padded and packed (two rows sharing a pack) and compare."""
-    texts = ["a b c d e f g h i j", "a b", "a b c d e", "a"]
-    was_training = model.training
+# The start-up check's rows: 1 to 96 words over the letters and digits every tokenizer has, so the
+# longest rows (truncated to max_seq_length) outreach a small attention window and the rows differ in
+# content and length; packed at about half their tokens per pack, most packs hold several rows.
+_CHECK_WORDS = (96, 61, 40, 27, 18, 12, 8, 5, 3, 2, 1)
+_CHECK_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+# Largest relative difference (L2 per row) between a packed row's embedding and the row embedded alone.
+# fp32 (matmuls at full precision during the check): shapes change only the summation order, measured
+# <= 1e-6 on the test models, while one leaked key or a binding window moves a row by 1e-4 .. 1e-2;
+# 1e-5 catches a 1e-3 difference with a 100x margin. bf16/fp16 weights round each product to 8/11
+# bits, so the packed and alone paths differ by up to ~1e-2 without any fault: only gross faults are
+# caught there (the config rule of _local_attention does not depend on the dtype).
+_TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-5}
+_HALF_TOLERANCE = 3e-2
+
+
+def _configs(config):
+    """``config`` and the configs nested in it (``text_config``...), each once."""
+    seen, stack = [], [config]
+    while stack:
+        cfg = stack.pop()
+        if any(cfg is c for c in seen):
+            continue
+        seen.append(cfg)
+        stack.extend(v for v in vars(cfg).values() if hasattr(v, "to_dict") and hasattr(v, "model_type"))
+    return seen
+
+
+def _local_attention(config, max_seq_length: int | None) -> str:
+    """Why ``config`` declares attention that is not full attention within a row, else "".
+
+    A packed row gets the block-diagonal mask instead of the model's own masks, so any attention narrower
+    than the row (a sliding window, local blocks, chunks) would silently become full attention. A
+    sliding window of ``w`` tokens (``sliding_window``, ModernBERT's half ``local_attention``) cannot bind
+    rows of at most ``w`` tokens: accepted when ``max_seq_length <= w``.
+
+    Args:
+        config: the transformers config of the encoder.
+        max_seq_length: the longest row the model is given (tokens), None if unbounded.
+    """
+
+    def window_binds(window) -> bool:
+        return not (isinstance(window, int) and max_seq_length is not None and max_seq_length <= window)
+
+    for cfg in _configs(config):
+        window = getattr(cfg, "sliding_window", None)
+        reach = f"{window}-token window" if isinstance(window, int) else "a window"
+        reach += f", rows up to {max_seq_length} tokens"
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types:  # authoritative where present (Qwen2/ModernBERT set sliding_window regardless)
+            kinds = sorted(set(layer_types) - {"full_attention"})
+            if kinds == ["sliding_attention"] and not window_binds(window):
+                continue
+            if kinds == ["sliding_attention"]:
+                count = sum(t == "sliding_attention" for t in layer_types)
+                return f"{count} of its {len(layer_types)} layers use sliding-window attention ({reach})"
+            if kinds:
+                return f"its layers include {', '.join(kinds)} (layer_types), not full attention within a row"
+            continue
+        if window and getattr(cfg, "use_sliding_window", True) and window_binds(window):
+            return f"it uses sliding-window attention (sliding_window: {reach})"
+        local = getattr(cfg, "local_attention", None)
+        half = local // 2 if isinstance(local, int) else None  # ModernBERT: local_attention is both sides
+        if local and getattr(cfg, "global_attn_every_n_layers", 1) != 1 and window_binds(half):
+            return f"it uses sliding-window attention (local_attention: {local} tokens)"
+        if getattr(cfg, "attention_window", None):
+            return f"it uses local attention (attention_window: {cfg.attention_window})"
+        if getattr(cfg, "attention_type", None) == "block_sparse":
+            return "it uses block-sparse attention (attention_type: block_sparse)"
+        if getattr(cfg, "attention_chunk_size", None):
+            return f"it uses chunked attention (attention_chunk_size: {cfg.attention_chunk_size})"
+    return ""
+
+
+def _check_texts() -> list[str]:
+    n = len(_CHECK_ALPHABET)
+    return [" ".join(_CHECK_ALPHABET[(7 * i + 5 * j) % n] for j in range(k)) for i, k in enumerate(_CHECK_WORDS)]
+
+
+@contextmanager
+def _exact_eval(model, device: torch.device):
+    """Eval mode, no autograd, fp32 matmuls at full precision (no TF32) and no ambient autocast; every
+    module's mode, the float32 matmul precision and the RNG state are given back as they were."""
+    modes = [(module, module.training) for module in model.modules()]
+    try:  # the legacy API, as cembed.plan.precision.enable_tf32 sets it
+        precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    except RuntimeError:  # someone set the per-backend fp32_precision: reading the legacy one raises; leave it
+        precision = cudnn_tf32 = None
     model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            features = model.tokenize(texts)
-            device = next(first.parameters()).device
+        if precision is not None:
+            torch.set_float32_matmul_precision("highest")
+            torch.backends.cudnn.allow_tf32 = False
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), torch.autocast(device.type, enabled=False):
+            yield
+    finally:
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        for module, training in modes:  # each module's own flag: model.train(x) would set them all alike
+            module.training = training
+
+
+def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
+    """Embed the check rows packed (several rows per pack) and each row alone, and compare per row.
+
+    Returns:
+        (True, "") when every packed row's sentence embedding is within the dtype's tolerance of the
+        row embedded alone (relative L2), else (False, why).
+    """
+    parameter = next(first.parameters())
+    device = parameter.device
+    try:
+        with _exact_eval(model, device):
+            features = model.tokenize(_check_texts())
             features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
             lengths = column_lengths(features)
             if lengths is None:
                 return False, "its tokenizer pads on the left or adds features other than token ids"
-            padded = model(dict(features))["sentence_embedding"].float()
-            plan = plan_packing(lengths, 0.0, device, capacity=max(lengths))
+            alone = torch.cat(
+                [
+                    model(
+                        {
+                            k: v[i : i + 1, : lengths[i]] if isinstance(v, torch.Tensor) else v
+                            for k, v in features.items()
+                        }
+                    )["sentence_embedding"].float()
+                    for i in range(len(lengths))
+                ]
+            )
+            capacity = max(max(lengths), -(-sum(lengths) // 2))
+            plan = plan_packing(lengths, 0.0, device, capacity=capacity)
             with packed_encoder(model, plan, unpadding):
                 packed = model(dict(features))["sentence_embedding"].float()
     except Exception as err:  # noqa: BLE001 - any failure means: not supported, fall back
         return False, f"the packed forward fails ({type(err).__name__}: {str(err).strip().splitlines()[0][:120]})"
-    finally:
-        model.train(was_training)
-    rel = float((packed - padded).norm() / padded.norm().clamp_min(1e-12))
-    tolerance = 1e-4 if next(first.parameters()).dtype == torch.float32 else 3e-2
-    if not rel <= tolerance:
-        return False, f"its packed output differs from the padded one ({rel:.1e} relative)"
+    rel = (packed - alone).norm(dim=1) / alone.norm(dim=1).clamp_min(1e-12)
+    worst = int(rel.argmax())
+    tolerance = _TOLERANCE.get(parameter.dtype, _HALF_TOLERANCE)
+    if not float(rel[worst]) <= tolerance:
+        return False, (
+            f"a packed row ({lengths[worst]} tokens) differs from the row embedded alone by "
+            f"{float(rel[worst]):.1e} relative (tolerance {tolerance:.0e})"
+        )
     return True, ""
 
 
@@ -263,6 +400,8 @@ def resolve_unpad(model, setting: UnpadSetting = "auto") -> Unpadding:
             reason = f"its attention ({impl}) does not take a block-diagonal mask (only sdpa and eager do)"
         elif "position_ids" not in inspect.signature(first.auto_model.forward).parameters:
             reason = f"{type(first.auto_model).__name__} takes no position_ids"
+        else:
+            reason = _local_attention(first.auto_model.config, getattr(first, "max_seq_length", None))
     if not reason:
         offset = getattr(first, "_infer_flatten_position_offset", lambda: 0)()
         unpadding = Unpadding(

@@ -75,7 +75,7 @@ def worst_case_step(
         model: a SentenceTransformer on the target device (its ``max_seq_length`` is the length used).
         loss_cfg: the ``loss`` config section, of a loss that ``uses_gradient_cache`` (the module
             :func:`cembed.losses.registry.build_loss` builds from it, its
-            :attr:`~cembed.losses.registry.BuiltLoss.cached_module`, provides ``embed_minibatch`` and
+            :attr:`~cembed.losses.registry.BuiltLoss.cached_module`, provides ``embed_minibatch_iter`` and
             ``calculate_loss``).
         n_columns: texts per row (anchor, positive, negatives), >= 2.
         batch_size: ``per_device_train_batch_size``, rows.
@@ -175,6 +175,16 @@ def full_length_features(model, n_columns: int, batch_size: int) -> list[dict]:
     ]
 
 
+def first_minibatch(loss, feature: dict, mini: int, with_grad: bool) -> tuple:
+    """The loss's embedding of ``feature``'s first ``mini`` rows, through its mini-batch iterator
+    (``embed_minibatch_iter``) as training embeds them: on packs where the loss packs.
+
+    Returns:
+        The iterator's item: ``(embeddings (mini, dim), [guide embeddings,] random state)``.
+    """
+    return next(loss.embed_minibatch_iter(feature, with_grad, False, ranges=[(0, mini)]))
+
+
 def time_nograd_pass(loss, feature: dict, mini: int, repeats: int, autocast, sync) -> tuple[float, tuple]:
     """Run the no-grad embedding of the first ``mini`` rows of ``feature`` ``repeats`` times under
     ``autocast`` (the first run warms up).
@@ -188,7 +198,7 @@ def time_nograd_pass(loss, feature: dict, mini: int, repeats: int, autocast, syn
         for _ in range(repeats):
             sync()
             t0 = time.perf_counter()
-            emb, *extras, _ = loss.embed_minibatch(feature, 0, mini, with_grad=False, copy_random_state=False)
+            emb, *extras, _ = first_minibatch(loss, feature, mini, with_grad=False)
             sync()
             t_nograd = min(t_nograd, time.perf_counter() - t0)
     return t_nograd, (emb, *extras)
@@ -226,7 +236,7 @@ def time_grad_passes(loss, features, reps, mini: int, repeats: int, autocast, sy
         sync()
         t0 = time.perf_counter()
         with autocast():
-            reps_mb = loss.embed_minibatch(features[col], 0, mini, with_grad=True, copy_random_state=False)[0]
+            reps_mb = first_minibatch(loss, features[col], mini, with_grad=True)[0]
         surrogate = torch.dot(reps_mb.flatten().float(), reps[col][0].grad.flatten().float())
         surrogate.backward()
         sync()

@@ -200,6 +200,8 @@ SAFE_TO_CHANGE = (
     "train.hub_private_repo",
     "eval",
     "data.pretokenize",
+    "data.columns.ignore",  # columns declared not trained were not trained before either
+    "data.train.columns.ignore",
     "data.cache_dir",
     "distributed",
     "batch.mini_batch_size",

@@ -381,10 +381,22 @@ def build_trainer(
     if batches_per_epoch == 0:
         raise UserError(
             f"{parts.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
-            "rows; lower batch.per_device_train_batch_size"
+            f"rows{_no_batch_columns(sampler, plan)}; lower batch.per_device_train_batch_size"
         )
     build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
     return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0), build)
+
+
+def _no_batch_columns(sampler, plan: Plan) -> str:
+    """``": <why>"`` naming the column(s) that keep ``sampler`` (a NoDuplicatesSampler) from filling
+    one batch (:func:`cembed.data.placement.no_batch_reason` on its own hashes, first source), or ``""``."""
+    from cembed.data.placement import no_batch_reason
+
+    hashes, columns = getattr(sampler, "hashes", None), getattr(sampler, "columns", None)
+    if hashes is None or not columns:
+        return ""
+    n, batch = sampler.sources.sizes[0], plan.per_device_train_batch_size * plan.world_size
+    return ": " + no_batch_reason(hashes[:n], [repr(c) for c in columns], batch, sampler.compared_as)
 
 
 def train(run: Run, run_dir: RunDir, base: dict):

@@ -45,7 +45,7 @@ from cembed.errors import RunFailed, UserError, first_line
 from cembed.files import append_log
 from cembed.losses.counts import TokenCounts
 from cembed.losses.registry import BuiltLoss
-from cembed.model.lora import is_lora, load_adapter_checkpoint
+from cembed.model.lora import is_lora, load_lora_checkpoint
 from cembed.plan.precision import autocast, precision_from_flags
 from cembed.train.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.train.flops import format_flops
@@ -295,10 +295,11 @@ class CembedTrainer(SentenceTransformerTrainer):
 
             Trainer._load_from_checkpoint(self, checkpoint_path, *args, **kwargs)
             return
-        # A LoRA checkpoint holds only the adapter (cembed.model.lora); sentence-transformers' loader
-        # would rebuild the model from it through transformers' own PEFT integration instead.
+        # A LoRA checkpoint holds the backbone as the adapter only, beside the other modules' folders
+        # (a Dense head): sentence-transformers' loader would rebuild the model from it through
+        # transformers' own PEFT integration instead. load_lora_checkpoint restores both.
         if is_lora(self.model):
-            load_adapter_checkpoint(self.model, checkpoint_path)
+            load_lora_checkpoint(self.model, checkpoint_path)
             return
         super()._load_from_checkpoint(checkpoint_path, *args, **kwargs)
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """One-call GPU verification of cembed (issue 14), run by ``scripts/gpu_check.sh``.
 
-Runs each stage in its own process with a timeout, under one overall deadline (default 470 s,
-so the whole check fits 8 minutes on one H200), and prints one JSON object: a pass/fail status per
-stage and, under ``summary``:
+Runs each stage in its own process with a budget (``STAGES``; the budgets sum under the overall
+deadline, default 470 s on a GPU, an estimate never timed there), and prints one JSON object: a
+pass/fail status per stage with its seconds, CPU seconds and budget and, under ``summary``:
 
   (a) ``correctness``: fp32 cached == fp32 plain (TF32 off), bf16 cached vs fp32 plain loss and
       gradient on a small batch, and dropout replay exact on the GPU (with a negative control);
@@ -18,6 +18,10 @@ Also issue 13's CUDA-only checks (a sticky CUDA error, fp16 + nonfinite_loss: sk
 GradScaler, the probe's gathered loss stage). Every run writes under a fresh folder
 (``--out``, default ``/tmp/cembed-gpu-check/run-<time>-<pid>``), so a second run never trips on the
 first one's outputs; the tokenization cache beside it is keyed by content and shared.
+
+``--device cpu --quick`` runs the same stages on CPU at small sizes (batch 32, 32 tokens, 2 steps,
+deadline 300 s; the CUDA-only stages skipped, the stock stage in bf16 autocast as on a GPU) in the
+current environment, installing nothing: the CI run (tests/scripts/test_gpu_check.py).
 
 ``--bundle DIR`` (made by ``scripts/gpu_bundle.sh``) installs the bundle's wheels with no package
 index (``pip install --no-index --no-deps --target``), checks cembed's requirements are met, and
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -47,18 +52,38 @@ from sampler import GpuSampler
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES_PY = Path(__file__).resolve().with_name("stages.py")  # run, never imported: it imports cembed
-# name, timeout (s), what it checks
+# name, budget (s) on one H200 at the full sizes, budget (s) on CPU with --quick, what it checks.
+# Each column sums under its deadline (DEADLINES), so no stage is cut short by the overall deadline.
+# The GPU column is an estimate (never measured on a GPU). The CPU column: a --quick run on a 2-core
+# machine shared with other jobs, empty tokenization cache, took (wall / CPU s) install 9 / 9, env 2 / 2,
+# correctness 9 / 11, probe 13 / 2 + its trial processes, train 62 / 58, stock 16 / 17: 110 s in all (the
+# CUDA-only stages skip at once); at a load of ~6 on 2 cores, 240 s. What a stage leaves unused goes
+# to the later ones.
 STAGES = (
-    ("install", 90, "install the bundle's wheels with no index, check cembed's requirements, versions"),
-    ("env", 60, "CUDA device, driver, torch/cembed versions, /dev/shm, precision auto resolution"),
-    ("correctness", 150, "(a) fp32 cached == plain, bf16 cached vs fp32 plain, dropout replay exact"),
-    ("sticky", 60, "issue 13 C5: a sticky CUDA error; cembed's health check and trial close"),
-    ("fp16_skip", 120, "issue 13 C3: fp16 + nonfinite_loss: skip with the real GradScaler"),
-    ("gather", 120, "issue 13 C2: the probe's loss stage over 8 ranks' gathered candidates"),
-    ("probe", 180, "(b) probe-minibatch, all-MiniLM-L6-v2, 256 tokens, batch 65536"),
-    ("train", 240, "(c) cembed train at batch 65536 on COCO pairs: tokens/s, MFU, data-wait, padding"),
-    ("stock", 180, "(d) stock sentence-transformers step vs cembed's on the same batch"),
+    ("install", 30, 20, "install the bundle's wheels (no index), report the image's versions and unmet pins"),
+    ("env", 20, 10, "CUDA device, driver, torch/cembed versions, /dev/shm, precision auto resolution"),
+    ("correctness", 45, 45, "(a) fp32 cached == plain, bf16 cached vs fp32 plain, dropout replay exact"),
+    ("sticky", 20, 3, "issue 13 C5: a sticky CUDA error; cembed's health check and trial close"),
+    ("fp16_skip", 45, 3, "issue 13 C3: fp16 + nonfinite_loss: skip with the real GradScaler"),
+    ("gather", 40, 3, "issue 13 C2: the probe's loss stage over 8 ranks' gathered candidates"),
+    ("probe", 80, 60, "(b) probe-minibatch, all-MiniLM-L6-v2, 256 tokens, batch 65536"),
+    ("train", 110, 75, "(c) cembed train at batch 65536 on COCO pairs: tokens/s, MFU, data-wait, padding"),
+    ("stock", 70, 75, "(d) stock sentence-transformers step vs cembed's on the same batch, each side's attention path"),
 )
+DEADLINES = {"full": 470.0, "quick": 300.0}  # seconds for the whole check, per size
+# --quick: small sizes for a CPU smoke run of the same stages (CI); the full sizes are the GPU's.
+SIZES = {"full": {"batch": 65536, "seq": 256, "steps": 4}, "quick": {"batch": 32, "seq": 32, "steps": 2}}
+
+
+def stage_budgets(selected: list[tuple], deadline: float, quick: bool, scale: float = 1.0) -> dict[str, float]:
+    """Each selected stage's budget (s): its column of ``STAGES`` times ``scale``, shrunk in proportion
+    when the budgets would sum over ``deadline``, so that they always sum to at most ``deadline``."""
+    budgets = {s[0]: (s[2] if quick else s[1]) * scale for s in selected}
+    total = sum(budgets.values())
+    shrink = min(1.0, deadline / total) if total else 1.0
+    return {name: round(b * shrink, 1) for name, b in budgets.items()}
+
+
 SAMPLED = ("train", "stock")  # (e) GPU utilisation sampled while these run
 DEADLINE_REACHED = "the overall deadline was reached"
 
@@ -68,12 +93,20 @@ def stage_command(py: str, name: str, run_dir: Path) -> list[str]:
     return [py, str(STAGES_PY), "--stage", name, "--run-dir", str(run_dir)]
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) used so far by this process's finished children: a stage's cost
+    that does not depend on how busy a shared machine is."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_stage(name: str, timeout: float, cmd: list[str], env: dict, run_dir: Path) -> dict:
     """Run one stage's process; its result is the ``result.json`` it writes (status pass/fail),
     else ``error`` (it crashed) or ``timeout``."""
     work = run_dir / name
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    cpu_before = _children_cpu()
     with open(work / "log.txt", "w") as log:
         try:
             rc = subprocess.run(
@@ -82,6 +115,7 @@ def run_stage(name: str, timeout: float, cmd: list[str], env: dict, run_dir: Pat
         except subprocess.TimeoutExpired:
             rc = None
     seconds = round(time.perf_counter() - started, 1)
+    cpu_seconds = round(_children_cpu() - cpu_before, 1)
     result_path = work / "result.json"
     result = json.loads(result_path.read_text()) if result_path.is_file() else {}
     if rc is None:
@@ -92,114 +126,135 @@ def run_stage(name: str, timeout: float, cmd: list[str], env: dict, run_dir: Pat
         status = "error"
     else:
         status = result.pop("status")
-    out = {"status": status, "seconds": seconds, "timeout_s": round(timeout, 1), **result}
+    out = {"status": status, "seconds": seconds, "cpu_seconds": cpu_seconds, "timeout_s": round(timeout, 1), **result}
     if status in ("error", "timeout"):
         tail = (work / "log.txt").read_text(errors="replace").strip().splitlines()[-6:]
         out["log_tail"] = tail
     return out
 
 
+def installs_wheels(args, bundle: Path | None) -> bool:
+    """Whether the run pip-installs the bundle's wheels: only with ``--bundle`` on a GPU run; with
+    ``--device cpu`` (CI) the current environment is used as it is and nothing is installed."""
+    return bundle is not None and args.device == "cuda"
+
+
 def run_plan(args, py: str, bundle: Path | None, run_dir: Path, selected: list[tuple]) -> dict:
-    """What ``--dry-run`` prints beside the bundle check: the run folder, the sizes and, per selected
-    stage, its timeout (s), what it checks and its command (the pip call for ``install`` with a bundle)."""
+    """What ``--dry-run`` prints beside the bundle check: the run folder, the sizes, the deadline and
+    the budgets' sum, and per selected stage its timeout (s, its budget), what it checks and its
+    command (the pip call for ``install`` when the bundle's wheels are installed)."""
     site = run_dir / "site"
+    budgets = stage_budgets(selected, args.deadline, args.quick, args.timeout_scale)
     return {
         "run_dir": str(run_dir),
+        "device": args.device,
+        "quick": args.quick,
         "deadline_s": args.deadline,
+        "budget_sum_s": round(sum(budgets.values()), 1),
         "batch": args.batch,
         "seq": args.seq,
         "steps": args.steps,
         "stages": [
             {
                 "name": n,
-                "timeout_s": t,
+                "timeout_s": budgets[n],
                 "what": w,
                 "command": " ".join(install_command(py, bundle, site))
-                if n == "install" and bundle
+                if n == "install" and installs_wheels(args, bundle)
                 else " ".join(stage_command(py, n, run_dir)),
             }
-            for n, t, w in selected
+            for n, *_, w in selected
         ],
     }
 
 
 def stage_context(args, root: Path, bundle: Path | None, bundle_check: dict) -> dict:
-    """The ``context.json`` every stage reads: sizes, device, the shared cache, the model and COCO
-    pairs (the bundle's, else the defaults the stages resolve)."""
+    """The ``context.json`` every stage reads: sizes, device, precision, the shared cache, the model
+    and COCO pairs (the bundle's, else the defaults the stages resolve), whether the bundle's wheels
+    were installed."""
     return {
         "batch": args.batch,
         "seq": args.seq,
         "steps": args.steps,
+        "quick": args.quick,
         "cache_dir": str(root / "cache"),
         "device": args.device,
+        "precision": args.precision,
         "bundle": str(bundle) if bundle else None,
+        "bundle_wheels_installed": installs_wheels(args, bundle),
         "model": bundle_check.get("model") or "all-MiniLM-L6-v2",
         "coco": str(bundle / "coco_pairs.jsonl.gz") if bundle else None,
     }
 
 
-def child_env(bundle: Path | None, site: Path) -> dict:
+def child_env(site: Path | None) -> dict:
     """The stages' environment: offline Hugging Face, unbuffered, no tqdm, and ``PYTHONPATH`` with
-    the bundle's site folder first (cembed's wheel included), then this checkout (its cembed where no
-    bundle is used), then tests/ (the tiny-model helper), then the caller's."""
+    the bundle's site folder first when its wheels were installed (cembed's wheel included), then this
+    checkout (its cembed where no bundle is installed), then tests/ (the tiny-model helper), then the
+    caller's."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
     env.update({k: "1" for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")})
     env["TOKENIZERS_PARALLELISM"] = "false"
     tests = str(REPO / "tests")
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(site)] * bool(bundle) + [str(REPO), tests] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        [str(site)] * bool(site) + [str(REPO), tests] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     )
     return env
 
 
-def install_stage(
-    py: str, bundle: Path | None, bundle_check: dict, site: Path, run_dir: Path, timeout: float
-) -> tuple[list[str] | None, dict | None]:
-    """Install the bundle's wheels into ``site`` (pip with no index, ``timeout`` s) before the install
-    stage runs; with no bundle, nothing to install.
+def install_wheels(py: str, bundle: Path, bundle_check: dict, site: Path, timeout: float) -> dict | None:
+    """Install the bundle's wheels, and nothing else, into ``site`` (pip with no index and no
+    dependencies, ``timeout`` s) before the install stage runs.
 
     Returns:
-        ``(command, None)``: the install stage's command to run; ``(None, failure)``: the bundle
-        failed its check or pip failed (``failure`` is the stage's result, status ``fail``).
+        None when installed; else the install stage's result (status ``fail``): the bundle failed its
+        check, pip failed, or pip ran past ``timeout``.
     """
-    if bundle is None:
-        return stage_command(py, "install", run_dir), None
     if not bundle_check["ok"]:
-        return None, {"status": "fail", "bundle_check": bundle_check}
-    pip = subprocess.run(install_command(py, bundle, site), capture_output=True, text=True, timeout=timeout)
+        return {"status": "fail", "bundle_check": bundle_check}
+    try:
+        pip = subprocess.run(install_command(py, bundle, site), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "pip": f"pip install ran past {timeout:.0f} s"}
     if pip.returncode != 0:
-        return None, {"status": "fail", "pip": pip.stderr.strip().splitlines()[-6:]}
-    return stage_command(py, "install", run_dir), None
+        return {"status": "fail", "pip": pip.stderr.strip().splitlines()[-6:]}
+    return None
 
 
 def run_stages(args, py: str, bundle, bundle_check: dict, run_dir: Path, env: dict, deadline: float, selected):
-    """Run the selected stages in order, each within its timeout (scaled by ``--timeout-scale``) and
-    what is left of ``deadline`` (a ``time.perf_counter()`` value); a stage with under 15 s left is
-    skipped, and a failed install or env stage ends the run.
+    """Run the selected stages in order. Each stage's timeout is its budget plus whatever earlier
+    stages left unused (what is left of ``deadline``, a ``time.perf_counter()`` value, minus the
+    budgets of the stages after it), so a slow stage cannot eat a later stage's budget. A stage with
+    under 5 s left is skipped, and a failed install or env stage ends the run.
 
     Returns:
         ``(stages, util)``: each stage's result by name, and the GPU utilisation sampled per stage.
     """
+    budgets = stage_budgets(selected, args.deadline, args.quick, args.timeout_scale)
+    names = [s[0] for s in selected]
     stages, util = {}, {}
-    for name, timeout, _ in selected:
-        timeout *= args.timeout_scale
+    for i, name in enumerate(names):
         left = deadline - time.perf_counter()
-        if left < 15:
+        timeout = max(budgets[name], left - sum(budgets[n] for n in names[i + 1 :]))
+        timeout = min(timeout, left)
+        if timeout < 5:
             stages[name] = {"status": "skipped", "reason": DEADLINE_REACHED}
             continue
-        if name == "install":
-            cmd, failed = install_stage(py, bundle, bundle_check, run_dir / "site", run_dir, timeout)
+        if name == "install" and installs_wheels(args, bundle):
+            started = time.perf_counter()
+            failed = install_wheels(py, bundle, bundle_check, run_dir / "site", timeout)
             if failed is not None:
-                stages[name] = failed
+                stages[name] = {**failed, "seconds": round(time.perf_counter() - started, 1)}
                 break
-        else:
-            cmd = stage_command(py, name, run_dir)
+            timeout -= time.perf_counter() - started
+        cmd = stage_command(py, name, run_dir)
         if name in SAMPLED:
             with GpuSampler() as sampler:
-                stages[name] = run_stage(name, min(timeout, left), cmd, env, run_dir)
+                stages[name] = run_stage(name, timeout, cmd, env, run_dir)
             util[name] = stages[name]["gpu_util"] = sampler.stats()
         else:
-            stages[name] = run_stage(name, min(timeout, left), cmd, env, run_dir)
+            stages[name] = run_stage(name, timeout, cmd, env, run_dir)
+        stages[name]["budget_s"] = budgets[name]
         if name in ("install", "env") and stages[name]["status"] != "pass":
             break  # nothing else can run
     return stages, util
@@ -207,19 +262,25 @@ def run_stages(args, py: str, bundle, bundle_check: dict, run_dir: Path, env: di
 
 def run_report(stages: dict, util: dict, selected: list[tuple], run_dir: Path, seconds: float) -> dict:
     """The one JSON object a run prints: ``ok`` (every selected stage ran and passed or was skipped
-    for a reason other than the deadline), the run's ``seconds``, the ``summary`` of (a)-(e) and every
-    stage's result."""
+    for a reason other than the deadline), the run's ``seconds``, each stage's ``seconds`` in one
+    place, the ``summary`` of (a)-(e) plus the install stage's versions and the stock stage's
+    attention paths, and every stage's result."""
     return {
         "ok": all(s["status"] in ("pass", "skipped") for s in stages.values())
         and not any(s.get("reason") == DEADLINE_REACHED for s in stages.values())
         and len(stages) == len(selected),
         "run_dir": str(run_dir),
         "seconds": seconds,
+        "stage_seconds": {n: s.get("seconds") for n, s in stages.items()},
+        "stage_cpu_seconds": {n: s.get("cpu_seconds") for n, s in stages.items()},
         "summary": {
+            "versions": stages.get("install", {}).get("versions"),
+            "unmet": stages.get("install", {}).get("unmet"),
             "correctness": stages.get("correctness", {}).get("checks"),
             "probe": stages.get("probe", {}).get("probe"),
             "train": stages.get("train", {}).get("throughput"),
             "stock": stages.get("stock", {}).get("comparison"),
+            "attention_paths": stages.get("stock", {}).get("paths"),
             "gpu_util": util,
         },
         "stages": stages,
@@ -234,6 +295,7 @@ def orchestrate(args) -> int:
     bundle = Path(args.bundle).resolve() if args.bundle else None
     root = Path(args.root)
     run_dir = Path(args.out) if args.out else root / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run_dir = run_dir.absolute()  # the stages run with their own folder as the working directory
     selected = [s for s in STAGES if not args.stages or s[0] in args.stages.split(",")]
     plan = run_plan(args, py, bundle, run_dir, selected)
     bundle_check = check_bundle(bundle)
@@ -245,7 +307,7 @@ def orchestrate(args) -> int:
         return 2
     run_dir.mkdir(parents=True)
     (run_dir / "context.json").write_text(json.dumps(stage_context(args, root, bundle, bundle_check)))
-    env = child_env(bundle, run_dir / "site")
+    env = child_env(run_dir / "site" if installs_wheels(args, bundle) else None)
     deadline = time.perf_counter() + args.deadline
     stages, util = run_stages(args, py, bundle, bundle_check, run_dir, env, deadline, selected)
     report = run_report(stages, util, selected, run_dir, round(args.deadline - (deadline - time.perf_counter()), 1))
@@ -254,22 +316,54 @@ def orchestrate(args) -> int:
     return 0 if report["ok"] else 1
 
 
-def main(argv=None) -> int:
-    """The check's command line (see the module docstring); returns orchestrate's exit code."""
+def parse_args(argv=None) -> argparse.Namespace:
+    """The check's command line (see the module docstring); sizes, deadline and precision not given
+    take the defaults of the mode (``--quick`` or full) and the device."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bundle", help="offline bundle made by scripts/gpu_bundle.sh")
     p.add_argument("--dry-run", action="store_true", help="print the plan and check the bundle; no CUDA")
     p.add_argument("--out", help="this run's folder (must not exist); default a fresh one under --root")
     p.add_argument("--root", default="/tmp/cembed-gpu-check", help="where run folders and the shared cache go")
     p.add_argument("--stages", help="comma-separated subset of: " + ",".join(s[0] for s in STAGES))
-    p.add_argument("--deadline", type=float, default=470.0, help="seconds for the whole check")
-    p.add_argument("--batch", type=int, default=65536)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="small sizes (batch 32, 32 tokens, 2 steps): a CPU smoke run")
+    p.add_argument("--deadline", type=float, help="seconds for the whole check (default 470; 300 with --quick)")
+    p.add_argument("--batch", type=int, help="rows per step (default 65536; 32 with --quick)")
+    p.add_argument("--seq", type=int, help="max tokens per text (default 256; 32 with --quick)")
+    p.add_argument("--steps", type=int, help="training steps (default 4; 2 with --quick)")
     p.add_argument("--python", help="the interpreter the stages run in (default: this one)")
-    p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every stage's timeout (slow machines)")
-    p.add_argument("--device", default="cuda", help="cuda; cpu runs the stages' code at small sizes (a smoke test)")
-    return orchestrate(p.parse_args(argv))
+    p.add_argument(
+        "--timeout-scale",
+        type=float,
+        default=1.0,
+        help="multiply every stage's budget and the default deadline (slow or shared machines)",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cuda; cpu runs the same stages' code (CUDA-only ones skipped) in the current environment",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        help="the stock stage's precision (default auto on cuda; bf16 on cpu, so the CPU run takes the "
+        "GPU's bf16 autocast path)",
+    )
+    args = p.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    for key, value in SIZES[mode].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.deadline is None:
+        args.deadline = DEADLINES[mode] * args.timeout_scale
+    if args.precision is None:
+        args.precision = "auto" if args.device == "cuda" else "bf16"
+    return args
+
+
+def main(argv=None) -> int:
+    """Run the check (see the module docstring); returns orchestrate's exit code."""
+    return orchestrate(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ BUNDLE_PACKAGES = (
     "sentence_transformers",
     "cembed",
 )
+# Brought only when the image's is too old for the bundled datasets (scripts/gpu_bundle.sh decides):
+# at most one wheel each.
+OPTIONAL_PACKAGES = ("pyarrow",)
 MODEL_FILES = ("modules.json", "config.json", "model.safetensors", "tokenizer.json")
 
 
@@ -36,7 +39,8 @@ def _dist_name(wheel: str) -> str:
 
 def check_bundle(bundle: Path | None) -> dict:
     """Check a bundle against its ``MANIFEST.json``: every listed file present with its size and
-    sha256, the total within 60 MiB, one wheel per needed package, the model folder complete.
+    sha256, the total within 60 MiB, one wheel per needed package (at most one of each optional
+    one), the model folder complete.
 
     Returns:
         ``{"ok": bool, "problems": [...], "wheels": [...], "total_mib": float, ...}``; ``ok`` is
@@ -63,6 +67,10 @@ def check_bundle(bundle: Path | None) -> dict:
         count = names.count(pkg)
         if count != 1:
             problems.append(f"wheels/: {count} wheels of {pkg} (need exactly 1)")
+    for pkg in OPTIONAL_PACKAGES:
+        count = names.count(pkg)
+        if count > 1:
+            problems.append(f"wheels/: {count} wheels of {pkg} (at most 1)")
     model = bundle / manifest.get("model", "all-MiniLM-L6-v2-fp16")
     problems += [f"model folder lacks {f}" for f in MODEL_FILES if not any(model.rglob(f))]
     if not (bundle / manifest.get("coco_pairs", "coco_pairs.jsonl.gz")).is_file():

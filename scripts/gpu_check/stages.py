@@ -77,34 +77,109 @@ def _autocast_forward(model, dtype):
 
 
 def _grads(model):
+    """Every parameter's gradient, flattened into one fp64 vector (the comparisons below sum over
+    tens of millions of elements: fp32 sums drift by ~1e-3, and a cosine came out as 1.0022)."""
     import torch
 
-    return torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+    return torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
 
 
-def stage_install(ctx: dict, work: Path) -> dict:
-    """cembed imports, and every requirement of cembed and of the bundled packages is met."""
+def cosine(a, b) -> float:
+    """Cosine similarity of two flat tensors, accumulated in fp64 (fp32 over ~2e7 elements gives
+    values above 1)."""
+    a, b = a.double(), b.double()
+    return float(a.dot(b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def rel_l2(a, b) -> float:
+    """``|a - b| / |b|`` for two flat tensors, in fp64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+# What the image is expected to provide (reported, never installed nor checked against pins).
+IMAGE_PACKAGES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "pyarrow",
+    "numpy",
+    "pandas",
+    "tokenizers",
+    "huggingface-hub",
+    "safetensors",
+    "xxhash",
+    "typer",
+    "rich",
+    "pyyaml",
+    "packaging",
+)
+IMPORTS = ("torch", "transformers", "pyarrow", "pydantic", "datasets", "sentence_transformers", "cembed.cli.app")
+
+
+def _unmet(dist: str) -> list[str]:
+    """``dist``'s requirements (no extras) that the environment does not meet, one line each."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
 
-    unmet, versions = [], {}
-    for dist in ("cembed", "sentence-transformers", "datasets", "pydantic", "torch", "transformers", "accelerate"):
-        versions[dist] = metadata.version(dist)
-        for spec in metadata.requires(dist) or []:
-            req = Requirement(spec)
-            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-                continue
-            try:
-                have = metadata.version(req.name)
-            except metadata.PackageNotFoundError:
-                unmet.append(f"{dist} needs {req}: not installed")
-                continue
-            if req.specifier and not req.specifier.contains(have, prereleases=True):
-                unmet.append(f"{dist} needs {req}: {have} installed")
-    import cembed.cli.app  # noqa: F401  (the whole CLI imports: pydantic, datasets, typer, rich)
+    unmet = []
+    for spec in metadata.requires(dist) or []:
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            unmet.append(f"{dist} needs {req}: not installed")
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            unmet.append(f"{dist} needs {req}: {have} installed")
+    return unmet
 
-    return {"status": "pass" if not unmet else "fail", "versions": versions, "unmet": unmet, "cembed": cembed.__file__}
+
+def stage_install(ctx: dict, work: Path) -> dict:
+    """What the stages will run with, reported: every bundled and image package's version and where
+    it comes from (``bundle``: the site folder the orchestrator installed the bundle's wheels into;
+    else ``environment``), and the pins of the packages the bundle brings (cembed's own included)
+    that the environment does not meet. Unmet pins are reported, never fatal (the image's own
+    packages' pins are not checked at all): the stage fails only when one of ``IMPORTS`` fails."""
+    import importlib
+    from importlib import metadata
+
+    from bundle import BUNDLE_PACKAGES, OPTIONAL_PACKAGES
+
+    site = str(Path(ctx["run_dir"]) / "site") if ctx.get("bundle_wheels_installed") else None
+    names = [n.replace("_", "-") for n in BUNDLE_PACKAGES + OPTIONAL_PACKAGES]
+    versions, origin = {}, {}
+    for dist in dict.fromkeys(names + list(IMAGE_PACKAGES)):
+        try:
+            found = metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+            continue
+        versions[dist] = found.version
+        where = str(Path(str(found.locate_file(""))).resolve())
+        origin[dist] = "bundle" if site and where.startswith(str(Path(site).resolve())) else "environment"
+    brought = [d for d in names if origin.get(d) == "bundle"] if site else names
+    unmet = [line for dist in brought if versions.get(dist) for line in _unmet(dist)]
+    failed = {}
+    for module in IMPORTS:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - reported, the stage fails
+            failed[module] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
+    import cembed
+
+    return {
+        "status": "fail" if failed else "pass",
+        "installed_from_bundle": bool(site),
+        "versions": versions,
+        "origin": origin,
+        "unmet": unmet,
+        "import_failed": failed,
+        "cembed": cembed.__file__,
+    }
 
 
 def stage_env(ctx: dict, work: Path) -> dict:
@@ -142,9 +217,9 @@ def stage_env(ctx: dict, work: Path) -> dict:
 
 
 def stage_correctness(ctx: dict, work: Path) -> dict:
-    """(a) On 64 COCO pairs at 64 tokens: fp32 cached == fp32 plain (TF32 off); bf16 cached (model
-    forward under autocast, TF32 on) vs fp32 plain; dropout replay (RandContext) bit-exact, with a
-    negative control that differs."""
+    """(a) On 64 COCO pairs at 64 tokens (with ``--quick``: 16 pairs at 32 tokens), mini-batches of a quarter of them: fp32 cached == fp32 plain (TF32 off); bf16 cached
+    (model forward under autocast, TF32 on) vs fp32 plain; dropout replay (RandContext) bit-exact,
+    with a negative control that differs."""
     import torch
     from sentence_transformers.base.losses.gradcache import RandContext
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
@@ -157,8 +232,9 @@ def stage_correctness(ctx: dict, work: Path) -> dict:
     from cembed.plan.precision import enable_tf32
 
     dev = ctx["device"]
-    model = load_model(ModelConfig(name_or_path=ctx["model"], max_seq_length=64, device=dev), dev)
-    rows = coco_rows(ctx, 64)
+    n, seq = (min(16, ctx["batch"]), min(32, ctx["seq"])) if ctx.get("quick") else (64, 64)
+    model = load_model(ModelConfig(name_or_path=ctx["model"], max_seq_length=seq, device=dev), dev)
+    rows = coco_rows(ctx, n)
     collate = SentenceTransformerDataCollator(preprocess_fn=model.preprocess)
     feats = _to(
         _features(collate([{"anchor": a, "positive": p} for a, p in zip(rows["anchor"], rows["positive"])])), dev
@@ -174,33 +250,31 @@ def stage_correctness(ctx: dict, work: Path) -> dict:
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
     plain_loss, plain_grad = run(MultipleNegativesRankingLoss(model))
-    cached = build_loss(model, loss_config(), 16).module
+    cached = build_loss(model, loss_config(), max(1, n // 4)).module
     fp32_loss, fp32_grad = run(cached)
     enable_tf32()
     restore = _autocast_forward(model, torch.bfloat16)
     bf16_loss, bf16_grad = run(cached)
     restore()
 
-    def rel(a, b):
-        return float((a - b).norm() / b.norm())
-
     checks = {
         "fp32_cached_vs_plain": {
             "loss_rel": abs(fp32_loss - plain_loss) / abs(plain_loss),
-            "grad_rel_l2": rel(fp32_grad, plain_grad),
+            "grad_rel_l2": rel_l2(fp32_grad, plain_grad),
         },
         "bf16_cached_vs_fp32_plain": {
             "loss": [bf16_loss, plain_loss],
             "loss_rel": abs(bf16_loss - plain_loss) / abs(plain_loss),
-            "grad_rel_l2": rel(bf16_grad, plain_grad),
-            "grad_cosine": float(torch.nn.functional.cosine_similarity(bf16_grad, plain_grad, dim=0)),
+            "grad_rel_l2": rel_l2(bf16_grad, plain_grad),
+            "grad_cosine": cosine(bf16_grad, plain_grad),
+            "grad_elements": bf16_grad.numel(),
         },
     }
     model.train()  # dropout 0.1 on: the replayed forward must see the first forward's masks
     replay = {}
     for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         restore = _autocast_forward(model, dtype) if dtype else (lambda: None)
-        f = {k: v[:16] if hasattr(v, "to") else v for k, v in feats[1].items()}
+        f = {k: v[: max(1, n // 4)] if hasattr(v, "to") else v for k, v in feats[1].items()}
         ctx_rng = RandContext(*f.values())
         with torch.no_grad():
             first = model(f)["sentence_embedding"]
@@ -220,7 +294,7 @@ def stage_correctness(ctx: dict, work: Path) -> dict:
         and checks["bf16_cached_vs_fp32_plain"]["grad_cosine"] >= 0.99
         and all(r["replay_max_abs_diff"] == 0.0 and r["control_max_abs_diff"] > 0 for r in replay.values())
     )
-    return {"status": "pass" if ok else "fail", "checks": checks}
+    return {"status": "pass" if ok else "fail", "rows": n, "seq": seq, "checks": checks}
 
 
 def stage_sticky(ctx: dict, work: Path) -> dict:
@@ -342,9 +416,11 @@ def stage_probe(ctx: dict, work: Path) -> dict:
 
 
 def _mini_batch(ctx: dict) -> int:
-    """The probe stage's recommendation (same run), else 2048 (at most the batch)."""
+    """The probe stage's recommendation (same run), else 2048 (at most the batch); with ``--quick``
+    at most a quarter of the batch, so the small CPU run still caches over several mini-batches."""
     probe = Path(ctx["run_dir"]) / "probe" / "probe.json"
-    return json.loads(probe.read_text())["recommended"] if probe.is_file() else min(2048, ctx["batch"])
+    mini = json.loads(probe.read_text())["recommended"] if probe.is_file() else min(2048, ctx["batch"])
+    return min(mini, max(1, ctx["batch"] // 4)) if ctx.get("quick") else mini
 
 
 def stage_train(ctx: dict, work: Path) -> dict:
@@ -401,11 +477,88 @@ def stage_train(ctx: dict, work: Path) -> dict:
     return {"status": "pass" if ok else "fail", "throughput": out}
 
 
+class EncoderCalls:
+    """Records what the encoder (the transformers model inside the first module) ran on, forward by
+    forward: packed rows (per-row ``position_ids`` with a block-diagonal 4-D mask, as cembed packs, or
+    no mask, as sentence-transformers' flash-attention unpadding flattens) or padded rows (a 2-D
+    mask). Read off the encoder's own inputs, so it reports the path taken, not the one configured.
+    The encoder's ``forward`` is wrapped on the instance (sentence-transformers calls
+    ``model.forward`` directly, so forward hooks never fire)."""
+
+    def __init__(self, model):
+        self.encoder = model[0].auto_model
+        self.calls = self.packed = self.real_tokens = self.slots = 0
+
+    def _seen(self, args, kwargs):
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        self.calls += 1
+        if positions is not None and (mask is None or mask.ndim == 4):
+            self.packed += 1
+        elif mask is not None and mask.ndim == 2:
+            self.real_tokens += int(mask.sum())
+            self.slots += int(mask.numel())
+
+    def __enter__(self):
+        self.calls = self.packed = self.real_tokens = self.slots = 0
+        forward = self.encoder.forward
+
+        def observed(*args, **kwargs):
+            self._seen(args, kwargs)
+            return forward(*args, **kwargs)
+
+        self.encoder.forward = observed
+        return self
+
+    def __exit__(self, *exc):
+        del self.encoder.forward  # back to the class's forward
+
+    def summary(self) -> dict:
+        """``{"encoder_calls", "packed_calls", "ran": "packed"|"padded"|"mixed"|"none"}`` and, when
+        some calls were padded, the padded share of their token slots."""
+        if not self.calls:
+            ran = "none"
+        else:
+            ran = "packed" if self.packed == self.calls else "padded" if self.packed == 0 else "mixed"
+        out = {"encoder_calls": self.calls, "packed_calls": self.packed, "ran": ran}
+        if self.slots:
+            out["padded_share"] = round(1 - self.real_tokens / self.slots, 4)
+        return out
+
+
+def _time_sides(model, sides: dict, rounds: int, sync, paths: dict) -> tuple[dict, dict]:
+    """Run each side's loss forward + backward ``rounds`` times, alternating (the first round is a
+    warm-up); record in ``paths[side]`` what its encoder ran (:class:`EncoderCalls`).
+
+    Returns:
+        ``(median step seconds, last loss)`` per side.
+    """
+    times, losses = {k: [] for k in sides}, {}
+    for r in range(rounds):
+        for label, (loss, feats) in sides.items():
+            model.zero_grad(set_to_none=True)
+            sync()
+            with EncoderCalls(model) as calls:
+                t0 = time.perf_counter()
+                value = loss(feats, None)
+                value.backward()
+                sync()
+                elapsed = time.perf_counter() - t0
+            if r > 0:
+                times[label].append(elapsed)
+            losses[label] = float(value.detach())
+            paths[label].update(calls.summary())
+    return {k: statistics.median(v) for k, v in times.items()}, losses
+
+
 def stage_stock(ctx: dict, work: Path) -> dict:
     """(d) One batch of ``batch`` COCO rows through stock sentence-transformers (its tokenizing
     collator, ``CachedMultipleNegativesRankingLoss``) and through cembed (pre-tokenized ids, the
     padding collator, the length-sorted cached loss), same model, precision and mini-batch size;
-    1 warm-up and 2 timed steps each (forward + backward, synchronized)."""
+    1 warm-up and 2 timed steps each (1 with ``--quick``; forward + backward, synchronized). Both losses are built on
+    the plain fp32 model before the forward is wrapped in autocast, as training builds its loss
+    before accelerate wraps the forward (cembed's packing check run under bf16 autocast would fail
+    its fp32 tolerance and fall back to padding). ``paths`` records, per side, the attention path
+    it was configured for and the one its encoder's forwards actually took (:class:`EncoderCalls`)."""
     import torch
     from datasets import Dataset
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
@@ -422,8 +575,21 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     b, mini, dev = ctx["batch"], _mini_batch(ctx), ctx["device"]
     model = load_model(ModelConfig(name_or_path=ctx["model"], max_seq_length=ctx["seq"], device=dev), dev)
     model.eval()  # dropout off: both paths compute the same loss
-    precision = resolve_precision("auto", dev)
+    precision = resolve_precision(ctx.get("precision", "auto"), dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    first = model[0]
+    built = build_loss(model, loss_config(), mini)  # on the fp32 forward, before autocast (see above)
+    stock_loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini)
+    paths = {
+        "stock": {
+            "configured": "flattened rows, no padding (flash-attention varlen)"
+            if getattr(first, "can_flatten_inputs", False)
+            else "padded mini-batches",
+            "attn_implementation": getattr(first.auto_model.config, "_attn_implementation", None),
+            "unpad_inputs": getattr(first, "unpad_inputs", None),
+        },
+        "cembed": {"configured": built.unpadding.description, "enabled": built.unpadding.enabled},
+    }
     if precision.tf32:
         enable_tf32()
     dtype = autocast_dtype(precision.precision)
@@ -440,23 +606,8 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     t0 = time.perf_counter()
     ours_feats = _to(_features(collator_for(model, ["anchor", "positive"])(ds.select(range(b)).to_list())), dev)
     ours_collate = time.perf_counter() - t0
-    paths = {
-        "stock": (CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini), stock_feats),
-        "cembed": (build_loss(model, loss_config(), mini).module, ours_feats),
-    }
-    times, losses = {k: [] for k in paths}, {}
-    for r in range(3):
-        for label, (loss, feats) in paths.items():
-            model.zero_grad(set_to_none=True)
-            sync()
-            t0 = time.perf_counter()
-            value = loss(feats, None)
-            value.backward()
-            sync()
-            if r > 0:
-                times[label].append(time.perf_counter() - t0)
-            losses[label] = float(value.detach())
-    step = {k: statistics.median(v) for k, v in times.items()}
+    sides = {"stock": (stock_loss, stock_feats), "cembed": (built.module, ours_feats)}
+    step, losses = _time_sides(model, sides, 2 if ctx.get("quick") else 3, sync, paths)
     real = sum(int(f["attention_mask"].sum()) for f in ours_feats)
     comparison = {
         "batch": b,
@@ -472,8 +623,15 @@ def stage_stock(ctx: dict, work: Path) -> dict:
         "loss": losses,
         "loss_rel": abs(losses["stock"] - losses["cembed"]) / abs(losses["stock"]),
     }
-    ok = comparison["loss_rel"] <= 2e-2
-    return {"status": "pass" if ok else "fail", "comparison": comparison}
+    # each side ran the path it was configured for, and cembed packs this model (full attention, sdpa)
+    expected = {
+        "stock": "packed" if getattr(first, "can_flatten_inputs", False) else "padded",
+        "cembed": "packed" if built.unpadding.enabled else "padded",
+    }
+    for k in paths:
+        paths[k]["as_configured"] = paths[k]["ran"] == expected[k]
+    ok = comparison["loss_rel"] <= 2e-2 and all(p["as_configured"] for p in paths.values()) and built.unpadding.enabled
+    return {"status": "pass" if ok else "fail", "comparison": comparison, "paths": paths}
 
 
 def run_one_stage(name: str, run_dir: Path) -> int:

@@ -33,7 +33,8 @@ def test_unmapped_columns_listed_with_the_mapping_to_add():
     assert notes == [
         "train.jsonl: column(s) negative, hard_negative_2 look like hard negatives but are not trained on; to use "
         "them add data.columns.negatives: [negative, hard_negative_2]",
-        "train.jsonl: column(s) score, id are not mapped in data.columns and are not trained on",
+        "train.jsonl: column(s) score, id are not mapped in data.columns and are not trained on; if that is "
+        "intended, say so: data.columns.ignore: [score, id]",
     ]
 
 
@@ -53,8 +54,37 @@ def test_no_notes_when_everything_is_mapped_or_generated():
     beir = ["anchor", "positive", "query_id", "doc_id"]
     assert unmapped_column_notes(beir, ColumnMap(), "data.train", "scifact", kind="beir") == []
     assert unmapped_column_notes(beir, ColumnMap(), "data.train", "f") == [
-        "f: column(s) query_id, doc_id are not mapped in data.columns and are not trained on"
+        "f: column(s) query_id, doc_id are not mapped in data.columns and are not trained on; if that is "
+        "intended, say so: data.columns.ignore: [query_id, doc_id]"
     ]
+
+
+def test_ignored_columns_are_not_listed():
+    # Issue 23 item 11: id columns a user knows about (the packaged COCO file's image_id ...) are
+    # declared once in columns.ignore and no longer warned about; the others still are.
+    names = ["anchor", "positive", "image_id", "negative", "score"]
+    columns = ColumnMap(ignore=["image_id", "negative"])
+    assert unmapped_column_notes(names, columns, "data.train.coco", "coco.jsonl") == [
+        "coco.jsonl: column(s) score are not mapped in data.train.coco.columns and are not trained on; if that "
+        "is intended, say so: data.train.coco.columns.ignore: [image_id, negative, score]"
+    ]
+    assert unmapped_column_notes(names, ColumnMap(ignore=["image_id", "negative", "score"]), "data.train", "x") == []
+
+
+def test_ignoring_a_column_the_data_lacks_names_the_closest():
+    with pytest.raises(UserError) as err:
+        unmapped_column_notes(
+            ["anchor", "positive", "image_id"], ColumnMap(ignore=["imageid"]), "data.train", "c.jsonl"
+        )
+    assert str(err.value) == (
+        "c.jsonl: data.columns.ignore: no column 'imageid' in the data; did you mean 'image_id'? "
+        "(the data has columns: anchor, positive, image_id)"
+    )
+
+
+def test_a_column_both_mapped_and_ignored_is_refused():
+    with pytest.raises(ValueError, match="ignore: column 'q' is mapped as anchor; remove it from ignore"):
+        ColumnMap(anchor="q", ignore=["id", "q"])
 
 
 def _rows(negs):

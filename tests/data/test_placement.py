@@ -90,12 +90,17 @@ def test_inspect_data_compares_token_ids_with_a_model(tmp_path):
     data = _data(variants)
     (raw,) = inspect_data(data, 4, True, 0)
     assert raw.unplaceable is None and raw.distinct["positive"] == ("answer", 12)
+    assert raw.compared_as == "raw text"
     model_dir = make_tiny_model(tmp_path / "tiny")
     cfg = ModelConfig(name_or_path=str(model_dir), device="cpu")
-    (tokens,) = inspect_data(data, 4, True, 0, model_cfg=cfg, cache_dir=str(tmp_path / "cache"))
+    data_cfg = config_from_dict(
+        {"data": {"train": "x.jsonl", "cache_dir": str(tmp_path / "cache")}}, base=tmp_path
+    ).data
+    (tokens,) = inspect_data(data, 4, True, 0, model_cfg=cfg, data_cfg=data_cfg)
     assert tokens.compared_as == f"token ids ({model_dir}, max_seq_length 64)"
     assert (tokens.batching["batches_per_epoch"], tokens.batching["rows_unplaced"]) == (1, 8)
     assert tokens.unplaceable.rows == 8 and tokens.unplaceable.holders == 8
+    assert tokens.distinct["positive"] == ("answer", 5)  # the distinct counts are the sampler's too
     missing = ModelConfig(name_or_path=str(tmp_path / "no-model"), device="cpu")
     (fallback,) = inspect_data(data, 4, True, 0, model_cfg=missing)
     assert fallback.compared_as.startswith("raw text (model not loaded: ")
@@ -121,3 +126,15 @@ def test_unplaceable_warnings_beside_the_plan(tmp_path, monkeypatch):
     # least 4 popular rows are left out; seed 0's shuffle reaches that bound (4 batches, 4 rows out)
     (warning,) = unplaceable_warnings(resolve_plan(cfg, world_size=1), _data(), drop_last=True, seed=0)
     assert warning.startswith("4 of 12 rows cannot be placed in a duplicate-free batch of 2 (4 batches per epoch)")
+
+
+def test_drop_last_false_leftover_rows_reported():
+    # Issue 23 item 14: 64 rows, half sharing one negative, batch 16, drop_last false: 2 full batches
+    # and a short last one of 3; the 29 other popular rows are reported (no batch is shrunk for them).
+    negatives = ["a popular negative" if i % 2 else f"negative {i}" for i in range(64)]
+    dataset = Dataset.from_dict(
+        {"anchor": [f"q {i}" for i in range(64)], "positive": [f"p {i}" for i in range(64)], "negative_1": negatives}
+    )
+    data = PreparedData(dataset, "t.jsonl", 64, roles={"anchor": "q", "positive": "p", "negative_1": "neg"})
+    found = find_unplaceable(data, 16, drop_last=False, seed=0)
+    assert (found.rows, found.batches, found.column, found.holders) == (29, 3, "neg", 32)

@@ -140,7 +140,21 @@ def test_packaged_quickstart_example_is_the_repo_config_and_validates(tmp_path, 
     again = runner.invoke(app, ["init", "quick.yaml", "--example", "quickstart"])
     assert again.exit_code == 2 and "already exists; cembed init never overwrites a file" in again.output
     unknown = runner.invoke(app, ["init", "other.yaml", "--example", "nope"])
-    assert unknown.exit_code == 2 and "--example nope: no such example; known: quickstart" in unknown.output
+    assert unknown.exit_code == 2 and "'--example'" in unknown.output and "'quickstart'" in unknown.output  # a choice
+    with pytest.raises(UserError, match="--example nope: no such example; known: quickstart"):
+        example_config("nope")
     cfg = load_config(tmp_path / "quick.yaml")
     assert cfg.train.output_dir == str(tmp_path / "runs" / "quickstart")
     assert cfg.data.train.path == str(resolve_sample("cembed:coco-captions"))
+
+
+def test_quickstart_data_trains_without_a_warning_about_its_own_columns():
+    # Issue 23 item 11: `make demo` warned "column(s) image_id, anchor_caption_id, positive_caption_id
+    # are not mapped ... and are not trained on" about the packaged file; the config now declares
+    # them ids (data.columns.ignore), so the demo's own data warns about nothing.
+    from cembed.data.prepare import prepare_data
+
+    for path in (REPO / "configs" / "quickstart.yaml", resolve_sample("cembed:coco-captions").parents[1] / "examples"):
+        cfg = load_config(path if path.suffix == ".yaml" else path / "quickstart.yaml")
+        data = prepare_data(cfg.data)
+        assert data.warnings == () and len(data.dataset) == 40066 and data.columns == ["anchor", "positive"]

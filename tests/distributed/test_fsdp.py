@@ -5,8 +5,12 @@ trainer (FSDP2 ``fully_shard`` via accelerate; cembed.distributed.fsdp hands acc
 - Exactness: 2 ranks x 4 rows, 2 SGD steps of the cached loss (2 mini-batches per rank, each
   backward reduce-scattering), give the same weights as 1 process x 8 rows (within 1e-6).
 - Checkpoints are sharded (torch.distributed.checkpoint folders, one file per rank, no full
-  ``model.safetensors``); resuming from checkpoint-1 ends with the same weights as the
-  uninterrupted run; the final folder is a full model that ``SentenceTransformer(path)`` loads.
+  ``model.safetensors``); the final folder is a full model that ``SentenceTransformer(path)`` loads.
+- Resume: AdamW, a warmup + cosine-decay schedule and dropout on (4 steps of 2 ranks x 4 rows, 2 steps
+  an epoch); resuming from checkpoint-1 (mid-epoch) gives the uninterrupted run's losses, learning
+  rates and final weights, which holds only if the sharded optimizer state, the scheduler and each
+  rank's RNG state are all restored (each one left out was shown to break it, see
+  test_fsdp_resume_restores_optimizer_schedule_and_rng).
 - bf16 with gradient checkpointing and LoRA trains under FSDP (FSDP's bf16 mixed-precision policy);
   the final folder has the adapters merged.
 
@@ -27,6 +31,19 @@ from conftest import join_gloo_rank
 WORLD = 2
 ROWS = 8
 LORA = {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["query", "value"]}
+# The resume runs: 16 rows (2 steps an epoch, so checkpoint-1 is mid-epoch), AdamW with warmup over
+# steps 1-2 then cosine decay: learning rates 0, lr/2, lr, lr/2 at steps 1-4. After a resume from
+# checkpoint-1, step 2 takes its rate from the restored optimizer's param groups, steps 3-4 from the
+# scheduler (a fresh one would give lr/2, lr instead of lr, lr/2).
+RESUME_ROWS = 16
+RESUME_STEPS = 4
+RESUME_OPTIM = {
+    "learning_rate": 1e-2,
+    "lr_scaling": "none",
+    "warmup_ratio": 0.5,
+    "weight_decay": 0.01,
+    "lr_scheduler_type": "cosine",
+}
 
 
 def _free_port() -> int:
@@ -35,20 +52,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(tmp: Path, model_dir: Path, world: int, out: str, **model) -> dict:
-    data = tmp / "pairs.jsonl"
+def _config(
+    tmp: Path, model_dir: Path, world: int, out: str, rows: int = ROWS, optim: dict | None = None, **model
+) -> dict:
+    """A run of ``ROWS // world`` rows per rank from a file of ``rows`` distinct pairs: 2 steps at a
+    constant LR without weight decay (the exactness runs), or with ``optim`` those optimizer settings
+    and RESUME_STEPS steps (the resume runs)."""
+    data = tmp / f"pairs{rows}.jsonl"
     if not data.exists():
         words = "man woman dog cat train table street car room plate food bus".split()
-        rows = [
-            {"anchor": f"a {words[i]} on the {words[-1 - i]}", "positive": f"the {words[i]} near a bus"}
-            for i in range(ROWS)
+        rows_ = [
+            {"anchor": f"a {words[i % 12]} on the {words[-1 - i % 12]}", "positive": f"the {words[i % 12]} near a bus"}
+            for i in range(rows)
         ]
-        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for i, row in enumerate(rows_[12:], 12):  # distinct texts past the 12 words
+            row["anchor"] += f" {i}"
+            row["positive"] += f" {i}"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows_))
     return {
         "model": {"name_or_path": str(model_dir), "max_seq_length": 32, "device": "cpu", **model},
         "data": {"train": str(data), "cache_dir": str(tmp / "cache")},
         "batch": {"per_device_train_batch_size": ROWS // world, "mini_batch_size": 2},
-        "optim": {
+        "optim": optim
+        or {
             "learning_rate": 0.5,
             "lr_scaling": "none",
             "warmup_ratio": 0.0,
@@ -57,7 +83,12 @@ def _config(tmp: Path, model_dir: Path, world: int, out: str, **model) -> dict:
         },
         "loss": {"name": "cached_mnrl", "scale": 20},
         "distributed": {"strategy": "fsdp"},
-        "train": {"max_steps": 2, "save_steps": 1, "logging_steps": 1, "output_dir": str(tmp / out)},
+        "train": {
+            "max_steps": RESUME_STEPS if optim else 2,
+            "save_steps": 1,
+            "logging_steps": 1,
+            "output_dir": str(tmp / out),
+        },
     }
 
 
@@ -90,7 +121,33 @@ def _run(cfg_dict: dict, base: Path, trainer_cls, resume_from: str | None = None
     return run_training(cfg, plan, data, resume_from=resume_from, trainer_cls=trainer_cls)
 
 
-def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
+def _recording_trainer(record: list):
+    """cembed's own trainer (its optimizer from the config: AdamW), kept in ``record``."""
+    from cembed.train.trainer import CembedTrainer
+
+    class RecordingTrainer(CembedTrainer):
+        def train(self, *args, **kwargs):
+            record.append(self)
+            return super().train(*args, **kwargs)
+
+    return RecordingTrainer
+
+
+def _resume_run(tmp: Path, model_dir: Path, out: str, record: list, resume_from: str | None = None) -> dict:
+    """One AdamW + schedule + dropout run (see RESUME_OPTIM): its logged losses and learning rates."""
+    cfg = _config(tmp, model_dir, WORLD, out, rows=RESUME_ROWS, optim=RESUME_OPTIM)
+    summary = _run(cfg, tmp, _recording_trainer(record), resume_from=resume_from)
+    trainer = record[-1]
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
+    return {
+        "losses": summary["losses"],
+        "lrs": [[h["step"], h["learning_rate"]] for h in trainer.state.log_history if "learning_rate" in h],
+        "optimizer": type(optimizer).__name__,
+        "dropout": max(m.p for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout)),
+    }
+
+
+def _worker(rank: int, tmp: str, model_dir: str, dropout_model_dir: str, port: int) -> None:
     join_gloo_rank(rank, WORLD, port, 600)
     from torch.distributed.tensor import DTensor
 
@@ -110,8 +167,10 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
         "total_numel": total,
         "losses": summary["losses"],
     }
-    checkpoint = str(tmp_path / "fsdp" / "checkpoint-1")
-    _run(_config(tmp_path, model_path, WORLD, "resumed"), tmp_path, trainer_cls, resume_from=checkpoint)
+    dropout_path = Path(dropout_model_dir)
+    results["straight"] = _resume_run(tmp_path, dropout_path, "straight", record)
+    checkpoint = str(tmp_path / "straight" / "checkpoint-1")
+    results["resumed"] = _resume_run(tmp_path, dropout_path, "resumed", record, resume_from=checkpoint)
     summary = _run(
         _config(tmp_path, model_path, WORLD, "bf16", precision="bf16", gradient_checkpointing=True, lora=LORA),
         tmp_path,
@@ -129,11 +188,12 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def fsdp_results(tiny_model_dir, tmp_path_factory):
+def fsdp_results(tiny_model_dir, tiny_dropout_model_dir, tmp_path_factory):
     import torch.multiprocessing as mp
 
     tmp = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), _free_port()), nprocs=WORLD, join=True)
+    args = (str(tmp), str(tiny_model_dir), str(tiny_dropout_model_dir), _free_port())
+    mp.spawn(_worker, args=args, nprocs=WORLD, join=True)
     return tmp, [json.loads((tmp / f"results-rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -171,18 +231,43 @@ def test_fsdp_two_ranks_equal_one_process(fsdp_results, tiny_model_dir):
     assert moved > 1e-3  # the steps really changed the weights
 
 
-def test_fsdp_checkpoints_are_sharded_and_resume_exactly(fsdp_results):
+def test_fsdp_checkpoints_are_sharded(fsdp_results):
     tmp, _ = fsdp_results
-    ckpt = tmp / "fsdp" / "checkpoint-1"
-    names = {p.name for p in ckpt.iterdir()}
-    assert "model.safetensors" not in names and "optimizer.pt" not in names
-    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # torch.distributed.checkpoint: one file per rank
-        assert {p.name for p in (ckpt / folder).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
-    assert {"rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"} <= names
-    straight, resumed = _weights(tmp / "fsdp"), _weights(tmp / "resumed")
-    assert max((straight[k] - resumed[k]).abs().max().item() for k in straight) <= 1e-7
+    for ckpt in (tmp / "fsdp" / "checkpoint-1", tmp / "straight" / "checkpoint-1"):  # SGD, AdamW
+        names = {p.name for p in ckpt.iterdir()}
+        assert "model.safetensors" not in names and "optimizer.pt" not in names
+        for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # torch.distributed.checkpoint: one file per rank
+            assert {p.name for p in (ckpt / folder).iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+        assert {"rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"} <= names
+
+
+def test_fsdp_resume_restores_optimizer_schedule_and_rng(fsdp_results, tiny_dropout_model_dir):
+    """Killed after step 1 (mid-epoch) and resumed == uninterrupted, with everything a resume must
+    restore in play: AdamW's moments (a fresh AdamW's first step is lr x sign(g)), the warmup + cosine
+    schedule (a fresh scheduler restarts the warmup) and dropout (each rank's RNG: other masks).
+    Measured with one of them left out (in the test's trainer, on a scratch copy), max|dloss| over steps
+    2-4 / max|dW|: optimizer state 0.23 / 3.4e-2, scheduler 0.11 / 1.2e-2, RNG 0.28 / 3.5e-2; all
+    restored: 0 / 0."""
+    tmp, results = fsdp_results
+    lr = RESUME_OPTIM["learning_rate"]
+    for r in results:
+        straight, resumed = r["straight"], r["resumed"]
+        assert straight["optimizer"] == "AdamW" and straight["dropout"] == 0.1  # not vacuous
+        # The schedule really moves: warmup 0 -> lr/2 -> lr, then cosine decay to lr/2.
+        assert [s for s, _ in straight["lrs"]] == [1, 2, 3, 4]
+        assert [v for _, v in straight["lrs"]] == pytest.approx([0.0, lr / 2, lr, lr / 2], abs=1e-12)
+        assert [s for s, _ in resumed["losses"]] == [2, 3, 4]
+        assert resumed["lrs"][-3:] == straight["lrs"][1:]
+        d_loss = max(abs(a[1] - b[1]) for a, b in zip(straight["losses"][1:], resumed["losses"]))
+        assert d_loss <= 1e-6, (straight["losses"], resumed["losses"])
+    straight_w, resumed_w = _weights(tmp / "straight"), _weights(tmp / "resumed")
+    initial = _weights(Path(tiny_dropout_model_dir))
+    d_w = max((straight_w[k] - resumed_w[k]).abs().max().item() for k in straight_w)
+    moved = max((straight_w[k] - initial[k]).abs().max().item() for k in straight_w)
+    print(f"\nFSDP resume vs uninterrupted (AdamW, cosine, dropout): max|dW| {d_w:.2e} (max update {moved:.2e})")
+    assert d_w <= 1e-6 and moved > 1e-3
     state = json.loads((tmp / "resumed" / "run_summary.json").read_text())
-    assert state["status"] == "completed" and state["steps"] == 2
+    assert state["status"] == "completed" and state["steps"] == RESUME_STEPS
 
 
 def test_fsdp_final_folder_is_a_full_loadable_model(fsdp_results, tiny_model_dir):

@@ -147,3 +147,64 @@ def test_graded_ndcg_edge_cases():
     assert graded_ndcg_at_k(["a", "b"], {"b": 3, "c": 0}, 10) == pytest.approx((3 / log2(3)) / 3)
     assert graded_ndcg_at_k(["a"], {"a": 0}, 10) == 0.0  # nothing relevant: 0, not a division by zero
     assert graded_ndcg_at_k(["x", "a"], {"a": 2, "b": 1}, 1) == 0.0  # cut at k
+
+
+def test_graded_ndcg_ideal_counts_relevant_documents_outside_the_top_k():
+    """The ideal DCG is over every judged grade (retrieved or not), cut at k; a ranking that leaves
+    the best documents below k (or out of the retrieved list) must not be scored against its own hits.
+
+    Grades a 3, b 2, c 1 (x, y, z unjudged); DCG gains are grade / log2(rank + 1).
+    """
+    grades = {"a": 3, "b": 2, "c": 1, "y": 0}
+    # k = 3, ranking x c y | b a: only c (grade 1, rank 2) is in the top 3.
+    #   DCG@3  = 1 / log2(3)                           = 0.630930
+    #   IDCG@3 = 3 / log2(2) + 2 / log2(3) + 1 / log2(4) = 3 + 1.261860 + 0.5 = 4.761860
+    #   NDCG@3 = 0.630930 / 4.761860                    = 0.132497
+    # (an ideal from the top 3 alone, gains [1], gives 0.630930 / 1 = 0.630930)
+    expected = (1 / log2(3)) / (3 + 2 / log2(3) + 1 / log2(4))
+    assert round(expected, 6) == 0.132497
+    assert graded_ndcg_at_k(["x", "c", "y", "b", "a"], grades, 3) == pytest.approx(expected, abs=1e-12)
+    # a (grade 3) not retrieved at all: the same 0.132497 (an ideal from the retrieved c, b, gains
+    # [2, 1], would give 0.630930 / (2 + 1 / log2(3)) = 0.239812).
+    assert graded_ndcg_at_k(["x", "c", "y", "b"], grades, 3) == pytest.approx(expected, abs=1e-12)
+
+
+def test_graded_ndcg_with_fewer_ranks_than_relevant_documents():
+    """k = 2 < 4 relevant documents (a 3, b 2, c 1, d 1), ranking b x a c: the ideal is cut at k too.
+
+    DCG@2  = 2 / log2(2) + 0 / log2(3)  = 2
+    IDCG@2 = 3 / log2(2) + 2 / log2(3)  = 3 + 1.261860 = 4.261860
+    NDCG@2 = 2 / 4.261860               = 0.469279
+    (ideal not cut at k, + 1 / log2(4) + 1 / log2(5): 2 / 5.192537 = 0.385168; ideal from the top 2,
+    gains [2, 0] sorted: 2 / 2 = 1.0; binary, as the library: (1 / 1) / (1 + 1 / log2(3)) = 0.613147)
+    """
+    grades = {"a": 3, "b": 2, "c": 1, "d": 1}
+    expected = 2 / (3 + 2 / log2(3))
+    assert round(expected, 6) == 0.469279
+    assert graded_ndcg_at_k(["b", "x", "a", "c"], grades, 2) == pytest.approx(expected, abs=1e-12)
+
+
+def test_evaluator_ndcg_when_relevant_documents_are_not_retrieved():
+    """Through the evaluator: every k is 3, so it retrieves only each query's top 3 of the 8 documents
+    and the relevant documents ranked below never reach the metric; the ideal still counts them.
+
+    q1 ranks d1 d2 d3 | d4 ... d7 ...; grades d2 1, d4 2, d7 3 (3 relevant, 2 of them not retrieved):
+      DCG@3 = 1 / log2(3) = 0.630930; IDCG@3 = 3 + 2 / log2(3) + 1 / log2(4) = 4.761860 -> 0.132497
+    q2 ranks d3 d5 d7 | d1 d2 d4 d6 d8; grades d5 3, d1 2, d2 1, d8 1 (4 relevant > k = 3):
+      DCG@3 = 3 / log2(3) = 1.892789; IDCG@3 = 3 + 2 / log2(3) + 1 / log2(4) = 4.761860 -> 0.397490
+    mean 0.264993 (an ideal from the retrieved documents: (0.630930 / 1 + 1.892789 / 3) / 2 = 0.630930)
+    """
+    from sentence_transformers.util import cos_sim
+
+    relevance = {"q1": {"d2": 1, "d4": 2, "d7": 3}, "q2": {"d5": 3, "d1": 2, "d2": 1, "d8": 1}}
+    ev = GradedIREvaluator(
+        {q: q for q in relevance}, {d: d for d in DOCS}, {q: set(g) for q, g in relevance.items()},
+        relevance=relevance, mrr_at_k=[3], ndcg_at_k=[3], accuracy_at_k=[3], precision_recall_at_k=[3],
+        map_at_k=[3], name="cut", write_csv=False, score_functions={"cosine": cos_sim}, main_score_function="cosine",
+    )  # fmt: skip
+    idcg = 3 + 2 / log2(3) + 1 / log2(4)
+    expected = ((1 / log2(3)) / idcg + (3 / log2(3)) / idcg) / 2
+    assert round(expected, 6) == 0.264993
+    metrics = ev(RankingModel())
+    assert metrics["cut_cosine_ndcg@3"] == pytest.approx(expected, abs=1e-12)
+    assert metrics["cut_cosine_recall@3"] == pytest.approx((1 / 3 + 1 / 4) / 2)  # most relevant docs not retrieved

@@ -325,7 +325,9 @@ def test_self_guided_under_dropout_uses_the_no_grad_pass(tiny_dropout_model_dir,
     ref_loss, _ = _filtered_infonce(_same_masks_reps(model, features, mbs, 3), 20.0, 0.003, "absolute")
     ref_loss.backward()
     ref_grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    cached = build_loss(model, loss_config(false_negative_filter={"margin": 0.003}), mbs, sort_by_length=False)
+    # padded, as the reference draws its masks (packed mini-batches draw others: tests/model/test_unpad.py)
+    cfg = loss_config(false_negative_filter={"margin": 0.003})
+    cached = build_loss(model, cfg, mbs, sort_by_length=False, unpad=False)
     torch.manual_seed(3)
     loss, grads = loss_and_grads(model, cached.module, features)
     assert rel_diff(loss, ref_loss.detach()) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5

@@ -3,9 +3,14 @@ seeded initialisation, the merged model computing what the adapted one does, ada
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import KILL_AT_STEP_3, REPO, make_tiny_model
+from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
 from cembed.config.schema import LoraOptions
@@ -17,8 +22,10 @@ from cembed.model.lora import (
     backbone_holder,
     finish_lora,
     is_lora,
-    load_adapter_checkpoint,
+    load_lora_checkpoint,
     parameter_counts,
+    trainable_parts,
+    unsaved_trainable,
 )
 
 TEXTS = ["a man on the street", "two dogs sitting next to a table", "the red bus"]
@@ -128,12 +135,155 @@ def test_adapter_checkpoint_resume(model_dir, tmp_path):
     assert (checkpoint / "adapter" / ADAPTER_WEIGHTS).is_file()
     resumed = _load(model_dir)
     apply_lora(resumed, OPTIONS)
-    load_adapter_checkpoint(resumed, checkpoint)  # found in a subfolder
+    load_lora_checkpoint(resumed, checkpoint)  # found in a subfolder
     torch.testing.assert_close(_embed(resumed), _embed(model), rtol=0, atol=0)
     with pytest.raises(UserError, match=f"no {ADAPTER_WEIGHTS} in this checkpoint"):
-        load_adapter_checkpoint(resumed, tmp_path / "empty")
+        load_lora_checkpoint(resumed, tmp_path / "empty")
 
 
 def test_unknown_target_modules_refused(model_dir):
     with pytest.raises(UserError, match="^model.lora.target_modules: "):
         apply_lora(_load(model_dir), LoraOptions(target_modules=["q_proj"]))
+
+
+# --- a trainable module outside the adapters (issue 23 item 13) -----------------------------------
+# Many sentence-transformers models end in a Dense projection after pooling; under LoRA it keeps
+# training (it is not part of the backbone peft wraps), so a checkpoint must carry it and a resume
+# must restore it, as it restores the adapters.
+
+DENSE_PARAMS = 32 * 16 + 16  # Dense(32 -> 16) with bias
+
+
+def make_dense_model(path, dropout: float = 0.0):
+    """The tiny BERT + mean pooling + Dense(32 -> 16, tanh), saved as a sentence-transformers folder."""
+    from sentence_transformers.sentence_transformer.modules import Dense
+
+    model = SentenceTransformer(str(make_tiny_model(path / "base", dropout=dropout)), device="cpu")
+    torch.manual_seed(11)
+    model.append(Dense(32, 16))
+    model.save(str(path / "dense"))
+    return path / "dense"
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return make_dense_model(tmp_path_factory.mktemp("lora_dense"))
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_checkpoint_restores_every_trainable_parameter(dense_dir, tmp_path):
+    """What trains under LoRA = the adapters + the Dense head; a checkpoint written as
+    sentence-transformers' trainer writes it (``model.save_pretrained``) restores all of it."""
+    model = _load(dense_dir)
+    apply_lora(model, OPTIONS)
+    trained = _trainable(model)
+    assert len(trained) == 4 + 2 and sum(p.numel() for p in trained.values()) == ADAPTER_PARAMS + DENSE_PARAMS
+    assert unsaved_trainable(model) == []
+    _train_adapters(model, seed=7)
+    with torch.no_grad():
+        for p in model[2].parameters():
+            p.add_(0.25)  # the Dense head moved away from the base weights, as training moves it
+    trained = _trainable(model)
+    model.save_pretrained(str(tmp_path / "checkpoint-3"))  # what SentenceTransformerTrainer._save does
+
+    resumed = _load(dense_dir)
+    apply_lora(resumed, OPTIONS)
+    load_lora_checkpoint(resumed, tmp_path / "checkpoint-3")
+    after = _trainable(resumed)
+    assert after.keys() == trained.keys()
+    worst = {n: (after[n] - trained[n]).abs().max().item() for n in trained}
+    assert max(worst.values()) == 0.0, worst
+    torch.testing.assert_close(_embed(resumed), _embed(model), rtol=0, atol=0)
+
+
+def test_unsaved_trainable_names_what_a_checkpoint_would_lose(dense_dir):
+    """A backbone weight set trainable by hand is neither an adapter (peft saves those) nor a module
+    of its own (sentence-transformers saves those): the check names it, and apply_lora refuses it."""
+    model = _load(dense_dir)
+    apply_lora(model, OPTIONS)
+    holder = backbone_holder(model)
+    embeddings = holder.model.base_model.model.embeddings.word_embeddings.weight
+    embeddings.requires_grad_(True)
+    assert unsaved_trainable(model) == ["0.model.base_model.model.embeddings.word_embeddings.weight"]
+    embeddings.requires_grad_(False)
+    assert unsaved_trainable(model) == []
+
+
+def test_a_module_no_checkpoint_restores_is_refused(dense_dir):
+    """A module after the backbone that is not a sentence-transformers module has no weights folder a
+    resume could read: training it under LoRA is refused rather than silently reset on resume."""
+    model = _load(dense_dir)
+    model.append(torch.nn.Linear(16, 16))
+    with pytest.raises(UserError, match=r"^model.lora: 2 trainable parameter\(s\) .* \(first: 3.weight\)"):
+        apply_lora(model, OPTIONS)
+
+
+def test_lora_parts_name_the_dense_head(dense_dir, model_dir):
+    """What ``cembed validate`` says trains: the adapters, and the Dense head beside them."""
+    from cembed.config.schema import ModelConfig
+    from cembed.model.load import load_model, pooling_in_effect
+
+    model = _load(dense_dir)
+    apply_lora(model, OPTIONS)
+    assert trainable_parts(model) == {"adapters": ADAPTER_PARAMS, "2_Dense": DENSE_PARAMS}
+    plain = _load(model_dir)
+    apply_lora(plain, OPTIONS)
+    assert trainable_parts(plain) == {"adapters": ADAPTER_PARAMS}
+    cfg = ModelConfig(name_or_path=str(dense_dir), device="cpu", lora=OPTIONS)
+    text = pooling_in_effect(load_model(cfg, "cpu"), cfg)
+    total = parameter_counts(_load(dense_dir))["total"] + ADAPTER_PARAMS
+    assert text.endswith(
+        f"; LoRA: {ADAPTER_PARAMS + DENSE_PARAMS:,} of {total:,} parameters train (adapters {ADAPTER_PARAMS}; "
+        f"outside them 2_Dense {DENSE_PARAMS}, saved in checkpoints and resumed)"
+    )
+
+
+def _dense_config(write_config, tmp_path, model_dir, out):
+    data = tmp_path / "pairs.jsonl"
+    rows = [
+        {"anchor": f"question {i} about a {'red ' * (i % 5)}car", "positive": f"answer {i} on the street"}
+        for i in range(96)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return write_config(
+        {
+            "model": {
+                "name_or_path": str(model_dir),
+                "device": "cpu",
+                "lora": {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["query", "value"], "merge": True},
+            },
+            "data": {"train": str(data), "pretokenize": False},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 3},
+            "optim": {"learning_rate": 1e-2, "base_batch_size": 8},
+            "train": {"max_steps": 6, "logging_steps": 1, "output_dir": str(out), "seed": 5},
+        },
+        name=f"{out.name}.yaml",
+    )
+
+
+def test_lora_with_dense_head_resume_equals_uninterrupted(tmp_path, write_config):
+    """Killed at step 3 (a real SIGTERM) and resumed == uninterrupted, in the Dense head and in the
+    merged backbone; dropout is on in the model and the adapters, so the equality is not vacuous."""
+    model_dir = make_dense_model(tmp_path / "model", dropout=0.1)
+    env = dict(cwd=REPO, capture_output=True, text=True, timeout=600)
+    straight = _dense_config(write_config, tmp_path, model_dir, tmp_path / "straight")
+    r = subprocess.run([sys.executable, "-m", "cembed", "train", str(straight)], **env)
+    assert r.returncode == 0, r.stderr
+    killed = _dense_config(write_config, tmp_path, model_dir, tmp_path / "killed")
+    r = subprocess.run([sys.executable, "-c", KILL_AT_STEP_3, str(killed)], **env)
+    assert r.returncode == 143, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "cembed", "train", str(killed), "--resume"], **env)
+    assert r.returncode == 0, r.stderr
+    moved, diff = {}, {}
+    for f in ("model.safetensors", "2_Dense/model.safetensors"):  # the merged backbone, the Dense head
+        base = load_file(str(model_dir / f))
+        a, b = load_file(str(tmp_path / "straight" / f)), load_file(str(tmp_path / "killed" / f))
+        assert a.keys() == b.keys() == base.keys()
+        moved[f] = max((a[k] - base[k]).abs().max().item() for k in a)
+        diff[f] = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"max |dW| trained from the base {moved}; resumed vs uninterrupted {diff}")
+    assert min(moved.values()) > 1e-3  # both did train
+    assert max(diff.values()) <= 1e-6, diff

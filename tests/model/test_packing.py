@@ -95,6 +95,7 @@ def test_inspect_data_compares_texts_as_the_model_sees_them(
     same = ["A red car on the street.", "a red car on the street. ", "A RED CAR ON THE STREET."]
     rows = [{"anchor": f"question {i}", "positive": p} for i, p in enumerate(same + [f"{w} dog" for w in "abcde"])]
     cfg = _cfg(tiny_model_dir, pairs_file(rows), tmp_path / "out", 2)
+    cfg["data"]["pretokenize"] = True  # the sampler compares token ids only when training pre-tokenizes
     r = CliRunner().invoke(app, ["inspect-data", str(write_config(cfg))], terminal_width=400)
     assert r.exit_code == 0, r.output
     assert "37.50%" in r.output and "token ids" in r.output, r.output

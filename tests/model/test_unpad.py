@@ -301,3 +301,149 @@ def test_torch_compile_refuses_unpad_true(tiny_model_dir, write_config, pairs_fi
     assert "batch.unpad: true cannot run with train.torch_compile: true" in text
     cfg["batch"]["unpad"] = "auto"
     assert load_config(write_config(cfg, name="compiled_auto.yaml")).batch.unpad == "auto"
+
+
+def _modes(model) -> dict[str, bool]:
+    return {name: module.training for name, module in model.named_modules()}
+
+
+def test_support_check_keeps_every_module_mode(tiny_dropout_model_dir):
+    """A freshly loaded model is top-level `train` with its encoder in `eval` (from_pretrained): building
+    a packed loss (whose support check runs the model in eval mode) leaves every module's mode as it
+    was, so a no-grad loss on the same inputs does not change (dropout stays off)."""
+    model = SentenceTransformer(str(tiny_dropout_model_dir), device="cpu")
+    modes = _modes(model)
+    assert modes[""] and not model[0].auto_model.training  # the mixed state the check must give back
+    features = _features(model, n=12)
+    padded = build_loss(model, CachedMNRLLossConfig(), 4, unpad=False)
+    with torch.no_grad():
+        before = padded.module([dict(f) for f in features], None)
+    packed = build_loss(model, CachedMNRLLossConfig(), 4, unpad="auto")
+    assert packed.unpadding.enabled
+    assert _modes(model) == modes
+    with torch.no_grad():
+        assert padded.module([dict(f) for f in features], None) == before
+    model.train()
+    model[0].auto_model.encoder.eval()  # another mixed state, set by hand
+    modes = _modes(model)
+    torch.set_float32_matmul_precision("high")  # TF32 on, as cembed.plan.precision.enable_tf32 sets it
+    try:
+        resolve_unpad(model, "auto")  # the check itself runs at "highest" and gives "high" back
+        assert _modes(model) == modes and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def _sliding_modernbert(folder, tokenizer_dir, every: int):
+    """A tiny ModernBERT (rotary positions, takes position_ids, sdpa): local attention of 32 tokens
+    (16 each side) in every layer but each ``every``-th; rows up to 64 tokens."""
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoTokenizer, ModernBertConfig, ModernBertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = ModernBertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        local_attention=32,
+        global_attn_every_n_layers=every,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        cls_token_id=tokenizer.cls_token_id,
+        sep_token_id=tokenizer.sep_token_id,
+        bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id,
+    )
+    ModernBertModel(config).save_pretrained(folder)
+    transformer = Transformer(str(folder), max_seq_length=64, model_kwargs={"attn_implementation": "sdpa"})
+    return SentenceTransformer(modules=[transformer, Pooling(32, "mean")], device="cpu")
+
+
+def test_sliding_window_attention_is_not_packed(tiny_model_dir, tmp_path, monkeypatch):
+    """Packed rows get full attention within the row (the block-diagonal mask replaces the model's own
+    masks), so a model with local attention layers would train on other embeddings: refused under
+    auto (padded, naming the window) and with batch.unpad: true. Without the config rule the start-up
+    check's own comparison (rows longer than the window, each against itself embedded alone) refuses it."""
+    from cembed.model import unpad
+
+    model = _sliding_modernbert(tmp_path / "local", tiny_model_dir, every=3)
+    auto = resolve_unpad(model, "auto")
+    assert not auto.enabled
+    assert "padded mini-batches" in auto.description and "sliding-window attention" in auto.description
+    with pytest.raises(ModelRefused, match=r"batch.unpad: true, but .*sliding-window attention"):
+        resolve_unpad(model, True)
+    monkeypatch.setattr(unpad, "_local_attention", lambda config, max_seq_length: "")
+    checked = resolve_unpad(model, "auto")
+    assert not checked.enabled and "differs from the row embedded alone" in checked.description
+
+
+def test_full_attention_modernbert_packs(tiny_model_dir, tmp_path):
+    """The same architecture with every layer global packs, and packed == padded through the loss."""
+    model = _sliding_modernbert(tmp_path / "global", tiny_model_dir, every=1)
+    assert resolve_unpad(model, True).enabled
+    features = _features(model)
+    ref = _loss_and_grads(model, build_loss(model, CachedMNRLLossConfig(), 6, unpad=False).module, features)
+    got = _loss_and_grads(model, build_loss(model, CachedMNRLLossConfig(), 6, unpad=True).module, features)
+    assert _rel(got[0], ref[0]) <= 1e-5 and _rel(got[1], ref[1]) <= 1e-5
+
+
+def test_local_attention_config_rule():
+    """Which configs declare attention that a row's window can bind (configs only, no weights)."""
+    from transformers import BigBirdConfig, LongformerConfig, MistralConfig, ModernBertConfig, Qwen2Config
+
+    from cembed.model.unpad import _local_attention
+
+    assert _local_attention(ModernBertConfig(global_attn_every_n_layers=1), 512) == ""
+    assert "sliding-window attention" in _local_attention(ModernBertConfig(), 512)  # 128 wide, every 3rd global
+    assert _local_attention(Qwen2Config(), 512) == ""  # use_sliding_window: false
+    assert _local_attention(MistralConfig(sliding_window=4096), 512) == ""  # no row reaches the window
+    assert "4096" in _local_attention(MistralConfig(sliding_window=4096), 8192)
+    assert "attention_window" in _local_attention(LongformerConfig(), 512)
+    assert "block_sparse" in _local_attention(BigBirdConfig(attention_type="block_sparse"), 512)
+    assert _local_attention(BigBirdConfig(attention_type="original_full"), 512) == ""
+
+
+def _leaky_block_mask(third_only: bool, weight: float | None):
+    """``_block_mask`` with a leak: each row's queries also see the last key of the row before it in its
+    pack; only for rows placed third or later in a pack (``third_only``); at additive ``-weight`` (a
+    leaked share of about e^-weight) instead of fully (``weight``)."""
+
+    def block_mask(plan, kind, dtype):
+        seg = plan.segments
+        same = seg[:, :, None] == seg[:, None, :]
+        starts = torch.cat([torch.ones_like(seg[:, :1], dtype=torch.bool), seg[:, 1:] != seg[:, :-1]], 1)
+        index = torch.arange(seg.shape[1]).expand_as(seg)
+        before = (torch.where(starts, index, 0).cummax(1).values - 1).clamp_min(0)  # last key of the row before
+        leaks = (before > 0) & (seg >= 0) & (seg.gather(1, before) >= 0) & ~same.gather(2, before[..., None])[..., 0]
+        if third_only:
+            leaks &= starts.long().cumsum(1) >= 3
+        leak = torch.zeros_like(same)
+        p, q = leaks.nonzero(as_tuple=True)
+        leak[p, q, before[p, q]] = True
+        allowed = (same | leak)[:, None]
+        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        if weight is not None:
+            return additive.masked_fill_(leak[:, None], -weight)  # sdpa takes an additive mask too
+        return allowed if kind == "bool" else additive
+
+    return block_mask
+
+
+@pytest.mark.parametrize("third_only,weight", [(True, None), (False, 4.0)], ids=["third-row-in-a-pack", "faint"])
+def test_leaking_rows_are_refused(two_layer_model_dir, monkeypatch, third_only, weight):
+    """Rows that see one key of their pack neighbour get embeddings a little off: the start-up check
+    compares each packed row (several rows per pack) with the row embedded alone at 1e-5 and refuses
+    under auto. The former check (two rows per pack at most, whole-batch difference against padded at
+    1e-4) accepted both leaks: the one only from a pack's third row on, and the faint one (1.4e-4 per
+    row, diluted below 1e-4 over the batch). With the real mask the same model packs."""
+    from cembed.model import unpad
+
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    assert resolve_unpad(model, "auto").enabled
+    monkeypatch.setattr(unpad, "_block_mask", _leaky_block_mask(third_only, weight))
+    leaky = resolve_unpad(model, "auto")
+    assert not leaky.enabled and "differs from the row embedded alone" in leaky.description

@@ -198,7 +198,7 @@ def test_probe_cli_user_errors():
     r = CliRunner().invoke(app, ["probe-minibatch", "--model", "x", "--write"])
     assert r.exit_code == 2 and "--write: needs a config file" in r.output
     r = CliRunner().invoke(app, ["probe-minibatch", "--model", "x", "--precision", "fp8"])
-    assert r.exit_code == 2 and "--precision:" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and "'--precision'" in r.output and "'bf16'" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["probe-minibatch", "--model", "x", "--max-memory", "lots"])
     assert r.exit_code == 2 and "--max-memory: cannot read 'lots'" in r.output
 

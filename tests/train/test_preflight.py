@@ -225,3 +225,26 @@ def test_validate_ok_means_train_runs(short_model_dir, scheduler, kwargs, lr, me
         r = _invoke("train", tmp / "c.yaml")
         assert r.exit_code == 0, r.output
         assert json.loads((tmp / "run" / "run_summary.json").read_text())["steps"] >= 1
+
+
+def test_resume_may_declare_ignored_columns():
+    # Issue 23 item 11: the quickstart now says `columns.ignore: [image_id, ...]`; the ignored columns
+    # were not trained before either, so a checkpoint recorded without the field resumes.
+    from cembed.train.preflight import resume_differences
+
+    columns = {"anchor": "anchor", "positive": "positive", "negatives": []}
+    old = {"config": {"data": {"columns": columns, "train": {"path": "x.jsonl", "columns": columns}}}}
+    new = {
+        "config": {
+            "data": {
+                "columns": {**columns, "ignore": ["image_id"]},
+                "train": {"path": "x.jsonl", "columns": {**columns, "ignore": ["id"]}},
+            }
+        }
+    }
+    assert resume_differences(old, new) == (
+        [],
+        ["data.columns.ignore None -> ['image_id']", "data.train.columns.ignore None -> ['id']"],
+    )
+    new["config"]["data"]["columns"]["anchor"] = "query"  # what is trained: still refused
+    assert resume_differences(old, new)[0] == ["data.columns.anchor 'anchor' -> 'query'"]
