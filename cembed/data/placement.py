@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cembed.data.prepare import PreparedData, arrow_table, source_views
+from cembed.data.prepare import PreparedData, arrow_table, source_views, training_prompts
 from cembed.data.sampler import SOURCE_SEED_STRIDE, build_batches, fits, row_hashes
 from cembed.errors import UserError, first_line
 
@@ -167,7 +167,6 @@ def sampler_hashes(data: PreparedData, model_cfg, data_cfg=None, model=None) -> 
     Shape ``(rows, len(data.columns))`` uint64."""
     from cembed.data.tokenize import tokenize_stage
     from cembed.model.load import load_model, quiet_libraries
-    from cembed.model.prompts import resolve_prompts
 
     pretokenize, cache_dir, prompts_cfg = (
         (True, None, None) if data_cfg is None else (data_cfg.pretokenize, data_cfg.cache_dir, data_cfg.prompts)
@@ -175,12 +174,12 @@ def sampler_hashes(data: PreparedData, model_cfg, data_cfg=None, model=None) -> 
     quiet_libraries()
     try:
         model = model if model is not None else load_model(model_cfg, "cpu", for_training=False)
-        prompts = resolve_prompts(prompts_cfg, model).for_columns(data.columns)
+        prompts = training_prompts(data, model, prompts_cfg)
     except UserError as err:
         return row_hashes(data.dataset, data.columns), f"raw text (model not loaded: {first_line(err, 120)})"
     if getattr(model, "tokenizer", None) is None:
         return row_hashes(data.dataset, data.columns), "raw text (the model has no tokenizer)"
-    dataset, _, info = tokenize_stage(model, data, pretokenize, cache_dir, prompts)
+    dataset, _, info = tokenize_stage(model, data, pretokenize, cache_dir, prompts.columns, None, prompts.by_source)
     if not info["pretokenized"]:
         return row_hashes(data.dataset, data.columns), f"raw text, as the sampler compares them ({info['reason']})"
     length = int(model.max_seq_length)

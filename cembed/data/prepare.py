@@ -452,6 +452,39 @@ def resolve_source_prompts(data: PreparedData, model, run_prompts) -> list | Non
     ]
 
 
+class TrainingPrompts(NamedTuple):
+    """The prompts training tokenizes with (:func:`training_prompts`).
+
+    Attributes:
+        run: the run-wide :class:`cembed.model.prompts.RolePrompts` (``data.prompts``, else the model's).
+        per_source: each source's RolePrompts (``data.sources`` order), or None when no source sets its own.
+        columns: ``{role column: prompt}`` of ``run`` for ``data.columns``.
+        by_source: ``{role column: prompt}`` per source (its own columns), or None.
+    """
+
+    run: Any
+    per_source: list | None
+    columns: dict[str, str]
+    by_source: list[dict[str, str]] | None
+
+
+def training_prompts(data: PreparedData, model, prompts_cfg) -> TrainingPrompts:
+    """Resolve the prompts training prepends, run-wide and per source, in one place, so that training
+    (``build_components``) and the sampler's duplicate check in ``validate`` tokenize alike.
+
+    Raises:
+        ModelRefused: ``data.prompts`` or a source's prompts name no prompt of the model.
+    """
+    from cembed.model.prompts import resolve_prompts
+
+    run = resolve_prompts(prompts_cfg, model)
+    per_source = resolve_source_prompts(data, model, run)
+    by_source = None
+    if per_source is not None:
+        by_source = [p.for_columns(c) for p, c in zip(per_source, data.source_columns())]
+    return TrainingPrompts(run, per_source, run.for_columns(data.columns), by_source)
+
+
 def _merged_truncation(reports: list[list[ColumnTruncation]]) -> list[ColumnTruncation]:
     """Per-source truncation reports as one per column (rows and truncated rows summed, longest kept)."""
     merged: dict[str, ColumnTruncation] = {}

@@ -30,7 +30,7 @@ from cembed.data.prepare import (
     UnloadedData,
     card_datasets,
     prepare_checked_data,
-    resolve_source_prompts,
+    training_prompts,
 )
 from cembed.data.tokenize import tokenize_stage
 from cembed.distributed.ddp import freeze_unused_parameters
@@ -41,7 +41,7 @@ from cembed.files import append_log, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
 from cembed.model.load import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.model.lora import adapter_facts, finish_lora, is_lora
-from cembed.model.prompts import RolePrompts, resolve_prompts, set_trained_prompts
+from cembed.model.prompts import RolePrompts, set_trained_prompts
 from cembed.plan.precision import enable_tf32
 from cembed.plan.resolve import Plan, resolve_plan
 from cembed.probe.auto import resolve_auto
@@ -257,19 +257,15 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         UserError: the model cannot be loaded, or an eval set is wrong.
     """
     model = load_model(cfg.model, device, seed=cfg.train.seed)
-    prompts = resolve_prompts(cfg.data.prompts, model)
+    prompts, per_source, column_prompts, by_source = training_prompts(data, model, cfg.data.prompts)
     set_trained_prompts(model, prompts)  # every save (checkpoints, the final model) carries them
-    per_source = resolve_source_prompts(data, model, prompts)  # sources with prompts of their own
-    by_source = None
-    if per_source is not None:
-        by_source = [p.for_columns(c) for p, c in zip(per_source, data.source_columns())]
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
         train_dataset, collator, token_info = tokenize_stage(
             model,
             data,
             cfg.data.pretokenize,
             cfg.data.cache_dir,
-            prompts.for_columns(data.columns),
+            column_prompts,
             cfg.batch.pad_to_multiple_of,
             by_source,
         )
