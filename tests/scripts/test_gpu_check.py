@@ -269,7 +269,7 @@ CUDA_ONLY = {"sticky", "fp16_skip", "gather"}
 
 
 @pytest.mark.slow
-def test_the_check_runs_end_to_end_on_cpu(tmp_path):
+def test_the_check_runs_end_to_end_on_cpu(tmp_path, capsys):
     """``scripts/gpu_check.sh --device cpu --quick``: every stage present, passed (the CUDA-only ones
     skipped, saying why), the JSON's fields there. 110 s on 2 shared cores (the stages' times are in
     scripts/gpu_check/__main__.py beside STAGES). GPU_CHECK_TIMEOUT_SCALE stretches the budgets and the
@@ -284,6 +284,8 @@ def test_the_check_runs_end_to_end_on_cpu(tmp_path):
         env={**os.environ, "PYTHON": sys.executable},
     )
     report = json.loads(r.stdout)
+    with capsys.disabled():  # the check's JSON goes to the test log (CI's included), passed or not
+        print(f"\nscripts/gpu_check.sh --device cpu --quick (exit {r.returncode}):\n{json.dumps(report, indent=1)}")
     assert r.returncode == 0 and report["ok"] is True, {
         n: (s["status"], s.get("log_tail")) for n, s in report["stages"].items()
     }
