@@ -463,7 +463,8 @@ def write_summary(
     if not is_main:
         return summary
     curves = run_dir.out / "training_curves.png"
-    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, curves, summary["step_losses"])
+    title = f"{run_dir.out.name}: {plan.model.name_or_path}"
+    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, curves, summary["step_losses"], title)
     summary["plot"] = str(plot) if plot else None
     write_json_atomic(run_dir.summary_path, summary)
     append_log(run_dir.log_path, f"completed: {state.global_step} steps; model in {run_dir.out}")
