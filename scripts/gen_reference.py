@@ -219,19 +219,29 @@ def config_fields() -> set[tuple[str, str]]:
 # --- CLI reference --------------------------------------------------------------------------------
 
 
-HELP_ENV = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "TERM": "dumb"}  # same text on any machine
+# The same text on any machine: a fixed width, no colour, whatever the caller's terminal variables say.
+HELP_ENV = {"COLUMNS": "100", "TERMINAL_WIDTH": "100", "NO_COLOR": "1", "TERM": "dumb", "FORCE_COLOR": None}
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # styles a forced terminal (GITHUB_ACTIONS, PY_COLORS) still adds
 
 
 def help_text(args: list[str]) -> str:
     """What ``cembed ARGS --help`` prints (Typer's rich help at 100 columns, no colour), trailing spaces cut."""
+    from typer import rich_utils
     from typer.testing import CliRunner
 
     from cembed.cli.app import app
 
-    result = CliRunner().invoke(app, [*args, "--help"], prog_name="cembed", env=HELP_ENV)
+    # typer reads TERMINAL_WIDTH and GITHUB_ACTIONS/FORCE_COLOR/PY_COLORS once, at import: set its
+    # resulting module settings for the call (a forced terminal would ignore COLUMNS and print 80 wide).
+    saved = rich_utils.MAX_WIDTH, rich_utils.FORCE_TERMINAL
+    rich_utils.MAX_WIDTH, rich_utils.FORCE_TERMINAL = 100, False
+    try:
+        result = CliRunner().invoke(app, [*args, "--help"], prog_name="cembed", env=HELP_ENV)
+    finally:
+        rich_utils.MAX_WIDTH, rich_utils.FORCE_TERMINAL = saved
     if result.exit_code != 0:
         raise RuntimeError(f"cembed {' '.join(args)} --help exited {result.exit_code}: {result.output}")
-    return "\n".join(line.rstrip() for line in result.output.splitlines()).strip("\n")
+    return "\n".join(line.rstrip() for line in ANSI.sub("", result.output).splitlines()).strip("\n")
 
 
 def cli_reference() -> str:
