@@ -75,3 +75,21 @@ def test_piped_output_keeps_each_message_on_one_line():
     console = word_wrapping_console(file=out, width=50)  # not a terminal
     console.print(LONG, highlight=False)
     assert out.getvalue() == LONG + "\n"
+
+
+def test_validate_names_the_data_file_relative_to_the_working_directory(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cembed.cli.app import app
+
+    (tmp_path / "data").mkdir()
+    rows = [f'{{"anchor": "question {i}", "positive": "answer {i}"}}' for i in range(8)]
+    (tmp_path / "data" / "pairs.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "c.yaml").write_text(
+        "model: {name_or_path: all-MiniLM-L6-v2}\ndata: {train: data/pairs.jsonl}\n"
+        "batch: {per_device_train_batch_size: 4, mini_batch_size: 4}\ntrain: {max_steps: 1, output_dir: out}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["validate", str(tmp_path / "c.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "data: data/pairs.jsonl: 8 rows read, 0 dropped, 8 to train on;" in r.output
