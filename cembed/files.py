@@ -117,12 +117,18 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
 
 def save_model_atomic(model, output_dir: str | Path) -> Path:
     """Save a SentenceTransformer into ``output_dir``: written to a temporary sibling folder first,
-    then each file is moved into place, so a crash mid-save leaves no torn weight file."""
+    then each file is moved into place, so a crash mid-save leaves no torn weight file. Every saved
+    file and folder gets the umask's mode (transformers writes its weight shards through a private
+    0o600 temporary file, which a shared model folder must not keep)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model-tmp-", dir=out))
     try:
         model.save_pretrained(str(tmp))
+        mask = _umask()
+        for item in tmp.rglob("*"):
+            if not item.is_symlink():
+                item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
         for item in tmp.iterdir():
             target = out / item.name
             if target.is_dir() and not target.is_symlink():

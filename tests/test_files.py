@@ -27,3 +27,28 @@ def test_display_path_relative_to_the_working_directory_when_shorter(tmp_path, m
     assert display_path(tmp_path / "x.jsonl") == os.path.join("..", "x.jsonl")
     assert display_path("/") == "/"  # the relative form (../../..) would be longer
     assert display_path("data/x.jsonl") == "data/x.jsonl"  # already relative: unchanged
+
+
+def test_saved_model_files_get_the_umask_mode_whatever_the_library_wrote(tmp_path):
+    from cembed.files import save_model_atomic
+
+    class Model:  # writes its weights the way transformers does: a private mkstemp file, renamed
+        def save_pretrained(self, folder):
+            import tempfile
+
+            os.makedirs(os.path.join(folder, "1_Pooling"))
+            fd, tmp = tempfile.mkstemp(dir=folder)
+            os.write(fd, b"weights")
+            os.close(fd)
+            os.replace(tmp, os.path.join(folder, "model.safetensors"))
+            with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:
+                f.write("{}")
+
+    old = os.umask(0o022)
+    try:
+        out = save_model_atomic(Model(), tmp_path / "run")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644  # not 0o600
+    assert stat.S_IMODE((out / "1_Pooling").stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "1_Pooling" / "config.json").stat().st_mode) == 0o644
