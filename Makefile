@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install lint test demo clean
+.PHONY: install lint test demo docs clean
 
 # torch first, pinned: on these machines torch==2.13.0 is a CPU build on local disk; any other spec
 # pulls a multi-GB CUDA build. Elsewhere the same pin is the normal wheel from PyPI.
@@ -35,5 +35,11 @@ test: install
 demo: install
 	$(VENV)/bin/cembed train configs/quickstart.yaml
 
+# The documentation site into site/ (mkdocs.yml); the reference pages are regenerated from the code first.
+docs: install
+	$(PIP) install -q -e '.[docs]'
+	$(PY) scripts/gen_reference.py
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site

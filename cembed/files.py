@@ -54,13 +54,34 @@ def cache_root(kind: CacheKind, cache_dir: str | Path | None = None) -> Path:
     return root / kind
 
 
+def display_path(path: str | Path) -> str:
+    """``path`` as a user message shows it: relative to the working directory when that is shorter
+    (``runs/demo`` rather than ``/home/me/project/runs/demo``), else as given (an absolute path stays
+    absolute when its relative form would climb out through enough ``..`` to be longer)."""
+    text = str(path)
+    try:
+        relative = os.path.relpath(text)
+    except ValueError:  # another drive (Windows), or no working directory
+        return text
+    return relative if len(relative) < len(text) else text
+
+
+def _umask() -> int:
+    """The process umask (read by setting and restoring it: the only portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | Path, write: Callable[[IO], None], binary: bool = False) -> Path:
     """Write a file through ``write(f)`` into a temporary sibling, fsync, then ``os.replace`` it onto
-    ``path``: readers see the old file or the whole new one, never a torn one."""
+    ``path``: readers see the old file or the whole new one, never a torn one. The file gets the mode a
+    plain ``open()`` would give it (0o666 less the umask), not ``mkstemp``'s private 0o600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             write(f)
             f.flush()
@@ -96,12 +117,18 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
 
 def save_model_atomic(model, output_dir: str | Path) -> Path:
     """Save a SentenceTransformer into ``output_dir``: written to a temporary sibling folder first,
-    then each file is moved into place, so a crash mid-save leaves no torn weight file."""
+    then each file is moved into place, so a crash mid-save leaves no torn weight file. Every saved
+    file and folder gets the umask's mode (transformers writes its weight shards through a private
+    0o600 temporary file, which a shared model folder must not keep)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model-tmp-", dir=out))
     try:
         model.save_pretrained(str(tmp))
+        mask = _umask()
+        for item in tmp.rglob("*"):
+            if not item.is_symlink():
+                item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
         for item in tmp.iterdir():
             target = out / item.name
             if target.is_dir() and not target.is_symlink():

@@ -30,6 +30,7 @@ from cembed.cli.common import (
     world_size_from_flags,
 )
 from cembed.errors import UserError
+from cembed.files import display_path
 
 if TYPE_CHECKING:
     from cembed.config.schema import ModelConfig
@@ -396,7 +397,7 @@ def print_validation(console: Console, report: dict) -> None:
     p(f"loss: {report['loss']['name']} on {cols}")
     if d["loaded"]:
         sources = d["sources"]
-        what = sources[0]["path"] if len(sources) == 1 else f"{len(sources)} sources"
+        what = display_path(sources[0]["path"]) if len(sources) == 1 else f"{len(sources)} sources"
         per_epoch = (
             f"{d['batches_per_epoch']} batches of {b['per_device_train_batch_size'] * b['world_size']} per epoch"
         )
@@ -407,7 +408,7 @@ def print_validation(console: Console, report: dict) -> None:
         for s in sources if len(sources) > 1 else []:
             p(
                 f"  source {s['name']}: {s['rows_read']} rows read, {s['rows_dropped']} dropped, {s['rows']} to train "
-                f"on ({s['path']}); {s['batches_per_epoch']} batches; columns {s['columns']}"
+                f"on ({display_path(s['path'])}); {s['batches_per_epoch']} batches; columns {s['columns']}"
             )
         if d["first_row"]:
             p("  first row: " + " | ".join(f"{k} {_short(v)}" for k, v in d["first_row"].items()))

@@ -28,8 +28,21 @@ if TYPE_CHECKING:
     from cembed.config.schema import CembedConfig
     from cembed.plan.resolve import Plan
 
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
+
+def word_wrapping_console(**options) -> Console:
+    """A rich Console (``options`` as Console's) that breaks long lines between words on a terminal
+    (at its width; a word longer than a line, e.g. a path, is the only thing ever split) and never
+    breaks them when the output is a pipe or a file, where a line is a record to grep or parse.
+
+    Rich's ``soft_wrap=True`` everywhere would leave the wrapping to the terminal, which cuts at the
+    last column, inside a word."""
+    out = Console(**options)
+    out.soft_wrap = not out.is_terminal
+    return out
+
+
+console = word_wrapping_console()
+err_console = word_wrapping_console(stderr=True)
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config file.")]
 OverridesArg = Annotated[Optional[List[str]], typer.Argument(help="section.field=value overrides.")]
@@ -69,9 +82,7 @@ def user_errors(fn):
                 if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
                 else ""
             )
-            err_console.print(
-                f"{where}[bold red]error:[/] {escape(str(err))}", highlight=False, markup=True, soft_wrap=True
-            )
+            err_console.print(f"{where}[bold red]error:[/] {escape(str(err))}", highlight=False, markup=True)
             raise typer.Exit(err.exit_code) from None
 
     return wrapper
@@ -103,7 +114,7 @@ def world_size_from_flags(nproc_per_node: int | None, nnodes: int) -> int | None
 
 def make_console(quiet: bool = False) -> Console:
     """A console for cembed's output (``quiet``: prints nothing, for ranks other than 0)."""
-    return Console(soft_wrap=True, quiet=quiet)
+    return word_wrapping_console(quiet=quiet)
 
 
 def warn(console: Console, text: str) -> None:

@@ -21,6 +21,7 @@ from cembed.config.data import SourceConfig, source_config_class_of
 from cembed.config.loss import DEFAULT_LOSS, LOSS_CONFIGS, LossConfig
 from cembed.config.schema import CembedConfig
 from cembed.errors import UserError
+from cembed.files import display_path
 from cembed.samples import resolve_sample
 
 
@@ -223,20 +224,21 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> CembedC
             a wrong type or range (dotted field and line).
     """
     path = Path(path)
+    shown = display_path(path)  # messages name the file as short as the working directory allows
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"{path}: config file not found") from None
+        raise UserError(f"{shown}: config file not found") from None
     except IsADirectoryError:
-        raise UserError(f"{path}: is a folder; give the YAML config file") from None
+        raise UserError(f"{shown}: is a folder; give the YAML config file") from None
     except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read the config ({err.__class__.__name__}: {err})") from None
-    data = parse_yaml(text, str(path))
+        raise UserError(f"{shown}: cannot read the config ({err.__class__.__name__}: {err})") from None
+    data = parse_yaml(text, shown)
     if overrides:
         if data is not None and not isinstance(data, dict):
-            raise UserError(f"{path}: the config must be a mapping of sections, not a {type(data).__name__}")
+            raise UserError(f"{shown}: the config must be a mapping of sections, not a {type(data).__name__}")
         data = apply_overrides(data or {}, overrides)
-    return config_from_dict(data, str(path), path.resolve().parent, text, overrides)
+    return config_from_dict(data, shown, path.resolve().parent, text, overrides)
 
 
 def set_yaml_value(path: str | Path, key: tuple[str, str], value: Any) -> None:

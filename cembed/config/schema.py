@@ -62,9 +62,9 @@ class LoraOptions(_Strict):
 class ModelConfig(_Strict):
     """Which model to fine-tune and how to run it."""
 
-    name_or_path: str = "all-MiniLM-L6-v2"
-    max_seq_length: PositiveInt | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    name_or_path: str = "all-MiniLM-L6-v2"  # a local folder, a hub id, or a packaged short name
+    max_seq_length: PositiveInt | None = None  # tokens per text; longer texts are truncated (None: the model's)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible, else cpu
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
         description="compute dtype: bf16/fp16 autocast over fp32 master weights (whatever the stored dtype); "
@@ -89,10 +89,10 @@ class ModelConfig(_Strict):
 
 
 class BatchConfig(_Strict):
-    per_device_train_batch_size: PositiveInt = 64
+    per_device_train_batch_size: PositiveInt = 64  # rows per process per step: the in-batch negatives
     mini_batch_size: PositiveInt | Literal["auto"] = 32  # auto: `cembed train` probes it first
-    gradient_accumulation_steps: PositiveInt = 1
-    drop_last: bool = True
+    gradient_accumulation_steps: PositiveInt = 1  # batches per optimizer step (each its own contrastive batch)
+    drop_last: bool = True  # drop the last, smaller batch of an epoch (fewer in-batch negatives)
     mini_batch_num_tokens: PositiveInt | None = None  # token budget: rows x padded width per mini-batch
     sort_by_length: bool = True  # sort each column by length before cutting mini-batches
     # Pad each batch's width up to a multiple of this (at most model.max_seq_length): fewer distinct
@@ -124,19 +124,19 @@ class BatchConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    learning_rate: PositiveFloat = 2e-5
-    base_batch_size: PositiveInt = 32
-    lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
-    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.01, ge=0.0)
-    lr_scheduler_type: Literal[SCHEDULERS] = "linear"  # type: ignore[valid-type]
+    learning_rate: PositiveFloat = 2e-5  # the LR at base_batch_size; scaled to the effective batch by lr_scaling
+    base_batch_size: PositiveInt = 32  # the batch size learning_rate was tuned for
+    lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"  # LR x sqrt or x (effective batch / base_batch_size)
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)  # share of the optimizer steps spent warming up
+    weight_decay: float = Field(0.01, ge=0.0)  # AdamW weight decay
+    lr_scheduler_type: Literal[SCHEDULERS] = "linear"  # the trainer's LR schedule  # type: ignore[valid-type]
     # Extra arguments of the scheduler, e.g. {num_decay_steps: 100} (warmup_stable_decay), {lr_end: 1e-8}
     # (polynomial); checked before training (cembed.train.preflight).
     lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
 class SamplerConfig(_Strict):
-    no_duplicates: bool = True
+    no_duplicates: bool = True  # never put one text twice in a batch (it would be its own false negative)
 
 
 class DistributedConfig(_Strict):
@@ -163,12 +163,14 @@ REPORT_TO = (
 
 
 class TrainConfig(_Strict):
-    num_train_epochs: PositiveFloat | None = None
-    max_steps: PositiveInt | None = None
-    seed: int = 42
-    output_dir: str = "runs/cembed"
-    logging_steps: PositiveInt = 10
-    save_steps: PositiveInt | None = None
+    num_train_epochs: PositiveFloat | None = None  # passes over the data (set this or max_steps)
+    max_steps: PositiveInt | None = None  # optimizer steps (set this or num_train_epochs, not both)
+    seed: int = 42  # seeds the sampler, dropout and initialisation
+    output_dir: str = "runs/cembed"  # the model, checkpoints, run_summary.json and training_curves.png
+    logging_steps: PositiveInt = 10  # optimizer steps between logged losses and throughput
+    save_steps: PositiveInt | None = (
+        None  # optimizer steps between checkpoints (None: no checkpoints, only the final model)
+    )
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     # Processes producing batches ahead of the training loop; auto: workers for large batches when the

@@ -13,9 +13,11 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import logging
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from typing import Any
 from cembed.config.data import BeirSource, FileSource, HubSource, SourceConfig
 from cembed.data.beir import beir_files, qrels_lines, read_corpus, read_queries
 from cembed.errors import HubUnavailable, UserError
+from cembed.files import display_path
 
 
 def _delimited(path: Path) -> tuple[str, int] | None:
@@ -104,6 +107,36 @@ def _csv_records(path: Path, delimiter: str, quoting: int):
             yield first, last, row
 
 
+@contextmanager
+def captured_library_logs(
+    names: tuple[str, ...] = ("datasets", "pyarrow", "fsspec"),
+) -> Iterator[list[logging.LogRecord]]:
+    """Hold the records of the data libraries' loggers (``names``) back from the terminal while the
+    block runs; they are yielded as a list for the caller to inspect.
+
+    ``datasets`` logs a parser failure at ERROR level (``Failed to load JSON from file ... ArrowInvalid``)
+    before it raises; the loader turns the exception into one clean line, so that record would be a
+    second, raw message about the same problem.
+    """
+    records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    saved = []
+    for name in names:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.handlers[:], logger.propagate))
+        logger.handlers = [_Keep()]
+        logger.propagate = False  # the root logger's handlers (a user's basicConfig) would print it too
+    try:
+        yield records
+    finally:
+        for logger, handlers, propagate in saved:
+            logger.handlers, logger.propagate = handlers, propagate
+
+
 def load_file(source: FileSource):
     """Load a local data file as a ``datasets.Dataset`` (one split, all rows).
 
@@ -115,20 +148,22 @@ def load_file(source: FileSource):
 
     datasets.disable_progress_bars()
     path = Path(source.path)
+    shown = display_path(path)
     if not path.exists():
-        raise UserError(f"{path}: data file not found (data paths resolve relative to the config file)")
+        raise UserError(f"{shown}: data file not found (data paths resolve relative to the config file)")
     if path.is_dir():
-        raise UserError(f"{path}: is a folder; data.train must name a file")
+        raise UserError(f"{shown}: is a folder; data.train must name a file")
     if path.stat().st_size == 0:
-        raise UserError(f"{path}: data file is empty")
+        raise UserError(f"{shown}: data file is empty")
     builder, kwargs = _builder_for(path)
     if builder == "csv":
         # pandas fills short rows with NaN silently; a ragged row must be named instead.
         problem = diagnose_file(path)
         if problem:
-            raise UserError(f"{path}: {problem}")
+            raise UserError(f"{shown}: {problem}")
     try:
-        dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+        with captured_library_logs():  # a parser failure is named below, in one line
+            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
         # The JSON reader can pass invalid UTF-8 through into string columns; catch it here.
         dataset.data.table.validate(full=True)
         return dataset
@@ -140,7 +175,7 @@ def load_file(source: FileSource):
         if problem is None:
             first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
             problem = f"cannot read as {builder}: {first[:300]}"
-        raise UserError(f"{path}: {problem}") from None
+        raise UserError(f"{shown}: {problem}") from None
 
 
 def load_hub(source: HubSource):

@@ -25,7 +25,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from cembed.errors import UserError
-from cembed.files import write_json_atomic
+from cembed.files import display_path, write_json_atomic
 
 MARKER = "cembed_checkpoint_complete.json"
 STAGING = ".staging"
@@ -92,7 +92,7 @@ def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None
         return None
     found = latest_complete(output_dir)
     if found is None:
-        raise UserError(f"--resume: no complete checkpoint in {output_dir}; start without --resume")
+        raise UserError(f"--resume: no complete checkpoint in {display_path(output_dir)}; start without --resume")
     return str(found)
 
 
@@ -116,7 +116,7 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) ->
     if finished:
         resumable = ", --resume to continue it" if latest_complete(out) else ""
         raise UserError(
-            f"train.output_dir {out} holds a finished model; pass --overwrite to replace it{resumable}, "
+            f"train.output_dir {display_path(out)} holds a finished model; pass --overwrite to replace it{resumable}, "
             "or choose another output_dir"
         )
 

@@ -187,9 +187,13 @@ def plot_run(
     samples_per_step: int,
     path: str | Path,
     step_losses: list[tuple[int, float]] | None = None,
+    title: str | None = None,
 ) -> Path | None:
     """Write a PNG with loss, throughput (tokens/s), data-wait share and, when the meter has a FLOP
     model, achieved TFLOP/s (with MFU % on a second axis when the device has a peak) against the step.
+    ``title`` (e.g. the run folder and the model) heads the figure; step ticks are whole numbers; the
+    data-wait axis runs from 0 to at least 1 % (a share of 0.01 % drawn on a 0-0.02 % axis would
+    look like a problem).
 
     The loss panel shows every optimizer step's loss (``step_losses``) as points with a smoothed
     line over them, and the logged interval means (``losses``) as markers; without
@@ -203,6 +207,7 @@ def plot_run(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     with_flops = any("flops_per_s" in h for h in meter_history)
     fig, axes = plt.subplots(4 if with_flops else 3, 1, figsize=(7, 9 if with_flops else 7), sharex=True)
@@ -228,6 +233,8 @@ def plot_run(
     axes[1].set_ylabel("tokens/s")
     axes[2].plot(steps, [100 * h["data_wait"] for h in meter_history], marker=".", color="tab:red")
     axes[2].set_ylabel("data-wait %")
+    wait_top = max((100 * h["data_wait"] for h in meter_history), default=0.0)
+    axes[2].set_ylim(0, max(1.0, 1.2 * wait_top))
     if with_flops:
         axes[3].plot(steps, [h.get("flops_per_s", 0.0) / 1e12 for h in meter_history], marker=".", color="tab:purple")
         axes[3].set_ylabel("model TFLOP/s")
@@ -237,8 +244,11 @@ def plot_run(
             twin.plot([s for s, _ in mfu], [v for _, v in mfu], ".", color="tab:gray", markersize=3)
             twin.set_ylabel("MFU %")
     axes[-1].set_xlabel(f"optimizer step ({samples_per_step} samples each)")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # shared x: every panel's steps
     for ax in axes:
         ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     path = write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100), binary=True)
     plt.close(fig)

@@ -37,7 +37,7 @@ from cembed.distributed.ddp import freeze_unused_parameters
 from cembed.distributed.fsdp import gathered_model
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
-from cembed.files import append_log, save_model_atomic, write_json_atomic
+from cembed.files import append_log, display_path, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
 from cembed.model.load import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.model.lora import adapter_facts, finish_lora, is_lora
@@ -495,7 +495,8 @@ def write_summary(
     if not is_main:
         return summary
     curves = run_dir.out / "training_curves.png"
-    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, curves, summary["step_losses"])
+    title = f"{run_dir.out.name}: {display_path(plan.model.name_or_path)}"  # run folder: model
+    plot = plot_run(log.losses, trainer.meter.history, plan.samples_per_step, curves, summary["step_losses"], title)
     summary["plot"] = str(plot) if plot else None
     write_json_atomic(run_dir.summary_path, summary)
     append_log(run_dir.log_path, f"completed: {state.global_step} steps; model in {run_dir.out}")

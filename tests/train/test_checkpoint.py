@@ -143,3 +143,15 @@ def test_interrupt_finishes_the_step_then_saves_and_stops():
         assert signal.getsignal(signal.SIGINT) is before  # handlers restored
     finally:
         cb.uninstall()
+
+
+def test_output_dir_messages_name_the_folder_relative_to_the_working_directory(tmp_path, monkeypatch):
+    run = tmp_path / "runs" / "demo"
+    run.mkdir(parents=True)
+    (run / "run_summary.json").write_text(json.dumps({"status": "completed"}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as err:
+        check_output_dir(run, overwrite=False, resuming=False)
+    assert str(err.value).startswith(f"train.output_dir {os.path.join('runs', 'demo')} holds a finished model")
+    with pytest.raises(UserError, match=r"^--resume: no complete checkpoint in runs/demo; start without --resume$"):
+        resolve_resume(run, resume=True, resume_from=None)
