@@ -79,6 +79,17 @@ def text_columns(column_names: list[str]) -> list[str]:
     return [c for c in column_names if not c.endswith((TOKEN_SUFFIX, PROMPT_SUFFIX))]
 
 
+def packaged_data_name(path: str) -> str | None:
+    """The name of the data packaged with cembed at ``path`` (``cembed:coco-captions`` resolves to
+    ``.../coco_captions/train_pairs.jsonl.gz`` -> ``coco-captions``), or None for other data."""
+    from cembed.samples import PREFIX, SAMPLES, resolve_sample
+
+    for key in SAMPLES:
+        if path and Path(path) == resolve_sample(PREFIX + key):
+            return key
+    return None
+
+
 def describe_training_data(trainer, sources: list, data) -> None:
     """Replace the training-dataset entries sentence-transformers wrote into the card when the
     trainer was built (named ``json``, every column with its values) by one per training source:
@@ -101,12 +112,15 @@ def describe_training_data(trainer, sources: list, data) -> None:
         parts[name] = texts.select(range(offset, offset + rows))
         entry: dict[str, Any] = {"name": name}
         config = by_name.get(name)
+        unnamed = config is not None and name == config.source.default_name()  # no `name` in the config
         if config is not None and config.source.kind == "hub":
             entry["id"] = config.source.path
-            if name == config.source.default_name():  # not named in the config: the hub id names it
+            if unnamed:  # the hub id names it
                 entry["name"] = config.source.path
             if config.source.path not in card.datasets:
                 card.datasets.append(config.source.path)
+        elif unnamed:  # packaged data by its cembed:<name>, not its file's name
+            entry["name"] = packaged_data_name(getattr(config.source, "path", "")) or name
         entries.append(entry)
     card.train_datasets = card.extract_dataset_metadata(
         DatasetDict(parts), entries, trainer.loss, "train", router_mapping=trainer.args.router_mapping

@@ -181,8 +181,8 @@ def test_card_names_a_hub_base_model_without_asking_the_hub(tiny_model_dir, monk
 
 
 def test_several_sources_each_named_with_text_columns_only(tmp_path, tiny_model_dir, pairs_file):
-    """Two sources (a file and a hub dataset): one card entry each, with its own rows; the hub one
-    by its id, linked; the token-id column of the pre-tokenized dataset nowhere."""
+    """Three sources (a file, a hub dataset, cembed's packaged data): one card entry each, with its
+    own rows; the hub one by its id, linked; the token-id column of the pre-tokenized dataset nowhere."""
     from types import SimpleNamespace
 
     import sentence_transformers.base.model_card as st_card
@@ -194,24 +194,32 @@ def test_several_sources_each_named_with_text_columns_only(tmp_path, tiny_model_
 
     pairs_file(distinct_pairs(3), name="local-pairs.jsonl")
     cfg = config_from_dict(
-        {"data": {"train": ["local-pairs.jsonl", {"kind": "hub", "path": "sentence-transformers/all-nli"}]}},
+        {
+            "data": {
+                "train": [
+                    "local-pairs.jsonl",
+                    {"kind": "hub", "path": "sentence-transformers/all-nli"},
+                    "cembed:coco-captions",
+                ]
+            }
+        },
         base=tmp_path,
     )
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
     model.model_card_data.local_files_only = True
-    rows = distinct_pairs(5)
+    rows = distinct_pairs(6)
     dataset = Dataset.from_dict(
         {
             "anchor": [r["anchor"] for r in rows],
             "positive": [r["positive"] for r in rows],
-            "anchor_input_ids": [[2, 5, 3]] * 5,
+            "anchor_input_ids": [[2, 5, 3]] * 6,
         }
     )
     names = [s.name for s in cfg.data.sources()]
     data = SimpleNamespace(
         dataset=dataset,
         columns=dataset.column_names,
-        sources=[SimpleNamespace(name=names[0], offset=0, rows=3), SimpleNamespace(name=names[1], offset=3, rows=2)],
+        sources=[SimpleNamespace(name=n, offset=o, rows=r) for n, o, r in zip(names, (0, 3, 5), (3, 2, 1))],
     )
     trainer = SimpleNamespace(
         model=model, loss=MultipleNegativesRankingLoss(model), args=SimpleNamespace(router_mapping={})
@@ -221,11 +229,10 @@ def test_several_sources_each_named_with_text_columns_only(tmp_path, tiny_model_
     assert [(e["name"], e.get("id"), e["size"]) for e in entries] == [
         ("local-pairs", None, 3),
         ("sentence-transformers/all-nli", "sentence-transformers/all-nli", 2),
+        ("coco-captions", None, 1),  # cembed:coco-captions, not its file's name (train_pairs)
     ]
     card = st_card.generate_model_card(model)
-    assert (
-        "trained on the local-pairs and [sentence-transformers/all-nli](https://huggingface.co/datasets/sentence-transformers/all-nli) datasets"
-        in card
-    )
+    hub_link = "[sentence-transformers/all-nli](https://huggingface.co/datasets/sentence-transformers/all-nli)"
+    assert f"trained on the local-pairs, {hub_link} and coco-captions datasets" in card
     assert "_input_ids" not in card and "#### json" not in card
     assert _front_matter(card)["datasets"] == ["sentence-transformers/all-nli"]
