@@ -74,6 +74,7 @@ def validate_cmd(
 ) -> None:
     """Check config, data files and columns without training (no GPU needed); print a short summary.
 
+    Refuses what train refuses: a model that cannot be loaded, a batch the sampler never fills.
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
     cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
     from transformers.utils import logging as transformers_logging
@@ -86,15 +87,17 @@ def validate_cmd(
     transformers_logging.disable_progress_bar()
     plan, data = check_run_inputs(cfg, world_size_from_flags(nproc_per_node, nnodes), allow_unloaded=True)
     truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
+    if isinstance(truncation, Exception):  # train loads this model first: a model it cannot load, it refuses
+        raise truncation
     hashes = None
     if cfg.sampler.no_duplicates and hasattr(data, "dataset"):
         # Duplicates and batchability judged as the training sampler will judge them (token ids when
         # training pre-tokenizes), so what validate passes, train does not refuse.
-        model_cfg = cfg.model if not isinstance(truncation, Exception) else None
-        if model_cfg is not None:
-            hashes, compared = sampler_hashes(data, model_cfg, cfg.data)
-            check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
-    unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes)
+        hashes, compared = sampler_hashes(data, cfg.model, cfg.data)
+        check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
+    unplaced = (
+        unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes) if hashes is not None else ()
+    )
     found = (*getattr(data, "warnings", ()), *unplaced)
     report = validation_report(cfg, plan, data, truncation, found)
     if as_json:  # stdout holds the JSON alone, for `| jq`
@@ -113,8 +116,8 @@ def validate_cmd(
 
 
 def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto", precision=None):
-    """A ``ModelTruncation``, or the UserError of a model that cannot be loaded: validate and
-    probe-minibatch must not need the model, so that only skips the report. A model cembed refuses
+    """A ``ModelTruncation``, or the UserError of a model that cannot be loaded (``validate`` raises
+    it, as train would refuse the model; ``probe-minibatch`` skips the report). A model cembed refuses
     (ModelRefused: remote code without the option, a kind it cannot train) fails the command.
     ``precision``: the run's resolved precision (the dtypes' autocast)."""
     from cembed.data.prepare import model_truncation_report

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cembed.cli.common import Device, LRRule, OutputFormat, console, examples, flag, make_console
+from cembed.cli.common import Device, LRRule, OutputFormat, console, examples, flag, make_console, warn
 from cembed.errors import UserError
 from cembed.samples import EXAMPLES
 
@@ -143,11 +143,14 @@ def print_starter(console: Console, s) -> None:
     for column in s.negatives:
         table.add_row("negative", column, "by name")
     console.print(table)
+    trained = s.rows - s.rows_invalid
     console.print(
-        f"per_device_train_batch_size: {s.batch_size} (largest duplicate-free batch found: {s.largest_batch}; "
-        f"at least 4 steps per epoch)",
+        f"per_device_train_batch_size: {s.batch_size} ({s.batches} batches per epoch, {s.unused} of {trained} rows "
+        f"unused; largest duplicate-free batch found: {s.largest_batch}; at least 4 steps per epoch)",
         highlight=False,
     )
+    if s.why:
+        warn(console, s.why)
     console.print(f"next: cembed validate {s.out}", highlight=False)
 
 

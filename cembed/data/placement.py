@@ -133,13 +133,40 @@ def no_batch_reason(hashes: np.ndarray, columns: list[str], batch_size: int, com
     )
 
 
+def largest_filled_batch(hashes: np.ndarray, seed: int) -> int:
+    """The largest batch (rows) the no-duplicates sampler fills at least once in an epoch shuffled
+    with ``seed``: its first batch takes, in the seeded permutation's order, every row sharing no text
+    with a row already taken (:func:`cembed.data.sampler.build_batches`), so a batch of ``b`` rows is
+    filled exactly when that first-fit pass over all ``hashes`` (``(rows, columns)``) takes ``b`` rows
+    or more. 0 for no rows; every row when there are no text columns."""
+    n = hashes.shape[0]
+    if n == 0 or hashes.shape[1] == 0:
+        return n
+    order = np.random.default_rng(seed).permutation(n)
+    return int(fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
+
+
+def largest_per_device_batch(data, hashes: np.ndarray, seed: int, world_size: int = 1) -> int:
+    """The largest ``batch.per_device_train_batch_size`` with which the no-duplicates sampler fills
+    at least one batch of every training source of ``data`` in epoch 0 (``seed``), rows hashed as
+    the sampler hashes them (``hashes``, all rows, :func:`sampler_hashes`), over ``world_size``
+    processes (a global batch is per device x world size). 0: not even one row per device."""
+    largest = min(
+        largest_filled_batch(hashes[offset : offset + len(view.dataset)], seed + i * SOURCE_SEED_STRIDE)
+        for i, (view, offset) in enumerate(_views_with_offsets(data))
+    )
+    return largest // world_size
+
+
 def check_sampler_batches(plan, data, drop_last: bool, seed: int, hashes: np.ndarray, compared: str) -> None:
     """Refuse what ``train`` would refuse: a source from which the no-duplicates sampler builds no
     batch of ``plan``'s global batch in epoch 0, with rows hashed as the sampler hashes them
     (:func:`sampler_hashes`).
 
     Raises:
-        UserError: naming the source, the batch and the column(s) (:func:`no_batch_reason`).
+        UserError: naming the source, the batch, the column(s) (:func:`no_batch_reason`) and the
+            largest ``batch.per_device_train_batch_size`` that fills a batch
+            (:func:`largest_per_device_batch`).
     """
     if not hasattr(data, "dataset"):
         return
@@ -151,9 +178,22 @@ def check_sampler_batches(plan, data, drop_last: bool, seed: int, hashes: np.nda
             names = [f"{view.roles.get(c, c)!r} (role {c})" for c in view.columns]
             raise UserError(
                 f"{view.source}: the no-duplicates sampler cannot fill a single batch of {batch} rows: "
-                f"{no_batch_reason(part, names, batch, compared)}; lower batch.per_device_train_batch_size, "
-                "deduplicate that column or set sampler.no_duplicates: false"
+                f"{no_batch_reason(part, names, batch, compared)}; "
+                f"{smaller_batch_fix(largest_per_device_batch(data, hashes, seed, plan.world_size), plan.world_size)}"
+                ", deduplicate that column or set sampler.no_duplicates: false"
             )
+
+
+def smaller_batch_fix(largest: int, world_size: int = 1) -> str:
+    """The fix a 0-batch refusal names: ``batch.per_device_train_batch_size`` lowered to ``largest``
+    (:func:`largest_per_device_batch`), or why no size fills a batch."""
+    processes = f" with {world_size} processes" if world_size > 1 else ""
+    if largest < 1:
+        return f"no batch.per_device_train_batch_size fills a batch{processes}"
+    return (
+        f"set batch.per_device_train_batch_size to {largest} or less (the largest that fills a batch{processes}; "
+        "epoch 0 as the sampler shuffles it)"
+    )
 
 
 def sampler_hashes(data: PreparedData, model_cfg, data_cfg=None, model=None) -> tuple[np.ndarray, str]:

@@ -369,7 +369,8 @@ def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: b
         if n < global_batch_size:
             raise UserError(
                 f"{src.where}: {n} rows is fewer than one batch of {global_batch_size} "
-                "(batch.per_device_train_batch_size x world size); lower the batch size or add data"
+                f"(batch.per_device_train_batch_size x world size); lower batch.per_device_train_batch_size so "
+                f"that batch x world size is at most {n}, or add data"
             )
         if not no_duplicates:
             continue

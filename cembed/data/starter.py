@@ -2,8 +2,9 @@
 
 :func:`make_starter` reads the file with cembed's own loader (:mod:`cembed.data.sources`), proposes which
 columns hold the anchor, the positive and hard negatives (by common column names), measures how the
-no-duplicates sampler can batch the rows (:func:`cembed.data.placement.inspect_batches`) and suggests a
-``per_device_train_batch_size``; :func:`write_starter` writes the YAML (never over an existing file).
+no-duplicates sampler can batch the rows and suggests a ``per_device_train_batch_size`` it fills leaving
+under 5 % of the rows unused (:func:`propose_batch_size`: the sampler's own placement of epoch 0, texts
+compared as training compares them); :func:`write_starter` writes the YAML (never over an existing file).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from cembed.config.data import ColumnMap, FileSource
-from cembed.data.placement import inspect_batches
-from cembed.data.prepare import check_cells, map_columns
-from cembed.data.sampler import row_hashes
+from cembed.config.schema import ModelConfig
+from cembed.data.placement import inspect_batches, sampler_hashes
+from cembed.data.prepare import PreparedData, check_cells, map_columns
+from cembed.data.sampler import build_batches
 from cembed.data.sources import load_file
 from cembed.errors import UserError
 from cembed.files import write_new_file
@@ -40,6 +44,8 @@ POSITIVE_NAMES = (
 )
 NEGATIVE_PATTERN = re.compile(r"^(hard_?)?neg(ative)?s?([_\- ]?\d+)?$", re.IGNORECASE)
 MAX_SUGGESTED_BATCH = 65536
+MAX_UNUSED_SHARE = 0.05  # a proposed batch leaves fewer rows than this share unused per epoch
+MAX_SCANNED_SIZES = 256  # sizes tried when no power of two leaves few enough rows unused
 
 
 @dataclass
@@ -58,6 +64,10 @@ class Starter:
     largest_batch: int  # a duplicate-free batch found greedily (lower bound of the true maximum)
     batch_size: int  # suggested per_device_train_batch_size
     mini_batch_size: int
+    unused: int = 0  # rows the sampler leaves unused per epoch at batch_size (epoch 0, drop_last)
+    batches: int = 0  # batches (= optimizer steps) per epoch at batch_size
+    why: str | None = None  # why no batch leaves under MAX_UNUSED_SHARE of the rows unused (None: one does)
+    compared_as: str = "raw text"  # how texts were compared (token ids when the model loads)
     text: str = field(repr=False, default="")  # the YAML written
 
 
@@ -126,8 +136,66 @@ def suggest_batch_size(largest_batch: int, rows: int, cap: int = MAX_SUGGESTED_B
     return 1 << (bound.bit_length() - 1)
 
 
+@dataclass(frozen=True)
+class BatchProposal:
+    """:func:`propose_batch_size`'s answer."""
+
+    batch_size: int  # per_device_train_batch_size (one process)
+    unused: int  # rows the no-duplicates sampler leaves unused per epoch at that size
+    batches: int  # batches per epoch at that size
+    why: str | None  # why no size leaves under MAX_UNUSED_SHARE unused (None: this one does)
+
+
+def propose_batch_size(
+    hashes: np.ndarray, seed: int, largest_batch: int, cap: int = MAX_SUGGESTED_BATCH
+) -> BatchProposal:
+    """The batch size ``cembed init`` writes: the largest power of two up to
+    :func:`suggest_batch_size`'s bound whose epoch 0 the no-duplicates sampler fills leaving under
+    5 % (``MAX_UNUSED_SHARE``) of the rows unused, counted by the sampler's own placement
+    (:func:`cembed.data.sampler.build_batches`, ``drop_last`` as the config's default, ``seed`` =
+    ``train.seed``); else the largest other size that does (up to ``MAX_SCANNED_SIZES`` tried); else
+    the size leaving the fewest unused, with ``why`` saying none does.
+
+    Args:
+        hashes: ``(rows, columns)`` text hashes as the sampler computes them
+            (:func:`cembed.data.placement.sampler_hashes`).
+        largest_batch: a duplicate-free batch found (:func:`cembed.data.placement.inspect_batches`).
+
+    Raises:
+        UserError: not even a batch of 2 fits (see :func:`suggest_batch_size`).
+    """
+    rows = hashes.shape[0]
+    top = suggest_batch_size(largest_batch, rows, cap)
+    limit = MAX_UNUSED_SHARE * rows
+    tried: dict[int, tuple[int, int]] = {}
+
+    def unused(size: int) -> int:
+        if size not in tried:
+            batches, left = build_batches(hashes, size, True, seed)
+            tried[size] = (left, len(batches))
+        return tried[size][0]
+
+    powers = [1 << e for e in range(top.bit_length() - 1, 0, -1)]  # top, top/2, ..., 2
+    bound = min(largest_batch, rows // 4, cap)
+    others = np.unique(np.linspace(2, bound, min(MAX_SCANNED_SIZES, bound - 1)).astype(int))[::-1]
+    for size in [*powers, *(int(b) for b in others)]:
+        if unused(size) < limit:
+            return BatchProposal(size, *tried[size], None)
+    size = min(tried, key=lambda b: (tried[b][0], -b))  # the fewest unused, the larger size on a tie
+    left = tried[size][0]
+    why = (
+        f"no batch of 2 to {bound} rows leaves under {MAX_UNUSED_SHARE:.0%} of the {rows} rows unused: texts "
+        f"repeat across rows (`cembed inspect-data` shows which); {size} leaves the fewest ({left}, {left / rows:.0%})"
+    )
+    return BatchProposal(size, *tried[size], why)
+
+
 def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
     """Read ``data``, propose the role mapping and the batch size, and render the starter YAML.
+
+    The batch size is :func:`propose_batch_size`'s, with texts compared as training will compare
+    them (:func:`cembed.data.placement.sampler_hashes`: ``model``'s token ids when it loads, raw text
+    otherwise) and ``seed`` (written as ``train.seed``).
 
     Raises:
         UserError: ``out`` exists (never overwritten), the data cannot be read, has too few text
@@ -142,9 +210,11 @@ def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
     column_map = ColumnMap(anchor=roles["anchor"], positive=roles["positive"], negatives=negatives)
     mapped = map_columns(raw, column_map, str(data))
     mapped, invalid = check_cells(mapped, str(data), {}, drop_invalid=True)
-    hashes = row_hashes(mapped, mapped.column_names)
+    prepared = PreparedData(mapped, str(data), len(raw), invalid)
+    hashes, compared = sampler_hashes(prepared, ModelConfig(name_or_path=model))
     largest = inspect_batches(hashes, batch_size=max(len(mapped), 1), drop_last=False, seed=seed)["largest_batch"]
-    batch = suggest_batch_size(largest, len(mapped))
+    proposal = propose_batch_size(hashes, seed, largest)
+    batch = proposal.batch_size
     starter = Starter(
         out=out,
         model=model,
@@ -158,6 +228,10 @@ def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
         largest_batch=largest,
         batch_size=batch,
         mini_batch_size=min(32, batch),
+        unused=proposal.unused,
+        batches=proposal.batches,
+        why=proposal.why,
+        compared_as=compared,
     )
     starter.text = render_starter(starter)
     return starter
@@ -178,6 +252,8 @@ def render_starter(s: Starter) -> str:
         if s.rows_invalid
         else ("false", "true: skip (and count) rows with an empty cell instead of stopping")
     )
+    trained = s.rows - s.rows_invalid
+    share = f"{s.unused / trained:.1%}" if trained else "-"
     lines = [
         f"# Starter config written by `cembed init` for {s.model} and {s.data.name}",
         f"# ({s.rows} rows; columns {', '.join(s.columns)}). Check the column mapping, then:",
@@ -197,9 +273,12 @@ def render_starter(s: Starter) -> str:
         _line(f"    negatives: {negatives}", "hard negatives: columns named negative*/hard_negative*"),
         _line(f"  drop_invalid_rows: {invalid[0]}", invalid[1]),
         "batch:",
-        f"  # In-batch negatives per anchor = batch - 1. {s.batch_size} is the largest power of two the",
-        f"  # no-duplicates sampler can fill (it found a duplicate-free batch of {s.largest_batch} rows) that",
-        f"  # leaves at least 4 steps per epoch ({s.rows - s.rows_invalid} rows); `cembed inspect-data` shows more.",
+        f"  # In-batch negatives per anchor = batch - 1. At {s.batch_size} the no-duplicates sampler fills "
+        f"{s.batches} batches",
+        f"  # per epoch and leaves {s.unused} of {trained} rows unused ({share}); a duplicate-free batch of "
+        f"{s.largest_batch} rows exists.",
+        f"  # Texts compared as {s.compared_as}. `cembed inspect-data` shows more.",
+        *([f"  # {s.why}"] if s.why else []),
         f"  per_device_train_batch_size: {s.batch_size}",
         _line(f"  mini_batch_size: {s.mini_batch_size}", "memory only; `cembed probe-minibatch` finds the largest"),
         "optim:",
@@ -213,7 +292,10 @@ def render_starter(s: Starter) -> str:
         "sampler:",
         _line("  no_duplicates: true", "a text never appears twice in a batch (no false negatives)"),
         "train:",
-        "  num_train_epochs: 1",
+        "  # How long: one epoch unless one of these two is set (not both; the command line works too:",
+        "  # train.max_steps=100 or train.num_train_epochs=3).",
+        "  # num_train_epochs: 1",
+        _line(f"  # max_steps: {max(s.batches, 1)}", "one epoch at this batch"),
         "  logging_steps: 10",
         "  seed: 42",
         _line(f"  output_dir: {q('runs/' + s.out.stem)}", "relative to this file"),

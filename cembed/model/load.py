@@ -244,7 +244,12 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
     except Exception as err:
         if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
             raise _remote_code_refusal(cfg.name_or_path, "the library asks for trust_remote_code") from None
-        hint = "" if Path(path).exists() else " (not a local folder; hub downloads need network access)"
+        hint = (
+            ""
+            if Path(path).exists()
+            else " (not a local folder nor in the hub cache: give a model folder or a name cembed ships, or "
+            "download the model once with network access)"
+        )
         raise UserError(f"model.name_or_path: cannot load {cfg.name_or_path!r}{hint}: {first_line(err)}") from None
     if for_training:
         check_trainable(model, cfg.name_or_path)

@@ -387,7 +387,7 @@ def build_trainer(
     if batches_per_epoch == 0:
         raise UserError(
             f"{parts.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
-            f"rows{_no_batch_columns(sampler, plan)}; lower batch.per_device_train_batch_size"
+            f"rows{_no_batch_columns(sampler, plan)}; {_smaller_batch(sampler, plan)}"
         )
     build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
     return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0), build)
@@ -403,6 +403,24 @@ def _no_batch_columns(sampler, plan: Plan) -> str:
         return ""
     n, batch = sampler.sources.sizes[0], plan.per_device_train_batch_size * plan.world_size
     return ": " + no_batch_reason(hashes[:n], [repr(c) for c in columns], batch, sampler.compared_as)
+
+
+def _smaller_batch(sampler, plan: Plan) -> str:
+    """The fix of a 0-batch refusal: the largest ``batch.per_device_train_batch_size`` that ``sampler``
+    (a NoDuplicatesSampler) fills a batch with in epoch 0, on its own hashes and seed, every source
+    (:func:`cembed.data.placement.smaller_batch_fix`, the size ``validate`` names)."""
+    from cembed.data.placement import largest_filled_batch, smaller_batch_fix
+    from cembed.data.sampler import SOURCE_SEED_STRIDE
+
+    hashes, sizes = getattr(sampler, "hashes", None), getattr(getattr(sampler, "sources", None), "sizes", None)
+    if hashes is None or not sizes:
+        return "lower batch.per_device_train_batch_size"
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    largest = min(
+        largest_filled_batch(hashes[o : o + n], sampler.seed + i * SOURCE_SEED_STRIDE)
+        for i, (o, n) in enumerate(zip(offsets, sizes))
+    )
+    return smaller_batch_fix(largest // plan.world_size, plan.world_size)
 
 
 def train(run: Run, run_dir: RunDir, base: dict):

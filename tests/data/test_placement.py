@@ -138,3 +138,22 @@ def test_drop_last_false_leftover_rows_reported():
     data = PreparedData(dataset, "t.jsonl", 64, roles={"anchor": "q", "positive": "p", "negative_1": "neg"})
     found = find_unplaceable(data, 16, drop_last=False, seed=0)
     assert (found.rows, found.batches, found.column, found.holders) == (29, 3, "neg", 32)
+
+
+def test_largest_filled_batch_is_the_exact_edge_of_the_sampler():
+    """The size validate and train name for a 0-batch plan: at that size the sampler builds a batch
+    in epoch 0 (drop_last), one row more and it builds none (checked against build_batches itself)."""
+    import numpy as np
+
+    from cembed.data.placement import largest_filled_batch
+    from cembed.data.sampler import build_batches
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        n, k = int(rng.integers(1, 60)), int(rng.integers(1, 4))
+        hashes = rng.integers(0, int(rng.integers(2, 40)), (n, k)).astype(np.uint64)
+        seed = int(rng.integers(0, 100))
+        size = largest_filled_batch(hashes, seed)
+        assert len(build_batches(hashes, size, True, seed)[0]) >= 1
+        assert size == n or not build_batches(hashes, size + 1, True, seed)[0], (n, k, seed, size)
+    assert largest_filled_batch(np.zeros((5, 0), dtype=np.uint64), 0) == 5  # no text columns: nothing collides

@@ -57,11 +57,13 @@ def test_init_writes_a_config_that_validates(tmp_path, tiny_model_dir):
     r = CliRunner().invoke(app, ["init", str(out), "--model", str(tiny_model_dir), "--data", str(data)])
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
-    assert "64 rows" in text and "per_device_train_batch_size: 16 (largest duplicate-free batch found: 20" in text
+    # 20 questions asked about 3 times each: at 16 or 8 the sampler leaves over 5 % of the rows unused, at 4 none
+    assert "64 rows" in text and "per_device_train_batch_size: 4 (16 batches per epoch, 0 of 64 rows unused;" in text
+    assert "largest duplicate-free batch found: 20;" in text, text
     cfg = yaml.safe_load(out.read_text())
     assert cfg["data"]["train"] == "../data/pairs.parquet"  # relative to the config file
     assert cfg["data"]["columns"] == {"anchor": "query", "positive": "document", "negatives": ["negative"]}
-    assert cfg["batch"]["per_device_train_batch_size"] == 16 and cfg["model"]["name_or_path"] == str(tiny_model_dir)
+    assert cfg["batch"]["per_device_train_batch_size"] == 4 and cfg["model"]["name_or_path"] == str(tiny_model_dir)
     assert out.read_text().startswith("# Starter config written by `cembed init`")
     r = CliRunner().invoke(app, ["validate", str(out)])
     assert r.exit_code == 0 and "config OK" in r.output, r.output
@@ -105,3 +107,68 @@ def test_init_counts_rows_with_empty_cells(tmp_path, pairs_file):
     starter = make_starter(tmp_path / "c.yaml", "m", pairs_file(rows))
     assert starter.rows == 40 and starter.rows_invalid == 1
     assert yaml.safe_load(starter.text)["data"]["drop_invalid_rows"] is True
+
+
+def _starter_unused(starter, model_dir):
+    """Rows the training sampler leaves unused at the starter's batch, as validate counts them."""
+    from cembed.cli.common import load
+    from cembed.data.placement import sampler_hashes
+    from cembed.data.prepare import prepare_data
+    from cembed.data.sampler import build_batches
+
+    cfg = load(starter.out, [])
+    data = prepare_data(cfg.data)
+    hashes, compared = sampler_hashes(data, cfg.model, cfg.data)
+    assert compared.startswith("token ids")
+    return build_batches(hashes, cfg.batch.per_device_train_batch_size, cfg.batch.drop_last, cfg.train.seed)[1]
+
+
+def test_init_proposes_a_batch_the_sampler_fills(tmp_path, tiny_model_dir, pairs_file):
+    # 400 rows, 100 distinct questions asked 4 times each: at batch 64 the sampler leaves 80 rows
+    # unused (20 %; the issue's case), at 32 only the 16 of the short last batch (4 %).
+    rows = [{"query": f"question {i % 100}", "answer": f"answer {i}"} for i in range(400)]
+    out = tmp_path / "c.yaml"
+    r = CliRunner().invoke(
+        app, ["init", str(out), "--model", str(tiny_model_dir), "--data", str(pairs_file(rows))], terminal_width=200
+    )
+    assert r.exit_code == 0, r.output
+    cfg = yaml.safe_load(out.read_text())
+    assert cfg["batch"]["per_device_train_batch_size"] == 32, out.read_text()
+    assert "per_device_train_batch_size: 32 (12 batches per epoch, 16 of 400 rows unused;" in r.output
+    starter = make_starter(tmp_path / "again.yaml", str(tiny_model_dir), pairs_file(rows))
+    starter.out.write_text(starter.text)
+    assert _starter_unused(starter, tiny_model_dir) == starter.unused == 16 < 0.05 * 400
+    r = CliRunner().invoke(app, ["validate", str(out)])
+    assert r.exit_code == 0 and "cannot be placed" not in r.output, r.output
+
+
+def test_init_says_why_no_batch_leaves_few_rows_unused(tmp_path, tiny_model_dir, pairs_file):
+    # 30 of 40 rows share one question: a batch holds it once, so every size leaves >= 20 rows unused.
+    rows = [{"query": "same question" if i < 30 else f"question {i}", "answer": f"answer {i}"} for i in range(40)]
+    starter = make_starter(tmp_path / "c.yaml", str(tiny_model_dir), pairs_file(rows))
+    assert starter.why is not None and "no batch of 2 to 10 rows leaves under 5% of the 40 rows unused" in starter.why
+    starter.out.write_text(starter.text)
+    assert _starter_unused(starter, tiny_model_dir) == starter.unused >= 20
+    assert f"# {starter.why}" in starter.text
+
+
+@pytest.mark.parametrize("override", ["train.max_steps=3", "train.num_train_epochs=2", None])
+def test_starter_takes_either_length_override(tmp_path, tiny_model_dir, override):
+    import json
+
+    from conftest import distinct_pairs
+
+    from cembed.cli.common import load
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in distinct_pairs(64)))
+    starter = make_starter(tmp_path / "c.yaml", str(tiny_model_dir), data)
+    starter.out.write_text(starter.text)
+    cfg = load(starter.out, [override] if override else [])  # both set at once would be refused
+    assert (cfg.train.max_steps, cfg.train.num_train_epochs) == {
+        "train.max_steps=3": (3, None),
+        "train.num_train_epochs=2": (None, 2),
+        None: (None, 1),
+    }[override]
+    # both written, commented: the one to uncomment is in the file
+    assert "  # num_train_epochs: 1" in starter.text and f"  # max_steps: {starter.batches}  " in starter.text

@@ -1,0 +1,111 @@
+"""``cembed validate`` refuses what ``cembed train`` refuses (issue 25 item 1): a model train cannot
+load, and a batch the no-duplicates sampler never fills (named with the largest size that does);
+and, over generated configs, validate OK => train gets past setup (and validate's refusal => train's)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import yaml
+from conftest import distinct_pairs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from cembed.cli.app import app
+
+MISSING_MODEL = "all-MiniLM-L6-v3"  # neither a folder, nor shipped, nor in the hub cache (offline)
+
+
+def _config(tmp: Path, model: str, rows: list[dict], size: int, **sections) -> Path:
+    data = tmp / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "model": {"name_or_path": model, "device": "cpu"},
+        "data": {"train": str(data), **sections.pop("data", {})},
+        "batch": {"per_device_train_batch_size": size, "mini_batch_size": 2, **sections.pop("batch", {})},
+        "train": {"output_dir": str(tmp / "run"), "max_steps": 1, "seed": 42, **sections.pop("train", {})},
+        **sections,
+    }
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _run(*args: str):
+    return CliRunner().invoke(app, [*args])
+
+
+def test_a_model_train_cannot_load_is_an_error(tmp_path):
+    path = _config(tmp_path, MISSING_MODEL, distinct_pairs(40), 8)
+    for command in ("validate", "train"):
+        r = _run(command, str(path))
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2, f"{command}: {r.output}"
+        assert lines[-1].startswith(f"error: model.name_or_path: cannot load {MISSING_MODEL!r}"), r.output
+        assert "download the model once with network access" in lines[-1]
+    assert len(lines) == 2 and lines[0].startswith("device cpu")  # train: its header line, then the error
+    assert _run("validate", str(path)).output.strip() == lines[-1]  # validate: the same one line, alone
+
+
+def _chain(n: int) -> list[dict]:
+    # row i shares its positive with row i+1's anchor: every column has n distinct texts (so the
+    # distinct-count check passes), but a duplicate-free batch holds at most about half the rows.
+    return [{"anchor": f"text {i}", "positive": f"text {i + 1}"} for i in range(n)]
+
+
+def test_zero_batch_plan_is_an_error_naming_the_largest_size(tmp_path, tiny_model_dir):
+    path = _config(tmp_path, str(tiny_model_dir), _chain(40), 30)
+    r = _run("validate", str(path))
+    out = r.output.strip()
+    assert r.exit_code == 2 and "config OK" not in out, out
+    assert "cannot fill a single batch of 30 rows" in out and "\n" not in out
+    head, _, rest = out.partition("set batch.per_device_train_batch_size to ")
+    assert head and rest, out
+    largest = int(rest.split()[0])
+    assert 2 <= largest < 30
+    # the size named is exact: it validates (and trains), one more is refused by both
+    assert _run("validate", str(path), f"batch.per_device_train_batch_size={largest}").exit_code == 0
+    over = f"batch.per_device_train_batch_size={largest + 1}"
+    assert _run("validate", str(path), over).exit_code == 2
+    r = _run("train", str(path), over)
+    assert r.exit_code == 2 and f"set batch.per_device_train_batch_size to {largest} or less" in r.output, r.output
+    r = _run("train", str(path), f"batch.per_device_train_batch_size={largest}")
+    assert r.exit_code == 0, r.output
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,  # the same few configs every run: a failure reproduces
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), min_size=24, max_size=48),
+    vocabulary=st.integers(4, 100),  # distinct words: few repeat texts across rows and columns
+    batch=st.integers(2, 24),
+    no_duplicates=st.booleans(),
+    drop_last=st.booleans(),
+    model_ok=st.booleans(),  # the tiny model, or one train cannot load
+)
+def test_validate_ok_means_train_gets_past_setup(
+    tiny_model_dir, pairs, vocabulary, batch, no_duplicates, drop_last, model_ok
+):
+    model = str(tiny_model_dir) if model_ok else MISSING_MODEL
+    rows = [{"anchor": f"word {a % vocabulary}", "positive": f"word {p % vocabulary}"} for a, p in pairs]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _config(
+            Path(tmp),
+            model,
+            rows,
+            batch,
+            batch={"drop_last": drop_last},
+            sampler={"no_duplicates": no_duplicates},
+        )
+        checked = _run("validate", str(path))
+        trained = _run("train", str(path))  # train.max_steps: 1
+        assert checked.exit_code in (0, 2), checked.output
+        # validate OK => train sets up and trains; validate's refusal => train refuses too
+        assert trained.exit_code == checked.exit_code, f"validate:\n{checked.output}\ntrain:\n{trained.output}"
