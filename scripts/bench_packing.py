@@ -188,7 +188,7 @@ def plan_time_table(rows: int, repeats: int = 3) -> None:
     from transformers import AutoConfig
 
     from cembed.model.load import resolve_model_path
-    from cembed.model.packing import _choose_packs, attention_cost, plan_packing
+    from cembed.model.packing import attention_cost, choose_packs, plan_packing
 
     cost = attention_cost(AutoConfig.from_pretrained(resolve_model_path("all-MiniLM-L6-v2")))
     lengths = np.clip(np.random.default_rng(3).lognormal(np.log(40), 0.9, rows).astype(int), 1, 256)
@@ -203,7 +203,7 @@ def plan_time_table(rows: int, repeats: int = 3) -> None:
                 plan = plan_packing(lengths.tolist(), cost)
                 packs, width = plan.packs, plan.pack_width
             else:
-                chosen, width = _choose_packs(lengths.tolist(), cost)
+                chosen, width = choose_packs(lengths.tolist(), cost)
                 packs = len(chosen)
             best = min(best, time.perf_counter() - t0)
             best_cpu = min(best_cpu, time.process_time() - c0)  # not inflated by a busy machine

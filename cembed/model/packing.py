@@ -110,7 +110,7 @@ def attention_cost(config) -> float:
     return 1.0 / (2 * hidden + inter)
 
 
-def _choose_packs(lengths: Sequence[int], cost_per_width: float) -> tuple[list[list[int]], int]:
+def choose_packs(lengths: Sequence[int], cost_per_width: float) -> tuple[list[list[int]], int]:
     """The packs (and their width) of least estimated cost over the capacities tried: multiples of
     the longest row (``CAPACITY_FACTORS``) and, for each, the balanced capacity that splits the
     tokens evenly over the same number of packs (plus ``BALANCE_SLACK``), since every pack is padded
@@ -196,7 +196,7 @@ def plan_packing(
         row_pack, placement = _choose_dealt(lens, cost_per_width), -lens  # longest first in each pack
     else:
         lengths = lens.tolist()
-        packs = _choose_packs(lengths, cost_per_width)[0] if capacity is None else pack_rows(lengths, capacity)
+        packs = choose_packs(lengths, cost_per_width)[0] if capacity is None else pack_rows(lengths, capacity)
         row_pack, placement = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64)
         members = np.fromiter((r for p in packs for r in p), dtype=np.int64, count=rows)
         row_pack[members] = np.repeat(np.arange(len(packs)), [len(p) for p in packs])

@@ -236,7 +236,7 @@ _CHECK_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 # <= 1e-6 on the test models, while one leaked key or a binding window moves a row by 1e-4 .. 1e-2;
 # 1e-5 catches a 1e-3 difference with a 100x margin. bf16/fp16 weights round each product to 8/11
 # bits, so the packed and alone paths differ by up to ~1e-2 without any fault: only gross faults are
-# caught there (the config rule of _local_attention does not depend on the dtype).
+# caught there (the config rule of local_attention_reason does not depend on the dtype).
 _TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-5}
 _HALF_TOLERANCE = 3e-2
 
@@ -253,7 +253,7 @@ def _configs(config):
     return seen
 
 
-def _local_attention(config, max_seq_length: int | None) -> str:
+def local_attention_reason(config, max_seq_length: int | None) -> str:
     """Why ``config`` declares attention that is not full attention within a row, else "".
 
     A packed row gets the block-diagonal mask instead of the model's own masks, so any attention narrower
@@ -401,7 +401,7 @@ def resolve_unpad(model, setting: UnpadSetting = "auto") -> Unpadding:
         elif "position_ids" not in inspect.signature(first.auto_model.forward).parameters:
             reason = f"{type(first.auto_model).__name__} takes no position_ids"
         else:
-            reason = _local_attention(first.auto_model.config, getattr(first, "max_seq_length", None))
+            reason = local_attention_reason(first.auto_model.config, getattr(first, "max_seq_length", None))
     if not reason:
         offset = getattr(first, "_infer_flatten_position_offset", lambda: 0)()
         unpadding = Unpadding(

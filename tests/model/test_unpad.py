@@ -376,7 +376,7 @@ def test_sliding_window_attention_is_not_packed(tiny_model_dir, tmp_path, monkey
     assert "padded mini-batches" in auto.description and "sliding-window attention" in auto.description
     with pytest.raises(ModelRefused, match=r"batch.unpad: true, but .*sliding-window attention"):
         resolve_unpad(model, True)
-    monkeypatch.setattr(unpad, "_local_attention", lambda config, max_seq_length: "")
+    monkeypatch.setattr(unpad, "local_attention_reason", lambda config, max_seq_length: "")
     checked = resolve_unpad(model, "auto")
     assert not checked.enabled and "differs from the row embedded alone" in checked.description
 
@@ -395,16 +395,16 @@ def test_local_attention_config_rule():
     """Which configs declare attention that a row's window can bind (configs only, no weights)."""
     from transformers import BigBirdConfig, LongformerConfig, MistralConfig, ModernBertConfig, Qwen2Config
 
-    from cembed.model.unpad import _local_attention
+    from cembed.model.unpad import local_attention_reason
 
-    assert _local_attention(ModernBertConfig(global_attn_every_n_layers=1), 512) == ""
-    assert "sliding-window attention" in _local_attention(ModernBertConfig(), 512)  # 128 wide, every 3rd global
-    assert _local_attention(Qwen2Config(), 512) == ""  # use_sliding_window: false
-    assert _local_attention(MistralConfig(sliding_window=4096), 512) == ""  # no row reaches the window
-    assert "4096" in _local_attention(MistralConfig(sliding_window=4096), 8192)
-    assert "attention_window" in _local_attention(LongformerConfig(), 512)
-    assert "block_sparse" in _local_attention(BigBirdConfig(attention_type="block_sparse"), 512)
-    assert _local_attention(BigBirdConfig(attention_type="original_full"), 512) == ""
+    assert local_attention_reason(ModernBertConfig(global_attn_every_n_layers=1), 512) == ""
+    assert "sliding-window attention" in local_attention_reason(ModernBertConfig(), 512)  # 128 wide, every 3rd global
+    assert local_attention_reason(Qwen2Config(), 512) == ""  # use_sliding_window: false
+    assert local_attention_reason(MistralConfig(sliding_window=4096), 512) == ""  # no row reaches the window
+    assert "4096" in local_attention_reason(MistralConfig(sliding_window=4096), 8192)
+    assert "attention_window" in local_attention_reason(LongformerConfig(), 512)
+    assert "block_sparse" in local_attention_reason(BigBirdConfig(attention_type="block_sparse"), 512)
+    assert local_attention_reason(BigBirdConfig(attention_type="original_full"), 512) == ""
 
 
 def _leaky_block_mask(third_only: bool, weight: float | None):
