@@ -155,6 +155,9 @@ def load_file(source: FileSource):
         raise UserError(f"{shown}: is a folder; data.train must name a file")
     if path.stat().st_size == 0:
         raise UserError(f"{shown}: data file is empty")
+    # datasets pings the hub to count a download of its json/csv/parquet builder on every load; a local
+    # file is nobody's download, and without network the ping costs a timeout.
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     builder, kwargs = _builder_for(path)
     if builder == "csv":
         # pandas fills short rows with NaN silently; a ragged row must be named instead.

@@ -96,3 +96,30 @@ def test_duplicate_header_names_refused(write_config, tmp_path):
     path.write_text("anchor\tpositive\tpositive\n" + "".join(f"q {i}\ta {i}\tb {i}\n" for i in range(4)))
     with pytest.raises(UserError, match=r"pairs\.tsv: line 1: column name 'positive' appears twice"):
         _train(write_config, path)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_local_file_asks_the_network_nothing(write_config, tmp_path, monkeypatch, suffix):
+    # datasets pings the hub to count a download of its builder on each load when not offline
+    # (datasets.load.increase_load_count: a HEAD with a 3 s timeout); for a local file cembed turns
+    # that off, so a run without network and without HF_HUB_OFFLINE waits on no timeout.
+    import datasets
+    import datasets.load
+
+    pings = []
+
+    class Session:
+        def head(self, url, **kwargs):
+            pings.append(url)
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    monkeypatch.setattr(datasets.load, "get_session", Session)
+    path = tmp_path / f"pairs{suffix}"
+    rows = [(f"q {i}", f"a {i}") for i in range(8)]
+    if suffix == ".csv":
+        path.write_text("anchor,positive\n" + "".join(f"{a},{p}\n" for a, p in rows))
+    else:
+        path.write_text("".join(f'{{"anchor": "{a}", "positive": "{p}"}}\n' for a, p in rows))
+    assert len(_train(write_config, path).dataset) == 8
+    assert pings == []
