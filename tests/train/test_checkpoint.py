@@ -143,3 +143,23 @@ def test_interrupt_finishes_the_step_then_saves_and_stops():
         assert signal.getsignal(signal.SIGINT) is before  # handlers restored
     finally:
         cb.uninstall()
+
+
+def test_the_first_signal_is_acknowledged_at_once_with_the_step_being_finished():
+    """on_signal gets (signal, the step in progress) from a thread of its own, right away; a resumed
+    run's step counts from the checkpoint's; the second signal still abandons at once."""
+    heard = []
+    cb = InterruptCallback(on_signal=lambda signum, step: heard.append((signum, step)))
+    state = TrainerState()
+    state.global_step = 20  # resumed at step 20
+    cb.on_train_begin(None, state, TrainerControl())
+    cb.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        cb.notice.join(5)
+        assert heard == [(signal.SIGINT, 21)]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert heard == [(signal.SIGINT, 21)]  # the second signal is not announced as a first
+    finally:
+        cb.uninstall()
