@@ -147,18 +147,21 @@ def train_cmd(
 
 
 def _abandoned(display: RichRunDisplay, output_dir: str | None, config: Path, overrides: list[str] | None) -> str:
-    """The line of a run stopped by a second Ctrl-C: the step abandoned and how to resume (the last
-    complete checkpoint), or that nothing was saved."""
+    """The line of a run stopped by Ctrl-C outside the checkpointing handler: during a step after
+    a first Ctrl-C (the step abandoned), or before training started; then how to resume from the
+    last complete checkpoint, or that there is none."""
     from cembed.train.checkpoint import latest_complete
 
-    step = display.bar.step + 1 if display.bar is not None and display.bar.started else None
-    what = f"abandoned step {step}" if step else "abandoned"
+    if display.bar is not None and display.bar.started:
+        what = f"[yellow]abandoned step {display.bar.step + 1}[/] (Ctrl-C again): not saved"
+    else:
+        what = "[yellow]interrupted[/] before training started"
     last = latest_complete(output_dir) if output_dir else None
     if last is None:
-        return f"[yellow]{what}[/] (Ctrl-C again): not saved, and no checkpoint to resume from"
+        return f"{what}; no checkpoint to resume from"
     extra = " ".join(overrides or [])
     return (
-        f"[yellow]{what}[/] (Ctrl-C again): not saved; the last complete checkpoint is {last}\n"
+        f"{what}; the last complete checkpoint is {last}\n"
         f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume"
     )
 

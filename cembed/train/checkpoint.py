@@ -174,6 +174,7 @@ class InterruptCallback(TrainerCallback):
     def __init__(self, on_signal: Callable[[int, int], None] | None = None) -> None:
         self.signum: int | None = None
         self.step = 0
+        self.max_steps = 0
         self.on_signal = on_signal
         self.notice: threading.Thread | None = None  # the thread that ran on_signal (tests join it)
         self._previous: dict[int, object] = {}
@@ -187,7 +188,8 @@ class InterruptCallback(TrainerCallback):
             return
         self.signum = signum
         if self.on_signal is not None:
-            self.notice = threading.Thread(target=self.on_signal, args=(signum, self.step + 1), daemon=True)
+            step = min(self.step + 1, self.max_steps) if self.max_steps else self.step + 1
+            self.notice = threading.Thread(target=self.on_signal, args=(signum, step), daemon=True)
             self.notice.start()
 
     def install(self) -> None:
@@ -201,6 +203,7 @@ class InterruptCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.step = state.global_step  # a resumed run's first step is the checkpoint's + 1
+        self.max_steps = state.max_steps
 
     def on_step_end(self, args, state, control, **kwargs):
         from cembed.distributed.collectives import max_over_ranks

@@ -417,6 +417,12 @@ def train(run: Run, run_dir: RunDir, base: dict):
             step = trainer.state.global_step
             write_json_atomic(run_dir.summary_path, failed_summary(base, err, step, str(last) if last else None, None))
         raise
+    except KeyboardInterrupt:  # a second Ctrl-C during the step the first one was finishing
+        if is_main:
+            append_log(
+                run_dir.log_path, f"abandoned: second SIGINT during step {trainer.state.global_step + 1}; not saved"
+            )
+        raise
     finally:
         if main_thread:
             run.interrupt.uninstall()

@@ -30,16 +30,16 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX p
 MAX_STEPS = 8
 BATCH = 8
 
-# `cembed train ARGS` with every optimizer step slowed by STEP_S seconds (a sleep before the step).
+# `cembed train ARGS` with every optimizer step slowed by a sleep before it (CEMBED_TEST_STEP_S, default 0.5 s).
 SLOW_STEPS = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from transformers import TrainerCallback
     import cembed.train.recipe as T
 
     class Slow(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            time.sleep(0.5)
+            time.sleep(float(os.environ.get("CEMBED_TEST_STEP_S", "0.5")))
 
     build = T.build_trainer
     def build_trainer(*args, **kwargs):
@@ -213,6 +213,8 @@ def test_progress_interrupt_and_resume_at_a_terminal(terminal, write_config, tin
     resumed.ctrl_c()
     resumed.expect(r"finishing step \d+, then saving", timeout=5)
     sent = resumed.ctrl_c()
-    resumed.expect(r"abandoned step \d+", timeout=5)
+    abandoned = resumed.expect(r"abandoned step (\d+) \(Ctrl-C again\): not saved", timeout=5)
     assert resumed.wait(10) == 128 + signal.SIGINT
     assert time.monotonic() - sent < 10
+    resumed.expect(rf"last complete checkpoint is \S*checkpoint-{k}\s+resume with: cembed train", timeout=1)
+    assert f"abandoned: second SIGINT during step {abandoned[1]}" in (out / "train.log").read_text()

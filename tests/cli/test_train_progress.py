@@ -63,7 +63,9 @@ def test_the_lines_of_a_resume_an_interrupt_and_an_abandoned_run(tmp_path):
         "Ctrl-C: finishing step 21, then saving a checkpoint; Ctrl-C again to abandon",
         "SIGTERM: finishing step 7, then saving a checkpoint; send SIGTERM again to abandon",
     ]
-    assert _abandoned(display, str(tmp_path), tmp_path / "c.yaml", None).endswith("no checkpoint to resume from")
+    assert _abandoned(display, str(tmp_path), tmp_path / "c.yaml", None) == (
+        "[yellow]interrupted[/] before training started; no checkpoint to resume from"
+    )
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "cembed_checkpoint_complete.json").write_text("{}")
     text = _abandoned(display, str(tmp_path), tmp_path / "c.yaml", ["train.seed=1"])

@@ -151,7 +151,7 @@ def test_the_first_signal_is_acknowledged_at_once_with_the_step_being_finished()
     heard = []
     cb = InterruptCallback(on_signal=lambda signum, step: heard.append((signum, step)))
     state = TrainerState()
-    state.global_step = 20  # resumed at step 20
+    state.global_step, state.max_steps = 20, 40  # resumed at step 20 of 40
     cb.on_train_begin(None, state, TrainerControl())
     cb.install()
     try:
