@@ -134,7 +134,7 @@ def train_cmd(
     except KeyboardInterrupt:  # a second Ctrl-C (or one before training): nothing more is saved
         display.close()
         if dist_info().is_main:
-            err_console.print(_abandoned(display, cfg.train.output_dir, config, overrides), highlight=False)
+            err_console.print(abandoned_message(display, cfg.train.output_dir, config, overrides), highlight=False)
         raise typer.Exit(130) from None
     except Exception as err:
         record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
@@ -146,7 +146,9 @@ def train_cmd(
     print_eval_change(out, summary)
 
 
-def _abandoned(display: RichRunDisplay, output_dir: str | None, config: Path, overrides: list[str] | None) -> str:
+def abandoned_message(
+    display: RichRunDisplay, output_dir: str | None, config: Path, overrides: list[str] | None
+) -> str:
     """The line of a run stopped by Ctrl-C outside the checkpointing handler: during a step after
     a first Ctrl-C (the step abandoned), or before training started; then how to resume from the
     last complete checkpoint, or that there is none."""

@@ -339,7 +339,7 @@ class SkipNonfiniteCallback(TrainerCallback):
 class RunLog:
     """What a run logged: ``(step, loss)`` per logging interval, the last logged loss and LR, wall
     times; and, updated at every optimizer step (for the progress line), that step's loss
-    (``step_loss``, this process's), the LR of the next step (``step_lr``) and the step clock
+    (``step_loss``, this process's), the LR it used (``step_lr``) and the step clock
     (:class:`~cembed.train.meter.StepClock`: ETA and this process's samples/s)."""
 
     losses: list[tuple[int, float]] = field(default_factory=list)
@@ -400,22 +400,23 @@ class RunLogCallback(TrainerCallback):
         self.log_path = log_path
         self.on_line = on_line
         self.step_loss = step_loss
+        self._lr = float("nan")  # the LR of the step in progress
 
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs):
         # global_step is the checkpoint's on a resume (the trainer restored its state before this)
         self.log.clock.begin(state.global_step)
         self.log.started = self.log.clock.started
-        self._read_lr(optimizer)
 
-    def _read_lr(self, optimizer) -> None:
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        # The LR this step uses (read before the scheduler steps), as the trainer logs it.
         if optimizer is not None and getattr(optimizer, "param_groups", None):
-            self.log.step_lr = float(optimizer.param_groups[0]["lr"])
+            self._lr = float(optimizer.param_groups[0]["lr"])
 
-    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+    def on_step_end(self, args, state, control, **kwargs):
         self.log.clock.step_ended(state.global_step)
         if not state.is_world_process_zero:
             return
-        self._read_lr(optimizer)  # after the scheduler's step: the LR the next step uses
+        self.log.step_lr = self._lr
         loss = self.step_loss(state.global_step) if self.step_loss is not None else None
         if loss is not None:
             self.log.step_loss = loss

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from cembed.cli.train import RichRunDisplay, _abandoned
+from cembed.cli.train import RichRunDisplay, abandoned_message
 from cembed.train.meter import StepClock
 from cembed.train.trainer import RunLog, RunLogCallback, progress_line
 
@@ -38,12 +38,13 @@ def test_a_resumed_bar_starts_at_the_checkpoint_and_shows_each_step():
     bar = display.progress(log, 8)
     state = SimpleNamespace(global_step=20, max_steps=40, is_world_process_zero=True)
     for cb in (callback, bar):
-        cb.on_train_begin(None, state, None, optimizer=_optimizer(2e-4))
+        cb.on_train_begin(None, state, None)
     assert bar.step == 20 and bar.progress.tasks[0].completed == 20
+    callback.on_step_begin(None, state, None, optimizer=_optimizer(1.5e-4))  # the LR step 21 uses
     clock.now += 45.0
     state.global_step = 21
     for cb in (callback, bar):
-        cb.on_step_end(None, state, None, optimizer=_optimizer(1.5e-4))
+        cb.on_step_end(None, state, None, optimizer=_optimizer(1.4e-4))  # the scheduler stepped
     assert (log.step_loss, log.step_lr) == (0.25, 1.5e-4)
     line = progress_line(21, 40, log, 8, {})
     assert line.endswith("0.2 samples/s")  # 8 samples in 45 s
@@ -63,11 +64,11 @@ def test_the_lines_of_a_resume_an_interrupt_and_an_abandoned_run(tmp_path):
         "Ctrl-C: finishing step 21, then saving a checkpoint; Ctrl-C again to abandon",
         "SIGTERM: finishing step 7, then saving a checkpoint; send SIGTERM again to abandon",
     ]
-    assert _abandoned(display, str(tmp_path), tmp_path / "c.yaml", None) == (
+    assert abandoned_message(display, str(tmp_path), tmp_path / "c.yaml", None) == (
         "[yellow]interrupted[/] before training started; no checkpoint to resume from"
     )
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "cembed_checkpoint_complete.json").write_text("{}")
-    text = _abandoned(display, str(tmp_path), tmp_path / "c.yaml", ["train.seed=1"])
+    text = abandoned_message(display, str(tmp_path), tmp_path / "c.yaml", ["train.seed=1"])
     assert f"the last complete checkpoint is {tmp_path / 'checkpoint-3'}" in text
     assert text.endswith(f"resume with: cembed train {tmp_path / 'c.yaml'} train.seed=1 --resume")
