@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from cembed.cli.common import (
     ConfigArg,
@@ -105,6 +106,7 @@ def train_cmd(
         )
         return
     out = console if dist_info().is_main else make_console(quiet=True)  # only rank 0 prints
+    display = RichRunDisplay(out)
     try:
         plan, data = check_run_inputs(cfg)
         unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed)
@@ -112,7 +114,7 @@ def train_cmd(
             cfg,
             plan,
             data,
-            RichRunDisplay(out),
+            display,
             resume=resume,
             resume_from=resume_from,
             overwrite=overwrite,
@@ -129,6 +131,11 @@ def train_cmd(
                 highlight=False,
             )
         raise typer.Exit(stop.exit_code) from None
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before training): nothing more is saved
+        display.close()
+        if dist_info().is_main:
+            err_console.print(abandoned_message(display, cfg.train.output_dir, config, overrides), highlight=False)
+        raise typer.Exit(130) from None
     except Exception as err:
         record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
         if isinstance(err, UserError):
@@ -137,6 +144,28 @@ def train_cmd(
     leave_process_group()
     print_done(out, summary)
     print_eval_change(out, summary)
+
+
+def abandoned_message(
+    display: RichRunDisplay, output_dir: str | None, config: Path, overrides: list[str] | None
+) -> str:
+    """The line of a run stopped by Ctrl-C outside the checkpointing handler: during a step after
+    a first Ctrl-C (the step abandoned), or before training started; then how to resume from the
+    last complete checkpoint, or that there is none."""
+    from cembed.train.checkpoint import latest_complete
+
+    if display.bar is not None and display.bar.started:
+        what = f"[yellow]abandoned step {display.bar.step + 1}[/] (Ctrl-C again): not saved"
+    else:
+        what = "[yellow]interrupted[/] before training started"
+    last = latest_complete(output_dir) if output_dir else None
+    if last is None:
+        return f"{what}; no checkpoint to resume from"
+    extra = " ".join(overrides or [])
+    return (
+        f"{what}; the last complete checkpoint is {last}\n"
+        f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume"
+    )
 
 
 def _unexpected(err: Exception, output_dir: str | None) -> None:
@@ -246,10 +275,48 @@ class RichRunDisplay:
         if self.show_progress:
             self.console.print(line, highlight=False)
 
+    def resuming(self, checkpoint: str, step: int, max_steps: int) -> None:
+        """``resuming from <checkpoint> at step <step> of <max_steps>`` (the bar then starts at ``step``)."""
+        self.console.print(f"resuming from {checkpoint} at step {step} of {max_steps}", highlight=False)
+
+    def interrupt(self, signal_name: str, step: int) -> None:
+        """The acknowledgement of a first Ctrl-C (SIGINT) or SIGTERM, printed above the bar at once."""
+        again = "Ctrl-C again" if signal_name == "SIGINT" else f"send {signal_name} again"
+        who = "Ctrl-C" if signal_name == "SIGINT" else signal_name
+        self.console.print(
+            f"[yellow]{who}[/]: finishing step {step}, then saving a checkpoint; {again} to abandon",
+            highlight=False,
+        )
+
+    def close(self) -> None:
+        """Stop the progress bar if it is still drawn (a run that ended without the trainer's
+        ``on_train_end``: a second Ctrl-C), so the terminal gets its cursor back."""
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class EtaColumn(ProgressColumn):
+    """``eta H:MM:SS`` from the run's :class:`~cembed.train.meter.StepClock` (wall time per step,
+    smoothed, from the first step on), counting down between steps; ``eta -:--:--`` before it."""
+
+    def __init__(self, log) -> None:
+        super().__init__()
+        self.log = log
+
+    def render(self, task) -> Text:
+        from cembed.train.meter import format_eta
+
+        total = int(task.total or 0)
+        return Text(f"eta {format_eta(self.log.clock.eta(total))}", style="progress.remaining")
+
 
 class RichProgress:
     """Progress bar (step, loss, LR, samples/s, ETA) on the main process, reading the run's
     :class:`~cembed.train.trainer.RunLog`; :meth:`print_line` prints a log line above the bar.
+
+    Loss and LR are each step's (``RunLog.step_loss`` / ``step_lr``), not the last logging
+    interval's; samples/s counts this process's steps over its wall time (a resumed run: the steps
+    after the checkpoint's), and the bar starts at the step the trainer starts from.
 
     The trainer's hooks (``on_train_begin``, ``on_step_end``, ``on_log``, ``on_train_end``) without their
     base class: :func:`rich_progress_callback_class` mixes in transformers' ``TrainerCallback``, so that
@@ -261,6 +328,8 @@ class RichProgress:
         self.samples_per_step = samples_per_step
         self.progress: Progress | None = None
         self.task = None
+        self.step = 0  # the last step shown
+        self.started = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -270,18 +339,32 @@ class RichProgress:
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(),
+            EtaColumn(self.log),
             console=self.console,
             transient=False,
         )
         self.progress.start()
-        self.task = self.progress.add_task("train", total=state.max_steps, info="")
+        self.started = True
+        self.step = state.global_step  # a resumed run's bar starts at the checkpoint's step
+        self.task = self.progress.add_task("train", total=state.max_steps, completed=self.step, info=self._info())
+
+    def _loss_and_lr(self) -> tuple[float, float]:
+        log = self.log
+        loss = log.step_loss if log.step_loss == log.step_loss else log.last_loss  # NaN: no step value
+        lr = log.step_lr if log.step_lr == log.step_lr else log.last_lr
+        return loss, lr
+
+    def _info(self) -> str:
+        loss, lr = self._loss_and_lr()
+        rate = self.log.samples_per_s(self.samples_per_step)
+        loss_text = f"{loss:.4f}" if loss == loss else "-"  # NaN before the first step
+        lr_text = f"{lr:.2e}" if lr == lr else "-"
+        return f"loss {loss_text}  lr {lr_text}  {rate:.1f} samples/s"
 
     def _refresh(self, step: int) -> None:
         if self.progress is not None:
-            rate = self.log.samples_per_s(step, self.samples_per_step)
-            info = f"loss {self.log.last_loss:.4f}  lr {self.log.last_lr:.2e}  {rate:.1f} samples/s"
-            self.progress.update(self.task, completed=step, info=info)
+            self.step = step
+            self.progress.update(self.task, completed=step, info=self._info())
 
     def on_step_end(self, args, state, control, **kwargs):
         self._refresh(state.global_step)
@@ -291,12 +374,17 @@ class RichProgress:
 
     def print_line(self, line: str) -> None:
         """Print ``line`` above the bar (ignored before the bar starts or off the main process)."""
-        if self.progress is not None:
-            self.progress.console.print(line, highlight=False)
+        if self.started:
+            self.console.print(line, highlight=False)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def stop(self) -> None:
+        """Stop drawing the bar (idempotent)."""
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.stop()
 
 
 @functools.cache
@@ -355,8 +443,14 @@ def print_done(console: Console, summary: dict) -> None:
     from cembed.files import format_bytes
     from cembed.train.flops import format_flops
 
+    steps, here = summary["steps"], summary.get("steps_this_run", summary["steps"])
+    trained = (
+        f"{steps} steps, {summary['samples_seen']} samples"
+        if here == steps  # a resumed run: the rate is over the steps this run trained
+        else f"{steps} steps ({here} in this run, {summary['samples_this_run']} samples)"
+    )
     console.print(
-        f"[green]done[/]: {summary['steps']} steps, {summary['samples_seen']} samples in {summary['wall_time_s']:.1f}s "
+        f"[green]done[/]: {trained} in {summary['wall_time_s']:.1f}s "
         f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
         highlight=False,
     )

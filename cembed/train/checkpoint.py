@@ -19,7 +19,9 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -121,6 +123,21 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) ->
         )
 
 
+def checkpoint_progress(checkpoint: str | Path) -> tuple[int, int]:
+    """``(step, max_steps)`` of a checkpoint: the optimizer step it was saved at and the steps its
+    run planned (0 when its ``trainer_state.json`` does not say).
+
+    Raises:
+        UserError: no readable ``trainer_state.json`` in the folder.
+    """
+    state_file = Path(checkpoint) / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{checkpoint}: no readable trainer_state.json; resume from another checkpoint") from None
+    return int(state.get("global_step", 0)), int(state.get("max_steps", 0))
+
+
 def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
     """Refuse a resume that cannot continue the checkpoint's run as it was.
 
@@ -128,12 +145,7 @@ def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
         UserError: the checkpoint is already at (or past) ``train.max_steps``, or ``train.max_steps``
             differs from the one the checkpoint's LR schedule was built for.
     """
-    state_file = Path(checkpoint) / "trainer_state.json"
-    try:
-        state = json.loads(state_file.read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{checkpoint}: no readable trainer_state.json; resume from another checkpoint") from None
-    step, planned = int(state.get("global_step", 0)), int(state.get("max_steps", 0))
+    step, planned = checkpoint_progress(checkpoint)
     if max_steps is not None and step >= max_steps:
         raise UserError(
             f"{checkpoint} is at step {step}, already at train.max_steps={max_steps}; nothing to resume "
@@ -151,11 +163,20 @@ class InterruptCallback(TrainerCallback):
 
     Install with :meth:`install` (main thread only) and undo with :meth:`uninstall`. A second
     signal restores the default handler's behaviour (KeyboardInterrupt / termination) at once.
+
+    Args:
+        on_signal: called on the first signal with ``(signum, step)``, ``step`` the optimizer step
+            being finished, so a person learns at once that the keystroke was seen (the step and the
+            save may take minutes). It runs in a thread of its own, not in the signal handler: the
+            handler may have interrupted the main thread in the middle of a write to the same stream.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_signal: Callable[[int, int], None] | None = None) -> None:
         self.signum: int | None = None
         self.step = 0
+        self.max_steps = 0
+        self.on_signal = on_signal
+        self.notice: threading.Thread | None = None  # the thread that ran on_signal (tests join it)
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
@@ -166,6 +187,10 @@ class InterruptCallback(TrainerCallback):
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
+        if self.on_signal is not None:
+            step = min(self.step + 1, self.max_steps) if self.max_steps else self.step + 1
+            self.notice = threading.Thread(target=self.on_signal, args=(signum, step), daemon=True)
+            self.notice.start()
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -175,6 +200,10 @@ class InterruptCallback(TrainerCallback):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step  # a resumed run's first step is the checkpoint's + 1
+        self.max_steps = state.max_steps
 
     def on_step_end(self, args, state, control, **kwargs):
         from cembed.distributed.collectives import max_over_ranks

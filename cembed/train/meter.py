@@ -165,6 +165,87 @@ class ThroughputMeter:
         return out
 
 
+@dataclass
+class StepClock:
+    """Wall time per optimizer step in this process: the ETA and the samples/s of the progress line.
+
+    Every step is timed from the end of the one before (the first from :meth:`begin`), so the time
+    between steps (evaluation, checkpoint saves) counts too. The estimate of seconds per step is
+    the mean of the steps timed so far until ``1 / smoothing`` of them are, then an exponential
+    moving average with weight ``smoothing`` on the newest: it exists from the first step on, however
+    long a step takes (rich's own estimate needs two updates within 30 s and shows ``-:--:--`` for
+    the long steps of huge batches), and follows a run that speeds up or slows down.
+
+    The rate counts only the steps this process trained (a resumed run starts at the checkpoint's
+    step, :attr:`start_step`) over this process's wall time since :meth:`begin`.
+
+    Attributes:
+        smoothing: EMA weight of the newest step, in (0, 1].
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    smoothing: float = 0.2
+    clock: Callable[[], float] = time.perf_counter
+    start_step: int = 0
+    started: float | None = None
+    last_step: int = 0
+    last_end: float | None = None
+    seconds_per_step: float | None = None
+    timed: int = 0
+
+    def begin(self, step: int) -> None:
+        """Training starts (or resumes) in this process at optimizer step ``step``."""
+        self.started = self.last_end = self.clock()
+        self.start_step = self.last_step = step
+        self.seconds_per_step, self.timed = None, 0
+
+    def step_ended(self, step: int) -> None:
+        """Optimizer step ``step`` ended: fold its wall time into the estimate (several steps at once,
+        ``step - last_step``, share the time between them)."""
+        if self.last_end is None:
+            self.begin(step - 1)
+        n = step - self.last_step
+        if n <= 0:
+            return
+        now = self.clock()
+        per_step = (now - self.last_end) / n
+        self.timed += n
+        weight = max(self.smoothing, n / self.timed)  # the plain mean over the first 1/smoothing steps
+        estimate = self.seconds_per_step
+        self.seconds_per_step = per_step if estimate is None else estimate + weight * (per_step - estimate)
+        self.last_step, self.last_end = step, now
+
+    def eta(self, max_steps: int) -> float | None:
+        """Seconds until step ``max_steps`` ends: the estimate times the steps left, less the time
+        already spent in the current step (at most one step's estimate, so the ETA counts down
+        between updates and never claims the current step is over); None before a step was timed."""
+        if self.seconds_per_step is None or self.last_end is None:
+            return None
+        left = max_steps - self.last_step
+        if left <= 0:
+            return 0.0
+        into_step = min(max(self.clock() - self.last_end, 0.0), self.seconds_per_step)
+        return left * self.seconds_per_step - into_step
+
+    def samples_per_s(self, samples_per_step: int) -> float:
+        """Samples per second this process trained: its steps x ``samples_per_step`` over its wall
+        time up to the end of its last step (0.0 before a step ended)."""
+        if self.started is None or self.last_end is None or self.last_end <= self.started:
+            return 0.0
+        return (self.last_step - self.start_step) * samples_per_step / (self.last_end - self.started)
+
+
+def format_eta(seconds: float | None) -> str:
+    """``H:MM:SS`` (days as ``Nd H:MM:SS``); ``-:--:--`` for None (no step timed yet)."""
+    if seconds is None:
+        return "-:--:--"
+    whole = int(round(seconds))
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    text = f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
 def smooth(values: list[float], window: int | None = None) -> list[float]:
     """Centered moving average of ``values`` (shorter windows at the ends). ``window`` defaults to
     about a tenth of the run (at least 1, at most 51 points)."""

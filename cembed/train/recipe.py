@@ -17,6 +17,7 @@ the summary.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from cembed.train.checkpoint import (
     InterruptCallback,
     check_output_dir,
     check_resume_point,
+    checkpoint_progress,
     latest_complete,
     recorded_run,
     remove_incomplete,
@@ -106,6 +108,14 @@ class RunDisplay(Protocol):
     def eval_line(self, line: str) -> None:
         """One evaluation's headline metrics (``eval before training: ...``, ``eval step N: ...``)."""
 
+    def resuming(self, checkpoint: str, step: int, max_steps: int) -> None:
+        """The run continues ``checkpoint``, saved at optimizer step ``step`` of ``max_steps``."""
+
+    def interrupt(self, signal_name: str, step: int) -> None:
+        """``signal_name`` (``SIGINT``, ``SIGTERM``) arrived: optimizer step ``step`` is being finished,
+        then a checkpoint is saved and the run stops; a second one abandons the step. Called at
+        once, from a thread of its own, while the step goes on."""
+
 
 class QuietRunDisplay:
     """A :class:`RunDisplay` that shows nothing: the default of :func:`run_training` (scripts, tests)."""
@@ -129,6 +139,12 @@ class QuietRunDisplay:
         pass
 
     def eval_line(self, line: str) -> None:
+        pass
+
+    def resuming(self, checkpoint: str, step: int, max_steps: int) -> None:
+        pass
+
+    def interrupt(self, signal_name: str, step: int) -> None:
         pass
 
 
@@ -374,10 +390,10 @@ def build_trainer(
     display = display if display is not None else QuietRunDisplay()
     progress = display.progress(log, plan.samples_per_step)
     log_path = run_dir.log_path if is_main else None
-    trainer.add_callback(RunLogCallback(log, plan.samples_per_step, log_path, display.log_line))
+    trainer.add_callback(RunLogCallback(log, plan.samples_per_step, log_path, display.log_line, trainer.step_loss))
     if progress is not None:
         trainer.add_callback(progress)
-    interrupt = InterruptCallback()
+    interrupt = InterruptCallback(lambda signum, step: display.interrupt(signal.Signals(signum).name, step))
     trainer.add_callback(interrupt)
     if parts.evaluation:
         trainer.add_callback(parts.evaluation.callback)
@@ -449,6 +465,12 @@ def train(run: Run, run_dir: RunDir, base: dict):
             step = trainer.state.global_step
             write_json_atomic(run_dir.summary_path, failed_summary(base, err, step, str(last) if last else None, None))
         raise
+    except KeyboardInterrupt:  # a second Ctrl-C during the step the first one was finishing
+        if is_main:
+            append_log(
+                run_dir.log_path, f"abandoned: second SIGINT during step {trainer.state.global_step + 1}; not saved"
+            )
+        raise
     finally:
         if main_thread:
             run.interrupt.uninstall()
@@ -504,17 +526,22 @@ def write_summary(
         record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets))
         write_model_card(model, run_dir.out)
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
-    wall = (log.ended or time.perf_counter()) - log.started
+    wall = (log.ended or time.perf_counter()) - log.started  # this process's training time
     seen = samples_seen(trainer, state.global_step, plan.samples_per_step)
+    # A resumed run trained only the steps after the checkpoint's in this process: its rate is theirs.
+    start = log.clock.start_step
+    here = seen - (samples_seen(trainer, start, plan.samples_per_step) if start else 0)
     summary = {
         "status": "completed",
         **base,
         "steps": state.global_step,
         "epochs": state.epoch,
         "samples_seen": seen,
+        "steps_this_run": state.global_step - start,  # after the checkpoint's on a resume
+        "samples_this_run": here,
         "data": {**base["data"], "sources": source_summary(data, trainer, state.global_step)},
         "wall_time_s": round(wall, 3),
-        "samples_per_s": round(seen / wall, 3) if wall > 0 else None,
+        "samples_per_s": round(here / wall, 3) if wall > 0 else None,  # this process's rows / its wall time
         "train_loss": result.training_loss,
         "first_loss": log.losses[0][1] if log.losses else None,
         "last_loss": log.losses[-1][1] if log.losses else None,
@@ -581,6 +608,9 @@ def run_training(
     with failures_recorded(run_dir.out, is_main, Attempt()) as attempt:
         device, plan = resolve_runtime(cfg, plan, data, display, max_memory)
         display.run_header(cfg, plan, findings)
+        if run_dir.checkpoint:
+            step, planned = checkpoint_progress(run_dir.checkpoint)
+            display.resuming(run_dir.checkpoint, step, planned or t.max_steps or 0)
         parts = build_components(cfg, plan, data, device, display.eval_line if is_main else None)
         if is_main:
             display.components(parts.loss.unpadding, parts.distributed)

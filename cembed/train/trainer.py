@@ -49,7 +49,7 @@ from cembed.model.lora import is_lora, load_lora_checkpoint
 from cembed.plan.precision import autocast, precision_from_flags
 from cembed.train.checkpoint import STAGING, latest_complete, mark_complete
 from cembed.train.flops import format_flops
-from cembed.train.meter import ThroughputMeter
+from cembed.train.meter import StepClock, ThroughputMeter
 
 
 class CembedTrainer(SentenceTransformerTrainer):
@@ -226,6 +226,12 @@ class CembedTrainer(SentenceTransformerTrainer):
             self._step_losses[step] = self._step_losses.get(step, 0.0) + value
         self._pending_losses.clear()
 
+    def step_loss(self, step: int) -> float | None:
+        """Optimizer step ``step``'s loss as :meth:`step_losses` gives it (None: not trained by this
+        process). Reads the pending losses from the device: one sync, called once per step."""
+        self._flush_step_losses()
+        return self._step_losses.get(step)
+
     def step_losses(self) -> list[tuple[int, float]]:
         """``(step, loss)`` for every optimizer step this process trained (the sum over its
         accumulated mini-batches of loss / accumulation steps, as the logged loss averages it);
@@ -358,18 +364,24 @@ class SkipNonfiniteCallback(TrainerCallback):
 
 @dataclass
 class RunLog:
-    """What a run logged: ``(step, loss)`` per logging interval, the last loss and LR, wall times."""
+    """What a run logged: ``(step, loss)`` per logging interval, the last logged loss and LR, wall
+    times; and, updated at every optimizer step (for the progress line), that step's loss
+    (``step_loss``, this process's), the LR it used (``step_lr``) and the step clock
+    (:class:`~cembed.train.meter.StepClock`: ETA and this process's samples/s)."""
 
     losses: list[tuple[int, float]] = field(default_factory=list)
     last_loss: float = float("nan")
     last_lr: float = float("nan")
     started: float = 0.0
     ended: float = 0.0
+    step_loss: float = float("nan")
+    step_lr: float = float("nan")
+    clock: StepClock = field(default_factory=StepClock)
 
-    def samples_per_s(self, step: int, samples_per_step: int) -> float:
-        """Samples trained per second since the run started (0.0 before any time passed)."""
-        elapsed = time.perf_counter() - self.started
-        return step * samples_per_step / elapsed if elapsed > 0 else 0.0
+    def samples_per_s(self, samples_per_step: int) -> float:
+        """Samples trained per second by this process (its steps only: a resumed run does not count
+        the checkpoint's), up to its last step; 0.0 before a step ended."""
+        return self.clock.samples_per_s(samples_per_step)
 
 
 def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict) -> str:
@@ -389,13 +401,18 @@ def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int,
         meter += f"  masked {100 * logs['masked_share']:.2f}%"
     return (
         f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
-        f"{log.samples_per_s(step, samples_per_step):.1f} samples/s{meter}"
+        f"{log.samples_per_s(samples_per_step):.1f} samples/s{meter}"
     )
 
 
 class RunLogCallback(TrainerCallback):
     """Fills a :class:`RunLog`; on the main process also appends each interval's
-    :func:`progress_line` to ``log_path`` and hands it to ``on_line`` (the progress display)."""
+    :func:`progress_line` to ``log_path`` and hands it to ``on_line`` (the progress display).
+
+    Args:
+        step_loss: ``step -> that optimizer step's loss`` (:meth:`CembedTrainer.step_loss`), read at
+            every step end on the main process for :attr:`RunLog.step_loss`; None: not tracked.
+    """
 
     def __init__(
         self,
@@ -403,14 +420,33 @@ class RunLogCallback(TrainerCallback):
         samples_per_step: int,
         log_path: Path | None = None,
         on_line: Callable[[str], None] | None = None,
+        step_loss: Callable[[int], float | None] | None = None,
     ) -> None:
         self.log = log
         self.samples_per_step = samples_per_step
         self.log_path = log_path
         self.on_line = on_line
+        self.step_loss = step_loss
+        self._lr = float("nan")  # the LR of the step in progress
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.log.started = time.perf_counter()
+        # global_step is the checkpoint's on a resume (the trainer restored its state before this)
+        self.log.clock.begin(state.global_step)
+        self.log.started = self.log.clock.started
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        # The LR this step uses (read before the scheduler steps), as the trainer logs it.
+        if optimizer is not None and getattr(optimizer, "param_groups", None):
+            self._lr = float(optimizer.param_groups[0]["lr"])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.log.clock.step_ended(state.global_step)
+        if not state.is_world_process_zero:
+            return
+        self.log.step_lr = self._lr
+        loss = self.step_loss(state.global_step) if self.step_loss is not None else None
+        if loss is not None:
+            self.log.step_loss = loss
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -429,4 +465,4 @@ class RunLogCallback(TrainerCallback):
             append_log(self.log_path, line)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.log.ended = time.perf_counter()
+        self.log.ended = self.log.clock.clock()

@@ -155,3 +155,23 @@ def test_output_dir_messages_name_the_folder_relative_to_the_working_directory(t
     assert str(err.value).startswith(f"train.output_dir {os.path.join('runs', 'demo')} holds a finished model")
     with pytest.raises(UserError, match=r"^--resume: no complete checkpoint in runs/demo; start without --resume$"):
         resolve_resume(run, resume=True, resume_from=None)
+
+
+def test_the_first_signal_is_acknowledged_at_once_with_the_step_being_finished():
+    """on_signal gets (signal, the step in progress) from a thread of its own, right away; a resumed
+    run's step counts from the checkpoint's; the second signal still abandons at once."""
+    heard = []
+    cb = InterruptCallback(on_signal=lambda signum, step: heard.append((signum, step)))
+    state = TrainerState()
+    state.global_step, state.max_steps = 20, 40  # resumed at step 20 of 40
+    cb.on_train_begin(None, state, TrainerControl())
+    cb.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        cb.notice.join(5)
+        assert heard == [(signal.SIGINT, 21)]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert heard == [(signal.SIGINT, 21)]  # the second signal is not announced as a first
+    finally:
+        cb.uninstall()

@@ -117,6 +117,16 @@ def test_the_quiet_default_prints_nothing(tiny_model_dir, tmp_path, capsys):
 def test_the_quiet_display_answers_every_call_of_the_protocol():
     quiet = T.QuietRunDisplay()
     protocol = {n for n in vars(T.RunDisplay) if not n.startswith("_")}
-    assert protocol == {"probe_start", "probe", "run_header", "components", "progress", "log_line", "eval_line"}
+    assert protocol == {
+        "probe_start",
+        "probe",
+        "run_header",
+        "components",
+        "progress",
+        "log_line",
+        "eval_line",
+        "resuming",
+        "interrupt",
+    }
     assert protocol <= {n for n in vars(T.QuietRunDisplay) if not n.startswith("_")}
     assert quiet.progress(None, 8) is None

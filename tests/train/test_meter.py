@@ -1,6 +1,7 @@
 """cembed.train.meter: the throughput numbers of a hand-made sequence of steps on a fake clock:
 data-wait share, tokens/s, padded share, FLOP/s and MFU (achieved FLOP/s over the peak), per
-interval and for the run, on one rank and over two; the masked share; the smoothing of the plot."""
+interval and for the run, on one rank and over two; the masked share; the smoothing of the plot;
+the step clock behind the progress line's ETA and samples/s."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import cembed.train.meter as meter_module
 from cembed.losses.counts import FilterCounts, TokenCounts
 from cembed.train.flops import FlopModel
-from cembed.train.meter import ThroughputMeter, smooth
+from cembed.train.meter import StepClock, ThroughputMeter, format_eta, smooth
 
 # N = 1000 non-embedding parameters, L = 2 layers, d = 8, a cached loss (4 passes), a 10 MFLOP/s peak:
 # flops(sum l, sum l^2) = 4 x (2 x 1000 x sum l + 4 x 2 x 8 x sum l^2) = 8000 sum l + 256 sum l^2
@@ -142,3 +143,64 @@ def test_smooth():
     values = [float(i % 2) for i in range(100)]  # default window 10, half 5: points 45..55, six of them odd
     assert smooth(values)[50] == pytest.approx(6 / 11)
     assert smooth([]) == []
+
+
+# --- the step clock: ETA and samples/s of the progress line ---------------------------------------
+
+
+def test_eta_from_the_first_step_however_long_it_takes():
+    """A huge batch: 45 s a step (rich's estimate needs two updates within 30 s: none at all)."""
+    clock = Clock(1000.0)
+    steps = StepClock(clock=clock)
+    steps.begin(0)
+    assert steps.eta(40) is None  # nothing timed yet
+    clock.now += 45.0
+    steps.step_ended(1)
+    assert steps.eta(40) == 39 * 45.0
+    clock.now += 10.0  # 10 s into step 2: the ETA counts down between updates ...
+    assert steps.eta(40) == 39 * 45.0 - 10.0
+    clock.now += 100.0  # ... but never below the steps left after this one
+    assert steps.eta(40) == 38 * 45.0
+    assert format_eta(steps.eta(40)) == "0:28:30"
+
+
+def test_seconds_per_step_mean_first_then_moving_average():
+    clock = Clock(0.0)
+    steps = StepClock(smoothing=0.5, clock=clock)
+    steps.begin(0)
+    for step, seconds in ((1, 30.0), (2, 10.0)):
+        clock.now += seconds
+        steps.step_ended(step)
+    assert steps.seconds_per_step == 20.0  # the mean of the first 1/smoothing = 2 steps
+    clock.now += 40.0
+    steps.step_ended(3)
+    assert steps.seconds_per_step == 30.0  # then 20 + 0.5 x (40 - 20)
+    clock.now += 20.0
+    steps.step_ended(5)  # two steps at once, 10 s each: 30 + 0.5 x (10 - 30)
+    assert steps.seconds_per_step == 20.0
+    assert steps.eta(5) == 0.0 and steps.eta(8) == 60.0
+
+
+def test_samples_per_s_counts_only_this_process_steps():
+    """A resume at step 20 of 40 (8 samples a step), then 2 steps of 10 s: 16 samples in 20 s, not
+    the 176 the global step implies."""
+    clock = Clock(500.0)
+    steps = StepClock(clock=clock)
+    steps.begin(20)
+    assert steps.samples_per_s(8) == 0.0
+    for step in (21, 22):
+        clock.now += 10.0
+        steps.step_ended(step)
+    clock.now += 5.0  # the rate is taken at the last step's end, not now
+    assert steps.samples_per_s(8) == pytest.approx(0.8)
+    assert steps.eta(40) == pytest.approx(18 * 10.0 - 5.0)
+
+
+def test_format_eta():
+    assert [format_eta(s) for s in (None, 0.4, 59.6, 3600 * 5 + 61, 86400 * 2 + 3599)] == [
+        "-:--:--",
+        "0:00:00",
+        "0:01:00",
+        "5:01:01",
+        "2d 0:59:59",
+    ]

@@ -24,7 +24,7 @@ from cembed.data.sampler import NoDuplicatesSampler
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.plan.resolve import resolve_plan
 from cembed.train.checkpoint import MARKER, latest_complete, mark_complete
-from cembed.train.recipe import check_run_inputs, run_training
+from cembed.train.recipe import QuietRunDisplay, check_run_inputs, run_training
 from cembed.train.summary import (
     TRACEBACK_FILE,
     Attempt,
@@ -242,6 +242,8 @@ def test_eval_change_rows():
 COMPLETED_ONLY = {
     "epochs",
     "samples_seen",
+    "steps_this_run",
+    "samples_this_run",
     "wall_time_s",
     "samples_per_s",
     "train_loss",
@@ -330,3 +332,35 @@ def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pai
         "last_good_checkpoint",
         "traceback",
     }
+
+
+def test_a_resumed_run_reports_its_own_rate(tiny_model_dir, tmp_path):
+    """Resumed at step 2 of 4 (8 samples a step): samples/s is the 16 samples this run trained over
+    its wall time, not the 32 the model has seen; the display is told where the run continues."""
+    rows = [{"anchor": f"question {i} about a car", "positive": f"answer {i} on the street"} for i in range(32)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    cfg = config_from_dict(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "max_seq_length": 16, "device": "cpu"},
+            "data": {"train": str(tmp_path / "pairs.jsonl"), "pretokenize": False},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 8},
+            "train": {"max_steps": 4, "save_steps": 2, "logging_steps": 1, "output_dir": str(out)},
+        },
+        base=tmp_path,
+    )
+    plan, data = check_run_inputs(cfg)
+    fresh = run_training(cfg, plan, data)
+
+    class Resuming(QuietRunDisplay):
+        def resuming(self, checkpoint, step, max_steps):
+            self.told = (checkpoint, step, max_steps)
+
+    display = Resuming()
+    summary = run_training(cfg, plan, data, display, resume_from=str(out / "checkpoint-2"))
+    assert summary["samples_per_s"] == pytest.approx(16 / summary["wall_time_s"], rel=0.01)
+    assert (summary["steps"], summary["samples_seen"]) == (4, 32)
+    assert (summary["steps_this_run"], summary["samples_this_run"]) == (2, 16)
+    assert json.loads((out / "run_summary.json").read_text())["samples_per_s"] == summary["samples_per_s"]
+    assert display.told == (str(out / "checkpoint-2"), 2, 4)
+    assert (fresh["steps_this_run"], fresh["samples_this_run"]) == (4, 32)  # a fresh run: all of them

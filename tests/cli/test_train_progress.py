@@ -1,0 +1,74 @@
+"""The progress bar of ``cembed train`` (cembed.cli.train.RichProgress) driven by hand on a fake
+clock: where it starts, each step's loss and LR, the ETA from the first step, this process's rate;
+the lines for a resume, a signal and an abandoned run."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from rich.console import Console
+
+from cembed.cli.train import RichRunDisplay, abandoned_message
+from cembed.train.meter import StepClock
+from cembed.train.trainer import RunLog, RunLogCallback, progress_line
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _optimizer(lr: float):
+    return SimpleNamespace(param_groups=[{"lr": lr}])
+
+
+def test_a_resumed_bar_starts_at_the_checkpoint_and_shows_each_step():
+    """Resumed at step 20 of 40, 45 s a step, 8 samples a step, logging every 10 steps: the bar
+    starts at 20/40, and after step 21 shows step 21's loss and LR (not the last logged ones), an
+    ETA of 19 x 45 s and 8 / 45 samples/s (not 21 x 8 / 45)."""
+    clock = Clock(100.0)
+    log = RunLog(clock=StepClock(clock=clock))
+    losses = {21: 0.25}
+    callback = RunLogCallback(log, 8, step_loss=losses.get)
+    console = Console(record=True, width=200, force_terminal=False)
+    display = RichRunDisplay(console)
+    bar = display.progress(log, 8)
+    state = SimpleNamespace(global_step=20, max_steps=40, is_world_process_zero=True)
+    for cb in (callback, bar):
+        cb.on_train_begin(None, state, None)
+    assert bar.step == 20 and bar.progress.tasks[0].completed == 20
+    callback.on_step_begin(None, state, None, optimizer=_optimizer(1.5e-4))  # the LR step 21 uses
+    clock.now += 45.0
+    state.global_step = 21
+    for cb in (callback, bar):
+        cb.on_step_end(None, state, None, optimizer=_optimizer(1.4e-4))  # the scheduler stepped
+    assert (log.step_loss, log.step_lr) == (0.25, 1.5e-4)
+    line = progress_line(21, 40, log, 8, {})
+    assert line.endswith("0.2 samples/s")  # 8 samples in 45 s
+    display.close()
+    text = console.export_text()
+    assert "21/40 loss 0.2500  lr 1.50e-04  0.2 samples/s eta 0:14:15" in text, text
+
+
+def test_the_lines_of_a_resume_an_interrupt_and_an_abandoned_run(tmp_path):
+    console = Console(record=True, width=200)
+    display = RichRunDisplay(console)
+    display.resuming("out/checkpoint-20", 20, 40)
+    display.interrupt("SIGINT", 21)
+    display.interrupt("SIGTERM", 7)
+    assert console.export_text().splitlines() == [
+        "resuming from out/checkpoint-20 at step 20 of 40",
+        "Ctrl-C: finishing step 21, then saving a checkpoint; Ctrl-C again to abandon",
+        "SIGTERM: finishing step 7, then saving a checkpoint; send SIGTERM again to abandon",
+    ]
+    assert abandoned_message(display, str(tmp_path), tmp_path / "c.yaml", None) == (
+        "[yellow]interrupted[/] before training started; no checkpoint to resume from"
+    )
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / "cembed_checkpoint_complete.json").write_text("{}")
+    text = abandoned_message(display, str(tmp_path), tmp_path / "c.yaml", ["train.seed=1"])
+    assert f"the last complete checkpoint is {tmp_path / 'checkpoint-3'}" in text
+    assert text.endswith(f"resume with: cembed train {tmp_path / 'c.yaml'} train.seed=1 --resume")
