@@ -109,7 +109,9 @@ def train_cmd(
     display = RichRunDisplay(out)
     try:
         plan, data = check_run_inputs(cfg)
-        unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed)
+        # only the no-duplicates sampler leaves rows it cannot place; a plain sampler places every row
+        no_dups = cfg.sampler.no_duplicates
+        unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed) if no_dups else ()
         summary = run_training(
             cfg,
             plan,

@@ -109,3 +109,13 @@ def test_validate_ok_means_train_gets_past_setup(
         assert checked.exit_code in (0, 2), checked.output
         # validate OK => train sets up and trains; validate's refusal => train refuses too
         assert trained.exit_code == checked.exit_code, f"validate:\n{checked.output}\ntrain:\n{trained.output}"
+
+
+def test_a_plain_sampler_warns_of_no_unplaceable_rows(tmp_path, tiny_model_dir):
+    # the chain's rows collide across columns; only the no-duplicates sampler refuses to pair them, so
+    # with sampler.no_duplicates: false neither command may say rows "cannot be placed"
+    path = _config(tmp_path, str(tiny_model_dir), _chain(40), 8, sampler={"no_duplicates": False})
+    for command in ("validate", "train"):
+        r = _run(command, str(path))
+        assert r.exit_code == 0, f"{command}: {r.output}"
+        assert "cannot be placed" not in r.output, f"{command}: {r.output}"
