@@ -73,7 +73,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     from cembed.data.tokenize import tokenize_stage
     from cembed.model.load import load_model, weight_dtypes
     from cembed.train import estimate as est
-    from cembed.train.flops import device_peak, encoder_shape, matmul_precision
+    from cembed.train.flops import encoder_shape
     from cembed.train.recipe import check_run_inputs
 
     transformers_logging.disable_progress_bar()
@@ -90,34 +90,20 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     }
     cached = cfg.loss.uses_gradient_cache
     mini = plan.mini_batch_size if cached and plan.mini_batch_size else plan.per_device_train_batch_size
-    stats = est.token_stats(lengths, mini, cfg.train.seed)
+    packed = False
+    if cached:
+        from cembed.model.unpad import resolve_unpad
+
+        packed = resolve_unpad(model, cfg.batch.unpad).enabled
+    sort = cached and cfg.batch.sort_by_length
+    stats = est.token_stats(lengths, mini, cfg.train.seed, plan.per_device_train_batch_size, sort, packed)
+    path = "packed (unpadded) mini-batches" if packed else f"sorted={sort}, padded per mini-batch of {mini}"
     n, layers, width = encoder_shape(model)
     passes = 4 if cached else 3
     devices = plan.world_size
 
     measured = calibrate_rate(cfg, calibrate) if calibrate else None
-    if gpu is not None:
-        peak, peak_source = est.gpu_peak(gpu, cfg.model.precision)
-        peak_source = f"datasheet: {peak_source}"
-        target = gpu
-    elif cfg.train.peak_tflops is not None:
-        peak, peak_source, target = cfg.train.peak_tflops * 1e12, "config: train.peak_tflops", "the configured device"
-    elif plan.device.startswith("cuda"):
-        import torch
-
-        name = torch.cuda.get_device_name()
-        peak, peak_source = device_peak(name, matmul_precision(plan.precision, plan.device))
-        peak_source, target = f"datasheet: {peak_source}", name
-    else:
-        peak, peak_source, target = None, "cpu: no datasheet peak", "this machine (cpu)"
-    if mfu is not None and peak is not None:
-        rate = est.peak_rate(peak, peak_source, mfu, "given: --mfu")
-    elif measured is not None and gpu is None:  # the target is this machine: its measured rate
-        rate = est.Rate(measured["flops_per_s"], f"measured: {measured['steps']} steps on this machine")
-    elif peak is not None:
-        rate = est.peak_rate(peak, peak_source, ASSUMED_MFU, "assumed; pass --mfu or --calibrate on the target")
-    else:
-        raise UserError("--gpu: this machine has no datasheet peak; give --gpu NAME (and --mfu) or --calibrate STEPS")
+    rate, target = device_rate(cfg, plan, gpu, mfu, measured)
     run = est.estimate_run(
         stats, plan.samples_per_step, steps["per_epoch"] or 0, steps["total"] or 0, (n, layers, width, passes), rate,
         devices,
@@ -146,9 +132,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
             "batches_per_epoch": est.number(facts["data"]["batches_per_epoch"], "batches", "rows / global batch"),
             "mean_tokens_per_row": est.number(stats.mean_tokens, "tokens", "measured: pre-tokenized data"),
             "token_histogram": stats.histogram,
-            "padded_share": est.number(
-                stats.padded_share, "", f"computed: rows in random order padded per mini-batch of {mini}"
-            ),
+            "padded_share": est.number(stats.padded_share, "", f"computed on the configured path: {path}"),
         },
         **run,
         "memory_per_rank": est.probe_memory(probe, plan.mini_batch_size),
@@ -157,6 +141,44 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
         "flop_model": {"N": n, "L": layers, "d": width, "passes": passes},
         "calibration": measured,
     }
+
+
+def device_rate(cfg, plan, gpu: str | None, mfu: float | None, measured: dict | None):
+    """The FLOP/s of one device of the run and the target's name: ``--mfu`` x the peak (``--gpu``'s
+    datasheet, ``train.peak_tflops`` or this GPU's), else the rate ``--calibrate`` measured here (when
+    the target is this machine), else the peak x an assumed MFU.
+
+    Raises:
+        UserError: a CPU target without ``--calibrate``, or a bad ``--mfu``.
+    """
+    from cembed.train import estimate as est
+    from cembed.train.flops import device_peak, matmul_precision
+
+    if gpu is not None:
+        peak, peak_source = est.gpu_peak(gpu, cfg.model.precision)
+        peak_source = f"datasheet: {peak_source}"
+        target = gpu
+    elif cfg.train.peak_tflops is not None:
+        peak, peak_source, target = cfg.train.peak_tflops * 1e12, "config: train.peak_tflops", "the configured device"
+    elif plan.device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name()
+        peak, peak_source = device_peak(name, matmul_precision(plan.precision, plan.device))
+        peak_source, target = f"datasheet: {peak_source}", name
+    else:
+        peak, peak_source, target = None, "cpu: no datasheet peak", "this machine (cpu)"
+    if mfu is not None and peak is not None:
+        rate = est.peak_rate(peak, peak_source, mfu, "given: --mfu")
+    elif measured is not None and gpu is None:  # the target is this machine: its measured rate
+        share = measured["flops_per_s"] / peak if peak else None
+        rate = est.Rate(measured["flops_per_s"], f"measured: {measured['steps']} steps on this machine", peak,
+                        peak_source if peak else None, share, "measured" if share else None)  # fmt: skip
+    elif peak is not None:
+        rate = est.peak_rate(peak, peak_source, ASSUMED_MFU, "assumed; pass --mfu or --calibrate on the target")
+    else:
+        raise UserError("--gpu: this machine has no datasheet peak; give --gpu NAME (and --mfu) or --calibrate STEPS")
+    return rate, target
 
 
 def calibrate_rate(cfg, steps: int) -> dict:

@@ -73,8 +73,8 @@ class TokenStats:
         mean_tokens: mean over rows of ``sum(l)`` over the row's columns, tokens.
         mean_tokens_sq: mean over rows of ``sum(l^2)`` over the row's columns, tokens^2.
         histogram: per column ``{bucket upper bound (tokens): rows}`` (powers of two).
-        padded_share: share of the encoder's positions that are padding when each column's rows are
-            padded to the longest in their mini-batch (rows in random order), 0..1.
+        padded_share: share of the encoder's positions that are padding on the configured path
+            (see :func:`token_stats`), 0..1.
     """
 
     rows: int
@@ -84,10 +84,22 @@ class TokenStats:
     padded_share: float
 
 
-def token_stats(lengths: dict[str, list[int | None]], mini_batch: int, seed: int = 0) -> TokenStats:
+def token_stats(
+    lengths: dict[str, list[int | None]],
+    mini_batch: int,
+    seed: int = 0,
+    batch: int | None = None,
+    sort_by_length: bool = False,
+    packed: bool = False,
+) -> TokenStats:
     """:class:`TokenStats` of ``lengths`` (``{column: [tokens of each row, None where absent]}``,
-    every list one entry per row); ``mini_batch`` rows are padded together (the whole per-device
-    batch for a plain loss)."""
+    every list one entry per row).
+
+    The padded share follows the configured path: rows in random order cut into per-device batches
+    of ``batch`` rows (default ``mini_batch``), each column sorted by length within its batch when
+    ``sort_by_length`` (the cached loss's ``batch.sort_by_length``), cut into ``mini_batch`` rows
+    (the whole per-device batch for a plain loss) padded to their longest; ``packed`` (unpadded
+    mini-batches, ``batch.unpad``) has no padding."""
     columns = list(lengths)
     rows = len(lengths[columns[0]]) if columns else 0
     total = total_sq = 0
@@ -105,11 +117,15 @@ def token_stats(lengths: dict[str, list[int | None]], mini_batch: int, seed: int
         histogram[column] = dict(sorted(buckets.items()))
         shuffled = present[:]
         rng.shuffle(shuffled)
-        size = max(1, mini_batch)
-        for i in range(0, len(shuffled), size):
-            chunk = shuffled[i : i + size]
-            real += sum(chunk)
-            positions += max(chunk) * len(chunk)
+        size, per_device = max(1, mini_batch), max(1, batch or mini_batch)
+        for start in range(0, len(shuffled), per_device):
+            rows_of_batch = shuffled[start : start + per_device]
+            if sort_by_length:
+                rows_of_batch.sort()
+            for i in range(0, len(rows_of_batch), size):
+                chunk = rows_of_batch[i : i + size]
+                real += sum(chunk)
+                positions += sum(chunk) if packed else max(chunk) * len(chunk)
     return TokenStats(
         rows=rows,
         mean_tokens=total / rows if rows else 0.0,

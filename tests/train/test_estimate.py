@@ -38,6 +38,15 @@ def test_run_arithmetic_matches_a_hand_count():
     assert all("source" in v and v["source"] for v in run.values())
 
 
+def test_padded_share_follows_the_configured_path():
+    # A per-device batch of 4 sorted by length, mini-batches of 2: [1, 2] pads to 4 positions, [3, 4] to 8.
+    lengths = {"anchor": [4, 1, 3, 2]}
+    assert est.token_stats(lengths, 2, batch=4, sort_by_length=True).padded_share == pytest.approx(1 - 10 / 12)
+    assert est.token_stats(lengths, 2, batch=4, sort_by_length=True, packed=True).padded_share == 0
+    # One mini-batch of the whole batch: every row pads to 4.
+    assert est.token_stats(lengths, 4).padded_share == pytest.approx(1 - 10 / 16)
+
+
 def test_gpu_names_and_unknown_gpu():
     assert est.gpu_peak("H100-SXM", "auto") == (989.4e12, "H100 SXM bf16 dense peak (NVIDIA datasheet)")
     assert est.gpu_peak("a100", "fp32")[0] == 156.0e12  # TF32 matmuls on CUDA
