@@ -7,7 +7,7 @@ beside the measured one (``run_summary.json``'s ``wall_time_s``, the training lo
 The two small files are made here from the packaged COCO pairs. A benchmark, not a test: run it on
 a quiet machine, e.g. ``nice -n 10 python scripts/bench_estimate.py --calibrate 3``.
 
-Usage: python scripts/bench_estimate.py [--calibrate 3] [--max-steps N] [--only NAME] [--out DIR]
+Usage: python scripts/bench_estimate.py [--calibrate 3] [--max-steps N] [--set KEY=VALUE] [--only NAME] [--out DIR]
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def configs(folder: Path) -> dict[str, Path]:
     base["data"]["train"] = "cembed:coco-captions"
     out = {"quickstart": QUICKSTART}
     for name, rows, columns in (
-        ("skewed", skewed_rows(4096), {"anchor": "anchor", "positive": "positive"}),
+        ("skewed", skewed_rows(2048), {"anchor": "anchor", "positive": "positive"}),
         (
             "three-column",
-            three_column_rows(4096),
+            three_column_rows(2048),
             {"anchor": "anchor", "positive": "positive", "negatives": ["negative"]},
         ),
     ):
@@ -101,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", type=int, default=3, help="calibration steps")
     parser.add_argument("--max-steps", type=int, default=None, help="override train.max_steps of every config")
+    parser.add_argument("--set", action="append", default=[], help="extra section.field=value override (repeatable)")
     parser.add_argument("--only", action="append", help="run only this config (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp folder)")
     args = parser.parse_args()
@@ -112,6 +113,7 @@ def main() -> None:
             continue
         overrides = [f"train.output_dir={folder / ('run-' + name)}"]
         overrides += [f"train.max_steps={args.max_steps}"] if args.max_steps else []
+        overrides += args.set
         estimate_json = folder / f"estimate-{name}.json"
         est_s = cembed(
             "estimate", str(path), *overrides, "--calibrate", str(args.calibrate), "--json", str(estimate_json)
