@@ -58,8 +58,8 @@ app.command("inspect-data", epilog=check.INSPECT_DATA_EXAMPLES)(user_errors(chec
 app.command("train", epilog=train.TRAIN_EXAMPLES)(user_errors(train.train_cmd))
 app.command("probe-minibatch", epilog=check.PROBE_MINIBATCH_EXAMPLES)(user_errors(check.probe_minibatch_cmd))
 app.command("eval", epilog=evaluate.EVAL_EXAMPLES)(user_errors(evaluate.eval_cmd))
-app.command("estimate", epilog=estimate.ESTIMATE_EXAMPLES)(user_errors(estimate.estimate_cmd))
 app.command("mine-negatives", epilog=prepare.MINE_NEGATIVES_EXAMPLES)(user_errors(prepare.mine_negatives_cmd))
+app.command("estimate", epilog=estimate.ESTIMATE_EXAMPLES)(user_errors(estimate.estimate_cmd))
 
 
 def main() -> None:
