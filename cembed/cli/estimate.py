@@ -172,7 +172,7 @@ def device_rate(cfg, plan, gpu: str | None, mfu: float | None, measured: dict | 
         rate = est.peak_rate(peak, peak_source, mfu, "given: --mfu")
     elif measured is not None and gpu is None:  # the target is this machine: its measured rate
         share = measured["flops_per_s"] / peak if peak else None
-        rate = est.Rate(measured["flops_per_s"], f"measured: {measured['steps']} steps on this machine", peak,
+        rate = est.Rate(measured["flops_per_s"], f"measured: {measured['rate_from']} of {measured['steps']} on this machine", peak,
                         peak_source if peak else None, share, "measured" if share else None)  # fmt: skip
     elif peak is not None:
         rate = est.peak_rate(peak, peak_source, ASSUMED_MFU, "assumed; pass --mfu or --calibrate on the target")
@@ -183,23 +183,31 @@ def device_rate(cfg, plan, gpu: str | None, mfu: float | None, measured: dict | 
 
 def calibrate_rate(cfg, steps: int) -> dict:
     """Run ``steps`` real training steps of ``cfg`` on this machine (the recipe's ``run_training``
-    into a temporary folder, evaluation off) and return the meter's measured rate:
-    ``{steps, flops_per_s, wall_time_s, data_wait_share, data_wait_s_per_step}``."""
+    into a temporary folder, evaluation off, the meter closing an interval every step) and return
+    the measured rate: ``{steps, flops_per_s, wall_time_s, data_wait_share, data_wait_s_per_step,
+    rate_from}``. The rate is the median of the per-step FLOP/s after the first step (the first
+    pays one-time costs: allocator, thread pools, lazy initialisation); with one step, that step's."""
+    import statistics
+
     from cembed.train.recipe import check_run_inputs, run_training
 
     with tempfile.TemporaryDirectory(prefix="cembed-calibrate-") as tmp:
         train = cfg.train.model_copy(update={"max_steps": steps, "num_train_epochs": None, "output_dir": tmp,
-                                              "save_steps": None, "push_to_hub": False, "report_to": ["none"]})  # fmt: skip
+                                              "logging_steps": 1, "save_steps": None, "push_to_hub": False,
+                                              "report_to": ["none"]})  # fmt: skip
         short = cfg.model_copy(update={"train": train, "eval": None})
         plan, data = check_run_inputs(short)
         summary = run_training(short, plan, data)
-    throughput = summary["throughput"]
+    intervals = [i for i in summary["throughput_per_interval"] if i.get("flops_per_s")]
+    later = intervals[1:] or intervals
     wall = summary["wall_time_s"]
     done = max(1, summary["steps_this_run"])
-    wait = throughput.get("data_wait") or 0.0
+    flops_per_s = statistics.median(i["flops_per_s"] for i in later) if later else summary["throughput"]["flops_per_s"]
+    wait = statistics.median(i.get("data_wait") or 0.0 for i in later) if later else 0.0
     return {
         "steps": done,
-        "flops_per_s": throughput["flops_per_s"],
+        "flops_per_s": flops_per_s,
+        "rate_from": f"median of steps 2..{done}" if len(intervals) > 1 else "the one step",
         "wall_time_s": wall,
         "data_wait_share": wait,
         "data_wait_s_per_step": wait * wall / done,

@@ -123,3 +123,28 @@ def test_cli_unknown_gpu_lists_the_known_ones(write_config, tmp_path):
     assert r.exit_code == 2
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "unknown GPU 'X99'" in lines[0] and "H100 SXM" in lines[0], r.output
+
+
+def test_cli_calibrate_measures_this_machine(write_config, pairs_file, tiny_model_dir, tmp_path):
+    cfg = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(_rows())), "cache_dir": str(tmp_path / "cache")},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+            "optim": {"learning_rate": 2e-5},
+            "train": {"output_dir": str(tmp_path / "run"), "max_steps": 40},
+        }
+    )
+    out = tmp_path / "estimate.json"
+    r = CliRunner().invoke(app, ["estimate", str(cfg), "--calibrate", "2", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    calibration = report["calibration"]
+    assert calibration["steps"] == 2 and calibration["rate_from"] == "median of steps 2..2"
+    rate = report["rate"]["flops_per_s_per_device"]
+    assert rate["value"] == calibration["flops_per_s"] > 0
+    assert rate["source"] == "measured: median of steps 2..2 of 2 on this machine"
+    assert report["steps"]["value"] == 40  # the configured run, not the calibration's 2 steps
+    assert report["run_seconds"]["value"] == pytest.approx(40 * report["flops_per_step"]["value"] / rate["value"])
+    assert report["data_wait_risk"]["value"] in ("low", "some", "high")
+    assert not (tmp_path / "run" / "run_summary.json").exists()  # calibration trains in a temporary folder
