@@ -1,0 +1,246 @@
+"""``cembed estimate``: steps, tokens, FLOPs, wall time, GPU-hours, memory and disk of a run before it
+starts. The arithmetic is :mod:`cembed.train.estimate`'s; this module gathers its inputs (the plan,
+the pre-tokenized data's lengths, the model's shape, a device rate), prints and writes the JSON."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cembed.cli.common import ConfigArg, OverridesArg, console, examples, load, world_size_from_flags
+from cembed.errors import UserError
+
+ESTIMATE_EXAMPLES = examples(
+    "cembed estimate quickstart.yaml --calibrate 3",
+    "cembed estimate quickstart.yaml --gpu H100-SXM --nproc-per-node 8 --mfu 0.35",
+    "cembed estimate quickstart.yaml --gpu A100 --json estimate.json batch.per_device_train_batch_size=4096",
+)
+
+ASSUMED_MFU = 0.3  # a middle value for BERT-size encoders under the 4-pass cached count (assumed)
+
+
+def estimate_cmd(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Devices per node of the run."),
+    nnodes: int = typer.Option(1, "--nnodes", help="Nodes of the run."),
+    gpu: Optional[str] = typer.Option(
+        None, "--gpu", help="Target GPU from the datasheet table (e.g. H100-SXM, A100); default: this machine."
+    ),
+    mfu: Optional[float] = typer.Option(
+        None, "--mfu", help=f"Model FLOPs utilisation on the target (0-1; default {ASSUMED_MFU}, assumed)."
+    ),
+    calibrate: Optional[int] = typer.Option(
+        None, "--calibrate", min=1, help="Run this many real training steps here and use the measured rate."
+    ),
+    json_path: Optional[Path] = typer.Option(
+        None, "--json", help="Write the estimate here (default: <train.output_dir>/estimate.json)."
+    ),
+) -> None:
+    """Predict a run's steps, tokens, FLOPs, wall time, GPU-hours, memory and checkpoint size.
+
+    Each number says where it comes from: measured (on this machine), datasheet (NVIDIA's peaks),
+    assumed (an MFU not given), or the numbers it is computed from. Works on a CPU for a GPU target."""
+    cfg = load(config, overrides)  # a config mistake answers before torch is imported
+    from cembed.train.estimate import gpu_peak
+
+    if gpu is not None:
+        gpu_peak(gpu, cfg.model.precision)  # an unknown name answers before the data is loaded
+    report = build_estimate(cfg, world_size_from_flags(nproc_per_node, nnodes), gpu, mfu, calibrate)
+    out = json_path or Path(cfg.train.output_dir) / "estimate.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_estimate(report)
+    console.print(f"written to {out}", highlight=False)
+
+
+def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, calibrate: int | None) -> dict:
+    """The estimate of ``cfg``'s run on ``world`` devices (None: $WORLD_SIZE or 1) of ``gpu`` (None:
+    this machine) as a JSON-ready dict (see :func:`cembed.train.estimate.estimate_run`).
+
+    Raises:
+        UserError: no rate can be had (a CPU without --gpu or --calibrate), a bad --mfu, or what
+            ``cembed validate`` refuses.
+    """
+    from transformers.utils import logging as transformers_logging
+
+    from cembed.cli.check import validation_report
+    from cembed.data.collator import TOKEN_SUFFIX
+    from cembed.data.tokenize import tokenize_stage
+    from cembed.model.load import load_model, weight_dtypes
+    from cembed.train import estimate as est
+    from cembed.train.flops import encoder_shape
+    from cembed.train.recipe import check_run_inputs
+
+    transformers_logging.disable_progress_bar()
+    plan, data = check_run_inputs(cfg, world)
+    facts = validation_report(cfg, plan, data, UserError("not loaded by estimate"))
+    steps = facts["steps"]
+    model = load_model(cfg.model, "cpu", seed=cfg.train.seed)  # on CPU: a GPU target never loads CUDA
+    dataset, collator, info = tokenize_stage(model, data, True, cfg.data.cache_dir, None, cfg.batch.pad_to_multiple_of)
+    if collator is None:
+        raise UserError(f"model.name_or_path: estimate counts pre-tokenized lengths; {info['reason']}")
+    id_columns = [c + TOKEN_SUFFIX for c in data.columns if c + TOKEN_SUFFIX in dataset.column_names]
+    lengths = {
+        c.removesuffix(TOKEN_SUFFIX): [len(x) if x is not None else None for x in dataset[c]] for c in id_columns
+    }
+    cached = cfg.loss.uses_gradient_cache
+    mini = plan.mini_batch_size if cached and plan.mini_batch_size else plan.per_device_train_batch_size
+    packed = False
+    if cached:
+        from cembed.model.unpad import resolve_unpad
+
+        packed = resolve_unpad(model, cfg.batch.unpad).enabled
+    sort = cached and cfg.batch.sort_by_length
+    stats = est.token_stats(lengths, mini, cfg.train.seed, plan.per_device_train_batch_size, sort, packed)
+    path = "packed (unpadded) mini-batches" if packed else f"sorted={sort}, padded per mini-batch of {mini}"
+    n, layers, width = encoder_shape(model)
+    passes = 4 if cached else 3
+    devices = plan.world_size
+
+    measured = calibrate_rate(cfg, calibrate) if calibrate else None
+    rate, target = device_rate(cfg, plan, gpu, mfu, measured)
+    run = est.estimate_run(
+        stats, plan.samples_per_step, steps["per_epoch"] or 0, steps["total"] or 0, (n, layers, width, passes), rate,
+        devices,
+    )  # fmt: skip
+    production = None
+    if measured is not None:
+        production = measured["data_wait_s_per_step"]
+    where = "this machine" + (f" (the target is {gpu}: its CPUs may differ)" if gpu else "")
+    probe = None
+    summary_file = Path(cfg.train.output_dir) / "run_summary.json"
+    if summary_file.is_file():
+        probe = json.loads(summary_file.read_text()).get("mini_batch_probe")
+    params = sum(p.numel() for p in model.parameters())
+    precision = plan.precision if gpu is None else {"auto": "bf16"}.get(cfg.model.precision, cfg.model.precision)
+    saved = weight_dtypes(model, cfg.model, precision).saved
+    return {
+        "target": {"device": target, "devices": devices, "precision": precision},
+        "rate": {
+            "flops_per_s_per_device": est.number(rate.flops_per_s, "FLOP/s", rate.source),
+            "peak_flops": est.number(rate.peak_flops, "FLOP/s", rate.peak_source or "none"),
+            "mfu": est.number(rate.mfu, "", rate.mfu_source or "none"),
+        },
+        "data": {
+            "rows": est.number(stats.rows, "rows", "pre-tokenized data"),
+            "rows_per_step": est.number(plan.samples_per_step, "rows", "batch x devices x accumulation"),
+            "batches_per_epoch": est.number(facts["data"]["batches_per_epoch"], "batches", "rows / global batch"),
+            "mean_tokens_per_row": est.number(stats.mean_tokens, "tokens", "measured: pre-tokenized data"),
+            "token_histogram": stats.histogram,
+            "padded_share": est.number(stats.padded_share, "", f"computed on the configured path: {path}"),
+        },
+        **run,
+        "memory_per_rank": est.probe_memory(probe, plan.mini_batch_size),
+        "data_wait_risk": est.data_wait_risk(production, run["seconds_per_step"]["value"], where),
+        "checkpoint_size": est.checkpoint_bytes(params, saved),
+        "flop_model": {"N": n, "L": layers, "d": width, "passes": passes},
+        "calibration": measured,
+    }
+
+
+def device_rate(cfg, plan, gpu: str | None, mfu: float | None, measured: dict | None):
+    """The FLOP/s of one device of the run and the target's name: ``--mfu`` x the peak (``--gpu``'s
+    datasheet, ``train.peak_tflops`` or this GPU's), else the rate ``--calibrate`` measured here (when
+    the target is this machine), else the peak x an assumed MFU.
+
+    Raises:
+        UserError: a CPU target without ``--calibrate``, or a bad ``--mfu``.
+    """
+    from cembed.train import estimate as est
+    from cembed.train.flops import device_peak, matmul_precision
+
+    if gpu is not None:
+        peak, peak_source = est.gpu_peak(gpu, cfg.model.precision)
+        peak_source = f"datasheet: {peak_source}"
+        target = gpu
+    elif cfg.train.peak_tflops is not None:
+        peak, peak_source, target = cfg.train.peak_tflops * 1e12, "config: train.peak_tflops", "the configured device"
+    elif plan.device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name()
+        peak, peak_source = device_peak(name, matmul_precision(plan.precision, plan.device))
+        peak_source, target = f"datasheet: {peak_source}", name
+    else:
+        peak, peak_source, target = None, "cpu: no datasheet peak", "this machine (cpu)"
+    if mfu is not None and peak is not None:
+        rate = est.peak_rate(peak, peak_source, mfu, "given: --mfu")
+    elif measured is not None and gpu is None:  # the target is this machine: its measured rate
+        share = measured["flops_per_s"] / peak if peak else None
+        rate = est.Rate(measured["flops_per_s"], f"measured: {measured['rate_from']} of {measured['steps']} on this machine", peak,
+                        peak_source if peak else None, share, "measured" if share else None)  # fmt: skip
+    elif peak is not None:
+        rate = est.peak_rate(peak, peak_source, ASSUMED_MFU, "assumed; pass --mfu or --calibrate on the target")
+    else:
+        raise UserError("--gpu: this machine has no datasheet peak; give --gpu NAME (and --mfu) or --calibrate STEPS")
+    return rate, target
+
+
+def calibrate_rate(cfg, steps: int) -> dict:
+    """Run ``steps`` real training steps of ``cfg`` on this machine (the recipe's ``run_training``
+    into a temporary folder, evaluation off, the meter closing an interval every step) and return
+    the measured rate: ``{steps, flops_per_s, wall_time_s, data_wait_share, data_wait_s_per_step,
+    rate_from}``. The rate is the median of the per-step FLOP/s after the first step (the first
+    pays one-time costs: allocator, thread pools, lazy initialisation); with one step, that step's."""
+    import statistics
+
+    from cembed.train.recipe import check_run_inputs, run_training
+
+    with tempfile.TemporaryDirectory(prefix="cembed-calibrate-") as tmp:
+        train = cfg.train.model_copy(update={"max_steps": steps, "num_train_epochs": None, "output_dir": tmp,
+                                              "logging_steps": 1, "save_steps": None, "push_to_hub": False,
+                                              "report_to": ["none"]})  # fmt: skip
+        short = cfg.model_copy(update={"train": train, "eval": None})
+        plan, data = check_run_inputs(short)
+        summary = run_training(short, plan, data)
+    intervals = [i for i in summary["throughput_per_interval"] if i.get("flops_per_s")]
+    later = intervals[1:] or intervals
+    wall = summary["wall_time_s"]
+    done = max(1, summary["steps_this_run"])
+    flops_per_s = statistics.median(i["flops_per_s"] for i in later) if later else summary["throughput"]["flops_per_s"]
+    wait = statistics.median(i.get("data_wait") or 0.0 for i in later) if later else 0.0
+    return {
+        "steps": done,
+        "flops_per_s": flops_per_s,
+        "rate_from": f"median of steps 2..{done}" if len(intervals) > 1 else "the one step",
+        "wall_time_s": wall,
+        "data_wait_share": wait,
+        "data_wait_s_per_step": wait * wall / done,
+    }
+
+
+def _fmt(entry: dict) -> str:
+    value, unit = entry["value"], entry["unit"]
+    if isinstance(value, str) or value is None:
+        return str(value)
+    if unit == "s":
+        return f"{value:,.1f} s ({value / 3600:.2f} h)" if value >= 3600 else f"{value:.3g} s"
+    if unit == "bytes":
+        from cembed.files import format_bytes
+
+        return format_bytes(int(value))
+    if unit in ("FLOP", "FLOP/s"):
+        return f"{value:.3e} {unit}"
+    if unit in ("tokens", "h", ""):
+        return f"{value:,.4g} {unit}".strip()
+    if isinstance(value, float):
+        return f"{value:,.3f} {unit}".strip()
+    return f"{value:,} {unit}".strip()
+
+
+def print_estimate(report: dict) -> None:
+    """One line per number with its source."""
+    t = report["target"]
+    console.print(f"[bold]estimate[/] for {t['devices']} x {t['device']} ({t['precision']})", highlight=False)
+    rows = [("rate per device", report["rate"]["flops_per_s_per_device"])]
+    rows += [(k.replace("_", " "), report["data"][k]) for k in ("rows", "batches_per_epoch", "padded_share")]
+    keys = ("steps_per_epoch", "steps", "tokens", "flops", "seconds_per_step", "epoch_seconds", "run_seconds",
+            "gpu_hours", "memory_per_rank", "data_wait_risk", "checkpoint_size")  # fmt: skip
+    rows += [(k.replace("_", " "), report[k]) for k in keys]
+    for label, entry in rows:
+        console.print(f"  {label:<18} {_fmt(entry):<28} [dim]{entry['source']}[/]", highlight=False)

@@ -1,0 +1,150 @@
+"""``cembed estimate`` (issue 26 item 1): its arithmetic against hand counts on a tiny model and data
+(steps, tokens, FLOPs, time = FLOPs / (peak x MFU)), the unknown-GPU refusal and the CLI's JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cembed.cli.app import app
+from cembed.errors import UserError
+from cembed.train import estimate as est
+
+A100_BF16 = 312.0e12  # NVIDIA's A100 datasheet, bf16 dense
+
+
+def test_run_arithmetic_matches_a_hand_count():
+    # Two columns over two rows: anchor 2 and 4 tokens, positive 3 and 5.
+    stats = est.token_stats({"anchor": [2, 4], "positive": [3, 5]}, mini_batch=2)
+    assert stats.mean_tokens == 7  # (2 + 4) / 2 + (3 + 5) / 2
+    assert stats.mean_tokens_sq == 27  # (4 + 16) / 2 + (9 + 25) / 2
+    # Padded per mini-batch of 2: anchor 2 x 4 = 8 positions for 6 tokens, positive 10 for 8.
+    assert stats.padded_share == pytest.approx(1 - 14 / 18)
+    assert stats.histogram == {"anchor": {2: 1, 4: 1}, "positive": {4: 1, 8: 1}}
+    rate = est.peak_rate(100.0, "peak", 0.5, "given")
+    run = est.estimate_run(stats, 2, 5, 12, (100, 2, 4, 4), rate, devices=2)
+    assert run["steps_per_epoch"]["value"] == 5 and run["steps"]["value"] == 12
+    assert run["tokens_per_step"]["value"] == 14  # 2 rows x 7
+    assert run["tokens"]["value"] == 168
+    # 4 passes x (2 N sum(l) + 4 L d sum(l^2)) = 4 x (2*100*14 + 4*2*4*54) = 4 x (2800 + 1728)
+    assert run["flops_per_step"]["value"] == 18112
+    assert run["flops"]["value"] == 18112 * 12
+    assert run["seconds_per_step"]["value"] == pytest.approx(18112 / (100 * 0.5 * 2))
+    assert run["epoch_seconds"]["value"] == pytest.approx(5 * 18112 / 100)
+    assert run["run_seconds"]["value"] == pytest.approx(12 * 18112 / 100)
+    assert run["gpu_hours"]["value"] == pytest.approx(12 * 18112 / 100 * 2 / 3600)
+    assert all("source" in v and v["source"] for v in run.values())
+
+
+def test_padded_share_follows_the_configured_path():
+    # A per-device batch of 4 sorted by length, mini-batches of 2: [1, 2] pads to 4 positions, [3, 4] to 8.
+    lengths = {"anchor": [4, 1, 3, 2]}
+    assert est.token_stats(lengths, 2, batch=4, sort_by_length=True).padded_share == pytest.approx(1 - 10 / 12)
+    assert est.token_stats(lengths, 2, batch=4, sort_by_length=True, packed=True).padded_share == 0
+    # One mini-batch of the whole batch: every row pads to 4.
+    assert est.token_stats(lengths, 4).padded_share == pytest.approx(1 - 10 / 16)
+
+
+def test_gpu_names_and_unknown_gpu():
+    assert est.gpu_peak("H100-SXM", "auto") == (989.4e12, "H100 SXM bf16 dense peak (NVIDIA datasheet)")
+    assert est.gpu_peak("a100", "fp32")[0] == 156.0e12  # TF32 matmuls on CUDA
+    assert est.gpu_peak("V100", "auto")[0] == 125.0e12  # no bf16: the fp16 tensor peak
+    with pytest.raises(UserError) as err:
+        est.gpu_peak("X99", "auto")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("--gpu: unknown GPU 'X99'; known: GB200, B200")
+    assert "H100 SXM" in message and "T4" in message
+
+
+def test_mfu_must_be_a_share():
+    with pytest.raises(UserError, match="--mfu"):
+        est.peak_rate(1.0, "peak", 1.5, "given")
+
+
+def test_probe_memory_data_wait_and_checkpoint():
+    trials = [{"size": 8, "peak_bytes": 100}, {"size": 32, "peak_bytes": 400}, {"size": 64, "peak_bytes": None}]
+    assert est.probe_memory({"trials": trials}, 16)["value"] == 400  # the next tried size bounds 16
+    assert est.probe_memory({"trials": trials}, 64)["value"] == "run probe-minibatch"
+    assert est.probe_memory(None, 16)["value"] == "run probe-minibatch"
+    assert est.data_wait_risk(None, 1.0)["value"] == "not measured"
+    risk = est.data_wait_risk(0.3, 1.0)
+    assert risk["value"] == "some" and risk["share_of_step"] == pytest.approx(0.3)
+    assert est.checkpoint_bytes(1000, "bfloat16")["value"] == 2000
+
+
+def _rows():
+    # 16 distinct rows of the tiny tokenizer's whole words: [CLS] + words + [SEP]. Anchors: 8 of one
+    # word (3 tokens), 8 of three words (5 tokens); positives: two words (4 tokens).
+    words = "man woman people dog cat train table street".split()
+    rows = [{"anchor": w, "positive": f"{w} red"} for w in words]
+    rows += [{"anchor": f"{w} on top", "positive": f"{w} blue"} for w in words]
+    return rows
+
+
+def test_cli_json_against_a_hand_count(write_config, pairs_file, tiny_model_dir, tmp_path):
+    cfg = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(_rows())), "cache_dir": str(tmp_path / "cache")},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+            "optim": {"learning_rate": 2e-5},
+            "train": {"output_dir": str(tmp_path / "run"), "num_train_epochs": 1},
+        }
+    )
+    out = tmp_path / "estimate.json"
+    r = CliRunner().invoke(app, ["estimate", str(cfg), "--gpu", "A100", "--mfu", "0.5", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    # Tiny BERT: hidden 32, 1 layer, FFN 64. N (no nn.Embedding): layer 4*(32*32+32) + 64 + (32*64+64) +
+    # (64*32+32) + 64 = 8544, pooler 32*32+32 = 1056, embedding LayerNorm 64.
+    assert report["flop_model"] == {"N": 9664, "L": 1, "d": 32, "passes": 4}
+    assert report["steps_per_epoch"]["value"] == 2 and report["steps"]["value"] == 2  # 16 rows / 8
+    assert report["data"]["mean_tokens_per_row"]["value"] == 8  # (3 + 5) / 2 + 4
+    assert report["tokens"]["value"] == 2 * 8 * 8
+    flops_step = 4 * (2 * 9664 * 64 + 4 * 1 * 32 * 8 * 33)  # sum(l^2) per row: (9 + 25) / 2 + 16 = 33
+    assert report["flops_per_step"]["value"] == flops_step
+    assert report["run_seconds"]["value"] == pytest.approx(2 * flops_step / (A100_BF16 * 0.5))
+    assert report["rate"]["mfu"] == {"value": 0.5, "unit": "", "source": "given: --mfu"}
+    assert report["rate"]["peak_flops"]["source"].startswith("datasheet: A100 bf16")
+    assert report["memory_per_rank"]["value"] == "run probe-minibatch"
+    assert report["data_wait_risk"]["value"] == "not measured"
+    params = report["checkpoint_size"]["value"] // 4
+    assert params > 9664 and "float32" in report["checkpoint_size"]["source"]
+    for key in ("steps", "tokens", "flops", "epoch_seconds", "run_seconds", "gpu_hours", "checkpoint_size"):
+        assert report[key]["source"], key
+    assert "run seconds" in r.output and "datasheet" in r.output
+
+
+def test_cli_unknown_gpu_lists_the_known_ones(write_config, tmp_path):
+    cfg = write_config({"model": {"name_or_path": "x"}, "data": {"train": "x.jsonl"}, "train": {"max_steps": 1}})
+    r = CliRunner().invoke(app, ["estimate", str(cfg), "--gpu", "X99"])
+    assert r.exit_code == 2
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown GPU 'X99'" in lines[0] and "H100 SXM" in lines[0], r.output
+
+
+def test_cli_calibrate_measures_this_machine(write_config, pairs_file, tiny_model_dir, tmp_path):
+    cfg = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(_rows())), "cache_dir": str(tmp_path / "cache")},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+            "optim": {"learning_rate": 2e-5},
+            "train": {"output_dir": str(tmp_path / "run"), "max_steps": 40},
+        }
+    )
+    out = tmp_path / "estimate.json"
+    r = CliRunner().invoke(app, ["estimate", str(cfg), "--calibrate", "2", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    calibration = report["calibration"]
+    assert calibration["steps"] == 2 and calibration["rate_from"] == "median of steps 2..2"
+    rate = report["rate"]["flops_per_s_per_device"]
+    assert rate["value"] == calibration["flops_per_s"] > 0
+    assert rate["source"] == "measured: median of steps 2..2 of 2 on this machine"
+    assert report["steps"]["value"] == 40  # the configured run, not the calibration's 2 steps
+    assert report["run_seconds"]["value"] == pytest.approx(40 * report["flops_per_step"]["value"] / rate["value"])
+    assert report["data_wait_risk"]["value"] in ("low", "some", "high")
+    assert not (tmp_path / "run" / "run_summary.json").exists()  # calibration trains in a temporary folder
