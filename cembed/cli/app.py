@@ -16,7 +16,7 @@ import sys
 
 import typer
 
-from cembed.cli import check, prepare, train
+from cembed.cli import check, prepare, sweep, train
 from cembed.cli import eval as evaluate
 from cembed.cli.common import err_console, user_errors
 
@@ -59,6 +59,7 @@ app.command("train", epilog=train.TRAIN_EXAMPLES)(user_errors(train.train_cmd))
 app.command("probe-minibatch", epilog=check.PROBE_MINIBATCH_EXAMPLES)(user_errors(check.probe_minibatch_cmd))
 app.command("eval", epilog=evaluate.EVAL_EXAMPLES)(user_errors(evaluate.eval_cmd))
 app.command("mine-negatives", epilog=prepare.MINE_NEGATIVES_EXAMPLES)(user_errors(prepare.mine_negatives_cmd))
+app.command("sweep", epilog=sweep.SWEEP_EXAMPLES)(user_errors(sweep.sweep_cmd))
 
 
 def main() -> None:

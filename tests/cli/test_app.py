@@ -18,6 +18,7 @@ COMMANDS = [
     "probe-minibatch",
     "eval",
     "mine-negatives",
+    "sweep",
 ]
 
 
