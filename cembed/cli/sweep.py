@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from cembed.cli.common import ConfigArg, OverridesArg, console, examples, load
+from cembed.cli.common import ConfigArg, OverridesArg, console, err_console, examples, load
 
 SWEEP_EXAMPLES = examples(
     "cembed sweep quickstart.yaml",
@@ -47,7 +47,16 @@ def sweep_cmd(
         what = {"start": "training", "done": "done", "cached": "finished before, read back"}[event]
         console.print(f"trial x{factor:g} (learning rate {lr:.3e}): {what}", highlight=False)
 
-    result = run_sweep(config, factors, steps, out, metric, overrides, on_trial)
+    from cembed.errors import RunInterrupted
+
+    try:
+        result = run_sweep(config, factors, steps, out, metric, overrides, on_trial)
+    except RunInterrupted as stop:  # SIGINT/SIGTERM in a trial: it is marked failed in the study
+        err_console.print(
+            f"[yellow]{stop}[/]: the finished trials are kept; rerun the same command to train the missing ones",
+            highlight=False,
+        )
+        raise typer.Exit(stop.exit_code) from None
     path, plot = write_sweep(result)
     table = Table(title=f"LR sweep ({result.steps} steps per trial): {result.metric}")
     for name in ("factor", "learning rate", result.metric, "loss at end"):

@@ -167,3 +167,17 @@ def test_cli_prints_the_table_and_the_override(tmp_path, tiny_model_dir):
     data = json.loads((tmp_path / "s" / "sweep.json").read_text())
     assert data["override"] in res.output and "loss at end" in res.output
     assert (tmp_path / "s" / "sweep.png").exists()
+
+
+def test_cli_an_interrupted_trial_says_how_to_resume(tmp_path, tiny_model_dir, monkeypatch):
+    import signal
+
+    from cembed.errors import RunInterrupted
+
+    def stopped(*args, **kwargs):
+        raise RunInterrupted(signal.SIGTERM, 1, None)
+
+    monkeypatch.setattr(S, "run_training", stopped)
+    config = _config(tmp_path, tiny_model_dir)
+    res = CliRunner().invoke(app, ["sweep", str(config), "--steps", "1", "--out", str(tmp_path / "s")])
+    assert res.exit_code == 143 and "rerun the same command" in res.output and "Traceback" not in res.output
