@@ -254,7 +254,6 @@ def run_sweep(
     study = open_study(storage, greater)
     done = completed_trials(study, chosen, steps)
     ran: list[float] = []
-    before: list[float] = []
 
     def trial_for(factor: float, edge: bool = False) -> SweepTrial:
         key = _factor_key(factor)
@@ -287,8 +286,8 @@ def run_sweep(
             trained_now=True,
             edge=edge,
         )
-        if summary["eval"].get("before"):
-            before.append(float(summary["eval"]["before"][chosen]))
+        if summary["eval"].get("before"):  # the base model's score: the same for every trial; kept for reruns
+            study.set_user_attr(f"before:{chosen}", float(summary["eval"]["before"][chosen]))
         record_trial(study, trial, result, chosen, steps)
         done[key] = result
         ran.append(factor)
@@ -315,7 +314,7 @@ def run_sweep(
         trials=sorted(trials, key=lambda t: t.factor),
         best=best,
         out=out,
-        metric_before=before[0] if before else None,
+        metric_before=study.user_attrs.get(f"before:{chosen}"),
         storage=storage,
         ran=ran,
     )

@@ -82,6 +82,7 @@ def test_sweep_trains_each_factor_and_picks_the_best(tmp_path, tiny_model_dir, m
     # a rerun trains nothing: every trial is COMPLETE in the study
     again = S.run_sweep(config, [0.5, 1.0, 2.0], steps=2, out=tmp_path / "sweep")
     assert len(calls) == len(data["trials"]) and again.ran == []
+    assert again.metric_before == data["metric_before_training"] is not None  # read back from the study
     assert again.best.factor == data["best"]["factor"]
 
 
