@@ -350,6 +350,7 @@ def plot_sweep(result: SweepResult, path: str | Path) -> Path | None:
     if result.metric_before is not None:
         ax.axhline(result.metric_before, color="gray", linestyle="--", label="before training")
     ax.set_xscale("log")
+    ax.margins(x=0.08, y=0.15)  # room for the factor labels above the points
     ax.set_xlabel("effective learning rate")
     ax.set_ylabel(result.metric)
     ax.set_title(f"LR sweep: {result.steps} steps per trial")
