@@ -16,7 +16,7 @@ import sys
 
 import typer
 
-from cembed.cli import check, estimate, prepare, train
+from cembed.cli import check, estimate, prepare, sweep, train
 from cembed.cli import eval as evaluate
 from cembed.cli.common import err_console, user_errors
 
@@ -60,6 +60,7 @@ app.command("probe-minibatch", epilog=check.PROBE_MINIBATCH_EXAMPLES)(user_error
 app.command("eval", epilog=evaluate.EVAL_EXAMPLES)(user_errors(evaluate.eval_cmd))
 app.command("mine-negatives", epilog=prepare.MINE_NEGATIVES_EXAMPLES)(user_errors(prepare.mine_negatives_cmd))
 app.command("estimate", epilog=estimate.ESTIMATE_EXAMPLES)(user_errors(estimate.estimate_cmd))
+app.command("sweep", epilog=sweep.SWEEP_EXAMPLES)(user_errors(sweep.sweep_cmd))
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ COMMANDS = [
     "eval",
     "mine-negatives",
     "estimate",
+    "sweep",
 ]
 
 

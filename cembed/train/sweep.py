@@ -1,0 +1,362 @@
+"""``cembed sweep``: the learning-rate search the sqrt rule starts.
+
+The maintainers' advice after :func:`cembed.plan.lr.scale_lr` is to start at the scaled LR "and then
+double or halve the value until I get the strongest results". :func:`run_sweep` does that loop with
+short runs: the same config (same data order and seed) at the effective LR times each factor, each
+trained for ``steps`` optimizer steps through :func:`cembed.train.recipe.run_training` and scored on
+the config's eval sets after training; if the best factor is at an edge of the list, one more factor
+beyond it (x2 above the largest, x0.5 below the smallest) is tried.
+
+Trial bookkeeping is Optuna's (an RDB study in ``<out>/study.db``, sqlite): each factor is a trial
+whose parameter ``factor`` is enqueued and asked; a finished (COMPLETE) trial is read back on a rerun
+and not trained again, a trial left RUNNING by a killed process is marked FAIL and trained again.
+One process runs a sweep at a time: a RUNNING trial found at the start is taken to be a dead one.
+
+Because every LR rule is linear in ``optim.learning_rate`` (the LR at ``base_batch_size``), the
+effective LR x factor is the effective LR of ``optim.learning_rate`` x factor; that config value is
+the override the sweep recommends. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cembed.config.file import load_config
+from cembed.errors import UserError
+from cembed.eval.sets import load_eval_sets
+from cembed.files import write_json_atomic
+from cembed.plan.resolve import resolve_plan
+from cembed.train.evaluation import check_metric_name, greater_is_better, headline_keys, metric_names
+from cembed.train.recipe import check_run_inputs, run_training
+
+STUDY_NAME = "lr-sweep"
+DEFAULT_FACTORS = (0.5, 1.0, 2.0)
+
+
+def _space():
+    from optuna.distributions import FloatDistribution
+
+    return {"factor": FloatDistribution(1e-6, 1e6, log=True)}  # every factor is enqueued, never sampled
+
+
+def parse_factors(text: str | None) -> list[float]:
+    """``--lr-factors`` (e.g. ``"0.5,1,2"``) as sorted distinct floats.
+
+    Raises:
+        UserError: empty, not a number, or not a positive finite number.
+    """
+    items = [s.strip() for s in (text or "").split(",") if s.strip()]
+    if not items:
+        raise UserError("--lr-factors is empty; give comma-separated positive factors, e.g. --lr-factors 0.5,1,2")
+    factors = []
+    for item in items:
+        try:
+            value = float(item)
+        except ValueError:
+            raise UserError(f"--lr-factors: {item!r} is not a number; e.g. --lr-factors 0.5,1,2") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise UserError(f"--lr-factors: {item} is not a positive factor; e.g. --lr-factors 0.5,1,2")
+        factors.append(value)
+    return sorted(set(factors))
+
+
+@dataclass
+class SweepTrial:
+    """One factor's short run."""
+
+    factor: float
+    learning_rate: float  # the effective LR the optimizer got (the plan's, x factor)
+    config_learning_rate: float  # optim.learning_rate of the trial (the config's x factor)
+    metric: float  # the sweep metric after training
+    last_loss: float | None  # the last optimizer step's loss
+    output_dir: str
+    trained_now: bool  # False: a COMPLETE trial read back from the study
+    edge: bool = False  # the extra factor beyond an edge
+
+
+@dataclass
+class SweepResult:
+    """What :func:`run_sweep` found; :meth:`as_json` is ``sweep.json``."""
+
+    metric: str
+    greater_is_better: bool
+    base_learning_rate: float  # the plan's effective LR (factor 1)
+    base_config_learning_rate: float  # optim.learning_rate of the config
+    lr_derivation: str
+    steps: int
+    trials: list[SweepTrial]  # sorted by factor
+    best: SweepTrial
+    out: Path
+    metric_before: float | None = None  # the base model's metric (evaluated before every trial's training)
+    storage: str = ""
+    ran: list[float] = field(default_factory=list)  # factors trained by this call
+
+    @property
+    def override(self) -> str:
+        """The chosen LR as a config override (the value at ``optim.base_batch_size``)."""
+        return f"optim.learning_rate={self.best.config_learning_rate:.6g}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "greater_is_better": self.greater_is_better,
+            "metric_before_training": self.metric_before,
+            "steps": self.steps,
+            "base_learning_rate": self.base_learning_rate,
+            "base_config_learning_rate": self.base_config_learning_rate,
+            "lr_derivation": self.lr_derivation,
+            "trials": [asdict(t) for t in self.trials],
+            "best": asdict(self.best),
+            "override": self.override,
+            "study": {"storage": self.storage, "name": STUDY_NAME},
+            "trained_this_call": self.ran,
+        }
+
+
+def sweep_metric(cfg, metric: str | None) -> tuple[str, bool]:
+    """The metric trials are compared on and whether greater is better: ``metric`` (``--metric``),
+    else ``eval.metric_for_best_model``, else the first set's headline metric (NDCG@10 / Spearman).
+
+    Raises:
+        UserError: no eval sets in the config, or an unknown ``--metric`` (with the choices).
+    """
+    if cfg.eval is None:
+        raise UserError(
+            "eval: the config has no eval sets; sweep scores each trial on them: add an eval section "
+            "(eval.retrieval or eval.sts)"
+        )
+    sets = load_eval_sets(cfg.eval)
+    if metric is not None:
+        bare = metric.removeprefix("eval_")
+        known = metric_names(sets)
+        if bare not in known:
+            raise UserError(f"--metric: {metric!r} is not a metric of the eval sets (e.g. {', '.join(known[:6])})")
+        chosen = bare
+    else:
+        chosen = check_metric_name(cfg.eval.metric_for_best_model, sets) or headline_keys(sets)[0]
+    return chosen, greater_is_better(chosen, cfg.eval.greater_is_better)
+
+
+def _factor_key(factor: float) -> str:
+    return f"{factor:.6g}"
+
+
+def trial_overrides(config_lr: float, steps: int, run_dir: Path) -> list[str]:
+    """A trial's overrides on top of the user's: its LR and length and folder; no checkpoints, no
+    evaluation during training (only before and after), no trackers, no hub push."""
+    return [
+        f"optim.learning_rate={config_lr!r}",
+        "train.num_train_epochs=null",
+        f"train.max_steps={steps}",
+        f"train.output_dir={run_dir.resolve()}",
+        "train.save_steps=null",
+        "train.push_to_hub=false",
+        "train.report_to=[none]",
+        "eval.eval_steps=null",
+        "eval.metric_for_best_model=null",
+    ]
+
+
+def open_study(storage: str, greater: bool):
+    """The sweep's Optuna study in ``storage`` (created or loaded); a trial left RUNNING by a killed
+    sweep is marked FAIL so that its factor is trained again."""
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        storage=storage, study_name=STUDY_NAME, direction="maximize" if greater else "minimize", load_if_exists=True
+    )
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.tell(t.number, state=TrialState.FAIL)
+    return study
+
+
+def completed_trials(study, metric: str, steps: int) -> dict[str, SweepTrial]:
+    """The study's COMPLETE trials of this metric and length, by factor (``_factor_key``)."""
+    from optuna.trial import TrialState
+
+    done: dict[str, SweepTrial] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        a = t.user_attrs
+        if a.get("metric_name") != metric or a.get("steps") != steps:
+            continue  # a trial of another metric or length is not this sweep's
+        done[_factor_key(t.params["factor"])] = SweepTrial(
+            factor=t.params["factor"],
+            learning_rate=a["learning_rate"],
+            config_learning_rate=a["config_learning_rate"],
+            metric=t.value,
+            last_loss=a.get("last_loss"),
+            output_dir=a["output_dir"],
+            trained_now=False,
+            edge=a.get("edge", False),
+        )
+    return done
+
+
+def record_trial(study, trial, result: SweepTrial, metric: str, steps: int) -> None:
+    """Store a finished trial: what :func:`completed_trials` reads back as user attributes, the
+    metric as its value (COMPLETE)."""
+    attrs = {k: v for k, v in asdict(result).items() if k not in ("factor", "metric", "trained_now")}
+    for name, value in {**attrs, "metric_name": metric, "steps": steps}.items():
+        trial.set_user_attr(name, value)
+    study.tell(trial, result.metric)
+
+
+def run_sweep(
+    config: str | Path,
+    factors: list[float],
+    steps: int,
+    out: str | Path | None = None,
+    metric: str | None = None,
+    overrides: list[str] | None = None,
+    on_trial: Callable[[str, float, float], None] | None = None,
+) -> SweepResult:
+    """Train ``config`` for ``steps`` steps at the effective LR x each factor and score each run.
+
+    Args:
+        config: the YAML config (``overrides`` applied to it, then the sweep's own: LR, steps,
+            output folder; no checkpoints, no evaluation during training, no trackers, no hub push).
+        factors: positive LR factors (see :func:`parse_factors`).
+        steps: optimizer steps per trial (> 0).
+        out: the sweep's folder (default ``<train.output_dir>-lr-sweep``): ``study.db``, one
+            ``factor-<f>`` run folder per trial; the caller writes ``sweep.json`` and the plot there.
+        metric: the metric to compare (see :func:`sweep_metric`).
+        on_trial: called ``(event, factor, effective_lr)`` with ``"start"`` / ``"done"`` / ``"cached"``.
+
+    Returns:
+        The :class:`SweepResult`, trials sorted by factor.
+
+    Raises:
+        UserError: no eval sets, unknown metric, bad steps, or a config mistake of a trial.
+        RunFailed, RunInterrupted, KeyboardInterrupt: a trial's; the trial is marked FAIL in the study
+            and trained again by the next call.
+    """
+    from optuna.trial import TrialState
+
+    if steps < 1 or not factors:
+        raise UserError(
+            f"--steps must be at least 1 (got {steps})" if steps < 1 else "--lr-factors is empty; e.g. 0.5,1,2"
+        )
+    overrides = list(overrides or [])
+    cfg = load_config(config, overrides)
+    chosen, greater = sweep_metric(cfg, metric)
+    plan = resolve_plan(cfg)
+    out = Path(out) if out is not None else Path(f"{cfg.train.output_dir.rstrip('/')}-lr-sweep")
+    out.mkdir(parents=True, exist_ok=True)
+
+    storage = f"sqlite:///{(out / 'study.db').resolve()}"
+    study = open_study(storage, greater)
+    done = completed_trials(study, chosen, steps)
+    ran: list[float] = []
+
+    def trial_for(factor: float, edge: bool = False) -> SweepTrial:
+        key = _factor_key(factor)
+        if key in done:
+            if on_trial:
+                on_trial("cached", factor, done[key].learning_rate)
+            return done[key]
+        run_dir = out / f"factor-{key}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a killed trial's half-written run starts over
+        lr_value = cfg.optim.learning_rate * factor
+        trial_cfg = load_config(config, [*overrides, *trial_overrides(lr_value, steps, run_dir)])
+        study.enqueue_trial({"factor": factor})
+        trial = study.ask(_space())
+        try:
+            trial_plan, data = check_run_inputs(trial_cfg)
+            if on_trial:
+                on_trial("start", factor, trial_plan.learning_rate)
+            summary = run_training(trial_cfg, trial_plan, data)
+        except BaseException:
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        losses = summary.get("step_losses") or []
+        result = SweepTrial(
+            factor=factor,
+            learning_rate=trial_plan.learning_rate,
+            config_learning_rate=lr_value,
+            metric=float(summary["eval"]["after"][chosen]),
+            last_loss=float(losses[-1][1]) if losses else summary.get("last_loss"),
+            output_dir=str(run_dir),
+            trained_now=True,
+            edge=edge,
+        )
+        if summary["eval"].get("before"):  # the base model's score: the same for every trial; kept for reruns
+            study.set_user_attr(f"before:{chosen}", float(summary["eval"]["before"][chosen]))
+        record_trial(study, trial, result, chosen, steps)
+        done[key] = result
+        ran.append(factor)
+        if on_trial:
+            on_trial("done", factor, result.learning_rate)
+        return result
+
+    def best_of(trials: list[SweepTrial]) -> SweepTrial:
+        return (max if greater else min)(trials, key=lambda t: t.metric)
+
+    trials = [trial_for(f) for f in factors]
+    best = best_of(trials)
+    if len(factors) > 1 and best.factor in (factors[0], factors[-1]):
+        beyond = best.factor * (2.0 if best.factor == factors[-1] else 0.5)
+        trials.append(trial_for(beyond, edge=True))
+        best = best_of(trials)
+    return SweepResult(
+        metric=chosen,
+        greater_is_better=greater,
+        base_learning_rate=plan.learning_rate,
+        base_config_learning_rate=cfg.optim.learning_rate,
+        lr_derivation=plan.lr_derivation,
+        steps=steps,
+        trials=sorted(trials, key=lambda t: t.factor),
+        best=best,
+        out=out,
+        metric_before=study.user_attrs.get(f"before:{chosen}"),
+        storage=storage,
+        ran=ran,
+    )
+
+
+def write_sweep(result: SweepResult) -> tuple[Path, Path | None]:
+    """Write ``sweep.json`` and ``sweep.png`` into the sweep's folder; returns both paths."""
+    path = result.out / "sweep.json"
+    data = result.as_json()
+    plot = plot_sweep(result, result.out / "sweep.png")
+    data["plot"] = str(plot) if plot else None
+    write_json_atomic(path, data)
+    return path, plot
+
+
+def plot_sweep(result: SweepResult, path: str | Path) -> Path | None:
+    """A PNG of the metric against the effective LR (log x), the best trial marked and the base
+    model's metric as a dashed line; None without trials."""
+    if not result.trials:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lrs = [t.learning_rate for t in result.trials]
+    values = [t.metric for t in result.trials]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(lrs, values, marker="o", color="tab:blue", label="after training")
+    ax.plot([result.best.learning_rate], [result.best.metric], "*", color="tab:red", markersize=14, label="best")
+    for t in result.trials:
+        ax.annotate(f"x{t.factor:g}", (t.learning_rate, t.metric), textcoords="offset points", xytext=(0, 6))
+    if result.metric_before is not None:
+        ax.axhline(result.metric_before, color="gray", linestyle="--", label="before training")
+    ax.set_xscale("log")
+    ax.margins(x=0.08, y=0.15)  # room for the factor labels above the points
+    ax.set_xlabel("effective learning rate")
+    ax.set_ylabel(result.metric)
+    ax.set_title(f"LR sweep: {result.steps} steps per trial")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,184 @@
+"""``cembed sweep``: trials at the scaled LR x each factor, the edge rule, sweep.json, the Optuna
+study that lets a killed sweep resume with only the missing trials, and the refusals (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import cembed.train.sweep as S
+from cembed.cli.app import app
+from cembed.errors import UserError
+
+
+def _config(tmp_path, tiny_model_dir, eval_section=True):
+    rows = [{"anchor": f"question {i} about a car", "positive": f"answer {i} on the street"} for i in range(16)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "sts.tsv").write_text(
+        "".join(f"a car on road {i}\ta vehicle on a street {i}\t{i % 5}\n" for i in range(8))
+    )
+    data = {
+        "model": {"name_or_path": str(tiny_model_dir), "max_seq_length": 16, "device": "cpu"},
+        "data": {"train": str(tmp_path / "pairs.jsonl"), "cache_dir": str(tmp_path / "cache")},
+        "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+        "optim": {"learning_rate": 1e-3, "base_batch_size": 2, "lr_scaling": "sqrt"},
+        "train": {"max_steps": 100, "logging_steps": 1, "output_dir": str(tmp_path / "run")},
+    }
+    if eval_section:
+        data["eval"] = {"sts": str(tmp_path / "sts.tsv")}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _counting(monkeypatch, fail_on: int | None = None):
+    """Count run_training calls (their learning rates); raise in call number ``fail_on``."""
+    calls = []
+    real = S.run_training
+
+    def wrapper(cfg, plan, data, *args, **kwargs):
+        calls.append(cfg.optim.learning_rate)
+        if fail_on is not None and len(calls) == fail_on:
+            raise KeyboardInterrupt  # killed mid-trial
+        return real(cfg, plan, data, *args, **kwargs)
+
+    monkeypatch.setattr(S, "run_training", wrapper)
+    return calls
+
+
+def _expected_trials(metrics: dict[float, float]) -> int:
+    best = max(metrics, key=metrics.get)
+    return 4 if best in (min(metrics), max(metrics)) else 3
+
+
+def test_sweep_trains_each_factor_and_picks_the_best(tmp_path, tiny_model_dir, monkeypatch):
+    config = _config(tmp_path, tiny_model_dir)
+    calls = _counting(monkeypatch)
+    result = S.run_sweep(config, [0.5, 1.0, 2.0], steps=2, out=tmp_path / "sweep")
+    path, plot = S.write_sweep(result)
+    data = json.loads(path.read_text())
+
+    # effective LR at x1: 1e-3 x sqrt(8/2) = 2e-3; each trial's config LR is 1e-3 x factor
+    assert result.base_learning_rate == pytest.approx(2e-3)
+    first = {t.factor: t for t in result.trials}
+    assert first[0.5].learning_rate == pytest.approx(1e-3) and first[2.0].learning_rate == pytest.approx(4e-3)
+    assert calls[:3] == pytest.approx([5e-4, 1e-3, 2e-3])
+    assert data["metric"] == "sts_spearman_cosine"
+    metrics = {t["factor"]: t["metric"] for t in data["trials"] if not t["edge"]}
+    assert len(metrics) == 3
+    assert len(data["trials"]) == _expected_trials(metrics) == len(calls)
+    best = max(data["trials"], key=lambda t: t["metric"])
+    assert data["best"]["factor"] == best["factor"]
+    assert data["override"] == f"optim.learning_rate={best['config_learning_rate']:.6g}"
+    for t in data["trials"]:  # each trial's metric is its own run's after-training score, at `steps` steps
+        summary = json.loads((tmp_path / "sweep" / f"factor-{t['factor']:.6g}" / "run_summary.json").read_text())
+        assert summary["steps"] == 2 and summary["eval"]["after"]["sts_spearman_cosine"] == t["metric"]
+        assert summary["step_losses"][-1][1] == pytest.approx(t["last_loss"])
+    assert plot is not None and plot.stat().st_size > 0
+
+    # a rerun trains nothing: every trial is COMPLETE in the study
+    again = S.run_sweep(config, [0.5, 1.0, 2.0], steps=2, out=tmp_path / "sweep")
+    assert len(calls) == len(data["trials"]) and again.ran == []
+    assert again.metric_before == data["metric_before_training"] is not None  # read back from the study
+    assert again.best.factor == data["best"]["factor"]
+
+
+def test_a_killed_sweep_resumes_with_only_the_missing_trials(tmp_path, tiny_model_dir, monkeypatch):
+    config = _config(tmp_path, tiny_model_dir)
+    calls = _counting(monkeypatch, fail_on=2)
+    with pytest.raises(KeyboardInterrupt):
+        S.run_sweep(config, [0.5, 1.0, 2.0], steps=2, out=tmp_path / "sweep")
+    assert len(calls) == 2
+
+    import optuna
+
+    study = optuna.load_study(study_name=S.STUDY_NAME, storage=f"sqlite:///{tmp_path / 'sweep' / 'study.db'}")
+    states = sorted(t.state.name for t in study.trials)
+    assert states == ["COMPLETE", "FAIL"]
+
+    calls2 = _counting(monkeypatch)
+    result = S.run_sweep(config, [0.5, 1.0, 2.0], steps=2, out=tmp_path / "sweep")
+    metrics = {t.factor: t.metric for t in result.trials if not t.edge}
+    # x0.5 was finished before the kill: only x1, x2 (and the edge factor if it fires) are trained
+    assert calls2[:2] == pytest.approx([1e-3, 2e-3])
+    assert len(calls2) == _expected_trials(metrics) - 1
+    assert [t.trained_now for t in result.trials if t.factor == 0.5] == [False]
+
+
+def test_a_trial_left_running_by_a_kill_is_failed_and_trained_again(tmp_path, tiny_model_dir, monkeypatch):
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    config = _config(tmp_path, tiny_model_dir)
+    (tmp_path / "sweep").mkdir()
+    storage = f"sqlite:///{tmp_path / 'sweep' / 'study.db'}"
+    study = optuna.create_study(storage=storage, study_name=S.STUDY_NAME, direction="maximize")
+    study.enqueue_trial({"factor": 1.0})
+    study.ask({"factor": FloatDistribution(1e-6, 1e6, log=True)})  # RUNNING, its process gone
+    calls = _counting(monkeypatch)
+    S.run_sweep(config, [1.0, 2.0], steps=1, out=tmp_path / "sweep")
+    assert calls[0] == pytest.approx(1e-3)
+    states = [t.state.name for t in optuna.load_study(study_name=S.STUDY_NAME, storage=storage).trials]
+    assert states[0] == "FAIL" and "RUNNING" not in states
+
+
+@pytest.mark.parametrize("text", ["", " , ", "0.5,0,2", "1,-2", "1,abc", "nan"])
+def test_bad_factors_are_refused_naming_the_flag(text):
+    with pytest.raises(UserError, match="--lr-factors"):
+        S.parse_factors(text)
+
+
+def test_factors_are_sorted_and_distinct():
+    assert S.parse_factors("2, 0.5,1,2") == [0.5, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--lr-factors", ""], "--lr-factors"),
+        (["--lr-factors", "0.5,-1"], "--lr-factors"),
+        (["--metric", "sts_nope"], "--metric"),
+    ],
+)
+def test_cli_refuses_bad_flags_with_exit_2(tmp_path, tiny_model_dir, args, needle):
+    config = _config(tmp_path, tiny_model_dir)
+    res = CliRunner().invoke(app, ["sweep", str(config), *args])
+    assert res.exit_code == 2, res.output
+    assert needle in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "run-lr-sweep").exists()  # refused before any trial
+
+
+def test_cli_refuses_a_config_without_eval_sets(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir, eval_section=False)
+    res = CliRunner().invoke(app, ["sweep", str(config)])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "eval" in lines[0] and "no eval sets" in lines[0]
+
+
+def test_cli_prints_the_table_and_the_override(tmp_path, tiny_model_dir):
+    config = _config(tmp_path, tiny_model_dir)
+    res = CliRunner().invoke(
+        app, ["sweep", str(config), "--lr-factors", "1,2", "--steps", "1", "--out", str(tmp_path / "s")]
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert data["override"] in res.output and "loss at end" in res.output
+    assert (tmp_path / "s" / "sweep.png").exists()
+
+
+def test_cli_an_interrupted_trial_says_how_to_resume(tmp_path, tiny_model_dir, monkeypatch):
+    import signal
+
+    from cembed.errors import RunInterrupted
+
+    def stopped(*args, **kwargs):
+        raise RunInterrupted(signal.SIGTERM, 1, None)
+
+    monkeypatch.setattr(S, "run_training", stopped)
+    config = _config(tmp_path, tiny_model_dir)
+    res = CliRunner().invoke(app, ["sweep", str(config), "--steps", "1", "--out", str(tmp_path / "s")])
+    assert res.exit_code == 143 and "rerun the same command" in res.output and "Traceback" not in res.output
