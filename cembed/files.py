@@ -115,6 +115,16 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
     return write_atomic(path, lambda f: (json.dump(obj, f, indent=2, default=str), f.write("\n")))
 
 
+def apply_umask(folder: str | Path) -> None:
+    """Give every file and folder under ``folder`` the mode a plain ``open()`` / ``mkdir`` would
+    (0o666 / 0o777 less the process umask): libraries write weight shards through private 0o600
+    temporary files, which a model or checkpoint folder meant to be shared must not keep."""
+    mask = _umask()
+    for item in Path(folder).rglob("*"):
+        if not item.is_symlink():
+            item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+
+
 def save_model_atomic(model, output_dir: str | Path) -> Path:
     """Save a SentenceTransformer into ``output_dir``: written to a temporary sibling folder first,
     then each file is moved into place, so a crash mid-save leaves no torn weight file. Every saved
@@ -125,10 +135,7 @@ def save_model_atomic(model, output_dir: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".model-tmp-", dir=out))
     try:
         model.save_pretrained(str(tmp))
-        mask = _umask()
-        for item in tmp.rglob("*"):
-            if not item.is_symlink():
-                item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+        apply_umask(tmp)
         for item in tmp.iterdir():
             target = out / item.name
             if target.is_dir() and not target.is_symlink():

@@ -42,7 +42,7 @@ from cembed.distributed.collectives import gather_over_ranks, max_over_ranks, re
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
 from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
-from cembed.files import append_log
+from cembed.files import append_log, apply_umask
 from cembed.losses.counts import TokenCounts
 from cembed.losses.registry import BuiltLoss
 from cembed.model.lora import is_lora, load_lora_checkpoint
@@ -330,6 +330,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             self._staging_root = None
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
+            apply_umask(staged)  # the weights were written through a private 0o600 temporary file
             mark_complete(staged, self.state.global_step, self.run_record)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staged, final)

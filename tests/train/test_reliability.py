@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -303,7 +305,13 @@ def test_resume_refuses_finished_or_changed_schedule(tiny_model_dir, write_confi
     path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "short", max_steps=2, save_steps=1)
     cfg = load_config(path)
     plan, data = check_run_inputs(cfg)
-    run_training(cfg, plan, data)
+    old_mask = os.umask(0o022)
+    try:
+        run_training(cfg, plan, data)
+    finally:
+        os.umask(old_mask)
+    # checkpoints get the umask's modes too (transformers writes the weights 0o600)
+    assert stat.S_IMODE((tmp_path / "short" / "checkpoint-1" / "model.safetensors").stat().st_mode) == 0o644
     with pytest.raises(UserError, match=r"checkpoint-2 is at step 2, already at train.max_steps=2; nothing to resume"):
         run_training(cfg, plan, data, resume=True)
     longer = load_config(path, ["train.max_steps=4"])
