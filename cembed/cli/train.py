@@ -31,6 +31,7 @@ from cembed.cli.common import (
     world_size_from_flags,
 )
 from cembed.errors import RunInterrupted, UserError, WorkerFailed
+from cembed.files import display_path
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -128,7 +129,7 @@ def train_cmd(
         if dist_info().is_main:
             extra = " ".join(overrides or [])
             err_console.print(
-                f"[yellow]{stop}[/]: checkpoint saved to {stop.checkpoint}\n"
+                f"[yellow]{stop}[/]: checkpoint saved to {display_path(stop.checkpoint)}\n"
                 f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume",
                 highlight=False,
             )
@@ -165,7 +166,7 @@ def abandoned_message(
         return f"{what}; no checkpoint to resume from"
     extra = " ".join(overrides or [])
     return (
-        f"{what}; the last complete checkpoint is {last}\n"
+        f"{what}; the last complete checkpoint is {display_path(last)}\n"
         f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume"
     )
 
@@ -473,7 +474,7 @@ def print_done(console: Console, summary: dict) -> None:
             f"vs full {lora['total_parameters']:,} ({format_bytes(lora['full_bytes'])}), {share:.2%}; {saved}",
             highlight=False,
         )
-    console.print(f"model and run_summary.json in {summary['output_dir']}", highlight=False)
+    console.print(f"model and run_summary.json in {display_path(summary['output_dir'])}", highlight=False)
 
 
 # Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from cembed.cli.train import RichRunDisplay, abandoned_message
+from cembed.files import display_path
 from cembed.train.meter import StepClock
 from cembed.train.trainer import RunLog, RunLogCallback, progress_line
 
@@ -70,5 +71,5 @@ def test_the_lines_of_a_resume_an_interrupt_and_an_abandoned_run(tmp_path):
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "cembed_checkpoint_complete.json").write_text("{}")
     text = abandoned_message(display, str(tmp_path), tmp_path / "c.yaml", ["train.seed=1"])
-    assert f"the last complete checkpoint is {tmp_path / 'checkpoint-3'}" in text
+    assert f"the last complete checkpoint is {display_path(tmp_path / 'checkpoint-3')}" in text
     assert text.endswith(f"resume with: cembed train {tmp_path / 'c.yaml'} train.seed=1 --resume")
