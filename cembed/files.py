@@ -55,15 +55,17 @@ def cache_root(kind: CacheKind, cache_dir: str | Path | None = None) -> Path:
 
 
 def display_path(path: str | Path) -> str:
-    """``path`` as a user message shows it: relative to the working directory when that is shorter
-    (``runs/demo`` rather than ``/home/me/project/runs/demo``), else as given (an absolute path stays
-    absolute when its relative form would climb out through enough ``..`` to be longer)."""
+    """``path`` as a user message shows it: relative to the working directory when it lies inside it
+    (``runs/demo`` rather than ``/home/me/project/runs/demo``), else as given. A path outside stays
+    absolute rather than climbing out through ``..``: the message then reads the same wherever the
+    command runs from."""
     text = str(path)
     try:
         relative = os.path.relpath(text)
     except ValueError:  # another drive (Windows), or no working directory
         return text
-    return relative if len(relative) < len(text) else text
+    inside = relative != ".." and not relative.startswith(".." + os.sep)
+    return relative if inside and len(relative) < len(text) else text
 
 
 def _umask() -> int:

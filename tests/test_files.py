@@ -20,12 +20,12 @@ def test_atomic_write_gets_the_umask_mode(tmp_path, umask, mode):
     assert stat.S_IMODE(path.stat().st_mode) == mode  # mkstemp alone gives 0o600 whatever the umask
 
 
-def test_display_path_relative_to_the_working_directory_when_shorter(tmp_path, monkeypatch):
+def test_display_path_relative_inside_the_working_directory(tmp_path, monkeypatch):
     (tmp_path / "runs").mkdir()
     monkeypatch.chdir(tmp_path / "runs")
     assert display_path(tmp_path / "runs" / "demo" / "run_summary.json") == os.path.join("demo", "run_summary.json")
-    assert display_path(tmp_path / "x.jsonl") == os.path.join("..", "x.jsonl")
-    assert display_path("/") == "/"  # the relative form (../../..) would be longer
+    assert display_path(tmp_path / "x.jsonl") == str(tmp_path / "x.jsonl")  # outside: never "../x.jsonl"
+    assert display_path("/") == "/"
     assert display_path("data/x.jsonl") == "data/x.jsonl"  # already relative: unchanged
 
 
