@@ -80,20 +80,26 @@ def validate_cmd(
     from transformers.utils import logging as transformers_logging
 
     from cembed.data.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
+    from cembed.data.prepare import model_truncation_report
+    from cembed.model.load import load_model, quiet_libraries
     from cembed.train.recipe import check_run_inputs
 
     # The summary is validate's output: transformers' "Loading weights" bars (on or off depending on
     # which library was imported first) would open it with noise.
     transformers_logging.disable_progress_bar()
     plan, data = check_run_inputs(cfg, world_size_from_flags(nproc_per_node, nnodes), allow_unloaded=True)
-    truncation = _truncation(cfg.model, data, cfg.data.prompts, cfg.batch.unpad, plan.precision)
-    if isinstance(truncation, Exception):  # train loads this model first: a model it cannot load, it refuses
-        raise truncation
+    # Loaded once, for the report and the sampler's hashes; train loads it first too, so a model it
+    # cannot load is refused here with train's own error.
+    quiet_libraries()
+    model = load_model(cfg.model, "cpu")
+    truncation = model_truncation_report(
+        cfg.model, data, prompts_cfg=cfg.data.prompts, unpad=cfg.batch.unpad, precision=plan.precision, model=model
+    )
     hashes = None
     if cfg.sampler.no_duplicates and hasattr(data, "dataset"):
         # Duplicates and batchability judged as the training sampler will judge them (token ids when
         # training pre-tokenizes), so what validate passes, train does not refuse.
-        hashes, compared = sampler_hashes(data, cfg.model, cfg.data)
+        hashes, compared = sampler_hashes(data, cfg.model, cfg.data, model=model)
         check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
     unplaced = (
         unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes) if hashes is not None else ()

@@ -516,7 +516,13 @@ class ModelTruncation(NamedTuple):
 
 
 def model_truncation_report(
-    model_cfg, data, sample_rows: int = 20000, prompts_cfg=None, unpad="auto", precision: str | None = None
+    model_cfg,
+    data,
+    sample_rows: int = 20000,
+    prompts_cfg=None,
+    unpad="auto",
+    precision: str | None = None,
+    model=None,
 ) -> ModelTruncation:
     """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a PreparedData), with
     the pooling the model uses, its stored / training / saved dtypes, each role's prompt
@@ -525,7 +531,8 @@ def model_truncation_report(
     and the attention path ``unpad`` (``batch.unpad``) gives it; the per-column
     report is empty for :class:`UnloadedData` (only the model is checked). ``precision`` is the run's
     resolved precision for the dtypes' autocast (``Plan.precision``; None: ``model_cfg.precision``
-    resolved on CPU, where the model is loaded).
+    resolved on CPU, where the model is loaded). ``model``: the model already loaded on CPU from
+    ``model_cfg`` (None: loaded here).
 
     Raises:
         UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it,
@@ -534,8 +541,9 @@ def model_truncation_report(
     from cembed.model.prompts import resolve_prompts
     from cembed.model.unpad import resolve_unpad
 
-    quiet_libraries()
-    model = load_model(model_cfg, "cpu")
+    if model is None:
+        quiet_libraries()
+        model = load_model(model_cfg, "cpu")
     length = int(model.max_seq_length)
     pooling = pooling_in_effect(model, model_cfg)
     weights = weight_dtypes(model, model_cfg, precision)
