@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from cembed.errors import UserError
-from cembed.train.flops import PEAKS, device_peak
+from cembed.train.flops import PEAKS, FlopModel, device_peak
 
 BYTES_PER_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -192,7 +192,7 @@ def estimate_run(
     n, layers, width, passes = flop_constants
     tokens_step = samples_per_step * stats.mean_tokens
     sq_step = samples_per_step * stats.mean_tokens_sq
-    flops_step = passes * (2.0 * n * tokens_step + 4.0 * layers * width * sq_step)
+    flops_step = FlopModel(n, layers, width, passes).flops(tokens_step, sq_step)  # the meter's own count
     seconds_step = flops_step / (rate.flops_per_s * devices)
     data = f"mean real tokens per row over {stats.rows} rows of the pre-tokenized data"
     return {
