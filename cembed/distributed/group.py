@@ -16,6 +16,7 @@ What this module holds:
   while the other ranks wait on the process group's store, not in a collective, so its length is
   bounded by no collective timeout.
 - :func:`leave_process_group`: the clean shutdown before a worker exits.
+- :func:`exit_worker`: end a launched worker without interpreter finalization.
 
 The collectives the ranks agree through are in :mod:`cembed.distributed.collectives`.
 
@@ -138,7 +139,37 @@ def leave_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        import gc
+
         dist.destroy_process_group()
+        gc.collect()  # the group sits in reference cycles: free it and its threads now (see exit_worker)
+
+
+def exit_worker(code: int = 0) -> None:
+    """End this launched worker with exit ``code`` now, skipping Python's interpreter finalization;
+    returns (does nothing) outside a launched multi-process job.
+
+    Why: a crash in finalization would turn a complete run into a failed rank. On CPU the gloo group
+    outlives ``destroy_process_group`` (it is referenced from reference cycles around the trainer;
+    a two-rank run still has 8 threads after it, 5 after ``gc.collect()``), and a gloo thread that
+    frees a tensor while the interpreter is torn down aborts the process: ``terminate called without
+    an active exception``, SIGABRT (seen in CI: rank 1 of a run that had finished all its steps;
+    pytorch/pytorch#179291 proposed an upstream fix and was abandoned). :func:`leave_process_group` collects those cycles;
+    this skips finalization altogether. Everything a run keeps is already written atomically and
+    closed; this flushes the log handlers and standard streams, then leaves with ``os._exit``.
+    """
+    if not is_worker():
+        return
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be shown anyway
+            pass
+    os._exit(code)
 
 
 _MAIN_FIRST_WAIT_S = 7 * 24 * 3600.0  # a failed first rank ends the job through the launcher

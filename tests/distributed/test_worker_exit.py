@@ -1,0 +1,35 @@
+"""How a launched worker ends: ``exit_worker`` leaves with the given code, output flushed, without
+interpreter finalization (where gloo's threads could abort a finished run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+WORKER_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in WORKER_ENV}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_exit_worker_flushes_output_and_keeps_the_code():
+    # stdout to a pipe is block-buffered: without the flush, os._exit would drop "partial line"
+    r = _run(
+        "from cembed.distributed.group import exit_worker\n"
+        "import atexit; atexit.register(lambda: print('finalized'))\n"
+        "print('partial line', end='')\nexit_worker(3)\nprint('not reached')",
+        WORKER_ENV,
+    )
+    assert (r.returncode, r.stdout) == (3, "partial line"), r.stderr
+
+
+def test_exit_worker_is_a_no_op_outside_a_launched_job():
+    r = _run("from cembed.distributed.group import exit_worker\nexit_worker(3)\nprint('went on')", {})
+    assert (r.returncode, r.stdout.strip()) == (0, "went on"), r.stderr
