@@ -267,6 +267,12 @@ def model_config_from_flags(
 # --- rendering ----------------------------------------------------------------------------------
 
 
+def _source_shown(source: dict) -> str:
+    """A source of the report as the summary names it: its path, with its file count when sharded."""
+    files = source.get("files")
+    return display_path(source["path"]) + (f" ({files} files)" if files else "")
+
+
 def _batches(rows: int, batch: int, drop_last: bool) -> int:
     return rows // batch if drop_last else -(-rows // batch)
 
@@ -301,6 +307,7 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
             {
                 "name": s.name,
                 "path": s.label,
+                "files": s.files,
                 "rows_read": s.rows_read,
                 "rows_dropped": s.rows_dropped,
                 "rows": s.rows,
@@ -406,7 +413,7 @@ def print_validation(console: Console, report: dict) -> None:
     p(f"loss: {report['loss']['name']} on {cols}")
     if d["loaded"]:
         sources = d["sources"]
-        what = display_path(sources[0]["path"]) if len(sources) == 1 else f"{len(sources)} sources"
+        what = _source_shown(sources[0]) if len(sources) == 1 else f"{len(sources)} sources"
         per_epoch = (
             f"{d['batches_per_epoch']} batches of {b['per_device_train_batch_size'] * b['world_size']} per epoch"
         )
@@ -417,7 +424,7 @@ def print_validation(console: Console, report: dict) -> None:
         for s in sources if len(sources) > 1 else []:
             p(
                 f"  source {s['name']}: {s['rows_read']} rows read, {s['rows_dropped']} dropped, {s['rows']} to train "
-                f"on ({display_path(s['path'])}); {s['batches_per_epoch']} batches; columns {s['columns']}"
+                f"on ({_source_shown(s)}); {s['batches_per_epoch']} batches; columns {s['columns']}"
             )
         if d["first_row"]:
             p("  first row: " + " | ".join(f"{k} {_short(v)}" for k, v in d["first_row"].items()))

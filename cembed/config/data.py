@@ -25,6 +25,13 @@ from cembed.samples import is_sample
 
 # Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
 LOCAL_EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".tsv", ".parquet", ".csv.gz", ".tsv.gz")
+# A file source's path holding one of these is a glob pattern (a hub id never holds them).
+GLOB_CHARACTERS = "*?["
+
+
+def is_glob(path: str) -> bool:
+    """Whether a data path is a glob pattern (``data/*.jsonl.gz``, ``shards/**/*.parquet``)."""
+    return any(c in path for c in GLOB_CHARACTERS)
 
 
 class ColumnMap(_Strict):
@@ -138,23 +145,48 @@ def _strip_extension(name: str) -> str:
 
 
 class FileSource(SourceConfig):
-    """A local data file: .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet."""
+    """A local data file: .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet; or a sharded one:
+    a folder, a glob or a list of files of one format and the same columns, read as one source."""
 
     kind: Literal["file"] = Field("file", description="source kind; inferred from path when not given")
-    path: str = Field(description="the file; a relative path resolves against the config file's folder")
+    path: str | list[str] = Field(
+        description="the file; or its shards, read as one source in path order: a folder (every data file in "
+        "it, recursively), a glob (data/*.jsonl.gz, shards/**/*.parquet) or a list of files; a relative path "
+        "resolves against the config file's folder",
+    )
     split: str = Field("train", description="accepted for symmetry with hub sources; a file is one split")
     subset: str | None = Field(None, description="accepted for symmetry with hub sources; ignored for a file")
 
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
 
+    @field_validator("path")
+    @classmethod
+    def _some_files(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("the list of files is empty; give at least one file")
+        return value
+
     @property
     def label(self) -> str:
-        """How messages and the run summary name this source."""
+        """How messages and the run summary name this source: its path, folder or glob; a list of
+        files by its first file and how many more."""
+        if isinstance(self.path, list):
+            more = len(self.path) - 1
+            return self.path[0] + (f" (+{more} more file{'s' if more > 1 else ''})" if more else "")
         return self.path
 
     def default_name(self) -> str:
-        """The file name without its extensions (``cembed:coco-captions`` -> ``coco-captions``)."""
-        return _strip_extension(self.path.split(":", 1)[1] if self.path.startswith("cembed:") else Path(self.path).name)
+        """The file name without its extensions (``cembed:coco-captions`` -> ``coco-captions``); a
+        folder's name; a glob's last folder without a pattern (``data/*.jsonl.gz`` -> ``data``); a
+        list's first file's name."""
+        path = self.path[0] if isinstance(self.path, list) else self.path
+        if path.startswith("cembed:"):
+            return _strip_extension(path.split(":", 1)[1])
+        if is_glob(path):
+            fixed = list(Path(path).parts[:-1])
+            fixed = fixed[: next((i for i, part in enumerate(fixed) if is_glob(part)), len(fixed))]
+            return Path(*fixed).name if fixed and Path(*fixed).name else _strip_extension(Path(path).name)
+        return _strip_extension(Path(path).name)
 
 
 class HubSource(SourceConfig):
@@ -249,9 +281,9 @@ register_source_config(BeirSource)
 
 def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
     """``file`` when ``path`` names packaged data (``cembed:<name>``), exists (relative to the
-    working folder or to ``base``, the config file's folder) or ends with one of
-    :data:`LOCAL_EXTENSIONS`; ``hub`` otherwise."""
-    if is_sample(path) or path.lower().endswith(LOCAL_EXTENSIONS) or Path(path).exists():
+    working folder or to ``base``, the config file's folder), ends with one of
+    :data:`LOCAL_EXTENSIONS` or is a glob pattern; ``hub`` otherwise."""
+    if is_sample(path) or path.lower().endswith(LOCAL_EXTENSIONS) or is_glob(path) or Path(path).exists():
         return "file"
     if base is not None and (base / path).exists():
         return "file"
@@ -309,7 +341,8 @@ def _source_dict(train: Any, base: Path | None, where: str) -> Any:
             train = {k: v for k, v in train.items() if k != key} | {"kind": kind, "path": train[key]}
     if isinstance(train, dict) and "kind" not in train:
         path = train.get("path")
-        # Without a usable path any kind reports the same error (missing or not a string).
+        # Without a usable path any kind reports the same error (missing or not a string); a list of
+        # paths is a file source's shards.
         kind = infer_source_kind(path, base) if isinstance(path, str) else "file"
         train = {"kind": kind, **train}
     return train

@@ -178,6 +178,8 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
             value = getattr(item.source, field)
             if isinstance(value, str):
                 setattr(item.source, field, _resolve_data_path(value, base, item.key))
+            elif isinstance(value, list):  # a file source's shards, each resolved as one path is
+                setattr(item.source, field, [_resolve_data_path(v, base, item.key) for v in value])
     cfg.train.output_dir = _resolve_path(cfg.train.output_dir, base)
     if cfg.data.cache_dir is not None:
         cfg.data.cache_dir = _resolve_path(cfg.data.cache_dir, base)

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cembed.config.data import ColumnMap, DataConfig, TrainSource
+from cembed.config.data import ColumnMap, DataConfig, FileSource, TrainSource
 from cembed.data.columns import expand_list_columns, unmapped_column_notes
-from cembed.data.sources import load_source, row_locator
+from cembed.data.sources import is_sharded, load_source, row_locator, source_files
 from cembed.errors import HubUnavailable, UserError
 from cembed.model.load import load_model, pooling_in_effect, quiet_libraries, weight_dtypes
 
@@ -80,6 +80,7 @@ class SourceData:
     prompts: Any = (
         None  # PromptsConfig: its own prompts over data.prompts (data.train.<name>.prompts); None: data.prompts'
     )
+    files: int | None = None  # a sharded file source's file count (None: one file, or not a file source)
 
     @property
     def where(self) -> str:
@@ -283,7 +284,8 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
     if len(dataset) == 0:
         raise UserError(f"{label}: every row was invalid and dropped; nothing is left to train on")
     prompts = item.prompts if item.own_prompts else None
-    info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles, prompts)
+    files = len(source_files(source)) if isinstance(source, FileSource) and is_sharded(source) else None
+    info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles, prompts, files)
     return dataset, info, notes + expanded
 
 

@@ -11,6 +11,7 @@ refused with its line, not a parser traceback.
 from __future__ import annotations
 
 import csv
+import glob
 import gzip
 import json
 import logging
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cembed.config.data import BeirSource, FileSource, HubSource, SourceConfig
+from cembed.config.data import LOCAL_EXTENSIONS, BeirSource, FileSource, HubSource, SourceConfig, is_glob
 from cembed.data.beir import beir_files, qrels_lines, read_corpus, read_queries
 from cembed.errors import HubUnavailable, UserError
 from cembed.files import display_path
@@ -137,23 +138,145 @@ def captured_library_logs(
             logger.handlers, logger.propagate = handlers, propagate
 
 
-def load_file(source: FileSource):
-    """Load a local data file as a ``datasets.Dataset`` (one split, all rows).
+SUPPORTED_FILES = ".jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet"
+
+
+def _is_data_file(path: Path) -> bool:
+    """A file a folder or glob contributes as a shard: a supported extension, not hidden or a
+    marker (``.crc``, ``_SUCCESS``: what Spark and others write beside their shards)."""
+    return path.is_file() and not path.name.startswith((".", "_")) and path.name.lower().endswith(LOCAL_EXTENSIONS)
+
+
+def is_sharded(source: FileSource) -> bool:
+    """Whether a file source names its shards: a list of files, a folder, or a glob (a path that
+    exists as written is the file itself, even with ``[`` in its name)."""
+    if isinstance(source.path, list):
+        return True
+    path = Path(source.path)
+    return path.is_dir() or (is_glob(source.path) and not path.exists())
+
+
+def source_files(source: FileSource) -> list[Path]:
+    """The files of a file source, in the order their rows are read: the file itself; a folder's
+    data files (recursively) or a glob's matches, sorted by path; a list's files as listed.
 
     Raises:
-        UserError: missing file, a folder, an empty file, unsupported extension, or unreadable/corrupt
-            content (named by :func:`diagnose_file` where it can: line, column, cause).
+        UserError: a folder or glob with no supported data file (naming it), a listed file that is
+            missing or a folder.
+    """
+    if isinstance(source.path, list):
+        files = [Path(p) for p in source.path]
+        for path in files:
+            if not path.exists():
+                raise UserError(
+                    f"{display_path(path)}: data file not found (data paths resolve relative to the config file)"
+                )
+            if path.is_dir():
+                raise UserError(f"{display_path(path)}: is a folder; a list of shards names files")
+        return files
+    if not is_sharded(source):
+        return [Path(source.path)]
+    if is_glob(source.path) and not Path(source.path).exists():
+        found = sorted(p for p in map(Path, glob.glob(source.path, recursive=True)) if _is_data_file(p))
+        if not found:
+            raise UserError(f"{display_path(source.path)}: no {SUPPORTED_FILES} file matches this pattern")
+        return found
+    path = Path(source.path)
+    found = sorted(p for p in path.rglob("*") if _is_data_file(p))
+    if not found:
+        raise UserError(f"{display_path(path)}: the folder holds no {SUPPORTED_FILES} file")
+    return found
+
+
+def _format(path: Path) -> str:
+    """A shard's format for the one-format rule: ``.jsonl`` and ``.jsonl.gz`` (and ``.json``) are one."""
+    name = path.name.lower().removesuffix(".gz")
+    return ".jsonl" if name.endswith(".json") else Path(name).suffix
+
+
+def _shard_columns(path: Path) -> list[str] | None:
+    """A shard's column names, read cheaply: a JSON Lines file's first record's keys, a CSV/TSV
+    header, a parquet file's schema; None where that is unknown without reading it all (.json) or
+    unreadable (the load names the problem)."""
+    name = path.name.lower().removesuffix(".gz")
+    try:
+        if name.endswith(".jsonl"):
+            for _, text in _text_lines(path):
+                if text.strip():
+                    record = json.loads(text)
+                    return list(record) if isinstance(record, dict) else None
+            return None
+        delimited = _delimited(path)
+        if delimited is not None:
+            return _csv_header(path, *delimited)
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(path).names)
+    except Exception:  # noqa: BLE001 - an unreadable shard is named by the load's diagnosis
+        return None
+    return None
+
+
+def _check_shards(files: list[Path], label: str) -> None:
+    """Refuse shards that cannot be one source, naming the first offending one: a missing or empty
+    file, a second format, columns that differ from the first shard's."""
+    first_format = _format(files[0])
+    first_columns: list[str] | None = None
+    for path in files:
+        shown = display_path(path)
+        if not path.exists():
+            raise UserError(f"{shown}: data file not found")
+        if path.stat().st_size == 0:
+            raise UserError(f"{label}: {shown}: data file is empty; remove it or fill it")
+        if _format(path) != first_format:
+            raise UserError(
+                f"{label}: {shown}: a {_format(path)} file among {first_format} files ({display_path(files[0])}); "
+                "one source holds one format: convert it, or make the formats two sources"
+            )
+        columns = _shard_columns(path)
+        if columns is None:
+            continue
+        if first_columns is None:
+            first_columns, first_path = columns, path
+        elif set(columns) != set(first_columns):
+            raise UserError(
+                f"{label}: {shown}: columns {', '.join(columns)} differ from {display_path(first_path)}'s "
+                f"({', '.join(first_columns)}); every shard of one source needs the same columns"
+            )
+
+
+def _diagnosis(files: list[Path]) -> str | None:
+    """The first problem :func:`diagnose_file` finds in ``files``, prefixed by the shard when there are several."""
+    for path in files:
+        problem = diagnose_file(path)
+        if problem:
+            return f"{display_path(path)}: {problem}" if len(files) > 1 else problem
+    return None
+
+
+def load_file(source: FileSource):
+    """Load a local data file, or a sharded one (a folder, a glob, a list of files: see
+    :func:`source_files`), as one ``datasets.Dataset`` (one split, all rows, shards in path order).
+
+    Raises:
+        UserError: missing file, an empty file, unsupported extension, or unreadable/corrupt content
+            (named by :func:`diagnose_file` where it can: shard, line, column, cause); a folder or
+            glob with no data file; shards of two formats or with different columns (naming the
+            first shard that differs).
     """
     import datasets
 
     datasets.disable_progress_bars()
-    path = Path(source.path)
-    shown = display_path(path)
-    if not path.exists():
+    sharded = is_sharded(source)
+    files = source_files(source)
+    path = files[0]
+    shown = display_path(source.label if sharded else path)
+    if sharded:
+        _check_shards(files, shown)
+    elif not path.exists():
         raise UserError(f"{shown}: data file not found (data paths resolve relative to the config file)")
-    if path.is_dir():
-        raise UserError(f"{shown}: is a folder; data.train must name a file")
-    if path.stat().st_size == 0:
+    elif path.stat().st_size == 0:
         raise UserError(f"{shown}: data file is empty")
     # datasets pings the hub to count a download of its json/csv/parquet builder on every load; a local
     # file is nobody's download, and without network the ping costs a timeout.
@@ -161,20 +284,21 @@ def load_file(source: FileSource):
     builder, kwargs = _builder_for(path)
     if builder == "csv":
         # pandas fills short rows with NaN silently; a ragged row must be named instead.
-        problem = diagnose_file(path)
+        problem = _diagnosis(files)
         if problem:
             raise UserError(f"{shown}: {problem}")
+    data_files = str(path) if not sharded else [str(f) for f in files]
     try:
         with captured_library_logs():  # a parser failure is named below, in one line
-            dataset = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+            dataset = datasets.load_dataset(builder, data_files=data_files, split="train", **kwargs)
         # The JSON reader can pass invalid UTF-8 through into string columns; catch it here.
         dataset.data.table.validate(full=True)
         return dataset
     except Exception as err:  # datasets wraps parser errors in many types
-        problem = diagnose_file(path)
-        if problem is None and path.name.lower().removesuffix(".gz").endswith(".jsonl"):
+        problem = _diagnosis(files)
+        if problem is None and all(f.name.lower().removesuffix(".gz").endswith(".jsonl") for f in files):
             # datasets' mixed-type fallback chokes on blank lines; the standard library does not.
-            return _read_jsonl_rows(path)
+            return _read_jsonl_rows(*files)
         if problem is None:
             first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
             problem = f"cannot read as {builder}: {first[:300]}"
@@ -219,15 +343,16 @@ def hub_unavailable_reason(error_line: str) -> str:
     return f"hub unreachable: {error_line[:200]}"
 
 
-def _read_jsonl_rows(path: Path):
-    """A JSON Lines file read with the standard library (it parsed in :func:`diagnose_file`) as a
+def _read_jsonl_rows(*paths: Path):
+    """JSON Lines files (one, or a source's shards in order) read with the standard library (they
+    parsed in :func:`diagnose_file`) as a
     ``datasets.Dataset``: a column of text (or null) cells is a string column; any other column is
     kept as JSON text in pyarrow's ``json`` type, as ``datasets`` does for mixed columns, so the cell
     checks can name its non-text cells."""
     import datasets
     import pyarrow as pa
 
-    rows = [json.loads(text) for _, text in _text_lines(path) if text.strip()]
+    rows = [json.loads(text) for path in paths for _, text in _text_lines(path) if text.strip()]
     names = list(dict.fromkeys(k for row in rows for k in row))
     columns = {}
     for name in names:
@@ -286,8 +411,53 @@ def row_number(index: int) -> str:
 def file_row_locator(source: FileSource) -> Callable[[int], str]:
     """How messages name a row of a data file by its 0-based index: ``line N`` for a JSON Lines file
     (blank lines skipped, as the reader does) and for a CSV/TSV file (the line the row starts on,
-    after the header; blank lines skipped), ``row N`` (1-based) otherwise."""
-    path = Path(source.path)
+    after the header; blank lines skipped), ``row N`` (1-based) otherwise. A sharded source's row
+    is ``<shard>: line N`` (or ``<shard>: row N``), found by counting each shard's rows, only when
+    a message asks."""
+    if not is_sharded(source):
+        return _one_file_locator(Path(source.path))
+
+    def locate_shard(index: int) -> str:
+        try:
+            files = source_files(source)
+        except UserError:
+            return row_number(index)
+        start = 0
+        for path in files:
+            rows = _count_rows(path)
+            if rows is None:
+                break
+            if index < start + rows:
+                return f"{display_path(path)}: {_one_file_locator(path)(index - start)}"
+            start += rows
+        return row_number(index)
+
+    return locate_shard
+
+
+def _count_rows(path: Path) -> int | None:
+    """The rows a data file holds, as the loader reads them (None: unknown, or unreadable)."""
+    name = path.name.lower().removesuffix(".gz")
+    try:
+        if name.endswith(".jsonl"):
+            return sum(1 for _, text in _text_lines(path) if text.strip())
+        delimited = _delimited(path)
+        if delimited is not None:
+            return max(sum(1 for _ in _csv_records(path, *delimited)) - 1, 0)
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        if name.endswith(".json"):
+            data = json.loads("".join(t for _, t in _text_lines(path)))
+            return len(data) if isinstance(data, list) else None
+    except Exception:  # noqa: BLE001 - a locator falls back to the row's global number
+        return None
+    return None
+
+
+def _one_file_locator(path: Path) -> Callable[[int], str]:
+    """:func:`file_row_locator` of one file."""
     delimited = _delimited(path)
     if delimited is not None:
 

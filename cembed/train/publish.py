@@ -85,7 +85,7 @@ def packaged_data_name(path: str) -> str | None:
     from cembed.samples import PREFIX, SAMPLES, resolve_sample
 
     for key in SAMPLES:
-        if path and Path(path) == resolve_sample(PREFIX + key):
+        if path and isinstance(path, str) and Path(path) == resolve_sample(PREFIX + key):  # not a list of shards
             return key
     return None
 

@@ -274,7 +274,10 @@ BAD_INPUTS = {
         ),
         "line 2: bytes that are not UTF-8",
     ),
-    "a folder": (lambda p: (p / "folder.jsonl").mkdir() or p / "folder.jsonl", "is a folder"),
+    "a folder": (
+        lambda p: (p / "folder.jsonl").mkdir() or p / "folder.jsonl",
+        "folder.jsonl: the folder holds no .jsonl[.gz]",
+    ),  # a folder is a sharded source
 }
 
 
