@@ -151,7 +151,7 @@ class FileSource(SourceConfig):
     kind: Literal["file"] = Field("file", description="source kind; inferred from path when not given")
     path: str | list[str] = Field(
         description="the file; or its shards, read as one source in path order: a folder (every data file in "
-        "it, recursively), a glob (data/*.jsonl.gz, shards/**/*.parquet) or a list of files; a relative path "
+        "it, recursively), a glob (`data/*.jsonl.gz`, `shards/**/*.parquet`) or a list of files; a relative path "
         "resolves against the config file's folder",
     )
     split: str = Field("train", description="accepted for symmetry with hub sources; a file is one split")
@@ -402,7 +402,8 @@ class DataConfig(_Strict):
     """The training data: where it comes from, which columns feed the loss, how it is checked."""
 
     train: SerializeAsAny[SourceConfig] | list[SerializeAsAny[SourceConfig]] = Field(
-        description="a file path, a hub id, {kind, path, split, subset} or {beir, split}; or several sources: "
+        description="a file path (or its shards: a folder, a glob), a hub id, {kind, path, split, subset} or "
+        "{beir, split}; or several sources: "
         "a list of them, or a mapping name -> source"
     )
     columns: ColumnMap = Field(default_factory=ColumnMap, description="data column -> loss role")
