@@ -164,3 +164,32 @@ def test_sharded_source_names(write_config, tmp_path):
     assert FileSource(path="/x/corpus/**/*.parquet").default_name() == "corpus"
     assert FileSource(path=["a/one.jsonl", "b/two.jsonl"]).default_name() == "one"
     assert FileSource(path="pairs.jsonl.gz").default_name() == "pairs"  # one file: as before
+
+
+def test_parquet_shards_by_recursive_glob_in_path_order(write_config, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = _rows()
+    for k in range(SHARDS):
+        folder = tmp_path / "corpus" / f"day-{k // 5}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows[k * ROWS : (k + 1) * ROWS]), folder / f"part-{k:02d}.parquet")
+    data = _load(write_config, "corpus/**/*.parquet")
+    assert data.dataset["positive"] == [r["positive"] for r in rows] and data.sources[0].files == SHARDS
+    assert data.sources[0].name == "corpus"
+
+
+def test_csv_shards_with_another_header_refused(write_config, tmp_path):
+    (tmp_path / "csv").mkdir()
+    for k in range(3):
+        (tmp_path / "csv" / f"p{k}.csv").write_text(
+            "anchor,positive\n" + "".join(f"q{k}{i},a{k}{i}\n" for i in range(4))
+        )
+    (tmp_path / "csv" / "p1.csv").write_text("anchor,answer\nq,a\n")
+    with pytest.raises(
+        UserError, match=r"p1\.csv: columns anchor, answer differ from .*p0\.csv's \(anchor, positive\)"
+    ):
+        _load(write_config, "csv")
+    (tmp_path / "csv" / "p1.csv").write_text("anchor,positive\nq,a\n")
+    assert len(_load(write_config, "csv").dataset) == 9
