@@ -55,12 +55,18 @@ max_seq_length 128, on CPU; batch ``min(--batch, rows // 4)`` (printed), no-dupl
 this needs folder/glob sources (issue 24 item 1); without them the read stage fails with cembed's
 "data file not found". Default: one file.
 
-Not here: ``--ranks 2`` (anonymous memory per rank of a two-process gloo start) is not implemented.
+``--ranks N`` (N >= 2) adds, per size, a real ``cembed train CONFIG --nproc-per-node N`` (gloo, CPU,
+``train.max_steps: 1``, global batch as above) on a tiny random BERT (1 layer, hidden 32) that uses
+all-MiniLM-L6-v2's own tokenizer, so the data side (load, checks, tokenization, sampler, first batch)
+is the real one and the model is negligible. A thread of this process samples, every 20 ms,
+``RssAnon`` and ``VmHWM`` of every process under the launcher (ranks told apart by ``LOCAL_RANK`` in
+their environment) and reports each one's peak, with the least-squares slope per row of the ranks'
+peak anonymous memory. Cold caches per size, so rank 0's preparation is inside its peak.
 
 Usage::
 
     python scripts/bench_scale.py [--sizes 20000,50000] [--batch 65536] [--seed 0] [--shards K]
-        [--workdir DIR] [--keep] [--json OUT]
+        [--ranks N] [--workdir DIR] [--keep] [--json OUT]
 
 Sizes of the issue: ``--sizes 100000,300000,1000000,3000000`` (hours on 2 cores; needs
 ~2.6 KB of disk per row).
@@ -77,6 +83,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -211,6 +218,7 @@ class StageMeter:
         )
         self.results: dict[str, dict] = {}
         self.current: str | None = None
+        self.start_anon = _status_kb("RssAnon") * 1024  # after the imports, before the first stage
 
     def _cpu(self) -> float:
         s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -300,12 +308,120 @@ def measure_size(work: Path, train: str, batch: int) -> dict:
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {
         "stages": meter.results,
+        "start_anon": meter.start_anon,
         "batches_per_epoch": batches,
         "rows_unplaced": run.rows_unplaced,
         "first_batch_keys": sorted(first),
         "pretokenized": parts.token_info.get("pretokenized"),
         "child_maxrss_mb": round(children / 2**20, 1),
     }
+
+
+# --- several ranks (--ranks N) -----------------------------------------------------------------
+
+
+def tiny_model(path: Path) -> Path:
+    """A random 1-layer BERT (hidden 32) + mean pooling with all-MiniLM-L6-v2's tokenizer, saved at
+    ``path`` as a sentence-transformers folder (returned): the real tokenization at a negligible
+    model cost."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from cembed.model.load import resolve_model_path
+
+    hf = path / "hf"
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    tokenizer.save_pretrained(hf)
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    BertModel(config).save_pretrained(hf)
+    model = SentenceTransformer(modules=[Transformer(str(hf), max_seq_length=128), Pooling(32, "mean")], device="cpu")
+    model.save(str(path / "st"))
+    return path / "st"
+
+
+def _proc_tree(root: int) -> list[int]:
+    """``root`` and every process below it (from ``/proc/*/stat``)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += parents.get(pid, [])
+    return tree
+
+
+def _proc_memory(pid: int) -> tuple[str | None, int, int]:
+    """``(LOCAL_RANK or None, RssAnon bytes, VmHWM bytes)`` of ``pid`` ((None, 0, 0) once gone)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None, 0, 0
+    rank = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"LOCAL_RANK=")), None)
+    values = {
+        line.split(":")[0]: int(line.split()[1]) * 1024 for line in status if line.startswith(("RssAnon", "VmHWM"))
+    }
+    return rank, values.get("RssAnon", 0), values.get("VmHWM", 0)
+
+
+def measure_ranks(work: Path, train: str, batch: int, ranks: int, env: dict) -> dict:
+    """Run ``cembed train --nproc-per-node ranks`` (one step, tiny model, see the module docstring)
+    and sample its processes' memory. Returns ``{"launcher": {...}, "rank 0": {...}, ...}`` with
+    ``peak_anon`` / ``peak_rss`` bytes, plus ``wall_s`` and ``cpu_s`` (the whole job's user+sys)."""
+    import yaml
+
+    model = tiny_model(work / "tiny-model")
+    cfg = {
+        "model": {"name_or_path": str(model), "max_seq_length": 128, "device": "cpu"},
+        "data": {"train": train, "cache_dir": str(work / "cembed-cache")},
+        "batch": {"per_device_train_batch_size": batch // ranks, "mini_batch_size": min(256, batch // ranks)},
+        "loss": {"name": "cached_mnrl"},
+        "sampler": {"no_duplicates": True},
+        "train": {"max_steps": 1, "seed": 42, "output_dir": str(work / "run"), "logging_steps": 1},
+    }
+    path = work / "ranks.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "cembed", "train", str(path), "--nproc-per-node", str(ranks)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peaks: dict[int, list] = {}  # pid -> [label, anon, hwm]
+
+    def sample() -> None:
+        while job.poll() is None:
+            for pid in _proc_tree(job.pid):
+                rank, anon, hwm = _proc_memory(pid)
+                label = "launcher" if pid == job.pid else (f"rank {rank}" if rank is not None else None)
+                if label is None:  # helper processes (datasets' tokenizer workers, the elastic agent's)
+                    continue
+                peak = peaks.setdefault(pid, [label, 0, 0])
+                peak[1], peak[2] = max(peak[1], anon), max(peak[2], hwm)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    _, err = job.communicate()
+    watcher.join()
+    if job.returncode != 0:
+        raise SystemExit(f"bench_scale: {' '.join(cmd)} failed (exit {job.returncode}):\n{err[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out: dict = {
+        "wall_s": round(time.perf_counter() - started, 2),
+        "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
+    }
+    for label, anon, hwm in peaks.values():  # one launcher; a rank restarted by the agent keeps its peak
+        prev = out.get(label, {"peak_anon": 0, "peak_rss": 0})
+        out[label] = {"peak_anon": max(prev["peak_anon"], anon), "peak_rss": max(prev["peak_rss"], hwm)}
+    return out
 
 
 # --- fit and report ----------------------------------------------------------------------------
@@ -326,7 +442,7 @@ def report(results: list[dict]) -> str:
     extrapolation (with >= 2 sizes)."""
     out = [
         "| rows | batch | stage | wall s | CPU s | peak RSS MB | peak anon MB | cembed cache MB | datasets cache MB "
-        "| CPU µs/row | anon B/row | disk B/row |",
+        "| CPU µs/row | anon over start B/row | disk B/row |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -337,9 +453,10 @@ def report(results: list[dict]) -> str:
             out.append(
                 f"| {n:,} | {r['batch']:,} | {stage} | {s['wall_s']:.2f} | {s['cpu_s']:.2f} | {_mb(s['peak_rss'])} "
                 f"| {_mb(s['peak_anon'])} | {_mb(s['disk_cembed'])} | {_mb(s['disk_datasets'])} "
-                f"| {s['cpu_s'] / n * 1e6:.1f} | {s['peak_anon'] / n:,.0f} | {disk / n:,.0f} |"
+                f"| {s['cpu_s'] / n * 1e6:.1f} | {(s['peak_anon'] - r['start_anon']) / n:,.0f} | {disk / n:,.0f} |"
             )
     out.append("")
+    out.append("anon over start: the stage's peak RssAnon minus the process's after its imports (torch, datasets).")
     out.append(", ".join(f"{r['rows']:,} rows: input {r['input_bytes'] / r['rows']:.0f} B/row" for r in results))
     if len({r["rows"] for r in results}) < 2:
         return "\n".join(out)
@@ -370,6 +487,33 @@ def report(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def ranks_report(results: list[dict]) -> str:
+    """Markdown table of the ``--ranks`` runs (peak anonymous memory and RSS per process) and the
+    least-squares slope per row of each process's peak anonymous memory (>= 2 sizes)."""
+    labels = sorted({k for r in results for k in r["ranks"] if k not in ("wall_s", "cpu_s")})
+    out = [
+        "| rows | process | peak anon MB | peak RSS MB | anon B/row | job wall s | job CPU s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        m = r["ranks"]
+        for label in labels:
+            if label in m:
+                out.append(
+                    f"| {r['rows']:,} | {label} | {_mb(m[label]['peak_anon'])} | {_mb(m[label]['peak_rss'])} "
+                    f"| {m[label]['peak_anon'] / r['rows']:,.0f} | {m['wall_s']:.1f} | {m['cpu_s']:.1f} |"
+                )
+    rows = [r["rows"] for r in results]
+    if len(set(rows)) >= 2:
+        out.append("")
+        for label in labels:
+            if all(label in r["ranks"] for r in results):
+                slope, intercept = fit_line(rows, [r["ranks"][label]["peak_anon"] for r in results])
+                at = (slope * EXTRAPOLATE_ROWS + intercept) / 1e9
+                out.append(f"- {label}: peak anon slope {slope:,.0f} B/row, {at:,.1f} GB at {EXTRAPOLATE_ROWS:,} rows")
+    return "\n".join(out)
+
+
 # --- driver ------------------------------------------------------------------------------------
 
 
@@ -388,7 +532,9 @@ def run_size(rows: int, args, root: Path) -> dict:
         TRANSFORMERS_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])
+        ),
     )
     cmd = [sys.executable, __file__, "--_child", str(work), train, str(batch)]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
@@ -396,6 +542,11 @@ def run_size(rows: int, args, root: Path) -> dict:
         raise SystemExit(f"bench_scale: the {rows:,}-row run failed (exit {done.returncode}); its log is above")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result.update(rows=rows, batch=batch, input_bytes=input_bytes, generate_s=round(generated, 2))
+    if args.ranks > 1:
+        ranks_work = work / f"ranks-{args.ranks}"
+        ranks_work.mkdir()
+        ranks_env = dict(env, HF_DATASETS_CACHE=str(ranks_work / "hf-datasets"))
+        result["ranks"] = measure_ranks(ranks_work, train, batch - batch % args.ranks, args.ranks, ranks_env)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return result
@@ -407,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=65536, help="batch (capped at rows // 4 per size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1, help="write K files (needs folder/glob sources)")
+    parser.add_argument("--ranks", type=int, default=1, help="also a real N-process gloo start per size")
     parser.add_argument("--workdir", default=None, help="where corpora and caches go (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep each size's corpus and caches")
     parser.add_argument("--json", default=None, help="write the raw measurements here")
@@ -430,6 +582,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(report(results))
+    if args.ranks > 1:
+        print()
+        print(f"cembed train --nproc-per-node {args.ranks} (gloo, CPU, 1 step, tiny model with MiniLM's tokenizer):")
+        print()
+        print(ranks_report(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.workdir is None and not args.keep:
