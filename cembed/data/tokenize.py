@@ -338,7 +338,9 @@ def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tm
     stop = threading.Event()
     watcher = None
     if progress is not None:
-        watcher = threading.Thread(target=_watch_progress, args=(progress_dir, len(dataset), progress, stop), daemon=True)
+        watcher = threading.Thread(
+            target=_watch_progress, args=(progress_dir, len(dataset), progress, stop), daemon=True
+        )
         watcher.start()
     global _rows_done
     _rows_done = 0
@@ -419,12 +421,16 @@ def tokenize_stage(
     prompts: dict | None = None,
     pad_to_multiple_of: int | None = None,
     source_prompts: list[dict[str, str]] | None = None,
+    num_proc: int | str | None = None,
+    progress=None,
 ):
     """Pre-tokenize ``data`` (:class:`cembed.data.prepare.PreparedData`) for ``model`` (cached), ``prompts`` (``{role column: prompt}``)
     prepended, or leave tokenizing to the collator. Returns ``(dataset, collator or None, info)``:
     ``collator`` is ``None`` when sentence-transformers' collator (tokenizing on the fly) is used, ``info`` says why.
     ``pad_to_multiple_of`` (``batch.pad_to_multiple_of``) is applied by the pre-tokenized collator.
     ``source_prompts``: one ``{role column: prompt}`` per source of ``data.sources`` instead of ``prompts``.
+    ``num_proc`` (``data.num_proc``) and ``progress`` (``progress(rows_done, rows_total)`` while
+    tokenizing): as :func:`pretokenize`'s.
     """
     roles = data.columns
     if not enabled:
@@ -440,7 +446,16 @@ def tokenize_stage(
     if source_prompts is not None:
         sources = [SourcePrompts(n, p, prompt_lengths(model, p)) for n, p in zip(sizes, source_prompts)]
     result = pretokenize(
-        data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir, None, prompts, lengths, sources
+        data.dataset,
+        roles,
+        model.tokenizer,
+        model.max_seq_length,
+        cache_dir,
+        num_proc,
+        prompts,
+        lengths,
+        sources,
+        progress,
     )
     if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts, sources=sources):
         return data.dataset, None, {"pretokenized": False, "reason": "stored ids differ from the model's preprocessing"}
