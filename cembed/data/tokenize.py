@@ -134,7 +134,7 @@ PARALLEL_MIN_ROWS = 50_000
 
 def resolve_num_proc(num_proc: int | str | None, rows: int) -> int:
     """The tokenizer processes for ``rows`` rows: an int as given; ``"auto"`` (or None): every core
-    this process may run on (``os.sched_getaffinity``) for :data:`PARALLEL_MIN_ROWS`\+ rows, else 1."""
+    this process may run on (``os.sched_getaffinity``) for :data:`PARALLEL_MIN_ROWS` rows or more, else 1."""
     if isinstance(num_proc, int):
         return max(1, num_proc)
     if rows < PARALLEL_MIN_ROWS:
