@@ -162,3 +162,40 @@ def test_parallel_tokenizing_gives_the_same_ids_and_reports_progress(model, tmp_
     parts = [f"ids_{k:05d}_of_{num_proc:05d}.arrow" for k in range(num_proc)] if num_proc > 1 else ["ids.arrow"]
     assert files == sorted(["cembed_tokenized.json", *parts])
     assert [p.name for p in result.cache_path.parent.iterdir() if p.name.startswith(".") and p.is_dir()] == []
+
+
+def test_a_dead_writers_folder_is_removed_and_a_damaged_entry_rebuilt(model, tmp_path):
+    ds = Dataset.from_dict(ROWS)
+    first = pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)
+    ids, entry = list(first.dataset["anchor_input_ids"]), first.cache_path
+    del first
+    stale = entry.parent / f".{entry.name}-killed"  # a writer killed mid-way leaves its folder
+    stale.mkdir()
+    (stale / "ids.arrow").write_bytes(b"half")
+    (entry / "ids.arrow").write_bytes(b"damaged")
+    again = pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)
+    assert not again.from_cache and list(again.dataset["anchor_input_ids"]) == ids
+    assert not stale.exists()
+
+
+def test_a_second_writer_waits_for_the_first_and_loads_its_entry(model, tmp_path):
+    import fcntl
+    import threading
+    import time
+
+    from cembed.data.tokenize import cache_key
+
+    ds = Dataset.from_dict(ROWS)
+    key = cache_key(ds._fingerprint, model.tokenizer, 24, ROLES)
+    root = tmp_path / "tokenized"
+    root.mkdir()
+    results = []
+    with open(root / f".{key}.lock", "a") as held:  # another process is writing this entry
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: results.append(pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)))
+        waiter.start()
+        time.sleep(1.0)
+        assert waiter.is_alive() and not (root / key).exists()  # it waits, it does not write alongside
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(60)
+    assert results and results[0].cache_path == root / key and not results[0].from_cache
