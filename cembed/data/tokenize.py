@@ -211,7 +211,7 @@ def _watch_progress(folder: Path, total: int, progress, stop: threading.Event) -
     # the total to ``progress`` twice a second, until ``stop``.
     while not stop.wait(0.5):
         done = 0
-        for f in folder.glob("*"):
+        for f in folder.glob("[0-9]*"):  # not the ".<pid>" files being written
             try:
                 done += int(f.read_text() or 0)
             except (OSError, ValueError):  # being rewritten right now: counted next time
