@@ -153,11 +153,14 @@ def read_entry(path: str | Path):
         FileNotFoundError: ``path`` is not a complete entry (no manifest).
         ValueError: the parts' row count differs from the manifest's.
     """
-    from datasets import Dataset, concatenate_datasets
+    from datasets import Dataset, Features, concatenate_datasets
 
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
     parts = [Dataset.from_file(str(path / name)) for name in manifest["files"]]
+    if not parts:  # no rows: map wrote no file
+        features = Features.from_dict(manifest["features"])
+        return Dataset.from_dict({c: [] for c in features}, features=features)
     stored = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
     if stored.num_rows != manifest["rows"]:
         raise ValueError(f"{path}: {stored.num_rows} rows stored, the manifest says {manifest['rows']}")
@@ -373,8 +376,9 @@ def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tm
     if progress_dir is not None:
         progress(len(dataset), len(dataset))
         shutil.rmtree(progress_dir, ignore_errors=True)
-    files = [Path(f["filename"]).name for f in tokenized.cache_files]
-    (tmp / MANIFEST).write_text(json.dumps({"files": files, "rows": len(tokenized), "texts": texts}))
+    files = [Path(f["filename"]).name for f in tokenized.cache_files]  # none for no rows
+    manifest = {"files": files, "rows": len(tokenized), "texts": texts, "features": tokenized.features.to_dict()}
+    (tmp / MANIFEST).write_text(json.dumps(manifest))
 
 
 def matches_model_preprocessing(
