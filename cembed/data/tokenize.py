@@ -123,8 +123,8 @@ class Pretokenized:
     from_cache: bool
 
 
-# The file that completes a cache entry: the tokenized parts' file names, in row order, and the row
-# count. It is written into the temporary folder before the folder is renamed into place, so an
+# The file that completes a cache entry: the tokenized parts' file names in row order, the row count,
+# the features (an empty set has no part) and whether the texts are kept. It is written into the temporary folder before the folder is renamed into place, so an
 # entry without it (or an unreadable one) is never used.
 MANIFEST = "cembed_tokenized.json"
 # Rows below which tokenizing stays in this process: starting worker processes (each unpickles the
