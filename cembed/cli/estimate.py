@@ -81,7 +81,9 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     facts = validation_report(cfg, plan, data, UserError("not loaded by estimate"))
     steps = facts["steps"]
     model = load_model(cfg.model, "cpu", seed=cfg.train.seed)  # on CPU: a GPU target never loads CUDA
-    dataset, collator, info = tokenize_stage(model, data, True, cfg.data.cache_dir, None, cfg.batch.pad_to_multiple_of)
+    dataset, collator, info = tokenize_stage(
+        model, data, True, cfg.data.cache_dir, None, cfg.batch.pad_to_multiple_of, num_proc=cfg.data.num_proc
+    )
     if collator is None:
         raise UserError(f"model.name_or_path: estimate counts pre-tokenized lengths; {info['reason']}")
     id_columns = [c + TOKEN_SUFFIX for c in data.columns if c + TOKEN_SUFFIX in dataset.column_names]

@@ -7,6 +7,7 @@ Registered by :mod:`cembed.cli.app`.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -293,11 +294,67 @@ class RichRunDisplay:
             highlight=False,
         )
 
+    @contextmanager
+    def tokenize_progress(self):
+        """A transient ``tokenize`` bar (rows done/total, rows/s, elapsed, remaining) while the data
+        is pre-tokenized; drawn from the first update (a cache hit draws nothing), only on a terminal
+        and not when quiet (other ranks, ``progress=False``)."""
+        if not (self.show_progress and self.console.is_terminal and not self.console.quiet):
+            yield None
+            return
+        bar = TokenizeBar(self.console)
+        try:
+            yield bar.update
+        finally:
+            bar.stop()
+
     def close(self) -> None:
         """Stop the progress bar if it is still drawn (a run that ended without the trainer's
         ``on_train_end``: a second Ctrl-C), so the terminal gets its cursor back."""
         if self.bar is not None:
             self.bar.stop()
+
+
+class TokenizeBar:
+    """The pre-tokenization bar of :meth:`RichRunDisplay.tokenize_progress`: started by the first
+    :meth:`update` (from the tokenizing thread's watcher), stopped by :meth:`stop`."""
+
+    def __init__(self, console: Console) -> None:
+        import time
+
+        self.console = console
+        self.progress: Progress | None = None
+        self.task = None
+        self.started = time.perf_counter()  # rows/s counts from here: the tokenizing starts at once
+
+    def update(self, done: int, total: int) -> None:
+        """``done`` of ``total`` rows are tokenized."""
+        import time
+
+        from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+
+        if self.progress is None:
+            self.progress = Progress(
+                TextColumn("[bold]tokenize"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]} rows/s"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("tokenize", total=total, rate="-")
+        elapsed = time.perf_counter() - self.started
+        rate = f"{done / elapsed:,.0f}" if elapsed > 0 and done else "-"
+        self.progress.update(self.task, completed=done, rate=rate)
+
+    def stop(self) -> None:
+        """Remove the bar (if it was drawn)."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
 
 class EtaColumn(ProgressColumn):

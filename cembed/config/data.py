@@ -417,6 +417,11 @@ class DataConfig(_Strict):
     drop_invalid_rows: bool = Field(False, description="drop rows with an empty/over-1-MB cell instead of refusing")
     pretokenize: bool = Field(True, description="tokenize once, cache on disk, only pad in the collator")
     cache_dir: str | None = Field(None, description="default $CEMBED_CACHE_DIR or ~/.cache/cembed")
+    num_proc: PositiveInt | Literal["auto"] = Field(
+        "auto",
+        description="processes that pre-tokenize; auto: every core of this node for 50k+ rows, "
+        "1 below (starting workers costs more than it saves)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -208,8 +208,10 @@ def sampler_hashes(data: PreparedData, model_cfg, data_cfg=None, model=None) -> 
     from cembed.data.tokenize import tokenize_stage
     from cembed.model.load import load_model, quiet_libraries
 
-    pretokenize, cache_dir, prompts_cfg = (
-        (True, None, None) if data_cfg is None else (data_cfg.pretokenize, data_cfg.cache_dir, data_cfg.prompts)
+    pretokenize, cache_dir, prompts_cfg, num_proc = (
+        (True, None, None, None)
+        if data_cfg is None
+        else (data_cfg.pretokenize, data_cfg.cache_dir, data_cfg.prompts, data_cfg.num_proc)
     )
     quiet_libraries()
     try:
@@ -219,7 +221,9 @@ def sampler_hashes(data: PreparedData, model_cfg, data_cfg=None, model=None) -> 
         return row_hashes(data.dataset, data.columns), f"raw text (model not loaded: {first_line(err, 120)})"
     if getattr(model, "tokenizer", None) is None:
         return row_hashes(data.dataset, data.columns), "raw text (the model has no tokenizer)"
-    dataset, _, info = tokenize_stage(model, data, pretokenize, cache_dir, prompts.columns, None, prompts.by_source)
+    dataset, _, info = tokenize_stage(
+        model, data, pretokenize, cache_dir, prompts.columns, None, prompts.by_source, num_proc
+    )
     if not info["pretokenized"]:
         return row_hashes(data.dataset, data.columns), f"raw text, as the sampler compares them ({info['reason']})"
     length = int(model.max_seq_length)

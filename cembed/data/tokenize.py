@@ -22,7 +22,9 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from cembed.model.fingerprint import tokenizer_fingerprint
 from cembed.model.prompts import prompt_lengths
 
 # Bump when the stored layout changes, so old caches are not reused.
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: only the new columns, the map's own files, a manifest
 
 
 def cache_key(
@@ -57,6 +59,7 @@ def _tokenize_batch(
     max_length: int,
     starts: list[int],
     prompts: list[dict[str, str]],
+    lengths: list[dict[str, int]] | None = None,
 ) -> dict[str, list]:
     # Module level: datasets.map(num_proc>1) pickles it into worker processes. Row ``i`` belongs to
     # the source whose first row is the last of ``starts`` <= i, and takes that source's prompts; a
@@ -79,6 +82,9 @@ def _tokenize_batch(
         for k, row_ids in zip(present, enc):
             ids[k] = row_ids
         out[role + TOKEN_SUFFIX] = ids
+    # Each row's source's prompt length (null where it has none), for the roles some source prompts.
+    for role in [r for r in roles if any(r in g for g in lengths or [])]:
+        out[role + PROMPT_SUFFIX] = [lengths[g].get(role) for g in groups]
     return out
 
 
@@ -117,19 +123,144 @@ class Pretokenized:
     from_cache: bool
 
 
+# The file that completes a cache entry: the tokenized parts' file names in row order, the row count,
+# the features (an empty set has no part) and whether the texts are kept. It is written into the temporary folder before the folder is renamed into place, so an
+# entry without it (or an unreadable one) is never used.
+MANIFEST = "cembed_tokenized.json"
+# Rows below which tokenizing stays in this process: starting worker processes (each unpickles the
+# tokenizer) costs more than it saves.
+PARALLEL_MIN_ROWS = 50_000
+
+
+def resolve_num_proc(num_proc: int | str | None, rows: int) -> int:
+    """The tokenizer processes for ``rows`` rows: an int as given; ``"auto"`` (or None): every core
+    this process may run on (``os.sched_getaffinity``) for :data:`PARALLEL_MIN_ROWS` rows or more, else 1."""
+    if isinstance(num_proc, int):
+        return max(1, num_proc)
+    if rows < PARALLEL_MIN_ROWS:
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def read_entry(path: str | Path):
+    """The columns a published cache entry stores (``<role>_input_ids``, ``<role>_prompt_length``;
+    the texts too where it keeps them), memory-mapped, in row order.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete entry (no manifest).
+        ValueError: the parts' row count differs from the manifest's.
+    """
+    from datasets import Dataset, Features, concatenate_datasets
+
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    parts = [Dataset.from_file(str(path / name)) for name in manifest["files"]]
+    if not parts:  # no rows: map wrote no file
+        features = Features.from_dict(manifest["features"])
+        return Dataset.from_dict({c: [] for c in features}, features=features)
+    stored = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    if stored.num_rows != manifest["rows"]:
+        raise ValueError(f"{path}: {stored.num_rows} rows stored, the manifest says {manifest['rows']}")
+    return stored
+
+
+def _load_entry(path: Path, dataset):
+    """The published entry at ``path`` joined to ``dataset``'s columns, or None (absent, or damaged:
+    then removed, so it is rebuilt rather than trusted)."""
+    from datasets import concatenate_datasets
+
+    if not (path / MANIFEST).exists():
+        return None
+    try:
+        stored = read_entry(path)
+        if len(stored) != len(dataset):
+            raise ValueError("row count")
+        if set(dataset.column_names) <= set(stored.column_names):  # the texts are kept in the entry
+            return stored
+        return concatenate_datasets([dataset, stored], axis=1)
+    except Exception:
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+
+
+@contextmanager
+def _writer_lock(lock_path: Path):
+    """Hold an exclusive ``flock`` on ``lock_path`` (one writer per entry at a time, across the
+    processes of this machine and of any machine sharing the folder where the file system supports
+    it). The kernel drops the lock of a killed process. Yields whether the lock is held (False where
+    the file system refuses locks: then no stale folder can be told from a live writer's)."""
+    try:
+        import fcntl
+    except ImportError:  # not on a POSIX system
+        yield False
+        return
+    with open(lock_path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # e.g. ENOLCK on a network file system without a lock service
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _watch_progress(folder: Path, total: int, progress, stop: threading.Event) -> None:
+    # Sums the row counts the tokenizing processes write into ``folder`` (one file each) and hands
+    # the total to ``progress`` twice a second, until ``stop``.
+    while not stop.wait(0.5):
+        done = 0
+        for f in folder.glob("[0-9]*"):  # not the ".<pid>" files being written
+            try:
+                done += int(f.read_text() or 0)
+            except (OSError, ValueError):  # being rewritten right now: counted next time
+                pass
+        progress(min(done, total), total)
+
+
+def _tokenize_batch_counted(batch, indices, progress_dir: str | None = None, **kwargs):
+    # The map function: tokenizes, then records how many rows this process has done (for the
+    # progress bar), in a file of its own.
+    out = _tokenize_batch(batch, indices, **kwargs)
+    if progress_dir is not None:
+        global _rows_done
+        _rows_done += len(indices)
+        tmp = os.path.join(progress_dir, f".{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(str(_rows_done))
+        os.replace(tmp, os.path.join(progress_dir, str(os.getpid())))
+    return out
+
+
+_rows_done = 0
+
+
 def pretokenize(
     dataset,
     roles: list[str],
     tokenizer,
     max_seq_length: int,
     cache_dir: str | Path | None = None,
-    num_proc: int | None = None,
+    num_proc: int | str | None = None,
     prompts: dict[str, str] | None = None,
     prompt_lengths: dict[str, int] | None = None,
     sources: list[SourcePrompts] | None = None,
+    progress=None,
 ) -> Pretokenized:
     """Tokenize each role column once (or load the cached result). A null cell (a source that does
     not map the column) stays null.
+
+    The entry is written once: datasets' ``map`` writes the id columns straight into a temporary
+    folder of the cache (no copy in datasets' own cache), which is renamed into place when complete.
+    It holds only the new columns (``<role>_input_ids``, ``<role>_prompt_length``): the texts are
+    joined from ``dataset`` when loaded (kept in the entry only when ``dataset`` has an indices
+    mapping, which a column join would rewrite). One process writes an entry at a time (a file lock);
+    the next one loads it. A run killed while tokenizing leaves only its temporary folder, removed
+    by the next writer.
 
     Args:
         dataset: a ``datasets.Dataset`` with one text column per role.
@@ -139,7 +270,8 @@ def pretokenize(
         cache_dir: the cache root (``data.cache_dir``; None: the default root); tokenized datasets
             are kept in :func:`cembed.files.cache_root` ``("tokenized", cache_dir)``, entries keyed
             by ``dataset._fingerprint`` (datasets' content/transform fingerprint) among others.
-        num_proc: tokenizer processes (default: up to 8 for 50k+ rows, else 1).
+        num_proc: tokenizer processes (``data.num_proc``): an int, or ``"auto"``/None (every core
+            for 50k+ rows, else 1: :func:`resolve_num_proc`).
         prompts: ``{role: prompt}`` prepended to the role's texts before tokenizing, as
             sentence-transformers' ``Transformer.preprocess`` does (part of the cache key).
         prompt_lengths: ``{role: tokens}`` (:func:`cembed.model.prompts.prompt_lengths`), stored as a
@@ -149,12 +281,12 @@ def pretokenize(
             each with its own prompts): each source's rows get its prompts, and the
             ``<role>_prompt_length`` column holds each row's source's count (null where the source has
             no prompt for the role).
+        progress: called as ``progress(rows_done, rows_total)`` about twice a second while
+            tokenizing (from another thread); not called when the entry is loaded.
 
     Returns:
         :class:`Pretokenized`; ``from_cache`` tells whether tokenization was skipped.
     """
-    from datasets import List, Value, load_from_disk
-
     groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, sources)
     prompted = None
     same = all((g.prompts, g.lengths) == (groups[0].prompts, groups[0].lengths) for g in groups)
@@ -163,48 +295,90 @@ def pretokenize(
     elif not same:
         prompted = {"sources": [[g.rows, g.prompts, g.lengths] for g in groups]}
     key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted)
-    path = cache_root("tokenized", cache_dir) / key
-    if (path / "dataset_info.json").exists():
+    root = cache_root("tokenized", cache_dir)
+    path = root / key
+    loaded = _load_entry(path, dataset)
+    if loaded is not None:
+        return Pretokenized(loaded, roles, path, True)
+    root.mkdir(parents=True, exist_ok=True)
+    with _writer_lock(root / f".{key}.lock") as locked:
+        loaded = _load_entry(path, dataset)  # another process finished it while this one waited
+        if loaded is not None:
+            return Pretokenized(loaded, roles, path, True)
+        if locked:  # no live writer holds the lock: these are the folders of killed ones
+            for stale in root.glob(f".{key}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
-            return Pretokenized(load_from_disk(str(path)), roles, path, True)
-        except Exception:
-            shutil.rmtree(path, ignore_errors=True)  # a damaged entry is rebuilt, not trusted
-    if num_proc is None:
-        num_proc = min(8, os.cpu_count() or 1) if len(dataset) >= 50_000 else 1
-    features = dataset.features.copy()
+            _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tmp, progress)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (path / MANIFEST).exists():
+                raise
+    loaded = _load_entry(path, dataset)
+    if loaded is None:
+        raise RuntimeError(f"{path}: the tokenized entry just written cannot be read")
+    return Pretokenized(loaded, roles, path, False)
+
+
+def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tmp: Path, progress) -> None:
+    # Tokenizes into ``tmp``: the map's own output files are the entry (no second copy), then the
+    # manifest that completes it.
+    from datasets import Features, List, Value
+
+    texts = dataset._indices is not None  # a column join would rewrite the whole table (flatten_indices)
+    features = dataset.features.copy() if texts else Features()
     for role in roles:
         features[role + TOKEN_SUFFIX] = List(Value("int32"))
-    tokenized = dataset.map(
-        _tokenize_batch,
-        batched=True,
-        with_indices=True,
-        batch_size=2048,
-        num_proc=num_proc if num_proc > 1 else None,
-        fn_kwargs={
-            "roles": roles,
-            "tokenizer": tokenizer,
-            "max_length": max_seq_length,
-            "starts": [sum(g.rows for g in groups[:i]) for i in range(len(groups))],
-            "prompts": [g.prompts for g in groups],
-        },
-        features=features,
-        desc="Tokenizing",
-        load_from_cache_file=False,
-    )
     for role in [r for r in roles if any(r in g.lengths for g in groups)]:
-        column = [n for g in groups for n in [g.lengths.get(role)] * g.rows]
-        tokenized = tokenized.add_column(role + PROMPT_SUFFIX, column, feature=Value("int32"))
-    # Written to a temporary sibling, then renamed: a killed run never leaves a half-written entry.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=path.parent))
+        features[role + PROMPT_SUFFIX] = Value("int32")
+    procs = resolve_num_proc(num_proc, len(dataset))
+    progress_dir = None
+    if progress is not None:
+        progress_dir = tmp / "progress"
+        progress_dir.mkdir()
+    stop = threading.Event()
+    watcher = None
+    if progress is not None:
+        watcher = threading.Thread(
+            target=_watch_progress, args=(progress_dir, len(dataset), progress, stop), daemon=True
+        )
+        watcher.start()
+    global _rows_done
+    _rows_done = 0
     try:
-        tokenized.save_to_disk(str(tmp))
-        os.replace(tmp, path)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not path.exists():
-            raise
-    return Pretokenized(load_from_disk(str(path)), roles, path, False)
+        tokenized = dataset.map(
+            _tokenize_batch_counted,
+            batched=True,
+            with_indices=True,
+            batch_size=2048,
+            num_proc=procs if procs > 1 else None,
+            fn_kwargs={
+                "roles": roles,
+                "tokenizer": tokenizer,
+                "max_length": max_seq_length,
+                "starts": [sum(g.rows for g in groups[:i]) for i in range(len(groups))],
+                "prompts": [g.prompts for g in groups],
+                "lengths": [g.lengths for g in groups],
+                "progress_dir": None if progress_dir is None else str(progress_dir),
+            },
+            features=features,
+            remove_columns=None if texts else dataset.column_names,
+            cache_file_name=str(tmp / "ids.arrow"),
+            load_from_cache_file=False,
+            desc="Tokenizing",
+        )
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.join()
+    if progress_dir is not None:
+        progress(len(dataset), len(dataset))
+        shutil.rmtree(progress_dir, ignore_errors=True)
+    files = [Path(f["filename"]).name for f in tokenized.cache_files]  # none for no rows
+    manifest = {"files": files, "rows": len(tokenized), "texts": texts, "features": tokenized.features.to_dict()}
+    (tmp / MANIFEST).write_text(json.dumps(manifest))
 
 
 def matches_model_preprocessing(
@@ -251,12 +425,16 @@ def tokenize_stage(
     prompts: dict | None = None,
     pad_to_multiple_of: int | None = None,
     source_prompts: list[dict[str, str]] | None = None,
+    num_proc: int | str | None = None,
+    progress=None,
 ):
     """Pre-tokenize ``data`` (:class:`cembed.data.prepare.PreparedData`) for ``model`` (cached), ``prompts`` (``{role column: prompt}``)
     prepended, or leave tokenizing to the collator. Returns ``(dataset, collator or None, info)``:
     ``collator`` is ``None`` when sentence-transformers' collator (tokenizing on the fly) is used, ``info`` says why.
     ``pad_to_multiple_of`` (``batch.pad_to_multiple_of``) is applied by the pre-tokenized collator.
     ``source_prompts``: one ``{role column: prompt}`` per source of ``data.sources`` instead of ``prompts``.
+    ``num_proc`` (``data.num_proc``) and ``progress`` (``progress(rows_done, rows_total)`` while
+    tokenizing): as :func:`pretokenize`'s.
     """
     roles = data.columns
     if not enabled:
@@ -272,7 +450,16 @@ def tokenize_stage(
     if source_prompts is not None:
         sources = [SourcePrompts(n, p, prompt_lengths(model, p)) for n, p in zip(sizes, source_prompts)]
     result = pretokenize(
-        data.dataset, roles, model.tokenizer, model.max_seq_length, cache_dir, None, prompts, lengths, sources
+        data.dataset,
+        roles,
+        model.tokenizer,
+        model.max_seq_length,
+        cache_dir,
+        num_proc,
+        prompts,
+        lengths,
+        sources,
+        progress,
     )
     if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts, sources=sources):
         return data.dataset, None, {"pretokenized": False, "reason": "stored ids differ from the model's preprocessing"}

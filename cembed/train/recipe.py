@@ -20,9 +20,10 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from cembed.config.schema import CembedConfig
 from cembed.data.mixture import SourceMix
@@ -116,6 +117,10 @@ class RunDisplay(Protocol):
         then a checkpoint is saved and the run stops; a second one abandons the step. Called at
         once, from a thread of its own, while the step goes on."""
 
+    def tokenize_progress(self) -> AbstractContextManager[Callable[[int, int], None] | None]:
+        """A context around pre-tokenization that yields ``progress(rows_done, rows_total)`` (called
+        from another thread about twice a second, and not at all when the cache is loaded) or None."""
+
 
 class QuietRunDisplay:
     """A :class:`RunDisplay` that shows nothing: the default of :func:`run_training` (scripts, tests)."""
@@ -146,6 +151,9 @@ class QuietRunDisplay:
 
     def interrupt(self, signal_name: str, step: int) -> None:
         pass
+
+    def tokenize_progress(self) -> AbstractContextManager[Callable[[int, int], None] | None]:
+        return nullcontext()
 
 
 def check_run_inputs(
@@ -272,11 +280,14 @@ class Components:
     card_dataset: Any = None  # what the model card describes (sources with different columns), else None
 
 
-def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None) -> Components:
+def build_components(
+    cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None, tokenize_progress=None
+) -> Components:
     """Load the model on ``device``, tokenize the data, build the loss and the evaluation.
 
     Args:
         on_line: receives the evaluation's printed lines (None: silent).
+        tokenize_progress: :meth:`RunDisplay.tokenize_progress` (None: no progress shown).
 
     Raises:
         UserError: the model cannot be loaded, or an eval set is wrong.
@@ -285,7 +296,9 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
     describe_base_model(model, cfg.model.name_or_path, cfg.model.revision)  # the card's, before the trainer fills it
     prompts, per_source, column_prompts, by_source = training_prompts(data, model, cfg.data.prompts)
     set_trained_prompts(model, prompts)  # every save (checkpoints, the final model) carries them
-    with local_main_first():  # one process per node fills the tokenization cache, the others load it
+    shown = tokenize_progress() if tokenize_progress is not None else nullcontext()
+    # One process per node fills the tokenization cache, the others load it.
+    with local_main_first(), shown as progress:
         train_dataset, collator, token_info = tokenize_stage(
             model,
             data,
@@ -294,6 +307,8 @@ def build_components(cfg: CembedConfig, plan: Plan, data: PreparedData, device: 
             column_prompts,
             cfg.batch.pad_to_multiple_of,
             by_source,
+            cfg.data.num_proc,
+            progress,
         )
     token_info["prompts"] = prompts.to_dict()
     if per_source is not None:
@@ -611,7 +626,8 @@ def run_training(
         if run_dir.checkpoint:
             step, planned = checkpoint_progress(run_dir.checkpoint)
             display.resuming(run_dir.checkpoint, step, planned or t.max_steps or 0)
-        parts = build_components(cfg, plan, data, device, display.eval_line if is_main else None)
+        on_line = display.eval_line if is_main else None
+        parts = build_components(cfg, plan, data, device, on_line, display.tokenize_progress)
         if is_main:
             display.components(parts.loss.unpadding, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, display, trainer_cls)

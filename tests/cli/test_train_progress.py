@@ -73,3 +73,24 @@ def test_the_lines_of_a_resume_an_interrupt_and_an_abandoned_run(tmp_path):
     text = abandoned_message(display, str(tmp_path), tmp_path / "c.yaml", ["train.seed=1"])
     assert f"the last complete checkpoint is {display_path(tmp_path / 'checkpoint-3')}" in text
     assert text.endswith(f"resume with: cembed train {tmp_path / 'c.yaml'} train.seed=1 --resume")
+
+
+def test_the_tokenize_bar_shows_rows_and_rate_on_a_terminal_only(monkeypatch):
+    import time as time_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: now[0])
+    console = Console(record=True, width=200, force_terminal=True)
+    with RichRunDisplay(console).tokenize_progress() as progress:
+        now[0] += 2.0
+        progress(3000, 10000)  # 3,000 rows in 2 s
+        bar = progress.__self__
+        assert bar.progress.tasks[0].completed == 3000 and bar.progress.tasks[0].fields["rate"] == "1,500"
+        console.print(bar.progress.get_renderable())
+    assert "3000/10000 1,500 rows/s" in console.export_text()
+    assert bar.progress is None  # stopped when the context ends
+    for quiet in (Console(force_terminal=False), Console(force_terminal=True, quiet=True)):
+        with RichRunDisplay(quiet).tokenize_progress() as progress:
+            assert progress is None  # not a terminal, or another rank's quiet console: nothing drawn
+    with RichRunDisplay(Console(force_terminal=True), progress=False).tokenize_progress() as progress:
+        assert progress is None

@@ -118,3 +118,84 @@ def test_meter_interval_arithmetic(monkeypatch):
         "padded_share": round(250 / 1650, 4),
     }
     assert [h["step"] for h in m.history] == [5, 10]
+
+
+def test_num_proc_auto_uses_every_allowed_core_from_50k_rows(monkeypatch):
+    import os
+
+    from cembed.data.tokenize import resolve_num_proc
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    assert resolve_num_proc("auto", 50_000) == 12  # no 8-process cap
+    assert resolve_num_proc(None, 1_000_000) == 12
+    assert resolve_num_proc("auto", 49_999) == 1  # worker start-up costs more than it saves
+    assert resolve_num_proc(3, 10) == 3  # an explicit count is taken as given
+
+
+def test_num_proc_config_field(tmp_path):
+    from cembed.config.file import config_from_dict
+    from cembed.errors import UserError
+
+    base = {"model": {"name_or_path": "m"}, "data": {"train": {"kind": "hub", "path": "x/y"}}}
+    assert config_from_dict(base, base=tmp_path).data.num_proc == "auto"
+    base["data"]["num_proc"] = 4
+    assert config_from_dict(base, base=tmp_path).data.num_proc == 4
+    base["data"]["num_proc"] = 0
+    with pytest.raises(UserError, match="data.num_proc"):
+        config_from_dict(base, base=tmp_path)
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_parallel_tokenizing_gives_the_same_ids_and_reports_progress(model, tmp_path, num_proc):
+    """Two processes: the same ids as one; progress ends at (rows, rows); one copy on disk (the
+    entry's own files, nothing in datasets' cache next to the source)."""
+    rows = {r: [f"{t} {i}" for i in range(300) for t in ROWS[r][:1]] for r in ROLES}
+    ds = Dataset.from_dict(rows)
+    seen = []
+    result = pretokenize(
+        ds, ROLES, model.tokenizer, 24, tmp_path, num_proc=num_proc, progress=lambda d, t: seen.append((d, t))
+    )
+    ref = [model.tokenizer(t, truncation=True, max_length=24)["input_ids"] for t in rows["anchor"]]
+    assert result.dataset["anchor_input_ids"] == ref
+    assert seen[-1] == (300, 300) and all(t == 300 and 0 <= d <= 300 for d, t in seen)
+    files = sorted(p.name for p in result.cache_path.iterdir())
+    parts = [f"ids_{k:05d}_of_{num_proc:05d}.arrow" for k in range(num_proc)] if num_proc > 1 else ["ids.arrow"]
+    assert files == sorted(["cembed_tokenized.json", *parts])
+    assert [p.name for p in result.cache_path.parent.iterdir() if p.name.startswith(".") and p.is_dir()] == []
+
+
+def test_a_dead_writers_folder_is_removed_and_a_damaged_entry_rebuilt(model, tmp_path):
+    ds = Dataset.from_dict(ROWS)
+    first = pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)
+    ids, entry = list(first.dataset["anchor_input_ids"]), first.cache_path
+    del first
+    stale = entry.parent / f".{entry.name}-killed"  # a writer killed mid-way leaves its folder
+    stale.mkdir()
+    (stale / "ids.arrow").write_bytes(b"half")
+    (entry / "ids.arrow").write_bytes(b"damaged")
+    again = pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)
+    assert not again.from_cache and list(again.dataset["anchor_input_ids"]) == ids
+    assert not stale.exists()
+
+
+def test_a_second_writer_waits_for_the_first_and_loads_its_entry(model, tmp_path):
+    import fcntl
+    import threading
+    import time
+
+    from cembed.data.tokenize import cache_key
+
+    ds = Dataset.from_dict(ROWS)
+    key = cache_key(ds._fingerprint, model.tokenizer, 24, ROLES)
+    root = tmp_path / "tokenized"
+    root.mkdir()
+    results = []
+    with open(root / f".{key}.lock", "a") as held:  # another process is writing this entry
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: results.append(pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)))
+        waiter.start()
+        time.sleep(1.0)
+        assert waiter.is_alive() and not (root / key).exists()  # it waits, it does not write alongside
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(60)
+    assert results and results[0].cache_path == root / key and not results[0].from_cache

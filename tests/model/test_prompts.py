@@ -302,13 +302,13 @@ def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir
     assert tok["pretokenized"] is True
     assert tok["prompts"]["anchor"] == {"prompt": "query: ", "from": "model prompt 'query'"}
     assert tok["prompts"]["positive"] == {"prompt": "passage: ", "from": "model prompt 'document'"}
-    from datasets import load_from_disk
+    from cembed.data.tokenize import read_entry
 
-    stored = load_from_disk(tok["cache_path"])
+    stored = read_entry(tok["cache_path"])
     base = _model(prompted_model_dir)
     base.max_seq_length = 32
-    first = stored[0]
-    assert first["anchor_input_ids"] == base.preprocess([first["anchor"]], prompt="query: ")["input_ids"][0].tolist()
+    first, text = stored[0], data.dataset[0]["anchor"]
+    assert first["anchor_input_ids"] == base.preprocess([text], prompt="query: ")["input_ids"][0].tolist()
     assert first["positive_prompt_length"] == 9
     # "before" = the base model scored with query: / passage:, not without prompts
     rs = load_beir(heldout, "test")

@@ -49,6 +49,11 @@ class RecordingDisplay:
     def eval_line(self, line):
         self.calls.append(("eval_line", line))
 
+    def tokenize_progress(self):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
 
 def _tiny_config(tiny_model_dir, tmp_path, mini_batch_size):
     rows = [{"anchor": f"question {i} about a car", "positive": f"answer {i} on the street"} for i in range(16)]
@@ -127,6 +132,7 @@ def test_the_quiet_display_answers_every_call_of_the_protocol():
         "eval_line",
         "resuming",
         "interrupt",
+        "tokenize_progress",
     }
     assert protocol <= {n for n in vars(T.QuietRunDisplay) if not n.startswith("_")}
     assert quiet.progress(None, 8) is None
