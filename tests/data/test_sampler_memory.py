@@ -1,5 +1,5 @@
-"""Row hashes (issue 24 item 3): equal texts hash equal, different ones differ, computed record batch
-by record batch without per-row Python objects (heap bounded per row)."""
+"""Row hashes and sampler state (issue 24 item 3): equal texts hash equal, different ones differ,
+computed record batch by record batch, and the sampler keeps numpy arrays, no Python object per row."""
 
 from __future__ import annotations
 
@@ -93,3 +93,27 @@ def test_row_hashes_heap_is_bounded_per_row(monkeypatch):
         tracemalloc.stop()
     assert h.shape == (n, 2) and h[0, 0] != h[0, 1]  # one id list, the anchor's without its 2 prompt tokens
     assert peak / n < 120, f"{peak / n:.0f} B/row"
+
+
+def test_sampler_keeps_numpy_state_per_row():
+    # 100k rows, 2 compared columns: hashes 16 B/row + this epoch's batches as int32 4 B/row. The old
+    # sampler kept each epoch as lists of Python ints (~56 B/row in all).
+    from cembed.data.sampler import NoDuplicatesSampler
+
+    n = 100_000
+    ds = Dataset(
+        pa.table({"anchor": pa.array([f"q{i}" for i in range(n)]), "positive": pa.array([f"p{i}" for i in range(n)])})
+    )
+    tracemalloc.start()
+    try:
+        s = NoDuplicatesSampler(ds, batch_size=1000, drop_last=False, seed=0, world_size=2)
+        assert len(s) == 100  # 50 global batches of 2000 rows, 2 per-device slices each
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert kept / n < 24, f"{kept / n:.0f} B/row"
+    batches = list(s)
+    assert all(isinstance(b, list) and len(b) == 1000 for b in batches)
+    glob = s.global_batches()
+    assert [r for b in glob for r in b] == [r for b in batches for r in b]
+    assert sorted(r for b in batches for r in b) == list(range(n))
