@@ -203,14 +203,16 @@ def _launch_training(
     node_rank: int,
     rdzv_endpoint: str | None,
 ) -> None:
-    """Check config and data here (a user mistake exits 2 before any process starts), then run
-    ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run."""
+    """Check the config here (a config mistake exits 2 before any process starts), then run
+    ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run.
+    The data is loaded and checked by the workers only (this process holds no table, so a node's
+    memory is its ranks'): a data mistake comes back as rank 0's one-line error, exit code 2."""
     from cembed.distributed.launch import launch, launcher_args
-    from cembed.train.recipe import check_run_inputs
+    from cembed.train.recipe import check_run_config
 
     launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
-    plan, data = check_run_inputs(cfg, world)
-    print_plan(console, plan, data.warnings)
+    plan = check_run_config(cfg, world)
+    print_plan(console, plan)
     console.print(
         f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
         highlight=False,
@@ -218,8 +220,10 @@ def _launch_training(
     try:
         launch(["train", str(config.resolve()), *overrides], nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     except WorkerFailed as err:
+        # exit code 2: a user mistake (the data's, found by the workers): its one line, as one process shows it
+        message = err.message.removeprefix("UserError: ") if err.exitcode == 2 else err.message
         err_console.print(
-            f"[bold red]error:[/] rank {err.rank} failed (exit code {err.exitcode}): {escape(err.message)}; "
+            f"[bold red]error:[/] rank {err.rank} failed (exit code {err.exitcode}): {escape(message)}; "
             "the other processes were stopped",
             highlight=False,
             markup=True,

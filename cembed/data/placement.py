@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cembed.data.prepare import PreparedData, arrow_table, source_views, training_prompts
-from cembed.data.sampler import SOURCE_SEED_STRIDE, build_batches, fits, row_hashes
+from cembed.data.sampler import SOURCE_SEED_STRIDE, build_batches_flat, fits, row_hashes
 from cembed.errors import UserError, first_line
 
 
@@ -66,11 +66,11 @@ def find_unplaceable(
     n = hashes.shape[0]
     if n == 0 or hashes.shape[1] == 0:
         return None
-    batches, unplaced = build_batches(hashes, batch_size, drop_last, seed)
+    placed, bounds, unplaced = build_batches_flat(hashes, batch_size, drop_last, seed)
     if unplaced <= (n % batch_size if drop_last else 0):
         return None
     unused = np.ones(n, dtype=bool)
-    unused[np.concatenate([np.asarray(b, dtype=np.int64) for b in batches]) if batches else []] = False
+    unused[placed] = False
     # Rows holding each text (a text repeated inside one row counts once).
     srt = np.sort(hashes, axis=1)
     distinct = np.ones_like(srt, dtype=bool)
@@ -83,7 +83,7 @@ def find_unplaceable(
     role = data.columns[j]
     text = str(arrow_table(data.dataset).column(role)[row].as_py())
     return Unplaceable(
-        unplaced, n, batch_size, len(batches), role, data.roles.get(role, role), text, int(holders[row, j])
+        unplaced, n, batch_size, len(bounds) - 1, role, data.roles.get(role, role), text, int(holders[row, j])
     )
 
 
@@ -174,7 +174,7 @@ def check_sampler_batches(plan, data, drop_last: bool, seed: int, hashes: np.nda
     drop = drop_last or plan.world_size > 1
     for i, (view, offset) in enumerate(_views_with_offsets(data)):
         part = hashes[offset : offset + len(view.dataset)]
-        if part.shape[1] and not build_batches(part, batch, drop, seed + i * SOURCE_SEED_STRIDE)[0]:
+        if part.shape[1] and len(build_batches_flat(part, batch, drop, seed + i * SOURCE_SEED_STRIDE)[1]) == 1:
             names = [f"{view.roles.get(c, c)!r} (role {c})" for c in view.columns]
             raise UserError(
                 f"{view.source}: the no-duplicates sampler cannot fill a single batch of {batch} rows: "
@@ -299,12 +299,12 @@ def inspect_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: 
     n = hashes.shape[0]
     order = np.random.default_rng(seed).permutation(n)
     greedy = int(fits(hashes, order, np.empty(0, dtype=hashes.dtype), n).sum())
-    batches, unplaced = build_batches(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
+    _, bounds, unplaced = build_batches_flat(hashes, batch_size=batch_size, drop_last=drop_last, seed=seed)
     upper = min((len(np.unique(hashes[:, j])) for j in range(hashes.shape[1])), default=n) if n else 0
     return {
         "colliding_share": float(colliding_rows(hashes).mean()) if n else 0.0,
-        "largest_batch": max([greedy] + [len(b) for b in batches]),
+        "largest_batch": max(greedy, int(np.diff(bounds).max(initial=0))),
         "largest_batch_upper_bound": upper,
-        "batches_per_epoch": len(batches),
+        "batches_per_epoch": len(bounds) - 1,
         "rows_unplaced": unplaced,
     }

@@ -16,8 +16,10 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import xxhash
 
 from cembed.config.data import ColumnMap, DataConfig, FileSource, TrainSource
 from cembed.data.columns import expand_list_columns, unmapped_column_notes
@@ -150,24 +152,58 @@ def _describe(cell: str) -> str:
     return f"{'a list' if isinstance(value, list) else 'an object'} ({shown})"
 
 
-def _text_cells(arr) -> tuple[pa.Array, pa.Array | None, list[str | None] | None]:
+# Rows per slice the cell checks and distinct counts work on: their temporaries (a trimmed copy of
+# a slice's texts, masks) are bounded by a slice, never a whole column.
+CHECK_ROWS = 65_536
+
+
+def _text_cells(arr) -> tuple[pa.ChunkedArray, dict[int, str] | None]:
     """A column of JSON cells (pyarrow's ``json`` type: the reader found text and non-text values)
-    as ``(text column with non-text cells null, mask of non-text cells, their descriptions)``;
-    a text column passes through as ``(arr, None, None)``."""
+    as ``(text column with non-text cells null, {row: description} of the non-text cells)``,
+    converted :data:`CHECK_ROWS` rows at a time; a text column passes through as ``(arr, None)``."""
     if not (isinstance(arr.type, pa.BaseExtensionType) and pa.types.is_string(arr.type.storage_type)):
-        return arr, None, None
-    cells = pa.chunked_array([c.storage for c in arr.chunks], arr.type.storage_type).to_pylist()
-    texts, kinds = [], []
-    for cell in cells:
-        value = None if cell is None else json.loads(cell)
-        texts.append(value if isinstance(value, str) else None)
-        kinds.append(None if value is None or isinstance(value, str) else _describe(cell))
-    return pa.array(texts, pa.string()), pa.array([k is not None for k in kinds]), kinds
+        return arr, None
+    chunks, kinds = [], {}
+    for start in range(0, len(arr), CHECK_ROWS):
+        part = arr.slice(start, CHECK_ROWS)
+        cells = pa.chunked_array([c.storage for c in part.chunks], arr.type.storage_type).to_pylist()
+        texts = []
+        for i, cell in enumerate(cells):
+            value = None if cell is None else json.loads(cell)
+            texts.append(value if isinstance(value, str) else None)
+            if value is not None and not isinstance(value, str):
+                kinds[start + i] = _describe(cell)
+        chunks.append(pa.array(texts, pa.string()))
+    return pa.chunked_array(chunks, pa.string()), kinds
+
+
+def _first_bad_cell(arr, start: int, kinds: dict[int, str] | None, src: str, role: str):
+    """``(bad mask, (row, problem) of its first bad cell or None)`` for the slice ``arr`` of a text
+    column starting at row ``start``: a null, empty, blank or over-1-MB cell, or a non-text one."""
+    null = pc.is_null(arr)
+    blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(arr), ""), False)
+    too_long = pc.fill_null(pc.greater(pc.binary_length(arr), MAX_TEXT_BYTES), False)
+    col_bad = pc.or_(pc.or_(null, blank), too_long)
+    if not pc.any(col_bad).as_py():
+        return col_bad, None
+    idx = pc.index(col_bad, True).as_py()
+    if kinds is not None and start + idx in kinds:
+        problem = f"column {src!r} (role {role}) holds {kinds[start + idx]}; it must hold text"
+    elif null[idx].as_py():
+        problem = f"column {src!r} (role {role}) is empty (null/NaN)"
+    elif too_long[idx].as_py():
+        problem = f"column {src!r} (role {role}) is longer than 1 MB ({pc.binary_length(arr)[idx].as_py()} bytes)"
+    else:
+        problem = f"column {src!r} (role {role}) is empty or whitespace-only"
+    return col_bad, (start + idx, problem)
 
 
 def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool, locate=None):
     """Refuse (or drop, with ``drop_invalid``) rows with a null, empty, blank or over-1-MB cell, or
     a number, boolean, list or object in a text column (a JSON file mixing them with text).
+
+    Checked :data:`CHECK_ROWS` rows at a time with pyarrow compute (no Python object per row but
+    for a JSON column mixing text and other values); a refusal stops at the first bad cell.
 
     Args:
         locate: 0-based row index -> how to name it (``line N`` for JSON Lines, see
@@ -182,13 +218,14 @@ def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool,
     """
     locate = locate or (lambda index: f"row {index + 1}")
     table = arrow_table(dataset)
-    bad = None
+    n = table.num_rows
+    bad = np.zeros(n, dtype=bool) if drop_invalid else None  # rows to drop, 1 B/row only when dropping
     first_bad: tuple[int, str] | None = None
     replaced = {}
     for role in dataset.column_names:
         src = roles.get(role, role)
-        arr, non_text, kinds = _text_cells(table.column(role))
-        if non_text is not None:
+        arr, kinds = _text_cells(table.column(role))
+        if kinds is not None:
             replaced[role] = arr
         if arr.type == pa.null():
             raise UserError(f"{source}: column {src!r} (role {role}) holds only empty values; it must hold text")
@@ -197,25 +234,17 @@ def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool,
                 f"{source}: column {src!r} (role {role}) holds {arr.type} values; it must hold text "
                 "(map a text column in data.columns)"
             )
-        null = pc.is_null(arr)
-        blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(arr), ""), False)
-        too_long = pc.fill_null(pc.greater(pc.binary_length(arr), MAX_TEXT_BYTES), False)
-        col_bad = pc.or_(pc.or_(null, blank), too_long)
-        if pc.any(col_bad).as_py():
-            idx = pc.index(col_bad, True).as_py()
-            if kinds is not None and kinds[idx] is not None:
-                problem = f"column {src!r} (role {role}) holds {kinds[idx]}; it must hold text"
-            elif null[idx].as_py():
-                problem = f"column {src!r} (role {role}) is empty (null/NaN)"
-            elif too_long[idx].as_py():
-                problem = (
-                    f"column {src!r} (role {role}) is longer than 1 MB ({pc.binary_length(arr)[idx].as_py()} bytes)"
-                )
-            else:
-                problem = f"column {src!r} (role {role}) is empty or whitespace-only"
-            if first_bad is None or idx < first_bad[0]:
-                first_bad = (idx, problem)
-        bad = col_bad if bad is None else pc.or_(bad, col_bad)
+        # Without drop_invalid only the first bad row matters: no slice past the one already found.
+        end = n if first_bad is None or drop_invalid else first_bad[0] + 1
+        for start in range(0, end, CHECK_ROWS):
+            col_bad, found = _first_bad_cell(arr.slice(start, CHECK_ROWS), start, kinds, src, role)
+            if found is None:
+                continue
+            if first_bad is None or found[0] < first_bad[0]:
+                first_bad = found
+            if bad is None:
+                break
+            bad[start : start + len(col_bad)] |= col_bad.to_numpy(zero_copy_only=False)
     if replaced:
         import datasets
 
@@ -229,7 +258,7 @@ def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool,
         raise UserError(
             f"{source}: {locate(idx)}: {problem}; fix the data or set data.drop_invalid_rows: true to skip such rows"
         )
-    keep = pc.invert(bad).to_numpy(zero_copy_only=False).nonzero()[0]
+    keep = np.flatnonzero(~bad)
     return dataset.select(keep).flatten_indices(), len(dataset) - len(keep)
 
 
@@ -357,6 +386,20 @@ def prepare_checked_data(
     return data
 
 
+def distinct_at_least(column, enough: int) -> int:
+    """The number of distinct non-null texts of ``column`` (an arrow string column), counted
+    :data:`CHECK_ROWS` rows at a time and stopping once ``enough`` are seen (then a number
+    ``>= enough``, not the full count): memory grows with ``enough``, not with the column. Texts are
+    compared by their 64-bit xxh64 (a collision, ~n^2 / 2^65, would undercount by one)."""
+    seen: set[int] = set()
+    for start in range(0, len(column), CHECK_ROWS):
+        part = pc.unique(pc.drop_null(column.slice(start, CHECK_ROWS)))
+        seen.update(xxhash.xxh64_intdigest(t.encode("utf-8")) for t in part.to_pylist())
+        if len(seen) >= enough:
+            break
+    return len(seen)
+
+
 def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: bool) -> None:
     """Refuse data that cannot fill one (duplicate-free) batch of ``global_batch_size`` rows; with
     several sources, every source must (a batch holds rows of one source only).
@@ -378,7 +421,7 @@ def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: b
             continue
         rows = table.slice(src.offset, n)
         for role in [c for c in data.columns if c in src.roles or not data.sources]:
-            distinct = pc.count_distinct(rows.column(role)).as_py()
+            distinct = distinct_at_least(rows.column(role), global_batch_size)
             if distinct < global_batch_size:
                 raise UserError(
                     f"{src.where}: column {src.roles.get(role, data.roles.get(role, role))!r} (role {role}) has only "

@@ -17,7 +17,8 @@ Contract:
   so the trainer's step count and LR schedule match the data.
 - Same seed and epoch -> same batches; a new epoch -> a new shuffle.
 
-Each text is hashed once (xxh64) at construction; an epoch's batches are then built in one pass
+Each text is hashed once at construction (token ids: :func:`hash_token_ids`, vectorised; raw
+text: xxh64), record batch by record batch; an epoch's batches are then built in one pass
 over a permutation (first-fit with a FIFO of deferred rows), about linear in the number of rows
 (:func:`build_batches`; :func:`build_batches_row_by_row` is the same, row by row, as a reference).
 
@@ -44,28 +45,91 @@ from cembed.data.prepare import arrow_table
 SOURCE_SEED_STRIDE = 1_000_003
 
 
-def hash_texts(texts: list[str]) -> np.ndarray:
-    """xxh64 of each UTF-8 text, shape ``(len(texts),)``, dtype uint64."""
+# Rows per record batch the hashes are computed over (bounds the temporaries, not the result).
+_SLICE_ROWS = 65_536
+# Tokens per slice of a token-id column: a slice's per-token temporaries are a few uint64 arrays this long.
+_SLICE_TOKENS = 1 << 20
+_MIX1, _MIX2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, in place on a uint64 array (a bijection of uint64: distinct in, distinct out)."""
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint64(30)
+        x *= _MIX1
+        x ^= x >> np.uint64(27)
+        x *= _MIX2
+        x ^= x >> np.uint64(31)
+    return x
+
+
+def hash_texts(texts) -> np.ndarray:
+    """xxh64 of each UTF-8 text (a null: of ``""``), shape ``(len(texts),)``, dtype uint64.
+
+    ``texts``: a list of str, or an arrow string array / chunked array, hashed ``_SLICE_ROWS`` rows
+    at a time (only one slice's Python strings exist at once)."""
     h = xxhash.xxh64_intdigest
-    return np.fromiter((h(t.encode("utf-8")) for t in texts), dtype=np.uint64, count=len(texts))
+    if isinstance(texts, list):
+        return np.fromiter(
+            (h(("" if t is None else str(t)).encode("utf-8")) for t in texts), dtype=np.uint64, count=len(texts)
+        )
+    out = np.empty(len(texts), dtype=np.uint64)
+    for start in range(0, len(texts), _SLICE_ROWS):
+        part = texts.slice(start, _SLICE_ROWS).to_pylist()
+        out[start : start + len(part)] = hash_texts(part)
+    return out
 
 
 def hash_token_ids(column, skip: int | np.ndarray = 0) -> np.ndarray:
-    """xxh64 of each row's token ids (an arrow list column) after the first ``skip`` (a prompt's
-    tokens; one count for every row, or one per row), shape ``(rows,)`` uint64."""
-    lists = column.combine_chunks() if hasattr(column, "combine_chunks") else column
-    offsets = lists.offsets.to_numpy()
-    values = np.ascontiguousarray(lists.values.to_numpy(zero_copy_only=False), dtype=np.int64)
-    # ``values`` is the whole child array: offsets index into it (a null row's slot is skipped by them).
-    starts = np.minimum(
-        offsets[:-1] + np.broadcast_to(np.asarray(skip, dtype=np.int64), offsets[:-1].shape), offsets[1:]
-    )
-    h = xxhash.xxh64_intdigest
-    return np.fromiter(
-        (h(values[starts[i] : offsets[i + 1]].tobytes()) for i in range(len(offsets) - 1)),
-        dtype=np.uint64,
-        count=len(offsets) - 1,
-    )
+    """A 64-bit hash of each row's token ids (an arrow list column, chunked or not) after the first
+    ``skip`` (a prompt's tokens; one count for every row, or one per row), shape ``(rows,)`` uint64.
+    Equal id sequences hash equal; a null row hashes as an empty one.
+
+    Vectorised, without a Python step per row or a copy of the column: each chunk's offsets and
+    values are numpy views, taken ``_SLICE_TOKENS`` tokens at a time. Token ``t`` at position ``p``
+    (counted after the skip) becomes ``mix(t * 2^32 + p + golden)`` (``mix``: splitmix64's
+    finalizer, a bijection, so distinct (token, position) pairs give distinct words); a row's hash
+    is ``mix(sum of its words + mix(length))`` mod 2^64. Collisions: two different sequences
+    differ in at least one (token, position) pair, each pair occurs at most once per row, so the
+    difference of their sums is a +-1 combination of distinct mixed words, which behaves as a
+    uniform 64-bit value: a pair of different rows collides with probability ~2^-64 (1e8 texts:
+    ~3e-4 expected colliding pairs, and a collision only defers a row). Position is part of the key:
+    the same tokens in another order hash differently. Token ids and positions must be < 2^32."""
+    chunks = column.chunks if hasattr(column, "chunks") else [column]
+    n = sum(len(c) for c in chunks)
+    skip_all = np.broadcast_to(np.asarray(skip, dtype=np.int64), (n,))
+    out = np.empty(n, dtype=np.uint64)
+    done = 0
+    for chunk in chunks:
+        if len(chunk) == 0:
+            continue
+        offsets = chunk.offsets.to_numpy().astype(np.int64, copy=False)  # absolute into chunk.values
+        values = chunk.values.to_numpy(zero_copy_only=False)
+        row = 0
+        while row < len(chunk):
+            # As many rows as fit in the token budget (at least one).
+            end = int(np.searchsorted(offsets, offsets[row] + _SLICE_TOKENS, side="right")) - 1
+            end = min(max(end, row + 1), len(chunk))
+            off = offsets[row : end + 1]
+            lo, hi = int(off[0]), int(off[-1])
+            lengths = np.diff(off)
+            starts = np.minimum(off[:-1] + skip_all[done + row : done + end], off[1:])
+            token_row = np.repeat(np.arange(end - row), lengths)
+            pos = np.arange(lo, hi, dtype=np.int64) - starts[token_row]  # < 0: a prompt token
+            words = values[lo:hi].astype(np.uint64) << np.uint64(32)
+            words += pos.astype(np.uint64)
+            words += _GOLDEN
+            _mix64(words)
+            words[pos < 0] = 0
+            sums = np.concatenate([np.zeros(1, np.uint64), np.cumsum(words, dtype=np.uint64)])
+            with np.errstate(over="ignore"):
+                rel = off - lo
+                total = sums[rel[1:]] - sums[rel[:-1]]
+                total += _mix64((off[1:] - starts).astype(np.uint64))
+            out[done + row : done + end] = _mix64(total)
+            row = end
+        done += len(chunk)
+    return out
 
 
 def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
@@ -91,7 +155,7 @@ def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
                 skip = np.asarray(lengths.to_numpy(), dtype=np.int64)
             out[:, j] = hash_token_ids(table.column(col + TOKEN_SUFFIX), skip)
         else:
-            out[:, j] = hash_texts(["" if t is None else str(t) for t in table.column(col).to_pylist()])
+            out[:, j] = hash_texts(table.column(col))
     if null.any() and len(columns):
         rows, cols = np.nonzero(null)
         out[rows, cols] = out[rows, 0]  # the anchor: every source maps it
@@ -156,6 +220,15 @@ def fits(hashes: np.ndarray, candidates: np.ndarray, used: np.ndarray, space: in
 
 
 def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> tuple[list[list[int]], int]:
+    """Duplicate-free batches for one epoch as lists of row indices: :func:`build_batches_flat`'s
+    batches, one list each, and its ``unplaced``."""
+    rows, bounds, unplaced = build_batches_flat(hashes, batch_size, drop_last, seed)
+    return [rows[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])], unplaced
+
+
+def build_batches_flat(
+    hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Duplicate-free batches for one epoch: exactly :func:`build_batches_row_by_row`'s, vectorised.
 
     First fit over a seeded permutation, with a FIFO of deferred rows: each new batch first offers
@@ -177,11 +250,13 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
         seed: seed of the shuffle (the sampler passes ``seed + epoch``).
 
     Returns:
-        ``(batches, unplaced)``: lists of row indices, and the number of rows left out.
+        ``(rows, bounds, unplaced)``: the batches' row indices one after another (int64, one per
+        placed row), batch ``i`` being ``rows[bounds[i]:bounds[i + 1]]`` (``bounds``: int64, one more
+        than the batches), and the number of rows left out.
     """
     n = hashes.shape[0]
     order = np.random.default_rng(seed).permutation(n)
-    batches: list[list[int]] = []
+    batches: list[np.ndarray] = []
     deferred = np.empty(0, dtype=np.int64)
     pos = 0
     rows: list[np.ndarray] = []
@@ -207,20 +282,20 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
             pos += len(chunk)
             deferred = np.concatenate([deferred, offer(chunk)])
         if filled() == batch_size:
-            batches.append(np.concatenate(rows).tolist())
+            batches.append(np.concatenate(rows))
             rows, used = [], np.empty(0, dtype=hashes.dtype)
             continue
         break  # permutation exhausted and the batch cannot be filled
     if drop_last:
-        return batches, filled() + len(deferred)
+        return (*_flat(batches), filled() + len(deferred))
     # The rows left: the partial batch, then batches out of what was deferred (first fit). A full one
     # is kept; of the short ones only the largest (the first on a tie) is, as the epoch's one short
     # last batch, and only with 2+ rows (a 1-row batch has no in-batch negative: loss 0). No row is
     # ever moved out of a full batch: the plan's batch size and learning rate hold for every batch.
-    short: list[int] = []
+    short = np.empty(0, dtype=np.int64)
     unplaced = 0
     while rows or len(deferred):
-        batch = np.concatenate(rows).tolist() if rows else []
+        batch = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
         if len(batch) == batch_size:
             batches.append(batch)
         elif len(batch) > len(short) and len(batch) >= min(2, batch_size):
@@ -230,9 +305,17 @@ def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: in
             unplaced += len(batch)
         rows, used = [], np.empty(0, dtype=hashes.dtype)
         deferred = offer(deferred)
-    if short:
+    if len(short):
         batches.append(short)
-    return batches, unplaced
+    return (*_flat(batches), unplaced)
+
+
+def _flat(batches: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, bounds)`` of a list of index arrays (see :func:`build_batches_flat`)."""
+    bounds = np.zeros(len(batches) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in batches], out=bounds[1:])
+    rows = np.concatenate(batches, dtype=np.int64) if batches else np.empty(0, dtype=np.int64)
+    return rows, bounds
 
 
 def build_batches_row_by_row(
@@ -304,6 +387,12 @@ class NoDuplicatesSampler(DefaultBatchSampler):
     ``sources`` (a :class:`cembed.data.mixture.SourceMix`): the dataset is several sources' rows, one
     after another; every global batch holds one source's rows, laid out by the mix's schedule.
     ``no_duplicates=False``: plain shuffled batches (no text compared).
+
+    Memory per row, all numpy (no Python object per row): 8 B per compared column (the hashes, kept),
+    4 B for the current epoch's batches (int32 row indices, one flat array plus one offset per batch;
+    8 B from 2^31 rows). Building an epoch adds about 8 B/row of transient int64 arrays (the
+    permutation, the built batches before the source schedule) plus one batch's working set. A pair
+    corpus (2 columns) keeps 20 B/row. Per-device batches become lists one at a time in ``__iter__``.
     """
 
     def __init__(
@@ -343,35 +432,44 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         self.sources = sources if sources is not None else SourceMix(("data",), (len(dataset),))
         if sum(self.sources.sizes) != len(dataset):
             raise ValueError(f"sources hold {sum(self.sources.sizes)} rows, the dataset {len(dataset)}")
-        self._cache: tuple[int, list[list[int]], int] | None = None
+        self._cache: tuple[int, np.ndarray, np.ndarray, int] | None = None
         self._sizes: dict[int, list[int]] = {}  # epoch -> its global batches' sizes
         self._origin: dict[int, list[int]] = {}  # epoch -> its global batches' source indices
 
-    def _build(self, epoch: int) -> tuple[list[list[int]], int]:
-        """Each source's batches (seed + epoch + i x SOURCE_SEED_STRIDE) in the mix's schedule order;
-        rows of batches the schedule leaves out (round_robin, weighted) count as unplaced."""
+    def _build(self, epoch: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Each source's batches (seed + epoch + i x SOURCE_SEED_STRIDE) in the mix's schedule order,
+        as ``(rows, bounds, unplaced)`` (see :func:`build_batches_flat`; ``rows`` int32 below 2^31
+        rows); rows of batches the schedule leaves out (round_robin, weighted) count as unplaced."""
         size, drop = self.batch_size * self.world_size, self.drop_last or self.world_size > 1
         per_source, unplaced = [], 0
         for i, (offset, n) in enumerate(zip(self.sources.offsets, self.sources.sizes)):
-            built, left = build_batches(
+            rows, bounds, left = build_batches_flat(
                 self.hashes[offset : offset + n], size, drop, self.seed + epoch + i * SOURCE_SEED_STRIDE
             )
-            per_source.append([[r + offset for r in b] for b in built] if offset else built)
+            rows += offset
+            per_source.append((rows, bounds))
             unplaced += left
-        order = self.sources.schedule([len(b) for b in per_source])
+        order = self.sources.schedule([len(bounds) - 1 for _, bounds in per_source])
         taken = [0] * len(per_source)
-        batches = []
+        pieces = []
         for i in order:
-            batches.append(per_source[i][taken[i]])
+            rows, bounds = per_source[i]
+            pieces.append(rows[bounds[taken[i]] : bounds[taken[i] + 1]])
             taken[i] += 1
-        unplaced += sum(len(b) for i, built in enumerate(per_source) for b in built[taken[i] :])
-        self._sizes[epoch], self._origin[epoch] = [len(b) for b in batches], order
-        return batches, unplaced
+        unplaced += sum(len(rows) - int(bounds[taken[i]]) for i, (rows, bounds) in enumerate(per_source))
+        dtype = np.int32 if len(self.hashes) < 2**31 else np.int64
+        rows = np.concatenate(pieces, dtype=dtype) if pieces else np.empty(0, dtype=dtype)
+        sizes = [len(p) for p in pieces]
+        bounds = np.zeros(len(pieces) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bounds[1:])
+        self._sizes[epoch], self._origin[epoch] = sizes, order
+        return rows, bounds, unplaced
 
-    def _epoch_batches(self) -> tuple[list[list[int]], int]:
+    def _epoch_batches(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """This epoch's ``(rows, bounds, unplaced)``, built once per epoch."""
         if self._cache is None or self._cache[0] != self.epoch:
             self._cache = (self.epoch, *self._build(self.epoch))
-        return self._cache[1], self._cache[2]
+        return self._cache[1], self._cache[2], self._cache[3]
 
     def rows_trained(self, steps: int, accumulation: int = 1) -> int:
         """Rows (over all ranks) in the global batches the first ``steps`` optimizer steps trained on,
@@ -405,22 +503,25 @@ class NoDuplicatesSampler(DefaultBatchSampler):
 
     def global_batches(self) -> list[list[int]]:
         """This epoch's duplicate-free global batches (``batch_size x world_size`` row indices each)."""
-        return self._epoch_batches()[0]
+        rows, bounds, _ = self._epoch_batches()
+        return [rows[a:b].tolist() for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
 
     @property
     def unplaced(self) -> int:
         """Rows not used this epoch (see :func:`build_batches`)."""
-        return self._epoch_batches()[1]
+        return self._epoch_batches()[2]
 
     def __iter__(self):
+        # Lists are made one per-device batch at a time, as the DataLoader asks for them.
+        rows, bounds, _ = self._epoch_batches()
         size = self.batch_size
-        for batch in self._epoch_batches()[0]:
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             if self.world_size == 1:
-                yield batch
+                yield rows[a:b].tolist()
             else:
                 for rank in range(self.world_size):
-                    yield batch[rank * size : (rank + 1) * size]
+                    yield rows[min(a + rank * size, b) : min(a + (rank + 1) * size, b)].tolist()
 
     def __len__(self) -> int:
         """Per-device batches yielded this epoch: ``world_size x`` the number of global batches."""
-        return len(self._epoch_batches()[0]) * self.world_size
+        return (len(self._epoch_batches()[1]) - 1) * self.world_size

@@ -156,6 +156,19 @@ class QuietRunDisplay:
         return nullcontext()
 
 
+def check_run_config(cfg: CembedConfig, world_size: int | None = None) -> Plan:
+    """Resolve the plan and run the pre-flight checks (:mod:`cembed.train.preflight`): what
+    :func:`check_run_inputs` checks without loading the data (the launcher of a multi-process run
+    checks this much; each worker checks the data itself).
+
+    Raises:
+        UserError: a config or pre-flight mistake, one line naming the field and the fix.
+    """
+    plan = resolve_plan(cfg, world_size)
+    raise_findings(preflight(cfg, plan.learning_rate))
+    return plan
+
+
 def check_run_inputs(
     cfg: CembedConfig, world_size: int | None = None, allow_unloaded: bool = False
 ) -> tuple[Plan, PreparedData | UnloadedData]:
@@ -168,8 +181,7 @@ def check_run_inputs(
     Raises:
         UserError: a config, data or pre-flight mistake, one line naming the field and the fix.
     """
-    plan = resolve_plan(cfg, world_size)
-    raise_findings(preflight(cfg, plan.learning_rate))
+    plan = check_run_config(cfg, world_size)
     batch = plan.per_device_train_batch_size * plan.world_size
     data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes

@@ -340,6 +340,42 @@ def test_cli_train_nproc_per_node_2_on_coco_slice(tiny_model_dir, write_config, 
     assert "froze 2 parameters" in r.stdout
 
 
+def test_cli_train_bad_cell_with_two_processes_exits_2_with_the_cells_message(tiny_model_dir, write_config, pairs_file):
+    # Issue 24 item 3: the launcher loads no table; the workers' data check refuses the cell and
+    # rank 0's one-line message comes back through the launcher, exit code 2 (a user mistake).
+    from conftest import distinct_pairs
+
+    rows = distinct_pairs(40)
+    rows[5]["positive"] = "   "
+    data = pairs_file(rows)
+    cfg = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "max_seq_length": 32, "device": "cpu"},
+            "data": {"train": str(data)},
+            "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2},
+        }
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "cembed", "train", str(cfg), "--nproc-per-node", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = " ".join((r.stdout + r.stderr).split())
+    assert r.returncode == 2, out
+    assert "launching 2 process(es)" in out  # the launcher did not check the data
+    assert (
+        f"failed (exit code 2): {data}: line 6: column" in out
+        and (
+            "pairs.jsonl: line 6: column 'positive' (role positive) is empty or whitespace-only; fix the data or set "
+            "data.drop_invalid_rows: true to skip such rows; the other processes were stopped"
+        )
+        in out
+    ), out
+    assert "Traceback" not in out
+
+
 FAILING_WORKER = """
 import os, sys
 import torch.distributed as dist
