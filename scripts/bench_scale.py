@@ -563,6 +563,26 @@ def run_size(rows: int, args, root: Path) -> dict:
     return result
 
 
+def tokenizer_rate(rows: int, seed: int) -> dict:
+    """The model's tokenizer alone on the first ``rows`` rows of the same corpus, both columns, in
+    this process: batches of 2,048 texts (as pre-tokenization's ``map``), truncation at 128 tokens,
+    no padding. Returns ``{rows, cpu_s, cpu_us_per_row}``: the floor the tokenize stage's CPU per row
+    is compared with (issue 24: preparation at most 1.2x the tokenizer's own rate)."""
+    from transformers import AutoTokenizer
+
+    from cembed.model.load import packaged_model_dir
+
+    queries, passages = generate_pairs(rows, seed)
+    tok = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    for column in (queries, passages):
+        for start in range(0, rows, 2048):
+            tok(column[start : start + 2048], truncation=True, max_length=128)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"rows": rows, "cpu_s": round(cpu, 2), "cpu_us_per_row": round(cpu / rows * 1e6, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="20000,50000", help="comma-separated row counts")
@@ -573,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="where corpora and caches go (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep each size's corpus and caches")
     parser.add_argument("--json", default=None, help="write the raw measurements here")
+    parser.add_argument(
+        "--tokenizer-rate", type=int, default=0, metavar="ROWS", help="also time the tokenizer alone on ROWS rows"
+    )
     parser.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child:
@@ -598,6 +621,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cembed train --nproc-per-node {args.ranks} (gloo, CPU, 1 step, tiny model with MiniLM's tokenizer):")
         print()
         print(ranks_report(results))
+    if args.tokenizer_rate:
+        rate = tokenizer_rate(args.tokenizer_rate, args.seed)
+        print()
+        print(
+            f"tokenizer alone ({rate['rows']:,} rows, both columns, one process): {rate['cpu_s']} CPU s, "
+            f"{rate['cpu_us_per_row']} CPU us/row"
+        )
+        results.append({"tokenizer_alone": rate})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.workdir is None and not args.keep:
