@@ -12,6 +12,7 @@ command); ``cembed --version`` prints the installed package's version.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -64,12 +65,26 @@ app.command("sweep", epilog=sweep.SWEEP_EXAMPLES)(user_errors(sweep.sweep_cmd))
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. A process started by the launcher for a multi-process job ends
+    through :func:`cembed.distributed.group.exit_worker` (no interpreter finalization, where gloo's
+    threads can abort or hang a finished run), with the exit code the command chose."""
     try:
         app()
+        code = 0
     except KeyboardInterrupt:
         err_console.print("[red]interrupted[/]")
-        sys.exit(130)
+        code = 130
+    except SystemExit as done:  # Typer ends every command this way
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:
+            print(done.code, file=sys.stderr)
+            code = 1
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        from cembed.distributed.group import exit_worker  # imports torch: only in a launched worker
+
+        exit_worker(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def train_cmd(
         record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
         raise
     from cembed.data.placement import unplaceable_warnings
-    from cembed.distributed.group import dist_info, exit_worker, is_worker, leave_process_group
+    from cembed.distributed.group import dist_info, is_worker, leave_process_group
     from cembed.train.recipe import check_run_inputs, run_training
 
     if is_worker() and world is not None:
@@ -134,7 +134,6 @@ def train_cmd(
                 f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume",
                 highlight=False,
             )
-        exit_worker(stop.exit_code)
         raise typer.Exit(stop.exit_code) from None
     except KeyboardInterrupt:  # a second Ctrl-C (or one before training): nothing more is saved
         display.close()
@@ -149,7 +148,6 @@ def train_cmd(
     leave_process_group()
     print_done(out, summary)
     print_eval_change(out, summary)
-    exit_worker(0)  # a launched worker: no interpreter finalization (see exit_worker)
 
 
 def abandoned_message(

@@ -139,24 +139,25 @@ def leave_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        import gc
-
         dist.destroy_process_group()
-        gc.collect()  # the group sits in reference cycles: free it and its threads now (see exit_worker)
 
 
 def exit_worker(code: int = 0) -> None:
     """End this launched worker with exit ``code`` now, skipping Python's interpreter finalization;
     returns (does nothing) outside a launched multi-process job.
 
-    Why: a crash in finalization would turn a complete run into a failed rank. On CPU the gloo group
-    outlives ``destroy_process_group`` (it is referenced from reference cycles around the trainer;
-    a two-rank run still has 8 threads after it, 5 after ``gc.collect()``), and a gloo thread that
-    frees a tensor while the interpreter is torn down aborts the process: ``terminate called without
-    an active exception``, SIGABRT (seen in CI: rank 1 of a run that had finished all its steps;
-    pytorch/pytorch#179291 proposed an upstream fix and was abandoned). :func:`leave_process_group` collects those cycles;
-    this skips finalization altogether. Everything a run keeps is already written atomically and
-    closed; this flushes the log handlers and standard streams, then leaves with ``os._exit``.
+    Why: the gloo group outlives ``destroy_process_group`` (DDP's reducer, held in reference cycles
+    around the trainer, keeps it: a two-rank CPU run still has gloo's threads after it), and freeing
+    it while a gloo thread releases a finished work's tensors fails either way: at interpreter
+    finalization the thread aborts the process (``terminate called without an active exception``,
+    SIGABRT; seen in CI on rank 1 of a run that had finished all its steps), and freed earlier from
+    Python (a ``gc.collect()``), the group's destructor waits for the thread's mutex while holding
+    the GIL the thread needs: a hang (seen on rank 0 of a two-rank run; gdb showed
+    ``~ProcessGroupGloo`` waiting on the mutex and ``pt_gloo_runloop`` waiting for the GIL).
+    pytorch/pytorch#179291 proposed an upstream fix and was abandoned. So a worker never frees the
+    group: everything a run keeps is already written atomically and closed; this flushes the log
+    handlers and standard streams, then leaves with ``os._exit``. Called by the CLI's entry point
+    (:func:`cembed.cli.app.main`) for every command a launched worker runs, whatever its exit code.
     """
     if not is_worker():
         return
