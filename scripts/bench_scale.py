@@ -458,7 +458,7 @@ def report(results: list[dict]) -> str:
     ]
     for r in results:
         n = r["rows"]
-        for stage in STAGES:
+        for stage in [st for st in STAGES if st in r["stages"]]:
             s = r["stages"][stage]
             disk = s["disk_cembed"] + s["disk_datasets"]
             out.append(
@@ -479,7 +479,9 @@ def report(results: list[dict]) -> str:
         "| stage | CPU µs/row | CPU s @100M | anon B/row | peak anon GB @100M | disk B/row | disk GB @100M |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for stage in STAGES:
+    # "cache write" exists only where pre-tokenization saves its result in a second pass (before
+    # issue 24's single write, which the tokenize row now includes).
+    for stage in [st for st in STAGES if all(st in r["stages"] for r in results)]:
         figs = []
         for key in ("cpu_s", "peak_anon", "disk"):
             values = [
@@ -609,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     for rows in sizes:
         results.append(run_size(rows, args, root))
         print(f"{rows:,} rows measured ({time.perf_counter() - started:.0f} s so far)", file=sys.stderr)
+    if args.tokenizer_rate:
+        results.append({"tokenizer_alone": tokenizer_rate(args.tokenizer_rate, args.seed)})
+    if args.json:  # first: a report that fails must not lose a long run's figures
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    alone = [r.pop("tokenizer_alone") for r in results if "tokenizer_alone" in r]
+    results = [r for r in results if r]
     print(
         "all-MiniLM-L6-v2, max_seq_length 128, CPU, no-duplicates sampler; batch min("
         f"{args.batch:,}, rows // 4); seed {args.seed}; {args.shards} file(s) per size; "
@@ -621,16 +629,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cembed train --nproc-per-node {args.ranks} (gloo, CPU, 1 step, tiny model with MiniLM's tokenizer):")
         print()
         print(ranks_report(results))
-    if args.tokenizer_rate:
-        rate = tokenizer_rate(args.tokenizer_rate, args.seed)
+    for rate in alone:
         print()
         print(
             f"tokenizer alone ({rate['rows']:,} rows, both columns, one process): {rate['cpu_s']} CPU s, "
             f"{rate['cpu_us_per_row']} CPU us/row"
         )
-        results.append({"tokenizer_alone": rate})
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
     if args.workdir is None and not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 0
