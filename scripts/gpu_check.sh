@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The one-call GPU verification of cembed (issue 14; stage budgets sum under a 470 s deadline). Runs the folder
+# The one-call GPU verification of cembed (issue 14; stage budgets sum under a 570 s deadline). Runs the folder
 # scripts/gpu_check/ as a program (its __main__.py, standard library only): each stage (stages.py, the
 # one module that imports cembed) in its own process with a timeout, then one JSON with a pass/fail
 # status per stage and (a) bf16 cached vs fp32 plain loss/gradient + dropout replay on the GPU,
 # (b) probe-minibatch at 256 tokens, batch 65536, (c) tokens/s, MFU, data-wait, padded share at
 # batch 65536 on COCO pairs, (d) stock sentence-transformers' step on the same batch and the ratio,
-# (e) GPU utilisation sampled during (c) and (d); plus issue 13's CUDA-only checks.
+# (e) GPU utilisation sampled during (c) and (d), (f) estimate --calibrate vs the real run's wall time;
+# plus issue 13's CUDA-only checks.
 #
 #   bash scripts/gpu_check.sh                     # in an environment where cembed is installed
 #   bash scripts/gpu_check.sh --bundle DIR        # offline: install the bundle made by gpu_bundle.sh
