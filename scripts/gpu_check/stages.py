@@ -423,12 +423,29 @@ def _mini_batch(ctx: dict) -> int:
     return min(mini, max(1, ctx["batch"] // 4)) if ctx.get("quick") else mini
 
 
+def _coco_run_config(ctx: dict, work: Path, train: str, mini: int, steps: int):
+    """The training config of (c) and of the estimate stage: the check's model, sizes and device,
+    ``train`` as the data, no-duplicates off (repeated COCO pairs), no warmup, a log line per step."""
+    from cembed.config.file import config_from_dict
+
+    return config_from_dict(
+        {
+            "model": {"name_or_path": ctx["model"], "max_seq_length": ctx["seq"], "device": ctx["device"]},
+            "data": {"train": train, "cache_dir": ctx["cache_dir"]},
+            "batch": {"per_device_train_batch_size": ctx["batch"], "mini_batch_size": mini},
+            "sampler": {"no_duplicates": False},
+            "optim": {"warmup_ratio": 0.0},
+            "train": {"max_steps": steps, "logging_steps": 1, "output_dir": str(work / "out")},
+        },
+        base=work,
+    )
+
+
 def stage_train(ctx: dict, work: Path) -> dict:
     """(c) ``run_training`` at batch 65536 on COCO pairs (repeated to fill the steps; the
     no-duplicates sampler is off since 50k pairs cannot fill a duplicate-free batch of 65536)."""
     from datasets import Dataset
 
-    from cembed.config.file import config_from_dict
     from cembed.data.prepare import PreparedData
     from cembed.plan.resolve import resolve_plan
     from cembed.train.recipe import run_training
@@ -437,17 +454,7 @@ def stage_train(ctx: dict, work: Path) -> dict:
     mini = _mini_batch(ctx)
     rows = coco_rows(ctx, b * steps)
     data = PreparedData(Dataset.from_dict(rows), source="coco", rows_read=b * steps, roles={c: c for c in rows})
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": ctx["model"], "max_seq_length": ctx["seq"], "device": ctx["device"]},
-            "data": {"train": "coco.jsonl", "cache_dir": ctx["cache_dir"]},
-            "batch": {"per_device_train_batch_size": b, "mini_batch_size": mini},
-            "sampler": {"no_duplicates": False},
-            "optim": {"warmup_ratio": 0.0},
-            "train": {"max_steps": steps, "logging_steps": 1, "output_dir": str(work / "out")},
-        },
-        base=work,
-    )
+    cfg = _coco_run_config(ctx, work, "coco.jsonl", mini, steps)
     plan = resolve_plan(cfg)
     summary = run_training(cfg, plan, data, run_display())
     saved = json.loads((work / "out" / "run_summary.json").read_text())
@@ -488,7 +495,6 @@ def stage_estimate(ctx: dict, work: Path) -> dict:
     steps are too short to time (a few hundred ms on a shared CPU): the error is reported, not judged;
     ``scripts/bench_estimate.py`` is the CPU check."""
     from cembed.cli.estimate import build_estimate
-    from cembed.config.file import config_from_dict
     from cembed.train.recipe import check_run_inputs, run_training
 
     b, steps = ctx["batch"], 2 * ctx["steps"]
@@ -496,17 +502,7 @@ def stage_estimate(ctx: dict, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     data = work / "pairs.jsonl"
     data.write_text("".join(json.dumps({"anchor": a, "positive": p}) + "\n" for a, p in zip(*rows.values())))
-    cfg = config_from_dict(
-        {
-            "model": {"name_or_path": ctx["model"], "max_seq_length": ctx["seq"], "device": ctx["device"]},
-            "data": {"train": str(data), "cache_dir": ctx["cache_dir"]},
-            "batch": {"per_device_train_batch_size": b, "mini_batch_size": _mini_batch(ctx)},
-            "sampler": {"no_duplicates": False},
-            "optim": {"warmup_ratio": 0.0},
-            "train": {"max_steps": steps, "logging_steps": 1, "output_dir": str(work / "out")},
-        },
-        base=work,
-    )
+    cfg = _coco_run_config(ctx, work, str(data), _mini_batch(ctx), steps)
     report = build_estimate(cfg, None, None, None, 2)
     plan, prepared = check_run_inputs(cfg)
     summary = run_training(cfg, plan, prepared, run_display())

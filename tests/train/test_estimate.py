@@ -83,16 +83,21 @@ def _rows():
     return rows
 
 
-def test_cli_json_against_a_hand_count(write_config, pairs_file, tiny_model_dir, tmp_path):
-    cfg = write_config(
+def _tiny_config(write_config, pairs_file, tiny_model_dir, tmp_path, **train):
+    """The tiny model on :func:`_rows` at batch 8, mini-batch 4; ``train`` sets the run's length."""
+    return write_config(
         {
             "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
             "data": {"train": str(pairs_file(_rows())), "cache_dir": str(tmp_path / "cache")},
             "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
             "optim": {"learning_rate": 2e-5},
-            "train": {"output_dir": str(tmp_path / "run"), "num_train_epochs": 1},
+            "train": {"output_dir": str(tmp_path / "run"), **train},
         }
     )
+
+
+def test_cli_json_against_a_hand_count(write_config, pairs_file, tiny_model_dir, tmp_path):
+    cfg = _tiny_config(write_config, pairs_file, tiny_model_dir, tmp_path, num_train_epochs=1)
     out = tmp_path / "estimate.json"
     r = CliRunner().invoke(app, ["estimate", str(cfg), "--gpu", "A100", "--mfu", "0.5", "--json", str(out)])
     assert r.exit_code == 0, r.output
@@ -126,15 +131,7 @@ def test_cli_unknown_gpu_lists_the_known_ones(write_config, tmp_path):
 
 
 def test_cli_calibrate_measures_this_machine(write_config, pairs_file, tiny_model_dir, tmp_path):
-    cfg = write_config(
-        {
-            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
-            "data": {"train": str(pairs_file(_rows())), "cache_dir": str(tmp_path / "cache")},
-            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
-            "optim": {"learning_rate": 2e-5},
-            "train": {"output_dir": str(tmp_path / "run"), "max_steps": 40},
-        }
-    )
+    cfg = _tiny_config(write_config, pairs_file, tiny_model_dir, tmp_path, max_steps=40)
     out = tmp_path / "estimate.json"
     r = CliRunner().invoke(app, ["estimate", str(cfg), "--calibrate", "2", "--json", str(out)])
     assert r.exit_code == 0, r.output
