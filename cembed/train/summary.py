@@ -97,7 +97,8 @@ def _sampler(trainer):
 
 def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
     """Per training source (a :class:`cembed.data.prepare.PreparedData`'s): name, path, rows read,
-    dropped and kept, global batches in the first epoch; with ``steps``, also the global batches
+    dropped and kept, its file count (``files``: a sharded file source's files; 1 for one file or
+    a source of another kind), global batches in the first epoch; with ``steps``, also the global batches
     (``batches_trained``; optimizer steps when gradient_accumulation_steps is 1) and rows the first
     ``steps`` optimizer steps trained on."""
     sampler = _sampler(trainer)
@@ -106,7 +107,7 @@ def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
     out = []
     for i, src in enumerate(data.sources):
         entry = {"name": src.name, "source": src.label, "rows_read": src.rows_read}
-        entry |= {"rows_dropped_invalid": src.rows_dropped, "rows": src.rows}
+        entry |= {"rows_dropped_invalid": src.rows_dropped, "rows": src.rows, "files": src.files or 1}
         entry["batches_per_epoch"] = first.count(i) if first is not None else None
         if trained is not None:
             entry["batches_trained"], entry["rows_trained"] = trained[i]

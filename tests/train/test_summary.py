@@ -42,7 +42,8 @@ def _data(sizes=(10, 4)) -> PreparedData:
     dataset = Dataset.from_dict({"anchor": [f"q{i}" for i in range(n)], "positive": [f"p{i}" for i in range(n)]})
     sources, offset = [], 0
     for name, size in zip(("nli", "qa"), sizes):
-        sources.append(SourceData(name, f"{name}.jsonl", f"data.train.{name}", size + 1, 1, size, offset))
+        files = 20 if name == "nli" else None  # nli: a folder of 20 shards
+        sources.append(SourceData(name, f"{name}.jsonl", f"data.train.{name}", size + 1, 1, size, offset, files=files))
         offset += size
     return PreparedData(dataset, "nli.jsonl, qa.jsonl", n + 2, 2, {"anchor": "anchor"}, sources)
 
@@ -74,6 +75,7 @@ def test_batches_and_rows_per_source(sampler):
             "rows_read": 11,
             "rows_dropped_invalid": 1,
             "rows": 10,
+            "files": 20,
             "batches_per_epoch": 3,
         },
         {
@@ -82,6 +84,7 @@ def test_batches_and_rows_per_source(sampler):
             "rows_read": 5,
             "rows_dropped_invalid": 1,
             "rows": 4,
+            "files": 1,
             "batches_per_epoch": 1,
         },
     ]
