@@ -108,6 +108,30 @@ def test_id_column_gathers_exact_rows():
     assert got.values.tolist() == [11, 1, 2, 4, 5, 6, 7, 8, 9, 10, 4, 5, 6]
 
 
+def test_id_column_gathers_per_file_not_per_record_batch(tmp_path):
+    # Two memory-mapped Arrow files of 25 record batches each (as datasets writes them, 40 rows per
+    # batch here): one region per file, so a batch's gather does not loop over record batches.
+    from datasets import Dataset, Features, List, Value, concatenate_datasets
+
+    rng = np.random.default_rng(0)
+    lists = [rng.integers(0, 30_000, int(rng.integers(0, 12))).tolist() for _ in range(2000)]
+    features = Features({"a_input_ids": List(Value("int32"))})
+    parts = []
+    for k, part in enumerate((lists[:1000], lists[1000:])):
+        written = Dataset.from_dict({"a_input_ids": part}, features=features).map(
+            batched=True, writer_batch_size=40, cache_file_name=str(tmp_path / f"p{k}.arrow")
+        )
+        parts.append(Dataset.from_file(written.cache_files[0]["filename"]))
+    column = concatenate_datasets(parts).data.table.column("a_input_ids")
+    ids = IdColumn(column)
+    assert column.num_chunks == 50 and len(ids.regions) == 2
+    rows = rng.integers(0, 2000, 3000)
+    got = ids.take(rows)
+    assert got.offsets.tolist() == np.cumsum([0] + [len(lists[r]) for r in rows]).tolist()
+    assert got.values.tolist() == [t for r in rows for t in lists[r]]
+    assert ids.take(np.array([], dtype=np.int64)).offsets.tolist() == [0]
+
+
 @pytest.mark.parametrize(
     ("multiple", "idx"),
     [
