@@ -32,7 +32,8 @@ own rows (:func:`datasets.distributed.split_dataset_by_node`), so the rule holds
 batch, not across the ranks' slices of a gathered global batch.
 
 :class:`StreamingSource` reads a file source's shards with ``datasets``' streaming loader, splits
-them between ranks, tokenizes on the fly and yields the windowed batches.
+them between ranks, tokenizes on the fly and yields the windowed batches; :class:`StreamingRows`
+hands them to a ``DataLoader`` (``batch_size=B``, no sampler) row by row, in batch order.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from cembed.data.collator import TOKEN_SUFFIX
 from cembed.data.sampler import fits, hash_token_ids
@@ -373,3 +375,37 @@ class StreamingSource:
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
         self.counts = WindowCounts()
         yield from windowed_batches(self._chunks(), self.batch_size, self.window, self.drop_last, self.counts)
+
+
+class StreamingRows(torch.utils.data.IterableDataset):
+    """The rows of a stream's windowed batches, one at a time in batch order, for a ``DataLoader``
+    with ``batch_size=B`` and no sampler: its batches are then exactly the windowed batches (every
+    batch but the last holds ``B`` rows, and the DataLoader cuts every ``B`` rows).
+
+    Args:
+        batches: an iterable of batches, each a list of rows, re-iterable once per epoch (a
+            :class:`StreamingSource`: rows are ``{column: text, column + "_input_ids": ids}``, which
+            :class:`cembed.data.collator.PaddingCollator` pads).
+
+    :meth:`set_epoch` passes the epoch on (a new shuffle where the source shuffles). The stream is
+    read in one process: with ``num_workers`` > 1 each worker would read and tokenize the whole
+    stream, so iterating in such a worker raises ``RuntimeError`` (use 0 or 1 data-loader worker).
+    """
+
+    def __init__(self, batches: Iterable[list[Any]]) -> None:
+        self.batches = batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next iteration's epoch (forwarded to the source where it has ``set_epoch``)."""
+        if hasattr(self.batches, "set_epoch"):
+            self.batches.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and worker.num_workers > 1:
+            raise RuntimeError(
+                f"a streaming source is read by one data-loader process, got {worker.num_workers} workers; "
+                "set dataloader_num_workers to 0 or 1"
+            )
+        for batch in self.batches:
+            yield from batch

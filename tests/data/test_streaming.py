@@ -258,3 +258,44 @@ def test_hash_of_streamed_ids_is_the_tables():
     ids = [[2, 10, 11, 3], [2, 10, 11, 3], [2, 11, 10, 3]]
     h = hash_token_ids(pa.array(ids, type=pa.list_(pa.int32())))
     assert h[0] == h[1] != h[2]
+
+
+def test_a_training_loop_over_streaming_rows_sees_the_windowed_batches(tmp_path):
+    import torch
+
+    from cembed.config.data import FileSource
+    from cembed.data.collator import PaddingCollator
+    from cembed.data.streaming import StreamingRows
+
+    rows = [{"anchor": f"caption {i % 5}", "positive": f"photo {i}"} for i in range(50)]
+    write_shards(tmp_path / "shards", rows, 2)
+    tok = tokenizer()
+    source = StreamingSource(
+        FileSource(path=str(tmp_path / "shards")), ["anchor", "positive"], tok, 16, 4, 2, read_rows=7
+    )
+    want = [[(r["anchor_input_ids"], r["positive_input_ids"]) for r in b] for b in source]
+    assert len(want) >= 5
+
+    collate = PaddingCollator(["anchor", "positive"], tok.pad_token_id, token_type_ids=False)
+    loader = torch.utils.data.DataLoader(StreamingRows(source), batch_size=4, collate_fn=collate)
+    torch.manual_seed(0)
+    encoder = torch.nn.EmbeddingBag(len(tok), 8, mode="mean", padding_idx=tok.pad_token_id)
+    optimizer = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    seen = []
+    for batch in loader:
+        unpadded = {
+            role: [
+                ids[mask.bool()].tolist()
+                for ids, mask in zip(batch[f"{role}_input_ids"], batch[f"{role}_attention_mask"])
+            ]
+            for role in ("anchor", "positive")
+        }
+        seen.append(list(zip(unpadded["anchor"], unpadded["positive"])))
+        # One in-batch contrastive step (each anchor's positive against the batch's others).
+        a, p = (encoder(batch[f"{r}_input_ids"]) for r in ("anchor", "positive"))
+        loss = torch.nn.functional.cross_entropy(a @ p.T, torch.arange(len(a)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert torch.isfinite(loss)
+    assert seen == want
