@@ -42,14 +42,7 @@ from cembed.data.prepared import (
     PreparedPart,
     write_manifest,
 )
-from cembed.data.tokenize import MANIFEST as TOKENIZED_MANIFEST
-from cembed.data.tokenize import (
-    _prompt_groups,
-    _write_entry,
-    matches_model_preprocessing,
-    read_entry,
-    resolve_num_proc,
-)
+from cembed.data.tokenize import matches_model_preprocessing, read_entry, resolve_num_proc, tokenize_into
 from cembed.errors import UserError
 from cembed.files import display_path, write_json_atomic
 from cembed.model.fingerprint import tokenizer_fingerprint
@@ -268,8 +261,8 @@ def prepare_source(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{k:05d}-", dir=folder))
     try:
         with temporary_datasets_cache(tmp / "datasets-cache"):
-            manifest, procs = _tokenize_part(cfg, k, n, tmp / "ids", progress)
-        result = _publish_part(folder, k, n, tmp / "ids", manifest, procs)
+            manifest, files, procs = _tokenize_part(cfg, k, n, tmp / "ids", progress)
+        result = _publish_part(folder, k, n, tmp / "ids", files, manifest, procs)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if n == 1:
@@ -287,10 +280,10 @@ def prepare_source(
     return result
 
 
-def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[PreparedManifest, int]:
+def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[PreparedManifest, list[str], int]:
     """Run the data stage, load the model, tokenize part K of N into ``ids_dir`` (training's map) and
     check the ids against the model's own preprocessing. Returns the part's manifest (its ``parts``
-    still empty) and the tokenizer processes used."""
+    still empty), the map's files in ``ids_dir`` in row order and the tokenizer processes used."""
     data = prepare_data(cfg.data)
     quiet_libraries()
     model = load_model(cfg.model, "cpu")
@@ -309,10 +302,11 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
     rows = dataset.shard(n, k, contiguous=True) if n > 1 else dataset
     if rows._indices is not None:  # the map would keep the texts (a column join rewrites them)
         rows = rows.flatten_indices()
-    groups = _prompt_groups(len(rows), roles, prompts, lengths, None)
     procs = resolve_num_proc(cfg.data.num_proc, len(rows))
     ids_dir.mkdir()
-    _write_entry(rows, roles, model.tokenizer, model.max_seq_length, groups, procs, ids_dir, progress)
+    files = tokenize_into(
+        rows, roles, model.tokenizer, model.max_seq_length, ids_dir, prompts, lengths, procs, progress
+    )
     _check_equivalence(model, collator, rows, ids_dir, prompts, cfg.model.name_or_path)
     src = data.sources[0] if data.sources else None
     input_files = None
@@ -333,13 +327,14 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
         rows_dropped=data.rows_dropped,
         input_files=input_files,
     )
-    return manifest, procs
+    return manifest, files, procs
 
 
-def _publish_part(folder: Path, k: int, n: int, ids_dir: Path, manifest: PreparedManifest, procs: int) -> PrepareResult:
+def _publish_part(
+    folder: Path, k: int, n: int, ids_dir: Path, files: list[str], manifest: PreparedManifest, procs: int
+) -> PrepareResult:
     """Move the map's files from ``ids_dir`` into ``folder`` as part K's files (``manifest.parts``
     filled in) and, with several parts, write part K's manifest, last."""
-    files = json.loads((ids_dir / TOKENIZED_MANIFEST).read_text())["files"]
     names = [_part_file(k, n, i) for i in range(len(files))]
     for name, new in zip(files, names):
         os.replace(ids_dir / name, folder / new)

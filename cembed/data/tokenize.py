@@ -406,6 +406,32 @@ def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tm
     (tmp / MANIFEST).write_text(json.dumps(manifest))
 
 
+def tokenize_into(
+    dataset,
+    roles: list[str],
+    tokenizer,
+    max_seq_length: int,
+    folder: Path,
+    prompts: dict[str, str] | None = None,
+    prompt_lengths: dict[str, int] | None = None,
+    num_proc: int | str | None = None,
+    progress=None,
+) -> list[str]:
+    """Tokenize ``dataset`` (no indices mapping) with training's map into the existing ``folder``,
+    not cached, texts not kept: Arrow stream files with ``<role>_input_ids``, ``<role>_hash`` and
+    ``<role>_prompt_length`` (prompted roles), as :func:`pretokenize` stores them. Arguments as
+    :func:`pretokenize`'s. Returns the files' names inside ``folder``, in row order (none for no rows).
+
+    Raises:
+        ValueError: ``dataset`` has an indices mapping (flatten it first).
+    """
+    if dataset._indices is not None:
+        raise ValueError("tokenize_into: flatten the dataset's indices first (the map would keep its texts)")
+    groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, None)
+    _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, Path(folder), progress)
+    return json.loads((Path(folder) / MANIFEST).read_text())["files"]
+
+
 def matches_model_preprocessing(
     model,
     collator: PaddingCollator,
