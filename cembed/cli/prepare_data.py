@@ -15,8 +15,8 @@ from cembed.cli.common import ConfigArg, OverridesArg, console, examples, flag, 
 
 PREPARE_DATA_EXAMPLES = examples(
     "cembed prepare-data config.yaml --output prepared/",
-    "cembed prepare-data config.yaml --output /shared/prepared --part 0/4   # node 0 of 4, same folder",
-    "torchrun --nnodes 4 --nproc-per-node 1 -m cembed prepare-data config.yaml -o /shared/prepared --part auto",
+    "cembed prepare-data config.yaml --output /shared/prepared --part 0/4",
+    "cembed prepare-data config.yaml -o /shared/prepared --part auto   # under torchrun",
 )
 
 
@@ -31,8 +31,7 @@ def prepare_data_cmd(
     ),
     overwrite: bool = flag(False, "--overwrite/--no-overwrite", help="Replace what --output holds (one node only)."),
 ) -> None:
-    """Tokenize the config's training source once for its model into a prepared source: token ids
-    and row hashes, no text (train from it with data.train: {kind: prepared, path: DIR})."""
+    """Tokenize a config's training source once into a prepared source (token ids, no text) to train from."""
     from cembed.data.prepared_writer import parse_part, prepare_source
 
     cfg = load(config, overrides)
