@@ -5,6 +5,7 @@ token-id Arrow files and a manifest, :mod:`cembed.data.prepared`) that every run
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +37,10 @@ def prepare_data_cmd(
 
     cfg = load(config, overrides)
     k_n = parse_part(part)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if part == "auto" and local_rank != 0:  # torchrun with several processes per node: one prepares
+        console.print(f"local rank {local_rank}: node {k_n[0]}'s part is prepared by its local rank 0", highlight=False)
+        return
     from cembed.cli.train import TokenizeBar
 
     bar = TokenizeBar(console) if console.is_terminal else None

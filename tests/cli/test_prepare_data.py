@@ -58,6 +58,21 @@ def test_prepare_data_prints_rows_bytes_and_the_ratio(tiny_model_dir, write_conf
     assert len(again.output.strip().splitlines()) == 1
 
 
+def test_part_auto_prepares_on_local_rank_0_only(tiny_model_dir, write_config, tmp_path, monkeypatch):
+    cfg = _config(write_config, tiny_model_dir, _corpus(tmp_path))
+    out = tmp_path / "prepared"
+    env = {"RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}  # node 1 of 2
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    r = CliRunner().invoke(app, ["prepare-data", str(cfg), "-o", str(out), "--part", "auto"])
+    assert r.exit_code == 0 and "node 1's part is prepared by its local rank 0" in r.output, r.output
+    assert not out.exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    r = CliRunner().invoke(app, ["prepare-data", str(cfg), "-o", str(out), "--part", "auto"])
+    assert r.exit_code == 0 and "part 1/2: tokenized 150 rows" in r.output, r.output
+    assert "waiting for parts 0 of 2" in r.output and not (out / MANIFEST).exists()
+
+
 def test_several_sources_are_refused_naming_data_train(tiny_model_dir, write_config, tmp_path):
     corpus = _corpus(tmp_path)
     cfg = _config(write_config, tiny_model_dir, corpus, train={"a": str(corpus), "b": str(corpus)})
