@@ -122,6 +122,15 @@ def parse_part(text: str | None, env: dict | None = None) -> tuple[int, int]:
     return k, n
 
 
+def part_rows(rows: int, k: int, n: int) -> tuple[int, int]:
+    """The row range ``[start, end)`` of part K of N over ``rows`` rows: contiguous, in order, sizes
+    differing by at most one (the first ``rows % n`` parts one longer), as datasets'
+    ``Dataset.shard(n, k, contiguous=True)`` cuts them."""
+    div, mod = divmod(rows, n)
+    start = div * k + min(k, mod)
+    return start, start + div + (1 if k < mod else 0)
+
+
 def part_manifest_name(k: int, n: int) -> str:
     """The file holding part K of N's manifest in a prepared folder."""
     return f"cembed_prepared.part-{k:05d}-of-{n:05d}.json"
@@ -299,7 +308,9 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
     lengths = prompt_lengths(model, prompts)
     dataset = data.dataset
     samples = dataset.select(range(min(SAMPLE_ROWS, len(dataset)))).to_dict()
-    rows = dataset.shard(n, k, contiguous=True) if n > 1 else dataset
+    start, end = part_rows(len(dataset), k, n)
+    # datasets' shard(n, k, contiguous=True) rows; its select refuses an empty range past the end.
+    rows = dataset if n == 1 else dataset.select(range(start, end) if end > start else [])
     if rows._indices is not None:  # the map would keep the texts (a column join rewrites them)
         rows = rows.flatten_indices()
     procs = resolve_num_proc(cfg.data.num_proc, len(rows))
@@ -359,6 +370,8 @@ def _check_equivalence(model, collator, rows, ids_dir: Path, prompts: dict, name
     from datasets import concatenate_datasets
 
     m = min(SAMPLE_ROWS, len(rows))
+    if m == 0:  # a part with no rows (fewer rows than parts)
+        return
     head = concatenate_datasets([rows.select(range(m)), read_entry(ids_dir).select(range(m))], axis=1)
     if not matches_model_preprocessing(model, collator, head, prompts=prompts):
         raise UserError(

@@ -427,6 +427,8 @@ def tokenize_into(
     """
     if dataset._indices is not None:
         raise ValueError("tokenize_into: flatten the dataset's indices first (the map would keep its texts)")
+    if len(dataset) == 0:  # no rows: no file (datasets' map would hand back the input's own files)
+        return []
     groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, None)
     _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, Path(folder), progress)
     return json.loads((Path(folder) / MANIFEST).read_text())["files"]

@@ -216,6 +216,28 @@ def test_refusals(tiny_model_dir, write_config, corpus, tmp_path, hf_cache):
     assert prepare_source(cfg, done, overwrite=True).complete
 
 
+def test_more_parts_than_rows(tiny_model_dir, write_config, pairs_file, tmp_path, hf_cache):
+    """A part with no rows writes no file and still counts as done: the join lists the others."""
+    corpus = pairs_file([{"query": f"q {i}", "text": f"t {i}"} for i in range(3)], name="three.jsonl")
+    cfg = _cfg(write_config, tiny_model_dir, corpus)
+    results = [prepare_source(cfg, tmp_path / "shared", (k, 4)) for k in range(4)]
+    assert [r.rows for r in results] == [1, 1, 1, 0] and results[-1].files == [] and results[-1].complete
+    manifest, stored = _parts(tmp_path / "shared")
+    assert manifest.rows == 3 and len(manifest.parts) == 3
+    assert stored["anchor_input_ids"] == _parts(prepare_source(cfg, tmp_path / "one").folder)[1]["anchor_input_ids"]
+
+
+def test_part_rows_are_datasets_contiguous_shards():
+    from cembed.data.prepared_writer import part_rows
+
+    ds = Dataset.from_dict({"x": list(range(10))})
+    for n in (1, 3, 4, 10):
+        for k in range(n):
+            start, end = part_rows(10, k, n)
+            assert list(range(start, end)) == ds.shard(n, k, contiguous=True)["x"], (k, n)
+    assert part_rows(3, 3, 4) == (3, 3)
+
+
 def test_parse_part():
     assert parse_part(None) == (0, 1) and parse_part("2/4") == (2, 4)
     assert parse_part("auto", {"RANK": "5", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "8"}) == (2, 4)
