@@ -4,7 +4,7 @@ The config's data stage runs as training runs it (load, column mapping, cell che
 :func:`cembed.data.prepare.prepare_data`), the model's tokenizer is loaded as training loads it
 (:func:`cembed.model.load.load_model`), the prompts resolved as training resolves them
 (:func:`cembed.data.prepare.training_prompts`), and the rows are tokenized by training's own map
-(:func:`cembed.data.tokenize._write_entry`: every core, the ``<role>_hash`` column computed inside
+(:func:`cembed.data.tokenize.tokenize_into`: every core, the ``<role>_hash`` column computed inside
 it). The map's output files are the parts: no text is stored, and datasets' own JSON -> Arrow copy
 of the input lives in a temporary cache inside ``DIR`` that is removed when the run ends.
 
@@ -166,8 +166,11 @@ def temporary_datasets_cache(folder: Path):
 def _folder_lock(folder: Path):
     # An exclusive flock on DIR/.lock (across the nodes sharing DIR where the file system supports it);
     # where locks are refused the join still runs (the manifest is written atomically either way).
-    import fcntl
-
+    try:
+        import fcntl
+    except ImportError:  # not on a POSIX system
+        yield
+        return
     with open(folder / LOCK, "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
