@@ -52,6 +52,10 @@ def prepare_data_cmd(
     print_prepare_result(console, result)
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -61,8 +65,8 @@ def print_prepare_result(console: Console, r) -> None:
     rate = f"{r.rows / r.seconds:,.0f} rows/s" if r.seconds > 0 else "-"
     who = f"part {r.part}/{r.of}: " if r.of > 1 else ""
     console.print(
-        f"{who}tokenized {r.rows:,} rows into {len(r.files)} files ({_mb(r.bytes)}) in {r.seconds:.1f} s "
-        f"({rate}, {r.num_proc} processes)",
+        f"{who}tokenized {r.rows:,} rows into {_count(len(r.files), 'file')} ({_mb(r.bytes)}) in {r.seconds:.1f} s "
+        f"({rate}, {_count(r.num_proc, 'process')})",
         highlight=False,
     )
     if not r.complete:
@@ -72,7 +76,7 @@ def print_prepare_result(console: Console, r) -> None:
         )
         return
     console.print(
-        f"prepared {r.folder}: {r.total_rows:,} rows, {r.total_files} parts, {_mb(r.disk_bytes)} on disk "
+        f"prepared {r.folder}: {r.total_rows:,} rows, {_count(r.total_files, 'part')}, {_mb(r.disk_bytes)} on disk "
         f"({r.bytes_per_row:,.1f} B/row); token ids alone: {_mb(r.total_token_bytes)} "
         f"(4 B/token + 4 B/row per column); disk / ids = {r.ratio:.3f}",
         highlight=False,

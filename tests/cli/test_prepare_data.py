@@ -47,7 +47,7 @@ def test_prepare_data_prints_rows_bytes_and_the_ratio(tiny_model_dir, write_conf
     assert manifest.rows == 300 and manifest.max_seq_length == 12  # the override applied
     disk = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     m = re.search(
-        r"300 rows, 1 parts, ([\d.,]+) MB on disk \(([\d.,]+) B/row\); token ids alone: ([\d.,]+) MB", r.output
+        r"300 rows, 1 part, ([\d.,]+) MB on disk \(([\d.,]+) B/row\); token ids alone: ([\d.,]+) MB", r.output
     )
     assert m, r.output
     assert float(m.group(2).replace(",", "")) == round(disk / 300, 1)
