@@ -2,7 +2,7 @@
 
 Each command lives with its options, body and rendering in its group's module: :mod:`cembed.cli.check`
 (validate, inspect-data, probe-minibatch), :mod:`cembed.cli.train` (train), :mod:`cembed.cli.prepare`
-(init, suggest-lr, mine-negatives) and :mod:`cembed.cli.eval` (eval); what they share is in
+(init, suggest-lr, mine-negatives), :mod:`cembed.cli.prepare_data` (prepare-data) and :mod:`cembed.cli.eval` (eval); what they share is in
 :mod:`cembed.cli.common`. A new command is a function in its group's module and one line here.
 
 User mistakes (:class:`cembed.errors.UserError`) print one or two lines in red and exit with code 2.
@@ -17,7 +17,7 @@ import sys
 
 import typer
 
-from cembed.cli import check, estimate, prepare, sweep, train
+from cembed.cli import check, estimate, prepare, prepare_data, sweep, train
 from cembed.cli import eval as evaluate
 from cembed.cli.common import err_console, user_errors
 
@@ -62,6 +62,7 @@ app.command("eval", epilog=evaluate.EVAL_EXAMPLES)(user_errors(evaluate.eval_cmd
 app.command("mine-negatives", epilog=prepare.MINE_NEGATIVES_EXAMPLES)(user_errors(prepare.mine_negatives_cmd))
 app.command("estimate", epilog=estimate.ESTIMATE_EXAMPLES)(user_errors(estimate.estimate_cmd))
 app.command("sweep", epilog=sweep.SWEEP_EXAMPLES)(user_errors(sweep.sweep_cmd))
+app.command("prepare-data", epilog=prepare_data.PREPARE_DATA_EXAMPLES)(user_errors(prepare_data.prepare_data_cmd))
 
 
 def main() -> None:

@@ -29,16 +29,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import torch
 import xxhash
 
 from cembed.data.collator import PROMPT_SUFFIX, TOKEN_SUFFIX, PaddingCollator, TokenIdRows, collator_for
+from cembed.data.prepared import HASH_SUFFIX
+from cembed.data.sampler import hash_token_ids
 from cembed.files import cache_root
 from cembed.model.fingerprint import tokenizer_fingerprint
 from cembed.model.prompts import prompt_lengths
 
 # Bump when the stored layout changes, so old caches are not reused.
-FORMAT_VERSION = "2"  # 2: only the new columns, the map's own files, a manifest
+FORMAT_VERSION = "3"  # 2: only the new columns, the map's own files, a manifest; 3: <role>_hash
 
 
 def cache_key(
@@ -60,10 +64,12 @@ def _tokenize_batch(
     starts: list[int],
     prompts: list[dict[str, str]],
     lengths: list[dict[str, int]] | None = None,
-) -> dict[str, list]:
+) -> pa.Table:
     # Module level: datasets.map(num_proc>1) pickles it into worker processes. Row ``i`` belongs to
     # the source whose first row is the last of ``starts`` <= i, and takes that source's prompts; a
-    # null cell (a source without the column) stays null.
+    # null cell (a source without the column) stays null. Returns an arrow table (the ids converted
+    # once, here, and handed to the map's writer as they are): ``<role>_input_ids``, ``<role>_hash``
+    # per role, then ``<role>_prompt_length`` for the roles some source prompts.
     groups = [bisect.bisect_right(starts, i) - 1 for i in indices]
     out = {}
     for role in roles:
@@ -81,11 +87,23 @@ def _tokenize_batch(
         ids: list = [None] * len(cells)
         for k, row_ids in zip(present, enc):
             ids[k] = row_ids
-        out[role + TOKEN_SUFFIX] = ids
+        column = pa.array(ids, type=pa.list_(pa.int32()))
+        out[role + TOKEN_SUFFIX] = column
+        skip = [(lengths[g].get(role) or 0) if lengths else 0 for g in groups]
+        out[role + HASH_SUFFIX] = _row_hashes(column, skip)
     # Each row's source's prompt length (null where it has none), for the roles some source prompts.
     for role in [r for r in roles if any(r in g for g in lengths or [])]:
-        out[role + PROMPT_SUFFIX] = [lengths[g].get(role) for g in groups]
-    return out
+        out[role + PROMPT_SUFFIX] = pa.array([lengths[g].get(role) for g in groups], type=pa.int32())
+    return pa.table(out)
+
+
+def _row_hashes(ids: pa.Array, skip: list[int]) -> pa.Array:
+    # The sampler's hash of each row's ids after its prompt's ``skip`` tokens
+    # (:func:`cembed.data.sampler.hash_token_ids`, what ``row_hashes`` computes from the stored
+    # columns), null for a null cell: computed inside the parallel map, so no process has to hash
+    # the whole column later. One vectorised pass over the batch's arrow ids.
+    hashes = hash_token_ids(ids, np.asarray(skip, dtype=np.int64))
+    return pa.array(hashes, type=pa.uint64(), mask=ids.is_null().to_numpy(zero_copy_only=False))
 
 
 @dataclass(frozen=True)
@@ -146,7 +164,7 @@ def resolve_num_proc(num_proc: int | str | None, rows: int) -> int:
 
 
 def read_entry(path: str | Path):
-    """The columns a published cache entry stores (``<role>_input_ids``, ``<role>_prompt_length``;
+    """The columns a published cache entry stores (``<role>_input_ids``, ``<role>_hash``, ``<role>_prompt_length``;
     the texts too where it keeps them), memory-mapped, in row order.
 
     Raises:
@@ -222,10 +240,13 @@ def _watch_progress(folder: Path, total: int, progress, stop: threading.Event) -
         progress(min(done, total), total)
 
 
-def _tokenize_batch_counted(batch, indices, progress_dir: str | None = None, **kwargs):
+def _tokenize_batch_counted(batch, indices, progress_dir: str | None = None, keep: list[str] = (), **kwargs):
     # The map function: tokenizes, then records how many rows this process has done (for the
-    # progress bar), in a file of its own.
+    # progress bar), in a file of its own. The map writes a returned table as it is (no merge with
+    # the input): the ``keep`` input columns are added to it.
     out = _tokenize_batch(batch, indices, **kwargs)
+    for name in keep:
+        out = out.append_column(name, pa.array(batch[name]))
     if progress_dir is not None:
         global _rows_done
         _rows_done += len(indices)
@@ -256,7 +277,9 @@ def pretokenize(
 
     The entry is written once: datasets' ``map`` writes the id columns straight into a temporary
     folder of the cache (no copy in datasets' own cache), which is renamed into place when complete.
-    It holds only the new columns (``<role>_input_ids``, ``<role>_prompt_length``): the texts are
+    It holds only the new columns (``<role>_input_ids``, ``<role>_hash``, ``<role>_prompt_length``;
+    ``<role>_hash`` is :func:`cembed.data.sampler.hash_token_ids` of the ids without the prompt's
+    tokens, uint64, null for a null cell, computed inside the map): the texts are
     joined from ``dataset`` when loaded (kept in the entry only when ``dataset`` has an indices
     mapping, which a column join would rewrite). One process writes an entry at a time (a file lock);
     the next one loads it. A run killed while tokenizing leaves only its temporary folder, removed
@@ -331,6 +354,7 @@ def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tm
     features = dataset.features.copy() if texts else Features()
     for role in roles:
         features[role + TOKEN_SUFFIX] = List(Value("int32"))
+        features[role + HASH_SUFFIX] = Value("uint64")
     for role in [r for r in roles if any(r in g.lengths for g in groups)]:
         features[role + PROMPT_SUFFIX] = Value("int32")
     procs = resolve_num_proc(num_proc, len(dataset))
@@ -362,6 +386,7 @@ def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tm
                 "prompts": [g.prompts for g in groups],
                 "lengths": [g.lengths for g in groups],
                 "progress_dir": None if progress_dir is None else str(progress_dir),
+                "keep": list(dataset.column_names) if texts else [],
             },
             features=features,
             remove_columns=None if texts else dataset.column_names,
@@ -379,6 +404,34 @@ def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tm
     files = [Path(f["filename"]).name for f in tokenized.cache_files]  # none for no rows
     manifest = {"files": files, "rows": len(tokenized), "texts": texts, "features": tokenized.features.to_dict()}
     (tmp / MANIFEST).write_text(json.dumps(manifest))
+
+
+def tokenize_into(
+    dataset,
+    roles: list[str],
+    tokenizer,
+    max_seq_length: int,
+    folder: Path,
+    prompts: dict[str, str] | None = None,
+    prompt_lengths: dict[str, int] | None = None,
+    num_proc: int | str | None = None,
+    progress=None,
+) -> list[str]:
+    """Tokenize ``dataset`` (no indices mapping) with training's map into the existing ``folder``,
+    not cached, texts not kept: Arrow stream files with ``<role>_input_ids``, ``<role>_hash`` and
+    ``<role>_prompt_length`` (prompted roles), as :func:`pretokenize` stores them. Arguments as
+    :func:`pretokenize`'s. Returns the files' names inside ``folder``, in row order (none for no rows).
+
+    Raises:
+        ValueError: ``dataset`` has an indices mapping (flatten it first).
+    """
+    if dataset._indices is not None:
+        raise ValueError("tokenize_into: flatten the dataset's indices first (the map would keep its texts)")
+    if len(dataset) == 0:  # no rows: no file (datasets' map would hand back the input's own files)
+        return []
+    groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, None)
+    _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, Path(folder), progress)
+    return json.loads((Path(folder) / MANIFEST).read_text())["files"]
 
 
 def matches_model_preprocessing(

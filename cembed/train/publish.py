@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cembed.data.collator import PROMPT_SUFFIX, TOKEN_SUFFIX
+from cembed.data.prepared import HASH_SUFFIX
 from cembed.errors import UserError, first_line
 from cembed.files import write_atomic
 from cembed.model.load import PACKAGED_MINILM
@@ -75,8 +76,8 @@ def describe_base_model(model, name_or_path: str, revision: str | None = None) -
 
 def text_columns(column_names: list[str]) -> list[str]:
     """The user's text columns of a training dataset: without the token-id and prompt-length
-    columns pre-tokenization adds (:mod:`cembed.data.tokenize`)."""
-    return [c for c in column_names if not c.endswith((TOKEN_SUFFIX, PROMPT_SUFFIX))]
+    columns and row hashes pre-tokenization adds (:mod:`cembed.data.tokenize`)."""
+    return [c for c in column_names if not c.endswith((TOKEN_SUFFIX, PROMPT_SUFFIX, HASH_SUFFIX))]
 
 
 def packaged_data_name(path: str) -> str | None:

@@ -20,6 +20,7 @@ COMMANDS = [
     "mine-negatives",
     "estimate",
     "sweep",
+    "prepare-data",
 ]
 
 
