@@ -57,19 +57,19 @@ def _prompt_field(role: str) -> str:
     return "negatives" if role.startswith("negative_") else role
 
 
-def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_of: int | None = None):
+def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_of: int | None, matches):
     """:func:`cembed.data.tokenize.tokenize_stage` for a prepared source (``data.manifest`` set): the
     stored ids, checked (:func:`check_prepared_for_model`, then the manifest's sample texts through
     ``model.preprocess`` against the stored ids of the same first rows). Returns ``(dataset,
     collator, info)`` as ``tokenize_stage`` does; never falls back to tokenizing (there is no text).
+    ``matches``: :func:`cembed.data.tokenize.matches_model_preprocessing` (passed in by
+    ``tokenize_stage``, which imports this module).
 
     Raises:
         UserError: see :func:`check_prepared_for_model`; a model whose features are not plain token
             ids; a manifest without sample texts of a column; stored ids that differ from the
             model's preprocessing of the samples.
     """
-    from cembed.data.tokenize import matches_model_preprocessing
-
     started = time.perf_counter()
     manifest, source = data.manifest, data.sources[0]
     where = display_path(source.label)
@@ -92,7 +92,7 @@ def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_
     sample = dataset.select(range(rows))
     for role in roles:
         sample = sample.add_column(role, list(manifest.samples[role][:rows]))
-    if not matches_model_preprocessing(model, collator, sample, rows=rows, prompts=manifest.prompts or None):
+    if not matches(model, collator, sample, rows=rows, prompts=manifest.prompts or None):
         raise UserError(
             f"{where}: the stored token ids of the first {rows} rows differ from the model's own preprocessing "
             "of the manifest's sample texts (another tokenizer, lower-casing or truncation); prepare the source "

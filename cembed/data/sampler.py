@@ -40,7 +40,6 @@ from sentence_transformers.util import get_world_size
 
 from cembed.data.collator import PROMPT_SUFFIX, TOKEN_SUFFIX
 from cembed.data.mixture import SourceMix
-from cembed.data.prepare import arrow_table
 from cembed.data.prepared import HASH_SUFFIX
 
 # Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
@@ -146,7 +145,9 @@ def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
     null cell (a source that does not map the column, see :func:`cembed.data.prepare.prepare_data`;
     a null ids cell or stored hash) is no text: it takes the row's first column's hash, and a text
     repeated inside one row never collides."""
-    table = dataset if isinstance(dataset, pa.Table) else arrow_table(dataset)
+    # The rows as an Arrow table, selections applied (cembed.data.prepare.arrow_table, not imported:
+    # prepare counts distinct rows with this function).
+    table = dataset if isinstance(dataset, pa.Table) else dataset.with_format("arrow")[:]
     names = set(table.column_names)
     if columns is None:
         columns = [c for c in table.column_names if c != "dataset_name"]

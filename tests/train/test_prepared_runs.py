@@ -81,3 +81,23 @@ def test_two_ranks_from_a_prepared_source_equal_one_process(tiny_model_dir, writ
     max_dw = _max_dw(tmp_path / "one", tmp_path / "two")
     print(f"2 ranks vs 1 process from a prepared source: max |dW| = {max_dw:.3e}")
     assert max_dw <= 1e-5, max_dw
+
+
+def test_every_rank_compares_the_prepared_fingerprint(tiny_model_dir, write_config, tmp_path):
+    import cembed.train.recipe as T
+    from cembed.config.file import load_config
+    from cembed.train.trainer import CembedTrainer
+
+    class FactsSeen(CembedTrainer):
+        facts: dict = {}
+
+        def collective_facts(self):
+            type(self).facts = super().collective_facts()
+            return type(self).facts
+
+    _prepare(tmp_path, tiny_model_dir)
+    cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, {"prepared": "prepared"}, "facts", max_steps=1))
+    plan, data = T.check_run_inputs(cfg)
+    T.run_training(cfg, plan, data, trainer_cls=FactsSeen)
+    # What require_same_on_all_ranks compares: ranks that read another folder (or a re-prepared one) differ here.
+    assert FactsSeen.facts["prepared"] == data.manifest.fingerprint and len(data.manifest.fingerprint) == 16
