@@ -14,11 +14,11 @@ from cembed.model.fingerprint import tokenizer_fingerprint
 
 
 def pair_rows(n: int) -> list[dict]:
-    """Pairs with a few repeated positives (the sampler defers them) and long texts (truncated at 64)."""
+    """Pairs whose positives repeat in a third of the rows (each twice: the sampler defers rows) and long texts (truncated at 64)."""
     rows = []
     for i in range(n):
         long = " and a red car on the street" * (12 if i % 7 == 0 else 0)
-        positive = f"answer {i % 40} on the street" if i % 5 == 0 else f"answer text {i} with a dog{long}"
+        positive = f"answer {i % 20} on the street" if i % 3 == 0 else f"answer text {i} with a dog{long}"
         rows.append({"anchor": f"question {i} about a {'red ' * (i % 4)}car", "positive": positive})
     return rows
 

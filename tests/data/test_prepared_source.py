@@ -120,10 +120,15 @@ def test_hashes_of_a_prepared_table_equal_the_text_paths(prepared, tmp_path, tin
     ids_only = row_hashes(data.dataset, data.columns)  # no text column: null from the ids column
     assert ids_only.shape == (120, 2)
     assert np.array_equal(ids_only, row_hashes(_text_path_table(tmp_path, tiny), ["anchor", "positive"]))
-    # The sampler compares the roles, not the id columns, and finds the repeated positives.
-    sampler = NoDuplicatesSampler(data.dataset, batch_size=16, drop_last=True)
+    # The sampler compares the roles, not the id columns, and defers the repeated positives as the
+    # text path's sampler does: the same batches, which are not the plain shuffle's.
+    sampler = NoDuplicatesSampler(data.dataset, batch_size=16, drop_last=True, seed=3)
     assert sampler.columns == ["anchor", "positive"] and sampler.compared_as.startswith("token ids")
-    assert len(np.unique(sampler.hashes[:, 1])) < 120
+    assert len(np.unique(sampler.hashes[:, 1])) == 100
+    text = NoDuplicatesSampler(_text_path_table(tmp_path, tiny), batch_size=16, drop_last=True, seed=3)
+    assert sampler.global_batches() == text.global_batches()
+    plain = NoDuplicatesSampler(data.dataset, batch_size=16, drop_last=True, seed=3, no_duplicates=False)
+    assert plain.global_batches() != sampler.global_batches()
 
 
 def test_stored_hashes_are_used_and_equal_the_recomputed_ones(prepared):
