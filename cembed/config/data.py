@@ -536,7 +536,9 @@ def _check_prepared(cfg: DataConfig, sources: list[TrainSource]) -> None:
     """A prepared source holds token ids only and its roles are its manifest's: it trains alone,
     pre-tokenized, without a column mapping."""
     if len(sources) > 1:
-        raise ValueError("train: a prepared source trains alone; give it as the only source (prepare the others into it)")
+        raise ValueError(
+            "train: a prepared source trains alone; give it as the only source (prepare the others into it)"
+        )
     if not cfg.pretokenize:
         raise ValueError(
             "pretokenize: false, but a prepared source holds token ids only (no text to tokenize); remove it"

@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cembed.config.data import LOCAL_EXTENSIONS, BeirSource, FileSource, HubSource, PreparedSource, SourceConfig, is_glob
+from cembed.config.data import (
+    LOCAL_EXTENSIONS,
+    BeirSource,
+    FileSource,
+    HubSource,
+    PreparedSource,
+    SourceConfig,
+    is_glob,
+)
 from cembed.data.beir import beir_files, qrels_lines, read_corpus, read_queries
 from cembed.errors import HubUnavailable, UserError
 from cembed.files import display_path
@@ -434,7 +442,9 @@ def load_prepared(source: PreparedSource):
             raise UserError(f"{where}: holds {len(table)} rows, the manifest says {part.rows}; prepare it again")
         missing = [c + TOKEN_SUFFIX for c in manifest.columns if c + TOKEN_SUFFIX not in table.column_names]
         if missing:
-            raise UserError(f"{where}: no column {missing[0]} (columns: {', '.join(table.column_names)}); prepare it again")
+            raise UserError(
+                f"{where}: no column {missing[0]} (columns: {', '.join(table.column_names)}); prepare it again"
+            )
         parts.append(table)
     if not parts:
         raise UserError(f"{display_path(folder)}: the prepared source has no parts; nothing to train on")

@@ -290,7 +290,8 @@ class Components:
     sources: SourceMix | None = None  # the training sources and how batches are drawn from them
     source_prompts: list[RolePrompts] | None = None  # per source, when a source sets prompts of its own
     card_dataset: Any = None  # what the model card describes (sources with different columns), else None
-    data_facts: dict = field(default_factory=dict)  # what every rank must share about the data (a prepared source's fingerprint)
+    # What every rank must share about the data (a prepared source's fingerprint).
+    data_facts: dict = field(default_factory=dict)
 
 
 def build_components(

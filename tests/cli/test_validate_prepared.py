@@ -48,7 +48,9 @@ def test_validate_shows_rows_batches_first_row_and_ids_at_the_length(prepared_co
     assert "prepared: 120 rows read, 0 dropped, 120 to train on; 7 batches of 16 per epoch" in text, r.output
     assert f"first row: anchor {ROWS[0]['anchor']!r} | positive {ROWS[0]['positive']!r}" in text, r.output
     # 12 positives of the 120 rows are longer than 64 tokens: their ids stop at 64.
-    assert "rows at max_seq_length: anchor 0 (0.0%; longest" in text and "positive 12 (10.0%; longest 64 tokens)" in text
+    assert (
+        "rows at max_seq_length: anchor 0 (0.0%; longest" in text and "positive 12 (10.0%; longest 64 tokens)" in text
+    )
     report = json.loads(CliRunner().invoke(app, ["validate", str(prepared_config()), "--json"]).output)
     assert report["data"]["rows"] == 120 and report["data"]["batches_per_epoch"] == 7
     assert report["loss"]["columns"] == {"anchor": "anchor", "positive": "positive"}

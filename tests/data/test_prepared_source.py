@@ -72,7 +72,11 @@ def test_mistakes_with_a_prepared_source_name_the_field(data, field):
 def test_the_parts_are_memory_mapped_in_order_with_the_manifests_roles(prepared):
     data = prepare_data(_data(prepared))
     assert data.columns == ["anchor", "positive"] and data.source_columns() == [["anchor", "positive"]]
-    assert len(data.dataset) == 120 and data.rows_read == 120 and data.roles == {"anchor": "anchor", "positive": "positive"}
+    assert (
+        len(data.dataset) == 120
+        and data.rows_read == 120
+        and data.roles == {"anchor": "anchor", "positive": "positive"}
+    )
     # No copy: the dataset's table is the parts' files, memory-mapped.
     assert [f["filename"] for f in data.dataset.cache_files] == [
         str(prepared / "part-00000.arrow"),
@@ -135,7 +139,7 @@ def test_stored_hashes_are_used_and_equal_the_recomputed_ones(prepared):
     table = prepare_data(_data(prepared)).dataset.data.table
     recomputed = row_hashes(table, ["anchor", "positive"])
     stored = table
-    for j, role in enumerate(["anchor", "positive"]):
+    for role in ["anchor", "positive"]:
         stored = stored.append_column(role + HASH_SUFFIX, pa.array(hash_token_ids(table.column(role + "_input_ids"))))
     assert np.array_equal(row_hashes(stored, ["anchor", "positive"]), recomputed)
     # Used, not recomputed: a stored value wins, and a null stored hash takes the row's first column's.

@@ -30,7 +30,9 @@ def _config(write_config, tmp_path, model_dir, train, name, per_device=16, max_s
 
 
 def _train(config, nproc=1):
-    args = [sys.executable, "-m", "cembed", "train", str(config)] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
+    args = [sys.executable, "-m", "cembed", "train", str(config)] + (
+        ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    )
     r = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
