@@ -346,10 +346,8 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
         roles = {c: c for c in manifest.columns}
         rows_read = manifest.rows_read if manifest.rows_read is not None and item.max_samples is None else rows_read
         dropped = manifest.rows_dropped if item.max_samples is None else 0
-        info = SourceData(
-            item.name, source.label, item.key, rows_read, dropped, len(raw), 0, roles, None, manifest.input_files
-        )
-        info.manifest = manifest
+        # No file count: validate's "(N files)" would read as the folder's parts.
+        info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(raw), 0, roles, manifest=manifest)
         return raw, info, []
     notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.kind)
     raw, columns, expanded = expand_list_columns(raw, item.columns, label, item.key)
