@@ -33,7 +33,7 @@ from cembed.config.data import (
     is_glob,
 )
 from cembed.data.beir import beir_files, qrels_lines, read_corpus, read_queries
-from cembed.errors import HubUnavailable, UserError
+from cembed.errors import HubUnavailable, UserError, first_line
 from cembed.files import display_path
 
 
@@ -420,7 +420,8 @@ def load_prepared(source: PreparedSource):
     Raises:
         UserError: no manifest, a missing or resized part, a fingerprint that does not match (see
             ``read_manifest``), a part that is not an Arrow stream, parts without a role's
-            ``<role>_input_ids`` column, or rows that differ from the manifest's (naming the part).
+            ``<role>_input_ids`` column or with other columns than the first part's, or rows that
+            differ from the manifest's (naming the part).
     """
     import datasets
 
@@ -437,7 +438,7 @@ def load_prepared(source: PreparedSource):
             with captured_library_logs():
                 table = datasets.Dataset.from_file(str(folder / part.file), in_memory=False)
         except Exception as err:  # pyarrow's ArrowInvalid and others: not an Arrow stream
-            raise UserError(f"{where}: not an Arrow stream file ({first_error_line(err)}); prepare it again") from None
+            raise UserError(f"{where}: not an Arrow stream file ({first_line(err, 200)}); prepare it again") from None
         if len(table) != part.rows:
             raise UserError(f"{where}: holds {len(table)} rows, the manifest says {part.rows}; prepare it again")
         missing = [c + TOKEN_SUFFIX for c in manifest.columns if c + TOKEN_SUFFIX not in table.column_names]
@@ -448,15 +449,15 @@ def load_prepared(source: PreparedSource):
         parts.append(table)
     if not parts:
         raise UserError(f"{display_path(folder)}: the prepared source has no parts; nothing to train on")
+    for part, table in zip(manifest.parts, parts):
+        if table.features != parts[0].features:
+            raise UserError(
+                f"{display_path(folder)}: part {part.file}'s columns ({', '.join(table.column_names)}) differ from "
+                f"{manifest.parts[0].file}'s ({', '.join(parts[0].column_names)}); prepare it again"
+            )
     dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     dataset.cembed_manifest = manifest
     return dataset
-
-
-def first_error_line(err: BaseException) -> str:
-    """An exception's first line (at most 200 characters), or its type's name."""
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else err.__class__.__name__
 
 
 def row_number(index: int) -> str:

@@ -199,3 +199,31 @@ def test_ids_that_differ_from_the_models_preprocessing_are_refused(prepared, tin
     (prepared / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="stored token ids of the first 64 rows differ from the model's own"):
         _stage(prepare_data(_data(prepared)), tiny)
+
+
+def _rewrite_part(folder, name, table):
+    """Replace a part (as an engine that wrote it differently would) and publish the manifest again."""
+    from cembed.data.prepared import read_manifest, write_manifest
+
+    manifest = read_manifest(folder)
+    with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    for part in manifest.parts:
+        if part.file == name:
+            part.bytes = (folder / name).stat().st_size
+    write_manifest(folder, manifest)
+
+
+def test_parts_without_a_roles_ids_or_with_other_columns_are_named(prepared):
+    # Read into memory (not mapped: the file is rewritten below).
+    table = pa.ipc.open_stream(pa.BufferReader((prepared / "part-00001.arrow").read_bytes())).read_all()
+    _rewrite_part(
+        prepared, "part-00001.arrow", table.append_column("anchor_prompt_length", pa.array([0] * 60, pa.int32()))
+    )
+    with pytest.raises(
+        UserError, match=r"part part-00001\.arrow's columns \(.*anchor_prompt_length\) differ from part-00000"
+    ):
+        prepare_data(_data(prepared))
+    _rewrite_part(prepared, "part-00001.arrow", table.drop_columns(["positive_input_ids"]))
+    with pytest.raises(UserError, match=r"part part-00001\.arrow: no column positive_input_ids"):
+        prepare_data(_data(prepared))
