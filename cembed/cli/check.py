@@ -318,7 +318,7 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
         ]
         per_source = [s["batches_per_epoch"] for s in sources] or [_batches(len(data.dataset), batch, drop)]
         batches = len(SourceMix.from_data(data, cfg.data.sampling).schedule(per_source))
-        first = {k: str(v) for k, v in data.dataset[0].items()} if len(data.dataset) else {}
+        first = data.first_row()
         data_facts = {
             "loaded": True,
             "rows_read": data.rows_read,
@@ -349,6 +349,7 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
         trunc = {
             "max_seq_length": truncation.max_seq_length,
             "rows_checked": truncation.columns[0].rows if truncation.columns else 0,
+            "stored_ids": truncation.stored_ids,
             "columns": [
                 {"column": c.column, "source": c.source, "truncated": c.truncated, "max_tokens": c.max_tokens}
                 for c in truncation.columns
@@ -478,14 +479,20 @@ def _truncation_line(t: dict) -> str:
         f"{c['max_tokens']} tokens)"
         for c in t["columns"]
     )
+    if t.get("stored_ids"):  # a prepared source: its ids are already cut; the texts' lengths are unknown
+        return (
+            f"truncation at max_seq_length {t['max_seq_length']} ({rows} rows checked, prepared token ids: the "
+            f"texts are not stored, so rows cut cannot be told from rows of exactly that length): rows at "
+            f"max_seq_length: {cols}"
+        )
     return f"truncation at max_seq_length {t['max_seq_length']} ({rows} rows checked): rows cut: {cols}"
 
 
 def print_first_row(console: Console, data) -> None:
     """The first training row after column mapping, one table row per role (``validate --verbose``)."""
     table = Table("role", "first training row")
-    for key, value in data.dataset[0].items():
-        table.add_row(key, str(value))
+    for key, value in data.first_row().items():
+        table.add_row(key, value)
     console.print(table)
 
 

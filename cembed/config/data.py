@@ -229,6 +229,38 @@ class BeirSource(SourceConfig):
         return f"{Path(self.path).name}-{self.split}"
 
 
+class PreparedSource(SourceConfig):
+    """A prepared source (:mod:`cembed.data.prepared`): a folder of token ids already tokenized for
+    the model, by ``cembed prepare-data`` or another engine; YAML ``{prepared: folder}``. Its role
+    columns, prompts and ``max_seq_length`` are the manifest's; training checks them against the model."""
+
+    kind: Literal["prepared"] = Field("prepared", description="source kind; set by the `prepared:` key")
+    path: str = Field(
+        description="the prepared folder (holding cembed_prepared.json); a relative path resolves against the "
+        "config file's folder"
+    )
+
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
+    shorthand: ClassVar[str | None] = "prepared"
+    shorthand_hint: ClassVar[str] = "the prepared folder as `prepared: <folder>`"
+
+    @field_validator("columns")
+    @classmethod
+    def _no_columns(cls, value: ColumnMap | None) -> ColumnMap | None:
+        if value is not None:
+            raise ValueError("a prepared source's roles are its manifest's columns; remove `columns`")
+        return value
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source: its folder."""
+        return self.path
+
+    def default_name(self) -> str:
+        """The folder's name."""
+        return Path(self.path).name or self.path
+
+
 # kind -> its config class; `kind` picks it (inferred by DataConfig when not given).
 SOURCE_CONFIGS: dict[str, type[SourceConfig]] = {}
 
@@ -277,6 +309,7 @@ def source_config_class_of(item: Any) -> type[SourceConfig]:
 register_source_config(FileSource)
 register_source_config(HubSource)
 register_source_config(BeirSource)
+register_source_config(PreparedSource)
 
 
 def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
@@ -470,6 +503,8 @@ class DataConfig(_Strict):
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
             raise ValueError(f"train: two sources are named {dup!r}; give each a distinct `name`")
+        if any(isinstance(s.source, PreparedSource) for s in sources):
+            _check_prepared(self, sources)
         weights = self.sampling.weights
         if weights is not None:
             if set(weights) != set(names):
@@ -495,6 +530,21 @@ class DataConfig(_Strict):
         """The most columns one source maps (anchor, positive and its negatives): the widest layout,
         the worst case of a step (sources may map different numbers of negatives)."""
         return max(2 + len(s.columns.negatives) for s in self.sources())
+
+
+def _check_prepared(cfg: DataConfig, sources: list[TrainSource]) -> None:
+    """A prepared source holds token ids only and its roles are its manifest's: it trains alone,
+    pre-tokenized, without a column mapping."""
+    if len(sources) > 1:
+        raise ValueError(
+            "train: a prepared source trains alone; give it as the only source (prepare the others into it)"
+        )
+    if not cfg.pretokenize:
+        raise ValueError(
+            "pretokenize: false, but a prepared source holds token ids only (no text to tokenize); remove it"
+        )
+    if "columns" in cfg.model_fields_set:
+        raise ValueError("columns: a prepared source's roles are its manifest's columns; remove data.columns")
 
 
 def merged_prompts(own: PromptsConfig | None, run: PromptsConfig | None) -> PromptsConfig | None:

@@ -81,7 +81,11 @@ def find_unplaceable(
     flat = int(np.argmax(holders[rows]))
     row, j = int(rows[flat // hashes.shape[1]]), flat % hashes.shape[1]
     role = data.columns[j]
-    text = str(arrow_table(data.dataset).column(role)[row].as_py())
+    table = arrow_table(data.dataset)
+    if role in table.column_names:
+        text = str(table.column(role)[row].as_py())
+    else:  # a prepared source holds token ids only
+        text = f"(row {row + 1}; a prepared source stores token ids, not text)"
     return Unplaceable(
         unplaced, n, batch_size, len(bounds) - 1, role, data.roles.get(role, role), text, int(holders[row, j])
     )

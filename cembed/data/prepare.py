@@ -45,17 +45,38 @@ class PreparedData:
     warnings: tuple[str, ...] = ()  # unmapped columns, expanded list columns (printed by validate and train)
 
     @property
+    def manifest(self):
+        """The :class:`cembed.data.prepared.PreparedManifest` of a prepared source (token ids, no
+        text; it trains alone), else None."""
+        return self.sources[0].manifest if len(self.sources) == 1 else None
+
+    @property
     def columns(self) -> list[str]:
-        """The dataset's role columns: the widest source's layout (see the module docstring)."""
+        """The dataset's role columns: the widest source's layout (see the module docstring); a
+        prepared source's manifest columns (its dataset holds ``<role>_input_ids`` ..., no text)."""
+        if self.manifest is not None:
+            return list(self.manifest.columns)
         return list(self.dataset.column_names)
 
     def source_columns(self) -> list[list[str]]:
         """Each source's own role columns, in ``dataset`` order (one entry for a single source)."""
         return [[c for c in self.columns if c in s.roles] for s in self.sources] or [self.columns]
 
+    def first_row(self) -> dict[str, str]:
+        """The first training row's texts by role column (a prepared source: its manifest's first
+        sample row; ``{}`` without rows), for ``validate``."""
+        if self.manifest is not None:
+            samples = self.manifest.samples
+            return {c: str(samples[c][0]) for c in self.columns if samples.get(c)}
+        return {k: str(v) for k, v in self.dataset[0].items()} if len(self.dataset) else {}
+
     def sample_texts(self) -> dict[str, list[str]]:
         """One text of every column (``{column: [text]}``), from the first source that maps it; for
-        the checks that run the model once per column (unused parameters)."""
+        the checks that run the model once per column (unused parameters). A prepared source: its
+        manifest's first sample text of each column."""
+        if self.manifest is not None:
+            samples = self.manifest.samples
+            return {c: [samples[c][0]] for c in self.columns if samples.get(c) and samples[c][0] is not None}
         out: dict[str, list[str]] = {}
         for src, columns in zip(self.sources or [None], self.source_columns()):
             row = self.dataset[src.offset if src is not None else 0]
@@ -83,6 +104,7 @@ class SourceData:
         None  # PromptsConfig: its own prompts over data.prompts (data.train.<name>.prompts); None: data.prompts'
     )
     files: int | None = None  # a sharded file source's file count (None: one file, or not a file source)
+    manifest: Any = None  # a prepared source's cembed.data.prepared.PreparedManifest (token ids, no text)
 
     @property
     def where(self) -> str:
@@ -275,9 +297,22 @@ def source_views(data: PreparedData) -> list[PreparedData]:
     return views
 
 
+def prepared_samples(manifest):
+    """A prepared source's sample texts (its manifest's first rows) as a ``datasets.Dataset`` of its
+    role columns, the rows every column has a text for."""
+    import datasets
+
+    samples = {c: list(manifest.samples.get(c) or []) for c in manifest.columns}
+    rows = min(len(v) for v in samples.values())
+    return datasets.Dataset.from_dict({c: v[:rows] for c, v in samples.items()})
+
+
 def card_datasets(data: PreparedData):
     """Each source's rows with its own columns, as a ``DatasetDict`` by source name, for what the
-    model card describes, when the sources' columns differ; None otherwise (the dataset itself)."""
+    model card describes, when the sources' columns differ; None otherwise (the dataset itself). A
+    prepared source (token ids, no text): a ``Dataset`` of its manifest's sample texts."""
+    if data.manifest is not None:
+        return prepared_samples(data.manifest)
     if len({tuple(c) for c in data.source_columns()}) <= 1:
         return None
     import datasets
@@ -302,9 +337,18 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
     label = source.label if item.key == "data.train" else f"{item.key} ({source.label})"
     if len(raw) == 0:
         raise UserError(f"{label}: the data has no rows")
+    manifest = getattr(raw, "cembed_manifest", None)  # a prepared source's (cembed.data.sources.load_prepared)
     if item.max_samples is not None and item.max_samples < len(raw):
         raw = raw.select(range(item.max_samples))
     rows_read = len(raw)
+    if manifest is not None:
+        # Token ids only: the roles are the manifest's, and the cells were checked when it was prepared.
+        roles = {c: c for c in manifest.columns}
+        rows_read = manifest.rows_read if manifest.rows_read is not None and item.max_samples is None else rows_read
+        dropped = manifest.rows_dropped if item.max_samples is None else 0
+        # No file count: validate's "(N files)" would read as the folder's parts.
+        info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(raw), 0, roles, manifest=manifest)
+        return raw, info, []
     notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.kind)
     raw, columns, expanded = expand_list_columns(raw, item.columns, label, item.key)
     roles = {role: src for src, role in role_columns(columns)}
@@ -400,6 +444,24 @@ def distinct_at_least(column, enough: int) -> int:
     return len(seen)
 
 
+def distinct_hashes_at_least(table: pa.Table, role: str, enough: int) -> int:
+    """The number of distinct non-null rows of ``role`` in a table of token ids (a prepared
+    source's), compared as the sampler compares them (:func:`cembed.data.sampler.row_hashes`: a
+    stored ``<role>_hash``, else the ids without the prompt's tokens), :data:`CHECK_ROWS` rows at a
+    time, stopping once ``enough`` are seen (then a number ``>= enough``)."""
+    from cembed.data.sampler import row_hashes
+
+    seen: set[int] = set()
+    ids = table.column(role + "_input_ids")
+    for start in range(0, table.num_rows, CHECK_ROWS):
+        part = table.slice(start, CHECK_ROWS)
+        valid = ids.slice(start, CHECK_ROWS).is_valid().to_numpy(zero_copy_only=False)
+        seen.update(np.unique(row_hashes(part, [role])[valid, 0]).tolist())
+        if len(seen) >= enough:
+            break
+    return len(seen)
+
+
 def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: bool) -> None:
     """Refuse data that cannot fill one (duplicate-free) batch of ``global_batch_size`` rows; with
     several sources, every source must (a batch holds rows of one source only).
@@ -421,7 +483,10 @@ def check_batchable(data: PreparedData, global_batch_size: int, no_duplicates: b
             continue
         rows = table.slice(src.offset, n)
         for role in [c for c in data.columns if c in src.roles or not data.sources]:
-            distinct = distinct_at_least(rows.column(role), global_batch_size)
+            if src.manifest is not None:  # token ids, no text: distinct row hashes (what the sampler compares)
+                distinct = distinct_hashes_at_least(rows, role, global_batch_size)
+            else:
+                distinct = distinct_at_least(rows.column(role), global_batch_size)
             if distinct < global_batch_size:
                 raise UserError(
                     f"{src.where}: column {src.roles.get(role, data.roles.get(role, role))!r} (role {role}) has only "
@@ -531,6 +596,20 @@ def training_prompts(data: PreparedData, model, prompts_cfg) -> TrainingPrompts:
     return TrainingPrompts(run, per_source, run.for_columns(data.columns), by_source)
 
 
+def stored_length_report(dataset, columns: list[str], max_seq_length: int) -> list[ColumnTruncation]:
+    """Per role column of a prepared source (token ids, no text), the rows whose stored ids reach
+    ``max_seq_length`` (special tokens included: cut, or exactly that long) and the longest row, over
+    every row, with pyarrow compute (no Python object per row)."""
+    table = arrow_table(dataset)
+    out = []
+    for col in columns:
+        lengths = pc.list_value_length(table.column(col + "_input_ids"))
+        rows = len(lengths) - lengths.null_count
+        at_limit = pc.sum(pc.greater_equal(lengths, max_seq_length)).as_py() or 0
+        out.append(ColumnTruncation(col, col, rows, at_limit, pc.max(lengths).as_py() or 0))
+    return out
+
+
 def _merged_truncation(reports: list[list[ColumnTruncation]]) -> list[ColumnTruncation]:
     """Per-source truncation reports as one per column (rows and truncated rows summed, longest kept)."""
     merged: dict[str, ColumnTruncation] = {}
@@ -558,6 +637,7 @@ class ModelTruncation(NamedTuple):
     prompts: Any = None  # cembed.model.prompts.RolePrompts: each role's prompt
     attention: Any = None  # cembed.model.unpad.Unpadding: packed rows or padded mini-batches (batch.unpad)
     source_prompts: Any = None  # {source name: RolePrompts} when a source sets prompts of its own, else None
+    stored_ids: bool = False  # a prepared source: ``columns`` count rows whose stored ids reach max_seq_length
 
 
 def model_truncation_report(
@@ -596,6 +676,15 @@ def model_truncation_report(
     attention = resolve_unpad(model, unpad)
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
         return ModelTruncation(length, [], pooling, weights, prompts, attention)
+    if data.manifest is not None:  # token ids, no text: rows whose ids reach the length (maybe cut)
+        from cembed.data.from_prepared import check_prepared_for_model
+        from cembed.files import display_path
+
+        # The refusals training gives (tokenizer, max_seq_length, prompts), also without the sampler's check.
+        where = display_path(data.sources[0].label)
+        check_prepared_for_model(model, data.manifest, where, prompts.for_columns(data.columns))
+        report = stored_length_report(data.dataset, data.columns, length)
+        return ModelTruncation(length, report, pooling, weights, prompts, attention, None, True)
     per_source = resolve_source_prompts(data, model, prompts)
     if per_source is None:
         by_column = prompts.for_columns(data.columns)

@@ -33,13 +33,14 @@ steps. Only whole global batches are used then (every rank needs the same batch 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import xxhash
 from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
 
 from cembed.data.collator import PROMPT_SUFFIX, TOKEN_SUFFIX
 from cembed.data.mixture import SourceMix
-from cembed.data.prepare import arrow_table
+from cembed.data.prepared import HASH_SUFFIX
 
 # Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
 SOURCE_SEED_STRIDE = 1_000_003
@@ -134,23 +135,34 @@ def hash_token_ids(column, skip: int | np.ndarray = 0) -> np.ndarray:
 
 def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
     """Hash each of ``columns`` (None: every column but ``dataset_name``; ``[]``: none, shape
-    ``(rows, 0)``): shape ``(rows, columns)`` uint64. A column pre-tokenized as
-    ``<column>_input_ids`` is hashed by its token ids, the text as the model sees it (casing and
-    spacing an uncased tokenizer removes, truncation), without its prompt's tokens (a
+    ``(rows, 0)``): shape ``(rows, columns)`` uint64. ``dataset``: a ``datasets.Dataset`` or a
+    ``pyarrow.Table``. A column with a stored ``<column>_hash`` (uint64, made when the ids were
+    tokenized: a prepared source's, :mod:`cembed.data.prepared`) is that hash; else a column
+    pre-tokenized as ``<column>_input_ids`` is hashed by its token ids, the text as the model sees
+    it (casing and spacing an uncased tokenizer removes, truncation), without its prompt's tokens (a
     ``<column>_prompt_length`` column, per row: one text is one text whichever prompt it carries),
-    else by its text. A null cell (a source that does not map the column, see
-    :func:`cembed.data.prepare.prepare_data`) is no text: it takes the row's first column's hash, and
-    a text repeated inside one row never collides."""
-    table = arrow_table(dataset)
+    else by its text. The text column itself may be absent (a prepared source holds ids only). A
+    null cell (a source that does not map the column, see :func:`cembed.data.prepare.prepare_data`;
+    a null ids cell or stored hash) is no text: it takes the row's first column's hash, and a text
+    repeated inside one row never collides."""
+    # The rows as an Arrow table, selections applied (cembed.data.prepare.arrow_table, not imported:
+    # prepare counts distinct rows with this function).
+    table = dataset if isinstance(dataset, pa.Table) else dataset.with_format("arrow")[:]
+    names = set(table.column_names)
     if columns is None:
         columns = [c for c in table.column_names if c != "dataset_name"]
     out = np.empty((table.num_rows, len(columns)), dtype=np.uint64)
     null = np.zeros((table.num_rows, len(columns)), dtype=bool)
     for j, col in enumerate(columns):
-        null[:, j] = table.column(col).is_null().to_numpy(zero_copy_only=False)
-        if col + TOKEN_SUFFIX in table.column_names:
+        cell = table.column(col) if col in names else table.column(col + TOKEN_SUFFIX)
+        null[:, j] = cell.is_null().to_numpy(zero_copy_only=False)
+        if col + HASH_SUFFIX in names:
+            stored = table.column(col + HASH_SUFFIX)
+            null[:, j] |= stored.is_null().to_numpy(zero_copy_only=False)
+            out[:, j] = np.asarray(stored.fill_null(0).to_numpy(), dtype=np.uint64)
+        elif col + TOKEN_SUFFIX in names:
             skip = 0
-            if col + PROMPT_SUFFIX in table.column_names:
+            if col + PROMPT_SUFFIX in names:
                 lengths = table.column(col + PROMPT_SUFFIX).fill_null(0)
                 skip = np.asarray(lengths.to_numpy(), dtype=np.int64)
             out[:, j] = hash_token_ids(table.column(col + TOKEN_SUFFIX), skip)
@@ -159,6 +171,22 @@ def row_hashes(dataset, columns: list[str] | None = None) -> np.ndarray:
     if null.any() and len(columns):
         rows, cols = np.nonzero(null)
         out[rows, cols] = out[rows, 0]  # the anchor: every source maps it
+    return out
+
+
+def compared_columns(dataset, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The role columns the sampler compares, in ``dataset`` order: its text columns, and each
+    ``<role>_input_ids`` column without a ``<role>`` text column (a prepared source holds ids only);
+    not ``exclude`` (label columns)."""
+    names = dataset.column_names
+    out = []
+    for c in names:
+        if c in exclude:
+            continue
+        if getattr(dataset.features[c], "dtype", None) in ("string", "large_string"):
+            out.append(c)
+        elif c.endswith(TOKEN_SUFFIX) and c.removesuffix(TOKEN_SUFFIX) not in names:
+            out.append(c.removesuffix(TOKEN_SUFFIX))
     return out
 
 
@@ -416,14 +444,8 @@ class NoDuplicatesSampler(DefaultBatchSampler):
             seed=seed,
         )
         label_columns = set(valid_label_columns or []) | {"dataset_name"}
-        # Only text columns: pre-tokenized datasets also carry <role>_input_ids lists.
-        self.columns = [
-            c
-            for c in dataset.column_names
-            if no_duplicates
-            and c not in label_columns
-            and getattr(dataset.features[c], "dtype", None) in ("string", "large_string")
-        ]
+        # The role columns (not <role>_input_ids beside a text column, nor a prepared source's <role>_hash).
+        self.columns = compared_columns(dataset, label_columns) if no_duplicates else []
         self.hashes = row_hashes(dataset, self.columns)
         # How texts were compared, for messages (row_hashes uses the token ids where they exist).
         token_ids = any(c + TOKEN_SUFFIX in dataset.column_names for c in self.columns)

@@ -489,6 +489,10 @@ def tokenize_stage(
     ``num_proc`` (``data.num_proc``) and ``progress`` (``progress(rows_done, rows_total)`` while
     tokenizing): as :func:`pretokenize`'s.
     """
+    if getattr(data, "manifest", None) is not None:  # a prepared source: its stored ids, checked against the model
+        from cembed.data.from_prepared import prepared_stage
+
+        return prepared_stage(model, data, prompts, pad_to_multiple_of, matches_model_preprocessing)
     roles = data.columns
     if not enabled:
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}

@@ -105,8 +105,14 @@ def describe_training_data(trainer, sources: list, data) -> None:
     from datasets import DatasetDict
 
     card = trainer.model.model_card_data
-    texts = data.dataset.select_columns(text_columns(data.columns))
-    spans = [(s.name, s.offset, s.rows) for s in data.sources] or [(sources[0].name, 0, len(texts))]
+    if getattr(data, "manifest", None) is not None:  # a prepared source holds ids: its sample texts
+        from cembed.data.prepare import prepared_samples
+
+        texts = prepared_samples(data.manifest)
+        spans = [(data.sources[0].name, 0, len(texts))]
+    else:
+        texts = data.dataset.select_columns(text_columns(data.columns))
+        spans = [(s.name, s.offset, s.rows) for s in data.sources] or [(sources[0].name, 0, len(texts))]
     by_name = {s.name: s for s in sources}
     parts, entries = {}, []
     for name, offset, rows in spans:

@@ -290,6 +290,8 @@ class Components:
     sources: SourceMix | None = None  # the training sources and how batches are drawn from them
     source_prompts: list[RolePrompts] | None = None  # per source, when a source sets prompts of its own
     card_dataset: Any = None  # what the model card describes (sources with different columns), else None
+    # What every rank must share about the data (a prepared source's fingerprint).
+    data_facts: dict = field(default_factory=dict)
 
 
 def build_components(
@@ -354,7 +356,8 @@ def build_components(
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
     weights = weight_dtypes(model, cfg.model, plan.precision)
-    return Components(*parts, weights, prompts, mix, per_source, card_datasets(data))
+    facts = {"prepared": data.manifest.fingerprint} if data.manifest is not None else {}
+    return Components(*parts, weights, prompts, mix, per_source, card_datasets(data), facts)
 
 
 @dataclass
@@ -408,6 +411,7 @@ def build_trainer(
         nonfinite_policy=cfg.train.nonfinite_loss,
         built_loss=parts.loss,
         card_dataset=parts.card_dataset,
+        data_facts=parts.data_facts,
     )
     trainer.remove_callback(PrinterCallback)
     trainer.run_record = run_dir.record

@@ -65,6 +65,8 @@ class CembedTrainer(SentenceTransformerTrainer):
         card_dataset: what the model card describes as the training data instead of ``train_dataset``
             (sources with different columns: a ``DatasetDict`` of each source's own columns, since the
             card's statistics cannot read the null cells of the columns a source does not map).
+        data_facts: more facts every rank must share (:meth:`collective_facts`), e.g. a prepared
+            source's fingerprint (``{"prepared": ...}``): ranks that read different data are refused.
 
     Without pre-tokenization the collator is :class:`~cembed.data.collator.TextCollator` (a batch
     carries only its source's columns); with per-source prompts (``args.prompts`` keyed by source
@@ -81,9 +83,11 @@ class CembedTrainer(SentenceTransformerTrainer):
         nonfinite_policy: str = "stop",
         built_loss: BuiltLoss | None = None,
         card_dataset=None,
+        data_facts: dict[str, object] | None = None,
         **kwargs,
     ) -> None:
         self._card_dataset = card_dataset
+        self._data_facts = dict(data_facts or {})
         super().__init__(*args, **kwargs)
         self.built_loss = built_loss
         self.meter = meter
@@ -130,6 +134,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             "num_train_epochs": args.num_train_epochs,
             "precision": precision_from_flags(args.bf16, args.fp16),
             "max_seq_length": getattr(self.model, "max_seq_length", None),
+            **getattr(self, "_data_facts", {}),
         }
 
     def eval_precision(self):
