@@ -103,3 +103,22 @@ def test_every_rank_compares_the_prepared_fingerprint(tiny_model_dir, write_conf
     T.run_training(cfg, plan, data, trainer_cls=FactsSeen)
     # What require_same_on_all_ranks compares: ranks that read another folder (or a re-prepared one) differ here.
     assert FactsSeen.facts["prepared"] == data.manifest.fingerprint and len(data.manifest.fingerprint) == 16
+
+
+def test_prepared_by_prepare_data_in_two_parts_trains_as_the_text_file(tiny_model_dir, write_config, tmp_path):
+    # cembed's own writer, as two nodes would run it (--part 0/2, --part 1/2 into one folder), then
+    # training from the folder: the same step losses and weights as from the JSONL file itself.
+    write_jsonl(tmp_path / "pairs.jsonl", ROWS)
+    text = _config(write_config, tmp_path, tiny_model_dir, "pairs.jsonl", "text")
+    for part in ("0/2", "1/2"):
+        args = [sys.executable, "-m", "cembed", "prepare-data", str(text), "--output", str(tmp_path / "prep")]
+        r = subprocess.run([*args, "--part", part], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+    manifest = json.loads((tmp_path / "prep" / "cembed_prepared.json").read_text())
+    assert manifest["rows"] == 120 and len(manifest["parts"]) == 2
+    prepared = _config(write_config, tmp_path, tiny_model_dir, {"prepared": "prep"}, "prepared")
+    _train(text)
+    _train(prepared)
+    a, b = _summary(tmp_path / "text"), _summary(tmp_path / "prepared")
+    assert b["tokenization"]["prepared"] and b["step_losses"] == a["step_losses"]
+    assert _max_dw(tmp_path / "text", tmp_path / "prepared") <= 1e-6
