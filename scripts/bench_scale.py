@@ -67,7 +67,7 @@ peak anonymous memory. Cold caches per size, so rank 0's preparation is inside i
 Usage::
 
     python scripts/bench_scale.py [--sizes 20000,50000] [--batch 65536] [--seed 0] [--shards K]
-        [--ranks N] [--workdir DIR] [--keep] [--json OUT]
+        [--ranks N [--ranks-only]] [--workdir DIR] [--keep] [--json OUT]
 
 Sizes of the issue: ``--sizes 100000,300000,1000000,3000000`` (hours on 2 cores; needs
 ~2.6 KB of disk per row).
@@ -549,11 +549,13 @@ def run_size(rows: int, args, root: Path) -> dict:
             filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])
         ),
     )
-    cmd = [sys.executable, __file__, "--_child", str(work), train, str(batch)]
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"bench_scale: the {rows:,}-row run failed (exit {done.returncode}); its log is above")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict = {"stages": {}}
+    if not args.ranks_only:
+        cmd = [sys.executable, __file__, "--_child", str(work), train, str(batch)]
+        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"bench_scale: the {rows:,}-row run failed (exit {done.returncode}); its log is above")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
     result.update(rows=rows, batch=batch, input_bytes=input_bytes, generate_s=round(generated, 2))
     if args.ranks > 1:
         ranks_work = work / f"ranks-{args.ranks}"
@@ -592,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1, help="write K files (needs folder/glob sources)")
     parser.add_argument("--ranks", type=int, default=1, help="also a real N-process gloo start per size")
+    parser.add_argument(
+        "--ranks-only", action="store_true", help="with --ranks N: only the N-process starts, not the per-stage run"
+    )
     parser.add_argument("--workdir", default=None, help="where corpora and caches go (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep each size's corpus and caches")
     parser.add_argument("--json", default=None, help="write the raw measurements here")
@@ -622,8 +627,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.batch:,}, rows // 4); seed {args.seed}; {args.shards} file(s) per size; "
         f"{os.cpu_count()} CPUs; {time.perf_counter() - started:.0f} s in all"
     )
-    print()
-    print(report(results))
+    if not args.ranks_only:
+        print()
+        print(report(results))
     if args.ranks > 1:
         print()
         print(f"cembed train --nproc-per-node {args.ranks} (gloo, CPU, 1 step, tiny model with MiniLM's tokenizer):")
