@@ -75,3 +75,106 @@ def _expected_batches(model_dir, rows, batch_size, window):
     hashes = np.stack([hash_token_ids(pa.array(ids[c], type=pa.list_(pa.int32()))) for c in ids], axis=1)
     payloads = [tuple(a) for a in ids["anchor"]]
     return list(windowed_batches([(hashes, payloads)], batch_size, window, drop_last=True))
+
+
+def _window_counts(model_dir, rows, batch_size, window):
+    """The window rule's counts after reading ``rows`` (one chunk, not finished), as a dict."""
+    from dataclasses import asdict
+
+    from sentence_transformers import SentenceTransformer
+
+    from cembed.data.streaming import WindowedBatcher
+
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    ids = [model.tokenizer([r[c] for r in rows], truncation=True)["input_ids"] for c in ("anchor", "positive")]
+    hashes = np.stack([hash_token_ids(pa.array(i, type=pa.list_(pa.int32()))) for i in ids], axis=1)
+    batcher = WindowedBatcher(batch_size, window)
+    batcher.push(hashes)
+    return asdict(batcher.counts)
+
+
+def test_stream_trains_the_windowed_batches_pass_after_pass(tiny_model_dir, tmp_path):
+    """12 steps of batch 8 over a 72-row stream with duplicate texts (W = 2): the loss sees exactly
+    the windowed batches of the file, in order (8 per pass), then the next pass's from the start;
+    run_summary.json records the stream's counts of the pass being read."""
+    data_file = _write(tmp_path / "pairs.jsonl", ROWS)
+    cfg = config_from_dict(_cfg(tiny_model_dir, tmp_path, tmp_path / "out", data_file, {"window_batches": 2}, 12))
+    plan, data = T.check_run_inputs(cfg)
+    BatchesSeen.seen = []
+    summary = T.run_training(cfg, plan, data, trainer_cls=BatchesSeen)
+    expected = _expected_batches(tiny_model_dir, ROWS, 8, 2)
+    assert len(expected) == 8  # 64 rows placed, 1 dropped, 7 left at the end of a pass
+    assert BatchesSeen.seen == expected + expected[:4]
+    assert [s for s, _ in summary["step_losses"]] == list(range(1, 13))
+    assert summary["data"]["rows_trained"] is None and summary["data"]["batches_per_epoch"] is None
+    (entry,) = summary["data"]["sources"]
+    stream = entry["stream"]
+    assert (stream["window_batches"], stream["pass"], stream["rank"], stream["world_size"]) == (2, 1, 0, 1)
+    assert stream["counts"] == _window_counts(tiny_model_dir, ROWS, 8, 2)
+    assert stream["counts"]["dropped"] == 1 and stream["counts"]["deferred"] == 12
+    assert entry["rows_checked"] == 72 and entry["rows"] is None
+
+
+def test_stream_in_the_samplers_order_trains_as_the_full_table(tiny_model_dir, tmp_path):
+    """The rows written in the full-table sampler's epoch-0 permutation (seed 3) and streamed with
+    a window past the stream's batches: the same batches, so the same step losses, as the
+    full-table run on the file in its own order."""
+    table = _write(tmp_path / "table.jsonl", ROWS)
+    order = np.random.default_rng(3).permutation(len(ROWS))  # NoDuplicatesSampler, epoch 0, seed 3
+    stream = _write(tmp_path / "stream.jsonl", [ROWS[i] for i in order])
+    runs = {}
+    for name, path, streaming in (("table", table, None), ("stream", stream, {"window_batches": 100})):
+        cfg = config_from_dict(_cfg(tiny_model_dir, tmp_path, tmp_path / name, path, streaming, max_steps=7))
+        plan, data = T.check_run_inputs(cfg)
+        BatchesSeen.seen = []
+        summary = T.run_training(cfg, plan, data, trainer_cls=BatchesSeen)
+        runs[name] = (BatchesSeen.seen, summary["step_losses"])
+    assert runs["stream"][0] == runs["table"][0]  # batch for batch, row for row
+    table_losses, stream_losses = runs["table"][1], runs["stream"][1]
+    assert [s for s, _ in stream_losses] == list(range(1, 8))
+    assert [v for _, v in stream_losses] == pytest.approx([v for _, v in table_losses], abs=1e-6)
+
+
+def _refusal(tiny_model_dir, tmp_path, change):
+    data_file = _write(tmp_path / "pairs.jsonl", ROWS)
+    cfg = _cfg(tiny_model_dir, tmp_path, tmp_path / "out", data_file, {"window_batches": 2})
+    change(cfg)
+    return cfg
+
+
+def _two_sources(cfg):
+    cfg["data"]["train"] = {"a": dict(cfg["data"]["train"]), "b": {"path": cfg["data"]["train"]["path"]}}
+
+
+REFUSALS = {
+    "no max_steps": (
+        lambda c: c["train"].update(max_steps=None, num_train_epochs=1),
+        "data.train.streaming: a stream has no length; set train.max_steps",
+    ),
+    "several sources": (_two_sources, "data.train.a.streaming: a streaming source must be the only training source"),
+    "prompts": (lambda c: c["data"].update(prompts={"anchor": "query: "}), "data.prompts.anchor: a streaming source"),
+    "workers": (
+        lambda c: c["train"].update(dataloader_num_workers=2),
+        "train.dataloader_num_workers: 2: a stream is read by one data-loader process",
+    ),
+    "drop invalid": (lambda c: c["data"].update(drop_invalid_rows=True), "data.drop_invalid_rows: a streaming"),
+    "no_duplicates false": (lambda c: c.update(sampler={"no_duplicates": False}), "sampler.no_duplicates: false"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_what_a_stream_cannot_do_is_refused_naming_the_field(tiny_model_dir, tmp_path, write_config, case):
+    change, message = REFUSALS[case]
+    path = write_config(_refusal(tiny_model_dir, tmp_path, change))
+    r = subprocess.run(
+        [sys.executable, "-m", "cembed", "validate", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_resume_with_a_stream_is_refused(tiny_model_dir, tmp_path):
+    cfg = config_from_dict(_refusal(tiny_model_dir, tmp_path, lambda c: None))
+    plan, data = T.check_run_inputs(cfg)
+    with pytest.raises(T.UserError, match=r"^--resume: a streaming source \(data.train.streaming\) cannot skip"):
+        T.run_training(cfg, plan, data, resume=True)
