@@ -146,9 +146,11 @@ def _strip_extension(name: str) -> str:
 
 
 class StreamingOptions(_Strict):
-    """A file source read as a stream (``datasets`` streaming, split between ranks), for corpora past
-    what a node can memory-map: batched on the fly by the no-duplicates rule over a window of batches
-    (:class:`cembed.data.streaming.WindowedBatcher`), tokenized on the fly, never counted nor cached."""
+    """A file source read as a stream (datasets' streaming loader, each rank its own part), for corpora
+    past what a node can memory-map: tokenized and batched as it is read, a batch never holding two rows
+    that share a text, over a window of batches (see docs/multi-gpu.md); rows are not counted nor
+    cached. Needs `train.max_steps`; refuses prompts, several sources, `data.drop_invalid_rows`,
+    `sampler.no_duplicates: false`, more than 1 data-loader worker and `--resume`."""
 
     window_batches: NonNegativeInt = Field(
         4,
