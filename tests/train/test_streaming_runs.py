@@ -246,3 +246,33 @@ def test_two_ranks_each_train_the_windowed_batches_of_their_own_shard(tiny_model
     stream = summary["data"]["sources"][0]["stream"]
     assert (stream["rank"], stream["world_size"], summary["steps"]) == (0, 2, 4)
     assert stream["counts"]["rows_read"] == 36  # rank 0's shard, read whole (one chunk)
+
+
+def test_every_pass_reshuffles_the_stream(tiny_model_dir, tmp_path):
+    """With a shuffle buffer and data.max_samples, pass 0 trains the windowed batches of the
+    stream's first 64 rows shuffled with seed 3, pass 1 those of the next shuffle (seed 3 + 1):
+    the trainer's set_epoch reaches the stream."""
+    from sentence_transformers import SentenceTransformer
+
+    from cembed.config.data import FileSource
+    from cembed.data.streaming import StreamingSource
+
+    data_file = _write(tmp_path / "pairs.jsonl", ROWS)
+    streaming = {"window_batches": 1, "shuffle_buffer": 1000}
+    raw = _cfg(tiny_model_dir, tmp_path, tmp_path / "out", data_file, streaming, 10)
+    raw["data"]["max_samples"] = 64
+    cfg = config_from_dict(raw)
+    plan, data = T.check_run_inputs(cfg)
+    BatchesSeen.seen = []
+    T.run_training(cfg, plan, data, trainer_cls=BatchesSeen)
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    source = StreamingSource(
+        FileSource(path=str(data_file)), ["anchor", "positive"], model.tokenizer, model.max_seq_length, 8, 1,
+        shuffle_buffer=1000, seed=3, max_rows=64,
+    )  # fmt: skip
+    passes = []
+    for epoch in (0, 1):
+        source.set_epoch(epoch)
+        passes.append([[tuple(r["anchor_input_ids"]) for r in batch] for batch in source])
+    assert passes[0] != passes[1] and sum(map(len, passes[0])) <= 64
+    assert BatchesSeen.seen == (passes[0] + passes[1])[:10]
