@@ -536,6 +536,12 @@ def train(run: Run, run_dir: RunDir, base: dict):
             stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
             write_json_atomic(run_dir.summary_path, {**base, **stopped})
         raise err
+    if state.global_step == 0 and trainer.streaming:
+        raise UserError(
+            f"data.train.streaming: the stream gave no batch of {trainer.args.per_device_train_batch_size} rows "
+            "(fewer rows per process, or too many sharing a text); lower batch.per_device_train_batch_size or raise "
+            "data.train.streaming.window_batches"
+        )
     if state.global_step == 0:
         raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
     return result

@@ -276,3 +276,13 @@ def test_every_pass_reshuffles_the_stream(tiny_model_dir, tmp_path):
         passes.append([[tuple(r["anchor_input_ids"]) for r in batch] for batch in source])
     assert passes[0] != passes[1] and sum(map(len, passes[0])) <= 64
     assert BatchesSeen.seen == (passes[0] + passes[1])[:10]
+
+
+def test_a_stream_without_one_full_batch_is_refused(tiny_model_dir, tmp_path):
+    """72 rows, batches of 128 (drop_last): no batch, so no step; the message names the stream."""
+    raw = _cfg(tiny_model_dir, tmp_path, tmp_path / "out", _write(tmp_path / "p.jsonl", ROWS), {}, 3)
+    raw["batch"] = {"per_device_train_batch_size": 128, "mini_batch_size": 4}
+    cfg = config_from_dict(raw)
+    plan, data = T.check_run_inputs(cfg)
+    with pytest.raises(T.UserError, match=r"^data.train.streaming: the stream gave no batch of 128 rows"):
+        T.run_training(cfg, plan, data)
