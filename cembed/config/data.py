@@ -150,7 +150,8 @@ class StreamingOptions(_Strict):
     past what a node can memory-map: tokenized and batched as it is read, a batch never holding two rows
     that share a text, over a window of batches (see docs/multi-gpu.md); rows are not counted nor
     cached. Needs `train.max_steps`; refuses prompts, several sources, `data.drop_invalid_rows`,
-    `sampler.no_duplicates: false`, more than 1 data-loader worker and `--resume`."""
+    `sampler.no_duplicates: false` and more than 1 data-loader worker. The run reads pass after pass
+    (each reshuffled) until `train.max_steps`; `--resume` re-reads the stream up to where it stopped."""
 
     window_batches: NonNegativeInt = Field(
         4,

@@ -426,15 +426,37 @@ class StreamingRows(torch.utils.data.IterableDataset):
     :meth:`set_epoch` passes the epoch on (a new shuffle where the source shuffles). The stream is
     read in one process: with ``num_workers`` > 1 each worker would read and tokenize the whole
     stream, so iterating in such a worker raises ``RuntimeError`` (use 0 or 1 data-loader worker).
+
+    ``endless``: one iteration reads pass after pass (epoch ``e``, ``e + 1``, ... from the last
+    :meth:`set_epoch`, each a new shuffle) until the reader stops, or a pass yields no batch. Training
+    uses it: the run is one unbounded epoch that ``max_steps`` ends, so skipping the first ``n``
+    batches (a resumed run) lands where the uninterrupted run was, whatever pass that is. The source's
+    batches must then all be full (``drop_last``), so that every ``B`` rows stay one batch.
     """
 
-    def __init__(self, batches: Iterable[list[Any]]) -> None:
+    def __init__(self, batches: Iterable[list[Any]], endless: bool = False) -> None:
         self.batches = batches
+        self.endless = endless
+        self._first = 0  # the pass an endless iteration starts with
 
     def set_epoch(self, epoch: int) -> None:
         """The next iteration's epoch (forwarded to the source where it has ``set_epoch``)."""
+        self._first = epoch
         if hasattr(self.batches, "set_epoch"):
             self.batches.set_epoch(epoch)
+
+    def _passes(self) -> Iterator[list[Any]]:
+        epoch = self._first
+        while True:
+            if hasattr(self.batches, "set_epoch"):
+                self.batches.set_epoch(epoch)
+            empty = True
+            for batch in self.batches:
+                empty = False
+                yield batch
+            if empty:  # nothing to train on: stop rather than read empty passes forever
+                return
+            epoch += 1
 
     def __iter__(self) -> Iterator[Any]:
         worker = torch.utils.data.get_worker_info()
@@ -443,7 +465,7 @@ class StreamingRows(torch.utils.data.IterableDataset):
                 f"a streaming source is read by one data-loader process, got {worker.num_workers} workers; "
                 "set dataloader_num_workers to 0 or 1"
             )
-        for batch in self.batches:
+        for batch in self._passes() if self.endless else self.batches:
             yield from batch
 
 
@@ -475,15 +497,14 @@ def training_stream(
     batch_size: int,
     rank: int = 0,
     world_size: int = 1,
-    drop_last: bool = True,
     seed: int = 0,
     pad_to_multiple_of: int | None = None,
 ) -> tuple[StreamingRows, Any, dict]:
     """The training rows of ``data``'s streamed source (a :class:`cembed.data.prepare.PreparedData`
     whose one source sets ``data.train.streaming``): this rank's :class:`StreamingSource` (its
     ``batch_size`` rows per batch, the source's window, shuffle buffer and ``max_samples``; the
-    shuffle seeded by ``seed``) as :class:`StreamingRows`, with the :class:`PaddingCollator` that pads
-    its token ids.
+    shuffle seeded by ``seed``) as endless :class:`StreamingRows` (pass after pass, each pass's short
+    last batch dropped), with the :class:`PaddingCollator` that pads its token ids.
 
     Returns:
         ``(rows, collator, info)``: ``info`` for ``run_summary.json``'s ``tokenization``.
@@ -511,11 +532,11 @@ def training_stream(
         options.window_batches,
         rank,
         world_size,
-        drop_last,
+        True,  # every batch full: the endless rows are cut every batch_size rows across passes
         options.shuffle_buffer,
         seed,
         names=data.columns,
         max_rows=item.max_samples,
     )
     info = {"pretokenized": False, "streaming": True, "reason": "a streaming source is tokenized on the fly"}
-    return StreamingRows(source), collator, info
+    return StreamingRows(source, endless=True), collator, info

@@ -361,7 +361,8 @@ def build_components(
 
 def _stream_rows(cfg: CembedConfig, plan: Plan, data: PreparedData, model, prompts: RolePrompts):
     """A streamed source's training rows and collator (:func:`cembed.data.streaming.training_stream`)
-    for this rank: its per-device batch, the run's seed, a short last batch dropped as the trainer would.
+    for this rank: its per-device batch and the run's seed; pass after pass in one unbounded epoch
+    (``train.max_steps`` ends it), so a resumed run's skipped batches land where the run was.
 
     Raises:
         UserError: the run would prompt the stream's texts, or the model takes more than token ids.
@@ -376,7 +377,6 @@ def _stream_rows(cfg: CembedConfig, plan: Plan, data: PreparedData, model, promp
         plan.per_device_train_batch_size,
         info.rank,
         plan.world_size,
-        drop_last=cfg.batch.drop_last or plan.world_size > 1,
         seed=cfg.train.seed,
         pad_to_multiple_of=cfg.batch.pad_to_multiple_of,
     )
@@ -660,11 +660,6 @@ def run_training(
     """
     display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
-    if (resume or resume_from) and data.streamed is not None:
-        raise UserError(
-            f"--resume: a streaming source ({data.sources[0].key}.streaming) cannot skip the batches a checkpoint "
-            "trained; start a fresh run (a new train.output_dir, or --overwrite)"
-        )
     record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset, plan.precision)
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import REPO
+from conftest import KILL_AT_STEP_3, REPO
 
 import cembed.train.recipe as T
 from cembed.config.file import config_from_dict
@@ -173,11 +173,46 @@ def test_what_a_stream_cannot_do_is_refused_naming_the_field(tiny_model_dir, tmp
     assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_resume_with_a_stream_is_refused(tiny_model_dir, tmp_path):
-    cfg = config_from_dict(_refusal(tiny_model_dir, tmp_path, lambda c: None))
-    plan, data = T.check_run_inputs(cfg)
-    with pytest.raises(T.UserError, match=r"^--resume: a streaming source \(data.train.streaming\) cannot skip"):
-        T.run_training(cfg, plan, data, resume=True)
+KILL_AT_STEP_10 = KILL_AT_STEP_3.replace("global_step == 3", "global_step == 10")
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_a_stream_killed_in_its_second_pass_and_resumed_equals_uninterrupted(
+    tiny_dropout_model_dir, tmp_path, write_config
+):
+    """SIGTERM at step 10 (the second pass of a shuffled 8-batch stream), then --resume: the resumed
+    run skips the 10 batches trained, into the second pass, and steps 11-14 have the uninterrupted
+    run's losses; the final weights agree."""
+    data_file = _write(tmp_path / "pairs.jsonl", ROWS)
+    streaming = {"window_batches": 2, "shuffle_buffer": 1000}
+    env_run = dict(cwd=REPO, capture_output=True, text=True, timeout=600)
+    paths = {
+        name: write_config(
+            _cfg(tiny_dropout_model_dir, tmp_path, tmp_path / name, data_file, streaming, 14), name=f"{name}.yaml"
+        )
+        for name in ("straight", "killed")
+    }
+    r = subprocess.run([sys.executable, "-m", "cembed", "train", str(paths["straight"])], **env_run)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-c", KILL_AT_STEP_10, str(paths["killed"])], **env_run)
+    assert r.returncode == 143, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "cembed", "train", str(paths["killed"]), "--resume"], **env_run)
+    assert r.returncode == 0, r.stderr
+    straight = json.loads((tmp_path / "straight" / "run_summary.json").read_text())
+    resumed = json.loads((tmp_path / "killed" / "run_summary.json").read_text())
+    assert resumed["resumed_from"].endswith("checkpoint-10")
+    assert resumed["data"]["sources"][0]["stream"]["pass"] == straight["data"]["sources"][0]["stream"]["pass"] == 1
+    losses, after = dict(map(tuple, straight["step_losses"])), dict(map(tuple, resumed["step_losses"]))
+    assert sorted(after) == [11, 12, 13, 14]
+    for step in after:
+        assert after[step] == pytest.approx(losses[step], abs=1e-6), step
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
 RECORDING_WORKER = """
