@@ -275,7 +275,8 @@ class StreamingSource:
 
     Iterating yields batches as lists of row dicts: ``{column: text, column + "_input_ids": ids}``
     for each of ``columns`` (what :class:`cembed.data.collator.PaddingCollator` pads). :attr:`counts`
-    holds the last iteration's :class:`WindowCounts`.
+    holds the last iteration's :class:`WindowCounts`, :attr:`earlier` the iterations' before it (in
+    this process, oldest first).
 
     Args:
         source: a :class:`cembed.config.data.FileSource` (a file, a folder, a glob, a list of files).
@@ -328,6 +329,7 @@ class StreamingSource:
         self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, seed, 0
         self.read_rows = read_rows
         self.counts = WindowCounts()
+        self.earlier: list[WindowCounts] = []
 
     def set_epoch(self, epoch: int) -> None:
         """The next iteration's epoch (a new shuffle where ``shuffle_buffer`` is set)."""
@@ -379,6 +381,8 @@ class StreamingSource:
             yield hashes, rows
 
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        if self.counts.rows_read:
+            self.earlier.append(self.counts)
         self.counts = WindowCounts()
         yield from windowed_batches(self._chunks(), self.batch_size, self.window, self.drop_last, self.counts)
 

@@ -123,8 +123,9 @@ def stream_summary(trainer) -> dict:
     """A streamed source's entry (``data.train.streaming``): its window and shuffle buffer, the pass
     (epoch) being read and the window rule's counts
     (:class:`cembed.data.streaming.WindowCounts`: rows read, placed, dropped, deferred, left at the end,
-    buffered) of this process's share of the stream in that pass, as far as training read it. The
-    counts are None when a data-loader worker reads the stream (they live in that process)."""
+    buffered) of this process's share of the stream in that pass, as far as training read it, and the
+    earlier passes' (``earlier_passes``, whole passes, oldest first). The counts are None when a
+    data-loader worker reads the stream (they live in that process)."""
     from dataclasses import asdict
 
     source = trainer.train_dataset.batches  # the StreamingSource
@@ -136,6 +137,7 @@ def stream_summary(trainer) -> dict:
         "world_size": source.world_size,
         "pass": source.epoch,
         "counts": None if in_worker else asdict(source.counts),
+        "earlier_passes": None if in_worker else [asdict(c) for c in source.earlier],
         "counted_by": "a data-loader worker (not reported)" if in_worker else "this process",
     }
 

@@ -110,7 +110,10 @@ def test_stream_trains_the_windowed_batches_pass_after_pass(tiny_model_dir, tmp_
     (entry,) = summary["data"]["sources"]
     stream = entry["stream"]
     assert (stream["window_batches"], stream["pass"], stream["rank"], stream["world_size"]) == (2, 1, 0, 1)
-    assert stream["counts"] == _window_counts(tiny_model_dir, ROWS, 8, 2)
+    assert stream["counts"] == _window_counts(tiny_model_dir, ROWS, 8, 2)  # the second pass, read so far
+    (first,) = stream["earlier_passes"]  # the first pass, read to its end
+    assert (first["rows_read"], first["batches"], first["placed"], first["dropped"]) == (72, 8, 64, 1)
+    assert first["left_at_end"] == 7 and first["buffered"] == 0
     assert stream["counts"]["dropped"] == 1 and stream["counts"]["deferred"] == 12
     assert entry["rows_checked"] == 72 and entry["rows"] is None
 
