@@ -95,8 +95,14 @@ def validate_cmd(
     truncation = model_truncation_report(
         cfg.model, data, prompts_cfg=cfg.data.prompts, unpad=cfg.batch.unpad, precision=plan.precision, model=model
     )
+    streamed = getattr(data, "streamed", None) is not None
+    if streamed and not isinstance(truncation, Exception) and truncation.prompts is not None:
+        from cembed.data.streaming import check_stream_prompts
+
+        check_stream_prompts(truncation.prompts, data.columns, data.sources[0].key)  # what train refuses
     hashes = None
-    if cfg.sampler.no_duplicates and hasattr(data, "dataset"):
+    # A stream's batches are made as it is read (the window rule): its first rows say nothing of them.
+    if cfg.sampler.no_duplicates and hasattr(data, "dataset") and not streamed:
         # Duplicates and batchability judged as the training sampler will judge them (token ids when
         # training pre-tokenizes), so what validate passes, train does not refuse.
         hashes, compared = sampler_hashes(data, cfg.model, cfg.data, model=model)
@@ -319,11 +325,16 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
         per_source = [s["batches_per_epoch"] for s in sources] or [_batches(len(data.dataset), batch, drop)]
         batches = len(SourceMix.from_data(data, cfg.data.sampling).schedule(per_source))
         first = data.first_row()
+        stream = data.streamed
+        if stream is not None:  # only the first rows were read: nothing is counted
+            batches = sources[0]["batches_per_epoch"] = None
+            sources[0] |= {"rows_read": None, "rows_dropped": None, "rows": None, "rows_checked": data.rows_read}
         data_facts = {
             "loaded": True,
-            "rows_read": data.rows_read,
-            "rows_dropped": data.rows_dropped,
-            "rows": len(data.dataset),
+            "streaming": stream.model_dump() if stream is not None else None,
+            "rows_read": None if stream else data.rows_read,
+            "rows_dropped": None if stream else data.rows_dropped,
+            "rows": None if stream else len(data.dataset),
             "batches_per_epoch": batches,
             "sampling": cfg.data.sampling.resolved_strategy if len(sources) > 1 else None,
             "sources": sources,
@@ -418,10 +429,19 @@ def print_validation(console: Console, report: dict) -> None:
         per_epoch = (
             f"{d['batches_per_epoch']} batches of {b['per_device_train_batch_size'] * b['world_size']} per epoch"
         )
-        p(
-            f"data: {what}: {d['rows_read']} rows read, {d['rows_dropped']} dropped, {d['rows']} to train on; "
-            f"{per_epoch}" + (f" (sampling: {d['sampling']}; every batch holds one source)" if d["sampling"] else "")
-        )
+        if d.get("streaming"):
+            w = d["streaming"]
+            p(
+                f"data: {what}: a stream (rows not counted); its first {sources[0]['rows_checked']} rows checked "
+                f"(columns, cells); no-duplicate batches over a window of {w['window_batches']} batches, "
+                f"shuffle buffer {w['shuffle_buffer'] or 'none (file order)'}"
+            )
+        else:
+            p(
+                f"data: {what}: {d['rows_read']} rows read, {d['rows_dropped']} dropped, {d['rows']} to train on; "
+                f"{per_epoch}"
+                + (f" (sampling: {d['sampling']}; every batch holds one source)" if d["sampling"] else "")
+            )
         for s in sources if len(sources) > 1 else []:
             p(
                 f"  source {s['name']}: {s['rows_read']} rows read, {s['rows_dropped']} dropped, {s['rows']} to train "

@@ -112,7 +112,7 @@ def train_cmd(
     try:
         plan, data = check_run_inputs(cfg)
         # only the no-duplicates sampler leaves rows it cannot place; a plain sampler places every row
-        no_dups = cfg.sampler.no_duplicates
+        no_dups = cfg.sampler.no_duplicates and data.streamed is None  # a stream's batches are not known ahead
         unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed) if no_dups else ()
         summary = run_training(
             cfg,

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import (
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     SerializeAsAny,
@@ -144,6 +145,27 @@ def _strip_extension(name: str) -> str:
     return name
 
 
+class StreamingOptions(_Strict):
+    """A file source read as a stream (datasets' streaming loader, each rank its own part), for corpora
+    past what a node can memory-map: tokenized and batched as it is read, a batch never holding two rows
+    that share a text, over a window of batches (see docs/multi-gpu.md); rows are not counted nor
+    cached. Needs `train.max_steps`; refuses prompts, several sources, `data.drop_invalid_rows`,
+    `sampler.no_duplicates: false` and more than 1 data-loader worker. The run reads pass after pass
+    (each reshuffled) until `train.max_steps`; `--resume` re-reads the stream up to where it stopped."""
+
+    window_batches: NonNegativeInt = Field(
+        4,
+        description="a row refused for sharing a text with its batch may join the next W batches, else it is "
+        "dropped (counted in run_summary.json); 0: dropped at once",
+    )
+    shuffle_buffer: NonNegativeInt = Field(
+        0, description="rows of datasets' shuffle buffer (shards shuffled too), reseeded every pass; 0: file order"
+    )
+    check_rows: PositiveInt = Field(
+        1000, description="rows read first (validate and train) to check the columns and cells; the rest is not checked"
+    )
+
+
 class FileSource(SourceConfig):
     """A local data file: .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet; or a sharded one:
     a folder, a glob or a list of files of one format and the same columns, read as one source."""
@@ -156,8 +178,21 @@ class FileSource(SourceConfig):
     )
     split: str = Field("train", description="accepted for symmetry with hub sources; a file is one split")
     subset: str | None = Field(None, description="accepted for symmetry with hub sources; ignored for a file")
+    streaming: StreamingOptions | None = Field(
+        None,
+        description="read the files as a stream (`streaming: true` or {window_batches, shuffle_buffer, check_rows}); "
+        "needs train.max_steps",
+    )
 
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
+
+    @field_validator("streaming", mode="before")
+    @classmethod
+    def _streaming_flag(cls, value: Any) -> Any:
+        # `streaming: true` takes the defaults; `streaming: false` is no stream.
+        if value is True:
+            return {}
+        return None if value is False else value
 
     @field_validator("path")
     @classmethod
@@ -557,3 +592,42 @@ def merged_prompts(own: PromptsConfig | None, run: PromptsConfig | None) -> Prom
     return PromptsConfig(
         **{f: getattr(own, f) if getattr(own, f) is not None else getattr(run, f) for f in PromptsConfig.model_fields}
     )
+
+
+def streaming_conflict(data: DataConfig, max_steps: int | None, workers: int | str, no_duplicates: bool) -> str | None:
+    """Why ``data`` cannot train from its streamed source (``data.train.streaming``) with the rest of
+    the config (``train.max_steps``, ``train.dataloader_num_workers``, ``sampler.no_duplicates``), as one
+    line naming the field and the fix; None when nothing streams or nothing conflicts."""
+    streamed = [s for s in data.sources() if getattr(s.source, "streaming", None) is not None]
+    if not streamed:
+        return None
+    key = f"{streamed[0].key}.streaming"
+    if len(data.sources()) > 1:
+        return f"{key}: a streaming source must be the only training source; train it alone or drop streaming"
+    if max_steps is None:
+        return f"{key}: a stream has no length; set train.max_steps (instead of train.num_train_epochs)"
+    prompts = streamed[0].prompts
+    for role in PromptsConfig.model_fields if prompts is not None else ():
+        value = getattr(prompts, role)
+        if isinstance(value, PromptName) or (value and (value if isinstance(value, str) else value.text)):
+            where = f"{streamed[0].key}.prompts" if streamed[0].own_prompts else "data.prompts"
+            return (
+                f"{where}.{role}: a streaming source is tokenized without prompts; remove it (or set it to '') "
+                "or drop streaming"
+            )
+    if data.drop_invalid_rows:
+        return (
+            f"data.drop_invalid_rows: a streaming source checks only its first {streamed[0].source.streaming.check_rows} "
+            "rows and cannot drop rows later; set it to false or drop streaming"
+        )
+    if not no_duplicates:
+        return (
+            f"sampler.no_duplicates: false: a streaming source always batches without duplicates (over "
+            f"{key}.window_batches batches); remove it or drop streaming"
+        )
+    if workers != "auto" and int(workers) > 1:
+        return (
+            f"train.dataloader_num_workers: {workers}: a stream is read by one data-loader process (each worker would "
+            "read the whole stream); set it to 0 or 1"
+        )
+    return None

@@ -24,7 +24,7 @@ from pydantic import (
 from cembed.config.base import Strict as _Strict
 
 # The data and loss sections live in their own modules (cembed.config.data, cembed.config.loss).
-from cembed.config.data import DataConfig
+from cembed.config.data import DataConfig, streaming_conflict
 from cembed.config.loss import (
     DEFAULT_LOSS,
     CachedMNRLLossConfig,
@@ -302,6 +302,16 @@ class CembedConfig(_Strict):
                 "LossConfig", [{"type": "value_error", "loc": ("name",), "input": name, "ctx": {"error": err}}]
             ) from None
         return loss_cls.model_validate(value)
+
+    @model_validator(mode="after")
+    def _streaming(self) -> CembedConfig:
+        # What a streamed source (data.train.streaming) cannot do, checked before any data is read.
+        problem = streaming_conflict(
+            self.data, self.train.max_steps, self.train.dataloader_num_workers, self.sampler.no_duplicates
+        )
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _compile_and_unpad(self) -> CembedConfig:

@@ -83,6 +83,13 @@ class PreparedData:
             out |= {c: [row[c]] for c in columns if c not in out}
         return {c: out[c] for c in self.columns if c in out}
 
+    @property
+    def streamed(self):
+        """The streamed source's :class:`cembed.config.data.StreamingOptions` (``data.train.streaming``),
+        or None: then ``dataset`` holds only its first rows (checked), not what training reads."""
+        stream = self.sources[0].stream if len(self.sources) == 1 else None
+        return stream.source.streaming if stream is not None else None
+
     def source_sizes(self) -> list[int]:
         """Rows of each source, in ``dataset`` order (one entry for a single source)."""
         return [s.rows for s in self.sources] or [len(self.dataset)]
@@ -105,6 +112,9 @@ class SourceData:
     )
     files: int | None = None  # a sharded file source's file count (None: one file, or not a file source)
     manifest: Any = None  # a prepared source's cembed.data.prepared.PreparedManifest (token ids, no text)
+    # A streamed source's TrainSource (data.train.streaming): then the rows above are only its first
+    # rows, read to check its columns and cells; training reads the stream (cembed.data.streaming).
+    stream: Any = None
 
     @property
     def where(self) -> str:
@@ -310,9 +320,12 @@ def prepared_samples(manifest):
 def card_datasets(data: PreparedData):
     """Each source's rows with its own columns, as a ``DatasetDict`` by source name, for what the
     model card describes, when the sources' columns differ; None otherwise (the dataset itself). A
-    prepared source (token ids, no text): a ``Dataset`` of its manifest's sample texts."""
+    prepared source (token ids, no text): a ``Dataset`` of its manifest's sample texts. A streamed
+    source: its first rows (the trainer's dataset is the stream)."""
     if data.manifest is not None:
         return prepared_samples(data.manifest)
+    if data.streamed is not None:
+        return data.dataset
     if len({tuple(c) for c in data.source_columns()}) <= 1:
         return None
     import datasets
@@ -333,7 +346,13 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
             also a source with no rows, or none left after dropping invalid rows.
     """
     source = item.source
-    raw = load_source(source)
+    streaming = getattr(source, "streaming", None)
+    if streaming is not None:  # only the first rows are checked; training reads the stream
+        from cembed.data.streaming import read_head
+
+        raw = read_head(source, streaming.check_rows)
+    else:
+        raw = load_source(source)
     label = source.label if item.key == "data.train" else f"{item.key} ({source.label})"
     if len(raw) == 0:
         raise UserError(f"{label}: the data has no rows")
@@ -351,6 +370,11 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
         return raw, info, []
     notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.kind)
     raw, columns, expanded = expand_list_columns(raw, item.columns, label, item.key)
+    if streaming is not None and expanded:
+        raise UserError(
+            f"{item.key}.streaming: a list column of negatives cannot be streamed ({expanded[0]}); "
+            "give each negative its own column or drop streaming"
+        )
     roles = {role: src for src, role in role_columns(columns)}
     dataset = map_columns(raw, columns, label)
     dataset, dropped = check_cells(dataset, label, roles, drop_invalid, row_locator(source))
@@ -359,6 +383,7 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
     prompts = item.prompts if item.own_prompts else None
     files = len(source_files(source)) if isinstance(source, FileSource) and is_sharded(source) else None
     info = SourceData(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles, prompts, files)
+    info.stream = item if streaming is not None else None
     return dataset, info, notes + expanded
 
 
@@ -426,7 +451,8 @@ def prepare_checked_data(
         if not allow_unloaded:
             raise
         return UnloadedData(err.dataset_id, err.reason)
-    check_batchable(data, global_batch_size, no_duplicates)
+    if data.streamed is None:  # a stream's rows are not counted: its batches are what the window rule makes
+        check_batchable(data, global_batch_size, no_duplicates)
     return data
 
 

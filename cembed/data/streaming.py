@@ -47,6 +47,7 @@ import torch
 
 from cembed.data.collator import TOKEN_SUFFIX
 from cembed.data.sampler import fits, hash_token_ids
+from cembed.errors import UserError
 
 
 @dataclass
@@ -274,7 +275,8 @@ class StreamingSource:
 
     Iterating yields batches as lists of row dicts: ``{column: text, column + "_input_ids": ids}``
     for each of ``columns`` (what :class:`cembed.data.collator.PaddingCollator` pads). :attr:`counts`
-    holds the last iteration's :class:`WindowCounts`.
+    holds the last iteration's :class:`WindowCounts`, :attr:`earlier` the iterations' before it (in
+    this process, oldest first).
 
     Args:
         source: a :class:`cembed.config.data.FileSource` (a file, a folder, a glob, a list of files).
@@ -289,6 +291,10 @@ class StreamingSource:
             (shards are shuffled too); 0: file order.
         seed: the shuffle's seed (``seed + epoch`` via :meth:`set_epoch`).
         read_rows: rows tokenized and hashed at a time.
+        names: the keys the rows carry for ``columns``, one each (default: the columns; training
+            passes the role columns, ``anchor``, ``positive``, ``negative_1``...).
+        max_rows: read only the stream's first ``max_rows`` rows (before the shuffle and the split),
+            as ``data.max_samples`` cuts a table; None: every row.
 
     Raises:
         UserError: the source's files are missing or of an unsupported type (from the loader).
@@ -309,14 +315,21 @@ class StreamingSource:
         shuffle_buffer: int = 0,
         seed: int = 0,
         read_rows: int = 4096,
+        names: list[str] | None = None,
+        max_rows: int | None = None,
     ) -> None:
         self.source, self.columns = source, list(columns)
+        self.names = list(names) if names is not None else list(columns)
+        if len(self.names) != len(self.columns):
+            raise ValueError(f"names {self.names} must name each of the columns {self.columns}")
+        self.max_rows = max_rows
         self.tokenizer, self.max_seq_length = tokenizer, max_seq_length
         self.batch_size, self.window, self.drop_last = batch_size, window, drop_last
         self.rank, self.world_size = rank, world_size
         self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, seed, 0
         self.read_rows = read_rows
         self.counts = WindowCounts()
+        self.earlier: list[WindowCounts] = []
 
     def set_epoch(self, epoch: int) -> None:
         """The next iteration's epoch (a new shuffle where ``shuffle_buffer`` is set)."""
@@ -324,17 +337,11 @@ class StreamingSource:
 
     def dataset(self):
         """This rank's part of the source as a ``datasets.IterableDataset``."""
-        import datasets
         from datasets.distributed import split_dataset_by_node
 
-        from cembed.data.sources import _builder_for, source_files
-
-        files = source_files(self.source)
-        builder, kwargs = _builder_for(files[0])
-        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False  # a local file is nobody's download
-        stream = datasets.load_dataset(
-            builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs
-        )
+        stream = open_stream(self.source)
+        if self.max_rows is not None:
+            stream = stream.take(self.max_rows)
         if self.shuffle_buffer:
             stream = stream.shuffle(seed=self.seed + self.epoch, buffer_size=self.shuffle_buffer)
         return split_dataset_by_node(stream, rank=self.rank, world_size=self.world_size)
@@ -362,19 +369,52 @@ class StreamingSource:
                 )["input_ids"]
                 hashes[:, j] = hash_token_ids(pa.array(ids, type=pa.list_(pa.int32())))
                 ids_by_column[column] = ids
+            pairs = list(zip(self.columns, self.names))
             rows = [
                 {
                     key: value
-                    for c in self.columns
-                    for key, value in ((c, chunk[c][i]), (c + TOKEN_SUFFIX, ids_by_column[c][i]))
+                    for c, name in pairs
+                    for key, value in ((name, chunk[c][i]), (name + TOKEN_SUFFIX, ids_by_column[c][i]))
                 }
                 for i in range(n)
             ]
             yield hashes, rows
 
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        if self.counts.rows_read:
+            self.earlier.append(self.counts)
         self.counts = WindowCounts()
         yield from windowed_batches(self._chunks(), self.batch_size, self.window, self.drop_last, self.counts)
+
+
+def open_stream(source):
+    """A :class:`cembed.config.data.FileSource`'s files (:func:`cembed.data.sources.source_files`
+    order) as one ``datasets.IterableDataset``, read lazily in file order.
+
+    Raises:
+        UserError: the files are missing or of an unsupported type.
+    """
+    import datasets
+
+    from cembed.data.sources import _builder_for, source_files
+
+    files = source_files(source)
+    builder, kwargs = _builder_for(files[0])
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False  # a local file is nobody's download
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs)
+
+
+def read_head(source, rows: int):
+    """The first ``rows`` rows of a file source read as a stream (file order, no shuffle, no split),
+    as an in-memory ``datasets.Dataset``: what ``validate`` and ``train`` check of a streamed source
+    (columns, cells) without reading the rest.
+
+    Raises:
+        UserError: see :func:`open_stream`.
+    """
+    import datasets
+
+    return datasets.Dataset.from_list(list(open_stream(source).take(rows)))
 
 
 class StreamingRows(torch.utils.data.IterableDataset):
@@ -390,15 +430,37 @@ class StreamingRows(torch.utils.data.IterableDataset):
     :meth:`set_epoch` passes the epoch on (a new shuffle where the source shuffles). The stream is
     read in one process: with ``num_workers`` > 1 each worker would read and tokenize the whole
     stream, so iterating in such a worker raises ``RuntimeError`` (use 0 or 1 data-loader worker).
+
+    ``endless``: one iteration reads pass after pass (epoch ``e``, ``e + 1``, ... from the last
+    :meth:`set_epoch`, each a new shuffle) until the reader stops, or a pass yields no batch. Training
+    uses it: the run is one unbounded epoch that ``max_steps`` ends, so skipping the first ``n``
+    batches (a resumed run) lands where the uninterrupted run was, whatever pass that is. The source's
+    batches must then all be full (``drop_last``), so that every ``B`` rows stay one batch.
     """
 
-    def __init__(self, batches: Iterable[list[Any]]) -> None:
+    def __init__(self, batches: Iterable[list[Any]], endless: bool = False) -> None:
         self.batches = batches
+        self.endless = endless
+        self._first = 0  # the pass an endless iteration starts with
 
     def set_epoch(self, epoch: int) -> None:
         """The next iteration's epoch (forwarded to the source where it has ``set_epoch``)."""
+        self._first = epoch
         if hasattr(self.batches, "set_epoch"):
             self.batches.set_epoch(epoch)
+
+    def _passes(self) -> Iterator[list[Any]]:
+        epoch = self._first
+        while True:
+            if hasattr(self.batches, "set_epoch"):
+                self.batches.set_epoch(epoch)
+            empty = True
+            for batch in self.batches:
+                empty = False
+                yield batch
+            if empty:  # nothing to train on: stop rather than read empty passes forever
+                return
+            epoch += 1
 
     def __iter__(self) -> Iterator[Any]:
         worker = torch.utils.data.get_worker_info()
@@ -407,5 +469,78 @@ class StreamingRows(torch.utils.data.IterableDataset):
                 f"a streaming source is read by one data-loader process, got {worker.num_workers} workers; "
                 "set dataloader_num_workers to 0 or 1"
             )
-        for batch in self.batches:
+        for batch in self._passes() if self.endless else self.batches:
             yield from batch
+
+
+def check_stream_prompts(prompts, columns: list[str], key: str = "data.train") -> None:
+    """Refuse prompts for a streamed source: it is tokenized without them.
+
+    Args:
+        prompts: the run's resolved :class:`cembed.model.prompts.RolePrompts` (``data.prompts`` or the model's own).
+        columns: the role columns trained; key: the source's config field (``data.train``).
+
+    Raises:
+        UserError: a column would get a non-empty prompt, naming where it comes from and the fix.
+    """
+    given = prompts.for_columns(columns)
+    if not given:
+        return
+    column, text = next(iter(given.items()))
+    role = column if column in ("anchor", "positive") else "negatives"
+    origin = prompts.origin.get(role, "the model's prompts")
+    raise UserError(
+        f"{key}.streaming: a stream is tokenized without prompts, but {column} gets {text!r} ({origin}); "
+        f"set data.prompts.{role}: '' or drop streaming"
+    )
+
+
+def training_stream(
+    data,
+    model,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    pad_to_multiple_of: int | None = None,
+) -> tuple[StreamingRows, Any, dict]:
+    """The training rows of ``data``'s streamed source (a :class:`cembed.data.prepare.PreparedData`
+    whose one source sets ``data.train.streaming``): this rank's :class:`StreamingSource` (its
+    ``batch_size`` rows per batch, the source's window, shuffle buffer and ``max_samples``; the
+    shuffle seeded by ``seed``) as endless :class:`StreamingRows` (pass after pass, each pass's short
+    last batch dropped), with the :class:`PaddingCollator` that pads its token ids.
+
+    Returns:
+        ``(rows, collator, info)``: ``info`` for ``run_summary.json``'s ``tokenization``.
+
+    Raises:
+        UserError: the model's inputs are more than token ids (no PaddingCollator for it).
+    """
+    from cembed.data.collator import collator_for
+
+    src = data.sources[0]
+    item = src.stream  # the TrainSource
+    options = item.source.streaming
+    collator = collator_for(model, data.columns, pad_to_multiple_of)
+    if collator is None:
+        raise UserError(
+            f"{src.key}.streaming: the model's inputs are more than token ids (or its tokenizer pads on the left), "
+            "which a stream cannot produce; drop streaming"
+        )
+    source = StreamingSource(
+        item.source,
+        [data.roles[c] for c in data.columns],
+        model.tokenizer,
+        model.max_seq_length,
+        batch_size,
+        options.window_batches,
+        rank,
+        world_size,
+        True,  # every batch full: the endless rows are cut every batch_size rows across passes
+        options.shuffle_buffer,
+        seed,
+        names=data.columns,
+        max_rows=item.max_samples,
+    )
+    info = {"pretokenized": False, "streaming": True, "reason": "a streaming source is tokenized on the fly"}
+    return StreamingRows(source, endless=True), collator, info

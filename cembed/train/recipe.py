@@ -316,7 +316,7 @@ def build_components(
         train_dataset, collator, token_info = tokenize_stage(
             model,
             data,
-            cfg.data.pretokenize,
+            cfg.data.pretokenize and data.streamed is None,  # a stream is tokenized on the fly (below)
             cfg.data.cache_dir,
             column_prompts,
             cfg.batch.pad_to_multiple_of,
@@ -324,6 +324,8 @@ def build_components(
             cfg.data.num_proc,
             progress,
         )
+    if data.streamed is not None:  # data.train.streaming: this rank's windowed batches, read as trained
+        train_dataset, collator, token_info = _stream_rows(cfg, plan, data, model, prompts)
     token_info["prompts"] = prompts.to_dict()
     if per_source is not None:
         token_info["source_prompts"] = {s.name: p.to_dict() for s, p in zip(data.sources, per_source)}
@@ -360,6 +362,29 @@ def build_components(
     return Components(*parts, weights, prompts, mix, per_source, card_datasets(data), facts)
 
 
+def _stream_rows(cfg: CembedConfig, plan: Plan, data: PreparedData, model, prompts: RolePrompts):
+    """A streamed source's training rows and collator (:func:`cembed.data.streaming.training_stream`)
+    for this rank: its per-device batch and the run's seed; pass after pass in one unbounded epoch
+    (``train.max_steps`` ends it), so a resumed run's skipped batches land where the run was.
+
+    Raises:
+        UserError: the run would prompt the stream's texts, or the model takes more than token ids.
+    """
+    from cembed.data.streaming import check_stream_prompts, training_stream
+
+    check_stream_prompts(prompts, data.columns, data.sources[0].key)
+    info = dist_info()
+    return training_stream(
+        data,
+        model,
+        plan.per_device_train_batch_size,
+        info.rank,
+        plan.world_size,
+        seed=cfg.train.seed,
+        pad_to_multiple_of=cfg.batch.pad_to_multiple_of,
+    )
+
+
 @dataclass
 class Run:
     """A trainer ready to train, with the callbacks the recipe reads afterwards."""
@@ -367,7 +392,7 @@ class Run:
     trainer: CembedTrainer
     log: RunLog
     interrupt: InterruptCallback
-    batches_per_epoch: int  # per rank = optimizer steps per epoch
+    batches_per_epoch: int | None  # per rank = optimizer steps per epoch (None: a stream, not counted)
     rows_unplaced: int  # rows the no-duplicates sampler could not place in the first epoch
     build_model: Any = None  # device -> the run's model as first loaded (FSDP's final model is gathered into it)
 
@@ -428,6 +453,9 @@ def build_trainer(
     trainer.add_callback(interrupt)
     if parts.evaluation:
         trainer.add_callback(parts.evaluation.callback)
+    build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
+    if trainer.streaming:  # a stream's batches are not counted ahead (train.max_steps bounds the run)
+        return Run(trainer, log, interrupt, None, 0, build)
     sampler = trainer.get_train_dataloader().batch_sampler
     batches_per_epoch = len(sampler)  # per rank (accelerate's shard wrapper) = optimizer steps per epoch
     sampler = getattr(sampler, "batch_sampler", sampler)
@@ -436,7 +464,6 @@ def build_trainer(
             f"{parts.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
             f"rows{_no_batch_columns(sampler, plan)}; {_smaller_batch(sampler, plan)}"
         )
-    build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
     return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0), build)
 
 
@@ -513,6 +540,12 @@ def train(run: Run, run_dir: RunDir, base: dict):
             stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
             write_json_atomic(run_dir.summary_path, {**base, **stopped})
         raise err
+    if state.global_step == 0 and trainer.streaming:
+        raise UserError(
+            f"data.train.streaming: the stream gave no batch of {trainer.args.per_device_train_batch_size} rows "
+            "(fewer rows per process, or too many sharing a text); lower batch.per_device_train_batch_size or raise "
+            "data.train.streaming.window_batches"
+        )
     if state.global_step == 0:
         raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
     return result

@@ -45,15 +45,16 @@ def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...]
     # The config as run (a record, not a config to use): batch.mini_batch_size: auto shows the plan's size.
     config = cfg.model_dump(mode="json")
     config["batch"].update(mini_batch_size=plan.mini_batch_size, mini_batch_num_tokens=plan.mini_batch_num_tokens)
+    streamed = getattr(data, "streamed", None) is not None  # a stream's rows are not counted ahead
     return {
         "config": config,
         "plan": {**plan.to_dict(), "warnings": (*plan.warnings, *warnings)},
         "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
         "data": {
             "source": data.source,
-            "rows_read": data.rows_read,
-            "rows_dropped_invalid": data.rows_dropped,
-            "rows_trained": len(data.dataset),
+            "rows_read": None if streamed else data.rows_read,
+            "rows_dropped_invalid": None if streamed else data.rows_dropped,
+            "rows_trained": None if streamed else len(data.dataset),
             "columns": data.roles,
             "batches_per_epoch": run.batches_per_epoch,
             "rows_unplaced_first_epoch": run.rows_unplaced,
@@ -111,8 +112,34 @@ def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
         entry["batches_per_epoch"] = first.count(i) if first is not None else None
         if trained is not None:
             entry["batches_trained"], entry["rows_trained"] = trained[i]
+        if getattr(src, "stream", None) is not None:
+            entry |= {"rows_read": None, "rows_dropped_invalid": None, "rows": None, "rows_checked": src.rows}
+            entry["stream"] = stream_summary(trainer)
         out.append(entry)
     return out
+
+
+def stream_summary(trainer) -> dict:
+    """A streamed source's entry (``data.train.streaming``): its window and shuffle buffer, the pass
+    (epoch) being read and the window rule's counts
+    (:class:`cembed.data.streaming.WindowCounts`: rows read, placed, dropped, deferred, left at the end,
+    buffered) of this process's share of the stream in that pass, as far as training read it, and the
+    earlier passes' (``earlier_passes``, whole passes, oldest first). The counts are None when a
+    data-loader worker reads the stream (they live in that process)."""
+    from dataclasses import asdict
+
+    source = trainer.train_dataset.batches  # the StreamingSource
+    in_worker = trainer.get_train_dataloader().num_workers > 0
+    return {
+        "window_batches": source.window,
+        "shuffle_buffer": source.shuffle_buffer,
+        "rank": source.rank,
+        "world_size": source.world_size,
+        "pass": source.epoch,
+        "counts": None if in_worker else asdict(source.counts),
+        "earlier_passes": None if in_worker else [asdict(c) for c in source.earlier],
+        "counted_by": "a data-loader worker (not reported)" if in_worker else "this process",
+    }
 
 
 def save_traceback(err: BaseException, folder: str | Path) -> Path:

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
 from cembed.data.collator import PaddingCollator, SourceNamedRows, TextCollator, TokenIdRows
+from cembed.data.streaming import StreamingRows
 from cembed.distributed.collectives import gather_over_ranks, max_over_ranks, require_same_on_all_ranks
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
 from cembed.distributed.group import main_first
@@ -107,6 +108,12 @@ class CembedTrainer(SentenceTransformerTrainer):
         self._step_losses: dict[int, float] = {}
         self._skipped_steps: set[int] = set()
 
+    def preprocess_dataset(self, dataset, *args, **kwargs):
+        # A stream's rows are role columns already (no dataset-name column to add, nothing to validate).
+        if isinstance(dataset, StreamingRows):
+            return dataset
+        return super().preprocess_dataset(dataset, *args, **kwargs)
+
     def add_model_card_callback(self, default_args_dict: dict) -> None:
         # sentence-transformers' card reads ``self.train_dataset`` once, here (datasets, widget examples).
         if self._card_dataset is None:
@@ -127,7 +134,7 @@ class CembedTrainer(SentenceTransformerTrainer):
         return {
             **built.collective_facts(),
             "columns": list(getattr(data, "column_names", None) or []),
-            "rows": len(data) if data is not None else None,
+            "rows": len(data) if data is not None and not self.streaming else None,
             "per_device_train_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "max_steps": args.max_steps,
@@ -181,9 +188,27 @@ class CembedTrainer(SentenceTransformerTrainer):
             self.meter.finish()
         return result
 
+    @property
+    def streaming(self) -> bool:
+        """Whether the training rows come from a stream (:class:`~cembed.data.streaming.StreamingRows`)."""
+        return isinstance(self.train_dataset, StreamingRows)
+
     def get_train_dataloader(self):
         # Built once: its sampler hashes every text, and the recipe reads its length before
         # train() asks for it again.
+        if self._train_dataloader is None and self.streaming:
+            # Each rank reads its own split of the stream: accelerate's preparation would instead
+            # dispatch rank 0's batches (or shard them again), so the loader is not prepared; the
+            # trainer moves each batch to the device itself.
+            workers = min(self.args.dataloader_num_workers, 1)  # one reader: more would each read it all
+            self._train_dataloader = StreamingLoader(
+                self.train_dataset,
+                batch_size=self.args.per_device_train_batch_size,
+                collate_fn=self.data_collator,
+                num_workers=workers,
+                pin_memory=self.args.dataloader_pin_memory,
+                prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
+            )
         if self._train_dataloader is None:
             self._train_dataloader = super().get_train_dataloader()
         return self._train_dataloader
@@ -349,6 +374,16 @@ class CembedTrainer(SentenceTransformerTrainer):
             )
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
+
+
+class StreamingLoader(DataLoader):
+    """The training ``DataLoader`` of a stream (:class:`~cembed.data.streaming.StreamingRows`, no
+    sampler): ``batch_size`` rows per batch, exactly the windowed batches. :meth:`set_epoch`, which the
+    trainer calls before each pass, reaches the stream (a new shuffle where it shuffles)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start pass ``epoch`` of the stream."""
+        self.dataset.set_epoch(epoch)
 
 
 def _inf_checks_recorded(scaler, optimizer) -> bool:

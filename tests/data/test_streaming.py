@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cembed.data.sampler import build_batches_flat, hash_token_ids
-from cembed.data.streaming import StreamingSource, WindowCounts, WindowedBatcher, windowed_batches
+from cembed.data.streaming import StreamingRows, StreamingSource, WindowCounts, WindowedBatcher, windowed_batches
 
 
 def reference(rows: list[list[int]], batch_size: int, window: int, drop_last: bool):
@@ -299,3 +299,24 @@ def test_a_training_loop_over_streaming_rows_sees_the_windowed_batches(tmp_path)
         optimizer.step()
         assert torch.isfinite(loss)
     assert seen == want
+
+
+class _Passes:
+    """A source whose pass ``e`` (set_epoch) yields ``e + 1`` one-row batches, none from pass 3 on."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter([[(self.epoch, i)] for i in range(self.epoch + 1)] if self.epoch < 3 else [])
+
+
+def test_endless_rows_read_pass_after_pass_from_the_set_epoch_and_stop_at_an_empty_pass():
+    rows = StreamingRows(_Passes(), endless=True)
+    assert list(rows) == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
+    rows.set_epoch(2)
+    assert list(rows) == [(2, 0), (2, 1), (2, 2)]
+    assert list(StreamingRows(_Passes())) == [(0, 0)]  # not endless: one pass per iteration
