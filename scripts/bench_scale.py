@@ -64,10 +64,14 @@ is the real one and the model is negligible. A thread of this process samples, e
 their environment) and reports each one's peak, with the least-squares slope per row of the ranks'
 peak anonymous memory. Cold caches per size, so rank 0's preparation is inside its peak.
 
+``--prepare-data`` adds, per size, ``cembed prepare-data`` on the same corpus, model and
+``max_seq_length`` (a prepared source: token ids and row hashes, no text): its CPU seconds and the
+bytes it leaves on disk against the raw token ids (4 B per token + 4 B per row and column).
+
 Usage::
 
     python scripts/bench_scale.py [--sizes 20000,50000] [--batch 65536] [--seed 0] [--shards K]
-        [--ranks N [--ranks-only]] [--workdir DIR] [--keep] [--json OUT]
+        [--ranks N [--ranks-only]] [--prepare-data] [--workdir DIR] [--keep] [--json OUT]
 
 Sizes of the issue: ``--sizes 100000,300000,1000000,3000000`` (hours on 2 cores; needs
 ~2.6 KB of disk per row).
@@ -500,6 +504,25 @@ def report(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+def prepare_report(results: list[dict]) -> str:
+    """Markdown table of the ``--prepare-data`` runs: CPU per row and disk per row against the raw ids."""
+    out = [
+        "cembed prepare-data (the prepared source, no text):",
+        "",
+        "| rows | wall s | CPU s | CPU µs/row | prepared B/row | left in datasets' cache B/row | raw ids B/row "
+        "| disk / raw ids |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        p, n = r["prepare_data"], r["rows"]
+        out.append(
+            f"| {n:,} | {p['wall_s']:.1f} | {p['cpu_s']:.1f} | {p['cpu_s'] / n * 1e6:.1f} "
+            f"| {p['disk_prepared'] / n:,.0f} | {p['disk_datasets_left'] / n:,.0f} | {p['raw_ids'] / n:,.0f} "
+            f"| {(p['disk_prepared'] + p['disk_datasets_left']) / p['raw_ids']:.3f} |"
+        )
+    return "\n".join(out)
+
+
 def ranks_report(results: list[dict]) -> str:
     """Markdown table of the ``--ranks`` runs (peak anonymous memory and RSS per process) and the
     least-squares slope per row of each process's peak anonymous memory (>= 2 sizes)."""
@@ -525,6 +548,50 @@ def ranks_report(results: list[dict]) -> str:
                 at = (slope * EXTRAPOLATE_ROWS + intercept) / 1e9
                 out.append(f"- {label}: peak anon slope {slope:,.0f} B/row, {at:,.1f} GB at {EXTRAPOLATE_ROWS:,} rows")
     return "\n".join(out)
+
+
+def measure_prepare_data(work: Path, train: str, batch: int, env: dict) -> dict:
+    """Run ``cembed prepare-data`` (same model, max_seq_length and data as the per-stage run) into
+    ``work/prepared`` and return its wall and CPU seconds (the command and its tokenizer processes),
+    the bytes it leaves on disk (the prepared folder, and anything left in ``HF_DATASETS_CACHE``),
+    and the raw token-id bytes it reports (4 B per token + 4 B per row and column)."""
+    import yaml
+
+    path = work / "prepare.yaml"
+    cfg = _config(work, train, batch).model_dump(mode="json", exclude_none=True)
+    path.write_text(yaml.safe_dump({k: cfg[k] for k in ("model", "data")}))
+    out = work / "prepared"
+    cmd = [sys.executable, "-m", "cembed", "prepare-data", str(path), "--output", str(out)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_scale: {' '.join(cmd)} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    manifest = json.loads((out / "cembed_prepared.json").read_text())
+    raw = 0
+    from datasets import Dataset
+
+    for part in manifest["parts"]:  # the ids' own size: 4 B per token + 4 B per row of offsets
+        table = Dataset.from_file(str(out / part["file"])).data.table
+        for c in manifest["columns"]:
+            column = table.column(c + "_input_ids")
+            raw += 4 * (pc_sum_lengths(column) + len(column))
+    return {
+        "wall_s": round(wall, 2),
+        "cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 2),
+        "disk_prepared": folder_bytes(out),
+        "disk_datasets_left": folder_bytes(Path(env["HF_DATASETS_CACHE"])),
+        "raw_ids": raw,
+    }
+
+
+def pc_sum_lengths(column) -> int:
+    """Total tokens of a list column."""
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.list_value_length(column)).as_py() or 0)
 
 
 # --- driver ------------------------------------------------------------------------------------
@@ -557,6 +624,9 @@ def run_size(rows: int, args, root: Path) -> dict:
             raise SystemExit(f"bench_scale: the {rows:,}-row run failed (exit {done.returncode}); its log is above")
         result = json.loads(done.stdout.strip().splitlines()[-1])
     result.update(rows=rows, batch=batch, input_bytes=input_bytes, generate_s=round(generated, 2))
+    if args.prepare_data:
+        prep_env = dict(env, HF_DATASETS_CACHE=str(work / "hf-prepare"))
+        result["prepare_data"] = measure_prepare_data(work, train, batch, prep_env)
     if args.ranks > 1:
         ranks_work = work / f"ranks-{args.ranks}"
         ranks_work.mkdir()
@@ -597,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ranks-only", action="store_true", help="with --ranks N: only the N-process starts, not the per-stage run"
     )
+    parser.add_argument(
+        "--prepare-data", action="store_true", help="also run cembed prepare-data per size (disk and CPU)"
+    )
     parser.add_argument("--workdir", default=None, help="where corpora and caches go (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep each size's corpus and caches")
     parser.add_argument("--json", default=None, help="write the raw measurements here")
@@ -635,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cembed train --nproc-per-node {args.ranks} (gloo, CPU, 1 step, tiny model with MiniLM's tokenizer):")
         print()
         print(ranks_report(results))
+    if args.prepare_data:
+        print()
+        print(prepare_report(results))
     for rate in alone:
         print()
         print(
