@@ -267,14 +267,24 @@ def prepare_source(
             "(a config whose data.train is that source, its own --output) and list the folders as "
             "{kind: prepared, path: DIR} sources"
         )
+    _check_source(sources[0])
     folder = Path(output)
     _check_folder(folder, k, n, overwrite)
+    made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{k:05d}-", dir=folder))
     try:
         with temporary_datasets_cache(tmp / "datasets-cache"):
             manifest, files, procs = _tokenize_part(cfg, k, n, tmp / "ids", progress)
         result = _publish_part(folder, k, n, tmp / "ids", files, manifest, procs)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made:  # the folder this run made goes with it (unless another node wrote into it meanwhile)
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if n == 1:
@@ -290,6 +300,27 @@ def prepare_source(
         result.disk_bytes = _folder_bytes(folder)
     result.seconds = round(time.perf_counter() - started, 3)
     return result
+
+
+def _check_source(item) -> None:
+    """Refuse a training source ``prepare-data`` cannot prepare whole: a stream (its data stage reads
+    only the first ``check_rows`` rows) and a source that is already a prepared one (token ids, no text).
+    ``item``: a :class:`cembed.config.data.TrainSource`.
+
+    Raises:
+        UserError: one line naming the field and the fix.
+    """
+    source = item.source
+    if getattr(source, "streaming", None) is not None:
+        raise UserError(
+            f"{item.key}.streaming: prepare-data reads the whole source, not a stream; remove "
+            f"{item.key}.streaming from the config (or add the override {item.key}.streaming=false)"
+        )
+    if source.kind == "prepared":
+        raise UserError(
+            f"{item.key}: {display_path(source.path)} is already a prepared source (token ids, no text); train "
+            "from it as it is, or point data.train at the text files it was prepared from"
+        )
 
 
 def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[PreparedManifest, list[str], int]:

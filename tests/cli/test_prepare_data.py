@@ -70,7 +70,8 @@ def test_part_auto_prepares_on_local_rank_0_only(tiny_model_dir, write_config, t
     monkeypatch.setenv("LOCAL_RANK", "0")
     r = CliRunner().invoke(app, ["prepare-data", str(cfg), "-o", str(out), "--part", "auto"])
     assert r.exit_code == 0 and "part 1/2: tokenized 150 rows" in r.output, r.output
-    assert "waiting for parts 0 of 2" in r.output and not (out / MANIFEST).exists()
+    assert "part 1/2 is prepared; the folder is complete once part 0 of 2 is too" in r.output, r.output
+    assert "--part 0/2" in r.output and "waiting" not in r.output and not (out / MANIFEST).exists()
 
 
 def test_several_sources_are_refused_naming_data_train(tiny_model_dir, write_config, tmp_path):
@@ -125,3 +126,16 @@ def test_sigkill_while_tokenizing_publishes_nothing_and_the_rerun_completes(tiny
     assert r.returncode == 0, r.stderr
     assert read_manifest(tmp_path / "straight").fingerprint == manifest.fingerprint
     assert not (tmp_path / "hf").exists() or not [p for p in (tmp_path / "hf").rglob("*") if p.is_file()]
+
+
+def test_a_prepared_source_is_refused_in_one_line(tiny_model_dir, write_config, tmp_path):
+    cfg = _config(write_config, tiny_model_dir, _corpus(tmp_path, 20))
+    one = tmp_path / "one"
+    assert CliRunner().invoke(app, ["prepare-data", str(cfg), "-o", str(one)]).exit_code == 0
+    again = _config(write_config, tiny_model_dir, None, name="again.yaml", train={"prepared": str(one)})
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["prepare-data", str(again), "-o", str(out)])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert line.startswith("error: data.train: ") and "already a prepared source" in line, line
+    assert len(line.splitlines()) == 1 and not out.exists()

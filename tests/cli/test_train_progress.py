@@ -94,3 +94,37 @@ def test_the_tokenize_bar_shows_rows_and_rate_on_a_terminal_only(monkeypatch):
             assert progress is None  # not a terminal, or another rank's quiet console: nothing drawn
     with RichRunDisplay(Console(force_terminal=True), progress=False).tokenize_progress() as progress:
         assert progress is None
+
+
+def _done_summary(counts, earlier=()):
+    stream = {"window_batches": 0, "shuffle_buffer": 0, "rank": 0, "world_size": 1, "pass": len(earlier)}
+    stream |= {"counts": counts, "earlier_passes": list(earlier)}
+    return {
+        "steps": 10,
+        "samples_seen": 80,
+        "wall_time_s": 2.0,
+        "samples_per_s": 40.0,
+        "first_loss": 2.0,
+        "last_loss": 1.0,
+        "output_dir": "out",
+        "data": {"sources": [{"name": "pairs", "stream": stream}]},
+    }
+
+
+def test_done_prints_the_streams_counts_and_warns_when_many_rows_were_dropped():
+    """4,096 rows read from a sorted file in file order (shuffle_buffer 0): 2,289 dropped; the
+    closing lines say so and suggest a shuffle buffer. Under 5 % dropped: the counts, no warning."""
+    from cembed.cli.train import print_done
+
+    console = Console(record=True, width=400)
+    counts = {"rows_read": 4096, "placed": 1800, "dropped": 2289, "left_at_end": 7}
+    print_done(console, _done_summary(counts))
+    text = console.export_text()
+    assert "stream: 4,096 rows read, 1,800 placed in batches, 2,289 dropped (55.9%)" in text, text
+    assert "data.train.streaming.shuffle_buffer" in text and "sorted" in text
+    console = Console(record=True, width=400)
+    first = {"rows_read": 72, "placed": 64, "dropped": 1, "left_at_end": 7}
+    print_done(console, _done_summary({"rows_read": 30, "placed": 24, "dropped": 0, "left_at_end": 0}, [first]))
+    text = console.export_text()
+    assert "stream: 102 rows read, 88 placed in batches, 1 dropped (1.0%)" in text, text
+    assert "shuffle_buffer" not in text

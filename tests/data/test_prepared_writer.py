@@ -129,7 +129,7 @@ def test_three_parts_join_into_the_one_part_folder(tiny_model_dir, write_config,
     assert results[0].waiting == [0, 1] and results[1].waiting == [1]
     a, rows_a = _parts(tmp_path / "one")
     b, rows_b = _parts(shared)
-    assert [p.file for p in b.parts][:1] == ["part-00000-00000.arrow"] and len(b.parts) == 3
+    assert [p.file for p in b.parts][:1] == ["part-00000-of-00003-00000.arrow"] and len(b.parts) == 3
     assert [p.rows for p in b.parts] == [867, 867, 866]
     for column in rows_a.column_names:
         assert rows_b[column] == rows_a[column], column
@@ -156,8 +156,8 @@ def test_failure_while_tokenizing_leaves_no_manifest_and_a_rerun_completes(
     with pytest.raises(RuntimeError, match="killed"):
         prepare_source(cfg, out)
     assert done[0] == 2048  # the failure came in the middle
-    assert not (out / MANIFEST).exists()
-    with pytest.raises(UserError, match="not a prepared source"):
+    assert not out.exists()  # the folder it made is gone
+    with pytest.raises(UserError, match="does not exist"):
         read_manifest(out)
     monkeypatch.setattr(T, "_tokenize_batch", real)
 
@@ -179,7 +179,7 @@ def test_a_killed_part_is_redone_and_the_others_kept(tiny_model_dir, write_confi
     shared = tmp_path / "shared"
     prepare_source(cfg, shared, (0, 2))
     kept = (shared / part_manifest_name(0, 2)).stat().st_mtime_ns
-    (shared / "part-00001-00000.arrow").write_bytes(b"half")  # part 1 was killed after moving a file
+    (shared / "part-00001-of-00002-00000.arrow").write_bytes(b"half")  # part 1 was killed after moving a file
     result = prepare_source(cfg, shared, (1, 2))
     assert result.complete and (shared / part_manifest_name(0, 2)).stat().st_mtime_ns == kept
     assert read_manifest(shared).rows == ROWS
@@ -246,3 +246,75 @@ def test_parse_part():
             parse_part(bad)
     with pytest.raises(UserError, match="torchrun"):
         parse_part("auto", {})
+
+
+def _small(pairs_file, rows=40):
+    return pairs_file([{"query": f"q {i}", "text": f"t {i}"} for i in range(rows)], name="small.jsonl")
+
+
+def test_a_streaming_source_is_refused_naming_the_field(tiny_model_dir, write_config, pairs_file, tmp_path, hf_cache):
+    """A stream reads only its first check_rows rows at the data stage: preparing it would silently
+    keep those alone, so the run is refused and no folder is made."""
+    corpus = _small(pairs_file, 1200)
+    cfg = load_config(
+        write_config(
+            {
+                "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+                "data": {"train": {"path": str(corpus), "streaming": True}, "columns": {"anchor": "query", "positive": "text"}},
+                "train": {"max_steps": 2},
+            },
+            name="stream.yaml",
+        )
+    )
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"^data\.train\.streaming: .*remove") as err:
+        prepare_source(cfg, out)
+    assert "\n" not in str(err.value) and not out.exists()
+
+
+def test_a_prepared_source_is_refused_naming_its_folder(tiny_model_dir, write_config, pairs_file, tmp_path, hf_cache):
+    cfg = _cfg(write_config, tiny_model_dir, _small(pairs_file))
+    one = tmp_path / "one"
+    prepare_source(cfg, one)
+    again = load_config(
+        write_config(
+            {"model": {"name_or_path": str(tiny_model_dir)}, "data": {"train": {"prepared": str(one)}}},
+            name="again.yaml",
+        )
+    )
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"^data\.train: .*already a prepared source") as err:
+        prepare_source(again, out)
+    assert str(one) in str(err.value) and not out.exists()
+
+
+def test_parts_of_another_count_are_refused(tiny_model_dir, write_config, pairs_file, tmp_path, hf_cache):
+    """Part files carry N; a --part K/N run into a folder holding parts (or part manifests) of another
+    N is refused naming the file, before anything is written."""
+    cfg = _cfg(write_config, tiny_model_dir, _small(pairs_file))
+    shared = tmp_path / "shared"
+    prepare_source(cfg, shared, (0, 2))
+    assert [p.name for p in shared.glob("*.arrow")] == ["part-00000-of-00002-00000.arrow"]
+    before = sorted(p.name for p in shared.iterdir())
+    for k in range(3):
+        with pytest.raises(UserError, match=r"of 2 parts.*--part 0/3.*(a new folder|remove)") as err:
+            prepare_source(cfg, shared, (k, 3))
+        assert "cembed_prepared.part-00000-of-00002.json" in str(err.value) or "of-00002" in str(err.value)
+    assert sorted(p.name for p in shared.iterdir()) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "part-00001-of-00002-00000.arrow").write_bytes(b"x")  # a killed node's part
+    with pytest.raises(UserError, match=r"part-00001-of-00002-00000\.arrow"):
+        prepare_source(cfg, other, (0, 3))
+    with pytest.raises(UserError, match=r"part-00001-of-00002-00000\.arrow"):
+        prepare_source(cfg, other)  # one process: its parts would be mixed with node 1's
+
+
+def test_read_manifest_says_what_is_missing(tiny_model_dir, write_config, pairs_file, tmp_path, hf_cache):
+    with pytest.raises(UserError, match=r"nope: does not exist"):
+        read_manifest(tmp_path / "nope")
+    cfg = _cfg(write_config, tiny_model_dir, _small(pairs_file))
+    shared = tmp_path / "shared"
+    prepare_source(cfg, shared, (0, 2))
+    with pytest.raises(UserError, match=r"part 0 of 2 is prepared, part 1 is missing: run cembed prepare-data .*--part 1/2"):
+        read_manifest(shared)

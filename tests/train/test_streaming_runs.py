@@ -107,6 +107,8 @@ def test_stream_trains_the_windowed_batches_pass_after_pass(tiny_model_dir, tmp_
     assert BatchesSeen.seen == expected + expected[:4]
     assert [s for s, _ in summary["step_losses"]] == list(range(1, 13))
     assert summary["data"]["rows_trained"] is None and summary["data"]["batches_per_epoch"] is None
+    # A stream's unplaced rows are its dropped ones, in stream.counts: not a 0 that reads as "none".
+    assert summary["data"]["rows_unplaced_first_epoch"] is None
     (entry,) = summary["data"]["sources"]
     stream = entry["stream"]
     assert (stream["window_batches"], stream["pass"], stream["rank"], stream["world_size"]) == (2, 1, 0, 1)

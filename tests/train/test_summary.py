@@ -367,3 +367,17 @@ def test_a_resumed_run_reports_its_own_rate(tiny_model_dir, tmp_path):
     assert json.loads((out / "run_summary.json").read_text())["samples_per_s"] == summary["samples_per_s"]
     assert display.told == (str(out / "checkpoint-2"), 2, 4)
     assert (fresh["steps_this_run"], fresh["samples_this_run"]) == (4, 32)  # a fresh run: all of them
+
+
+def test_a_prepared_source_reports_the_files_its_preparation_read():
+    """``files`` of a prepared source is its manifest's ``input_files`` (2 shards prepared into 3
+    parts: 2), None when the manifest does not know it (another engine wrote it)."""
+    from cembed.data.prepared import PreparedManifest, PreparedPart
+
+    parts = [PreparedPart(f"part-{k}.arrow", 2, 10) for k in range(3)]
+    for input_files, expected in ((2, 2), (None, None)):
+        manifest = PreparedManifest(["anchor", "positive"], "tok", 16, 6, parts, input_files=input_files)
+        data = _data((6,))
+        data.sources[0] = replace(data.sources[0], files=None, manifest=manifest)
+        (entry,) = source_summary(data, _trainer(batch_sampler=object()))
+        assert entry["files"] == expected
