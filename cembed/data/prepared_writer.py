@@ -13,8 +13,9 @@ Publishing is kill-safe: each run writes into ``DIR/.tmp-K-*``, moves its finish
 before that leaves no manifest; its rerun removes what the killed run left and redoes the part.
 
 Several nodes (``part=(K, N)``): node K prepares the contiguous rows
-``dataset.shard(N, K, contiguous=True)`` into ``part-K-XXXXX.arrow`` files and a part manifest
-(``cembed_prepared.part-K-of-N.json``); whichever node finishes last (an ``flock`` on
+``dataset.shard(N, K, contiguous=True)`` into ``part-K-of-N-XXXXX.arrow`` files (K, N and the
+file's index as 5 digits) and a part manifest (``cembed_prepared.part-K-of-N.json``); a folder holding
+parts of another N is refused; whichever node finishes last (an ``flock`` on
 ``DIR/.lock``, then every part manifest present) writes the top manifest, parts in K order, so the
 joined folder's rows are in the order a one-process preparation gives.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -137,7 +139,24 @@ def part_manifest_name(k: int, n: int) -> str:
 
 
 def _part_file(k: int, n: int, i: int) -> str:
-    return f"part-{i:05d}.arrow" if n == 1 else f"part-{k:05d}-{i:05d}.arrow"
+    # N is in the name: runs with another N into the same folder cannot overwrite each other's files.
+    return f"part-{i:05d}.arrow" if n == 1 else f"part-{k:05d}-of-{n:05d}-{i:05d}.arrow"
+
+
+_ONE_PART = re.compile(r"part-\d{5}\.arrow")
+_OF_N = re.compile(r"\.?(?:cembed_prepared\.)?part-\d{5}-of-(\d{5})[-.]")
+
+
+def _part_count(name: str) -> int | None:
+    """The N of the ``--part K/N`` run that wrote the file ``name`` in a prepared folder (1 for a
+    one-process run's part), 0 for a part file of unknown N (an older cembed's ``part-K-I.arrow``),
+    None for anything else (temporary folders, the lock)."""
+    if _ONE_PART.fullmatch(name):
+        return 1
+    m = _OF_N.match(name)
+    if m:
+        return int(m.group(1))
+    return 0 if name.startswith("part-") else None
 
 
 @contextmanager
@@ -206,11 +225,21 @@ def _check_folder(folder: Path, k: int, n: int, overwrite: bool) -> None:
         raise UserError(
             f"--output {where}: the folder is not empty ({foreign[0]}...); give an empty or new folder, or --overwrite"
         )
+    # Parts of another N would mix with this run's rows (the join takes N manifests of this N only).
+    other = next((e.name for e in sorted(entries) if _part_count(e.name) not in (None, n)), None)
+    if other is not None:
+        m = _part_count(other)
+        theirs = "another number of parts" if m == 0 else "one process (no --part)" if m == 1 else f"--part K/{m}"
+        mine = "one process (no --part)" if n == 1 else f"--part {k}/{n}"
+        raise UserError(
+            f"--output {where}: holds {other}, written by {theirs}; this run is {mine}: give a new folder, "
+            f"or remove {where} and prepare every part again"
+        )
     # An unfinished preparation (no manifest): this part's leftovers go, the other parts' stay.
     mine = (
         (".tmp-", "part-", "." + MANIFEST, "cembed_prepared.part-", ".cembed_prepared.part-")
         if n == 1
-        else (f".tmp-{k:05d}-", f"part-{k:05d}-")
+        else (f".tmp-{k:05d}-", f"part-{k:05d}-of-{n:05d}-")
     )
     manifest = part_manifest_name(k, n)
     for e in entries:
