@@ -69,10 +69,15 @@ def print_prepare_result(console: Console, r) -> None:
         f"({rate}, {_count(r.num_proc, 'process')})",
         highlight=False,
     )
-    if not r.complete:
-        waiting = ", ".join(str(k) for k in r.waiting)
+    if not r.complete:  # this run is done; the other nodes' runs complete the folder
+        many = len(r.waiting) > 1
+        others = f"part{'s' if many else ''} {', '.join(map(str, r.waiting))} of {r.of} {'are' if many else 'is'}"
+        runs = ", ".join(f"--part {k}/{r.of}" for k in r.waiting)
         console.print(
-            f"waiting for parts {waiting} of {r.of}: the last node to finish writes the manifest", highlight=False
+            f"part {r.part}/{r.of} is prepared; the folder is complete once {others} too "
+            f"(cembed prepare-data CONFIG -o {r.folder} {runs}): the last part to finish writes the manifest",
+            highlight=False,
+            markup=False,
         )
         return
     console.print(

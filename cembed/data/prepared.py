@@ -29,6 +29,7 @@ it from what it reads, and ranks that read different data are refused.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,17 +103,61 @@ def write_manifest(folder: str | Path, manifest: PreparedManifest) -> Path:
     return write_json_atomic(Path(folder) / MANIFEST, manifest.to_json())
 
 
+def part_manifest_name(k: int, n: int) -> str:
+    """The file holding part K of N's manifest in a prepared folder (``cembed prepare-data --part K/N``)."""
+    return f"cembed_prepared.part-{k:05d}-of-{n:05d}.json"
+
+
+_PART_MANIFEST = re.compile(r"cembed_prepared\.part-(\d{5})-of-(\d{5})\.json")
+
+
+def _parts_message(folder: Path, where: str) -> str | None:
+    """What an unjoined ``--part`` preparation in ``folder`` lacks, as one line: the parts done and
+    missing and the command to run; None where no part manifest is there."""
+    found = [m for m in map(_PART_MANIFEST.fullmatch, sorted(p.name for p in folder.iterdir())) if m]
+    if not found:
+        return None
+    n = int(found[0].group(2))
+    done = sorted({int(m.group(1)) for m in found if int(m.group(2)) == n})
+    missing = [k for k in range(n) if k not in done]
+    if not missing:
+        return (
+            f"{where}: all {n} parts are prepared but not joined (no {MANIFEST}): run the last part's "
+            "cembed prepare-data command again"
+        )
+
+    def ks(ks: list[int]) -> str:
+        return f"part {ks[0]}" if len(ks) == 1 else "parts " + ", ".join(map(str, ks))
+
+    verb = "is" if len(done) == 1 else "are"
+    runs = ", ".join(f"--part {k}/{n}" for k in missing)
+    return (
+        f"{where}: not complete: {ks(done)} of {n} {verb} prepared, {ks(missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} missing: run cembed prepare-data CONFIG --output {where} {runs} "
+        f"(the last part to finish writes {MANIFEST})"
+    )
+
+
 def read_manifest(folder: str | Path) -> PreparedManifest:
     """The manifest of the prepared source in ``folder``, checked against the files there.
 
     Raises:
-        UserError: no manifest (not a prepared source, or a preparation not finished), an unreadable
+        UserError: no such folder; no manifest (not a prepared source, or a preparation not finished:
+            with ``--part`` manifests, which parts are done and which missing), an unreadable
             or foreign one, a part missing or of another size than the manifest says, or a
             fingerprint that does not match the parts; each names the folder and the fix.
     """
     folder = Path(folder)
     where = display_path(folder)
     path = folder / MANIFEST
+    if not folder.exists():
+        raise UserError(
+            f"{where}: does not exist; give the folder `cembed prepare-data CONFIG --output DIR` wrote"
+        )
+    if not folder.is_dir():
+        raise UserError(f"{where}: not a folder; a prepared source is the folder `cembed prepare-data` wrote")
+    if not path.is_file() and (parts := _parts_message(folder, where)) is not None:
+        raise UserError(parts)
     if not path.is_file():
         raise UserError(
             f"{where}: not a prepared source (no {MANIFEST}; a preparation still running or killed leaves "

@@ -42,6 +42,7 @@ from cembed.data.prepared import (
     SAMPLE_ROWS,
     PreparedManifest,
     PreparedPart,
+    part_manifest_name,
     write_manifest,
 )
 from cembed.data.tokenize import matches_model_preprocessing, read_entry, resolve_num_proc, tokenize_into
@@ -131,11 +132,6 @@ def part_rows(rows: int, k: int, n: int) -> tuple[int, int]:
     div, mod = divmod(rows, n)
     start = div * k + min(k, mod)
     return start, start + div + (1 if k < mod else 0)
-
-
-def part_manifest_name(k: int, n: int) -> str:
-    """The file holding part K of N's manifest in a prepared folder."""
-    return f"cembed_prepared.part-{k:05d}-of-{n:05d}.json"
 
 
 def _part_file(k: int, n: int, i: int) -> str:
