@@ -526,6 +526,7 @@ def print_done(console: Console, summary: dict) -> None:
             f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%",
             highlight=False,
         )
+    print_stream_counts(console, summary)
     lora = summary.get("lora")
     if lora:
         share = lora["adapter_parameters"] / lora["total_parameters"]
@@ -536,6 +537,42 @@ def print_done(console: Console, summary: dict) -> None:
             highlight=False,
         )
     console.print(f"model and run_summary.json in {display_path(summary['output_dir'])}", highlight=False)
+
+
+# Above this share of a stream's rows dropped by the window rule, the closing lines warn.
+STREAM_DROP_WARN = 0.05
+
+
+def print_stream_counts(console: Console, summary: dict) -> None:
+    """For a run trained from a stream (``data.train.streaming``): one line with the rows it read,
+    placed in batches and dropped (the window rule's counts, every pass read so far, this process's
+    share of the stream), and a warning when more than :data:`STREAM_DROP_WARN` of them were dropped
+    (a file in file order with equal texts close together: sorted files need a shuffle buffer)."""
+    for entry in (summary.get("data") or {}).get("sources") or []:
+        stream = entry.get("stream")
+        if not stream or stream.get("counts") is None:  # a data-loader worker read it: counts not here
+            continue
+        passes = [*(stream.get("earlier_passes") or []), stream["counts"]]
+        read, placed, dropped = (sum(c[k] for c in passes) for k in ("rows_read", "placed", "dropped"))
+        share = dropped / read if read else 0.0
+        whose = f" (rank {stream['rank']}'s share of {stream['world_size']})" if stream.get("world_size", 1) > 1 else ""
+        console.print(
+            f"stream: {read:,} rows read, {placed:,} placed in batches, {dropped:,} dropped ({share:.1%}){whose}",
+            highlight=False,
+        )
+        if share > STREAM_DROP_WARN:
+            buffer = stream.get("shuffle_buffer") or 0
+            order = (
+                "streaming reads the files in order (shuffle_buffer 0), so a file sorted by a key puts rows sharing "
+                "a text together: set data.train.streaming.shuffle_buffer (e.g. 100000)"
+                if buffer == 0
+                else f"raise data.train.streaming.shuffle_buffer (now {buffer:,}; a sorted file needs a large one)"
+            )
+            warn(
+                console,
+                f"{share:.1%} of the stream's rows were dropped (no batch within data.train.streaming.window_batches "
+                f"took them without repeating a text); {order}, or raise window_batches",
+            )
 
 
 # Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.

@@ -159,7 +159,9 @@ class StreamingOptions(_Strict):
         "dropped (counted in run_summary.json); 0: dropped at once",
     )
     shuffle_buffer: NonNegativeInt = Field(
-        0, description="rows of datasets' shuffle buffer (shards shuffled too), reseeded every pass; 0: file order"
+        0,
+        description="rows of datasets' shuffle buffer (shards shuffled too), reseeded every pass; 0: file order, "
+        "no shuffle (a sorted file then drops many rows: set e.g. 100000)",
     )
     check_rows: PositiveInt = Field(
         1000, description="rows read first (validate and train) to check the columns and cells; the rest is not checked"
