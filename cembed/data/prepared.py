@@ -10,7 +10,9 @@ Layout of ``DIR``::
 
     cembed_prepared.json        the manifest (:class:`PreparedManifest`); its presence completes DIR
     part-00000.arrow ...        Arrow IPC *stream* files (what ``datasets.Dataset.from_file`` and
-                                ``pyarrow.ipc.new_stream`` read and write), in row order
+                                ``pyarrow.ipc.new_stream`` read and write), in row order; any names the
+                                manifest lists (``cembed prepare-data --part K/N`` writes
+                                ``part-K-of-N-I.arrow`` and ``cembed_prepared.part-K-of-N.json``)
 
 Columns of every part, for each role column ``<role>`` of ``columns`` (loss order: ``anchor``,
 ``positive``, ``negative_1`` ...):

@@ -57,7 +57,8 @@ def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...]
             "rows_trained": None if streamed else len(data.dataset),
             "columns": data.roles,
             "batches_per_epoch": run.batches_per_epoch,
-            "rows_unplaced_first_epoch": run.rows_unplaced,
+            # A stream's left-out rows are the window rule's dropped ones (sources[].stream.counts), not a count here.
+            "rows_unplaced_first_epoch": None if streamed else run.rows_unplaced,
             "sampling": parts.sources.strategy if parts.sources else None,
             "sources": source_summary(data, run.trainer),
         },
@@ -98,8 +99,8 @@ def _sampler(trainer):
 
 def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
     """Per training source (a :class:`cembed.data.prepare.PreparedData`'s): name, path, rows read,
-    dropped and kept, its file count (``files``: a sharded file source's files; 1 for one file or
-    a source of another kind), global batches in the first epoch; with ``steps``, also the global batches
+    dropped and kept, its file count (``files``: a sharded file source's files; for a prepared source
+    the files its preparation read, None if unknown; 1 for one file or a source of another kind), global batches in the first epoch; with ``steps``, also the global batches
     (``batches_trained``; optimizer steps when gradient_accumulation_steps is 1) and rows the first
     ``steps`` optimizer steps trained on."""
     sampler = _sampler(trainer)
@@ -108,7 +109,7 @@ def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
     out = []
     for i, src in enumerate(data.sources):
         entry = {"name": src.name, "source": src.label, "rows_read": src.rows_read}
-        entry |= {"rows_dropped_invalid": src.rows_dropped, "rows": src.rows, "files": src.files or 1}
+        entry |= {"rows_dropped_invalid": src.rows_dropped, "rows": src.rows, "files": _files(src)}
         entry["batches_per_epoch"] = first.count(i) if first is not None else None
         if trained is not None:
             entry["batches_trained"], entry["rows_trained"] = trained[i]
@@ -117,6 +118,16 @@ def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
             entry["stream"] = stream_summary(trainer)
         out.append(entry)
     return out
+
+
+def _files(src) -> int | None:
+    """A source's ``files`` entry: for a prepared source the files its preparation read (the manifest's
+    ``input_files``; None where the writer did not record it), not its parts; else its shard count, 1
+    for one file or a source of another kind."""
+    manifest = getattr(src, "manifest", None)
+    if manifest is not None:
+        return manifest.input_files
+    return src.files or 1
 
 
 def stream_summary(trainer) -> dict:
