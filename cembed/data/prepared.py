@@ -153,9 +153,7 @@ def read_manifest(folder: str | Path) -> PreparedManifest:
     where = display_path(folder)
     path = folder / MANIFEST
     if not folder.exists():
-        raise UserError(
-            f"{where}: does not exist; give the folder `cembed prepare-data CONFIG --output DIR` wrote"
-        )
+        raise UserError(f"{where}: does not exist; give the folder `cembed prepare-data CONFIG --output DIR` wrote")
     if not folder.is_dir():
         raise UserError(f"{where}: not a folder; a prepared source is the folder `cembed prepare-data` wrote")
     if not path.is_file() and (parts := _parts_message(folder, where)) is not None:

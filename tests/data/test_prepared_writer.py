@@ -260,7 +260,10 @@ def test_a_streaming_source_is_refused_naming_the_field(tiny_model_dir, write_co
         write_config(
             {
                 "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
-                "data": {"train": {"path": str(corpus), "streaming": True}, "columns": {"anchor": "query", "positive": "text"}},
+                "data": {
+                    "train": {"path": str(corpus), "streaming": True},
+                    "columns": {"anchor": "query", "positive": "text"},
+                },
                 "train": {"max_steps": 2},
             },
             name="stream.yaml",
@@ -315,5 +318,7 @@ def test_read_manifest_says_what_is_missing(tiny_model_dir, write_config, pairs_
     cfg = _cfg(write_config, tiny_model_dir, _small(pairs_file))
     shared = tmp_path / "shared"
     prepare_source(cfg, shared, (0, 2))
-    with pytest.raises(UserError, match=r"part 0 of 2 is prepared, part 1 is missing: run cembed prepare-data .*--part 1/2"):
+    with pytest.raises(
+        UserError, match=r"part 0 of 2 is prepared, part 1 is missing: run cembed prepare-data .*--part 1/2"
+    ):
         read_manifest(shared)
