@@ -466,6 +466,7 @@ class TrainSource:
     key: str  # the config field that holds it: data.train or data.train.<name>
     prompts: PromptsConfig | None = None  # its own prompts over data.prompts, role by role (None: data.prompts)
     own_prompts: bool = False  # the source sets prompts of its own (messages name <key>.prompts)
+    columns_given: bool = False  # the config maps columns (data.columns or the source's own), not the default
 
 
 class DataConfig(_Strict):
@@ -560,7 +561,8 @@ class DataConfig(_Strict):
             columns = item.columns if item.columns is not None else self.columns
             max_samples = item.max_samples if item.max_samples is not None else self.max_samples
             prompts = merged_prompts(item.prompts, self.prompts)
-            out.append(TrainSource(name, item, columns, max_samples, key, prompts, item.prompts is not None))
+            given = item.columns is not None or "columns" in self.model_fields_set
+            out.append(TrainSource(name, item, columns, max_samples, key, prompts, item.prompts is not None, given))
         return out
 
     def max_columns(self) -> int:
@@ -570,8 +572,9 @@ class DataConfig(_Strict):
 
 
 def _check_prepared(cfg: DataConfig, sources: list[TrainSource]) -> None:
-    """A prepared source holds token ids only and its roles are its manifest's: it trains alone,
-    pre-tokenized, without a column mapping."""
+    """A prepared source holds token ids only and its roles are its manifest's: it trains alone and
+    pre-tokenized. ``data.columns`` may stay (the config that prepared it maps the same roles; the
+    data stage checks that they are the manifest's columns)."""
     if len(sources) > 1:
         raise ValueError(
             "train: a prepared source trains alone; give it as the only source (prepare the others into it)"
@@ -580,8 +583,6 @@ def _check_prepared(cfg: DataConfig, sources: list[TrainSource]) -> None:
         raise ValueError(
             "pretokenize: false, but a prepared source holds token ids only (no text to tokenize); remove it"
         )
-    if "columns" in cfg.model_fields_set:
-        raise ValueError("columns: a prepared source's roles are its manifest's columns; remove data.columns")
 
 
 def merged_prompts(own: PromptsConfig | None, run: PromptsConfig | None) -> PromptsConfig | None:

@@ -363,6 +363,13 @@ def prepare_source(item: TrainSource, drop_invalid: bool) -> tuple[object, Sourc
     if manifest is not None:
         # Token ids only: the roles are the manifest's, and the cells were checked when it was prepared.
         roles = {c: c for c in manifest.columns}
+        if item.columns_given:  # the mapping the folder was prepared with: it must give the same roles
+            mapped = [role for _, role in role_columns(item.columns)]
+            if mapped != list(manifest.columns):
+                raise UserError(
+                    f"data.columns: maps the roles {', '.join(mapped)}, but the prepared source {label} holds "
+                    f"{', '.join(manifest.columns)} (its roles were mapped when it was prepared); remove data.columns"
+                )
         rows_read = manifest.rows_read if manifest.rows_read is not None and item.max_samples is None else rows_read
         dropped = manifest.rows_dropped if item.max_samples is None else 0
         # No file count: validate's "(N files)" would read as the folder's parts.

@@ -56,7 +56,6 @@ def test_a_relative_path_resolves_against_the_config_file(tmp_path):
     "data, field",
     [
         ({"train": {"prepared": "p", "columns": {"anchor": "q"}}}, "train.columns"),
-        ({"train": {"prepared": "p"}, "columns": {"anchor": "q"}}, "columns"),
         ({"train": {"prepared": "p"}, "pretokenize": False}, "pretokenize"),
         ({"train": [{"prepared": "p"}, "pairs.jsonl"]}, "train"),
     ],
@@ -85,6 +84,16 @@ def test_the_parts_are_memory_mapped_in_order_with_the_manifests_roles(prepared)
     assert data.sample_texts() == {"anchor": [ROWS[0]["anchor"]], "positive": [ROWS[0]["positive"]]}
     assert data.first_row() == {"anchor": ROWS[0]["anchor"], "positive": ROWS[0]["positive"]}
     assert data.dataset[61]["anchor_input_ids"][:2] == [2, data.dataset[61]["anchor_input_ids"][1]]  # [CLS] first
+
+
+def test_data_columns_of_the_config_that_prepared_it_are_accepted_others_named(prepared):
+    # The same config with data.train swapped for the folder: its mapping gave the manifest's roles.
+    same = prepare_data(_data(prepared, columns={"anchor": "query", "positive": "doc", "ignore": ["id"]}))
+    assert same.columns == ["anchor", "positive"] and len(same.dataset) == 120
+    with pytest.raises(
+        UserError, match=r"^data.columns: maps the roles anchor, positive, negative_1, but the prepared"
+    ):
+        prepare_data(_data(prepared, columns={"anchor": "q", "positive": "d", "negatives": ["n"]}))
 
 
 def test_a_missing_or_resized_part_is_named(prepared):
