@@ -61,7 +61,9 @@ this needs folder/glob sources (issue 24 item 1); without them the read stage fa
 all-MiniLM-L6-v2's own tokenizer, so the data side (load, checks, tokenization, sampler, first batch)
 is the real one and the model is negligible. A thread of this process samples, every 20 ms,
 ``RssAnon`` and ``VmHWM`` of every process under the launcher (ranks told apart by ``LOCAL_RANK`` in
-their environment) and reports each one's peak, with the least-squares slope per row of the ranks'
+their environment; a process a rank forked, such as datasets' tokenizer workers, is reported apart
+as ``rank N workers``: it inherits ``LOCAL_RANK``, and its RssAnon counts pages it shares with the
+rank copy-on-write) and reports each one's peak, with the least-squares slope per row of the ranks'
 peak anonymous memory. Cold caches per size, so rank 0's preparation is inside its peak.
 
 ``--prepare-data`` adds, per size, ``cembed prepare-data`` on the same corpus, model and
@@ -374,6 +376,14 @@ def _proc_tree(root: int) -> list[int]:
     return tree
 
 
+def _parent(pid: int) -> int:
+    """``pid``'s parent process id (0 once gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _proc_memory(pid: int) -> tuple[str | None, int, int]:
     """``(LOCAL_RANK or None, RssAnon bytes, VmHWM bytes)`` of ``pid`` ((None, 0, 0) once gone)."""
     try:
@@ -416,8 +426,12 @@ def measure_ranks(work: Path, train: str, batch: int, ranks: int, env: dict) -> 
             for pid in _proc_tree(job.pid):
                 rank, anon, hwm = _proc_memory(pid)
                 label = "launcher" if pid == job.pid else (f"rank {rank}" if rank is not None else None)
-                if label is None:  # helper processes (datasets' tokenizer workers, the elastic agent's)
+                if label is None:  # helper processes without LOCAL_RANK (the elastic agent's)
                     continue
+                if pid != job.pid and _proc_memory(_parent(pid))[0] == rank:
+                    # A process a rank forked (datasets' tokenizer workers): it inherits LOCAL_RANK, and
+                    # its RssAnon counts the pages it shares with the rank copy-on-write; kept apart.
+                    label += " workers"
                 peak = peaks.setdefault(pid, [label, 0, 0])
                 peak[1], peak[2] = max(peak[1], anon), max(peak[2], hwm)
             time.sleep(0.02)
