@@ -48,7 +48,7 @@ def _delimited(path: Path) -> tuple[str, int] | None:
     return None
 
 
-def _builder_for(path: Path) -> tuple[str, dict]:
+def builder_for(path: Path) -> tuple[str, dict]:
     """The ``datasets`` builder and its options for a file, by extension; UserError if unsupported.
 
     CSV and TSV go to the ``csv`` builder (pandas) with every column read as text as written (a
@@ -289,7 +289,7 @@ def load_file(source: FileSource):
     # datasets pings the hub to count a download of its json/csv/parquet builder on every load; a local
     # file is nobody's download, and without network the ping costs a timeout.
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
-    builder, kwargs = _builder_for(path)
+    builder, kwargs = builder_for(path)
     if builder == "csv":
         # pandas fills short rows with NaN silently; a ragged row must be named instead.
         problem = _diagnosis(files)

@@ -396,10 +396,10 @@ def open_stream(source):
     """
     import datasets
 
-    from cembed.data.sources import _builder_for, source_files
+    from cembed.data.sources import builder_for, source_files
 
     files = source_files(source)
-    builder, kwargs = _builder_for(files[0])
+    builder, kwargs = builder_for(files[0])
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False  # a local file is nobody's download
     return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs)
 
