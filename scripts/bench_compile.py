@@ -34,8 +34,8 @@ def batches(model, n_batches: int, batch: int, pad_multiple: int):
     """``n_batches`` disjoint batches of COCO pairs as cembed's padding collator builds them."""
     from datasets import Dataset
 
-    from cembed.data.collator import collator_for
-    from cembed.data.tokenize import pretokenize
+    from cembed.data.tokens.collator import collator_for
+    from cembed.data.tokens.tokenize import pretokenize
 
     path = COCO if COCO.is_file() else REPO / "cembed" / "samples" / "coco_captions" / "train_pairs.jsonl.gz"
     rows = {"anchor": [], "positive": []}

@@ -7,7 +7,7 @@ pre-tokenized column (``list<int32>``, 1,000 rows per record batch; lengths 8-56
 opens it with ``datasets.Dataset.from_file`` and times the gather of a random batch of ``--batch``
 rows (the sampler's index list) with:
 
-- ``per file``: :class:`cembed.data.collator.IdColumn` as it is now (one vectorised gather per
+- ``per file``: :class:`cembed.data.tokens.collator.IdColumn` as it is now (one vectorised gather per
   memory-mapped file);
 - ``per record batch``: the previous gather (one numpy step per record batch the batch touches),
   reproduced below as the reference.
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from cembed.data.collator import IdColumn, RaggedIds, ragged_positions
+from cembed.data.tokens.collator import IdColumn, RaggedIds, ragged_positions
 
 RECORD_BATCH_ROWS = 1000  # datasets' writer_batch_size
 

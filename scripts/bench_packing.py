@@ -6,8 +6,8 @@ Rows used per epoch (``drop_last: true``, seed 0) on the COCO caption pairs at b
 
 - ``before``: the sampler as of commit 9e84649 (kept below as :func:`build_batches_before`), whose
   vectorised fit refused a row sharing a text with *any* earlier candidate, even a refused one;
-- ``now``: :func:`cembed.data.sampler.build_batches`;
-- ``row by row``: :func:`cembed.data.sampler.build_batches_row_by_row`, the exact first fit in Python.
+- ``now``: :func:`cembed.data.batching.full_table.build_batches`;
+- ``row by row``: :func:`cembed.data.batching.full_table.build_batches_row_by_row`, the exact first fit in Python.
 
 Then the time of one epoch over 1M synthetic rows at batch 65536 (the data of
 ``scripts/bench_throughput.py``'s sampler section), before and now.
@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cembed.data.sampler import build_batches, build_batches_row_by_row, hash_texts
+from cembed.data.batching.full_table import build_batches, build_batches_row_by_row
+from cembed.data.identity import hash_texts
 
 COCO = Path(__file__).resolve().parents[1].parent / "shared/data/coco_captions/caption_pairs_val2017.jsonl.gz"
 

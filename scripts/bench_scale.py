@@ -15,10 +15,10 @@ model load         the ``load_model`` call inside ``build_components`` (a consta
 tokenize           :func:`cembed.train.recipe.build_components` (prompts, cembed's pre-tokenization
                    ``tokenize_stage`` with a cold cache, its equivalence check, the loss) minus the
                    model load above and the cache write below
-cache write        the ``Dataset.save_to_disk`` call inside :func:`cembed.data.tokenize.pretokenize`
+cache write        the ``Dataset.save_to_disk`` call inside :func:`cembed.data.tokens.tokenize.pretokenize`
                    (timed by wrapping that method in this process; no change to cembed)
 sampler build      :func:`cembed.train.recipe.build_trainer`: the trainer, its data loader and the
-                   :class:`~cembed.data.sampler.NoDuplicatesSampler` training uses (row hashes and the
+                   :class:`~cembed.data.batching.full_table.NoDuplicatesSampler` training uses (row hashes and the
                    first epoch's batches, since the recipe reads ``len`` of it)
 epoch batches      ``set_epoch(1)`` on that sampler and iterating every batch's indices (a new epoch's
                    batches are built on the first ``iter``)

@@ -108,8 +108,8 @@ def prepare_paths(model, data: dict[str, list[str]], cache: Path):
     from datasets import Dataset
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.data.collator import collator_for
-    from cembed.data.tokenize import pretokenize
+    from cembed.data.tokens.collator import collator_for
+    from cembed.data.tokens.tokenize import pretokenize
 
     ds = Dataset.from_dict(data)
     started = time.perf_counter()
@@ -268,7 +268,7 @@ def timed(fetch, collate, idx) -> tuple[float, float, dict]:
 
 
 def section_produce(args, cache: Path) -> None:
-    from cembed.data.collator import TokenIdRows
+    from cembed.data.tokens.collator import TokenIdRows
 
     model = load_minilm()
     sizes = [int(s) for s in args.produce_batches.split(",")]
@@ -329,9 +329,9 @@ def section_datawait(args, cache: Path, tmp: Path) -> None:
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
     from transformers.trainer_callback import PrinterCallback
 
-    from cembed.data.collator import collator_for
-    from cembed.data.sampler import NoDuplicatesSampler
-    from cembed.data.tokenize import pretokenize
+    from cembed.data.batching.full_table import NoDuplicatesSampler
+    from cembed.data.tokens.collator import collator_for
+    from cembed.data.tokens.tokenize import pretokenize
     from cembed.losses.counts import TokenCounts
     from cembed.losses.mnrl import LengthSortedCachedMNRL
     from cembed.plan.resolve import resolve_workers
@@ -400,7 +400,7 @@ def section_sampler(args) -> None:
     from datasets import Dataset
     from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
 
-    from cembed.data.sampler import NoDuplicatesSampler
+    from cembed.data.batching.full_table import NoDuplicatesSampler
 
     n, bs = args.sampler_rows, args.sampler_batch
     rng = np.random.default_rng(4)

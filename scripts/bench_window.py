@@ -4,9 +4,9 @@
 On the same rows, three ways to form batches of ``B`` rows:
 
 - **plain**: consecutive rows of the stream, no rule (what a streaming loader gives by itself);
-- **window W**: :class:`cembed.data.streaming.WindowedBatcher` over the stream, for W = 0, 1, 2, 4, 8
+- **window W**: :class:`cembed.data.batching.windowed.WindowedBatcher` over the stream, for W = 0, 1, 2, 4, 8
   (W = 0: a refused row is dropped at once);
-- **full table**: :class:`cembed.data.sampler.NoDuplicatesSampler` over the whole table (epoch 0).
+- **full table**: :class:`cembed.data.batching.full_table.NoDuplicatesSampler` over the whole table (epoch 0).
 
 For each: the shared-text pairs per batch (for each text, the pairs of rows of one batch holding it,
 across all columns; a false in-batch negative each), the share of batches with at least one, the rows
@@ -14,7 +14,7 @@ the window dropped, the rows unused in the epoch (dropped, and the end's rows un
 and the batcher's speed in rows per CPU second (the window: the batcher alone, hashes given; the full
 table: building the epoch's batches, hashes given).
 
-Texts are hashed as raw text (:func:`cembed.data.sampler.hash_texts`), for speed: the same equality as
+Texts are hashed as raw text (:func:`cembed.data.identity.hash_texts`), for speed: the same equality as
 token ids up to what the tokenizer normalizes (an uncased tokenizer also merges texts that differ only
 in case or spacing, so a token-id run finds a few more duplicates). ``drop_last`` everywhere.
 
@@ -89,7 +89,7 @@ def plain_batches(n: int, batch_size: int) -> list[np.ndarray]:
 
 def windowed(hashes: np.ndarray, batch_size: int, window: int):
     """The windowed batches of ``hashes`` read in stream order: ``(batches, counts, CPU s)``."""
-    from cembed.data.streaming import WindowedBatcher
+    from cembed.data.batching.windowed import WindowedBatcher
 
     batcher = WindowedBatcher(batch_size, window, drop_last=True)
     batches = []
@@ -104,7 +104,7 @@ def full_table(columns: dict[str, list[str]], batch_size: int, seed: int):
     """NoDuplicatesSampler over the table: ``(hashes, batches, unplaced, CPU s of the epoch build)``."""
     import datasets
 
-    from cembed.data.sampler import NoDuplicatesSampler
+    from cembed.data.batching.full_table import NoDuplicatesSampler
 
     sampler = NoDuplicatesSampler(
         datasets.Dataset.from_dict(columns), batch_size, drop_last=True, seed=seed, world_size=1
@@ -116,7 +116,7 @@ def full_table(columns: dict[str, list[str]], batch_size: int, seed: int):
 
 def measure(name: str, columns: dict[str, list[str]], sizes: list[int], seed: int, shuffled: bool) -> list[dict]:
     """All methods on one data set at each batch size, as table rows."""
-    from cembed.data.sampler import hash_texts
+    from cembed.data.identity import hash_texts
 
     n = len(next(iter(columns.values())))
     hashes = np.stack([hash_texts(texts) for texts in columns.values()], axis=1)

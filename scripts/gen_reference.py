@@ -153,9 +153,9 @@ def sections() -> list[tuple[str, str, type]]:
     """Every table of the reference in page order: ``(title, dotted prefix, class)``. A section class is
     documented once, at its first place (``data.columns``' ColumnMap, not again under each source
     kind); each registered source kind and loss gets its own table."""
-    from cembed.config.data import SOURCE_CONFIGS, SourceConfig
     from cembed.config.loss import LOSS_CONFIGS, LossConfig
     from cembed.config.schema import CembedConfig
+    from cembed.config.sources import SOURCE_CONFIGS, SourceConfig
 
     out: list[tuple[str, str, type]] = []
     seen: set[type] = set()
@@ -198,9 +198,9 @@ def config_reference() -> str:
 def config_fields() -> set[tuple[str, str]]:
     """Every ``(class name, field name)`` of the schema: the config's sections, the classes they hold,
     every registered source kind and loss, found by walking the pydantic models (not the page)."""
-    from cembed.config.data import SOURCE_CONFIGS, SourceConfig
     from cembed.config.loss import LOSS_CONFIGS, LossConfig
     from cembed.config.schema import CembedConfig
+    from cembed.config.sources import SOURCE_CONFIGS, SourceConfig
 
     found: set[tuple[str, str]] = set()
     todo = [*(m for f in CembedConfig.model_fields.values() for m in _models_in(f.annotation))]

@@ -40,8 +40,8 @@ PUBLISHED_NDCG10 = 0.64508  # MTEB results, sentence-transformers__all-MiniLM-L6
 def scifact_train_pairs(scifact: Path) -> list[dict]:
     """(claim, abstract) rows from qrels/train.tsv in file order, only qrels score > 0: cembed's BEIR
     training source (``data.train: {beir: <folder>, split: train}``)."""
-    from cembed.config.data import BeirSource
-    from cembed.data.sources import load_source
+    from cembed.config.sources import BeirSource
+    from cembed.data.sources.registry import load_source
 
     return load_source(BeirSource(path=str(scifact), split="train")).to_list()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from cembed.data.prepared import SAMPLE_ROWS, PreparedManifest, PreparedPart, write_manifest
+from cembed.data.tokens.format import SAMPLE_ROWS, PreparedManifest, PreparedPart, write_manifest
 from cembed.model.fingerprint import tokenizer_fingerprint
 
 

@@ -21,7 +21,7 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
 def module_name(path: Path) -> str:
-    """``cembed/data/sampler.py`` -> ``cembed.data.sampler`` (a package's ``__init__`` -> the package)."""
+    """``cembed/data/batching/full_table.py`` -> ``cembed.data.batching.full_table`` (a package's ``__init__`` -> the package)."""
     parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -76,7 +76,7 @@ def test_find_cycles_sees_a_cycle():
 
 def test_cembed_modules_have_no_import_cycle():
     graph = import_graph()
-    assert "cembed.data.sampler" in graph  # the walk sees the subpackages
+    assert "cembed.data.batching.full_table" in graph  # the walk sees the subpackages
     # a package face importing its own modules is not a cycle (losses/__init__ registers the built-ins)
     graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
     assert find_cycles(graph) == []
@@ -104,8 +104,10 @@ def test_no_private_name_crosses_a_module():
 def test_private_import_check_sees_one(tmp_path):
     planted = tmp_path / "x.py"
     (tmp_path / "helpers.py").write_text("_shared = 1\n")
-    planted.write_text("from cembed.data.sampler import _fits\nfrom helpers import _shared\nfrom torch import _C\n")
-    assert private_imports(planted) == ["cembed.data.sampler._fits", "helpers._shared"]
+    planted.write_text(
+        "from cembed.data.batching.full_table import _fits\nfrom helpers import _shared\nfrom torch import _C\n"
+    )
+    assert private_imports(planted) == ["cembed.data.batching.full_table._fits", "helpers._shared"]
 
 
 def test_package_faces_hold_only_a_docstring():

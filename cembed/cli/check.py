@@ -79,8 +79,8 @@ def validate_cmd(
     cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
     from transformers.utils import logging as transformers_logging
 
-    from cembed.data.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
-    from cembed.data.prepare import model_truncation_report
+    from cembed.data.batching.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
+    from cembed.data.truncation import model_truncation_report
     from cembed.model.load import load_model, quiet_libraries
     from cembed.train.recipe import check_run_inputs
 
@@ -97,7 +97,7 @@ def validate_cmd(
     )
     streamed = getattr(data, "streamed", None) is not None
     if streamed and not isinstance(truncation, Exception) and truncation.prompts is not None:
-        from cembed.data.streaming import check_stream_prompts
+        from cembed.data.batching.stream import check_stream_prompts
 
         check_stream_prompts(truncation.prompts, data.columns, data.sources[0].key)  # what train refuses
     hashes = None
@@ -132,7 +132,7 @@ def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto", precision=None)
     it, as train would refuse the model; ``probe-minibatch`` skips the report). A model cembed refuses
     (ModelRefused: remote code without the option, a kind it cannot train) fails the command.
     ``precision``: the run's resolved precision (the dtypes' autocast)."""
-    from cembed.data.prepare import model_truncation_report
+    from cembed.data.truncation import model_truncation_report
     from cembed.errors import ModelRefused
 
     try:
@@ -146,12 +146,12 @@ def _truncation(model_cfg, data, prompts_cfg=None, unpad="auto", precision=None)
 def inspect_data_cmd(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """Report duplicates in the training data and how the no-duplicates sampler will batch it."""
     cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
-    from cembed.data.placement import inspect_data
-    from cembed.data.prepare import prepare_data
+    from cembed.data.inspect import inspect_data
+    from cembed.data.load import load_training_data
     from cembed.plan.resolve import resolve_plan
 
     plan = resolve_plan(cfg)
-    data = prepare_data(cfg.data)
+    data = load_training_data(cfg.data)
     batch, drop_last = plan.per_device_train_batch_size * plan.world_size, cfg.batch.drop_last or plan.world_size > 1
     print_data_report(console, inspect_data(data, batch, drop_last, cfg.train.seed, cfg.model, cfg.data))
 
@@ -201,10 +201,10 @@ def probe_minibatch_cmd(
     n_columns = cfg.data.max_columns() if cfg else 2  # the widest source: the worst case of a step
     budget = parse_bytes(max_memory) if max_memory else None
     if cfg is not None:
-        from cembed.data.prepare import prepare_data
+        from cembed.data.load import load_training_data
 
         truncation = _truncation(
-            model_cfg, prepare_data(cfg.data), cfg.data.prompts, cfg.batch.unpad, resolved.precision
+            model_cfg, load_training_data(cfg.data), cfg.data.prompts, cfg.batch.unpad, resolved.precision
         )
         print_truncation(console, truncation)
     console.print(
@@ -288,8 +288,8 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
 
     Args:
         cfg: the loaded config; plan: its :class:`cembed.plan.resolve.Plan`.
-        data: a :class:`cembed.data.prepare.PreparedData`, or ``UnloadedData`` (hub offline).
-        truncation: a :class:`cembed.data.prepare.ModelTruncation`, or the UserError that kept the
+        data: a :class:`cembed.data.rows.TrainingData`, or ``UnloadedData`` (hub offline).
+        truncation: a :class:`cembed.data.truncation.ModelTruncation`, or the UserError that kept the
             model from loading (then ``model.load_error`` holds it and the model's facts are None).
         warnings: the findings beside the plan's own warnings (data, unplaceable rows).
 
@@ -301,7 +301,7 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
         ``train.max_steps``, else epochs x ``ceil(batches / accumulation)``; None when the rows are
         unknown (unloaded hub data).
     """
-    from cembed.data.mixture import SourceMix
+    from cembed.data.batching.mixture import SourceMix
 
     loaded = hasattr(data, "dataset")
     model_ok = not isinstance(truncation, Exception)
@@ -517,7 +517,7 @@ def print_first_row(console: Console, data) -> None:
 
 
 def print_data_report(console: Console, reports) -> None:
-    """The ``cembed inspect-data`` tables (one :class:`cembed.data.placement.DataReport` per training
+    """The ``cembed inspect-data`` tables (one :class:`cembed.data.inspect.DataReport` per training
     source) and, below each, the rows that cannot be placed."""
     for report in reports if isinstance(reports, list) else [reports]:
         _print_one_data_report(console, report)
@@ -542,7 +542,7 @@ def _print_one_data_report(console: Console, report) -> None:
 
 
 def truncation_table(max_seq_length: int, report: list) -> Table:
-    """A table of :func:`cembed.data.prepare.truncation_report` (``ColumnTruncation`` rows)."""
+    """A table of :func:`cembed.data.truncation.truncation_report` (``ColumnTruncation`` rows)."""
     rows = report[0].rows if report else 0
     table = Table(
         "column",
@@ -559,7 +559,7 @@ def truncation_table(max_seq_length: int, report: list) -> Table:
 
 def print_truncation(console: Console, truncation) -> None:
     """The weights' dtypes and the truncation table, or why it was skipped (``truncation`` is a
-    :class:`cembed.data.prepare.ModelTruncation` or the :class:`~cembed.errors.UserError` that kept the model
+    :class:`cembed.data.truncation.ModelTruncation` or the :class:`~cembed.errors.UserError` that kept the model
     from loading)."""
     if isinstance(truncation, Exception):
         console.print(f"[yellow]truncation report skipped:[/] {truncation}", highlight=False)

@@ -69,8 +69,8 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     from transformers.utils import logging as transformers_logging
 
     from cembed.cli.check import validation_report
-    from cembed.data.collator import TOKEN_SUFFIX
-    from cembed.data.tokenize import tokenize_stage
+    from cembed.data.identity import TOKEN_SUFFIX
+    from cembed.data.tokens.tokenize import tokenize_stage
     from cembed.model.load import load_model, weight_dtypes
     from cembed.train import estimate as est
     from cembed.train.flops import encoder_shape

@@ -1,5 +1,5 @@
 """``cembed prepare-data``: tokenize a config's training source once into a prepared source (a folder of
-token-id Arrow files and a manifest, :mod:`cembed.data.prepared`) that every run and node memory-maps
+token-id Arrow files and a manifest, :mod:`cembed.data.tokens.format`) that every run and node memory-maps
 (``data.train: {kind: prepared, path: DIR}``). Registered by :mod:`cembed.cli.app`.
 """
 
@@ -33,7 +33,8 @@ def prepare_data_cmd(
     overwrite: bool = flag(False, "--overwrite/--no-overwrite", help="Replace what --output holds (one node only)."),
 ) -> None:
     """Tokenize a config's training source once into a prepared source (token ids, no text) to train from."""
-    from cembed.data.prepared_writer import parse_part, prepare_source
+    from cembed.data.prepare_folder import prepare_folder
+    from cembed.data.tokens.writer import parse_part
 
     cfg = load(config, overrides)
     k_n = parse_part(part)
@@ -45,7 +46,7 @@ def prepare_data_cmd(
 
     bar = TokenizeBar(console) if console.is_terminal else None
     try:
-        result = prepare_source(cfg, output, k_n, overwrite, bar.update if bar is not None else None)
+        result = prepare_folder(cfg, output, k_n, overwrite, bar.update if bar is not None else None)
     finally:
         if bar is not None:
             bar.stop()
@@ -61,7 +62,7 @@ def _mb(n: int) -> str:
 
 
 def print_prepare_result(console: Console, r) -> None:
-    """``cembed prepare-data``'s result (:class:`cembed.data.prepared_writer.PrepareResult`)."""
+    """``cembed prepare-data``'s result (:class:`cembed.data.tokens.writer.PrepareResult`)."""
     rate = f"{r.rows / r.seconds:,.0f} rows/s" if r.seconds > 0 else "-"
     who = f"part {r.part}/{r.of}: " if r.of > 1 else ""
     console.print(

@@ -87,7 +87,7 @@ def train_cmd(
     except UserError as err:
         record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
         raise
-    from cembed.data.placement import unplaceable_warnings
+    from cembed.data.batching.placement import unplaceable_warnings
     from cembed.distributed.group import dist_info, is_worker, leave_process_group
     from cembed.train.recipe import check_run_inputs, run_training
 

@@ -17,9 +17,9 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cembed.config.data import SourceConfig, source_config_class_of
 from cembed.config.loss import DEFAULT_LOSS, LOSS_CONFIGS, LossConfig
 from cembed.config.schema import CembedConfig
+from cembed.config.sources import SourceConfig, source_config_class_of
 from cembed.errors import UserError
 from cembed.files import display_path
 from cembed.samples import resolve_sample

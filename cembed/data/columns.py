@@ -17,7 +17,8 @@ import re
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cembed.config.data import SOURCE_CONFIGS, ColumnMap
+from cembed.config.columns import ColumnMap
+from cembed.config.sources import SOURCE_CONFIGS
 from cembed.errors import UserError
 
 # Column names that hold hard negatives by the usual conventions (sentence-transformers' datasets,
@@ -40,7 +41,7 @@ def unmapped_column_notes(names: list[str], columns: ColumnMap, key: str, label:
             the mapping to add: ``data.columns`` for ``data.train``, else ``<key>.columns``.
         label: how messages name the source (its path).
         kind: the source kind; the columns its loader adds itself (the kind's
-            :attr:`~cembed.config.data.SourceConfig.generated_columns`) are not listed.
+            :attr:`~cembed.config.sources.SourceConfig.generated_columns`) are not listed.
 
     Returns:
         Up to two lines: one naming the columns that look like negatives and the mapping that trains

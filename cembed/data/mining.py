@@ -122,9 +122,9 @@ class MiningReport:
 
 
 def _load_pairs(data: str, anchor: str, positive: str, group: str | None, max_samples: int | None):
-    from cembed.config.data import FileSource
-    from cembed.data.prepare import check_cells
-    from cembed.data.sources import load_source, row_locator
+    from cembed.config.sources import FileSource
+    from cembed.data.load import check_cells
+    from cembed.data.sources.registry import load_source, row_locator
     from cembed.samples import resolve_sample
 
     source = FileSource(path=str(resolve_sample(data) or data))

@@ -1,6 +1,6 @@
 """``cembed init``: a commented starter config for a model and a data file.
 
-:func:`make_starter` reads the file with cembed's own loader (:mod:`cembed.data.sources`), proposes which
+:func:`make_starter` reads the file with cembed's own loader (:mod:`cembed.data.sources.registry`), proposes which
 columns hold the anchor, the positive and hard negatives (by common column names), measures how the
 no-duplicates sampler can batch the rows and suggests a ``per_device_train_batch_size`` it fills leaving
 under 5 % of the rows unused (:func:`propose_batch_size`: the sampler's own placement of epoch 0, texts
@@ -17,12 +17,15 @@ from pathlib import Path
 
 import numpy as np
 
-from cembed.config.data import ColumnMap, FileSource
+from cembed.config.columns import ColumnMap
 from cembed.config.schema import ModelConfig
-from cembed.data.placement import inspect_batches, sampler_hashes
-from cembed.data.prepare import PreparedData, check_cells, map_columns
-from cembed.data.sampler import build_batches
-from cembed.data.sources import load_file
+from cembed.config.sources import FileSource
+from cembed.data.batching.full_table import build_batches
+from cembed.data.batching.placement import sampler_hashes
+from cembed.data.inspect import inspect_batches
+from cembed.data.load import check_cells, map_columns
+from cembed.data.rows import TrainingData
+from cembed.data.sources.files import load_file
 from cembed.errors import UserError
 from cembed.files import write_new_file
 
@@ -152,14 +155,14 @@ def propose_batch_size(
     """The batch size ``cembed init`` writes: the largest power of two up to
     :func:`suggest_batch_size`'s bound whose epoch 0 the no-duplicates sampler fills leaving under
     5 % (``MAX_UNUSED_SHARE``) of the rows unused, counted by the sampler's own placement
-    (:func:`cembed.data.sampler.build_batches`, ``drop_last`` as the config's default, ``seed`` =
+    (:func:`cembed.data.batching.full_table.build_batches`, ``drop_last`` as the config's default, ``seed`` =
     ``train.seed``); else the largest other size that does (up to ``MAX_SCANNED_SIZES`` tried); else
     the size leaving the fewest unused, with ``why`` saying none does.
 
     Args:
         hashes: ``(rows, columns)`` text hashes as the sampler computes them
-            (:func:`cembed.data.placement.sampler_hashes`).
-        largest_batch: a duplicate-free batch found (:func:`cembed.data.placement.inspect_batches`).
+            (:func:`cembed.data.batching.placement.sampler_hashes`).
+        largest_batch: a duplicate-free batch found (:func:`cembed.data.inspect.inspect_batches`).
 
     Raises:
         UserError: not even a batch of 2 fits (see :func:`suggest_batch_size`).
@@ -194,7 +197,7 @@ def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
     """Read ``data``, propose the role mapping and the batch size, and render the starter YAML.
 
     The batch size is :func:`propose_batch_size`'s, with texts compared as training will compare
-    them (:func:`cembed.data.placement.sampler_hashes`: ``model``'s token ids when it loads, raw text
+    them (:func:`cembed.data.batching.placement.sampler_hashes`: ``model``'s token ids when it loads, raw text
     otherwise) and ``seed`` (written as ``train.seed``).
 
     Raises:
@@ -210,7 +213,7 @@ def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
     column_map = ColumnMap(anchor=roles["anchor"], positive=roles["positive"], negatives=negatives)
     mapped = map_columns(raw, column_map, str(data))
     mapped, invalid = check_cells(mapped, str(data), {}, drop_invalid=True)
-    prepared = PreparedData(mapped, str(data), len(raw), invalid)
+    prepared = TrainingData(mapped, str(data), len(raw), invalid)
     hashes, compared = sampler_hashes(prepared, ModelConfig(name_or_path=model))
     largest = inspect_batches(hashes, batch_size=max(len(mapped), 1), drop_last=False, seed=seed)["largest_batch"]
     proposal = propose_batch_size(hashes, seed, largest)

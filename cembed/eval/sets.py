@@ -7,7 +7,7 @@
   JSONL, sentences used exactly as written.
 
 Every malformed input is a :class:`~cembed.errors.UserError` naming the file (and line). The BEIR
-file readers live in :mod:`cembed.data.beir` (training reads the same folders); the scoring itself
+file readers live in :mod:`cembed.data.sources.beir` (training reads the same folders); the scoring itself
 lives in :mod:`cembed.eval.evaluators`.
 """
 
@@ -17,7 +17,7 @@ import csv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cembed.data.beir import beir_files, load_qrels, open_text, read_corpus, read_jsonl, read_queries
+from cembed.data.sources.beir import beir_files, load_qrels, open_text, read_corpus, read_jsonl, read_queries
 from cembed.errors import UserError
 
 

@@ -1,7 +1,7 @@
 """Fingerprints of a loaded model and its tokenizer: the keys of every on-disk cache.
 
 - :func:`tokenizer_spec` is the tokenizer's definition without its per-call state;
-  :func:`tokenizer_fingerprint` hashes it (the pre-tokenized data's key, :mod:`cembed.data.tokenize`).
+  :func:`tokenizer_fingerprint` hashes it (the pre-tokenized data's key, :mod:`cembed.data.tokens.tokenize`).
 - :func:`model_fingerprint` hashes everything that decides a SentenceTransformer's embeddings (the
   corpus-embedding cache of :mod:`cembed.eval.embedding_cache` and ``mine-negatives``' cache folder,
   :mod:`cembed.data.mining`). A cache's own format version is mixed in by that cache, not here.

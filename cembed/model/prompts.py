@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cembed.config.data import PromptName, PromptsConfig, PromptText
+from cembed.config.prompts import PromptName, PromptsConfig, PromptText
 from cembed.errors import ModelRefused
 
 QUERY_NAMES = ("query",)

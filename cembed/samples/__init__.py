@@ -29,7 +29,7 @@ SAMPLES: dict[str, tuple[str, str]] = {
 
 
 # `cembed init OUT --example <name>`: ready-to-run configs shipped with the package. Each is the
-# repo's configs/<name>.yaml with output_dir relative to where it is written (tests/data/test_samples.py
+# repo's configs/<name>.yaml with output_dir relative to where it is written (tests/samples/test_samples.py
 # checks they do not drift apart).
 EXAMPLES: dict[str, str] = {"quickstart": "examples/quickstart.yaml"}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from cembed.config.schema import CembedConfig
-from cembed.data.mixture import SourceMix
-from cembed.data.sampler import NoDuplicatesSampler
+from cembed.data.batching.full_table import NoDuplicatesSampler
+from cembed.data.batching.mixture import SourceMix
 from cembed.distributed.fsdp import fsdp_args
 from cembed.errors import UserError, first_line
 from cembed.plan.precision import trainer_flags

@@ -21,8 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cembed.data.collator import PROMPT_SUFFIX, TOKEN_SUFFIX
-from cembed.data.prepared import HASH_SUFFIX
+from cembed.data.identity import HASH_SUFFIX, PROMPT_SUFFIX, TOKEN_SUFFIX
 from cembed.errors import UserError, first_line
 from cembed.files import write_atomic
 from cembed.model.load import PACKAGED_MINILM
@@ -76,7 +75,7 @@ def describe_base_model(model, name_or_path: str, revision: str | None = None) -
 
 def text_columns(column_names: list[str]) -> list[str]:
     """The user's text columns of a training dataset: without the token-id and prompt-length
-    columns and row hashes pre-tokenization adds (:mod:`cembed.data.tokenize`)."""
+    columns and row hashes pre-tokenization adds (:mod:`cembed.data.tokens.tokenize`)."""
     return [c for c in column_names if not c.endswith((TOKEN_SUFFIX, PROMPT_SUFFIX, HASH_SUFFIX))]
 
 
@@ -99,14 +98,14 @@ def describe_training_data(trainer, sources: list, data) -> None:
 
     Args:
         sources: ``cfg.data.sources()`` (:class:`cembed.config.data.TrainSource`, config order).
-        data: the :class:`cembed.data.prepare.PreparedData` the trainer's dataset was built from
+        data: the :class:`cembed.data.rows.TrainingData` the trainer's dataset was built from
             (its ``dataset`` holds the text columns; each source's rows are consecutive).
     """
     from datasets import DatasetDict
 
     card = trainer.model.model_card_data
     if getattr(data, "manifest", None) is not None:  # a prepared source holds ids: its sample texts
-        from cembed.data.prepare import prepared_samples
+        from cembed.data.rows import prepared_samples
 
         texts = prepared_samples(data.manifest)
         spans = [(data.sources[0].name, 0, len(texts))]

@@ -1,6 +1,6 @@
 """``cembed train`` as a recipe: named stages, each a function of the previous stage's output.
 
-    check_run_inputs   config -> (Plan, PreparedData)              (also all that ``validate`` checks)
+    check_run_inputs   config -> (Plan, TrainingData)              (also all that ``validate`` checks)
     prepare_output     output folder, resume point, run log        -> RunDir
     resolve_runtime    process group, device, mini_batch_size: auto -> the final Plan
     build_components   model, tokenized data, collator, loss, evaluation -> Components
@@ -26,15 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from cembed.config.schema import CembedConfig
-from cembed.data.mixture import SourceMix
-from cembed.data.prepare import (
-    PreparedData,
-    UnloadedData,
-    card_datasets,
-    prepare_checked_data,
-    training_prompts,
-)
-from cembed.data.tokenize import tokenize_stage
+from cembed.data.batchable import load_checked_data
+from cembed.data.batching.mixture import SourceMix
+from cembed.data.prompts import training_prompts
+from cembed.data.rows import TrainingData, UnloadedData, card_datasets
+from cembed.data.tokens.tokenize import tokenize_stage
 from cembed.distributed.ddp import freeze_unused_parameters
 from cembed.distributed.fsdp import gathered_model
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
@@ -171,11 +167,11 @@ def check_run_config(cfg: CembedConfig, world_size: int | None = None) -> Plan:
 
 def check_run_inputs(
     cfg: CembedConfig, world_size: int | None = None, allow_unloaded: bool = False
-) -> tuple[Plan, PreparedData | UnloadedData]:
+) -> tuple[Plan, TrainingData | UnloadedData]:
     """Resolve the plan, run the pre-flight checks (model limits, scheduler, tokenizer; see
     :mod:`cembed.train.preflight`) and load/check the training data (everything ``validate`` checks); with
     ``allow_unloaded`` (validate) a hub dataset the hub cannot serve gives UnloadedData, not an error.
-    The data's own warnings (unmapped / expanded columns) stay on the data (``PreparedData.warnings``),
+    The data's own warnings (unmapped / expanded columns) stay on the data (``TrainingData.warnings``),
     beside the plan's.
 
     Raises:
@@ -183,7 +179,7 @@ def check_run_inputs(
     """
     plan = check_run_config(cfg, world_size)
     batch = plan.per_device_train_batch_size * plan.world_size
-    data = prepare_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
+    data = load_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
         from cembed.eval.sets import load_eval_sets
         from cembed.train.evaluation import check_metric_name, training_eval_args
@@ -254,7 +250,7 @@ def prepare_output(
     return run
 
 
-def resolve_runtime(cfg: CembedConfig, plan: Plan, data: PreparedData, display: RunDisplay, max_memory: str | None):
+def resolve_runtime(cfg: CembedConfig, plan: Plan, data: TrainingData, display: RunDisplay, max_memory: str | None):
     """Join the process group and pick this rank's device, then probe ``mini_batch_size: auto``
     there (after the group exists, so every rank agrees on the minimum); ``display`` shows the probe.
 
@@ -295,7 +291,7 @@ class Components:
 
 
 def build_components(
-    cfg: CembedConfig, plan: Plan, data: PreparedData, device: str, on_line=None, tokenize_progress=None
+    cfg: CembedConfig, plan: Plan, data: TrainingData, device: str, on_line=None, tokenize_progress=None
 ) -> Components:
     """Load the model on ``device``, tokenize the data, build the loss and the evaluation.
 
@@ -362,15 +358,15 @@ def build_components(
     return Components(*parts, weights, prompts, mix, per_source, card_datasets(data), facts)
 
 
-def _stream_rows(cfg: CembedConfig, plan: Plan, data: PreparedData, model, prompts: RolePrompts):
-    """A streamed source's training rows and collator (:func:`cembed.data.streaming.training_stream`)
+def _stream_rows(cfg: CembedConfig, plan: Plan, data: TrainingData, model, prompts: RolePrompts):
+    """A streamed source's training rows and collator (:func:`cembed.data.batching.stream.training_stream`)
     for this rank: its per-device batch and the run's seed; pass after pass in one unbounded epoch
     (``train.max_steps`` ends it), so a resumed run's skipped batches land where the run was.
 
     Raises:
         UserError: the run would prompt the stream's texts, or the model takes more than token ids.
     """
-    from cembed.data.streaming import check_stream_prompts, training_stream
+    from cembed.data.batching.stream import check_stream_prompts, training_stream
 
     check_stream_prompts(prompts, data.columns, data.sources[0].key)
     info = dist_info()
@@ -469,8 +465,8 @@ def build_trainer(
 
 def _no_batch_columns(sampler, plan: Plan) -> str:
     """``": <why>"`` naming the column(s) that keep ``sampler`` (a NoDuplicatesSampler) from filling
-    one batch (:func:`cembed.data.placement.no_batch_reason` on its own hashes, first source), or ``""``."""
-    from cembed.data.placement import no_batch_reason
+    one batch (:func:`cembed.data.batching.placement.no_batch_reason` on its own hashes, first source), or ``""``."""
+    from cembed.data.batching.placement import no_batch_reason
 
     hashes, columns = getattr(sampler, "hashes", None), getattr(sampler, "columns", None)
     if hashes is None or not columns:
@@ -482,9 +478,9 @@ def _no_batch_columns(sampler, plan: Plan) -> str:
 def _smaller_batch(sampler, plan: Plan) -> str:
     """The fix of a 0-batch refusal: the largest ``batch.per_device_train_batch_size`` that ``sampler``
     (a NoDuplicatesSampler) fills a batch with in epoch 0, on its own hashes and seed, every source
-    (:func:`cembed.data.placement.smaller_batch_fix`, the size ``validate`` names)."""
-    from cembed.data.placement import largest_filled_batch, smaller_batch_fix
-    from cembed.data.sampler import SOURCE_SEED_STRIDE
+    (:func:`cembed.data.batching.placement.smaller_batch_fix`, the size ``validate`` names)."""
+    from cembed.data.batching.full_table import SOURCE_SEED_STRIDE
+    from cembed.data.batching.placement import largest_filled_batch, smaller_batch_fix
 
     hashes, sizes = getattr(sampler, "hashes", None), getattr(getattr(sampler, "sources", None), "sizes", None)
     if hashes is None or not sizes:
@@ -557,7 +553,7 @@ def write_summary(
     run_dir: RunDir,
     base: dict,
     result,
-    data: PreparedData,
+    data: TrainingData,
     evaluation=None,
     eval_before=None,
     prompts: RolePrompts | None = None,
@@ -631,7 +627,7 @@ def write_summary(
 def run_training(
     cfg: CembedConfig,
     plan: Plan,
-    data: PreparedData,
+    data: TrainingData,
     display: RunDisplay | None = None,
     resume: bool = False,
     resume_from: str | None = None,
@@ -651,7 +647,7 @@ def run_training(
         max_memory: memory budget for ``batch.mini_batch_size: auto`` (e.g. ``8GiB``).
         trainer_cls: the trainer class (tests pass a subclass of :class:`CembedTrainer`).
         warnings: the caller's findings before training (the CLI's rows the sampler cannot place,
-            :func:`cembed.data.placement.unplaceable_warnings`), printed and recorded with the plan's
+            :func:`cembed.data.batching.placement.unplaceable_warnings`), printed and recorded with the plan's
             warnings, the data's and the changes a resume applies.
 
     Returns:

@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from cembed.data.sampler import NoDuplicatesSampler
+from cembed.data.batching.full_table import NoDuplicatesSampler
 from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
 from cembed.files import append_log, write_atomic, write_json_atomic
 from cembed.train.checkpoint import latest_complete
@@ -98,7 +98,7 @@ def _sampler(trainer):
 
 
 def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
-    """Per training source (a :class:`cembed.data.prepare.PreparedData`'s): name, path, rows read,
+    """Per training source (a :class:`cembed.data.rows.TrainingData`'s): name, path, rows read,
     dropped and kept, its file count (``files``: a sharded file source's files; for a prepared source
     the files its preparation read, None if unknown; 1 for one file or a source of another kind), global batches in the first epoch; with ``steps``, also the global batches
     (``batches_trained``; optimizer steps when gradient_accumulation_steps is 1) and rows the first
@@ -133,7 +133,7 @@ def _files(src) -> int | None:
 def stream_summary(trainer) -> dict:
     """A streamed source's entry (``data.train.streaming``): its window and shuffle buffer, the pass
     (epoch) being read and the window rule's counts
-    (:class:`cembed.data.streaming.WindowCounts`: rows read, placed, dropped, deferred, left at the end,
+    (:class:`cembed.data.batching.windowed.WindowCounts`: rows read, placed, dropped, deferred, left at the end,
     buffered) of this process's share of the stream in that pass, as far as training read it, and the
     earlier passes' (``earlier_passes``, whole passes, oldest first). The counts are None when a
     data-loader worker reads the stream (they live in that process)."""

@@ -37,8 +37,8 @@ from sentence_transformers import SentenceTransformerTrainer
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 
-from cembed.data.collator import PaddingCollator, SourceNamedRows, TextCollator, TokenIdRows
-from cembed.data.streaming import StreamingRows
+from cembed.data.batching.stream import StreamingRows
+from cembed.data.tokens.collator import PaddingCollator, SourceNamedRows, TextCollator, TokenIdRows
 from cembed.distributed.collectives import gather_over_ranks, max_over_ranks, require_same_on_all_ranks
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
 from cembed.distributed.group import main_first
@@ -69,9 +69,9 @@ class CembedTrainer(SentenceTransformerTrainer):
         data_facts: more facts every rank must share (:meth:`collective_facts`), e.g. a prepared
             source's fingerprint (``{"prepared": ...}``): ranks that read different data are refused.
 
-    Without pre-tokenization the collator is :class:`~cembed.data.collator.TextCollator` (a batch
+    Without pre-tokenization the collator is :class:`~cembed.data.tokens.collator.TextCollator` (a batch
     carries only its source's columns); with per-source prompts (``args.prompts`` keyed by source
-    name) the training rows carry their source's name (:class:`~cembed.data.collator.SourceNamedRows`,
+    name) the training rows carry their source's name (:class:`~cembed.data.tokens.collator.SourceNamedRows`,
     from :attr:`source_rows`: ``(names, sizes)``, set before the data loader is built).
     """
 
@@ -190,7 +190,7 @@ class CembedTrainer(SentenceTransformerTrainer):
 
     @property
     def streaming(self) -> bool:
-        """Whether the training rows come from a stream (:class:`~cembed.data.streaming.StreamingRows`)."""
+        """Whether the training rows come from a stream (:class:`~cembed.data.batching.stream.StreamingRows`)."""
         return isinstance(self.train_dataset, StreamingRows)
 
     def get_train_dataloader(self):
@@ -377,7 +377,7 @@ class CembedTrainer(SentenceTransformerTrainer):
 
 
 class StreamingLoader(DataLoader):
-    """The training ``DataLoader`` of a stream (:class:`~cembed.data.streaming.StreamingRows`, no
+    """The training ``DataLoader`` of a stream (:class:`~cembed.data.batching.stream.StreamingRows`, no
     sampler): ``batch_size`` rows per batch, exactly the windowed batches. :meth:`set_epoch`, which the
     trainer calls before each pass, reaches the stream (a new shuffle where it shuffles)."""
 

@@ -446,14 +446,14 @@ def stage_train(ctx: dict, work: Path) -> dict:
     no-duplicates sampler is off since 50k pairs cannot fill a duplicate-free batch of 65536)."""
     from datasets import Dataset
 
-    from cembed.data.prepare import PreparedData
+    from cembed.data.rows import TrainingData
     from cembed.plan.resolve import resolve_plan
     from cembed.train.recipe import run_training
 
     b, steps = ctx["batch"], ctx["steps"]
     mini = _mini_batch(ctx)
     rows = coco_rows(ctx, b * steps)
-    data = PreparedData(Dataset.from_dict(rows), source="coco", rows_read=b * steps, roles={c: c for c in rows})
+    data = TrainingData(Dataset.from_dict(rows), source="coco", rows_read=b * steps, roles={c: c for c in rows})
     cfg = _coco_run_config(ctx, work, "coco.jsonl", mini, steps)
     plan = resolve_plan(cfg)
     summary = run_training(cfg, plan, data, run_display())
@@ -612,8 +612,8 @@ def stage_stock(ctx: dict, work: Path) -> dict:
 
     from cembed.config.loss import loss_config
     from cembed.config.schema import ModelConfig
-    from cembed.data.collator import collator_for
-    from cembed.data.tokenize import pretokenize
+    from cembed.data.tokens.collator import collator_for
+    from cembed.data.tokens.tokenize import pretokenize
     from cembed.losses.registry import build_loss
     from cembed.model.load import load_model
     from cembed.plan.precision import autocast_dtype, enable_tf32, resolve_precision

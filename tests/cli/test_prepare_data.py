@@ -14,7 +14,7 @@ from conftest import REPO
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
-from cembed.data.prepared import MANIFEST, read_manifest
+from cembed.data.tokens.format import MANIFEST, read_manifest
 
 ROWS = 5000  # three map batches of 2048 rows: the kill lands after two were written
 
@@ -87,7 +87,7 @@ def test_several_sources_are_refused_naming_data_train(tiny_model_dir, write_con
 KILL_WHILE_TOKENIZING = textwrap.dedent(
     """
     import os, signal, sys
-    import cembed.data.tokenize as T
+    import cembed.data.tokens.tokenize as T
 
     real, done = T._tokenize_batch, [0]
 

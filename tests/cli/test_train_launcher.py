@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 
 def test_launcher_checks_the_config_but_loads_no_data(write_config, pairs_file, tiny_model_dir, monkeypatch):
-    import cembed.data.prepare
+    import cembed.data.batchable
     import cembed.distributed.launch
     import cembed.train.recipe
     from cembed.cli.app import app
@@ -20,8 +20,8 @@ def test_launcher_checks_the_config_but_loads_no_data(write_config, pairs_file, 
         raise AssertionError("the launcher loaded the training data")
 
     monkeypatch.setattr(cembed.distributed.launch, "launch", lambda args, *rest, **kw: launched.append(args))
-    monkeypatch.setattr(cembed.data.prepare, "prepare_checked_data", no_load)
-    monkeypatch.setattr(cembed.train.recipe, "prepare_checked_data", no_load)
+    monkeypatch.setattr(cembed.data.batchable, "load_checked_data", no_load)
+    monkeypatch.setattr(cembed.train.recipe, "load_checked_data", no_load)
     rows = distinct_pairs(40)
     rows[5]["positive"] = "   "  # a bad cell: the workers refuse it, not the launcher
     cfg = write_config(

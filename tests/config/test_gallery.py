@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from cembed.cli.app import app
 from cembed.config.file import config_from_dict
-from cembed.data.prepare import UnloadedData
+from cembed.data.rows import UnloadedData
 from cembed.errors import HubUnavailable
 from cembed.train.recipe import check_run_inputs
 
@@ -151,8 +151,8 @@ def test_unreachable_hub_reason_names_the_library_message(tmp_path, tiny_model_d
 
 
 def test_recipes_name_their_public_dataset_in_the_header():
-    from cembed.config.data import HubSource
     from cembed.config.file import load_config
+    from cembed.config.sources import HubSource
 
     for name in RECIPES:
         path = REPO / "configs" / name

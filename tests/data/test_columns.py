@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from datasets import Dataset
 
-from cembed.config.data import ColumnMap
+from cembed.config.columns import ColumnMap
 from cembed.data.columns import NEGATIVE_NAME, expand_list_columns, mapped_columns, unmapped_column_notes
 from cembed.errors import UserError
 

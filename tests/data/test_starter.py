@@ -112,12 +112,12 @@ def test_init_counts_rows_with_empty_cells(tmp_path, pairs_file):
 def _starter_unused(starter, model_dir):
     """Rows the training sampler leaves unused at the starter's batch, as validate counts them."""
     from cembed.cli.common import load
-    from cembed.data.placement import sampler_hashes
-    from cembed.data.prepare import prepare_data
-    from cembed.data.sampler import build_batches
+    from cembed.data.batching.full_table import build_batches
+    from cembed.data.batching.placement import sampler_hashes
+    from cembed.data.load import load_training_data
 
     cfg = load(starter.out, [])
-    data = prepare_data(cfg.data)
+    data = load_training_data(cfg.data)
     hashes, compared = sampler_hashes(data, cfg.model, cfg.data)
     assert compared.startswith("token ids")
     return build_batches(hashes, cfg.batch.per_device_train_batch_size, cfg.batch.drop_last, cfg.train.seed)[1]

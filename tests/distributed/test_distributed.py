@@ -295,7 +295,7 @@ def test_sampler_shards_global_batches_through_accelerate(pairs_file):
     from accelerate.data_loader import BatchSamplerShard
     from datasets import Dataset
 
-    from cembed.data.sampler import NoDuplicatesSampler
+    from cembed.data.batching.full_table import NoDuplicatesSampler
 
     rows = _duplicate_heavy_rows(90)
     ds = Dataset.from_list(rows)

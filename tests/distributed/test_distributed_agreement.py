@@ -101,7 +101,7 @@ def _slow_rank0_case(rank: int, tmp: Path, model_dir: Path) -> dict:
 
     import torch.distributed as dist
 
-    import cembed.data.tokenize as P
+    import cembed.data.tokens.tokenize as P
     from cembed.train.evaluation import TrainingEvaluation
 
     sts = tmp / "sts.tsv"

@@ -24,7 +24,8 @@ def test_samples_seen_counts_the_rows_trained(tiny_model_dir, write_config, pair
     # was steps x 8 (more rows than exist); it is the rows the steps trained on: all 42, once.
     import numpy as np
 
-    from cembed.data.sampler import build_batches, row_hashes
+    from cembed.data.batching.full_table import build_batches
+    from cembed.data.identity import row_hashes
 
     rows = [{"anchor": f"t{i}", "positive": f"t{i + 1}"} for i in range(42)]
     data = pairs_file(rows)

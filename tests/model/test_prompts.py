@@ -12,7 +12,7 @@ import torch
 from conftest import COCO_HELDOUT, COCO_PAIRS, make_tiny_model
 from sentence_transformers import SentenceTransformer
 
-from cembed.config.data import PromptsConfig
+from cembed.config.prompts import PromptsConfig
 from cembed.errors import ModelRefused
 from cembed.model.prompts import prompt_lengths, resolve_prompts
 
@@ -120,8 +120,8 @@ def test_pretokenized_path_equals_sentence_transformers_collator(prompted_model_
     import datasets
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.data.collator import collator_for
-    from cembed.data.tokenize import matches_model_preprocessing, pretokenize
+    from cembed.data.tokens.collator import collator_for
+    from cembed.data.tokens.tokenize import matches_model_preprocessing, pretokenize
 
     model = _model(prompted_model_dir, include_prompt)
     roles = ["anchor", "positive", "negative_1"]
@@ -170,7 +170,7 @@ def test_pretokenized_path_equals_sentence_transformers_collator(prompted_model_
 def test_cache_key_includes_the_prompts(tiny_model_dir, tmp_path):
     import datasets
 
-    from cembed.data.tokenize import pretokenize
+    from cembed.data.tokens.tokenize import pretokenize
 
     model = _model(tiny_model_dir)
     ds = datasets.Dataset.from_list(ROWS)
@@ -197,8 +197,8 @@ def test_length_sorted_cached_loss_carries_prompt_length(prompted_model_dir, tmp
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    from cembed.data.collator import collator_for
-    from cembed.data.tokenize import pretokenize
+    from cembed.data.tokens.collator import collator_for
+    from cembed.data.tokens.tokenize import pretokenize
     from cembed.losses.mnrl import LengthSortedCachedMNRL
 
     roles = ["anchor", "positive", "negative_1"]
@@ -239,8 +239,8 @@ def test_sampler_compares_texts_without_their_prompts(tiny_model_dir, tmp_path):
     is one text to the no-duplicates sampler, as without prompts."""
     import datasets
 
-    from cembed.data.sampler import row_hashes
-    from cembed.data.tokenize import pretokenize
+    from cembed.data.identity import row_hashes
+    from cembed.data.tokens.tokenize import pretokenize
 
     model = _model(tiny_model_dir)
     rows = [{"anchor": "a red car", "positive": "a blue bus"}, {"anchor": "two dogs", "positive": "A red  car "}]
@@ -302,7 +302,7 @@ def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir
     assert tok["pretokenized"] is True
     assert tok["prompts"]["anchor"] == {"prompt": "query: ", "from": "model prompt 'query'"}
     assert tok["prompts"]["positive"] == {"prompt": "passage: ", "from": "model prompt 'document'"}
-    from cembed.data.tokenize import read_entry
+    from cembed.data.tokens.tokenize import read_entry
 
     stored = read_entry(tok["cache_path"])
     base = _model(prompted_model_dir)
@@ -483,10 +483,11 @@ def _two_sources(tmp_path, extra: dict | None = None, **sections):
 
 
 def test_source_prompts_fall_back_role_by_role(tiny_model_dir, tmp_path):
-    from cembed.data.prepare import prepare_data, resolve_source_prompts
+    from cembed.data.load import load_training_data
+    from cembed.data.prompts import resolve_source_prompts
 
     cfg = _two_sources(tmp_path)
-    data = prepare_data(cfg.data)
+    data = load_training_data(cfg.data)
     model = _model(tiny_model_dir)
     run = resolve_prompts(cfg.data.prompts, model)
     qa, nli = resolve_source_prompts(data, model, run)
@@ -499,11 +500,12 @@ def test_source_prompts_fall_back_role_by_role(tiny_model_dir, tmp_path):
 
 
 def test_a_source_prompt_naming_no_model_prompt_names_the_source_field(tiny_model_dir, tmp_path):
-    from cembed.data.prepare import prepare_data, resolve_source_prompts
+    from cembed.data.load import load_training_data
+    from cembed.data.prompts import resolve_source_prompts
 
     cfg = _two_sources(tmp_path)
     cfg.data.train[1].prompts.anchor = PromptsConfig.model_validate({"anchor": {"name": "nli"}}).anchor
-    data = prepare_data(cfg.data)
+    data = load_training_data(cfg.data)
     model = _model(tiny_model_dir)
     with pytest.raises(ModelRefused, match=r"data.train.nli.prompts.anchor: the model has no prompt named 'nli'"):
         resolve_source_prompts(data, model, resolve_prompts(cfg.data.prompts, model))
@@ -517,13 +519,14 @@ def test_each_source_is_tokenized_with_its_own_prompts(tiny_model_dir, tmp_path,
     the same; the sampler compares texts without their source's prompt."""
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
-    from cembed.data.collator import SourceNamedRows, TextCollator, TokenIdRows
-    from cembed.data.prepare import prepare_data, resolve_source_prompts
-    from cembed.data.sampler import row_hashes
-    from cembed.data.tokenize import tokenize_stage
+    from cembed.data.identity import row_hashes
+    from cembed.data.load import load_training_data
+    from cembed.data.prompts import resolve_source_prompts
+    from cembed.data.tokens.collator import SourceNamedRows, TextCollator, TokenIdRows
+    from cembed.data.tokens.tokenize import tokenize_stage
 
     cfg = _two_sources(tmp_path)
-    data = prepare_data(cfg.data)
+    data = load_training_data(cfg.data)
     model = _model(tiny_model_dir, include_prompt)
     run = resolve_prompts(cfg.data.prompts, model)
     per_source = resolve_source_prompts(data, model, run)
@@ -615,10 +618,11 @@ def test_with_source_prompts_the_run_wide_prompts_are_saved(tiny_model_dir, tmp_
 
 
 def test_validate_reports_each_sources_prompts_and_measures_its_rows_with_them(tiny_model_dir, tmp_path):
-    from cembed.data.prepare import model_truncation_report, prepare_data
+    from cembed.data.load import load_training_data
+    from cembed.data.truncation import model_truncation_report
 
     cfg = _two_sources(tmp_path, model={"name_or_path": str(tiny_model_dir), "device": "cpu"})
-    data = prepare_data(cfg.data)
+    data = load_training_data(cfg.data)
     report = model_truncation_report(cfg.model, data, prompts_cfg=cfg.data.prompts)
     assert report.source_prompts["nli"].anchor == "task number two: " and report.prompts.anchor == "run: "
     columns = {c.column: c for c in report.columns}

@@ -16,7 +16,7 @@ from cembed.cli.app import app
 from cembed.config.file import load_config, set_yaml_value
 from cembed.config.loss import loss_config
 from cembed.config.schema import ModelConfig
-from cembed.data.prepare import truncation_report
+from cembed.data.truncation import truncation_report
 from cembed.errors import UserError
 from cembed.files import parse_bytes
 from cembed.probe.search import search_mini_batch

@@ -66,7 +66,7 @@ def test_triplets_and_pairs_train_in_one_run_each_batch_with_its_columns(tiny_mo
     ColumnsSeen.seen = []
     summary = T.run_training(cfg, plan, data, trainer_cls=ColumnsSeen)
     assert summary["status"] == "completed" and summary["tokenization"]["pretokenized"] is pretokenize
-    from cembed.data.mixture import SourceMix
+    from cembed.data.batching.mixture import SourceMix
 
     # The epoch's schedule (proportional: 6 pair batches, 5 triplet batches), as the sampler built it.
     mix = SourceMix.from_data(data, cfg.data.sampling)

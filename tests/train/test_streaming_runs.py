@@ -1,5 +1,5 @@
 """Training from a stream (issue 24 item 4): ``data.train.streaming`` trains on the windowed
-no-duplicate batches (:mod:`cembed.data.streaming`), each rank on its own split of the stream."""
+no-duplicate batches (:mod:`cembed.data.batching.windowed`), each rank on its own split of the stream."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from conftest import KILL_AT_STEP_3, REPO
 
 import cembed.train.recipe as T
 from cembed.config.file import config_from_dict
-from cembed.data.sampler import hash_token_ids
-from cembed.data.streaming import windowed_batches
+from cembed.data.batching.windowed import windowed_batches
+from cembed.data.identity import hash_token_ids
 from cembed.train.trainer import CembedTrainer
 
 # 72 pairs; every 6th anchor repeats an earlier one and every 9th positive too, so the window rule
@@ -83,7 +83,7 @@ def _window_counts(model_dir, rows, batch_size, window):
 
     from sentence_transformers import SentenceTransformer
 
-    from cembed.data.streaming import WindowedBatcher
+    from cembed.data.batching.windowed import WindowedBatcher
 
     model = SentenceTransformer(str(model_dir), device="cpu")
     ids = [model.tokenizer([r[c] for r in rows], truncation=True)["input_ids"] for c in ("anchor", "positive")]
@@ -294,8 +294,8 @@ def test_every_pass_reshuffles_the_stream(tiny_model_dir, tmp_path):
     the trainer's set_epoch reaches the stream."""
     from sentence_transformers import SentenceTransformer
 
-    from cembed.config.data import FileSource
-    from cembed.data.streaming import StreamingSource
+    from cembed.config.sources import FileSource
+    from cembed.data.batching.stream import StreamingSource
 
     data_file = _write(tmp_path / "pairs.jsonl", ROWS)
     streaming = {"window_batches": 1, "shuffle_buffer": 1000}

@@ -18,9 +18,9 @@ from datasets import Dataset
 
 from cembed.cli.train import eval_change_rows
 from cembed.config.file import config_from_dict, load_config
-from cembed.data.mixture import SourceMix
-from cembed.data.prepare import PreparedData, SourceData
-from cembed.data.sampler import NoDuplicatesSampler
+from cembed.data.batching.full_table import NoDuplicatesSampler
+from cembed.data.batching.mixture import SourceMix
+from cembed.data.rows import LoadedSource, TrainingData
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.plan.resolve import resolve_plan
 from cembed.train.checkpoint import MARKER, latest_complete, mark_complete
@@ -37,15 +37,17 @@ from cembed.train.summary import (
 from cembed.train.trainer import CembedTrainer
 
 
-def _data(sizes=(10, 4)) -> PreparedData:
+def _data(sizes=(10, 4)) -> TrainingData:
     n = sum(sizes)
     dataset = Dataset.from_dict({"anchor": [f"q{i}" for i in range(n)], "positive": [f"p{i}" for i in range(n)]})
     sources, offset = [], 0
     for name, size in zip(("nli", "qa"), sizes):
         files = 20 if name == "nli" else None  # nli: a folder of 20 shards
-        sources.append(SourceData(name, f"{name}.jsonl", f"data.train.{name}", size + 1, 1, size, offset, files=files))
+        sources.append(
+            LoadedSource(name, f"{name}.jsonl", f"data.train.{name}", size + 1, 1, size, offset, files=files)
+        )
         offset += size
-    return PreparedData(dataset, "nli.jsonl, qa.jsonl", n + 2, 2, {"anchor": "anchor"}, sources)
+    return TrainingData(dataset, "nli.jsonl, qa.jsonl", n + 2, 2, {"anchor": "anchor"}, sources)
 
 
 def _trainer(batch_sampler, accumulation=1, step=0):
@@ -372,7 +374,7 @@ def test_a_resumed_run_reports_its_own_rate(tiny_model_dir, tmp_path):
 def test_a_prepared_source_reports_the_files_its_preparation_read():
     """``files`` of a prepared source is its manifest's ``input_files`` (2 shards prepared into 3
     parts: 2), None when the manifest does not know it (another engine wrote it)."""
-    from cembed.data.prepared import PreparedManifest, PreparedPart
+    from cembed.data.tokens.format import PreparedManifest, PreparedPart
 
     parts = [PreparedPart(f"part-{k}.arrow", 2, 10) for k in range(3)]
     for input_files, expected in ((2, 2), (None, None)):

@@ -12,8 +12,8 @@ import sentence_transformers
 from sentence_transformers.base.sampler import BatchSamplers
 
 from cembed.config.file import config_from_dict
-from cembed.data.mixture import SourceMix
-from cembed.data.sampler import NoDuplicatesSampler
+from cembed.data.batching.full_table import NoDuplicatesSampler
+from cembed.data.batching.mixture import SourceMix
 from cembed.errors import UserError
 from cembed.plan.resolve import resolve_plan
 from cembed.train.args import build_training_args

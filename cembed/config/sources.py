@@ -1,0 +1,306 @@
+"""Source kinds as configured: ``file``, ``hub``, ``beir`` and ``prepared``, and their registry.
+
+A kind is a :class:`SourceConfig` subclass registered by its ``kind`` literal
+(:func:`register_source_config`); :mod:`cembed.data.sources.registry` holds its loader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    field_validator,
+)
+
+from cembed.config.base import Strict as _Strict
+from cembed.config.base import register_by_literal, registered
+from cembed.config.columns import ColumnMap
+from cembed.config.prompts import PromptsConfig
+from cembed.samples import is_sample
+
+# Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
+LOCAL_EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".tsv", ".parquet", ".csv.gz", ".tsv.gz")
+# A file source's path holding one of these is a glob pattern (a hub id never holds them).
+GLOB_CHARACTERS = "*?["
+
+
+def is_glob(path: str) -> bool:
+    """Whether a data path is a glob pattern (``data/*.jsonl.gz``, ``shards/**/*.parquet``)."""
+    return any(c in path for c in GLOB_CHARACTERS)
+
+
+class SourceOptions(_Strict):
+    """What every training source may set for itself (with several sources, each its own)."""
+
+    name: str | None = Field(
+        None, description="how summaries and messages name the source (default: from its path; a mapping's key)"
+    )
+    columns: ColumnMap | None = Field(None, description="this source's column mapping (default: data.columns)")
+    max_samples: PositiveInt | None = Field(
+        None, description="this source's first N rows only (default: data.max_samples)"
+    )
+    prompts: PromptsConfig | None = Field(
+        None,
+        description="this source's prompts (e.g. its task instruction); a role it leaves unset takes data.prompts', "
+        "then the model's own",
+    )
+
+
+class SourceConfig(SourceOptions):
+    """A kind of training source: the base every source config extends. A kind answers its own
+    questions, so a new kind is one subclass here (registered with :func:`register_source_config`)
+    plus one loader (``cembed.data.sources.registry.register_source_loader``), nothing else.
+
+    A subclass declares ``kind: Literal["<kind>"] = "<kind>"``, its own fields, and answers:
+
+    * :attr:`label`: how messages and the run summary name the source;
+    * :meth:`default_name`: the source's name when it sets none;
+    * :attr:`path_fields`: the fields that hold local paths, resolved against the config file's
+      folder (``cembed:<name>`` -> the packaged data) by ``cembed.config.file.resolve_paths``;
+    * :attr:`generated_columns`: the columns its loader adds itself (not the user's data, so not
+      reported as unmapped);
+    * :attr:`shorthand` / :attr:`shorthand_hint`, optionally: a YAML key that names the kind and
+      holds its path (``{beir: folder}`` -> ``{kind: beir, path: folder}``).
+    """
+
+    kind: str = Field(description="source kind")
+
+    path_fields: ClassVar[tuple[str, ...]] = ()
+    generated_columns: ClassVar[frozenset[str]] = frozenset()
+    shorthand: ClassVar[str | None] = None
+    shorthand_hint: ClassVar[str] = ""  # the shorthand's form, for the message when it is mixed up
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source."""
+        raise NotImplementedError(f"{type(self).__name__} must define label")
+
+    def default_name(self) -> str:
+        """The source's name when it sets none (from its fields as written, before paths are resolved)."""
+        raise NotImplementedError(f"{type(self).__name__} must define default_name")
+
+
+def _strip_extension(name: str) -> str:
+    for ext in sorted(LOCAL_EXTENSIONS, key=len, reverse=True):
+        if name.lower().endswith(ext):
+            return name[: -len(ext)]
+    return name
+
+
+class StreamingOptions(_Strict):
+    """A file source read as a stream (datasets' streaming loader, each rank its own part), for corpora
+    past what a node can memory-map: tokenized and batched as it is read, a batch never holding two rows
+    that share a text, over a window of batches (see docs/multi-gpu.md); rows are not counted nor
+    cached. Needs `train.max_steps`; refuses prompts, several sources, `data.drop_invalid_rows`,
+    `sampler.no_duplicates: false` and more than 1 data-loader worker. The run reads pass after pass
+    (each reshuffled) until `train.max_steps`; `--resume` re-reads the stream up to where it stopped."""
+
+    window_batches: NonNegativeInt = Field(
+        4,
+        description="a row refused for sharing a text with its batch may join the next W batches, else it is "
+        "dropped (counted in run_summary.json); 0: dropped at once",
+    )
+    shuffle_buffer: NonNegativeInt = Field(
+        0,
+        description="rows of datasets' shuffle buffer (shards shuffled too), reseeded every pass; 0: file order, "
+        "no shuffle (a sorted file then drops many rows: set e.g. 100000)",
+    )
+    check_rows: PositiveInt = Field(
+        1000, description="rows read first (validate and train) to check the columns and cells; the rest is not checked"
+    )
+
+
+class FileSource(SourceConfig):
+    """A local data file: .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet; or a sharded one:
+    a folder, a glob or a list of files of one format and the same columns, read as one source."""
+
+    kind: Literal["file"] = Field("file", description="source kind; inferred from path when not given")
+    path: str | list[str] = Field(
+        description="the file; or its shards, read as one source in path order: a folder (every data file in "
+        "it, recursively), a glob (`data/*.jsonl.gz`, `shards/**/*.parquet`) or a list of files; a relative path "
+        "resolves against the config file's folder",
+    )
+    split: str = Field("train", description="accepted for symmetry with hub sources; a file is one split")
+    subset: str | None = Field(None, description="accepted for symmetry with hub sources; ignored for a file")
+    streaming: StreamingOptions | None = Field(
+        None,
+        description="read the files as a stream (`streaming: true` or {window_batches, shuffle_buffer, check_rows}); "
+        "needs train.max_steps",
+    )
+
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
+
+    @field_validator("streaming", mode="before")
+    @classmethod
+    def _streaming_flag(cls, value: Any) -> Any:
+        # `streaming: true` takes the defaults; `streaming: false` is no stream.
+        if value is True:
+            return {}
+        return None if value is False else value
+
+    @field_validator("path")
+    @classmethod
+    def _some_files(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and not value:
+            raise ValueError("the list of files is empty; give at least one file")
+        return value
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source: its path, folder or glob; a list of
+        files by its first file and how many more."""
+        if isinstance(self.path, list):
+            more = len(self.path) - 1
+            return self.path[0] + (f" (+{more} more file{'s' if more > 1 else ''})" if more else "")
+        return self.path
+
+    def default_name(self) -> str:
+        """The file name without its extensions (``cembed:coco-captions`` -> ``coco-captions``); a
+        folder's name; a glob's last folder without a pattern (``data/*.jsonl.gz`` -> ``data``); a
+        list's first file's name."""
+        path = self.path[0] if isinstance(self.path, list) else self.path
+        if path.startswith("cembed:"):
+            return _strip_extension(path.split(":", 1)[1])
+        if is_glob(path):
+            fixed = list(Path(path).parts[:-1])
+            fixed = fixed[: next((i for i, part in enumerate(fixed) if is_glob(part)), len(fixed))]
+            return Path(*fixed).name if fixed and Path(*fixed).name else _strip_extension(Path(path).name)
+        return _strip_extension(Path(path).name)
+
+
+class HubSource(SourceConfig):
+    """A dataset on the datasets hub (or any id ``datasets.load_dataset`` accepts)."""
+
+    kind: Literal["hub"] = Field("hub", description="source kind; inferred from path when not given")
+    path: str = Field(description="the dataset id, e.g. sentence-transformers/all-nli")
+    split: str = Field("train", description="the split to train on")
+    subset: str | None = Field(None, description="the dataset's configuration (subset) name, if it has several")
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source."""
+        return self.path
+
+    def default_name(self) -> str:
+        """The hub id's last part, with its subset (``org/all-nli`` + ``pair`` -> ``all-nli-pair``)."""
+        return self.path.rsplit("/", 1)[-1] + (f"-{self.subset}" if self.subset else "")
+
+
+class BeirSource(SourceConfig):
+    """A BEIR folder's qrels as (query, document) training pairs; YAML ``{beir: folder, split: train}``."""
+
+    kind: Literal["beir"] = Field("beir", description="source kind; set by the `beir:` key")
+    path: str = Field(description="the BEIR folder; a relative path resolves against the config file's folder")
+    split: str = Field("train", description="the qrels file to read, qrels/<split>.tsv")
+
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
+    generated_columns: ClassVar[frozenset[str]] = frozenset({"query_id", "doc_id"})  # the pair's ids
+    shorthand: ClassVar[str | None] = "beir"
+    shorthand_hint: ClassVar[str] = "the BEIR folder as `beir: <folder>`"
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source."""
+        return f"{self.path} (BEIR, qrels/{self.split}.tsv)"
+
+    def default_name(self) -> str:
+        """The BEIR folder's name with its split (``scifact-train``)."""
+        return f"{Path(self.path).name}-{self.split}"
+
+
+class PreparedSource(SourceConfig):
+    """A prepared source (:mod:`cembed.data.tokens.format`): a folder of token ids already tokenized for
+    the model, by ``cembed prepare-data`` or another engine; YAML ``{prepared: folder}``. Its role
+    columns, prompts and ``max_seq_length`` are the manifest's; training checks them against the model."""
+
+    kind: Literal["prepared"] = Field("prepared", description="source kind; set by the `prepared:` key")
+    path: str = Field(
+        description="the prepared folder (holding cembed_prepared.json); a relative path resolves against the "
+        "config file's folder"
+    )
+
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
+    shorthand: ClassVar[str | None] = "prepared"
+    shorthand_hint: ClassVar[str] = "the prepared folder as `prepared: <folder>`"
+
+    @field_validator("columns")
+    @classmethod
+    def _no_columns(cls, value: ColumnMap | None) -> ColumnMap | None:
+        if value is not None:
+            raise ValueError("a prepared source's roles are its manifest's columns; remove `columns`")
+        return value
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source: its folder."""
+        return self.path
+
+    def default_name(self) -> str:
+        """The folder's name."""
+        return Path(self.path).name or self.path
+
+
+# kind -> its config class; `kind` picks it (inferred by DataConfig when not given).
+SOURCE_CONFIGS: dict[str, type[SourceConfig]] = {}
+
+
+def register_source_config(cls: type[SourceConfig]) -> type[SourceConfig]:
+    """Register a :class:`SourceConfig` subclass under its ``kind`` default (usable as a decorator).
+
+    Raises:
+        TypeError: ``cls`` is not a SourceConfig subclass with a one-value ``Literal`` kind.
+        ValueError: the kind is already registered to another class.
+    """
+    return register_by_literal(SOURCE_CONFIGS, cls, SourceConfig, "kind", "source kind")
+
+
+def source_config_class(kind: Any) -> type[SourceConfig]:
+    """The registered :class:`SourceConfig` subclass for ``kind``.
+
+    Raises:
+        ValueError: an unknown kind; the message lists the known ones.
+    """
+    return registered(SOURCE_CONFIGS, kind, "source kind")
+
+
+def source_config(**fields: Any) -> SourceConfig:
+    """The registered source config for ``fields["kind"]``, validated.
+
+    Raises:
+        ValueError: unknown kind (listing the known ones); pydantic's ValidationError for bad fields.
+    """
+    return source_config_class(fields.get("kind")).model_validate(fields)
+
+
+def source_config_class_of(item: Any) -> type[SourceConfig]:
+    """The class a ``data.train`` entry as written picks (its ``kind``, else its shorthand key);
+    :class:`FileSource` when neither names a registered kind (a file and a hub id have the same fields).
+    Used for did-you-mean on an unknown key."""
+    if isinstance(item, dict):
+        if item.get("kind") in SOURCE_CONFIGS:
+            return SOURCE_CONFIGS[item["kind"]]
+        for cls in SOURCE_CONFIGS.values():
+            if cls.shorthand is not None and cls.shorthand in item:
+                return cls
+    return FileSource
+
+
+register_source_config(FileSource)
+register_source_config(HubSource)
+register_source_config(BeirSource)
+register_source_config(PreparedSource)
+
+
+def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
+    """``file`` when ``path`` names packaged data (``cembed:<name>``), exists (relative to the
+    working folder or to ``base``, the config file's folder), ends with one of
+    :data:`LOCAL_EXTENSIONS` or is a glob pattern; ``hub`` otherwise."""
+    if is_sample(path) or path.lower().endswith(LOCAL_EXTENSIONS) or is_glob(path) or Path(path).exists():
+        return "file"
+    if base is not None and (base / path).exists():
+        return "file"
+    return "hub"

@@ -1,0 +1,59 @@
+"""The prompts training prepends, resolved per source (``data.train.<name>.prompts`` over ``data.prompts`` over the model's)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from cembed.data.rows import TrainingData
+
+
+def resolve_source_prompts(data: TrainingData, model, run_prompts) -> list | None:
+    """Each source's prompts (:class:`cembed.model.prompts.RolePrompts`, in ``data.sources`` order)
+    when a source sets its own (``data.train.<name>.prompts``, role by role over ``data.prompts``,
+    then the model's own); None when none does (every source trains with ``run_prompts``).
+
+    Raises:
+        ModelRefused: a source's ``{name: ...}`` names no prompt of the model (the message names
+            ``data.train.<name>.prompts.<role>``).
+    """
+    from cembed.model.prompts import resolve_prompts
+
+    if not any(s.prompts is not None for s in data.sources):
+        return None
+    return [
+        run_prompts if s.prompts is None else resolve_prompts(s.prompts, model, where=f"{s.key}.prompts")
+        for s in data.sources
+    ]
+
+
+class TrainingPrompts(NamedTuple):
+    """The prompts training tokenizes with (:func:`training_prompts`).
+
+    Attributes:
+        run: the run-wide :class:`cembed.model.prompts.RolePrompts` (``data.prompts``, else the model's).
+        per_source: each source's RolePrompts (``data.sources`` order), or None when no source sets its own.
+        columns: ``{role column: prompt}`` of ``run`` for ``data.columns``.
+        by_source: ``{role column: prompt}`` per source (its own columns), or None.
+    """
+
+    run: Any
+    per_source: list | None
+    columns: dict[str, str]
+    by_source: list[dict[str, str]] | None
+
+
+def training_prompts(data: TrainingData, model, prompts_cfg) -> TrainingPrompts:
+    """Resolve the prompts training prepends, run-wide and per source, in one place, so that training
+    (``build_components``) and the sampler's duplicate check in ``validate`` tokenize alike.
+
+    Raises:
+        ModelRefused: ``data.prompts`` or a source's prompts name no prompt of the model.
+    """
+    from cembed.model.prompts import resolve_prompts
+
+    run = resolve_prompts(prompts_cfg, model)
+    per_source = resolve_source_prompts(data, model, run)
+    by_source = None
+    if per_source is not None:
+        by_source = [p.for_columns(c) for p, c in zip(per_source, data.source_columns())]
+    return TrainingPrompts(run, per_source, run.for_columns(data.columns), by_source)

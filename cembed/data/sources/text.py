@@ -1,0 +1,105 @@
+"""Reading text data files with the standard library: lines, CSV headers and records, the delimiter.
+
+Used where ``datasets``' own readers give no usable message (a bad line, a stray delimiter) or would
+read more than needed (a header).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import zlib
+from pathlib import Path
+
+
+def delimiter_of(path: Path) -> tuple[str, int] | None:
+    """``(delimiter, csv quoting)`` of a CSV or TSV file, by extension; None for other files. A TSV
+    cell is exactly its bytes between tabs: no quote processing (``csv.QUOTE_NONE``)."""
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith(".csv"):
+        return ",", csv.QUOTE_MINIMAL
+    if name.endswith(".tsv"):
+        return "\t", csv.QUOTE_NONE
+    return None
+
+
+def datasets_string_features(names: list[str]):
+    """``datasets.Features`` of text columns named ``names``."""
+    import datasets
+
+    return datasets.Features({name: datasets.Value("string") for name in names})
+
+
+def csv_header(path: Path, delimiter: str, quoting: int) -> list[str] | None:
+    """The header row of a CSV/TSV file (None: unreadable; :func:`diagnose_file` says why)."""
+    try:
+        return next(csv.reader((t for _, t in text_lines(path)), delimiter=delimiter, quoting=quoting), None)
+    except (ValueError, csv.Error):
+        return None
+
+
+def csv_records(path: Path, delimiter: str, quoting: int):
+    """Yield ``(first line, last line, fields)`` of each record of a CSV/TSV file, header included,
+    blank lines skipped (as the reader skips them); ValueError naming the line for bad bytes, a
+    quote never closed, or a line break inside a TSV cell."""
+    reader = csv.reader((t for _, t in text_lines(path)), delimiter=delimiter, quoting=quoting, strict=True)
+    last = 0
+    while True:
+        try:
+            row = next(reader, None)
+        except csv.Error as err:
+            start = last + 1
+            if "end of data" in str(err) or "EOF" in str(err):
+                raise ValueError(
+                    f"line {start}: a quote opened in this row is never closed (it runs to the end of the file); "
+                    'close it, or write a quote inside a quoted field as two ("")'
+                ) from None
+            raise ValueError(
+                f"line {reader.line_num}: malformed {'TSV' if quoting == csv.QUOTE_NONE else 'CSV'}: {err}"
+            ) from None
+        if row is None:
+            return
+        first, last = last + 1, reader.line_num
+        if row:
+            yield first, last, row
+
+
+def read_jsonl_rows(*paths: Path):
+    """JSON Lines files (one, or a source's shards in order) read with the standard library (they
+    parsed in :func:`diagnose_file`) as a
+    ``datasets.Dataset``: a column of text (or null) cells is a string column; any other column is
+    kept as JSON text in pyarrow's ``json`` type, as ``datasets`` does for mixed columns, so the cell
+    checks can name its non-text cells."""
+    import datasets
+    import pyarrow as pa
+
+    rows = [json.loads(text) for path in paths for _, text in text_lines(path) if text.strip()]
+    names = list(dict.fromkeys(k for row in rows for k in row))
+    columns = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if all(v is None or isinstance(v, str) for v in values):
+            columns[name] = pa.array(values, type=pa.string())
+        else:
+            cells = [None if v is None or v != v else json.dumps(v, ensure_ascii=False) for v in values]
+            columns[name] = pa.array(cells, type=pa.json_())
+    return datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)))
+
+
+def text_lines(path: Path):
+    """Yield ``(line_number, text)``; raises ValueError naming the line for bad gzip or UTF-8."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    yield number, raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(
+                        f"line {number}: bytes that are not UTF-8 at column {err.start + 1}; re-encode the file as UTF-8"
+                    ) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise ValueError(f"corrupt or truncated gzip ({err.__class__.__name__}: {err}); re-create the file") from None
+    except PermissionError:
+        raise ValueError("cannot read the file: permission denied") from None

@@ -1,0 +1,108 @@
+"""Training from a prepared source (:mod:`cembed.data.tokens.format`): its token ids are used as stored,
+after checking they are what this model's own preprocessing gives.
+
+A prepared source holds no text, so nothing is tokenized again; in its place
+:func:`prepared_stage` (the pre-tokenization branch of :func:`cembed.data.tokens.tokenize.tokenize_stage`)
+refuses a model whose tokenizer, ``max_seq_length`` or prompts differ from the ones the ids were
+made with, and pads the manifest's sample texts with the model (``model.preprocess``) to compare them
+with the stored ids of the same rows, as :func:`cembed.data.tokens.tokenize.matches_model_preprocessing`
+does for the text path.
+"""
+
+from __future__ import annotations
+
+import time
+
+from cembed.data.tokens.collator import collator_for
+from cembed.errors import UserError
+from cembed.files import display_path
+from cembed.model.fingerprint import tokenizer_fingerprint
+
+
+def check_prepared_for_model(model, manifest, where: str, prompts: dict[str, str] | None) -> None:
+    """Refuse training ``model`` on the prepared source whose manifest is ``manifest`` when the ids
+    were made for another tokenizer (:func:`cembed.model.fingerprint.tokenizer_fingerprint`),
+    ``max_seq_length`` or prompts. ``where`` names the source (its folder); ``prompts``: the run's
+    ``{role column: prompt}`` (``data.prompts``, else the model's own; empty or absent: none).
+
+    Raises:
+        UserError: one line naming the source, the field, the model's value and the source's.
+    """
+    redo = "or prepare the source again for this model (cembed prepare-data)"
+    length = int(model.max_seq_length)
+    if length != manifest.max_seq_length:
+        raise UserError(
+            f"{where}: max_seq_length: the model's is {length}, the prepared source's {manifest.max_seq_length}; "
+            f"set model.max_seq_length: {manifest.max_seq_length} {redo}"
+        )
+    tokenizer = tokenizer_fingerprint(model.tokenizer)
+    if tokenizer != manifest.tokenizer:
+        made_for = f" (prepared for {manifest.model})" if manifest.model else ""
+        raise UserError(
+            f"{where}: tokenizer: the model's fingerprint is {tokenizer}, the prepared source's {manifest.tokenizer}"
+            f"{made_for}; train the model it was prepared for {redo}"
+        )
+    run = {r: p for r, p in (prompts or {}).items() if p}
+    stored = {r: p for r, p in manifest.prompts.items() if p}
+    for role in manifest.columns:
+        if run.get(role, "") != stored.get(role, ""):
+            raise UserError(
+                f"{where}: prompts.{role}: the run's is {run.get(role, '')!r}, the prepared source's "
+                f"{stored.get(role, '')!r}; set data.prompts.{_prompt_field(role)} to the source's {redo}"
+            )
+
+
+def _prompt_field(role: str) -> str:
+    """The ``data.prompts`` field of a role column: anchor, positive, negatives."""
+    return "negatives" if role.startswith("negative_") else role
+
+
+def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_of: int | None, matches):
+    """:func:`cembed.data.tokens.tokenize.tokenize_stage` for a prepared source (``data.manifest`` set): the
+    stored ids, checked (:func:`check_prepared_for_model`, then the manifest's sample texts through
+    ``model.preprocess`` against the stored ids of the same first rows). Returns ``(dataset,
+    collator, info)`` as ``tokenize_stage`` does; never falls back to tokenizing (there is no text).
+    ``matches``: :func:`cembed.data.tokens.tokenize.matches_model_preprocessing` (passed in by
+    ``tokenize_stage``, which imports this module).
+
+    Raises:
+        UserError: see :func:`check_prepared_for_model`; a model whose features are not plain token
+            ids; a manifest without sample texts of a column; stored ids that differ from the
+            model's preprocessing of the samples.
+    """
+    started = time.perf_counter()
+    manifest, source = data.manifest, data.sources[0]
+    where = display_path(source.label)
+    check_prepared_for_model(model, manifest, where, prompts)
+    roles = list(manifest.columns)
+    collator = collator_for(model, roles, pad_to_multiple_of)
+    if collator is None:
+        raise UserError(
+            f"{where}: the model's features are not plain token ids (or it pads on the left), so it cannot "
+            "train on stored token ids; train it from the text source"
+        )
+    dataset = data.dataset
+    rows = min([len(dataset)] + [len(manifest.samples.get(r) or []) for r in roles])
+    if rows == 0:
+        missing = next((r for r in roles if not manifest.samples.get(r)), roles[0])
+        raise UserError(
+            f"{where}: the manifest holds no sample text of column {missing!r}, so its ids cannot be checked "
+            "against the model; write the first rows' texts into the manifest's samples"
+        )
+    sample = dataset.select(range(rows))
+    for role in roles:
+        sample = sample.add_column(role, list(manifest.samples[role][:rows]))
+    if not matches(model, collator, sample, rows=rows, prompts=manifest.prompts or None):
+        raise UserError(
+            f"{where}: the stored token ids of the first {rows} rows differ from the model's own preprocessing "
+            "of the manifest's sample texts (another tokenizer, lower-casing or truncation); prepare the source "
+            "again for this model"
+        )
+    info = {
+        "pretokenized": True,
+        "from_cache": True,
+        "cache_path": str(source.label),
+        "prepared": manifest.fingerprint,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    return dataset, collator, info

@@ -1,0 +1,166 @@
+"""Truncation reports: how many texts reach ``max_seq_length`` once tokenized, per column and source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import pyarrow.compute as pc
+
+from cembed.data.identity import arrow_table
+from cembed.data.prompts import resolve_source_prompts
+from cembed.data.rows import UnloadedData, source_views
+from cembed.model.load import load_model, pooling_in_effect, quiet_libraries, weight_dtypes
+
+# --- truncation report -----------------------------------------------------------------------
+
+
+@dataclass
+class ColumnTruncation:
+    """How many rows of one column are longer than ``max_seq_length`` tokens (they get cut)."""
+
+    column: str  # role column (anchor, positive, negative_1, ...)
+    source: str  # the data's column name
+    rows: int  # rows checked
+    truncated: int  # rows with more than max_seq_length tokens
+    max_tokens: int  # longest row, tokens (special tokens included)
+
+    @property
+    def fraction(self) -> float:
+        return self.truncated / self.rows if self.rows else 0.0
+
+
+def truncation_report(
+    dataset,
+    tokenizer,
+    max_seq_length: int,
+    roles: dict[str, str] | None = None,
+    sample_rows: int = 20000,
+    prompts: dict[str, str] | None = None,
+) -> list[ColumnTruncation]:
+    """Per column, the rows whose token count (special tokens included, as the model tokenizes)
+    exceeds ``max_seq_length``, over the first ``sample_rows`` rows of ``dataset``.
+
+    Args:
+        dataset: a ``datasets.Dataset`` of text columns.
+        tokenizer: a Hugging Face tokenizer (``model.tokenizer``).
+        max_seq_length: tokens kept per text.
+        roles: role column -> source column name, for display.
+        sample_rows: rows checked (the first ones), to bound the time on big data.
+        prompts: ``{column: prompt}`` prepended as in training (its tokens count toward the length).
+    """
+    n = min(len(dataset), sample_rows)
+    out = []
+    for col in dataset.column_names:
+        prompt = (prompts or {}).get(col, "")
+        cells = dataset[col][:n] if n < len(dataset) else dataset[col]
+        texts = [prompt + str(t) for t in cells if t is not None]  # null: a source without this column
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]]
+        over = sum(1 for x in lengths if x > max_seq_length)
+        out.append(ColumnTruncation(col, (roles or {}).get(col, col), len(texts), over, max(lengths, default=0)))
+    return out
+
+
+def stored_length_report(dataset, columns: list[str], max_seq_length: int) -> list[ColumnTruncation]:
+    """Per role column of a prepared source (token ids, no text), the rows whose stored ids reach
+    ``max_seq_length`` (special tokens included: cut, or exactly that long) and the longest row, over
+    every row, with pyarrow compute (no Python object per row)."""
+    table = arrow_table(dataset)
+    out = []
+    for col in columns:
+        lengths = pc.list_value_length(table.column(col + "_input_ids"))
+        rows = len(lengths) - lengths.null_count
+        at_limit = pc.sum(pc.greater_equal(lengths, max_seq_length)).as_py() or 0
+        out.append(ColumnTruncation(col, col, rows, at_limit, pc.max(lengths).as_py() or 0))
+    return out
+
+
+def _merged_truncation(reports: list[list[ColumnTruncation]]) -> list[ColumnTruncation]:
+    """Per-source truncation reports as one per column (rows and truncated rows summed, longest kept)."""
+    merged: dict[str, ColumnTruncation] = {}
+    for report in reports:
+        for c in report:
+            m = merged.get(c.column)
+            merged[c.column] = (
+                c
+                if m is None
+                else ColumnTruncation(
+                    c.column, m.source, m.rows + c.rows, m.truncated + c.truncated, max(m.max_tokens, c.max_tokens)
+                )
+            )
+    return list(merged.values())
+
+
+class ModelTruncation(NamedTuple):
+    """:func:`model_truncation_report`'s answer: the length, the per-column report, the pooling in
+    effect (:func:`cembed.model.load.pooling_in_effect`) and the weights' dtypes (:func:`cembed.model.load.weight_dtypes`)."""
+
+    max_seq_length: int
+    columns: list[ColumnTruncation]
+    pooling: str
+    weights: Any = None  # cembed.model.load.WeightDtypes: stored, training, autocast and saved dtypes
+    prompts: Any = None  # cembed.model.prompts.RolePrompts: each role's prompt
+    attention: Any = None  # cembed.model.unpad.Unpadding: packed rows or padded mini-batches (batch.unpad)
+    source_prompts: Any = None  # {source name: RolePrompts} when a source sets prompts of its own, else None
+    stored_ids: bool = False  # a prepared source: ``columns`` count rows whose stored ids reach max_seq_length
+
+
+def model_truncation_report(
+    model_cfg,
+    data,
+    sample_rows: int = 20000,
+    prompts_cfg=None,
+    unpad="auto",
+    precision: str | None = None,
+    model=None,
+) -> ModelTruncation:
+    """Load ``model_cfg``'s model (on CPU) and report truncation of ``data`` (a TrainingData), with
+    the pooling the model uses, its stored / training / saved dtypes, each role's prompt
+    (``prompts_cfg``, the ``data.prompts`` section, resolved against the model; a source's own
+    ``prompts`` for its rows, :func:`resolve_source_prompts`; prompt tokens count toward the length)
+    and the attention path ``unpad`` (``batch.unpad``) gives it; the per-column
+    report is empty for :class:`UnloadedData` (only the model is checked). ``precision`` is the run's
+    resolved precision for the dtypes' autocast (``Plan.precision``; None: ``model_cfg.precision``
+    resolved on CPU, where the model is loaded). ``model``: the model already loaded on CPU from
+    ``model_cfg`` (None: loaded here).
+
+    Raises:
+        UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it,
+            ``data.prompts`` names a prompt it lacks, or ``unpad`` is True and it cannot run packed rows.
+    """
+    from cembed.model.prompts import resolve_prompts
+    from cembed.model.unpad import resolve_unpad
+
+    if model is None:
+        quiet_libraries()
+        model = load_model(model_cfg, "cpu")
+    length = int(model.max_seq_length)
+    pooling = pooling_in_effect(model, model_cfg)
+    weights = weight_dtypes(model, model_cfg, precision)
+    prompts = resolve_prompts(prompts_cfg, model)
+    attention = resolve_unpad(model, unpad)
+    if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
+        return ModelTruncation(length, [], pooling, weights, prompts, attention)
+    if data.manifest is not None:  # token ids, no text: rows whose ids reach the length (maybe cut)
+        from cembed.data.tokens.model_check import check_prepared_for_model
+        from cembed.files import display_path
+
+        # The refusals training gives (tokenizer, max_seq_length, prompts), also without the sampler's check.
+        where = display_path(data.sources[0].label)
+        check_prepared_for_model(model, data.manifest, where, prompts.for_columns(data.columns))
+        report = stored_length_report(data.dataset, data.columns, length)
+        return ModelTruncation(length, report, pooling, weights, prompts, attention, None, True)
+    per_source = resolve_source_prompts(data, model, prompts)
+    if per_source is None:
+        by_column = prompts.for_columns(data.columns)
+        report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows, by_column)
+    else:  # each source's rows with its own prompts
+        views = source_views(data)
+        report = _merged_truncation(
+            [
+                truncation_report(v.dataset, model.tokenizer, length, data.roles, sample_rows, p.for_columns(v.columns))
+                for v, p in zip(views, per_source)
+            ]
+        )
+    by_source = None if per_source is None else {s.name: p for s, p in zip(data.sources, per_source)}
+    return ModelTruncation(length, report, pooling, weights, prompts, attention, by_source)
