@@ -267,15 +267,6 @@ def source_config_class(kind: Any) -> type[SourceConfig]:
     return registered(SOURCE_CONFIGS, kind, "source kind")
 
 
-def source_config(**fields: Any) -> SourceConfig:
-    """The registered source config for ``fields["kind"]``, validated.
-
-    Raises:
-        ValueError: unknown kind (listing the known ones); pydantic's ValidationError for bad fields.
-    """
-    return source_config_class(fields.get("kind")).model_validate(fields)
-
-
 def source_config_class_of(item: Any) -> type[SourceConfig]:
     """The class a ``data.train`` entry as written picks (its ``kind``, else its shorthand key);
     :class:`FileSource` when neither names a registered kind (a file and a hub id have the same fields).

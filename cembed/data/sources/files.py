@@ -18,7 +18,7 @@ from cembed.config.sources import (
 from cembed.data.sources.diagnose import diagnosis
 from cembed.data.sources.logs import captured_library_logs
 from cembed.data.sources.text import csv_header, datasets_string_features, delimiter_of, read_jsonl_rows, text_lines
-from cembed.errors import UserError
+from cembed.errors import UserError, first_line
 from cembed.files import display_path
 
 
@@ -202,6 +202,5 @@ def load_file(source: FileSource):
             # datasets' mixed-type fallback chokes on blank lines; the standard library does not.
             return read_jsonl_rows(*files)
         if problem is None:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-            problem = f"cannot read as {builder}: {first[:300]}"
+            problem = f"cannot read as {builder}: {first_line(err)}"
         raise UserError(f"{shown}: {problem}") from None

@@ -7,7 +7,7 @@ import os
 from cembed.config.sources import (
     HubSource,
 )
-from cembed.errors import HubUnavailable, UserError
+from cembed.errors import HubUnavailable, UserError, first_line
 
 
 def load_hub(source: HubSource):
@@ -23,10 +23,9 @@ def load_hub(source: HubSource):
     try:
         return datasets.load_dataset(source.path, source.subset, split=source.split)
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+        first = first_line(err)
         message = (
-            f"data: cannot load hub dataset {source.path!r} (subset={source.subset}, split={source.split}): "
-            f"{first[:300]}"
+            f"data: cannot load hub dataset {source.path!r} (subset={source.subset}, split={source.split}): {first}"
         )
         # datasets raises the builtin ConnectionError both offline and when the hub cannot be reached.
         if isinstance(err, ConnectionError):
