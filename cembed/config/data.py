@@ -251,10 +251,13 @@ def _check_kind_rules(cfg: DataConfig, sources: list[TrainSource]) -> None:
         )
 
 
-def streaming_conflict(data: DataConfig, max_steps: int | None, workers: int | str, no_duplicates: bool) -> str | None:
+def streaming_conflict(
+    data: DataConfig, max_steps: int | None, workers: int | str, no_duplicates: bool, rule: str = "no_duplicates"
+) -> str | None:
     """Why ``data`` cannot train from its streamed source (``data.train.streaming``) with the rest of
-    the config (``train.max_steps``, ``train.dataloader_num_workers``, ``sampler.no_duplicates``), as one
-    line naming the field and the fix; None when nothing streams or nothing conflicts."""
+    the config (``train.max_steps``, ``train.dataloader_num_workers``, ``sampler.no_duplicates``,
+    ``sampler.rule``), as one line naming the field and the fix; None when nothing streams or nothing
+    conflicts."""
     streamed = [s for s in data.sources() if s.source.stream_options() is not None]
     if not streamed:
         return None
@@ -281,6 +284,11 @@ def streaming_conflict(data: DataConfig, max_steps: int | None, workers: int | s
         return (
             f"sampler.no_duplicates: false: a streaming source always batches without duplicates (over "
             f"{key}.window_batches batches); remove it or drop streaming"
+        )
+    if rule != "no_duplicates":
+        return (
+            f"sampler.rule: {rule}: a streaming source always batches by the windowed no-duplicates rule; "
+            "remove it or drop streaming"
         )
     if workers != "auto" and int(workers) > 1:
         return (
