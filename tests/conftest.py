@@ -105,6 +105,25 @@ def distinct_pairs(n: int) -> list[dict]:
     return [{"anchor": f"question number {i}", "positive": f"answer text {i}"} for i in range(n)]
 
 
+def install_distribution(site: Path, name: str, files: dict[str, str], entry_points: dict[str, dict[str, str]]) -> Path:
+    """Write an installed distribution ``name`` 0.1 into the folder ``site`` (as pip would into
+    site-packages): its ``files`` (path under ``site`` -> source) and ``<name>-0.1.dist-info`` with
+    ``METADATA`` and ``entry_points.txt`` (group -> {entry point name: ``module:attr``}). Put ``site``
+    on ``sys.path`` (``monkeypatch.syspath_prepend``, which clears importlib's caches) or on a
+    subprocess's ``PYTHONPATH`` and ``importlib.metadata`` finds it."""
+    for path, text in files.items():
+        (site / path).parent.mkdir(parents=True, exist_ok=True)
+        (site / path).write_text(textwrap.dedent(text))
+    info = site / f"{name}-0.1.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    groups = [
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) for group, points in entry_points.items()
+    ]
+    (info / "entry_points.txt").write_text("\n".join(groups))
+    return site
+
+
 def join_gloo_rank(rank: int, world: int, port: int, hang_s: float) -> None:
     """Set up one spawned test rank: the env:// variables of a ``world``-process job on this machine,
     one thread, faulthandler on (a native crash prints the Python stacks), and a timer that ends the

@@ -22,7 +22,7 @@ from pydantic_core.core_schema import ErrorType
 from cembed.config.base import Strict as _Strict
 from cembed.config.columns import ColumnMap
 from cembed.config.prompts import PromptName, PromptsConfig, merged_prompts
-from cembed.config.sources import SOURCE_CONFIGS, PreparedSource, SourceConfig, infer_source_kind
+from cembed.config.sources import SOURCE_CONFIGS, SourceConfig, infer_source_kind
 
 
 class SamplingConfig(_Strict):
@@ -206,8 +206,7 @@ class DataConfig(_Strict):
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
             raise ValueError(f"train: two sources are named {dup!r}; give each a distinct `name`")
-        if any(isinstance(s.source, PreparedSource) for s in sources):
-            _check_prepared(self, sources)
+        _check_kind_rules(self, sources)
         weights = self.sampling.weights
         if weights is not None:
             if set(weights) != set(names):
@@ -236,25 +235,30 @@ class DataConfig(_Strict):
         return max(2 + len(s.columns.negatives) for s in self.sources())
 
 
-def _check_prepared(cfg: DataConfig, sources: list[TrainSource]) -> None:
-    """A prepared source holds token ids only and its roles are its manifest's: it trains alone and
-    pre-tokenized. ``data.columns`` may stay (the config that prepared it maps the same roles; the
-    data stage checks that they are the manifest's columns)."""
-    if len(sources) > 1:
+def _check_kind_rules(cfg: DataConfig, sources: list[TrainSource]) -> None:
+    """What a source's kind declares about the rest of ``data``: a kind that :attr:`~SourceConfig.trains_alone`
+    is the only source; one that :attr:`~SourceConfig.is_pretokenized` (token ids, no text: a prepared
+    source) needs ``pretokenize`` on. ``data.columns`` may stay (the config that prepared it maps the
+    same roles; the data stage checks that they are the manifest's columns)."""
+    alone = next((s.source for s in sources if s.source.trains_alone), None)
+    if alone is not None and len(sources) > 1:
+        hint = " (prepare the others into it)" if alone.is_pretokenized else ""
+        raise ValueError(f"train: a {alone.kind} source trains alone; give it as the only source{hint}")
+    ids = next((s.source for s in sources if s.source.is_pretokenized), None)
+    if ids is not None and not cfg.pretokenize:
         raise ValueError(
-            "train: a prepared source trains alone; give it as the only source (prepare the others into it)"
-        )
-    if not cfg.pretokenize:
-        raise ValueError(
-            "pretokenize: false, but a prepared source holds token ids only (no text to tokenize); remove it"
+            f"pretokenize: false, but a {ids.kind} source holds token ids only (no text to tokenize); remove it"
         )
 
 
-def streaming_conflict(data: DataConfig, max_steps: int | None, workers: int | str, no_duplicates: bool) -> str | None:
+def streaming_conflict(
+    data: DataConfig, max_steps: int | None, workers: int | str, no_duplicates: bool, rule: str = "no_duplicates"
+) -> str | None:
     """Why ``data`` cannot train from its streamed source (``data.train.streaming``) with the rest of
-    the config (``train.max_steps``, ``train.dataloader_num_workers``, ``sampler.no_duplicates``), as one
-    line naming the field and the fix; None when nothing streams or nothing conflicts."""
-    streamed = [s for s in data.sources() if getattr(s.source, "streaming", None) is not None]
+    the config (``train.max_steps``, ``train.dataloader_num_workers``, ``sampler.no_duplicates``,
+    ``sampler.rule``), as one line naming the field and the fix; None when nothing streams or nothing
+    conflicts."""
+    streamed = [s for s in data.sources() if s.source.stream_options() is not None]
     if not streamed:
         return None
     key = f"{streamed[0].key}.streaming"
@@ -273,13 +277,18 @@ def streaming_conflict(data: DataConfig, max_steps: int | None, workers: int | s
             )
     if data.drop_invalid_rows:
         return (
-            f"data.drop_invalid_rows: a streaming source checks only its first {streamed[0].source.streaming.check_rows} "
+            f"data.drop_invalid_rows: a streaming source checks only its first {streamed[0].source.stream_options().check_rows} "
             "rows and cannot drop rows later; set it to false or drop streaming"
         )
     if not no_duplicates:
         return (
             f"sampler.no_duplicates: false: a streaming source always batches without duplicates (over "
             f"{key}.window_batches batches); remove it or drop streaming"
+        )
+    if rule != "no_duplicates":
+        return (
+            f"sampler.rule: {rule}: a streaming source always batches by the windowed no-duplicates rule; "
+            "remove it or drop streaming"
         )
     if workers != "auto" and int(workers) > 1:
         return (

@@ -22,6 +22,7 @@ from cembed.config.schema import CembedConfig
 from cembed.config.sources import SourceConfig, source_config_class_of
 from cembed.errors import UserError
 from cembed.files import display_path
+from cembed.plugins import load_plugins
 from cembed.samples import resolve_sample
 
 
@@ -196,13 +197,15 @@ def resolve_paths(cfg: CembedConfig, base: Path) -> CembedConfig:
 def config_from_dict(
     data: Any, source: str = "<config>", base: Path | None = None, text: str = "", overrides: list[str] | None = None
 ) -> CembedConfig:
-    """Validate a mapping into a :class:`CembedConfig`; errors name ``source``, line and field."""
+    """Validate a mapping into a :class:`CembedConfig`; errors name ``source``, line and field. The
+    plugins (:func:`cembed.plugins.load_plugins`) are loaded first, so their source kinds and losses validate."""
     if data is None:
         raise UserError(f"{source}: the config is empty; it needs at least a 'data.train' file")
     if not isinstance(data, dict):
         raise UserError(
             f"{source}: the config must be a mapping of sections (model, data, batch, ...), not a {type(data).__name__}"
         )
+    load_plugins()
     try:
         # The config's folder lets DataConfig infer `kind: file` for a relative path that exists there.
         cfg = CembedConfig.model_validate(data, context={"base": base or Path.cwd()})

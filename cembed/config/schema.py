@@ -137,6 +137,12 @@ class OptimConfig(_Strict):
 
 class SamplerConfig(_Strict):
     no_duplicates: bool = True  # never put one text twice in a batch (it would be its own false negative)
+    rule: str = Field(
+        "no_duplicates",
+        min_length=1,
+        description="how batches are drawn: no_duplicates (the full-table sampler; with no_duplicates: false, "
+        "shuffled batches) or a rule a plugin registers (cembed.data.batching.rules)",
+    )
 
 
 class DistributedConfig(_Strict):
@@ -307,7 +313,11 @@ class CembedConfig(_Strict):
     def _streaming(self) -> CembedConfig:
         # What a streamed source (data.train.streaming) cannot do, checked before any data is read.
         problem = streaming_conflict(
-            self.data, self.train.max_steps, self.train.dataloader_num_workers, self.sampler.no_duplicates
+            self.data,
+            self.train.max_steps,
+            self.train.dataloader_num_workers,
+            self.sampler.no_duplicates,
+            self.sampler.rule,
         )
         if problem is not None:
             raise ValueError(problem)

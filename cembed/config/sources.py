@@ -65,6 +65,20 @@ class SourceConfig(SourceOptions):
       reported as unmapped);
     * :attr:`shorthand` / :attr:`shorthand_hint`, optionally: a YAML key that names the kind and
       holds its path (``{beir: folder}`` -> ``{kind: beir, path: folder}``).
+
+    What the kind can do, declared here and read by every stage instead of asking which class it is
+    (the defaults suit a kind whose loader returns rows of text):
+
+    * :attr:`trains_alone`: it must be the only training source;
+    * :attr:`is_pretokenized`: it holds token ids, not text (its loader's dataset carries the
+      :class:`cembed.data.tokens.format.PreparedManifest` as ``cembed_manifest``): ``data.pretokenize``
+      must stay on, its roles are the manifest's and ``prepare-data`` refuses it;
+    * :attr:`reads_files`: its rows come from local data files (a folder prepared from it records
+      their count; the loader's ``count_files`` hook counts shards);
+    * :attr:`can_init` / :attr:`can_mine`: ``cembed init`` / ``mine-negatives`` may read it;
+    * :meth:`stream_options`: how it is read as a stream when the config asks (its loader then has
+      an ``open_stream`` hook), else None;
+    * :attr:`hub_id`: the datasets-hub id the model card links, if it is one.
     """
 
     kind: str = Field(description="source kind")
@@ -73,6 +87,11 @@ class SourceConfig(SourceOptions):
     generated_columns: ClassVar[frozenset[str]] = frozenset()
     shorthand: ClassVar[str | None] = None
     shorthand_hint: ClassVar[str] = ""  # the shorthand's form, for the message when it is mixed up
+    trains_alone: ClassVar[bool] = False
+    is_pretokenized: ClassVar[bool] = False
+    reads_files: ClassVar[bool] = False
+    can_init: ClassVar[bool] = True
+    can_mine: ClassVar[bool] = True
 
     @property
     def label(self) -> str:
@@ -82,6 +101,16 @@ class SourceConfig(SourceOptions):
     def default_name(self) -> str:
         """The source's name when it sets none (from its fields as written, before paths are resolved)."""
         raise NotImplementedError(f"{type(self).__name__} must define default_name")
+
+    def stream_options(self) -> StreamingOptions | None:
+        """How the source is read as a stream (``data.train.streaming``), or None: read whole (a
+        kind that cannot stream has no such field and always answers None)."""
+        return None
+
+    @property
+    def hub_id(self) -> str | None:
+        """The datasets-hub id of the source (the model card links it), or None: not a hub dataset."""
+        return None
 
 
 def _strip_extension(name: str) -> str:
@@ -133,6 +162,7 @@ class FileSource(SourceConfig):
     )
 
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
+    reads_files: ClassVar[bool] = True
 
     @field_validator("streaming", mode="before")
     @classmethod
@@ -148,6 +178,10 @@ class FileSource(SourceConfig):
         if isinstance(value, list) and not value:
             raise ValueError("the list of files is empty; give at least one file")
         return value
+
+    def stream_options(self) -> StreamingOptions | None:
+        """``streaming`` (None: the files are read whole)."""
+        return self.streaming
 
     @property
     def label(self) -> str:
@@ -183,6 +217,11 @@ class HubSource(SourceConfig):
     @property
     def label(self) -> str:
         """How messages and the run summary name this source."""
+        return self.path
+
+    @property
+    def hub_id(self) -> str | None:
+        """The dataset id (``path``)."""
         return self.path
 
     def default_name(self) -> str:
@@ -226,6 +265,11 @@ class PreparedSource(SourceConfig):
     path_fields: ClassVar[tuple[str, ...]] = ("path",)
     shorthand: ClassVar[str | None] = "prepared"
     shorthand_hint: ClassVar[str] = "the prepared folder as `prepared: <folder>`"
+    # Token ids with its roles in the manifest: trains alone, pre-tokenized; no text to init or mine from.
+    trains_alone: ClassVar[bool] = True
+    is_pretokenized: ClassVar[bool] = True
+    can_init: ClassVar[bool] = False
+    can_mine: ClassVar[bool] = False
 
     @field_validator("columns")
     @classmethod

@@ -20,12 +20,10 @@ import pyarrow.compute as pc
 
 from cembed.config.columns import ColumnMap
 from cembed.config.data import DataConfig, TrainSource
-from cembed.config.sources import FileSource
 from cembed.data.columns import expand_list_columns, unmapped_column_notes
 from cembed.data.identity import arrow_table
 from cembed.data.rows import LoadedSource, TrainingData, role_columns
-from cembed.data.sources.files import is_sharded, source_files
-from cembed.data.sources.registry import load_source, row_locator
+from cembed.data.sources.registry import count_files, load_source, read_head, row_locator
 from cembed.errors import UserError
 
 # A text cell over 1 MB is a data error (a whole file pasted into a cell), not a sentence.
@@ -191,17 +189,16 @@ def load_training_source(item: TrainSource, drop_invalid: bool) -> tuple[object,
             also a source with no rows, or none left after dropping invalid rows.
     """
     source = item.source
-    streaming = getattr(source, "streaming", None)
+    streaming = source.stream_options()
     if streaming is not None:  # only the first rows are checked; training reads the stream
-        from cembed.data.sources.stream import read_head
-
         raw = read_head(source, streaming.check_rows)
     else:
         raw = load_source(source)
     label = source.label if item.key == "data.train" else f"{item.key} ({source.label})"
     if len(raw) == 0:
         raise UserError(f"{label}: the data has no rows")
-    manifest = getattr(raw, "cembed_manifest", None)  # a prepared source's (cembed.data.sources.prepared.load_prepared)
+    # Token ids: the kind's loader hands the manifest over (cembed.data.sources.prepared.load_prepared).
+    manifest = raw.cembed_manifest if source.is_pretokenized else None
     if item.max_samples is not None and item.max_samples < len(raw):
         raw = raw.select(range(item.max_samples))
     rows_read = len(raw)
@@ -235,7 +232,7 @@ def load_training_source(item: TrainSource, drop_invalid: bool) -> tuple[object,
     if len(dataset) == 0:
         raise UserError(f"{label}: every row was invalid and dropped; nothing is left to train on")
     prompts = item.prompts if item.own_prompts else None
-    files = len(source_files(source)) if isinstance(source, FileSource) and is_sharded(source) else None
+    files = count_files(source)
     info = LoadedSource(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles, prompts, files)
     info.stream = item if streaming is not None else None
     return dataset, info, notes + expanded

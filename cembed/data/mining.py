@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from cembed.config.sources import FileSource, SourceConfig
 from cembed.errors import UserError
 
 OutputFormat = Literal["columns", "rows"]
@@ -121,13 +122,28 @@ class MiningReport:
         ]
 
 
-def _load_pairs(data: str, anchor: str, positive: str, group: str | None, max_samples: int | None):
-    from cembed.config.sources import FileSource
-    from cembed.data.load import check_cells
-    from cembed.data.sources.registry import load_source, row_locator
+def _mined_source(data):
+    """``(source config, how messages name it)`` of ``mine_negatives``' ``data``: a path (or
+    ``cembed:<sample>``) is a file source; a source config of a kind that :attr:`~cembed.config.sources.SourceConfig.can_mine`.
+
+    Raises:
+        UserError: a source config of a kind that cannot be mined.
+    """
     from cembed.samples import resolve_sample
 
-    source = FileSource(path=str(resolve_sample(data) or data))
+    if not isinstance(data, SourceConfig):  # the command line's path
+        return FileSource(path=str(resolve_sample(data) or data)), data
+    if not data.can_mine:
+        raise UserError(f"{data.label}: a {data.kind} source cannot be mined (mine-negatives reads text pairs)")
+    return data, data.label
+
+
+def _load_pairs(
+    source: SourceConfig, data: str, anchor: str, positive: str, group: str | None, max_samples: int | None
+):
+    from cembed.data.load import check_cells
+    from cembed.data.sources.registry import load_source, row_locator
+
     raw = load_source(source)
     if len(raw) == 0:
         raise UserError(f"{data}: the data has no rows")
@@ -184,7 +200,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def mine_negatives(
-    data: str,
+    data: str | SourceConfig,
     model_name: str,
     output: Path,
     anchor_column: str = "anchor",
@@ -202,8 +218,9 @@ def mine_negatives(
     cache_dir: Path | None = None,
     no_cache: bool = False,
 ) -> MiningReport:
-    """Mine ``num_negatives`` hard negatives per (anchor, positive) pair of ``data`` with
-    ``model_name`` and write them to ``output`` (``.jsonl`` or ``.jsonl.gz``, atomically).
+    """Mine ``num_negatives`` hard negatives per (anchor, positive) pair of ``data`` (a pair file,
+    ``cembed:<sample>``, or a source config of any kind that :attr:`~cembed.config.sources.SourceConfig.can_mine`)
+    with ``model_name`` and write them to ``output`` (``.jsonl`` or ``.jsonl.gz``, atomically).
 
     Ranks, margins and the output layout: see the module docstring. Queries get the model's query
     prompt, the corpus its document prompt (:func:`cembed.model.prompts.resolve_prompts`, as in training
@@ -224,7 +241,8 @@ def mine_negatives(
 
     _check_arguments(output, output_format, num_negatives, range_min, range_max)
     started = time.perf_counter()
-    anchors, positives, groups = _load_pairs(data, anchor_column, positive_column, group_column, max_samples)
+    source, shown = _mined_source(data)
+    anchors, positives, groups = _load_pairs(source, shown, anchor_column, positive_column, group_column, max_samples)
     pairs = list(dict.fromkeys(zip(anchors, positives)))
     extra, n_self, n_group = exclusion_pairs(anchors, positives, groups)
     quiet_libraries()
@@ -248,7 +266,7 @@ def mine_negatives(
     _write_jsonl(output, rows)
     columns = {"anchor": anchor_column, "positive": positive_column, "negatives": neg_cols}
     return MiningReport(
-        source=data,
+        source=shown,
         output=output,
         output_format=output_format,
         model=model_name,

@@ -12,7 +12,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from cembed.config.sources import FileSource
 from cembed.data.load import load_training_data
 from cembed.data.prompts import training_prompts
 from cembed.data.tokens.collator import collator_for
@@ -113,14 +112,14 @@ def _check_source(item) -> None:
         UserError: one line naming the field and the fix.
     """
     source = item.source
-    if getattr(source, "streaming", None) is not None:
+    if source.stream_options() is not None:
         raise UserError(
             f"{item.key}.streaming: prepare-data reads the whole source, not a stream; remove "
             f"{item.key}.streaming from the config (or add the override {item.key}.streaming=false)"
         )
-    if source.kind == "prepared":
+    if source.is_pretokenized:
         raise UserError(
-            f"{item.key}: {display_path(source.path)} is already a prepared source (token ids, no text); train "
+            f"{item.key}: {display_path(source.label)} is already a {source.kind} source (token ids, no text); train "
             "from it as it is, or point data.train at the text files it was prepared from"
         )
 
@@ -158,8 +157,8 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
     src = data.sources[0] if data.sources else None
     input_files = None
     if src is not None:
-        file_source = isinstance(cfg.data.sources()[0].source, FileSource)
-        input_files = src.files if src.files is not None else (1 if file_source else None)
+        reads_files = cfg.data.sources()[0].source.reads_files  # a kind reading files: 1 unless sharded
+        input_files = src.files if src.files is not None else (1 if reads_files else None)
     manifest = PreparedManifest(
         columns=roles,
         tokenizer=tokenizer_fingerprint(model.tokenizer),

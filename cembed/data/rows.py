@@ -72,7 +72,7 @@ class TrainingData:
         """The streamed source's :class:`cembed.config.sources.StreamingOptions` (``data.train.streaming``),
         or None: then ``dataset`` holds only its first rows (checked), not what training reads."""
         stream = self.sources[0].stream if len(self.sources) == 1 else None
-        return stream.source.streaming if stream is not None else None
+        return stream.source.stream_options() if stream is not None else None
 
     def source_sizes(self) -> list[int]:
         """Rows of each source, in ``dataset`` order (one entry for a single source)."""
@@ -94,7 +94,7 @@ class LoadedSource:
     prompts: Any = (
         None  # PromptsConfig: its own prompts over data.prompts (data.train.<name>.prompts); None: data.prompts'
     )
-    files: int | None = None  # a sharded file source's file count (None: one file, or not a file source)
+    files: int | None = None  # a sharded source's file count (its loader's count_files; None: one file, or no shards)
     manifest: Any = None  # a prepared source's cembed.data.tokens.format.PreparedManifest (token ids, no text)
     # A streamed source's TrainSource (data.train.streaming): then the rows above are only its first
     # rows, read to check its columns and cells; training reads the stream (cembed.data.batching.windowed).

@@ -1,6 +1,7 @@
-"""``cembed init``: a commented starter config for a model and a data file.
+"""``cembed init``: a commented starter config for a model and a data file (or a source of any kind
+that :attr:`~cembed.config.sources.SourceConfig.can_init`).
 
-:func:`make_starter` reads the file with cembed's own loader (:mod:`cembed.data.sources.registry`), proposes which
+:func:`make_starter` reads the data with cembed's own loader (:mod:`cembed.data.sources.registry`), proposes which
 columns hold the anchor, the positive and hard negatives (by common column names), measures how the
 no-duplicates sampler can batch the rows and suggests a ``per_device_train_batch_size`` it fills leaving
 under 5 % of the rows unused (:func:`propose_batch_size`: the sampler's own placement of epoch 0, texts
@@ -19,13 +20,13 @@ import numpy as np
 
 from cembed.config.columns import ColumnMap
 from cembed.config.schema import ModelConfig
-from cembed.config.sources import FileSource
+from cembed.config.sources import FileSource, SourceConfig, infer_source_kind
 from cembed.data.batching.full_table import build_batches
 from cembed.data.batching.placement import sampler_hashes
 from cembed.data.inspect import inspect_batches
 from cembed.data.load import check_cells, map_columns
 from cembed.data.rows import TrainingData
-from cembed.data.sources.files import load_file
+from cembed.data.sources.registry import load_source
 from cembed.errors import UserError
 from cembed.files import write_new_file
 
@@ -57,7 +58,7 @@ class Starter:
 
     out: Path
     model: str
-    data: Path
+    data: Path | str  # the data file, or a source config's label
     columns: list[str]  # every column of the file
     roles: dict[str, str]  # "anchor"/"positive" -> column
     negatives: list[str]
@@ -72,6 +73,7 @@ class Starter:
     why: str | None = None  # why no batch leaves under MAX_UNUSED_SHARE of the rows unused (None: one does)
     compared_as: str = "raw text"  # how texts were compared (token ids when the model loads)
     text: str = field(repr=False, default="")  # the YAML written
+    source: SourceConfig | None = None  # what data.train holds (None: the file ``data``)
 
 
 def _text_columns(dataset) -> list[str]:
@@ -193,8 +195,23 @@ def propose_batch_size(
     return BatchProposal(size, *tried[size], why)
 
 
-def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
-    """Read ``data``, propose the role mapping and the batch size, and render the starter YAML.
+def _init_source(data: Path | SourceConfig) -> tuple[SourceConfig, Path | str]:
+    """``(source config, how the report names it)`` of ``make_starter``'s ``data``: a path is a file
+    source; a source config of a kind that :attr:`~cembed.config.sources.SourceConfig.can_init`.
+
+    Raises:
+        UserError: a source config of a kind ``init`` cannot read.
+    """
+    if not isinstance(data, SourceConfig):  # the command line's path
+        return FileSource(path=str(data)), Path(data)
+    if not data.can_init:
+        raise UserError(f"{data.label}: cembed init cannot read a {data.kind} source (it proposes text columns)")
+    return data, data.label
+
+
+def make_starter(out: Path, model: str, data: Path | SourceConfig, seed: int = 42) -> Starter:
+    """Read ``data`` (a data file, or a source config of a kind that can be ``init``-ed), propose the
+    role mapping and the batch size, and render the starter YAML.
 
     The batch size is :func:`propose_batch_size`'s, with texts compared as training will compare
     them (:func:`cembed.data.batching.placement.sampler_hashes`: ``model``'s token ids when it loads, raw text
@@ -204,10 +221,11 @@ def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
         UserError: ``out`` exists (never overwritten), the data cannot be read, has too few text
             columns or too few distinct rows (see :func:`suggest_batch_size`).
     """
-    out, data = Path(out), Path(data)
+    out = Path(out)
+    source, data = _init_source(data)
     if out.exists():
         raise UserError(f"{out}: already exists; cembed init never overwrites a file (choose another name)")
-    raw = load_file(FileSource(path=str(data)))
+    raw = load_source(source)
     columns = _text_columns(raw)
     roles, negatives, how = propose_roles(columns)
     column_map = ColumnMap(anchor=roles["anchor"], positive=roles["positive"], negatives=negatives)
@@ -235,6 +253,7 @@ def make_starter(out: Path, model: str, data: Path, seed: int = 42) -> Starter:
         batches=proposal.batches,
         why=proposal.why,
         compared_as=compared,
+        source=source,
     )
     starter.text = render_starter(starter)
     return starter
@@ -245,10 +264,24 @@ def _line(text: str, comment: str = "") -> str:
     return f"{text:<35} # {comment}" if comment else text
 
 
+def _train_yaml(s: Starter) -> tuple[str, str]:
+    """``data.train`` as one YAML value and its comment: the source's fields as given, its path fields
+    relative to the config's folder; a lone path when that path reads back as the same kind."""
+    source = s.source if s.source is not None else FileSource(path=str(s.data))
+    folder = s.out.resolve().parent
+    fields = source.model_dump(mode="json", exclude_unset=True, exclude={"kind"})
+    for name in source.path_fields:
+        if isinstance(fields.get(name), str):
+            fields[name] = os.path.relpath(Path(fields[name]).resolve(), folder)
+    if set(fields) == {"path"} and infer_source_kind(fields["path"], folder) == source.kind:
+        return json.dumps(fields["path"]), "relative to this file"
+    return json.dumps({"kind": source.kind, **fields}), "paths relative to this file"
+
+
 def render_starter(s: Starter) -> str:
     """The starter config as commented YAML; ``data.train`` is relative to the config's folder."""
     q = json.dumps  # a JSON string is a valid YAML scalar, whatever the name holds
-    data_path = os.path.relpath(s.data.resolve(), s.out.resolve().parent)
+    train, where = _train_yaml(s)
     negatives = f"[{', '.join(q(n) for n in s.negatives)}]"
     invalid = (
         ("true", f"{s.rows_invalid} rows have an empty cell; they are skipped and counted")
@@ -258,7 +291,7 @@ def render_starter(s: Starter) -> str:
     trained = s.rows - s.rows_invalid
     share = f"{s.unused / trained:.1%}" if trained else "-"
     lines = [
-        f"# Starter config written by `cembed init` for {s.model} and {s.data.name}",
+        f"# Starter config written by `cembed init` for {s.model} and {Path(s.data).name}",
         f"# ({s.rows} rows; columns {', '.join(s.columns)}). Check the column mapping, then:",
         f"#   cembed validate {s.out}",
         f"#   cembed inspect-data {s.out}",
@@ -269,7 +302,7 @@ def render_starter(s: Starter) -> str:
         _line("  device: auto", "auto | cpu | cuda"),
         _line("  precision: auto", "auto: bf16 on a GPU with bf16, fp32 on CPU | fp32 | bf16 | fp16"),
         "data:",
-        _line(f"  train: {q(data_path)}", "relative to this file"),
+        _line(f"  train: {train}", where),
         _line("  columns:", "data column -> role; every other column is dropped"),
         _line(f"    anchor: {q(s.roles['anchor'])}", f"found {s.how['anchor']}"),
         _line(f"    positive: {q(s.roles['positive'])}", f"found {s.how['positive']}"),

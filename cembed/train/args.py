@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from cembed.config.schema import CembedConfig
-from cembed.data.batching.full_table import NoDuplicatesSampler
 from cembed.data.batching.mixture import SourceMix
+from cembed.data.batching.rules import batch_sampler
 from cembed.distributed.fsdp import fsdp_args
 from cembed.errors import UserError, first_line
 from cembed.plan.precision import trainer_flags
@@ -23,18 +21,16 @@ def build_training_args(
     """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR);
     ``eval_args`` (from :func:`cembed.train.evaluation.training_eval_args`) override the save/eval settings;
     ``fsdp_layers`` (the backbone's layer classes) with ``distributed.strategy: fsdp``;
-    ``sources`` (several training sources): the sampler draws every batch from one source.
+    ``sources`` (several training sources): the mix the batching rule (``sampler.rule``,
+    :func:`cembed.data.batching.rules.batch_sampler`) lays the sources' batches out by.
 
     Raises:
-        UserError: a ``train.report_to`` tracker whose package is missing.
+        UserError: a ``train.report_to`` tracker whose package is missing; an unknown ``sampler.rule``.
     """
     from sentence_transformers import SentenceTransformerTrainingArguments
-    from sentence_transformers.base.sampler import BatchSamplers
 
     t = cfg.train
-    sampler = NoDuplicatesSampler if cfg.sampler.no_duplicates else BatchSamplers.BATCH_SAMPLER
-    if sources is not None and len(sources.names) > 1:
-        sampler = partial(NoDuplicatesSampler, sources=sources, no_duplicates=cfg.sampler.no_duplicates)
+    sampler = batch_sampler(cfg.sampler, sources)
     length = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.num_train_epochs}
     ddp = {}
     if plan.world_size > 1:

@@ -214,6 +214,10 @@ SAFE_TO_CHANGE = (
     "model.gradient_checkpointing",  # exact (the recomputation replays the RNG), memory and speed only
 )
 
+# Fields added after checkpoints were written: a record without one ran as this value runs, so a resume
+# that keeps it is no change (a different value still is).
+ADDED_FIELDS = {"config.sampler.rule": "no_duplicates"}
+
 
 def data_fingerprint(dataset) -> str:
     """Row count and a hash of up to 1,000 evenly spaced rows (the texts as trained)."""
@@ -264,6 +268,7 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
         saved, evaluated or run (:data:`SAFE_TO_CHANGE`).
     """
     a, b = _flat(old), _flat(new)
+    a |= {key: value for key, value in ADDED_FIELDS.items() if key not in a and key in b}
     refused, safe = [], []
     for key in sorted(set(a) | set(b)):
         if a.get(key) == b.get(key):

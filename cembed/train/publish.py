@@ -119,12 +119,13 @@ def describe_training_data(trainer, sources: list, data) -> None:
         entry: dict[str, Any] = {"name": name}
         config = by_name.get(name)
         unnamed = config is not None and name == config.source.default_name()  # no `name` in the config
-        if config is not None and config.source.kind == "hub":
-            entry["id"] = config.source.path
+        hub_id = config.source.hub_id if config is not None else None
+        if hub_id is not None:
+            entry["id"] = hub_id
             if unnamed:  # the hub id names it
-                entry["name"] = config.source.path
-            if config.source.path not in card.datasets:
-                card.datasets.append(config.source.path)
+                entry["name"] = hub_id
+            if hub_id not in card.datasets:
+                card.datasets.append(hub_id)
         elif unnamed:  # packaged data by its cembed:<name>, not its file's name
             entry["name"] = packaged_data_name(getattr(config.source, "path", "")) or name
         entries.append(entry)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from cembed.config.schema import CembedConfig
 from cembed.data.batchable import load_checked_data
 from cembed.data.batching.mixture import SourceMix
+from cembed.data.batching.rules import predicted_by_placement
 from cembed.data.prompts import training_prompts
 from cembed.data.rows import TrainingData, UnloadedData, card_datasets
 from cembed.data.tokens.tokenize import tokenize_stage
@@ -179,7 +180,8 @@ def check_run_inputs(
     """
     plan = check_run_config(cfg, world_size)
     batch = plan.per_device_train_batch_size * plan.world_size
-    data = load_checked_data(cfg.data, batch, cfg.sampler.no_duplicates, allow_unloaded)
+    # The distinct-text check holds for the rule placement predicts (the no-duplicates one, texts compared).
+    data = load_checked_data(cfg.data, batch, predicted_by_placement(cfg.sampler), allow_unloaded)
     if cfg.eval is not None:  # load the eval sets once here so `validate` reports their mistakes
         from cembed.eval.sets import load_eval_sets
         from cembed.train.evaluation import check_metric_name, training_eval_args

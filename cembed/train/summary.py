@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from cembed.data.batching.full_table import NoDuplicatesSampler
+from cembed.data.batching.rules import counted_batches
 from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
 from cembed.files import append_log, write_atomic, write_json_atomic
 from cembed.train.checkpoint import latest_complete
@@ -82,9 +82,9 @@ def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...]
 
 
 def samples_seen(trainer, steps: int, samples_per_step: int) -> int:
-    """Samples the first ``steps`` optimizer steps trained on: the rows of the no-duplicates
-    sampler's batches they took (partial and short batches counted as they are), else
-    ``steps x samples_per_step``."""
+    """Samples the first ``steps`` optimizer steps trained on: the rows of the batches they took when
+    the batching rule counts them (the no-duplicates sampler: partial and short batches counted as
+    they are), else ``steps x samples_per_step``."""
     sampler = _sampler(trainer)
     if sampler is None:
         return steps * samples_per_step
@@ -92,9 +92,8 @@ def samples_seen(trainer, steps: int, samples_per_step: int) -> int:
 
 
 def _sampler(trainer):
-    sampler = trainer.get_train_dataloader().batch_sampler
-    sampler = getattr(sampler, "batch_sampler", sampler)  # accelerate's shard wrapper
-    return sampler if isinstance(sampler, NoDuplicatesSampler) else None
+    """The trainer's batch sampler when its batching rule counts its batches (:func:`counted_batches`), else None."""
+    return counted_batches(trainer.get_train_dataloader().batch_sampler)
 
 
 def source_summary(data, trainer, steps: int | None = None) -> list[dict]:

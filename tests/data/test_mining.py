@@ -194,3 +194,12 @@ def test_mine_coco_with_minilm_then_train(tmp_path, write_config):
     summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 2
     assert list(summary["data"]["columns"]) == ["anchor", "positive", "negative_1", "negative_2"]
+
+
+def test_mining_takes_a_source_config_and_refuses_a_kind_that_cannot_be_mined(tmp_path):
+    from cembed.config.sources import PreparedSource
+
+    with pytest.raises(
+        UserError, match=r"^prep: a prepared source cannot be mined \(mine-negatives reads text pairs\)$"
+    ):
+        mine_negatives(PreparedSource(path="prep"), "m", tmp_path / "o.jsonl")

@@ -172,3 +172,19 @@ def test_starter_takes_either_length_override(tmp_path, tiny_model_dir, override
     }[override]
     # both written, commented: the one to uncomment is in the file
     assert "  # num_train_epochs: 1" in starter.text and f"  # max_steps: {starter.batches}  " in starter.text
+
+
+def test_init_takes_a_source_config_of_a_kind_that_can_be_inited(tmp_path, pairs_file):
+    from conftest import distinct_pairs
+
+    from cembed.config.sources import FileSource, PreparedSource
+
+    data = pairs_file(distinct_pairs(16))
+    starter = make_starter(tmp_path / "c.yaml", "m", FileSource(path=str(data), name="qa"))
+    assert starter.rows == 16 and starter.data == str(data)  # the source's label
+    assert '  train: {"kind": "file", "name": "qa", "path": "pairs.jsonl"}' in starter.text
+    # A prepared folder holds token ids, no text to propose columns from: its kind says so (can_init).
+    with pytest.raises(
+        UserError, match=r"^prep: cembed init cannot read a prepared source \(it proposes text columns\)$"
+    ):
+        make_starter(tmp_path / "d.yaml", "m", PreparedSource(path="prep"))

@@ -248,3 +248,13 @@ def test_resume_may_declare_ignored_columns():
     )
     new["config"]["data"]["columns"]["anchor"] = "query"  # what is trained: still refused
     assert resume_differences(old, new)[0] == ["data.columns.anchor 'anchor' -> 'query'"]
+
+
+def test_a_checkpoint_from_before_sampler_rule_resumes_with_the_default_rule():
+    from cembed.train.preflight import resume_differences
+
+    old = {"config": {"sampler": {"no_duplicates": True}}}
+    new = {"config": {"sampler": {"no_duplicates": True, "rule": "no_duplicates"}}}
+    assert resume_differences(old, new) == ([], [])
+    new["config"]["sampler"]["rule"] = "fixed_order"  # another rule draws other batches: refused
+    assert resume_differences(old, new)[0] == ["sampler.rule 'no_duplicates' -> 'fixed_order'"]

@@ -15,15 +15,16 @@ import torch
 
 from cembed.data.batching.windowed import WindowCounts, windowed_batches
 from cembed.data.identity import TOKEN_SUFFIX, hash_token_ids
-from cembed.data.sources.stream import open_stream
+from cembed.data.sources.registry import open_stream
 from cembed.errors import UserError
 
 
 class StreamingSource:
-    """A file source's rows read as a stream, tokenized on the fly, in windowed no-duplicate batches.
+    """A source's rows read as a stream, tokenized on the fly, in windowed no-duplicate batches.
 
-    The shards are read with ``datasets.load_dataset(builder, data_files=..., streaming=True)``
-    (shards in :func:`cembed.data.sources.files.source_files` order) and split between processes with
+    The source is opened by its kind's ``open_stream`` hook (:func:`cembed.data.sources.registry.open_stream`;
+    a file source: ``datasets.load_dataset(builder, data_files=..., streaming=True)``, shards in
+    :func:`cembed.data.sources.files.source_files` order) and split between processes with
     :func:`datasets.distributed.split_dataset_by_node` (whole shards per rank when the shard count
     divides by ``world_size``, else every ``world_size``-th row). Each chunk of ``read_rows`` rows is
     tokenized with ``tokenizer`` exactly as pre-tokenization does (special tokens, truncation to
@@ -37,7 +38,8 @@ class StreamingSource:
     this process, oldest first).
 
     Args:
-        source: a :class:`cembed.config.sources.FileSource` (a file, a folder, a glob, a list of files).
+        source: a source config whose :meth:`~cembed.config.sources.SourceConfig.stream_options` is set
+            (a :class:`cembed.config.sources.FileSource`: a file, a folder, a glob, a list of files).
         columns: the text columns, in loss order.
         tokenizer: the model's (fast) tokenizer.
         max_seq_length: tokens per text, special tokens included.
@@ -248,7 +250,7 @@ def training_stream(
 
     src = data.sources[0]
     item = src.stream  # the TrainSource
-    options = item.source.streaming
+    options = item.source.stream_options()
     collator = collator_for(model, data.columns, pad_to_multiple_of)
     if collator is None:
         raise UserError(

@@ -67,6 +67,16 @@ def is_sharded(source: FileSource) -> bool:
     return path.is_dir() or (is_glob(source.path) and not path.exists())
 
 
+def shard_count(source: FileSource) -> int | None:
+    """How many files a sharded file source reads (:func:`source_files`), for the run summary and
+    ``validate``; None for one file given as itself (the file kind's ``count_files`` hook).
+
+    Raises:
+        UserError: see :func:`source_files`.
+    """
+    return len(source_files(source)) if is_sharded(source) else None
+
+
 def source_files(source: FileSource) -> list[Path]:
     """The files of a file source, in the order their rows are read: the file itself; a folder's
     data files (recursively) or a glob's matches, sorted by path; a list's files as listed.

@@ -2,10 +2,12 @@
 
 A source kind is a config class in :mod:`cembed.config.sources` (a :class:`~cembed.config.sources.SourceConfig`
 subclass registered with :func:`~cembed.config.sources.register_source_config`: :class:`~cembed.config.sources.FileSource`,
-:class:`~cembed.config.sources.HubSource`, :class:`~cembed.config.sources.BeirSource`) plus a loader here registered
-with :func:`register_source_loader` (in :data:`LOADERS`); :func:`load_source` dispatches on the source's
-``kind``. A file is scanned with the standard library (:func:`cembed.data.sources.diagnose.diagnose_file`) so a malformed one is
-refused with its line, not a parser traceback.
+:class:`~cembed.config.sources.HubSource`, :class:`~cembed.config.sources.BeirSource`,
+:class:`~cembed.config.sources.PreparedSource`) plus a loader here registered with :func:`register_source_loader`
+(in :data:`LOADERS`); :func:`load_source`, :func:`row_locator`, :func:`count_files` and :func:`open_stream`
+dispatch on the source's ``kind``, so no stage asks which kind a source is. A file is scanned with the
+standard library (:func:`cembed.data.sources.diagnose.diagnose_file`) so a malformed one is refused with
+its line, not a parser traceback. A kind may come from a plugin (:mod:`cembed.plugins`).
 """
 
 from __future__ import annotations
@@ -18,41 +20,57 @@ from cembed.config.sources import (
     SourceConfig,
 )
 from cembed.data.sources.beir import load_beir_pairs
-from cembed.data.sources.files import load_file
+from cembed.data.sources.files import load_file, shard_count
 from cembed.data.sources.hub import load_hub
 from cembed.data.sources.locate import file_row_locator, row_number
 from cembed.data.sources.prepared import load_prepared
+from cembed.data.sources.stream import open_file_stream
 
 
 @dataclass(frozen=True)
 class SourceLoader:
-    """How one source kind's data is read.
+    """How one source kind's data is read: ``load`` and the optional hooks of what else the kind can do.
 
     Attributes:
         load: ``(source config) -> datasets.Dataset``; raises :class:`~cembed.errors.UserError` for
-            bad data (naming the source, and the file and line where it can).
+            bad data (naming the source, and the file and line where it can). A kind whose config
+            :attr:`~cembed.config.sources.SourceConfig.is_pretokenized` returns token ids with the
+            manifest as the dataset's ``cembed_manifest``.
         row_locator: ``(source config) -> (0-based row index -> "line N" / "row N")`` for messages
             about one row; ``None``: ``row N`` (1-based).
+        count_files: ``(source config) -> int | None``: how many files the source reads when it
+            names several (shards: ``validate``'s "(N files)", the run summary's ``files``); None
+            for one file. ``None`` (no hook): the kind reads no shards.
+        open_stream: ``(source config) -> datasets.IterableDataset``, its rows in a fixed order, for a
+            kind whose config can ask to be streamed (:meth:`~cembed.config.sources.SourceConfig.stream_options`).
     """
 
     load: Callable[[Any], Any]
     row_locator: Callable[[Any], Callable[[int], str]] | None = None
+    count_files: Callable[[Any], int | None] | None = None
+    open_stream: Callable[[Any], Any] | None = None
 
 
-# kind -> its loader. A new kind of source is one class in cembed.config.data and one entry here.
+# kind -> its loader. A new kind of source is one class in cembed.config.sources and one entry here.
 LOADERS: dict[str, SourceLoader] = {}
 
 
 def register_source_loader(
-    kind: str, load: Callable[[Any], Any], row_locator: Callable[[Any], Callable[[int], str]] | None = None
+    kind: str,
+    load: Callable[[Any], Any],
+    row_locator: Callable[[Any], Callable[[int], str]] | None = None,
+    *,
+    count_files: Callable[[Any], int | None] | None = None,
+    open_stream: Callable[[Any], Any] | None = None,
 ) -> None:
-    """Register the loader (and optionally the row locator, see :class:`SourceLoader`) of the source
+    """Register the loader (and optionally its hooks, see :class:`SourceLoader`) of the source
     kind ``kind`` (the ``kind`` of a class registered with :func:`cembed.config.sources.register_source_config`).
+    Registering the same loader and hooks again is a no-op.
 
     Raises:
         ValueError: ``kind`` already has another loader.
     """
-    entry = SourceLoader(load, row_locator)
+    entry = SourceLoader(load, row_locator, count_files, open_stream)
     if LOADERS.get(kind, entry) != entry:
         raise ValueError(f"source kind {kind!r} already has a loader ({LOADERS[kind].load.__name__})")
     LOADERS[kind] = entry
@@ -88,7 +106,45 @@ def load_source(source: SourceConfig):
     return _loader(source).load(source)
 
 
-register_source_loader("file", load_file, file_row_locator)
+def count_files(source: SourceConfig) -> int | None:
+    """How many files ``source`` reads when it names several (its kind's ``count_files`` hook: a
+    sharded file source's files); None for one file or a kind that reads no shards.
+
+    Raises:
+        UserError: see the kind's hook (:func:`cembed.data.sources.files.source_files`).
+    """
+    count = _loader(source).count_files
+    return count(source) if count is not None else None
+
+
+def open_stream(source: SourceConfig):
+    """``source``'s rows as a ``datasets.IterableDataset`` read lazily in a fixed order, through its
+    kind's ``open_stream`` hook (a file source: :func:`cembed.data.sources.stream.open_file_stream`).
+
+    Raises:
+        UserError: see the kind's hook.
+        TypeError: a kind without the hook (its config must not ask to be streamed).
+    """
+    opener = _loader(source).open_stream
+    if opener is None:
+        raise TypeError(f"source kind {source.kind!r} has no open_stream hook; it cannot be read as a stream")
+    return opener(source)
+
+
+def read_head(source: SourceConfig, rows: int):
+    """The first ``rows`` rows of a source read as a stream (:func:`open_stream`: no shuffle, no
+    split), as an in-memory ``datasets.Dataset``: what ``validate`` and ``train`` check of a streamed
+    source (columns, cells) without reading the rest.
+
+    Raises:
+        UserError: see :func:`open_stream`.
+    """
+    import datasets
+
+    return datasets.Dataset.from_list(list(open_stream(source).take(rows)))
+
+
+register_source_loader("file", load_file, file_row_locator, count_files=shard_count, open_stream=open_file_stream)
 register_source_loader("hub", load_hub)
 register_source_loader("beir", load_beir_pairs)
 register_source_loader("prepared", load_prepared)

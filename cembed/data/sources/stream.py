@@ -1,9 +1,10 @@
-"""A file source read as a stream (``datasets``' streaming loader): its rows in file order, lazily."""
+"""A file source read as a stream (``datasets``' streaming loader): its rows in file order, lazily;
+the file kind's ``open_stream`` hook (:func:`cembed.data.sources.registry.open_stream`)."""
 
 from __future__ import annotations
 
 
-def open_stream(source):
+def open_file_stream(source):
     """A :class:`cembed.config.sources.FileSource`'s files (:func:`cembed.data.sources.files.source_files`
     order) as one ``datasets.IterableDataset``, read lazily in file order.
 
@@ -18,16 +19,3 @@ def open_stream(source):
     builder, kwargs = builder_for(files[0])
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False  # a local file is nobody's download
     return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs)
-
-
-def read_head(source, rows: int):
-    """The first ``rows`` rows of a file source read as a stream (file order, no shuffle, no split),
-    as an in-memory ``datasets.Dataset``: what ``validate`` and ``train`` check of a streamed source
-    (columns, cells) without reading the rest.
-
-    Raises:
-        UserError: see :func:`open_stream`.
-    """
-    import datasets
-
-    return datasets.Dataset.from_list(list(open_stream(source).take(rows)))

@@ -156,6 +156,37 @@ def test_kind_without_path_fields_beside_a_file_source(toy_kinds, tmp_path, writ
     assert data.source_sizes() == [4, 4] and data.source == "inline + file"
 
 
+def test_a_kind_declares_what_it_can_do_in_its_class_and_loader(
+    toy_kinds, tmp_path, write_config, monkeypatch, pairs_file
+):
+    """Capabilities are the kind's class attributes and loader hooks; nothing else names the kind."""
+    from cembed.data.sources.registry import SourceLoader
+
+    pairs = distinct_pairs(6)
+    _separated_file(tmp_path / "pairs.txt", pairs)
+    # A loader's count_files hook: the source reads shards, which validate and the summary count.
+    monkeypatch.setitem(
+        LOADERS, "separated", SourceLoader(load_separated, separated_row_locator, count_files=lambda s: 3)
+    )
+    cfg = load_config(write_config({"data": {"train": {"kind": "separated", "path": "pairs.txt"}}}))
+    data = load_checked_data(cfg.data, global_batch_size=4, no_duplicates=True)
+    assert data.sources[0].files == 3
+    # trains_alone: the config refuses it beside another source, naming its kind.
+    monkeypatch.setattr(SeparatedSource, "trains_alone", True)
+    pairs_file(distinct_pairs(4), name="file.jsonl")
+    both = write_config(
+        {"data": {"train": [{"kind": "separated", "path": "pairs.txt"}, "file.jsonl"]}}, name="two.yaml"
+    )
+    with pytest.raises(UserError, match="train: a separated source trains alone; give it as the only source$"):
+        load_config(both)
+    # is_pretokenized: token ids only, so pretokenize: false is refused.
+    monkeypatch.setattr(SeparatedSource, "trains_alone", False)
+    monkeypatch.setattr(SeparatedSource, "is_pretokenized", True)
+    ids = {"data": {"train": {"kind": "separated", "path": "pairs.txt"}, "pretokenize": False}}
+    with pytest.raises(UserError, match="pretokenize: false, but a separated source holds token ids only"):
+        load_config(write_config(ids, name="ids.yaml"))
+
+
 def test_registries_refuse_a_second_class_or_loader_for_a_kind(toy_kinds):
     class Other(SourceConfig):
         kind: Literal["separated"] = "separated"
