@@ -24,7 +24,6 @@ import shutil
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import xxhash
 
 from cembed.data.identity import HASH_SUFFIX, PROMPT_SUFFIX, TOKEN_SUFFIX, hash_token_ids
 from cembed.data.tokens.collator import PaddingCollator, TokenIdRows, collator_for
-from cembed.files import cache_root
+from cembed.files import cache_root, file_lock
 from cembed.model.fingerprint import tokenizer_fingerprint
 from cembed.model.prompts import prompt_lengths
 
@@ -203,29 +202,6 @@ def _load_entry(path: Path, dataset):
         return None
 
 
-@contextmanager
-def _writer_lock(lock_path: Path):
-    """Hold an exclusive ``flock`` on ``lock_path`` (one writer per entry at a time, across the
-    processes of this machine and of any machine sharing the folder where the file system supports
-    it). The kernel drops the lock of a killed process. Yields whether the lock is held (False where
-    the file system refuses locks: then no stale folder can be told from a live writer's)."""
-    try:
-        import fcntl
-    except ImportError:  # not on a POSIX system
-        yield False
-        return
-    with open(lock_path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # e.g. ENOLCK on a network file system without a lock service
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _watch_progress(folder: Path, total: int, progress, stop: threading.Event) -> None:
     # Sums the row counts the tokenizing processes write into ``folder`` (one file each) and hands
     # the total to ``progress`` twice a second, until ``stop``.
@@ -323,7 +299,7 @@ def pretokenize(
     if loaded is not None:
         return Pretokenized(loaded, roles, path, True)
     root.mkdir(parents=True, exist_ok=True)
-    with _writer_lock(root / f".{key}.lock") as locked:
+    with file_lock(root / f".{key}.lock") as locked:
         loaded = _load_entry(path, dataset)  # another process finished it while this one waited
         if loaded is not None:
             return Pretokenized(loaded, roles, path, True)

@@ -43,7 +43,7 @@ from cembed.data.tokens.format import (
 )
 from cembed.data.tokens.tokenize import matches_model_preprocessing, read_entry
 from cembed.errors import UserError
-from cembed.files import display_path, write_json_atomic
+from cembed.files import display_path, file_lock, write_json_atomic
 
 LOCK = ".lock"
 # Names a preparation writes into DIR (anything else makes DIR someone else's folder).
@@ -170,27 +170,6 @@ def temporary_datasets_cache(folder: Path):
             setattr(datasets.config, n, v)
 
 
-@contextmanager
-def _folder_lock(folder: Path):
-    # An exclusive flock on DIR/.lock (across the nodes sharing DIR where the file system supports it);
-    # where locks are refused the join still runs (the manifest is written atomically either way).
-    try:
-        import fcntl
-    except ImportError:  # not on a POSIX system
-        yield
-        return
-    with open(folder / LOCK, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def check_folder(folder: Path, k: int, n: int, overwrite: bool) -> None:
     """Refuse a folder that holds a finished preparation or other files (unless ``overwrite``), and
     remove what a killed run of this part left."""
@@ -297,7 +276,8 @@ def check_equivalence(model, collator, rows, ids_dir: Path, prompts: dict, name:
 def join_parts(folder: Path, n: int, result: PrepareResult) -> None:
     """Under ``DIR/.lock``: when every part's manifest is there, write the top manifest (parts in K
     order); else record the parts still missing in ``result.waiting``."""
-    with _folder_lock(folder):
+    # Where locks are refused the join still runs (the manifest is written atomically either way).
+    with file_lock(folder / LOCK):
         missing = [k for k in range(n) if not (folder / part_manifest_name(k, n)).exists()]
         if missing:
             result.waiting = missing
