@@ -121,7 +121,8 @@ def test_pretokenized_path_equals_sentence_transformers_collator(prompted_model_
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
     from cembed.data.tokens.collator import collator_for
-    from cembed.data.tokens.tokenize import matches_model_preprocessing, pretokenize
+    from cembed.data.tokens.model_check import matches_model_preprocessing
+    from cembed.data.tokens.tokenize import pretokenize
 
     model = _model(prompted_model_dir, include_prompt)
     roles = ["anchor", "positive", "negative_1"]

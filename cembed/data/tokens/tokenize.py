@@ -11,30 +11,26 @@ The batches are then fetched and padded by :mod:`cembed.data.tokens.collator` (:
 :class:`~cembed.data.tokens.collator.PaddingCollator`), which only pads and stacks the stored ids.
 
 Equivalence with sentence-transformers' own preprocessing (special tokens, lower-casing,
-truncation) is checked on real rows before training (:func:`matches_model_preprocessing`); where it
+truncation) is checked on real rows before training (:func:`cembed.data.tokens.model_check.matches_model_preprocessing`); where it
 does not hold, the caller falls back to tokenizing in the collator.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import shutil
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import torch
 import xxhash
 
-from cembed.data.identity import HASH_SUFFIX, PROMPT_SUFFIX, TOKEN_SUFFIX, hash_token_ids
-from cembed.data.tokens.collator import PaddingCollator, TokenIdRows, collator_for
+from cembed.data.tokens.collator import collator_for
+from cembed.data.tokens.encode import SourcePrompts, id_features, prompt_groups, tokenize_into
+from cembed.data.tokens.model_check import matches_model_preprocessing, prepared_stage
 from cembed.files import cache_root, file_lock
 from cembed.model.fingerprint import tokenizer_fingerprint
 from cembed.model.prompts import prompt_lengths
@@ -53,82 +49,6 @@ def cache_key(
     return xxhash.xxh64_hexdigest("|".join(parts).encode("utf-8"))
 
 
-def _tokenize_batch(
-    batch: dict[str, list],
-    indices: list[int],
-    roles: list[str],
-    tokenizer,
-    max_length: int,
-    starts: list[int],
-    prompts: list[dict[str, str]],
-    lengths: list[dict[str, int]] | None = None,
-) -> pa.Table:
-    # Module level: datasets.map(num_proc>1) pickles it into worker processes. Row ``i`` belongs to
-    # the source whose first row is the last of ``starts`` <= i, and takes that source's prompts; a
-    # null cell (a source without the column) stays null. Returns an arrow table (the ids converted
-    # once, here, and handed to the map's writer as they are): ``<role>_input_ids``, ``<role>_hash``
-    # per role, then ``<role>_prompt_length`` for the roles some source prompts.
-    groups = [bisect.bisect_right(starts, i) - 1 for i in indices]
-    out = {}
-    for role in roles:
-        cells = batch[role]
-        present = [k for k, t in enumerate(cells) if t is not None]
-        texts = [prompts[groups[k]].get(role, "") + cells[k] for k in present]
-        enc = tokenizer(
-            texts,
-            truncation=True,
-            max_length=max_length,
-            add_special_tokens=True,
-            return_attention_mask=False,
-            return_token_type_ids=False,
-        )["input_ids"]
-        ids: list = [None] * len(cells)
-        for k, row_ids in zip(present, enc):
-            ids[k] = row_ids
-        column = pa.array(ids, type=pa.list_(pa.int32()))
-        out[role + TOKEN_SUFFIX] = column
-        skip = [(lengths[g].get(role) or 0) if lengths else 0 for g in groups]
-        out[role + HASH_SUFFIX] = _row_hashes(column, skip)
-    # Each row's source's prompt length (null where it has none), for the roles some source prompts.
-    for role in [r for r in roles if any(r in g for g in lengths or [])]:
-        out[role + PROMPT_SUFFIX] = pa.array([lengths[g].get(role) for g in groups], type=pa.int32())
-    return pa.table(out)
-
-
-def _row_hashes(ids: pa.Array, skip: list[int]) -> pa.Array:
-    # The sampler's hash of each row's ids after its prompt's ``skip`` tokens
-    # (:func:`cembed.data.identity.hash_token_ids`, what ``row_hashes`` computes from the stored
-    # columns), null for a null cell: computed inside the parallel map, so no process has to hash
-    # the whole column later. One vectorised pass over the batch's arrow ids.
-    hashes = hash_token_ids(ids, np.asarray(skip, dtype=np.int64))
-    return pa.array(hashes, type=pa.uint64(), mask=ids.is_null().to_numpy(zero_copy_only=False))
-
-
-@dataclass(frozen=True)
-class SourcePrompts:
-    """One training source's prompts for :func:`pretokenize`: its ``rows`` follow the previous
-    sources' rows in the dataset (``data.train.<name>.prompts``, see :mod:`cembed.model.prompts`)."""
-
-    rows: int
-    prompts: dict[str, str] = field(default_factory=dict)  # role column -> prompt (absent or "": none)
-    lengths: dict[str, int] = field(default_factory=dict)  # role column -> the prompt's token count
-
-
-def _prompt_groups(
-    n: int, roles: list[str], prompts, prompt_lengths, sources: list[SourcePrompts] | None
-) -> list[SourcePrompts]:
-    """The per-source prompts, restricted to ``roles`` and non-empty prompts (one group for the
-    whole dataset when ``sources`` is None)."""
-    groups = sources if sources is not None else [SourcePrompts(n, prompts or {}, prompt_lengths or {})]
-    out = []
-    for g in groups:
-        kept = {r: p for r, p in g.prompts.items() if p and r in roles}
-        out.append(SourcePrompts(g.rows, kept, {r: n for r, n in g.lengths.items() if r in kept}))
-    if sum(g.rows for g in out) != n:
-        raise ValueError(f"the sources' prompts cover {sum(g.rows for g in out)} rows, the dataset {n}")
-    return out
-
-
 @dataclass
 class Pretokenized:
     """A dataset with ``<role>`` text and ``<role>_input_ids`` columns, and where it came from."""
@@ -143,22 +63,6 @@ class Pretokenized:
 # the features (an empty set has no part) and whether the texts are kept. It is written into the temporary folder before the folder is renamed into place, so an
 # entry without it (or an unreadable one) is never used.
 MANIFEST = "cembed_tokenized.json"
-# Rows below which tokenizing stays in this process: starting worker processes (each unpickles the
-# tokenizer) costs more than it saves.
-PARALLEL_MIN_ROWS = 50_000
-
-
-def resolve_num_proc(num_proc: int | str | None, rows: int) -> int:
-    """The tokenizer processes for ``rows`` rows: an int as given; ``"auto"`` (or None): every core
-    this process may run on (``os.sched_getaffinity``) for :data:`PARALLEL_MIN_ROWS` rows or more, else 1."""
-    if isinstance(num_proc, int):
-        return max(1, num_proc)
-    if rows < PARALLEL_MIN_ROWS:
-        return 1
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def read_entry(path: str | Path):
@@ -202,39 +106,6 @@ def _load_entry(path: Path, dataset):
         return None
 
 
-def _watch_progress(folder: Path, total: int, progress, stop: threading.Event) -> None:
-    # Sums the row counts the tokenizing processes write into ``folder`` (one file each) and hands
-    # the total to ``progress`` twice a second, until ``stop``.
-    while not stop.wait(0.5):
-        done = 0
-        for f in folder.glob("[0-9]*"):  # not the ".<pid>" files being written
-            try:
-                done += int(f.read_text() or 0)
-            except (OSError, ValueError):  # being rewritten right now: counted next time
-                pass
-        progress(min(done, total), total)
-
-
-def _tokenize_batch_counted(batch, indices, progress_dir: str | None = None, keep: list[str] = (), **kwargs):
-    # The map function: tokenizes, then records how many rows this process has done (for the
-    # progress bar), in a file of its own. The map writes a returned table as it is (no merge with
-    # the input): the ``keep`` input columns are added to it.
-    out = _tokenize_batch(batch, indices, **kwargs)
-    for name in keep:
-        out = out.append_column(name, pa.array(batch[name]))
-    if progress_dir is not None:
-        global _rows_done
-        _rows_done += len(indices)
-        tmp = os.path.join(progress_dir, f".{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(str(_rows_done))
-        os.replace(tmp, os.path.join(progress_dir, str(os.getpid())))
-    return out
-
-
-_rows_done = 0
-
-
 def pretokenize(
     dataset,
     roles: list[str],
@@ -269,7 +140,7 @@ def pretokenize(
             are kept in :func:`cembed.files.cache_root` ``("tokenized", cache_dir)``, entries keyed
             by ``dataset._fingerprint`` (datasets' content/transform fingerprint) among others.
         num_proc: tokenizer processes (``data.num_proc``): an int, or ``"auto"``/None (every core
-            for 50k+ rows, else 1: :func:`resolve_num_proc`).
+            for 50k+ rows, else 1: :func:`cembed.data.tokens.encode.resolve_num_proc`).
         prompts: ``{role: prompt}`` prepended to the role's texts before tokenizing, as
             sentence-transformers' ``Transformer.preprocess`` does (part of the cache key).
         prompt_lengths: ``{role: tokens}`` (:func:`cembed.model.prompts.prompt_lengths`), stored as a
@@ -285,7 +156,7 @@ def pretokenize(
     Returns:
         :class:`Pretokenized`; ``from_cache`` tells whether tokenization was skipped.
     """
-    groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, sources)
+    groups = prompt_groups(len(dataset), roles, prompts, prompt_lengths, sources)
     prompted = None
     same = all((g.prompts, g.lengths) == (groups[0].prompts, groups[0].lengths) for g in groups)
     if same and groups[0].prompts:  # the key of one set of prompts, as before sources had their own
@@ -323,126 +194,11 @@ def pretokenize(
 def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tmp: Path, progress) -> None:
     # Tokenizes into ``tmp``: the map's own output files are the entry (no second copy), then the
     # manifest that completes it.
-    from datasets import Features, List, Value
-
-    texts = dataset._indices is not None  # a column join would rewrite the whole table (flatten_indices)
-    features = dataset.features.copy() if texts else Features()
-    for role in roles:
-        features[role + TOKEN_SUFFIX] = List(Value("int32"))
-        features[role + HASH_SUFFIX] = Value("uint64")
-    for role in [r for r in roles if any(r in g.lengths for g in groups)]:
-        features[role + PROMPT_SUFFIX] = Value("int32")
-    procs = resolve_num_proc(num_proc, len(dataset))
-    progress_dir = None
-    if progress is not None:
-        progress_dir = tmp / "progress"
-        progress_dir.mkdir()
-    stop = threading.Event()
-    watcher = None
-    if progress is not None:
-        watcher = threading.Thread(
-            target=_watch_progress, args=(progress_dir, len(dataset), progress, stop), daemon=True
-        )
-        watcher.start()
-    global _rows_done
-    _rows_done = 0
-    try:
-        tokenized = dataset.map(
-            _tokenize_batch_counted,
-            batched=True,
-            with_indices=True,
-            batch_size=2048,
-            num_proc=procs if procs > 1 else None,
-            fn_kwargs={
-                "roles": roles,
-                "tokenizer": tokenizer,
-                "max_length": max_seq_length,
-                "starts": [sum(g.rows for g in groups[:i]) for i in range(len(groups))],
-                "prompts": [g.prompts for g in groups],
-                "lengths": [g.lengths for g in groups],
-                "progress_dir": None if progress_dir is None else str(progress_dir),
-                "keep": list(dataset.column_names) if texts else [],
-            },
-            features=features,
-            remove_columns=None if texts else dataset.column_names,
-            cache_file_name=str(tmp / "ids.arrow"),
-            load_from_cache_file=False,
-            desc="Tokenizing",
-        )
-    finally:
-        stop.set()
-        if watcher is not None:
-            watcher.join()
-    if progress_dir is not None:
-        progress(len(dataset), len(dataset))
-        shutil.rmtree(progress_dir, ignore_errors=True)
-    files = [Path(f["filename"]).name for f in tokenized.cache_files]  # none for no rows
-    manifest = {"files": files, "rows": len(tokenized), "texts": texts, "features": tokenized.features.to_dict()}
+    files = tokenize_into(dataset, roles, tokenizer, max_seq_length, tmp, groups, num_proc, progress)
+    features = id_features(dataset, roles, groups)
+    texts = dataset._indices is not None
+    manifest = {"files": files, "rows": len(dataset), "texts": texts, "features": features.to_dict()}
     (tmp / MANIFEST).write_text(json.dumps(manifest))
-
-
-def tokenize_into(
-    dataset,
-    roles: list[str],
-    tokenizer,
-    max_seq_length: int,
-    folder: Path,
-    prompts: dict[str, str] | None = None,
-    prompt_lengths: dict[str, int] | None = None,
-    num_proc: int | str | None = None,
-    progress=None,
-) -> list[str]:
-    """Tokenize ``dataset`` (no indices mapping) with training's map into the existing ``folder``,
-    not cached, texts not kept: Arrow stream files with ``<role>_input_ids``, ``<role>_hash`` and
-    ``<role>_prompt_length`` (prompted roles), as :func:`pretokenize` stores them. Arguments as
-    :func:`pretokenize`'s. Returns the files' names inside ``folder``, in row order (none for no rows).
-
-    Raises:
-        ValueError: ``dataset`` has an indices mapping (flatten it first).
-    """
-    if dataset._indices is not None:
-        raise ValueError("tokenize_into: flatten the dataset's indices first (the map would keep its texts)")
-    if len(dataset) == 0:  # no rows: no file (datasets' map would hand back the input's own files)
-        return []
-    groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, None)
-    _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, Path(folder), progress)
-    return json.loads((Path(folder) / MANIFEST).read_text())["files"]
-
-
-def matches_model_preprocessing(
-    model,
-    collator: PaddingCollator,
-    dataset,
-    rows: int = 64,
-    prompts: dict[str, str] | None = None,
-    sources: list[SourcePrompts] | None = None,
-) -> bool:
-    """Whether padding the stored ids of the first ``rows`` rows (of each source, with ``sources``)
-    gives exactly what ``model.preprocess`` gives for their texts with the role's prompt (ids,
-    attention mask, token types, prompt length), for the columns the source maps, and no batch
-    carries a column its source does not map. The ids are fetched as training fetches them
-    (:class:`TokenIdRows`) and padded to the longest row, as the model pads (``pad_to_multiple_of``
-    is left out)."""
-    plain = replace(collator, pad_to_multiple_of=None)
-    start = 0
-    for group in _prompt_groups(len(dataset), collator.roles, prompts, None, sources):
-        indices = list(range(start, start + min(rows, group.rows)))
-        start += group.rows
-        sample = dataset.select(indices)
-        batch = plain(TokenIdRows(dataset, collator.roles).__getitems__(indices))
-        for role in collator.roles:
-            if sample[0][role] is None:  # a column this source does not map is left out of its batches
-                if any(k.startswith(role + "_") for k in batch):
-                    return False
-                continue
-            prompt = group.prompts.get(role) or None
-            ref = model.preprocess(sample[role], prompt=prompt) if prompt else model.preprocess(sample[role])
-            for key in ("input_ids", "attention_mask", "token_type_ids"):
-                if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"]):
-                    return False
-            if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
-                return False
-    return True
 
 
 def tokenize_stage(
@@ -465,9 +221,7 @@ def tokenize_stage(
     tokenizing): as :func:`pretokenize`'s.
     """
     if getattr(data, "manifest", None) is not None:  # a prepared source: its stored ids, checked against the model
-        from cembed.data.tokens.model_check import prepared_stage
-
-        return prepared_stage(model, data, prompts, pad_to_multiple_of, matches_model_preprocessing)
+        return prepared_stage(model, data, prompts, pad_to_multiple_of)
     roles = data.columns
     if not enabled:
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}

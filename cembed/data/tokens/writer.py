@@ -4,7 +4,7 @@ The config's data stage runs as training runs it (load, column mapping, cell che
 :func:`cembed.data.load.load_training_data`), the model's tokenizer is loaded as training loads it
 (:func:`cembed.model.load.load_model`), the prompts resolved as training resolves them
 (:func:`cembed.data.prompts.training_prompts`), and the rows are tokenized by training's own map
-(:func:`cembed.data.tokens.tokenize.tokenize_into`: every core, the ``<role>_hash`` column computed inside
+(:func:`cembed.data.tokens.encode.tokenize_into`: every core, the ``<role>_hash`` column computed inside
 it). The map's output files are the parts: no text is stored, and datasets' own JSON -> Arrow copy
 of the input lives in a temporary cache inside ``DIR`` that is removed when the run ends.
 
@@ -41,7 +41,7 @@ from cembed.data.tokens.format import (
     part_manifest_name,
     write_manifest,
 )
-from cembed.data.tokens.tokenize import matches_model_preprocessing, read_entry
+from cembed.data.tokens.model_check import matches_model_preprocessing
 from cembed.errors import UserError
 from cembed.files import display_path, file_lock, write_json_atomic
 
@@ -257,15 +257,17 @@ def _stream_rows(path: Path) -> int:
         return sum(b.num_rows for b in pa.ipc.open_stream(source))
 
 
-def check_equivalence(model, collator, rows, ids_dir: Path, prompts: dict, name: str) -> None:
+def check_equivalence(model, collator, rows, ids_dir: Path, files: list[str], prompts: dict, name: str) -> None:
     """Refuse ids that differ from the model's own preprocessing on the first rows (training would
-    fall back to tokenizing the texts, which a prepared source does not have)."""
-    from datasets import concatenate_datasets
+    fall back to tokenizing the texts, which a prepared source does not have). ``files``: the map's
+    files in ``ids_dir``, in row order."""
+    from datasets import Dataset, concatenate_datasets
 
     m = min(SAMPLE_ROWS, len(rows))
     if m == 0:  # a part with no rows (fewer rows than parts)
         return
-    head = concatenate_datasets([rows.select(range(m)), read_entry(ids_dir).select(range(m))], axis=1)
+    ids = concatenate_datasets([Dataset.from_file(str(ids_dir / f)) for f in files])
+    head = concatenate_datasets([rows.select(range(m)), ids.select(range(m))], axis=1)
     if not matches_model_preprocessing(model, collator, head, prompts=prompts):
         raise UserError(
             f"model {name}: the stored ids differ from the model's own preprocessing; a prepared source "

@@ -10,7 +10,8 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
 from cembed.data.tokens.collator import collator_for
-from cembed.data.tokens.tokenize import matches_model_preprocessing, pretokenize
+from cembed.data.tokens.model_check import matches_model_preprocessing
+from cembed.data.tokens.tokenize import pretokenize
 
 ROWS = {
     "anchor": ["A man on a bus.", "two dogs", "the RED car " * 30, "cat", "people at the street, near a table!"],
@@ -123,7 +124,7 @@ def test_meter_interval_arithmetic(monkeypatch):
 def test_num_proc_auto_uses_every_allowed_core_from_50k_rows(monkeypatch):
     import os
 
-    from cembed.data.tokens.tokenize import resolve_num_proc
+    from cembed.data.tokens.encode import resolve_num_proc
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
     assert resolve_num_proc("auto", 50_000) == 12  # no 8-process cap

@@ -11,7 +11,8 @@ from datasets import Dataset
 from sentence_transformers import SentenceTransformer
 
 from cembed.data.identity import HASH_SUFFIX, hash_token_ids, row_hashes
-from cembed.data.tokens.tokenize import SourcePrompts, pretokenize, read_entry
+from cembed.data.tokens.encode import SourcePrompts
+from cembed.data.tokens.tokenize import pretokenize, read_entry
 from cembed.model.prompts import prompt_lengths
 
 ROWS = {

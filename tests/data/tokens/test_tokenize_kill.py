@@ -23,7 +23,7 @@ KILL_AFTER_ROWS = 4096
 KILL_WHILE_TOKENIZING = textwrap.dedent(
     f"""
     import os, signal, sys
-    import cembed.data.tokens.tokenize as T
+    import cembed.data.tokens.encode as T
 
     real, done = T._tokenize_batch, [0]
 
