@@ -38,7 +38,8 @@ from typing import Any
 
 import xxhash
 
-from cembed.errors import UserError
+from cembed.data.identity import TOKEN_SUFFIX
+from cembed.errors import UserError, first_line
 from cembed.files import display_path, write_json_atomic
 
 MANIFEST = "cembed_prepared.json"
@@ -189,3 +190,51 @@ def read_manifest(folder: str | Path) -> PreparedManifest:
     if parts_fingerprint(manifest) != manifest.fingerprint:
         raise UserError(f"{display_path(path)}: fingerprint does not match the parts; prepare it again")
     return manifest
+
+
+def read_parts(folder: str | Path, manifest: PreparedManifest):
+    """The rows of the prepared folder ``folder`` whose manifest is ``manifest`` (from
+    :func:`read_manifest`): each part memory-mapped (``datasets.Dataset.from_file``, no copy),
+    concatenated in the manifest's order, as one ``datasets.Dataset``. The one reader of the format:
+    the ``prepared`` source kind (:func:`cembed.data.sources.prepared.load_prepared`) and the tokenize
+    cache (:func:`cembed.data.tokens.tokenize.pretokenize`) both read through it.
+
+    Raises:
+        UserError: no part; a part that is not an Arrow stream, holds other rows than the manifest
+            says, lacks a role's ``<role>_input_ids`` column or has other columns than the first
+            part's (naming the part).
+    """
+    import datasets
+
+    folder = Path(folder)
+    parts = []
+    for part in manifest.parts:
+        where = f"{display_path(folder)}: part {part.file}"
+        try:
+            table = datasets.Dataset.from_file(str(folder / part.file), in_memory=False)
+        except Exception as err:  # pyarrow's ArrowInvalid and others: not an Arrow stream
+            raise UserError(f"{where}: not an Arrow stream file ({first_line(err, 200)}); prepare it again") from None
+        if len(table) != part.rows:
+            raise UserError(f"{where}: holds {len(table)} rows, the manifest says {part.rows}; prepare it again")
+        missing = [c + TOKEN_SUFFIX for c in manifest.columns if c + TOKEN_SUFFIX not in table.column_names]
+        if missing:
+            raise UserError(
+                f"{where}: no column {missing[0]} (columns: {', '.join(table.column_names)}); prepare it again"
+            )
+        parts.append(table)
+    if not parts:
+        raise UserError(f"{display_path(folder)}: the prepared source has no parts; nothing to train on")
+    for part, table in zip(manifest.parts, parts):
+        if table.features != parts[0].features:
+            raise UserError(
+                f"{display_path(folder)}: part {part.file}'s columns ({', '.join(table.column_names)}) differ from "
+                f"{manifest.parts[0].file}'s ({', '.join(parts[0].column_names)}); prepare it again"
+            )
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def read_folder(folder: str | Path):
+    """``(manifest, rows)`` of the prepared folder ``folder``: :func:`read_manifest`, then
+    :func:`read_parts`. Raises what they raise."""
+    manifest = read_manifest(folder)
+    return manifest, read_parts(folder, manifest)
