@@ -70,6 +70,12 @@ def check_prepared_for_model(model, manifest, where: str, prompts: dict[str, str
         UserError: one line naming the source, the field, the model's value and the source's.
     """
     redo = "or prepare the source again for this model (cembed prepare-data)"
+    if manifest.source_prompts:  # a tokenize-cache entry of sources with prompts of their own
+        raise UserError(
+            f"{where}: its sources were tokenized with prompts of their own, which one run's prompts cannot "
+            "be checked against; train from the text sources it was made from, or prepare one source with "
+            "cembed prepare-data"
+        )
     length = int(model.max_seq_length)
     if length != manifest.max_seq_length:
         raise UserError(

@@ -3,16 +3,22 @@
 Tokenizing 16k pairs per batch in the main process stalls a fast GPU for seconds; padding ids that
 were tokenized ahead of time takes milliseconds. :func:`pretokenize` adds a ``<role>_input_ids``
 column (int32 lists, special tokens included, truncated to ``max_seq_length``) next to each text
-column, with the model's own fast tokenizer, batched and in several processes. The result is saved
-under the cache folder keyed by the data's fingerprint, the tokenizer and ``max_seq_length``, so a
-later run with the same inputs loads it instead of tokenizing again.
+column, with the model's own fast tokenizer, batched and in several processes
+(:mod:`cembed.data.tokens.encode`). The result is saved under the cache folder keyed by the data's
+fingerprint, the tokenizer and ``max_seq_length``, so a later run with the same inputs loads it
+instead of tokenizing again. Each cache entry is a prepared folder (:mod:`cembed.data.tokens.format`),
+written by the same code as ``cembed prepare-data``'s (:func:`cembed.data.tokens.writer.move_parts`,
+:func:`cembed.data.tokens.format.write_manifest`) and read by the same reader
+(:func:`cembed.data.tokens.format.read_folder`); its manifest also names the cache key and the data's
+fingerprint.
 
 The batches are then fetched and padded by :mod:`cembed.data.tokens.collator` (:class:`~cembed.data.tokens.collator.TokenIdRows`,
 :class:`~cembed.data.tokens.collator.PaddingCollator`), which only pads and stacks the stored ids.
 
 Equivalence with sentence-transformers' own preprocessing (special tokens, lower-casing,
-truncation) is checked on real rows before training (:func:`cembed.data.tokens.model_check.matches_model_preprocessing`); where it
-does not hold, the caller falls back to tokenizing in the collator.
+truncation) is checked on real rows before training
+(:func:`cembed.data.tokens.model_check.matches_model_preprocessing`); where it does not hold, the
+caller falls back to tokenizing in the collator.
 """
 
 from __future__ import annotations
@@ -30,13 +36,24 @@ import xxhash
 
 from cembed.data.tokens.collator import collator_for
 from cembed.data.tokens.encode import SourcePrompts, id_features, prompt_groups, tokenize_into
+from cembed.data.tokens.format import (
+    MANIFEST,
+    SAMPLE_ROWS,
+    PreparedManifest,
+    PromptedRows,
+    read_folder,
+    write_manifest,
+)
 from cembed.data.tokens.model_check import matches_model_preprocessing, prepared_stage
+from cembed.data.tokens.writer import move_parts
 from cembed.files import cache_root, file_lock
 from cembed.model.fingerprint import tokenizer_fingerprint
 from cembed.model.prompts import prompt_lengths
 
-# Bump when the stored layout changes, so old caches are not reused.
-FORMAT_VERSION = "3"  # 2: only the new columns, the map's own files, a manifest; 3: <role>_hash
+# Bump when the stored layout changes, so old caches are not reused (they simply miss once).
+# 2: only the new columns, the map's own files, a manifest; 3: <role>_hash; 4: a prepared folder
+# (cembed.data.tokens.format: part-*.arrow and cembed_prepared.json, read by its reader).
+FORMAT_VERSION = "4"
 
 
 def cache_key(
@@ -59,46 +76,23 @@ class Pretokenized:
     from_cache: bool
 
 
-# The file that completes a cache entry: the tokenized parts' file names in row order, the row count,
-# the features (an empty set has no part) and whether the texts are kept. It is written into the temporary folder before the folder is renamed into place, so an
-# entry without it (or an unreadable one) is never used.
-MANIFEST = "cembed_tokenized.json"
-
-
-def read_entry(path: str | Path):
-    """The columns a published cache entry stores (``<role>_input_ids``, ``<role>_hash``, ``<role>_prompt_length``;
-    the texts too where it keeps them), memory-mapped, in row order.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a complete entry (no manifest).
-        ValueError: the parts' row count differs from the manifest's.
-    """
-    from datasets import Dataset, Features, concatenate_datasets
-
-    path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
-    parts = [Dataset.from_file(str(path / name)) for name in manifest["files"]]
-    if not parts:  # no rows: map wrote no file
-        features = Features.from_dict(manifest["features"])
-        return Dataset.from_dict({c: [] for c in features}, features=features)
-    stored = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
-    if stored.num_rows != manifest["rows"]:
-        raise ValueError(f"{path}: {stored.num_rows} rows stored, the manifest says {manifest['rows']}")
-    return stored
-
-
-def _load_entry(path: Path, dataset):
-    """The published entry at ``path`` joined to ``dataset``'s columns, or None (absent, or damaged:
-    then removed, so it is rebuilt rather than trusted)."""
+def _load_entry(path: Path, key: str, dataset):
+    """The published entry at ``path`` (a prepared folder, read by the format's reader:
+    :func:`cembed.data.tokens.format.read_folder`) joined to ``dataset``'s columns, or None: absent,
+    or not an entry of this key and layout (damaged, or an older cembed's: then removed, so it is
+    rebuilt rather than trusted; a writer publishes a complete folder by renaming it, so a folder at
+    ``path`` is never one still being written)."""
     from datasets import concatenate_datasets
 
-    if not (path / MANIFEST).exists():
+    if not path.exists():
         return None
     try:
-        stored = read_entry(path)
+        manifest, stored = read_folder(path)
+        if (manifest.cache_key, manifest.data_fingerprint) != (key, dataset._fingerprint):
+            raise ValueError("another entry")
         if len(stored) != len(dataset):
             raise ValueError("row count")
-        if set(dataset.column_names) <= set(stored.column_names):  # the texts are kept in the entry
+        if manifest.text_columns:  # the entry holds the rows' own columns too
             return stored
         return concatenate_datasets([dataset, stored], axis=1)
     except Exception:
@@ -121,15 +115,19 @@ def pretokenize(
     """Tokenize each role column once (or load the cached result). A null cell (a source that does
     not map the column) stays null.
 
-    The entry is written once: datasets' ``map`` writes the id columns straight into a temporary
-    folder of the cache (no copy in datasets' own cache), which is renamed into place when complete.
-    It holds only the new columns (``<role>_input_ids``, ``<role>_hash``, ``<role>_prompt_length``;
-    ``<role>_hash`` is :func:`cembed.data.identity.hash_token_ids` of the ids without the prompt's
-    tokens, uint64, null for a null cell, computed inside the map): the texts are
-    joined from ``dataset`` when loaded (kept in the entry only when ``dataset`` has an indices
-    mapping, which a column join would rewrite). One process writes an entry at a time (a file lock);
+    The entry is a prepared folder (:mod:`cembed.data.tokens.format`: ``part-*.arrow`` and the typed
+    manifest ``cembed_prepared.json``, whose ``cache_key`` and ``data_fingerprint`` name the entry),
+    written once: datasets' ``map`` writes the id columns straight into a temporary folder of the
+    cache (no copy in datasets' own cache), its files become the parts, the manifest is written
+    last, and the folder is renamed into place when complete. It holds only the new columns
+    (``<role>_input_ids``, ``<role>_hash``, ``<role>_prompt_length``; ``<role>_hash`` is
+    :func:`cembed.data.identity.hash_token_ids` of the ids without the prompt's tokens, uint64, null
+    for a null cell, computed inside the map): the texts are joined from ``dataset`` when loaded
+    (kept in the entry only when ``dataset`` has an indices mapping, which a column join would
+    rewrite; the manifest's ``text_columns`` names them). One process writes an entry at a time (a file lock);
     the next one loads it. A run killed while tokenizing leaves only its temporary folder, removed
-    by the next writer.
+    by the next writer. An entry that does not read (damaged, or an older cembed's layout under this
+    key) is removed and written again. A dataset with no rows is not cached (``cache_path`` None).
 
     Args:
         dataset: a ``datasets.Dataset`` with one text column per role.
@@ -164,14 +162,16 @@ def pretokenize(
     elif not same:
         prompted = {"sources": [[g.rows, g.prompts, g.lengths] for g in groups]}
     key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted)
+    if len(dataset) == 0:
+        return Pretokenized(_with_empty_ids(dataset, roles, groups), roles, None, False)
     root = cache_root("tokenized", cache_dir)
     path = root / key
-    loaded = _load_entry(path, dataset)
+    loaded = _load_entry(path, key, dataset)
     if loaded is not None:
         return Pretokenized(loaded, roles, path, True)
     root.mkdir(parents=True, exist_ok=True)
     with file_lock(root / f".{key}.lock") as locked:
-        loaded = _load_entry(path, dataset)  # another process finished it while this one waited
+        loaded = _load_entry(path, key, dataset)  # another process finished it while this one waited
         if loaded is not None:
             return Pretokenized(loaded, roles, path, True)
         if locked:  # no live writer holds the lock: these are the folders of killed ones
@@ -179,26 +179,51 @@ def pretokenize(
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
-            _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tmp, progress)
+            _write_entry(dataset, key, roles, tokenizer, max_seq_length, groups, num_proc, tmp, progress)
             os.replace(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             if not (path / MANIFEST).exists():
                 raise
-    loaded = _load_entry(path, dataset)
+    loaded = _load_entry(path, key, dataset)
     if loaded is None:
         raise RuntimeError(f"{path}: the tokenized entry just written cannot be read")
     return Pretokenized(loaded, roles, path, False)
 
 
-def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tmp: Path, progress) -> None:
-    # Tokenizes into ``tmp``: the map's own output files are the entry (no second copy), then the
-    # manifest that completes it.
-    files = tokenize_into(dataset, roles, tokenizer, max_seq_length, tmp, groups, num_proc, progress)
-    features = id_features(dataset, roles, groups)
-    texts = dataset._indices is not None
-    manifest = {"files": files, "rows": len(dataset), "texts": texts, "features": features.to_dict()}
-    (tmp / MANIFEST).write_text(json.dumps(manifest))
+def _write_entry(dataset, key: str, roles, tokenizer, max_seq_length, groups, num_proc, tmp: Path, progress) -> None:
+    # Writes the entry into ``tmp`` as prepare-data writes a folder: the map's own files become the
+    # parts (no second copy), then the typed manifest, last, completes it.
+    ids = tmp / "ids"
+    ids.mkdir()
+    files = tokenize_into(dataset, roles, tokenizer, max_seq_length, ids, groups, num_proc, progress)
+    parts = move_parts(ids, files, tmp)
+    shutil.rmtree(ids)
+    same = all(g.prompts == groups[0].prompts for g in groups)
+    head = dataset.select(range(min(SAMPLE_ROWS, len(dataset)))).to_dict()
+    manifest = PreparedManifest(
+        columns=list(roles),
+        tokenizer=tokenizer_fingerprint(tokenizer),
+        max_seq_length=int(max_seq_length),
+        rows=len(dataset),
+        parts=parts,
+        prompts=dict(groups[0].prompts) if same else {},
+        samples={r: head[r] for r in roles},
+        model=getattr(tokenizer, "name_or_path", "") or "",
+        cache_key=key,
+        data_fingerprint=dataset._fingerprint,
+        text_columns=list(dataset.column_names) if dataset._indices is not None else [],
+        source_prompts=[] if same else [PromptedRows(g.rows, dict(g.prompts)) for g in groups],
+    )
+    write_manifest(tmp, manifest)
+
+
+def _with_empty_ids(dataset, roles, groups):
+    # No rows: nothing to tokenize or cache; the id columns are there, empty.
+    from datasets import Dataset, Features
+
+    features = Features({**dataset.features, **id_features(dataset, roles, groups)})
+    return Dataset.from_dict({c: [] for c in features}, features=features)
 
 
 def tokenize_stage(

@@ -1,4 +1,6 @@
-"""Write a prepared source (:mod:`cembed.data.tokens.format`): ``cembed prepare-data CONFIG --output DIR``.
+"""Write a prepared folder (:mod:`cembed.data.tokens.format`): the tokenizing map's files become its
+parts (:func:`move_parts`, shared with the tokenize cache, :mod:`cembed.data.tokens.tokenize`), and
+``cembed prepare-data CONFIG --output DIR``'s folder checks, parts and join.
 
 The config's data stage runs as training runs it (load, column mapping, cell checks:
 :func:`cembed.data.load.load_training_data`), the model's tokenizer is loaded as training loads it
@@ -234,16 +236,26 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
+def move_parts(ids_dir: Path, files: list[str], folder: Path, k: int = 0, n: int = 1) -> list[PreparedPart]:
+    """Move the tokenizing map's files (:func:`cembed.data.tokens.encode.tokenize_into`; ``files``
+    in ``ids_dir``, in row order) into ``folder`` as the parts of part K of N (``part-00000.arrow`` ...
+    for one part), and return them as the manifest lists them. The tokenize cache and
+    ``prepare-data`` both publish their ids through it; the manifest is written after it, last
+    (:func:`cembed.data.tokens.format.write_manifest`)."""
+    names = [_part_file(k, n, i) for i in range(len(files))]
+    for name, new in zip(files, names):
+        os.replace(ids_dir / name, folder / new)
+    return [PreparedPart(f, _stream_rows(folder / f), (folder / f).stat().st_size) for f in names]
+
+
 def publish_part(
     folder: Path, k: int, n: int, ids_dir: Path, files: list[str], manifest: PreparedManifest, procs: int
 ) -> PrepareResult:
     """Move the map's files from ``ids_dir`` into ``folder`` as part K's files (``manifest.parts``
-    filled in) and, with several parts, write part K's manifest, last."""
-    names = [_part_file(k, n, i) for i in range(len(files))]
-    for name, new in zip(files, names):
-        os.replace(ids_dir / name, folder / new)
+    filled in: :func:`move_parts`) and, with several parts, write part K's manifest, last."""
+    manifest.parts = move_parts(ids_dir, files, folder, k, n)
+    names = [p.file for p in manifest.parts]
     paths = [folder / f for f in names]
-    manifest.parts = [PreparedPart(f, _stream_rows(p), p.stat().st_size) for f, p in zip(names, paths)]
     ids = token_bytes(paths, manifest.columns)
     if n > 1:
         envelope = {"part": k, "of": n, "token_bytes": ids, "manifest": manifest.to_json()}
