@@ -3,7 +3,8 @@
 
 The on-disk caches share one root (:func:`cache_root`), one folder per kind::
 
-    <root>/tokenized/<key>/                    pre-tokenized datasets (cembed.data.tokens.tokenize)
+    <root>/tokenized/<key>/                    pre-tokenized datasets, each a prepared folder
+                                               (cembed.data.tokens.tokenize, cembed.data.tokens.format)
     <root>/embeddings/<model>-<corpus>.npy     corpus embeddings of `cembed eval` and of the
                                                evaluation before training (cembed.eval.embedding_cache)
     <root>/mining/<model fingerprint>/         `cembed mine-negatives`' corpus embeddings (cembed.data.mining)
