@@ -1,8 +1,10 @@
-"""Atomic writes (a reader never sees a half-written output file or model folder) and the one cache root.
+"""Atomic writes (a reader never sees a half-written output file or model folder), the one file lock
+(:func:`file_lock`) and the one cache root.
 
 The on-disk caches share one root (:func:`cache_root`), one folder per kind::
 
-    <root>/tokenized/<key>/                    pre-tokenized datasets (cembed.data.tokens.tokenize)
+    <root>/tokenized/<key>/                    pre-tokenized datasets, each a prepared folder
+                                               (cembed.data.tokens.tokenize, cembed.data.tokens.format)
     <root>/embeddings/<model>-<corpus>.npy     corpus embeddings of `cembed eval` and of the
                                                evaluation before training (cembed.eval.embedding_cache)
     <root>/mining/<model fingerprint>/         `cembed mine-negatives`' corpus embeddings (cembed.data.mining)
@@ -19,6 +21,8 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Callable, Literal
 
@@ -93,6 +97,36 @@ def write_atomic(path: str | Path, write: Callable[[IO], None], binary: bool = F
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+@contextmanager
+def file_lock(path: str | Path) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``path`` (created if absent) while the block runs: one holder at
+    a time across the processes of this machine, and of any machine sharing the folder where the file
+    system supports it; the kernel drops the lock of a killed process. The writers of prepared folders
+    and of tokenize-cache entries (:mod:`cembed.data.tokens.writer`, :mod:`cembed.data.tokens.tokenize`)
+    take it.
+
+    Yields:
+        True while the lock is held; False where it cannot be taken (no ``fcntl``: not a POSIX system;
+        or the file system refuses locks, e.g. ENOLCK on a network file system without a lock
+        service): the block then runs unlocked, and must not assume it is alone.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not on a POSIX system
+        yield False
+        return
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def write_new_file(out: Path, text: str) -> Path:

@@ -52,3 +52,41 @@ def test_saved_model_files_get_the_umask_mode_whatever_the_library_wrote(tmp_pat
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644  # not 0o600
     assert stat.S_IMODE((out / "1_Pooling").stat().st_mode) == 0o755
     assert stat.S_IMODE((out / "1_Pooling" / "config.json").stat().st_mode) == 0o644
+
+
+def test_file_lock_is_exclusive_and_runs_unlocked_where_refused(tmp_path, monkeypatch):
+    """The one lock of the folder writers: held -> True (another holder cannot take it); no fcntl, or
+    a file system that refuses locks -> the block still runs, told False."""
+    import builtins
+    import fcntl
+
+    from cembed.files import file_lock
+
+    path = tmp_path / ".lock"
+    with file_lock(path) as held:
+        assert held is True
+        with open(path, "a") as other:  # another open file description: flock excludes it
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(path, "a") as other:  # released at the end of the block
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(other, fcntl.LOCK_UN)
+
+    def refuse(handle, op):
+        raise OSError(37, "No locks available")  # ENOLCK
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    with file_lock(path) as held:
+        assert held is False
+    monkeypatch.undo()
+    real_import = builtins.__import__
+
+    def no_fcntl(name, *args, **kwargs):
+        if name == "fcntl":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fcntl)
+    with file_lock(tmp_path / "other.lock") as held:
+        assert held is False
+    assert not (tmp_path / "other.lock").exists()

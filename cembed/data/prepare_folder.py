@@ -15,12 +15,12 @@ from pathlib import Path
 from cembed.data.load import load_training_data
 from cembed.data.prompts import training_prompts
 from cembed.data.tokens.collator import collator_for
+from cembed.data.tokens.encode import prompt_groups, resolve_num_proc, tokenize_into
 from cembed.data.tokens.format import (
     SAMPLE_ROWS,
     PreparedManifest,
     write_manifest,
 )
-from cembed.data.tokens.tokenize import resolve_num_proc, tokenize_into
 from cembed.data.tokens.writer import (
     PrepareResult,
     check_equivalence,
@@ -150,10 +150,9 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
         rows = rows.flatten_indices()
     procs = resolve_num_proc(cfg.data.num_proc, len(rows))
     ids_dir.mkdir()
-    files = tokenize_into(
-        rows, roles, model.tokenizer, model.max_seq_length, ids_dir, prompts, lengths, procs, progress
-    )
-    check_equivalence(model, collator, rows, ids_dir, prompts, cfg.model.name_or_path)
+    groups = prompt_groups(len(rows), roles, prompts, lengths, None)
+    files = tokenize_into(rows, roles, model.tokenizer, model.max_seq_length, ids_dir, groups, procs, progress)
+    check_equivalence(model, collator, rows, ids_dir, files, prompts, cfg.model.name_or_path)
     src = data.sources[0] if data.sources else None
     input_files = None
     if src is not None:

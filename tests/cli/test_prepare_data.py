@@ -87,7 +87,7 @@ def test_several_sources_are_refused_naming_data_train(tiny_model_dir, write_con
 KILL_WHILE_TOKENIZING = textwrap.dedent(
     """
     import os, signal, sys
-    import cembed.data.tokens.tokenize as T
+    import cembed.data.tokens.encode as T
 
     real, done = T._tokenize_batch, [0]
 

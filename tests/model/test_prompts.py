@@ -121,7 +121,8 @@ def test_pretokenized_path_equals_sentence_transformers_collator(prompted_model_
     from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
     from cembed.data.tokens.collator import collator_for
-    from cembed.data.tokens.tokenize import matches_model_preprocessing, pretokenize
+    from cembed.data.tokens.model_check import matches_model_preprocessing
+    from cembed.data.tokens.tokenize import pretokenize
 
     model = _model(prompted_model_dir, include_prompt)
     roles = ["anchor", "positive", "negative_1"]
@@ -302,9 +303,9 @@ def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir
     assert tok["pretokenized"] is True
     assert tok["prompts"]["anchor"] == {"prompt": "query: ", "from": "model prompt 'query'"}
     assert tok["prompts"]["positive"] == {"prompt": "passage: ", "from": "model prompt 'document'"}
-    from cembed.data.tokens.tokenize import read_entry
+    from cembed.data.tokens.format import read_folder
 
-    stored = read_entry(tok["cache_path"])
+    _, stored = read_folder(tok["cache_path"])
     base = _model(prompted_model_dir)
     base.max_seq_length = 32
     first, text = stored[0], data.dataset[0]["anchor"]

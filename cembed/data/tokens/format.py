@@ -1,4 +1,10 @@
-"""A prepared source: training data already tokenized, stored once as memory-mappable Arrow files.
+"""The one on-disk token-id format, a *prepared folder*: training data already tokenized, stored once
+as memory-mappable Arrow files plus a typed manifest, and its one reader (:func:`read_folder`).
+
+Two writers produce it, both through :mod:`cembed.data.tokens.writer` with the same tokenizing map
+(:func:`cembed.data.tokens.encode.tokenize_into`): ``cembed prepare-data`` (a *prepared source*), and
+the tokenize cache, whose every entry (``<cache root>/tokenized/<key>/``,
+:func:`cembed.data.tokens.tokenize.pretokenize`) is such a folder, its manifest naming the cache key.
 
 Where a corpus outgrows one preparation per run (tens to hundreds of millions of rows), it is
 prepared once -- by ``cembed prepare-data``, or by any engine that writes Arrow (a ``datasets`` map
@@ -26,6 +32,10 @@ Columns of every part, for each role column ``<role>`` of ``columns`` (loss orde
 The fingerprint (:func:`parts_fingerprint`) hashes each part's name, row count and byte size in
 order, with the tokenizer fingerprint, ``max_seq_length``, columns and prompts: every rank computes
 it from what it reads, and ranks that read different data are refused.
+
+Versions: 2 added the tokenize cache's fields (``cache_key``, ``data_fingerprint``, ``text_columns``,
+``source_prompts``; all optional, a prepared source leaves them empty). A version-1 manifest (the
+same fields less those) still reads.
 """
 
 from __future__ import annotations
@@ -38,12 +48,14 @@ from typing import Any
 
 import xxhash
 
-from cembed.errors import UserError
+from cembed.data.identity import TOKEN_SUFFIX
+from cembed.errors import UserError, first_line
 from cembed.files import display_path, write_json_atomic
 
 MANIFEST = "cembed_prepared.json"
 FORMAT = "cembed-prepared"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions this cembed reads: 2 only added optional fields
 # The rows of each source kept as text in the manifest: the equivalence check against the model's
 # own preprocessing, ``validate``'s first row and the model card's examples read them.
 SAMPLE_ROWS = 64
@@ -56,6 +68,15 @@ class PreparedPart:
     file: str  # name inside the prepared folder
     rows: int
     bytes: int
+
+
+@dataclass
+class PromptedRows:
+    """One source's rows and their prompts, in row order (a tokenize-cache entry of several sources
+    whose prompts differ)."""
+
+    rows: int
+    prompts: dict[str, str] = field(default_factory=dict)  # role -> prompt
 
 
 @dataclass
@@ -75,6 +96,11 @@ class PreparedManifest:
     rows_dropped: int = 0
     input_files: int | None = None
     fingerprint: str = ""
+    # The tokenize cache's facts (version 2; empty in a prepared source):
+    cache_key: str = ""  # the entry's key (its folder name: cembed.data.tokens.tokenize.cache_key)
+    data_fingerprint: str = ""  # datasets' fingerprint of the rows it tokenized
+    text_columns: list[str] = field(default_factory=list)  # the rows' own columns the parts also hold
+    source_prompts: list[PromptedRows] = field(default_factory=list)  # per source, where they differ (prompts: {})
     format: str = FORMAT
     version: int = VERSION
 
@@ -86,7 +112,9 @@ class PreparedManifest:
 def parts_fingerprint(manifest: PreparedManifest) -> str:
     """xxh64 (16 hex characters) of the parts (name, rows, bytes, in order), the tokenizer fingerprint,
     ``max_seq_length``, the columns and the prompts: what decides the training rows. Cheap (no file
-    content is read), so every rank recomputes it from what it finds on disk."""
+    content is read), so every rank recomputes it from what it finds on disk. Per-source prompts
+    (``source_prompts``) count where there are some, so a folder without them keeps its version-1
+    fingerprint."""
     key = {
         "parts": [[p.file, p.rows, p.bytes] for p in manifest.parts],
         "tokenizer": manifest.tokenizer,
@@ -94,6 +122,8 @@ def parts_fingerprint(manifest: PreparedManifest) -> str:
         "columns": manifest.columns,
         "prompts": manifest.prompts,
     }
+    if manifest.source_prompts:
+        key["source_prompts"] = [[g.rows, g.prompts] for g in manifest.source_prompts]
     return xxhash.xxh64_hexdigest(json.dumps(key, sort_keys=True).encode("utf-8"))
 
 
@@ -166,9 +196,10 @@ def read_manifest(folder: str | Path) -> PreparedManifest:
         raw = json.loads(path.read_text())
         if raw.get("format") != FORMAT:
             raise ValueError(f"format {raw.get('format')!r}, expected {FORMAT!r}")
-        if raw.get("version") != VERSION:
-            raise ValueError(f"version {raw.get('version')!r}, this cembed reads {VERSION}")
+        if raw.get("version") not in READS:
+            raise ValueError(f"version {raw.get('version')!r}, this cembed reads {' and '.join(map(str, READS))}")
         raw["parts"] = [PreparedPart(**p) for p in raw["parts"]]
+        raw["source_prompts"] = [PromptedRows(**g) for g in raw.get("source_prompts") or []]
         manifest = PreparedManifest(**raw)
     except (ValueError, TypeError, KeyError) as err:
         raise UserError(
@@ -189,3 +220,51 @@ def read_manifest(folder: str | Path) -> PreparedManifest:
     if parts_fingerprint(manifest) != manifest.fingerprint:
         raise UserError(f"{display_path(path)}: fingerprint does not match the parts; prepare it again")
     return manifest
+
+
+def read_parts(folder: str | Path, manifest: PreparedManifest):
+    """The rows of the prepared folder ``folder`` whose manifest is ``manifest`` (from
+    :func:`read_manifest`): each part memory-mapped (``datasets.Dataset.from_file``, no copy),
+    concatenated in the manifest's order, as one ``datasets.Dataset``. The one reader of the format:
+    the ``prepared`` source kind (:func:`cembed.data.sources.prepared.load_prepared`) and the tokenize
+    cache (:func:`cembed.data.tokens.tokenize.pretokenize`) both read through it.
+
+    Raises:
+        UserError: no part; a part that is not an Arrow stream, holds other rows than the manifest
+            says, lacks a role's ``<role>_input_ids`` column or has other columns than the first
+            part's (naming the part).
+    """
+    import datasets
+
+    folder = Path(folder)
+    parts = []
+    for part in manifest.parts:
+        where = f"{display_path(folder)}: part {part.file}"
+        try:
+            table = datasets.Dataset.from_file(str(folder / part.file), in_memory=False)
+        except Exception as err:  # pyarrow's ArrowInvalid and others: not an Arrow stream
+            raise UserError(f"{where}: not an Arrow stream file ({first_line(err, 200)}); prepare it again") from None
+        if len(table) != part.rows:
+            raise UserError(f"{where}: holds {len(table)} rows, the manifest says {part.rows}; prepare it again")
+        missing = [c + TOKEN_SUFFIX for c in manifest.columns if c + TOKEN_SUFFIX not in table.column_names]
+        if missing:
+            raise UserError(
+                f"{where}: no column {missing[0]} (columns: {', '.join(table.column_names)}); prepare it again"
+            )
+        parts.append(table)
+    if not parts:
+        raise UserError(f"{display_path(folder)}: the prepared source has no parts; nothing to train on")
+    for part, table in zip(manifest.parts, parts):
+        if table.features != parts[0].features:
+            raise UserError(
+                f"{display_path(folder)}: part {part.file}'s columns ({', '.join(table.column_names)}) differ from "
+                f"{manifest.parts[0].file}'s ({', '.join(parts[0].column_names)}); prepare it again"
+            )
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def read_folder(folder: str | Path):
+    """``(manifest, rows)`` of the prepared folder ``folder``: :func:`read_manifest`, then
+    :func:`read_parts`. Raises what they raise."""
+    manifest = read_manifest(folder)
+    return manifest, read_parts(folder, manifest)

@@ -1,22 +1,63 @@
-"""Training from a prepared source (:mod:`cembed.data.tokens.format`): its token ids are used as stored,
-after checking they are what this model's own preprocessing gives.
+"""The check that stored token ids are this model's: :func:`matches_model_preprocessing` (padding the
+stored ids of the first rows gives exactly what ``model.preprocess`` gives for their texts), and
+training from a prepared source (:mod:`cembed.data.tokens.format`) with its ids as stored.
 
 A prepared source holds no text, so nothing is tokenized again; in its place
 :func:`prepared_stage` (the pre-tokenization branch of :func:`cembed.data.tokens.tokenize.tokenize_stage`)
 refuses a model whose tokenizer, ``max_seq_length`` or prompts differ from the ones the ids were
 made with, and pads the manifest's sample texts with the model (``model.preprocess``) to compare them
-with the stored ids of the same rows, as :func:`cembed.data.tokens.tokenize.matches_model_preprocessing`
-does for the text path.
+with the stored ids of the same rows, as the text path does after tokenizing.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
-from cembed.data.tokens.collator import collator_for
+import torch
+
+from cembed.data.identity import PROMPT_SUFFIX
+from cembed.data.tokens.collator import PaddingCollator, TokenIdRows, collator_for
+from cembed.data.tokens.encode import SourcePrompts, prompt_groups
 from cembed.errors import UserError
 from cembed.files import display_path
 from cembed.model.fingerprint import tokenizer_fingerprint
+
+
+def matches_model_preprocessing(
+    model,
+    collator: PaddingCollator,
+    dataset,
+    rows: int = 64,
+    prompts: dict[str, str] | None = None,
+    sources: list[SourcePrompts] | None = None,
+) -> bool:
+    """Whether padding the stored ids of the first ``rows`` rows (of each source, with ``sources``)
+    gives exactly what ``model.preprocess`` gives for their texts with the role's prompt (ids,
+    attention mask, token types, prompt length), for the columns the source maps, and no batch
+    carries a column its source does not map. The ids are fetched as training fetches them
+    (:class:`TokenIdRows`) and padded to the longest row, as the model pads (``pad_to_multiple_of``
+    is left out)."""
+    plain = replace(collator, pad_to_multiple_of=None)
+    start = 0
+    for group in prompt_groups(len(dataset), collator.roles, prompts, None, sources):
+        indices = list(range(start, start + min(rows, group.rows)))
+        start += group.rows
+        sample = dataset.select(indices)
+        batch = plain(TokenIdRows(dataset, collator.roles).__getitems__(indices))
+        for role in collator.roles:
+            if sample[0][role] is None:  # a column this source does not map is left out of its batches
+                if any(k.startswith(role + "_") for k in batch):
+                    return False
+                continue
+            prompt = group.prompts.get(role) or None
+            ref = model.preprocess(sample[role], prompt=prompt) if prompt else model.preprocess(sample[role])
+            for key in ("input_ids", "attention_mask", "token_type_ids"):
+                if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"]):
+                    return False
+            if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
+                return False
+    return True
 
 
 def check_prepared_for_model(model, manifest, where: str, prompts: dict[str, str] | None) -> None:
@@ -29,6 +70,12 @@ def check_prepared_for_model(model, manifest, where: str, prompts: dict[str, str
         UserError: one line naming the source, the field, the model's value and the source's.
     """
     redo = "or prepare the source again for this model (cembed prepare-data)"
+    if manifest.source_prompts:  # a tokenize-cache entry of sources with prompts of their own
+        raise UserError(
+            f"{where}: its sources were tokenized with prompts of their own, which one run's prompts cannot "
+            "be checked against; train from the text sources it was made from, or prepare one source with "
+            "cembed prepare-data"
+        )
     length = int(model.max_seq_length)
     if length != manifest.max_seq_length:
         raise UserError(
@@ -57,13 +104,11 @@ def _prompt_field(role: str) -> str:
     return "negatives" if role.startswith("negative_") else role
 
 
-def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_of: int | None, matches):
+def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_of: int | None):
     """:func:`cembed.data.tokens.tokenize.tokenize_stage` for a prepared source (``data.manifest`` set): the
     stored ids, checked (:func:`check_prepared_for_model`, then the manifest's sample texts through
     ``model.preprocess`` against the stored ids of the same first rows). Returns ``(dataset,
     collator, info)`` as ``tokenize_stage`` does; never falls back to tokenizing (there is no text).
-    ``matches``: :func:`cembed.data.tokens.tokenize.matches_model_preprocessing` (passed in by
-    ``tokenize_stage``, which imports this module).
 
     Raises:
         UserError: see :func:`check_prepared_for_model`; a model whose features are not plain token
@@ -92,7 +137,7 @@ def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_
     sample = dataset.select(range(rows))
     for role in roles:
         sample = sample.add_column(role, list(manifest.samples[role][:rows]))
-    if not matches(model, collator, sample, rows=rows, prompts=manifest.prompts or None):
+    if not matches_model_preprocessing(model, collator, sample, rows=rows, prompts=manifest.prompts or None):
         raise UserError(
             f"{where}: the stored token ids of the first {rows} rows differ from the model's own preprocessing "
             "of the manifest's sample texts (another tokenizer, lower-casing or truncation); prepare the source "

@@ -3,45 +3,57 @@
 Tokenizing 16k pairs per batch in the main process stalls a fast GPU for seconds; padding ids that
 were tokenized ahead of time takes milliseconds. :func:`pretokenize` adds a ``<role>_input_ids``
 column (int32 lists, special tokens included, truncated to ``max_seq_length``) next to each text
-column, with the model's own fast tokenizer, batched and in several processes. The result is saved
-under the cache folder keyed by the data's fingerprint, the tokenizer and ``max_seq_length``, so a
-later run with the same inputs loads it instead of tokenizing again.
+column, with the model's own fast tokenizer, batched and in several processes
+(:mod:`cembed.data.tokens.encode`). The result is saved under the cache folder keyed by the data's
+fingerprint, the tokenizer and ``max_seq_length``, so a later run with the same inputs loads it
+instead of tokenizing again. Each cache entry is a prepared folder (:mod:`cembed.data.tokens.format`),
+written by the same code as ``cembed prepare-data``'s (:func:`cembed.data.tokens.writer.move_parts`,
+:func:`cembed.data.tokens.format.write_manifest`) and read by the same reader
+(:func:`cembed.data.tokens.format.read_folder`); its manifest also names the cache key and the data's
+fingerprint.
 
 The batches are then fetched and padded by :mod:`cembed.data.tokens.collator` (:class:`~cembed.data.tokens.collator.TokenIdRows`,
 :class:`~cembed.data.tokens.collator.PaddingCollator`), which only pads and stacks the stored ids.
 
 Equivalence with sentence-transformers' own preprocessing (special tokens, lower-casing,
-truncation) is checked on real rows before training (:func:`matches_model_preprocessing`); where it
-does not hold, the caller falls back to tokenizing in the collator.
+truncation) is checked on real rows before training
+(:func:`cembed.data.tokens.model_check.matches_model_preprocessing`); where it does not hold, the
+caller falls back to tokenizing in the collator.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import shutil
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import torch
 import xxhash
 
-from cembed.data.identity import HASH_SUFFIX, PROMPT_SUFFIX, TOKEN_SUFFIX, hash_token_ids
-from cembed.data.tokens.collator import PaddingCollator, TokenIdRows, collator_for
-from cembed.files import cache_root
+from cembed.data.tokens.collator import collator_for
+from cembed.data.tokens.encode import SourcePrompts, id_features, prompt_groups, tokenize_into
+from cembed.data.tokens.format import (
+    MANIFEST,
+    SAMPLE_ROWS,
+    PreparedManifest,
+    PromptedRows,
+    read_folder,
+    write_manifest,
+)
+from cembed.data.tokens.model_check import matches_model_preprocessing, prepared_stage
+from cembed.data.tokens.writer import move_parts
+from cembed.files import cache_root, file_lock
 from cembed.model.fingerprint import tokenizer_fingerprint
 from cembed.model.prompts import prompt_lengths
 
-# Bump when the stored layout changes, so old caches are not reused.
-FORMAT_VERSION = "3"  # 2: only the new columns, the map's own files, a manifest; 3: <role>_hash
+# Bump when the stored layout changes, so old caches are not reused (they simply miss once).
+# 2: only the new columns, the map's own files, a manifest; 3: <role>_hash; 4: a prepared folder
+# (cembed.data.tokens.format: part-*.arrow and cembed_prepared.json, read by its reader).
+FORMAT_VERSION = "4"
 
 
 def cache_key(
@@ -54,82 +66,6 @@ def cache_key(
     return xxhash.xxh64_hexdigest("|".join(parts).encode("utf-8"))
 
 
-def _tokenize_batch(
-    batch: dict[str, list],
-    indices: list[int],
-    roles: list[str],
-    tokenizer,
-    max_length: int,
-    starts: list[int],
-    prompts: list[dict[str, str]],
-    lengths: list[dict[str, int]] | None = None,
-) -> pa.Table:
-    # Module level: datasets.map(num_proc>1) pickles it into worker processes. Row ``i`` belongs to
-    # the source whose first row is the last of ``starts`` <= i, and takes that source's prompts; a
-    # null cell (a source without the column) stays null. Returns an arrow table (the ids converted
-    # once, here, and handed to the map's writer as they are): ``<role>_input_ids``, ``<role>_hash``
-    # per role, then ``<role>_prompt_length`` for the roles some source prompts.
-    groups = [bisect.bisect_right(starts, i) - 1 for i in indices]
-    out = {}
-    for role in roles:
-        cells = batch[role]
-        present = [k for k, t in enumerate(cells) if t is not None]
-        texts = [prompts[groups[k]].get(role, "") + cells[k] for k in present]
-        enc = tokenizer(
-            texts,
-            truncation=True,
-            max_length=max_length,
-            add_special_tokens=True,
-            return_attention_mask=False,
-            return_token_type_ids=False,
-        )["input_ids"]
-        ids: list = [None] * len(cells)
-        for k, row_ids in zip(present, enc):
-            ids[k] = row_ids
-        column = pa.array(ids, type=pa.list_(pa.int32()))
-        out[role + TOKEN_SUFFIX] = column
-        skip = [(lengths[g].get(role) or 0) if lengths else 0 for g in groups]
-        out[role + HASH_SUFFIX] = _row_hashes(column, skip)
-    # Each row's source's prompt length (null where it has none), for the roles some source prompts.
-    for role in [r for r in roles if any(r in g for g in lengths or [])]:
-        out[role + PROMPT_SUFFIX] = pa.array([lengths[g].get(role) for g in groups], type=pa.int32())
-    return pa.table(out)
-
-
-def _row_hashes(ids: pa.Array, skip: list[int]) -> pa.Array:
-    # The sampler's hash of each row's ids after its prompt's ``skip`` tokens
-    # (:func:`cembed.data.identity.hash_token_ids`, what ``row_hashes`` computes from the stored
-    # columns), null for a null cell: computed inside the parallel map, so no process has to hash
-    # the whole column later. One vectorised pass over the batch's arrow ids.
-    hashes = hash_token_ids(ids, np.asarray(skip, dtype=np.int64))
-    return pa.array(hashes, type=pa.uint64(), mask=ids.is_null().to_numpy(zero_copy_only=False))
-
-
-@dataclass(frozen=True)
-class SourcePrompts:
-    """One training source's prompts for :func:`pretokenize`: its ``rows`` follow the previous
-    sources' rows in the dataset (``data.train.<name>.prompts``, see :mod:`cembed.model.prompts`)."""
-
-    rows: int
-    prompts: dict[str, str] = field(default_factory=dict)  # role column -> prompt (absent or "": none)
-    lengths: dict[str, int] = field(default_factory=dict)  # role column -> the prompt's token count
-
-
-def _prompt_groups(
-    n: int, roles: list[str], prompts, prompt_lengths, sources: list[SourcePrompts] | None
-) -> list[SourcePrompts]:
-    """The per-source prompts, restricted to ``roles`` and non-empty prompts (one group for the
-    whole dataset when ``sources`` is None)."""
-    groups = sources if sources is not None else [SourcePrompts(n, prompts or {}, prompt_lengths or {})]
-    out = []
-    for g in groups:
-        kept = {r: p for r, p in g.prompts.items() if p and r in roles}
-        out.append(SourcePrompts(g.rows, kept, {r: n for r, n in g.lengths.items() if r in kept}))
-    if sum(g.rows for g in out) != n:
-        raise ValueError(f"the sources' prompts cover {sum(g.rows for g in out)} rows, the dataset {n}")
-    return out
-
-
 @dataclass
 class Pretokenized:
     """A dataset with ``<role>`` text and ``<role>_input_ids`` columns, and where it came from."""
@@ -140,123 +76,28 @@ class Pretokenized:
     from_cache: bool
 
 
-# The file that completes a cache entry: the tokenized parts' file names in row order, the row count,
-# the features (an empty set has no part) and whether the texts are kept. It is written into the temporary folder before the folder is renamed into place, so an
-# entry without it (or an unreadable one) is never used.
-MANIFEST = "cembed_tokenized.json"
-# Rows below which tokenizing stays in this process: starting worker processes (each unpickles the
-# tokenizer) costs more than it saves.
-PARALLEL_MIN_ROWS = 50_000
-
-
-def resolve_num_proc(num_proc: int | str | None, rows: int) -> int:
-    """The tokenizer processes for ``rows`` rows: an int as given; ``"auto"`` (or None): every core
-    this process may run on (``os.sched_getaffinity``) for :data:`PARALLEL_MIN_ROWS` rows or more, else 1."""
-    if isinstance(num_proc, int):
-        return max(1, num_proc)
-    if rows < PARALLEL_MIN_ROWS:
-        return 1
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def read_entry(path: str | Path):
-    """The columns a published cache entry stores (``<role>_input_ids``, ``<role>_hash``, ``<role>_prompt_length``;
-    the texts too where it keeps them), memory-mapped, in row order.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a complete entry (no manifest).
-        ValueError: the parts' row count differs from the manifest's.
-    """
-    from datasets import Dataset, Features, concatenate_datasets
-
-    path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
-    parts = [Dataset.from_file(str(path / name)) for name in manifest["files"]]
-    if not parts:  # no rows: map wrote no file
-        features = Features.from_dict(manifest["features"])
-        return Dataset.from_dict({c: [] for c in features}, features=features)
-    stored = parts[0] if len(parts) == 1 else concatenate_datasets(parts)
-    if stored.num_rows != manifest["rows"]:
-        raise ValueError(f"{path}: {stored.num_rows} rows stored, the manifest says {manifest['rows']}")
-    return stored
-
-
-def _load_entry(path: Path, dataset):
-    """The published entry at ``path`` joined to ``dataset``'s columns, or None (absent, or damaged:
-    then removed, so it is rebuilt rather than trusted)."""
+def _load_entry(path: Path, key: str, dataset):
+    """The published entry at ``path`` (a prepared folder, read by the format's reader:
+    :func:`cembed.data.tokens.format.read_folder`) joined to ``dataset``'s columns, or None: absent,
+    or not an entry of this key and layout (damaged, or an older cembed's: then removed, so it is
+    rebuilt rather than trusted; a writer publishes a complete folder by renaming it, so a folder at
+    ``path`` is never one still being written)."""
     from datasets import concatenate_datasets
 
-    if not (path / MANIFEST).exists():
+    if not path.exists():
         return None
     try:
-        stored = read_entry(path)
+        manifest, stored = read_folder(path)
+        if (manifest.cache_key, manifest.data_fingerprint) != (key, dataset._fingerprint):
+            raise ValueError("another entry")
         if len(stored) != len(dataset):
             raise ValueError("row count")
-        if set(dataset.column_names) <= set(stored.column_names):  # the texts are kept in the entry
+        if manifest.text_columns:  # the entry holds the rows' own columns too
             return stored
         return concatenate_datasets([dataset, stored], axis=1)
     except Exception:
         shutil.rmtree(path, ignore_errors=True)
         return None
-
-
-@contextmanager
-def _writer_lock(lock_path: Path):
-    """Hold an exclusive ``flock`` on ``lock_path`` (one writer per entry at a time, across the
-    processes of this machine and of any machine sharing the folder where the file system supports
-    it). The kernel drops the lock of a killed process. Yields whether the lock is held (False where
-    the file system refuses locks: then no stale folder can be told from a live writer's)."""
-    try:
-        import fcntl
-    except ImportError:  # not on a POSIX system
-        yield False
-        return
-    with open(lock_path, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:  # e.g. ENOLCK on a network file system without a lock service
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _watch_progress(folder: Path, total: int, progress, stop: threading.Event) -> None:
-    # Sums the row counts the tokenizing processes write into ``folder`` (one file each) and hands
-    # the total to ``progress`` twice a second, until ``stop``.
-    while not stop.wait(0.5):
-        done = 0
-        for f in folder.glob("[0-9]*"):  # not the ".<pid>" files being written
-            try:
-                done += int(f.read_text() or 0)
-            except (OSError, ValueError):  # being rewritten right now: counted next time
-                pass
-        progress(min(done, total), total)
-
-
-def _tokenize_batch_counted(batch, indices, progress_dir: str | None = None, keep: list[str] = (), **kwargs):
-    # The map function: tokenizes, then records how many rows this process has done (for the
-    # progress bar), in a file of its own. The map writes a returned table as it is (no merge with
-    # the input): the ``keep`` input columns are added to it.
-    out = _tokenize_batch(batch, indices, **kwargs)
-    for name in keep:
-        out = out.append_column(name, pa.array(batch[name]))
-    if progress_dir is not None:
-        global _rows_done
-        _rows_done += len(indices)
-        tmp = os.path.join(progress_dir, f".{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(str(_rows_done))
-        os.replace(tmp, os.path.join(progress_dir, str(os.getpid())))
-    return out
-
-
-_rows_done = 0
 
 
 def pretokenize(
@@ -274,15 +115,19 @@ def pretokenize(
     """Tokenize each role column once (or load the cached result). A null cell (a source that does
     not map the column) stays null.
 
-    The entry is written once: datasets' ``map`` writes the id columns straight into a temporary
-    folder of the cache (no copy in datasets' own cache), which is renamed into place when complete.
-    It holds only the new columns (``<role>_input_ids``, ``<role>_hash``, ``<role>_prompt_length``;
-    ``<role>_hash`` is :func:`cembed.data.identity.hash_token_ids` of the ids without the prompt's
-    tokens, uint64, null for a null cell, computed inside the map): the texts are
-    joined from ``dataset`` when loaded (kept in the entry only when ``dataset`` has an indices
-    mapping, which a column join would rewrite). One process writes an entry at a time (a file lock);
+    The entry is a prepared folder (:mod:`cembed.data.tokens.format`: ``part-*.arrow`` and the typed
+    manifest ``cembed_prepared.json``, whose ``cache_key`` and ``data_fingerprint`` name the entry),
+    written once: datasets' ``map`` writes the id columns straight into a temporary folder of the
+    cache (no copy in datasets' own cache), its files become the parts, the manifest is written
+    last, and the folder is renamed into place when complete. It holds only the new columns
+    (``<role>_input_ids``, ``<role>_hash``, ``<role>_prompt_length``; ``<role>_hash`` is
+    :func:`cembed.data.identity.hash_token_ids` of the ids without the prompt's tokens, uint64, null
+    for a null cell, computed inside the map): the texts are joined from ``dataset`` when loaded
+    (kept in the entry only when ``dataset`` has an indices mapping, which a column join would
+    rewrite; the manifest's ``text_columns`` names them). One process writes an entry at a time (a file lock);
     the next one loads it. A run killed while tokenizing leaves only its temporary folder, removed
-    by the next writer.
+    by the next writer. An entry that does not read (damaged, or an older cembed's layout under this
+    key) is removed and written again. A dataset with no rows is not cached (``cache_path`` None).
 
     Args:
         dataset: a ``datasets.Dataset`` with one text column per role.
@@ -293,7 +138,7 @@ def pretokenize(
             are kept in :func:`cembed.files.cache_root` ``("tokenized", cache_dir)``, entries keyed
             by ``dataset._fingerprint`` (datasets' content/transform fingerprint) among others.
         num_proc: tokenizer processes (``data.num_proc``): an int, or ``"auto"``/None (every core
-            for 50k+ rows, else 1: :func:`resolve_num_proc`).
+            for 50k+ rows, else 1: :func:`cembed.data.tokens.encode.resolve_num_proc`).
         prompts: ``{role: prompt}`` prepended to the role's texts before tokenizing, as
             sentence-transformers' ``Transformer.preprocess`` does (part of the cache key).
         prompt_lengths: ``{role: tokens}`` (:func:`cembed.model.prompts.prompt_lengths`), stored as a
@@ -309,7 +154,7 @@ def pretokenize(
     Returns:
         :class:`Pretokenized`; ``from_cache`` tells whether tokenization was skipped.
     """
-    groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, sources)
+    groups = prompt_groups(len(dataset), roles, prompts, prompt_lengths, sources)
     prompted = None
     same = all((g.prompts, g.lengths) == (groups[0].prompts, groups[0].lengths) for g in groups)
     if same and groups[0].prompts:  # the key of one set of prompts, as before sources had their own
@@ -317,14 +162,16 @@ def pretokenize(
     elif not same:
         prompted = {"sources": [[g.rows, g.prompts, g.lengths] for g in groups]}
     key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted)
+    if len(dataset) == 0:
+        return Pretokenized(_with_empty_ids(dataset, roles, groups), roles, None, False)
     root = cache_root("tokenized", cache_dir)
     path = root / key
-    loaded = _load_entry(path, dataset)
+    loaded = _load_entry(path, key, dataset)
     if loaded is not None:
         return Pretokenized(loaded, roles, path, True)
     root.mkdir(parents=True, exist_ok=True)
-    with _writer_lock(root / f".{key}.lock") as locked:
-        loaded = _load_entry(path, dataset)  # another process finished it while this one waited
+    with file_lock(root / f".{key}.lock") as locked:
+        loaded = _load_entry(path, key, dataset)  # another process finished it while this one waited
         if loaded is not None:
             return Pretokenized(loaded, roles, path, True)
         if locked:  # no live writer holds the lock: these are the folders of killed ones
@@ -332,141 +179,51 @@ def pretokenize(
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
-            _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tmp, progress)
+            _write_entry(dataset, key, roles, tokenizer, max_seq_length, groups, num_proc, tmp, progress)
             os.replace(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             if not (path / MANIFEST).exists():
                 raise
-    loaded = _load_entry(path, dataset)
+    loaded = _load_entry(path, key, dataset)
     if loaded is None:
         raise RuntimeError(f"{path}: the tokenized entry just written cannot be read")
     return Pretokenized(loaded, roles, path, False)
 
 
-def _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, tmp: Path, progress) -> None:
-    # Tokenizes into ``tmp``: the map's own output files are the entry (no second copy), then the
-    # manifest that completes it.
-    from datasets import Features, List, Value
-
-    texts = dataset._indices is not None  # a column join would rewrite the whole table (flatten_indices)
-    features = dataset.features.copy() if texts else Features()
-    for role in roles:
-        features[role + TOKEN_SUFFIX] = List(Value("int32"))
-        features[role + HASH_SUFFIX] = Value("uint64")
-    for role in [r for r in roles if any(r in g.lengths for g in groups)]:
-        features[role + PROMPT_SUFFIX] = Value("int32")
-    procs = resolve_num_proc(num_proc, len(dataset))
-    progress_dir = None
-    if progress is not None:
-        progress_dir = tmp / "progress"
-        progress_dir.mkdir()
-    stop = threading.Event()
-    watcher = None
-    if progress is not None:
-        watcher = threading.Thread(
-            target=_watch_progress, args=(progress_dir, len(dataset), progress, stop), daemon=True
-        )
-        watcher.start()
-    global _rows_done
-    _rows_done = 0
-    try:
-        tokenized = dataset.map(
-            _tokenize_batch_counted,
-            batched=True,
-            with_indices=True,
-            batch_size=2048,
-            num_proc=procs if procs > 1 else None,
-            fn_kwargs={
-                "roles": roles,
-                "tokenizer": tokenizer,
-                "max_length": max_seq_length,
-                "starts": [sum(g.rows for g in groups[:i]) for i in range(len(groups))],
-                "prompts": [g.prompts for g in groups],
-                "lengths": [g.lengths for g in groups],
-                "progress_dir": None if progress_dir is None else str(progress_dir),
-                "keep": list(dataset.column_names) if texts else [],
-            },
-            features=features,
-            remove_columns=None if texts else dataset.column_names,
-            cache_file_name=str(tmp / "ids.arrow"),
-            load_from_cache_file=False,
-            desc="Tokenizing",
-        )
-    finally:
-        stop.set()
-        if watcher is not None:
-            watcher.join()
-    if progress_dir is not None:
-        progress(len(dataset), len(dataset))
-        shutil.rmtree(progress_dir, ignore_errors=True)
-    files = [Path(f["filename"]).name for f in tokenized.cache_files]  # none for no rows
-    manifest = {"files": files, "rows": len(tokenized), "texts": texts, "features": tokenized.features.to_dict()}
-    (tmp / MANIFEST).write_text(json.dumps(manifest))
+def _write_entry(dataset, key: str, roles, tokenizer, max_seq_length, groups, num_proc, tmp: Path, progress) -> None:
+    # Writes the entry into ``tmp`` as prepare-data writes a folder: the map's own files become the
+    # parts (no second copy), then the typed manifest, last, completes it.
+    ids = tmp / "ids"
+    ids.mkdir()
+    files = tokenize_into(dataset, roles, tokenizer, max_seq_length, ids, groups, num_proc, progress)
+    parts = move_parts(ids, files, tmp)
+    shutil.rmtree(ids)
+    same = all(g.prompts == groups[0].prompts for g in groups)
+    head = dataset.select(range(min(SAMPLE_ROWS, len(dataset)))).to_dict()
+    manifest = PreparedManifest(
+        columns=list(roles),
+        tokenizer=tokenizer_fingerprint(tokenizer),
+        max_seq_length=int(max_seq_length),
+        rows=len(dataset),
+        parts=parts,
+        prompts=dict(groups[0].prompts) if same else {},
+        samples={r: head[r] for r in roles},
+        model=getattr(tokenizer, "name_or_path", "") or "",
+        cache_key=key,
+        data_fingerprint=dataset._fingerprint,
+        text_columns=list(dataset.column_names) if dataset._indices is not None else [],
+        source_prompts=[] if same else [PromptedRows(g.rows, dict(g.prompts)) for g in groups],
+    )
+    write_manifest(tmp, manifest)
 
 
-def tokenize_into(
-    dataset,
-    roles: list[str],
-    tokenizer,
-    max_seq_length: int,
-    folder: Path,
-    prompts: dict[str, str] | None = None,
-    prompt_lengths: dict[str, int] | None = None,
-    num_proc: int | str | None = None,
-    progress=None,
-) -> list[str]:
-    """Tokenize ``dataset`` (no indices mapping) with training's map into the existing ``folder``,
-    not cached, texts not kept: Arrow stream files with ``<role>_input_ids``, ``<role>_hash`` and
-    ``<role>_prompt_length`` (prompted roles), as :func:`pretokenize` stores them. Arguments as
-    :func:`pretokenize`'s. Returns the files' names inside ``folder``, in row order (none for no rows).
+def _with_empty_ids(dataset, roles, groups):
+    # No rows: nothing to tokenize or cache; the id columns are there, empty.
+    from datasets import Dataset, Features
 
-    Raises:
-        ValueError: ``dataset`` has an indices mapping (flatten it first).
-    """
-    if dataset._indices is not None:
-        raise ValueError("tokenize_into: flatten the dataset's indices first (the map would keep its texts)")
-    if len(dataset) == 0:  # no rows: no file (datasets' map would hand back the input's own files)
-        return []
-    groups = _prompt_groups(len(dataset), roles, prompts, prompt_lengths, None)
-    _write_entry(dataset, roles, tokenizer, max_seq_length, groups, num_proc, Path(folder), progress)
-    return json.loads((Path(folder) / MANIFEST).read_text())["files"]
-
-
-def matches_model_preprocessing(
-    model,
-    collator: PaddingCollator,
-    dataset,
-    rows: int = 64,
-    prompts: dict[str, str] | None = None,
-    sources: list[SourcePrompts] | None = None,
-) -> bool:
-    """Whether padding the stored ids of the first ``rows`` rows (of each source, with ``sources``)
-    gives exactly what ``model.preprocess`` gives for their texts with the role's prompt (ids,
-    attention mask, token types, prompt length), for the columns the source maps, and no batch
-    carries a column its source does not map. The ids are fetched as training fetches them
-    (:class:`TokenIdRows`) and padded to the longest row, as the model pads (``pad_to_multiple_of``
-    is left out)."""
-    plain = replace(collator, pad_to_multiple_of=None)
-    start = 0
-    for group in _prompt_groups(len(dataset), collator.roles, prompts, None, sources):
-        indices = list(range(start, start + min(rows, group.rows)))
-        start += group.rows
-        sample = dataset.select(indices)
-        batch = plain(TokenIdRows(dataset, collator.roles).__getitems__(indices))
-        for role in collator.roles:
-            if sample[0][role] is None:  # a column this source does not map is left out of its batches
-                if any(k.startswith(role + "_") for k in batch):
-                    return False
-                continue
-            prompt = group.prompts.get(role) or None
-            ref = model.preprocess(sample[role], prompt=prompt) if prompt else model.preprocess(sample[role])
-            for key in ("input_ids", "attention_mask", "token_type_ids"):
-                if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"]):
-                    return False
-            if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
-                return False
-    return True
+    features = Features({**dataset.features, **id_features(dataset, roles, groups)})
+    return Dataset.from_dict({c: [] for c in features}, features=features)
 
 
 def tokenize_stage(
@@ -489,9 +246,7 @@ def tokenize_stage(
     tokenizing): as :func:`pretokenize`'s.
     """
     if getattr(data, "manifest", None) is not None:  # a prepared source: its stored ids, checked against the model
-        from cembed.data.tokens.model_check import prepared_stage
-
-        return prepared_stage(model, data, prompts, pad_to_multiple_of, matches_model_preprocessing)
+        return prepared_stage(model, data, prompts, pad_to_multiple_of)
     roles = data.columns
     if not enabled:
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}

@@ -1,10 +1,12 @@
-"""Write a prepared source (:mod:`cembed.data.tokens.format`): ``cembed prepare-data CONFIG --output DIR``.
+"""Write a prepared folder (:mod:`cembed.data.tokens.format`): the tokenizing map's files become its
+parts (:func:`move_parts`, shared with the tokenize cache, :mod:`cembed.data.tokens.tokenize`), and
+``cembed prepare-data CONFIG --output DIR``'s folder checks, parts and join.
 
 The config's data stage runs as training runs it (load, column mapping, cell checks:
 :func:`cembed.data.load.load_training_data`), the model's tokenizer is loaded as training loads it
 (:func:`cembed.model.load.load_model`), the prompts resolved as training resolves them
 (:func:`cembed.data.prompts.training_prompts`), and the rows are tokenized by training's own map
-(:func:`cembed.data.tokens.tokenize.tokenize_into`: every core, the ``<role>_hash`` column computed inside
+(:func:`cembed.data.tokens.encode.tokenize_into`: every core, the ``<role>_hash`` column computed inside
 it). The map's output files are the parts: no text is stored, and datasets' own JSON -> Arrow copy
 of the input lives in a temporary cache inside ``DIR`` that is removed when the run ends.
 
@@ -41,9 +43,9 @@ from cembed.data.tokens.format import (
     part_manifest_name,
     write_manifest,
 )
-from cembed.data.tokens.tokenize import matches_model_preprocessing, read_entry
+from cembed.data.tokens.model_check import matches_model_preprocessing
 from cembed.errors import UserError
-from cembed.files import display_path, write_json_atomic
+from cembed.files import display_path, file_lock, write_json_atomic
 
 LOCK = ".lock"
 # Names a preparation writes into DIR (anything else makes DIR someone else's folder).
@@ -170,27 +172,6 @@ def temporary_datasets_cache(folder: Path):
             setattr(datasets.config, n, v)
 
 
-@contextmanager
-def _folder_lock(folder: Path):
-    # An exclusive flock on DIR/.lock (across the nodes sharing DIR where the file system supports it);
-    # where locks are refused the join still runs (the manifest is written atomically either way).
-    try:
-        import fcntl
-    except ImportError:  # not on a POSIX system
-        yield
-        return
-    with open(folder / LOCK, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def check_folder(folder: Path, k: int, n: int, overwrite: bool) -> None:
     """Refuse a folder that holds a finished preparation or other files (unless ``overwrite``), and
     remove what a killed run of this part left."""
@@ -255,16 +236,26 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
+def move_parts(ids_dir: Path, files: list[str], folder: Path, k: int = 0, n: int = 1) -> list[PreparedPart]:
+    """Move the tokenizing map's files (:func:`cembed.data.tokens.encode.tokenize_into`; ``files``
+    in ``ids_dir``, in row order) into ``folder`` as the parts of part K of N (``part-00000.arrow`` ...
+    for one part), and return them as the manifest lists them. The tokenize cache and
+    ``prepare-data`` both publish their ids through it; the manifest is written after it, last
+    (:func:`cembed.data.tokens.format.write_manifest`)."""
+    names = [_part_file(k, n, i) for i in range(len(files))]
+    for name, new in zip(files, names):
+        os.replace(ids_dir / name, folder / new)
+    return [PreparedPart(f, _stream_rows(folder / f), (folder / f).stat().st_size) for f in names]
+
+
 def publish_part(
     folder: Path, k: int, n: int, ids_dir: Path, files: list[str], manifest: PreparedManifest, procs: int
 ) -> PrepareResult:
     """Move the map's files from ``ids_dir`` into ``folder`` as part K's files (``manifest.parts``
-    filled in) and, with several parts, write part K's manifest, last."""
-    names = [_part_file(k, n, i) for i in range(len(files))]
-    for name, new in zip(files, names):
-        os.replace(ids_dir / name, folder / new)
+    filled in: :func:`move_parts`) and, with several parts, write part K's manifest, last."""
+    manifest.parts = move_parts(ids_dir, files, folder, k, n)
+    names = [p.file for p in manifest.parts]
     paths = [folder / f for f in names]
-    manifest.parts = [PreparedPart(f, _stream_rows(p), p.stat().st_size) for f, p in zip(names, paths)]
     ids = token_bytes(paths, manifest.columns)
     if n > 1:
         envelope = {"part": k, "of": n, "token_bytes": ids, "manifest": manifest.to_json()}
@@ -278,15 +269,17 @@ def _stream_rows(path: Path) -> int:
         return sum(b.num_rows for b in pa.ipc.open_stream(source))
 
 
-def check_equivalence(model, collator, rows, ids_dir: Path, prompts: dict, name: str) -> None:
+def check_equivalence(model, collator, rows, ids_dir: Path, files: list[str], prompts: dict, name: str) -> None:
     """Refuse ids that differ from the model's own preprocessing on the first rows (training would
-    fall back to tokenizing the texts, which a prepared source does not have)."""
-    from datasets import concatenate_datasets
+    fall back to tokenizing the texts, which a prepared source does not have). ``files``: the map's
+    files in ``ids_dir``, in row order."""
+    from datasets import Dataset, concatenate_datasets
 
     m = min(SAMPLE_ROWS, len(rows))
     if m == 0:  # a part with no rows (fewer rows than parts)
         return
-    head = concatenate_datasets([rows.select(range(m)), read_entry(ids_dir).select(range(m))], axis=1)
+    ids = concatenate_datasets([Dataset.from_file(str(ids_dir / f)) for f in files])
+    head = concatenate_datasets([rows.select(range(m)), ids.select(range(m))], axis=1)
     if not matches_model_preprocessing(model, collator, head, prompts=prompts):
         raise UserError(
             f"model {name}: the stored ids differ from the model's own preprocessing; a prepared source "
@@ -297,7 +290,8 @@ def check_equivalence(model, collator, rows, ids_dir: Path, prompts: dict, name:
 def join_parts(folder: Path, n: int, result: PrepareResult) -> None:
     """Under ``DIR/.lock``: when every part's manifest is there, write the top manifest (parts in K
     order); else record the parts still missing in ``result.waiting``."""
-    with _folder_lock(folder):
+    # Where locks are refused the join still runs (the manifest is written atomically either way).
+    with file_lock(folder / LOCK):
         missing = [k for k in range(n) if not (folder / part_manifest_name(k, n)).exists()]
         if missing:
             result.waiting = missing

@@ -10,7 +10,9 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
 
 from cembed.data.tokens.collator import collator_for
-from cembed.data.tokens.tokenize import matches_model_preprocessing, pretokenize
+from cembed.data.tokens.format import MANIFEST, read_manifest
+from cembed.data.tokens.model_check import matches_model_preprocessing
+from cembed.data.tokens.tokenize import pretokenize
 
 ROWS = {
     "anchor": ["A man on a bus.", "two dogs", "the RED car " * 30, "cat", "people at the street, near a table!"],
@@ -123,7 +125,7 @@ def test_meter_interval_arithmetic(monkeypatch):
 def test_num_proc_auto_uses_every_allowed_core_from_50k_rows(monkeypatch):
     import os
 
-    from cembed.data.tokens.tokenize import resolve_num_proc
+    from cembed.data.tokens.encode import resolve_num_proc
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
     assert resolve_num_proc("auto", 50_000) == 12  # no 8-process cap
@@ -159,8 +161,8 @@ def test_parallel_tokenizing_gives_the_same_ids_and_reports_progress(model, tmp_
     assert result.dataset["anchor_input_ids"] == ref
     assert seen[-1] == (300, 300) and all(t == 300 and 0 <= d <= 300 for d, t in seen)
     files = sorted(p.name for p in result.cache_path.iterdir())
-    parts = [f"ids_{k:05d}_of_{num_proc:05d}.arrow" for k in range(num_proc)] if num_proc > 1 else ["ids.arrow"]
-    assert files == sorted(["cembed_tokenized.json", *parts])
+    parts = [f"part-{k:05d}.arrow" for k in range(num_proc)]  # the map's files, one per process
+    assert files == sorted([MANIFEST, *parts])
     assert [p.name for p in result.cache_path.parent.iterdir() if p.name.startswith(".") and p.is_dir()] == []
 
 
@@ -172,7 +174,7 @@ def test_a_dead_writers_folder_is_removed_and_a_damaged_entry_rebuilt(model, tmp
     stale = entry.parent / f".{entry.name}-killed"  # a writer killed mid-way leaves its folder
     stale.mkdir()
     (stale / "ids.arrow").write_bytes(b"half")
-    (entry / "ids.arrow").write_bytes(b"damaged")
+    (entry / read_manifest(entry).parts[0].file).write_bytes(b"damaged")
     again = pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path)
     assert not again.from_cache and list(again.dataset["anchor_input_ids"]) == ids
     assert not stale.exists()

@@ -11,7 +11,9 @@ from datasets import Dataset
 from sentence_transformers import SentenceTransformer
 
 from cembed.data.identity import HASH_SUFFIX, hash_token_ids, row_hashes
-from cembed.data.tokens.tokenize import SourcePrompts, pretokenize, read_entry
+from cembed.data.tokens.encode import SourcePrompts
+from cembed.data.tokens.format import read_folder
+from cembed.data.tokens.tokenize import pretokenize
 from cembed.model.prompts import prompt_lengths
 
 ROWS = {
@@ -39,7 +41,7 @@ def test_hash_column_without_prompts_equals_hash_of_stored_ids(model, tmp_path):
     ds = Dataset.from_dict(ROWS)
     groups = [SourcePrompts(2, {}, {}), SourcePrompts(3, {}, {})]
     result = pretokenize(ds, ROLES, model.tokenizer, 24, tmp_path, sources=groups)
-    stored = read_entry(result.cache_path)
+    _, stored = read_folder(result.cache_path)
     assert stored.features["anchor" + HASH_SUFFIX].dtype == "uint64"
     for role in ROLES:
         assert stored[role + HASH_SUFFIX] == _expected(stored, role, 0), role
@@ -60,7 +62,7 @@ def test_hash_column_skips_the_prompt_tokens(model, tmp_path):
     result = pretokenize(
         ds, ["anchor", "positive"], model.tokenizer, 24, tmp_path, prompts=prompts, prompt_lengths=lengths
     )
-    stored = read_entry(result.cache_path)
+    _, stored = read_folder(result.cache_path)
     assert stored["anchor_hash"] == _expected(stored, "anchor", np.asarray(stored["anchor_prompt_length"]))
     assert stored["anchor_hash"] != _expected(stored, "anchor", 0)  # the skip matters
     assert stored["positive_hash"] == _expected(stored, "positive", 0)

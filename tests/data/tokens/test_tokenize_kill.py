@@ -13,7 +13,7 @@ import textwrap
 from conftest import REPO
 from safetensors.torch import load_file
 
-from cembed.data.tokens.tokenize import MANIFEST
+from cembed.data.tokens.format import MANIFEST
 
 ROWS = 5000  # three map batches of 2048 rows: the kill lands after two were written
 KILL_AFTER_ROWS = 4096
@@ -23,7 +23,7 @@ KILL_AFTER_ROWS = 4096
 KILL_WHILE_TOKENIZING = textwrap.dedent(
     f"""
     import os, signal, sys
-    import cembed.data.tokens.tokenize as T
+    import cembed.data.tokens.encode as T
 
     real, done = T._tokenize_batch, [0]
 

@@ -10,7 +10,7 @@ import datasets
 import pytest
 from datasets import Dataset, concatenate_datasets
 
-import cembed.data.tokens.tokenize as T
+import cembed.data.tokens.encode as T
 from cembed.config.file import load_config
 from cembed.data.load import load_training_data
 from cembed.data.prepare_folder import prepare_folder
