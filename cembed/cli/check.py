@@ -7,7 +7,6 @@ and ``cembed probe-minibatch`` (the largest ``mini_batch_size`` that fits). Regi
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -79,9 +78,9 @@ def validate_cmd(
     cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
     from transformers.utils import logging as transformers_logging
 
-    from cembed.data.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
     from cembed.data.prepare import model_truncation_report
     from cembed.model.load import load_model, quiet_libraries
+    from cembed.train.facts import run_facts
     from cembed.train.recipe import check_run_inputs
 
     # The summary is validate's output: transformers' "Loading weights" bars (on or off depending on
@@ -100,18 +99,11 @@ def validate_cmd(
         from cembed.data.streaming import check_stream_prompts
 
         check_stream_prompts(truncation.prompts, data.columns, data.sources[0].key)  # what train refuses
-    hashes = None
-    # A stream's batches are made as it is read (the window rule): its first rows say nothing of them.
-    if cfg.sampler.no_duplicates and hasattr(data, "dataset") and not streamed:
-        # Duplicates and batchability judged as the training sampler will judge them (token ids when
-        # training pre-tokenizes), so what validate passes, train does not refuse.
-        hashes, compared = sampler_hashes(data, cfg.model, cfg.data, model=model)
-        check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
-    unplaced = (
-        unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes) if hashes is not None else ()
-    )
-    found = (*getattr(data, "warnings", ()), *unplaced)
-    report = validation_report(cfg, plan, data, truncation, found)
+    # With the model, duplicates and batchability are judged as the training sampler will judge them
+    # (token ids when training pre-tokenizes), so what validate passes, train does not refuse.
+    facts = run_facts(cfg, plan, data, model=model, attention=getattr(truncation, "attention", None))
+    found = (*getattr(data, "warnings", ()), *facts.warnings)
+    report = validation_report(cfg, plan, data, facts, truncation, found)
     if as_json:  # stdout holds the JSON alone, for `| jq`
         typer.echo(json.dumps(report, indent=2))
         return
@@ -279,16 +271,13 @@ def _source_shown(source: dict) -> str:
     return display_path(source["path"]) + (f" ({files} files)" if files else "")
 
 
-def _batches(rows: int, batch: int, drop_last: bool) -> int:
-    return rows // batch if drop_last else -(-rows // batch)
-
-
-def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = ()) -> dict:
+def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, ...] = ()) -> dict:
     """What ``cembed validate`` found, as JSON-ready values (``--json`` prints it, the summary renders it).
 
     Args:
         cfg: the loaded config; plan: its :class:`cembed.plan.resolve.Plan`.
         data: a :class:`cembed.data.prepare.PreparedData`, or ``UnloadedData`` (hub offline).
+        facts: the run's :class:`cembed.train.facts.RunFacts` (batches, steps, warmup).
         truncation: a :class:`cembed.data.prepare.ModelTruncation`, or the UserError that kept the
             model from loading (then ``model.load_error`` holds it and the model's facts are None).
         warnings: the findings beside the plan's own warnings (data, unplaceable rows).
@@ -301,12 +290,8 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
         ``train.max_steps``, else epochs x ``ceil(batches / accumulation)``; None when the rows are
         unknown (unloaded hub data).
     """
-    from cembed.data.mixture import SourceMix
-
     loaded = hasattr(data, "dataset")
     model_ok = not isinstance(truncation, Exception)
-    batch = plan.per_device_train_batch_size * plan.world_size
-    drop = cfg.batch.drop_last or plan.world_size > 1
     if loaded:
         roles = dict(data.roles)
         sources = [
@@ -318,16 +303,13 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
                 "rows_dropped": s.rows_dropped,
                 "rows": s.rows,
                 "columns": s.roles,
-                "batches_per_epoch": _batches(s.rows, batch, drop),
+                "batches_per_epoch": batches,
             }
-            for s in data.sources
+            for s, batches in zip(data.sources, facts.source_batches)
         ]
-        per_source = [s["batches_per_epoch"] for s in sources] or [_batches(len(data.dataset), batch, drop)]
-        batches = len(SourceMix.from_data(data, cfg.data.sampling).schedule(per_source))
         first = data.first_row()
         stream = data.streamed
         if stream is not None:  # only the first rows were read: nothing is counted
-            batches = sources[0]["batches_per_epoch"] = None
             sources[0] |= {"rows_read": None, "rows_dropped": None, "rows": None, "rows_checked": data.rows_read}
         data_facts = {
             "loaded": True,
@@ -335,7 +317,7 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
             "rows_read": None if stream else data.rows_read,
             "rows_dropped": None if stream else data.rows_dropped,
             "rows": None if stream else len(data.dataset),
-            "batches_per_epoch": batches,
+            "batches_per_epoch": facts.batches_per_epoch,
             "sampling": cfg.data.sampling.resolved_strategy if len(sources) > 1 else None,
             "sources": sources,
             "first_row": first,
@@ -344,17 +326,8 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
         columns = cfg.data.sources()[0].columns
         roles = {"anchor": columns.anchor, "positive": columns.positive}
         roles |= {f"negative_{i + 1}": n for i, n in enumerate(columns.negatives)}
-        batches = None
         data_facts = {"loaded": False, "source": data.source, "reason": data.reason, "batches_per_epoch": None}
-    accumulation = plan.gradient_accumulation_steps
-    per_epoch = max(1, -(-batches // accumulation)) if batches else None
-    if cfg.train.max_steps:
-        total, length = cfg.train.max_steps, "train.max_steps"
-    else:
-        epochs = cfg.train.num_train_epochs
-        total = math.ceil(epochs * per_epoch) if per_epoch else None
-        length = f"train.num_train_epochs: {epochs:g}"
-    warmup = math.ceil(total * cfg.optim.warmup_ratio) if total is not None else None
+    steps = facts.steps
     trunc = None
     if model_ok:
         trunc = {
@@ -385,15 +358,15 @@ def validation_report(cfg, plan, data, truncation, warnings: tuple[str, ...] = (
         "batch": {
             "per_device_train_batch_size": plan.per_device_train_batch_size,
             "world_size": plan.world_size,
-            "gradient_accumulation_steps": accumulation,
+            "gradient_accumulation_steps": plan.gradient_accumulation_steps,
             "samples_per_step": plan.samples_per_step,
             "mini_batch_size": plan.mini_batch_size if plan.mini_batch_size is not None else "auto",
             "mini_batch_num_tokens": plan.mini_batch_num_tokens,
             "gather_across_devices": plan.gather_across_devices,
-            "drop_last": drop,
+            "drop_last": facts.drop_last,
         },
         "learning_rate": {"effective": plan.learning_rate, "derivation": plan.lr_derivation},
-        "steps": {"total": total, "from": length, "per_epoch": per_epoch, "warmup": warmup},
+        "steps": {"total": steps.total, "from": steps.total_from, "per_epoch": steps.per_epoch, "warmup": steps.warmup},
         "device": {
             "device": plan.device,
             "precision": plan.precision,

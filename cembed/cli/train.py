@@ -87,8 +87,8 @@ def train_cmd(
     except UserError as err:
         record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
         raise
-    from cembed.data.placement import unplaceable_warnings
     from cembed.distributed.group import dist_info, is_worker, leave_process_group
+    from cembed.train.facts import run_facts
     from cembed.train.recipe import check_run_inputs, run_training
 
     if is_worker() and world is not None:
@@ -111,9 +111,7 @@ def train_cmd(
     display = RichRunDisplay(out)
     try:
         plan, data = check_run_inputs(cfg)
-        # only the no-duplicates sampler leaves rows it cannot place; a plain sampler places every row
-        no_dups = cfg.sampler.no_duplicates and data.streamed is None  # a stream's batches are not known ahead
-        unplaced = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed) if no_dups else ()
+        facts = run_facts(cfg, plan, data)  # the rows the no-duplicates sampler cannot place
         summary = run_training(
             cfg,
             plan,
@@ -123,7 +121,7 @@ def train_cmd(
             resume_from=resume_from,
             overwrite=overwrite,
             max_memory=max_memory,
-            warnings=unplaced,
+            warnings=facts.warnings,
         )
     except RunInterrupted as stop:
         leave_process_group()  # every rank stopped at the same step (InterruptCallback)
