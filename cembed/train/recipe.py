@@ -12,7 +12,7 @@
 
 Nothing here reads the YAML again: the config's sections and the resolved :class:`~cembed.plan.resolve.Plan`
 are passed down. Nothing here prints either: what a run shows goes to the :class:`RunDisplay` it is
-handed (``cembed train``: :class:`cembed.cli.train.RichRunDisplay`; by default :class:`QuietRunDisplay`).
+handed (``cembed train``: :class:`cembed.cli.display.run.RichRunDisplay`; by default :class:`QuietRunDisplay`).
 In a multi-process job every rank runs the recipe; only rank 0 prints, saves the model and writes
 the summary.
 """
