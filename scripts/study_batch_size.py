@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_display(console):
     """What ``cembed train`` prints for a run (probe, header, components) on ``console``, without the progress bar."""
-    from cembed.cli.train import RichRunDisplay
+    from cembed.cli.display.run import RichRunDisplay
 
     return RichRunDisplay(console, progress=False)
 

@@ -1,9 +1,10 @@
 """The ``cembed`` command line: the Typer app and one registration line per command.
 
-Each command lives with its options, body and rendering in its group's module: :mod:`cembed.cli.check`
-(validate, inspect-data, probe-minibatch), :mod:`cembed.cli.train` (train), :mod:`cembed.cli.prepare`
-(init, suggest-lr, mine-negatives), :mod:`cembed.cli.prepare_data` (prepare-data) and :mod:`cembed.cli.eval` (eval); what they share is in
-:mod:`cembed.cli.common`. A new command is a function in its group's module and one line here.
+Each command is a module of :mod:`cembed.cli.commands` holding its options and body (validate,
+inspect_data, probe_minibatch, init, suggest_lr, mine_negatives, train, estimate, eval, sweep,
+prepare_data); the rendering several commands share and the training run's display are in
+:mod:`cembed.cli.display`; what every command shares is in :mod:`cembed.cli.common`. A new command
+is a module in ``commands/`` and one line here.
 
 User mistakes (:class:`cembed.errors.UserError`) print one or two lines in red and exit with code 2.
 Every command answers ``-h``/``--help`` with its examples last (the ``*_EXAMPLES`` beside each
@@ -17,8 +18,19 @@ import sys
 
 import typer
 
-from cembed.cli import check, estimate, prepare, prepare_data, sweep, train
-from cembed.cli import eval as evaluate
+from cembed.cli.commands import (
+    estimate,
+    init,
+    inspect_data,
+    mine_negatives,
+    prepare_data,
+    probe_minibatch,
+    suggest_lr,
+    sweep,
+    train,
+    validate,
+)
+from cembed.cli.commands import eval as evaluate
 from cembed.cli.common import err_console, user_errors
 
 app = typer.Typer(
@@ -52,14 +64,18 @@ def _options(
     del version  # handled eagerly by its callback
 
 
-app.command("suggest-lr", epilog=prepare.SUGGEST_LR_EXAMPLES)(user_errors(prepare.suggest_lr_cmd))
-app.command("validate", epilog=check.VALIDATE_EXAMPLES)(user_errors(check.validate_cmd))
-app.command("init", epilog=prepare.INIT_EXAMPLES)(user_errors(prepare.init_cmd))
-app.command("inspect-data", epilog=check.INSPECT_DATA_EXAMPLES)(user_errors(check.inspect_data_cmd))
+app.command("suggest-lr", epilog=suggest_lr.SUGGEST_LR_EXAMPLES)(user_errors(suggest_lr.suggest_lr_cmd))
+app.command("validate", epilog=validate.VALIDATE_EXAMPLES)(user_errors(validate.validate_cmd))
+app.command("init", epilog=init.INIT_EXAMPLES)(user_errors(init.init_cmd))
+app.command("inspect-data", epilog=inspect_data.INSPECT_DATA_EXAMPLES)(user_errors(inspect_data.inspect_data_cmd))
 app.command("train", epilog=train.TRAIN_EXAMPLES)(user_errors(train.train_cmd))
-app.command("probe-minibatch", epilog=check.PROBE_MINIBATCH_EXAMPLES)(user_errors(check.probe_minibatch_cmd))
+app.command("probe-minibatch", epilog=probe_minibatch.PROBE_MINIBATCH_EXAMPLES)(
+    user_errors(probe_minibatch.probe_minibatch_cmd)
+)
 app.command("eval", epilog=evaluate.EVAL_EXAMPLES)(user_errors(evaluate.eval_cmd))
-app.command("mine-negatives", epilog=prepare.MINE_NEGATIVES_EXAMPLES)(user_errors(prepare.mine_negatives_cmd))
+app.command("mine-negatives", epilog=mine_negatives.MINE_NEGATIVES_EXAMPLES)(
+    user_errors(mine_negatives.mine_negatives_cmd)
+)
 app.command("estimate", epilog=estimate.ESTIMATE_EXAMPLES)(user_errors(estimate.estimate_cmd))
 app.command("sweep", epilog=sweep.SWEEP_EXAMPLES)(user_errors(sweep.sweep_cmd))
 app.command("prepare-data", epilog=prepare_data.PREPARE_DATA_EXAMPLES)(user_errors(prepare_data.prepare_data_cmd))

@@ -1,9 +1,10 @@
 """What every command module shares: the consoles, the config argument and its overrides, the
 UserError handler, config loading, and the lines and plan every command may print.
 
-Command modules import only the standard library, typer, rich and this module at import time; the
-rest of cembed (torch, transformers, datasets) is imported inside each command, so ``cembed --help``
-stays fast.
+Command and display modules import only the standard library, typer, rich, cembed's light modules
+(errors, files, samples) and the CLI's own modules at import time; the rest of cembed (torch,
+transformers, datasets) is imported inside each command, so ``cembed --help`` stays fast
+(``tests/test_structure.py`` checks it).
 """
 
 from __future__ import annotations

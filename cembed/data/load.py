@@ -1,6 +1,6 @@
 """Training data: load the source (:mod:`cembed.data.sources.registry`), map its columns to roles, check every cell.
 
-The output is a :class:`PreparedData` whose ``dataset`` has exactly the columns the loss embeds, in
+The output is a :class:`TrainingData` whose ``dataset`` has exactly the columns the loss embeds, in
 order: ``anchor``, ``positive``, then ``negative_1`` ... ``negative_k``. Nothing unnamed survives,
 so nothing unnamed is embedded.
 

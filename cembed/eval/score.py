@@ -16,7 +16,7 @@ Queries and STS sentences are encoded through sentence-transformers' ``truncate_
 encoded (or read from the cache) once at full size and sliced, so the cache keeps full-size embeddings.
 
 The metrics come from :mod:`cembed.eval.evaluators` (sentence-transformers' evaluators).
-Nothing here prints; :mod:`cembed.cli.eval` shows the :class:`EvalReport` and :class:`DimsReport`.
+Nothing here prints; :mod:`cembed.cli.commands.eval` shows the :class:`EvalReport` and :class:`DimsReport`.
 """
 
 from __future__ import annotations

@@ -164,6 +164,12 @@ def encoder_shape(model) -> tuple[int, int, int]:
     return n, layers, width
 
 
+def forward_passes(cached: bool) -> int:
+    """Forward-pass equivalents per row of a step: 4 for a loss that caches gradients (a no-grad
+    forward, then forward and backward), 3 for one forward/backward (a backward costs two forwards)."""
+    return 4 if cached else 3
+
+
 def build_flop_model(model, cached: bool, precision: str, device: str, peak_tflops: float | None = None) -> FlopModel:
     """The :class:`FlopModel` of a run.
 
@@ -175,7 +181,7 @@ def build_flop_model(model, cached: bool, precision: str, device: str, peak_tflo
         peak_tflops: ``train.peak_tflops``: the peak in TFLOP/s per device, overriding the table.
     """
     n, layers, width = encoder_shape(model)
-    passes = 4 if cached else 3
+    passes = forward_passes(cached)
     if peak_tflops is not None:
         peak, source = peak_tflops * 1e12, "train.peak_tflops"
     elif device.startswith("cuda") and torch.cuda.is_available():

@@ -1,6 +1,8 @@
 """``cembed train`` as a recipe: named stages, each a function of the previous stage's output.
 
     check_run_inputs   config -> (Plan, TrainingData)              (also all that ``validate`` checks)
+    run_facts          (Plan, TrainingData) -> RunFacts: batches, steps, warmup, unplaceable rows, loss path
+                       (:mod:`cembed.train.facts`; the caller hands its warnings to run_training)
     prepare_output     output folder, resume point, run log        -> RunDir
     resolve_runtime    process group, device, mini_batch_size: auto -> the final Plan
     build_components   model, tokenized data, collator, loss, evaluation -> Components
@@ -10,7 +12,7 @@
 
 Nothing here reads the YAML again: the config's sections and the resolved :class:`~cembed.plan.resolve.Plan`
 are passed down. Nothing here prints either: what a run shows goes to the :class:`RunDisplay` it is
-handed (``cembed train``: :class:`cembed.cli.train.RichRunDisplay`; by default :class:`QuietRunDisplay`).
+handed (``cembed train``: :class:`cembed.cli.display.run.RichRunDisplay`; by default :class:`QuietRunDisplay`).
 In a multi-process job every rank runs the recipe; only rank 0 prints, saves the model and writes
 the summary.
 """
@@ -648,8 +650,8 @@ def run_training(
         overwrite: allow an ``output_dir`` that already holds a finished model.
         max_memory: memory budget for ``batch.mini_batch_size: auto`` (e.g. ``8GiB``).
         trainer_cls: the trainer class (tests pass a subclass of :class:`CembedTrainer`).
-        warnings: the caller's findings before training (the CLI's rows the sampler cannot place,
-            :func:`cembed.data.batching.placement.unplaceable_warnings`), printed and recorded with the plan's
+        warnings: the caller's findings before training (the rows the sampler cannot place:
+            :attr:`cembed.train.facts.RunFacts.warnings`), printed and recorded with the plan's
             warnings, the data's and the changes a resume applies.
 
     Returns:

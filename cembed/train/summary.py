@@ -38,7 +38,7 @@ def versions() -> dict[str, str]:
 def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...] = ()) -> dict:
     """The entries every ``run_summary.json`` has, whether the run completes, fails or stops.
 
-    Args: the recipe's stages' outputs (CembedConfig, Plan, PreparedData, Components, RunDir, Run),
+    Args: the recipe's stages' outputs (CembedConfig, Plan, TrainingData, Components, RunDir, Run),
     and the run's findings beside the plan's warnings (data, unplaceable rows, resume changes): the
     ``plan`` entry's ``warnings`` lists both.
     """

@@ -12,6 +12,11 @@ whose parameter ``factor`` is enqueued and asked; a finished (COMPLETE) trial is
 and not trained again, a trial left RUNNING by a killed process is marked FAIL and trained again.
 One process runs a sweep at a time: a RUNNING trial found at the start is taken to be a dead one.
 
+Each trial's run is checked as ``cembed train`` checks it (:func:`cembed.train.recipe.check_run_inputs`,
+then :func:`cembed.train.facts.run_facts`): the rows the no-duplicates sampler cannot place are handed
+to the run as warnings (its ``run_summary.json`` records them) and kept in the trial's record
+(``SweepTrial.warnings``, ``sweep.json``).
+
 Because every LR rule is linear in ``optim.learning_rate`` (the LR at ``base_batch_size``), the
 effective LR x factor is the effective LR of ``optim.learning_rate`` x factor; that config value is
 the override the sweep recommends. Nothing here prints.
@@ -32,6 +37,7 @@ from cembed.eval.sets import load_eval_sets
 from cembed.files import write_json_atomic
 from cembed.plan.resolve import resolve_plan
 from cembed.train.evaluation import check_metric_name, greater_is_better, headline_keys, metric_names
+from cembed.train.facts import run_facts
 from cembed.train.recipe import check_run_inputs, run_training
 
 STUDY_NAME = "lr-sweep"
@@ -77,6 +83,9 @@ class SweepTrial:
     output_dir: str
     trained_now: bool  # False: a COMPLETE trial read back from the study
     edge: bool = False  # the extra factor beyond an edge
+    # What the run found before training (RunFacts.warnings: rows the no-duplicates sampler cannot
+    # place), handed to the run as `cembed train` hands them; also in its run_summary.json.
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +106,11 @@ class SweepResult:
     ran: list[float] = field(default_factory=list)  # factors trained by this call
 
     @property
+    def warnings(self) -> list[str]:
+        """The trials' warnings, each once, in trial order (every trial trains the same rows)."""
+        return list(dict.fromkeys(w for t in self.trials for w in t.warnings))
+
+    @property
     def override(self) -> str:
         """The chosen LR as a config override (the value at ``optim.base_batch_size``)."""
         return f"optim.learning_rate={self.best.config_learning_rate:.6g}"
@@ -113,6 +127,7 @@ class SweepResult:
             "trials": [asdict(t) for t in self.trials],
             "best": asdict(self.best),
             "override": self.override,
+            "warnings": self.warnings,
             "study": {"storage": self.storage, "name": STUDY_NAME},
             "trained_this_call": self.ran,
         }
@@ -195,6 +210,7 @@ def completed_trials(study, metric: str, steps: int) -> dict[str, SweepTrial]:
             output_dir=a["output_dir"],
             trained_now=False,
             edge=a.get("edge", False),
+            warnings=list(a.get("warnings", [])),
         )
     return done
 
@@ -269,9 +285,10 @@ def run_sweep(
         trial = study.ask(_space())
         try:
             trial_plan, data = check_run_inputs(trial_cfg)
+            facts = run_facts(trial_cfg, trial_plan, data)
             if on_trial:
                 on_trial("start", factor, trial_plan.learning_rate)
-            summary = run_training(trial_cfg, trial_plan, data)
+            summary = run_training(trial_cfg, trial_plan, data, warnings=facts.warnings)
         except BaseException:
             study.tell(trial, state=TrialState.FAIL)
             raise
@@ -285,6 +302,7 @@ def run_sweep(
             output_dir=str(run_dir),
             trained_now=True,
             edge=edge,
+            warnings=list(facts.warnings),
         )
         if summary["eval"].get("before"):  # the base model's score: the same for every trial; kept for reruns
             study.set_user_attr(f"before:{chosen}", float(summary["eval"]["before"][chosen]))

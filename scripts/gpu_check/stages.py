@@ -329,7 +329,7 @@ def stage_sticky(ctx: dict, work: Path) -> dict:
 def run_display():
     """What ``cembed train`` prints for a run (probe, header, components), without the progress bar."""
     from cembed.cli.common import make_console
-    from cembed.cli.train import RichRunDisplay
+    from cembed.cli.display.run import RichRunDisplay
 
     return RichRunDisplay(make_console(), progress=False)
 
@@ -494,7 +494,7 @@ def stage_estimate(ctx: dict, work: Path) -> dict:
     passes when the prediction is within 15 % of the run's ``wall_time_s``. With ``--quick`` the
     steps are too short to time (a few hundred ms on a shared CPU): the error is reported, not judged;
     ``scripts/bench_estimate.py`` is the CPU check."""
-    from cembed.cli.estimate import build_estimate
+    from cembed.cli.commands.estimate import build_estimate
     from cembed.train.recipe import check_run_inputs, run_training
 
     b, steps = ctx["batch"], 2 * ctx["steps"]

@@ -39,7 +39,7 @@ def test_importing_the_cli_loads_no_training_library():
 
 
 def test_rich_run_display_without_progress_prints_only_what_the_run_is():
-    from cembed.cli.train import RichRunDisplay
+    from cembed.cli.display.run import RichRunDisplay
 
     console = Console(record=True, width=200)
     display = RichRunDisplay(console, progress=False)
@@ -53,7 +53,7 @@ def test_rich_run_display_without_progress_prints_only_what_the_run_is():
 def test_rich_run_display_progress_is_a_trainer_callback():
     from transformers import TrainerCallback
 
-    from cembed.cli.train import RichProgress, RichRunDisplay
+    from cembed.cli.display.run import RichProgress, RichRunDisplay
     from cembed.train.trainer import RunLog
 
     console = Console(record=True, width=200)

@@ -1,4 +1,4 @@
-"""The progress bar of ``cembed train`` (cembed.cli.train.RichProgress) driven by hand on a fake
+"""The progress bar of ``cembed train`` (cembed.cli.display.run.RichProgress) driven by hand on a fake
 clock: where it starts, each step's loss and LR, the ETA from the first step, this process's rate;
 the lines for a resume, a signal and an abandoned run."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from cembed.cli.train import RichRunDisplay, abandoned_message
+from cembed.cli.display.run import RichRunDisplay, abandoned_message
 from cembed.files import display_path
 from cembed.train.meter import StepClock
 from cembed.train.trainer import RunLog, RunLogCallback, progress_line
@@ -114,7 +114,7 @@ def _done_summary(counts, earlier=()):
 def test_done_prints_the_streams_counts_and_warns_when_many_rows_were_dropped():
     """4,096 rows read from a sorted file in file order (shuffle_buffer 0): 2,289 dropped; the
     closing lines say so and suggest a shuffle buffer. Under 5 % dropped: the counts, no warning."""
-    from cembed.cli.train import print_done
+    from cembed.cli.display.run import print_done
 
     console = Console(record=True, width=400)
     counts = {"rows_read": 4096, "placed": 1800, "dropped": 2289, "left_at_end": 7}

@@ -10,7 +10,7 @@ import pytest
 from conftest import COCO_HELDOUT, COCO_PAIRS, REPO, TESTS_DATA
 from rich.console import Console
 
-from cembed.cli.train import eval_change_rows, print_eval_change
+from cembed.cli.display.run import eval_change_rows, print_eval_change
 from cembed.config.file import load_config
 from cembed.errors import UserError
 from cembed.eval.sets import load_beir

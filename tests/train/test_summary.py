@@ -16,7 +16,7 @@ import pytest
 from conftest import distinct_pairs
 from datasets import Dataset
 
-from cembed.cli.train import eval_change_rows
+from cembed.cli.display.run import eval_change_rows
 from cembed.config.file import config_from_dict, load_config
 from cembed.data.batching.full_table import NoDuplicatesSampler
 from cembed.data.batching.mixture import SourceMix

@@ -182,3 +182,31 @@ def test_cli_an_interrupted_trial_says_how_to_resume(tmp_path, tiny_model_dir, m
     config = _config(tmp_path, tiny_model_dir)
     res = CliRunner().invoke(app, ["sweep", str(config), "--steps", "1", "--out", str(tmp_path / "s")])
     assert res.exit_code == 143 and "rerun the same command" in res.output and "Traceback" not in res.output
+
+
+def test_trials_carry_the_unplaceable_row_warnings_train_would_show(tmp_path, tiny_model_dir, monkeypatch):
+    """Each trial is checked as ``cembed train`` checks it: the rows the no-duplicates sampler cannot
+    place are handed to its run, kept in its record (sweep.json, the study) and printed once."""
+    config = _config(tmp_path, tiny_model_dir)
+    # 16 rows, 4 of them sharing one positive: a duplicate-free batch of 8 holds one of those, so one
+    # batch is built and the other 8 rows are left out
+    rows = [{"anchor": f"question {i}", "positive": "a shared answer" if i < 4 else f"answer {i}"} for i in range(16)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    handed = []
+
+    def fake_run(cfg, plan, data, *args, warnings=(), **kwargs):  # the trial's run, without training
+        handed.append(warnings)
+        return {"step_losses": [[1, 0.5]], "eval": {"before": None, "after": {"sts_spearman_cosine": 0.5}}}
+
+    monkeypatch.setattr(S, "run_training", fake_run)
+    res = CliRunner().invoke(
+        app, ["sweep", str(config), "--lr-factors", "1", "--steps", "1", "--out", str(tmp_path / "s")]
+    )
+    assert res.exit_code == 0, res.output
+    (warning,) = handed[0]
+    assert warning.startswith("8 of 16 rows cannot be placed in a duplicate-free batch of 8 (1 batches per epoch)")
+    data = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert [t["warnings"] for t in data["trials"]] == [[warning]] and data["warnings"] == [warning]
+    assert res.output.count("warning: 8 of 16 rows cannot be placed") == 1
+    again = S.run_sweep(config, [1.0], steps=1, out=tmp_path / "s")  # read back from the study
+    assert len(handed) == 1 and again.trials[0].trained_now is False and again.trials[0].warnings == [warning]

@@ -42,7 +42,7 @@ def prepare_data_cmd(
     if part == "auto" and local_rank != 0:  # torchrun with several processes per node: one prepares
         console.print(f"local rank {local_rank}: node {k_n[0]}'s part is prepared by its local rank 0", highlight=False)
         return
-    from cembed.cli.train import TokenizeBar
+    from cembed.cli.display.run import TokenizeBar
 
     bar = TokenizeBar(console) if console.is_terminal else None
     try:

@@ -68,19 +68,20 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     """
     from transformers.utils import logging as transformers_logging
 
-    from cembed.cli.check import validation_report
     from cembed.data.identity import TOKEN_SUFFIX
     from cembed.data.tokens.tokenize import tokenize_stage
     from cembed.model.load import load_model, weight_dtypes
     from cembed.train import estimate as est
+    from cembed.train.facts import run_facts
     from cembed.train.flops import encoder_shape
     from cembed.train.recipe import check_run_inputs
 
     transformers_logging.disable_progress_bar()
     plan, data = check_run_inputs(cfg, world)
-    facts = validation_report(cfg, plan, data, UserError("not loaded by estimate"))
-    steps = facts["steps"]
     model = load_model(cfg.model, "cpu", seed=cfg.train.seed)  # on CPU: a GPU target never loads CUDA
+    # rows / batch, not the sampler's placement: the estimate counts what the rows allow
+    facts = run_facts(cfg, plan, data, model=model, placement=False)
+    steps, path = facts.steps, facts.loss
     dataset, collator, info = tokenize_stage(
         model, data, True, cfg.data.cache_dir, None, cfg.batch.pad_to_multiple_of, num_proc=cfg.data.num_proc
     )
@@ -90,24 +91,17 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     lengths = {
         c.removesuffix(TOKEN_SUFFIX): [len(x) if x is not None else None for x in dataset[c]] for c in id_columns
     }
-    cached = cfg.loss.uses_gradient_cache
-    mini = plan.mini_batch_size if cached and plan.mini_batch_size else plan.per_device_train_batch_size
-    packed = False
-    if cached:
-        from cembed.model.unpad import resolve_unpad
-
-        packed = resolve_unpad(model, cfg.batch.unpad).enabled
-    sort = cached and cfg.batch.sort_by_length
-    stats = est.token_stats(lengths, mini, cfg.train.seed, plan.per_device_train_batch_size, sort, packed)
-    path = "packed (unpadded) mini-batches" if packed else f"sorted={sort}, padded per mini-batch of {mini}"
+    stats = est.token_stats(
+        lengths, path.mini_batch_size, cfg.train.seed, plan.per_device_train_batch_size, path.sort_by_length,
+        bool(path.packed),
+    )  # fmt: skip
     n, layers, width = encoder_shape(model)
-    passes = 4 if cached else 3
     devices = plan.world_size
 
     measured = calibrate_rate(cfg, calibrate) if calibrate else None
     rate, target = device_rate(cfg, plan, gpu, mfu, measured)
     run = est.estimate_run(
-        stats, plan.samples_per_step, steps["per_epoch"] or 0, steps["total"] or 0, (n, layers, width, passes), rate,
+        stats, plan.samples_per_step, steps.per_epoch or 0, steps.total or 0, (n, layers, width, path.passes), rate,
         devices,
     )  # fmt: skip
     production = None
@@ -131,16 +125,16 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
         "data": {
             "rows": est.number(stats.rows, "rows", "pre-tokenized data"),
             "rows_per_step": est.number(plan.samples_per_step, "rows", "batch x devices x accumulation"),
-            "batches_per_epoch": est.number(facts["data"]["batches_per_epoch"], "batches", "rows / global batch"),
+            "batches_per_epoch": est.number(facts.batches_per_epoch, "batches", "rows / global batch"),
             "mean_tokens_per_row": est.number(stats.mean_tokens, "tokens", "measured: pre-tokenized data"),
             "token_histogram": stats.histogram,
-            "padded_share": est.number(stats.padded_share, "", f"computed on the configured path: {path}"),
+            "padded_share": est.number(stats.padded_share, "", f"computed on the configured path: {path.description}"),
         },
         **run,
         "memory_per_rank": est.probe_memory(probe, plan.mini_batch_size),
         "data_wait_risk": est.data_wait_risk(production, run["seconds_per_step"]["value"], where),
         "checkpoint_size": est.checkpoint_bytes(params, saved),
-        "flop_model": {"N": n, "L": layers, "d": width, "passes": passes},
+        "flop_model": {"N": n, "L": layers, "d": width, "passes": path.passes},
         "calibration": measured,
     }
 

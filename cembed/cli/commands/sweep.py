@@ -1,5 +1,6 @@
 """``cembed sweep``: short runs at the sqrt-scaled LR times each factor, scored on the eval sets
-(:mod:`cembed.train.sweep`); prints the table, the plot's path and the chosen ``optim.learning_rate``.
+(:mod:`cembed.train.sweep`); prints the table, the trials' warnings, the plot's path and the chosen
+``optim.learning_rate``.
 Registered by :mod:`cembed.cli.app`.
 """
 
@@ -11,7 +12,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from cembed.cli.common import ConfigArg, OverridesArg, console, err_console, examples, load
+from cembed.cli.common import ConfigArg, OverridesArg, console, err_console, examples, load, warn
 
 SWEEP_EXAMPLES = examples(
     "cembed sweep quickstart.yaml",
@@ -68,6 +69,8 @@ def sweep_cmd(
             f"x{t.factor:g}{' (edge)' if t.edge else ''}", f"{t.learning_rate:.3e}", f"{t.metric:.4f}{mark}", loss
         )
     console.print(table)
+    for w in result.warnings:  # what every trial's run found before training (rows the sampler cannot place)
+        warn(console, w)
     if result.metric_before is not None:
         console.print(f"before training: {result.metric} {result.metric_before:.4f}", highlight=False)
     console.print(f"effective learning_rate at x1: {result.lr_derivation}", highlight=False)

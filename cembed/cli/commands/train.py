@@ -1,0 +1,191 @@
+"""``cembed train``: its options, the checks before a run (:func:`cembed.train.recipe.check_run_inputs`,
+:func:`cembed.train.facts.run_facts`), the launch of several processes, and what a stopped or
+failed run says. What a run prints while and after it trains is :mod:`cembed.cli.display.run`.
+Registered by :mod:`cembed.cli.app`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from cembed.cli.common import (
+    ConfigArg,
+    OverridesArg,
+    console,
+    err_console,
+    examples,
+    flag,
+    load,
+    make_console,
+    print_plan,
+    world_size_from_flags,
+)
+from cembed.cli.display.run import RichRunDisplay, abandoned_message, print_done, print_eval_change
+from cembed.errors import RunInterrupted, UserError, WorkerFailed
+from cembed.files import display_path
+
+NPROC_HELP = "Processes (GPUs) per node; >1 launches them through torch.distributed.run (torchrun)."
+NNODES_HELP = "Machines taking part; run the same command on each with its own --node-rank."
+
+TRAIN_EXAMPLES = examples(
+    "cembed train quickstart.yaml",
+    "cembed train quickstart.yaml batch.per_device_train_batch_size=256 optim.learning_rate=1e-4",
+    "cembed train quickstart.yaml --resume",
+    "cembed train quickstart.yaml --nproc-per-node 4",
+    "cembed train quickstart.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400",
+)
+
+
+def train_cmd(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    resume: bool = flag(
+        False, "--resume/--no-resume", help="Continue from the newest complete checkpoint in output_dir."
+    ),
+    resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
+    overwrite: bool = flag(False, "--overwrite/--no-overwrite", help="Replace a finished model in output_dir."),
+    max_memory: Optional[str] = typer.Option(
+        None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."
+    ),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help=NPROC_HELP),
+    nnodes: int = typer.Option(1, "--nnodes", help=NNODES_HELP),
+    node_rank: int = typer.Option(0, "--node-rank", help="This machine's index, 0 .. nnodes-1 (multi-node)."),
+    rdzv_endpoint: Optional[str] = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of node 0, reachable from every node (multi-node)."
+    ),
+    peak_tflops: Optional[float] = typer.Option(
+        None, "--peak-tflops", help="The GPU's dense peak TFLOP/s for MFU (same as train.peak_tflops=...)."
+    ),
+) -> None:
+    """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
+    if peak_tflops is not None:
+        overrides = [*(overrides or []), f"train.peak_tflops={peak_tflops}"]
+    from cembed.distributed.launch import record_worker_error
+
+    world = world_size_from_flags(nproc_per_node, nnodes)
+    try:  # a config mistake answers before torch is imported (seconds)
+        cfg = load(config, overrides)
+    except UserError as err:
+        record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
+        raise
+    from cembed.distributed.group import dist_info, is_worker, leave_process_group
+    from cembed.train.facts import run_facts
+    from cembed.train.recipe import check_run_inputs, run_training
+
+    if is_worker() and world is not None:
+        raise UserError(
+            "--nproc-per-node/--nnodes: this process was already started by a launcher (torchrun); drop them"
+        )
+    # Flags every worker process must see as well.
+    worker_flags = (
+        (["--resume"] if resume else [])
+        + (["--resume-from", resume_from] if resume_from else [])
+        + (["--overwrite"] if overwrite else [])
+        + (["--max-memory", max_memory] if max_memory else [])
+    )
+    if world is not None and world > 1:
+        _launch_training(
+            cfg, config, (overrides or []) + worker_flags, world, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint
+        )
+        return
+    out = console if dist_info().is_main else make_console(quiet=True)  # only rank 0 prints
+    display = RichRunDisplay(out)
+    try:
+        plan, data = check_run_inputs(cfg)
+        facts = run_facts(cfg, plan, data)  # the rows the no-duplicates sampler cannot place
+        summary = run_training(
+            cfg,
+            plan,
+            data,
+            display,
+            resume=resume,
+            resume_from=resume_from,
+            overwrite=overwrite,
+            max_memory=max_memory,
+            warnings=facts.warnings,
+        )
+    except RunInterrupted as stop:
+        leave_process_group()  # every rank stopped at the same step (InterruptCallback)
+        if dist_info().is_main:
+            extra = " ".join(overrides or [])
+            err_console.print(
+                f"[yellow]{stop}[/]: checkpoint saved to {display_path(stop.checkpoint)}\n"
+                f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume",
+                highlight=False,
+            )
+        raise typer.Exit(stop.exit_code) from None
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before training): nothing more is saved
+        display.close()
+        if dist_info().is_main:
+            err_console.print(abandoned_message(display, cfg.train.output_dir, config, overrides), highlight=False)
+        raise typer.Exit(130) from None
+    except Exception as err:
+        record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
+        if isinstance(err, UserError):
+            raise
+        _unexpected(err, cfg.train.output_dir)
+    leave_process_group()
+    print_done(out, summary)
+    print_eval_change(out, summary)
+
+
+def _unexpected(err: Exception, output_dir: str | None) -> None:
+    """An exception that escaped every stage (e.g. while loading data): one line, the traceback in a
+    file (``output_dir`` when it exists, else the temp folder), exit code 1."""
+    import tempfile
+
+    from cembed.errors import first_line
+    from cembed.train.summary import save_traceback
+
+    folder = output_dir if output_dir and Path(output_dir).is_dir() else tempfile.mkdtemp(prefix="cembed-error-")
+    tb = save_traceback(err, folder)
+    err_console.print(
+        f"[bold red]error:[/] unexpected {type(err).__name__}: {escape(first_line(err, 200))} (traceback in {tb})",
+        highlight=False,
+        markup=True,
+        soft_wrap=True,
+    )
+    raise typer.Exit(1) from None
+
+
+def _launch_training(
+    cfg,
+    config: Path,
+    overrides: list[str],
+    world: int,
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+) -> None:
+    """Check the config here (a config mistake exits 2 before any process starts), then run
+    ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run.
+    The data is loaded and checked by the workers only (this process holds no table, so a node's
+    memory is its ranks'): a data mistake comes back as rank 0's one-line error, exit code 2."""
+    from cembed.distributed.launch import launch, launcher_args
+    from cembed.train.recipe import check_run_config
+
+    launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
+    plan = check_run_config(cfg, world)
+    print_plan(console, plan)
+    console.print(
+        f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
+        highlight=False,
+    )
+    try:
+        launch(["train", str(config.resolve()), *overrides], nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    except WorkerFailed as err:
+        # exit code 2: a user mistake (the data's, found by the workers): its one line, as one process shows it
+        message = err.message.removeprefix("UserError: ") if err.exitcode == 2 else err.message
+        err_console.print(
+            f"[bold red]error:[/] rank {err.rank} failed (exit code {err.exitcode}): {escape(message)}; "
+            "the other processes were stopped",
+            highlight=False,
+            markup=True,
+            soft_wrap=True,
+        )
+        raise typer.Exit(2 if err.exitcode == 2 else 1) from None
