@@ -71,12 +71,13 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     from cembed.cli.check import validation_report
     from cembed.data.identity import TOKEN_SUFFIX
     from cembed.data.tokens.tokenize import tokenize_stage
-    from cembed.model.load import load_model, weight_dtypes
+    from cembed.model.load import load_model, quiet_libraries, weight_dtypes
     from cembed.train import estimate as est
     from cembed.train.flops import encoder_shape
     from cembed.train.recipe import check_run_inputs
 
     transformers_logging.disable_progress_bar()
+    quiet_libraries()  # as train and validate: no library's deprecation notes or warnings on the terminal
     plan, data = check_run_inputs(cfg, world)
     facts = validation_report(cfg, plan, data, UserError("not loaded by estimate"))
     steps = facts["steps"]
