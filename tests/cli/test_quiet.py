@@ -113,3 +113,60 @@ def test_ctrl_c_is_announced_once_with_data_loader_workers(write_config, tiny_mo
         "interrupted by SIGINT at step 2: checkpoint saved to " + str(tmp_path / "out" / "checkpoint-2"),
         f"resume with: cembed train {path} --resume",
     ], r.stderr
+
+
+# Ctrl-C while a tokenizer process of `datasets.map(num_proc=2)` works on its first batch: SIGINT to
+# the whole process group (a terminal sends it so), the tokenizer processes included.
+CTRL_C_WHILE_TOKENIZING = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from cembed.cli.app import main
+    import cembed.data.tokens.tokenize as tokenize
+
+    MAIN, FLAG, tokenize_batch = os.getpid(), sys.argv[3], tokenize._tokenize_batch
+
+    def ctrl_c_in_a_worker(*args, **kwargs):
+        if os.getpid() != MAIN:
+            try:
+                os.close(os.open(FLAG, os.O_CREAT | os.O_EXCL))  # the first worker here sends it, once
+            except FileExistsError:
+                pass
+            else:
+                os.killpg(os.getpgid(0), signal.SIGINT)
+                time.sleep(1)
+        return tokenize_batch(*args, **kwargs)
+
+    tokenize._tokenize_batch = ctrl_c_in_a_worker
+    sys.argv = ["cembed", "prepare-data", sys.argv[1], "--output", sys.argv[2]]
+    main()
+    """
+)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_tokenizing_in_worker_processes_prints_no_traceback(write_config, tiny_model_dir, tmp_path):
+    # It printed a worker's KeyboardInterrupt traceback, then the main process's, ending in datasets'
+    # multiprocess TimeoutError (exit 1).
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in distinct_pairs(20_000)))
+    path = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(data), "num_proc": 2},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+        }
+    )
+    out = tmp_path / "prepared"
+    r = subprocess.run(
+        [sys.executable, "-c", CTRL_C_WHILE_TOKENIZING, str(path), str(out), str(tmp_path / "sent")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+        start_new_session=True,
+    )
+    assert (tmp_path / "sent").exists()  # the Ctrl-C was sent while tokenizing
+    assert r.returncode == 130, r.stderr[-4000:]
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-4000:]
+    assert not out.exists() or not any(out.iterdir())  # nothing half-written is left as the output
