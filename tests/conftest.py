@@ -4,6 +4,7 @@ real data (in the repository: the packaged COCO pairs, tests/fixtures; the large
 
 from __future__ import annotations
 
+import json
 import os
 import string
 import textwrap
@@ -122,6 +123,42 @@ def install_distribution(site: Path, name: str, files: dict[str, str], entry_poi
     ]
     (info / "entry_points.txt").write_text("\n".join(groups))
     return site
+
+
+def write_rows(path: Path, rows: list[dict], fmt: str) -> Path:
+    """``rows`` (anchor, positive texts) as a parquet file, or as JSON Lines (whatever the name says)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        pq.write_table(
+            pa.Table.from_pylist(rows, schema=pa.schema([("anchor", pa.string()), ("positive", pa.string())])), path
+        )
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def spark_folder(folder: Path, rows: list[dict], fmt: str = "jsonl") -> None:
+    """``rows`` as Spark, Hadoop and Jupyter leave a job's output: two real parts and a 0-row part
+    (an empty partition), a ``_temporary/0/task_1/`` attempt copy, a ``.ipynb_checkpoints/`` copy
+    (an older version of part 0: other rows), ``_SUCCESS``, Hadoop's hidden ``.crc`` checksums and a
+    ``part-xxx.crc``."""
+    half = len(rows) // 2
+    ext = ".snappy.parquet" if fmt == "parquet" else ".json"
+    write_rows(folder / f"part-00000-a1b2{ext}", rows[:half], fmt)
+    write_rows(folder / f"part-00001-a1b2{ext}", rows[half:], fmt)
+    write_rows(folder / f"part-00002-a1b2{ext}", [], fmt)  # an empty partition: 0 bytes, or a 0-row parquet file
+    write_rows(folder / "_temporary" / "0" / "task_1" / f"part-00001-a1b2{ext}", rows[half:], fmt)
+    write_rows(
+        folder / ".ipynb_checkpoints" / f"part-00000-a1b2-checkpoint{ext}",
+        [{"anchor": f"topic {i % 13} (old)", "positive": f"passage number {i} (old)"} for i in range(half)],
+        fmt,
+    )
+    (folder / "_SUCCESS").write_bytes(b"")
+    (folder / f".part-00000-a1b2{ext}.crc").write_bytes(b"crc\x00\x01")
+    (folder / "part-00000.crc").write_bytes(b"crc\x00\x02")
 
 
 def join_gloo_rank(rank: int, world: int, port: int, hang_s: float) -> None:

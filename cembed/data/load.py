@@ -23,7 +23,7 @@ from cembed.config.data import DataConfig, TrainSource
 from cembed.data.columns import expand_list_columns, unmapped_column_notes
 from cembed.data.identity import arrow_table
 from cembed.data.rows import LoadedSource, TrainingData, role_columns
-from cembed.data.sources.registry import count_files, load_source, read_head, row_locator
+from cembed.data.sources.registry import count_files, load_source, read_head, row_locator, skipped_files
 from cembed.errors import UserError
 
 # A text cell over 1 MB is a data error (a whole file pasted into a cell), not a sentence.
@@ -234,6 +234,7 @@ def load_training_source(item: TrainSource, drop_invalid: bool) -> tuple[object,
     prompts = item.prompts if item.own_prompts else None
     files = count_files(source)
     info = LoadedSource(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles, prompts, files)
+    info.skipped = skipped_files(source)
     info.stream = item if streaming is not None else None
     return dataset, info, notes + expanded
 

@@ -95,6 +95,9 @@ class LoadedSource:
         None  # PromptsConfig: its own prompts over data.prompts (data.train.<name>.prompts); None: data.prompts'
     )
     files: int | None = None  # a sharded source's file count (its loader's count_files; None: one file, or no shards)
+    # What its folder or glob holds but does not read, each "<path> (<why>)" (its loader's skipped_files:
+    # hidden and underscore-prefixed folders and files, files that are not data, 0-row shards).
+    skipped: tuple[str, ...] = ()
     manifest: Any = None  # a prepared source's cembed.data.tokens.format.PreparedManifest (token ids, no text)
     # A streamed source's TrainSource (data.train.streaming): then the rows above are only its first
     # rows, read to check its columns and cells; training reads the stream (cembed.data.batching.windowed).

@@ -339,7 +339,7 @@ def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
     device = parameter.device
     try:
         with _exact_eval(model, device):
-            features = model.tokenize(_check_texts())
+            features = model.preprocess(_check_texts())
             features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
             lengths = column_lengths(features)
             if lengths is None:

@@ -163,6 +163,9 @@ class InterruptCallback(TrainerCallback):
 
     Install with :meth:`install` (main thread only) and undo with :meth:`uninstall`. A second
     signal restores the default handler's behaviour (KeyboardInterrupt / termination) at once.
+    Data-loader workers forked while it is installed inherit the handler: there it ignores SIGINT
+    (a terminal's Ctrl-C reaches every process of the group; the main process announces it once
+    and stops the workers) and lets SIGTERM end the worker.
 
     Args:
         on_signal: called on the first signal with ``(signum, step)``, ``step`` the optimizer step
@@ -178,8 +181,17 @@ class InterruptCallback(TrainerCallback):
         self.on_signal = on_signal
         self.notice: threading.Thread | None = None  # the thread that ran on_signal (tests join it)
         self._previous: dict[int, object] = {}
+        self._pid = os.getpid()  # the process whose signals these are (install sets it; forked workers differ)
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:
+            # A data-loader worker forked from the process that installed the handler: a terminal's
+            # Ctrl-C reaches the whole process group, and the main process alone announces it and
+            # stops (it shuts its workers down). A SIGTERM to the worker itself ends it as by default.
+            if signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         if self.signum is not None:  # second signal: give up on the step
             self.uninstall()
             if signum == signal.SIGINT:
@@ -193,6 +205,7 @@ class InterruptCallback(TrainerCallback):
             self.notice.start()
 
     def install(self) -> None:
+        self._pid = os.getpid()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
 

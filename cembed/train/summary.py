@@ -99,7 +99,8 @@ def _sampler(trainer):
 def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
     """Per training source (a :class:`cembed.data.rows.TrainingData`'s): name, path, rows read,
     dropped and kept, its file count (``files``: a sharded file source's files; for a prepared source
-    the files its preparation read, None if unknown; 1 for one file or a source of another kind), global batches in the first epoch; with ``steps``, also the global batches
+    the files its preparation read, None if unknown; 1 for one file or a source of another kind), what its folder or glob held but did not read
+    (``skipped``, ``"<path> (<why>)"``, only when something was), global batches in the first epoch; with ``steps``, also the global batches
     (``batches_trained``; optimizer steps when gradient_accumulation_steps is 1) and rows the first
     ``steps`` optimizer steps trained on."""
     sampler = _sampler(trainer)
@@ -109,6 +110,8 @@ def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
     for i, src in enumerate(data.sources):
         entry = {"name": src.name, "source": src.label, "rows_read": src.rows_read}
         entry |= {"rows_dropped_invalid": src.rows_dropped, "rows": src.rows, "files": _files(src)}
+        if getattr(src, "skipped", ()):  # what its folder or glob held but was not read, and why
+            entry["skipped"] = list(src.skipped)
         entry["batches_per_epoch"] = first.count(i) if first is not None else None
         if trained is not None:
             entry["batches_trained"], entry["rows_trained"] = trained[i]

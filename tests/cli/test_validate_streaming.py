@@ -81,3 +81,24 @@ def test_the_models_own_prompts_are_refused_for_a_stream(prompted_model_dir, tmp
     # The fix the message names: an empty anchor prompt.
     r = _validate(write_config(_config(prompted_model_dir, data_file, tmp_path, prompts={"anchor": ""})))
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_a_streamed_shard_with_another_column_is_refused_in_one_line(tiny_model_dir, tmp_path, write_config):
+    """Issue 32 item 2: a streamed source gets the shard checks a loaded one gets: a shard with an
+    extra column is refused naming it, in one line and exit 2, by validate and by train (it was an
+    86-line CastError traceback from validate, exit 1)."""
+    folder = tmp_path / "stream"
+    folder.mkdir()
+    (folder / "part-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:200]))
+    (folder / "part-1.jsonl").write_text("".join(json.dumps(dict(r, extra="x")) + "\n" for r in ROWS[200:400]))
+    raw = _config(tiny_model_dir, folder, tmp_path)
+    raw["data"]["train"]["streaming"]["check_rows"] = 300  # the head reaches the second shard
+    path = write_config(raw)
+    for command in ("validate", "train"):
+        cmd = [sys.executable, "-m", "cembed", command, str(path)]
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1, (command, r.returncode, r.stderr[-3000:])
+        assert "stream/part-1.jsonl: columns anchor, positive, extra differ from" in lines[0], lines
+        assert "part-0.jsonl's (anchor, positive)" in lines[0], lines

@@ -70,13 +70,14 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
 
     from cembed.data.identity import TOKEN_SUFFIX
     from cembed.data.tokens.tokenize import tokenize_stage
-    from cembed.model.load import load_model, weight_dtypes
+    from cembed.model.load import load_model, quiet_libraries, weight_dtypes
     from cembed.train import estimate as est
     from cembed.train.facts import run_facts
     from cembed.train.flops import encoder_shape
     from cembed.train.recipe import check_run_inputs
 
     transformers_logging.disable_progress_bar()
+    quiet_libraries()  # as train and validate: no library's deprecation notes or warnings on the terminal
     plan, data = check_run_inputs(cfg, world)
     model = load_model(cfg.model, "cpu", seed=cfg.train.seed)  # on CPU: a GPU target never loads CUDA
     # rows / batch, not the sampler's placement: the estimate counts what the rows allow

@@ -19,6 +19,14 @@ def _source_shown(source: dict) -> str:
     return display_path(source["path"]) + (f" ({files} files)" if files else "")
 
 
+def _skipped_line(source: dict, shown: int = 8) -> str:
+    """What a source's folder or glob held but was not read, and why, on one line (the first
+    ``shown``; ``--json`` lists them all)."""
+    skipped = source["skipped"]
+    more = f", and {len(skipped) - shown} more (--json lists them)" if len(skipped) > shown else ""
+    return f"not read in {display_path(source['path'])}: {', '.join(skipped[:shown])}{more}"
+
+
 def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, ...] = ()) -> dict:
     """What ``cembed validate`` found, as JSON-ready values (``--json`` prints it, the summary renders it).
 
@@ -47,6 +55,7 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
                 "name": s.name,
                 "path": s.label,
                 "files": s.files,
+                "skipped": list(s.skipped),
                 "rows_read": s.rows_read,
                 "rows_dropped": s.rows_dropped,
                 "rows": s.rows,
@@ -168,6 +177,9 @@ def print_validation(console: Console, report: dict) -> None:
                 f"  source {s['name']}: {s['rows_read']} rows read, {s['rows_dropped']} dropped, {s['rows']} to train "
                 f"on ({_source_shown(s)}); {s['batches_per_epoch']} batches; columns {s['columns']}"
             )
+        for s in sources:
+            if s.get("skipped"):
+                p(f"  {_skipped_line(s)}")
         if d["first_row"]:
             p("  first row: " + " | ".join(f"{k} {_short(v)}" for k, v in d["first_row"].items()))
     else:

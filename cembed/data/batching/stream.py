@@ -15,7 +15,8 @@ import torch
 
 from cembed.data.batching.windowed import WindowCounts, windowed_batches
 from cembed.data.identity import TOKEN_SUFFIX, hash_token_ids
-from cembed.data.sources.registry import open_stream
+from cembed.data.sources.logs import captured_library_logs
+from cembed.data.sources.registry import open_stream, stream_read_error
 from cembed.errors import UserError
 
 
@@ -106,10 +107,27 @@ class StreamingSource:
             stream = stream.shuffle(seed=self.seed + self.epoch, buffer_size=self.shuffle_buffer)
         return split_dataset_by_node(stream, rank=self.rank, world_size=self.world_size)
 
+    def _read(self) -> Iterator[dict[str, list]]:
+        """This rank's rows, ``read_rows`` at a time; a library error while reading is a UserError in
+        one line with its cause and the file the library names
+        (:func:`cembed.data.sources.registry.stream_read_error`)."""
+        chunks = iter(self.dataset().iter(batch_size=self.read_rows))
+        while True:
+            with captured_library_logs() as records:
+                try:
+                    chunk = next(chunks)
+                except StopIteration:
+                    return
+                except UserError:
+                    raise
+                except Exception as err:  # datasets and pyarrow raise many types
+                    raise UserError(stream_read_error(self.source.label, err, records)) from None
+            yield chunk
+
     def _chunks(self) -> Iterator[tuple[np.ndarray, list[dict[str, Any]]]]:
         import pyarrow as pa
 
-        for chunk in self.dataset().iter(batch_size=self.read_rows):
+        for chunk in self._read():
             n = len(chunk[self.columns[0]])
             hashes = np.empty((n, len(self.columns)), dtype=np.uint64)
             ids_by_column = {}

@@ -21,10 +21,14 @@ from cembed.config.sources import (
 )
 from cembed.data.sources.beir import load_beir_pairs
 from cembed.data.sources.files import load_file, shard_count
+from cembed.data.sources.files import skipped_files as file_skips
 from cembed.data.sources.hub import load_hub
 from cembed.data.sources.locate import file_row_locator, row_number
+from cembed.data.sources.logs import captured_library_logs, file_named_in, library_cause
 from cembed.data.sources.prepared import load_prepared
 from cembed.data.sources.stream import open_file_stream
+from cembed.errors import UserError
+from cembed.files import display_path
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,9 @@ class SourceLoader:
         count_files: ``(source config) -> int | None``: how many files the source reads when it
             names several (shards: ``validate``'s "(N files)", the run summary's ``files``); None
             for one file. ``None`` (no hook): the kind reads no shards.
+        skipped_files: ``(source config) -> tuple[str, ...]``: what the source's folder or glob holds
+            but does not read, each ``"<path> (<why>)"`` (``validate`` lists them); ``None`` (no
+            hook): nothing is skipped.
         open_stream: ``(source config) -> datasets.IterableDataset``, its rows in a fixed order, for a
             kind whose config can ask to be streamed (:meth:`~cembed.config.sources.SourceConfig.stream_options`).
     """
@@ -49,6 +56,7 @@ class SourceLoader:
     row_locator: Callable[[Any], Callable[[int], str]] | None = None
     count_files: Callable[[Any], int | None] | None = None
     open_stream: Callable[[Any], Any] | None = None
+    skipped_files: Callable[[Any], tuple[str, ...]] | None = None
 
 
 # kind -> its loader. A new kind of source is one class in cembed.config.sources and one entry here.
@@ -62,6 +70,7 @@ def register_source_loader(
     *,
     count_files: Callable[[Any], int | None] | None = None,
     open_stream: Callable[[Any], Any] | None = None,
+    skipped_files: Callable[[Any], tuple[str, ...]] | None = None,
 ) -> None:
     """Register the loader (and optionally its hooks, see :class:`SourceLoader`) of the source
     kind ``kind`` (the ``kind`` of a class registered with :func:`cembed.config.sources.register_source_config`).
@@ -70,7 +79,7 @@ def register_source_loader(
     Raises:
         ValueError: ``kind`` already has another loader.
     """
-    entry = SourceLoader(load, row_locator, count_files, open_stream)
+    entry = SourceLoader(load, row_locator, count_files, open_stream, skipped_files)
     if LOADERS.get(kind, entry) != entry:
         raise ValueError(f"source kind {kind!r} already has a loader ({LOADERS[kind].load.__name__})")
     LOADERS[kind] = entry
@@ -117,6 +126,18 @@ def count_files(source: SourceConfig) -> int | None:
     return count(source) if count is not None else None
 
 
+def skipped_files(source: SourceConfig) -> tuple[str, ...]:
+    """What ``source``'s folder or glob holds but does not read, each ``"<path> (<why>)"`` (its kind's
+    ``skipped_files`` hook: a sharded file source's hidden and underscore-prefixed paths, files that
+    are not data, 0-row shards); ``()`` for a kind without the hook.
+
+    Raises:
+        UserError: see the kind's hook (:func:`cembed.data.sources.files.resolve_shards`).
+    """
+    skipped = _loader(source).skipped_files
+    return tuple(skipped(source)) if skipped is not None else ()
+
+
 def open_stream(source: SourceConfig):
     """``source``'s rows as a ``datasets.IterableDataset`` read lazily in a fixed order, through its
     kind's ``open_stream`` hook (a file source: :func:`cembed.data.sources.stream.open_file_stream`).
@@ -137,14 +158,38 @@ def read_head(source: SourceConfig, rows: int):
     source (columns, cells) without reading the rest.
 
     Raises:
-        UserError: see :func:`open_stream`.
+        UserError: see :func:`open_stream`; a library error while reading, in one line with its
+            cause and the file the library names (:func:`cembed.data.sources.logs.library_cause`).
     """
     import datasets
 
-    return datasets.Dataset.from_list(list(open_stream(source).take(rows)))
+    stream = open_stream(source)
+    try:
+        with captured_library_logs() as records:
+            head = list(stream.take(rows))
+    except UserError:
+        raise
+    except Exception as err:  # datasets and pyarrow raise many types
+        raise UserError(stream_read_error(source.label, err, records)) from None
+    return datasets.Dataset.from_list(head)
 
 
-register_source_loader("file", load_file, file_row_locator, count_files=shard_count, open_stream=open_file_stream)
+def stream_read_error(label: str, err: BaseException, records) -> str:
+    """The one-line message for a library error while reading ``label``'s stream: the source, the
+    file the library's log names (when it does) and the library's cause."""
+    named = file_named_in(records)
+    where = f"{display_path(label)}: " + (f"{display_path(named)}: " if named else "")
+    return f"{where}cannot read as a stream: {library_cause(err)}"
+
+
+register_source_loader(
+    "file",
+    load_file,
+    file_row_locator,
+    count_files=shard_count,
+    open_stream=open_file_stream,
+    skipped_files=file_skips,
+)
 register_source_loader("hub", load_hub)
 register_source_loader("beir", load_beir_pairs)
 register_source_loader("prepared", load_prepared)

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 def open_file_stream(source):
     """A :class:`cembed.config.sources.FileSource`'s files (:func:`cembed.data.sources.files.source_files`
-    order) as one ``datasets.IterableDataset``, read lazily in file order.
+    order: skipped paths and 0-row shards left out) as one ``datasets.IterableDataset``, read lazily
+    in file order, after the shard checks a loaded source gets (one format, the same columns:
+    :func:`cembed.data.sources.files.check_shards`).
 
     Raises:
-        UserError: the files are missing or of an unsupported type.
+        UserError: the files are missing or of an unsupported type; shards that cannot be one source
+            (naming the first that differs).
     """
     import datasets
 
-    from cembed.data.sources.files import builder_for, source_files
+    from cembed.data.sources.files import builder_for, check_shards, is_sharded, source_files
+    from cembed.files import display_path
 
     files = source_files(source)
+    if is_sharded(source):
+        check_shards(files, display_path(source.label))
     builder, kwargs = builder_for(files[0])
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False  # a local file is nobody's download
     return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **kwargs)

@@ -88,13 +88,15 @@ def read_jsonl_rows(*paths: Path):
 
 
 def text_lines(path: Path):
-    """Yield ``(line_number, text)``; raises ValueError naming the line for bad gzip or UTF-8."""
+    """Yield ``(line_number, text)``; raises ValueError naming the line for bad gzip or UTF-8. A
+    UTF-8 byte order mark opening the file (Excel's "CSV UTF-8", Notepad) is not text: it is left
+    out of line 1, as ``datasets``' readers leave it out. Lines keep their ending (``\n`` or ``\r\n``)."""
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
             for number, raw in enumerate(f, start=1):
                 try:
-                    yield number, raw.decode("utf-8")
+                    yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
                 except UnicodeDecodeError as err:
                     raise ValueError(
                         f"line {number}: bytes that are not UTF-8 at column {err.start + 1}; re-encode the file as UTF-8"

@@ -15,7 +15,9 @@ from __future__ import annotations
 import bisect
 import os
 import shutil
+import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,6 +170,40 @@ def id_features(dataset, roles: list[str], groups: list[SourcePrompts]):
     return features
 
 
+@contextmanager
+def main_process_interrupts():
+    """While the block runs, a SIGINT (Ctrl-C) interrupts this process only: the tokenizer processes
+    ``datasets.map(num_proc=...)`` forks inherit a handler that ignores it (the terminal sends it to
+    every process of the group; each would print its own ``KeyboardInterrupt`` traceback), while
+    this process raises ``KeyboardInterrupt`` as by default and its pool ends them. Outside the main
+    thread (no signal handler can be set there) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    main = os.getpid()
+
+    def handle(signum, frame):
+        if os.getpid() == main:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Whether ``err`` was raised while a ``KeyboardInterrupt`` was being handled (its context chain)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__context__
+    return False
+
+
 def tokenize_into(
     dataset,
     roles: list[str],
@@ -222,28 +258,33 @@ def tokenize_into(
     global _rows_done
     _rows_done = 0
     try:
-        tokenized = dataset.map(
-            _tokenize_batch_counted,
-            batched=True,
-            with_indices=True,
-            batch_size=2048,
-            num_proc=procs if procs > 1 else None,
-            fn_kwargs={
-                "roles": roles,
-                "tokenizer": tokenizer,
-                "max_length": max_seq_length,
-                "starts": [sum(g.rows for g in groups[:i]) for i in range(len(groups))],
-                "prompts": [g.prompts for g in groups],
-                "lengths": [g.lengths for g in groups],
-                "progress_dir": None if progress_dir is None else str(progress_dir),
-                "keep": list(dataset.column_names) if texts else [],
-            },
-            features=id_features(dataset, roles, groups),
-            remove_columns=None if texts else dataset.column_names,
-            cache_file_name=str(folder / "ids.arrow"),
-            load_from_cache_file=False,
-            desc="Tokenizing",
-        )
+        with main_process_interrupts():
+            tokenized = dataset.map(
+                _tokenize_batch_counted,
+                batched=True,
+                with_indices=True,
+                batch_size=2048,
+                num_proc=procs if procs > 1 else None,
+                fn_kwargs={
+                    "roles": roles,
+                    "tokenizer": tokenizer,
+                    "max_length": max_seq_length,
+                    "starts": [sum(g.rows for g in groups[:i]) for i in range(len(groups))],
+                    "prompts": [g.prompts for g in groups],
+                    "lengths": [g.lengths for g in groups],
+                    "progress_dir": None if progress_dir is None else str(progress_dir),
+                    "keep": list(dataset.column_names) if texts else [],
+                },
+                features=id_features(dataset, roles, groups),
+                remove_columns=None if texts else dataset.column_names,
+                cache_file_name=str(folder / "ids.arrow"),
+                load_from_cache_file=False,
+                desc="Tokenizing",
+            )
+    except Exception as err:
+        if _interrupted(err):  # datasets' pool turns a Ctrl-C into a TimeoutError while it waits
+            raise KeyboardInterrupt from None
+        raise
     finally:
         stop.set()
         if watcher is not None:

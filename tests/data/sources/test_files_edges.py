@@ -1,0 +1,264 @@
+"""Data as pipelines leave it (issue 32 items 1 and 2): a folder written by Spark, Hadoop or Jupyter
+reads only its real parts (hidden and underscore-prefixed folders and files skipped, with the list of
+what was skipped), an Excel CSV (BOM, CRLF) reads as the same data saved plainly, a 0-row shard is
+skipped with a note, a streamed source gets the shard checks a loaded one gets, and a shard the
+libraries cannot read is named in one line that keeps their cause."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import spark_folder, write_rows
+from safetensors.torch import load_file as load_weights
+
+from cembed.config.file import config_from_dict
+from cembed.config.sources import FileSource
+from cembed.data.sources.registry import load_source, read_head
+from cembed.errors import UserError
+from cembed.train.recipe import check_run_inputs, run_training
+
+GENERIC = "An error occurred while generating the dataset"
+
+
+def _rows(n: int, tag: str = "") -> list[dict]:
+    # Anchors repeat, so the no-duplicates sampler's batches depend on which rows the source holds.
+    return [{"anchor": f"topic {i % 13}{tag}", "positive": f"passage number {i}{tag}"} for i in range(n)]
+
+
+def _config(model_dir: Path, tmp_path: Path, train, out: str, steps: int = 4) -> dict:
+    return {
+        "model": {"name_or_path": str(model_dir), "device": "cpu"},
+        "data": {"train": train, "cache_dir": str(tmp_path / "cache")},
+        "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+        "optim": {"learning_rate": 1e-3, "base_batch_size": 8},
+        "train": {"max_steps": steps, "logging_steps": 1, "output_dir": str(tmp_path / out), "seed": 5},
+    }
+
+
+def _train(model_dir: Path, tmp_path: Path, train, out: str):
+    """``(data, run summary, weights)`` of a 4-step run on ``train``."""
+    cfg = config_from_dict(_config(model_dir, tmp_path, train, out), base=tmp_path)
+    plan, data = check_run_inputs(cfg)
+    summary = run_training(cfg, plan, data)
+    return data, summary, load_weights(str(tmp_path / out / "model.safetensors"))
+
+
+def _same_run(a, b) -> None:
+    (_, sa, wa), (_, sb, wb) = a, b
+    assert [s for s, _ in sa["step_losses"]] == [1, 2, 3, 4]
+    assert [v for _, v in sa["step_losses"]] == [v for _, v in sb["step_losses"]]
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+
+
+def _skipped(ext: str) -> list[str]:
+    """What :func:`spark_folder` holds that is not data, as the source lists it."""
+    return [
+        ".ipynb_checkpoints/ (hidden folder, 1 file)",
+        f".part-00000-a1b2{ext}.crc (hidden)",
+        "_SUCCESS (underscore-prefixed: Spark/Hadoop bookkeeping)",
+        "_temporary/ (underscore-prefixed folder: Spark/Hadoop bookkeeping, 1 file)",
+        "part-00000.crc (not a data file)",
+        f"part-00002-a1b2{ext} (0 rows)",
+    ]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_spark_folder_reads_its_real_rows_and_lists_what_it_skipped(write_config, tmp_path, fmt):
+    rows = _rows(40)
+    spark_folder(tmp_path / "job", rows, fmt)
+    cfg = {"data": {"train": "job"}, "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4}}
+    data = check_run_inputs(config_from_dict(cfg, base=tmp_path))[1]
+    assert data.rows_read == 40 and data.dataset.to_list() == rows
+    src = data.sources[0]
+    assert src.files == 2 and list(src.skipped) == _skipped(".snappy.parquet" if fmt == "parquet" else ".json")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_spark_folder_trains_exactly_as_the_concatenated_file(tiny_model_dir, tmp_path, fmt):
+    rows = _rows(40)
+    spark_folder(tmp_path / "job", rows, fmt)
+    whole = write_rows(tmp_path / f"all.{fmt}", rows, fmt)
+    folder = _train(tiny_model_dir, tmp_path, "job", "from-folder")
+    _same_run(folder, _train(tiny_model_dir, tmp_path, str(whole), "from-file"))
+    data, summary, _ = folder
+    assert data.rows_read == 40 and data.dataset["positive"] == [r["positive"] for r in rows]
+    entry = summary["data"]["sources"][0]
+    assert entry["rows_read"] == 40 and entry["files"] == 2
+    assert entry["skipped"] == _skipped(".snappy.parquet" if fmt == "parquet" else ".json")
+
+
+def test_a_recursive_glob_skips_hidden_and_underscore_folders_unless_it_names_them(write_config, tmp_path):
+    rows = _rows(40)
+    spark_folder(tmp_path / "job", rows)
+    write_rows(tmp_path / "job" / "day=2" / "part-00000.json", _rows(3, " day 2"), "jsonl")
+    got = load_source(FileSource(path=str(tmp_path / "job" / "**" / "*.json")))
+    assert got["positive"] == [r["positive"] for r in _rows(3, " day 2") + rows]  # path order: day=2/ first
+    # A pattern that names the underscore folder reads it, as datasets reads a hidden folder it is asked for.
+    named = load_source(FileSource(path=str(tmp_path / "job" / "_temporary" / "**" / "*.json")))
+    assert named["positive"] == [r["positive"] for r in rows[20:]]
+
+
+def _excel_csv(path: Path, rows: list[dict], excel: bool) -> Path:
+    """``rows`` as CSV; ``excel``: as Excel's "CSV UTF-8" saves it (a BOM, CRLF line ends)."""
+    with open(path, "w", encoding="utf-8-sig" if excel else "utf-8", newline="") as f:
+        writer = csv.DictWriter(f, ["anchor", "positive"], lineterminator="\r\n" if excel else "\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _excel_rows() -> list[dict]:
+    rows = _rows(40)
+    rows[3]["positive"] = 'a "quoted", comma and\r\na line break'
+    rows[7]["anchor"] = "café 中文 NA"
+    return rows
+
+
+def test_an_excel_csv_with_bom_and_crlf_reads_as_the_plain_file(tmp_path):
+    rows = _excel_rows()
+    excel = _excel_csv(tmp_path / "excel.csv", rows, excel=True)
+    assert excel.read_bytes().startswith(b"\xef\xbb\xbfanchor,positive\r\n")
+    plain = _excel_csv(tmp_path / "plain.csv", rows, excel=False)
+    assert load_source(FileSource(path=str(excel))).to_list() == load_source(FileSource(path=str(plain))).to_list()
+    cfg = {"data": {"train": str(excel)}, "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4}}
+    data = check_run_inputs(config_from_dict(cfg, base=tmp_path))[1]
+    assert data.dataset.to_list() == rows and data.roles == {"anchor": "anchor", "positive": "positive"}
+
+
+@pytest.mark.slow
+def test_an_excel_csv_with_bom_and_crlf_trains_as_the_plain_file(tiny_model_dir, tmp_path):
+    rows = _excel_rows()
+    excel = _excel_csv(tmp_path / "excel.csv", rows, excel=True)
+    plain = _excel_csv(tmp_path / "plain.csv", rows, excel=False)
+    a = _train(tiny_model_dir, tmp_path, str(excel), "excel")
+    _same_run(a, _train(tiny_model_dir, tmp_path, str(plain), "plain"))
+    assert a[0].dataset.to_list() == rows and a[0].roles == {"anchor": "anchor", "positive": "positive"}
+
+
+def test_a_bom_shard_beside_a_plain_one_is_one_source(tmp_path):
+    rows = _rows(20)
+    (tmp_path / "csv").mkdir()
+    _excel_csv(tmp_path / "csv" / "a.csv", rows[:10], excel=False)
+    _excel_csv(tmp_path / "csv" / "b.csv", rows[10:], excel=True)
+    assert load_source(FileSource(path=str(tmp_path / "csv"))).to_list() == rows
+    # JSON Lines with a BOM (Notepad's UTF-8) and CRLF, beside a plain shard.
+    (tmp_path / "jsonl").mkdir()
+    (tmp_path / "jsonl" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))
+    text = "".join(json.dumps(r) + "\r\n" for r in rows[10:])
+    (tmp_path / "jsonl" / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_source(FileSource(path=str(tmp_path / "jsonl"))).to_list() == rows
+
+
+EMPTY_SHARDS = {
+    "jsonl, 0 bytes": ("x.jsonl", b""),
+    "jsonl, blank lines": ("x.jsonl", b"\n\r\n\n"),
+    "csv, 0 bytes": ("x.csv", b""),
+    "csv, header alone": ("x.csv", b"\xef\xbb\xbfanchor,positive\r\n"),
+    "tsv, header alone": ("x.tsv", b"anchor\tpositive\n"),
+    "parquet, 0 rows": ("x.parquet", None),
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY_SHARDS))
+def test_a_zero_row_shard_is_skipped_with_a_note(tmp_path, case):
+    name, content = EMPTY_SHARDS[case]
+    suffix = Path(name).suffix
+    rows = _rows(12)
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for k, part in enumerate([rows[:6], rows[6:]]):
+        path = folder / f"part-{2 * k}{suffix}"
+        if suffix == ".parquet":
+            pq.write_table(pa.Table.from_pylist(part), path)
+        elif suffix == ".jsonl":
+            path.write_text("".join(json.dumps(r) + "\n" for r in part))
+        else:
+            sep = "," if suffix == ".csv" else "\t"
+            path.write_text(f"anchor{sep}positive\n" + "".join(f"{r['anchor']}{sep}{r['positive']}\n" for r in part))
+    empty = folder / f"part-1{suffix}"  # between the two real parts
+    if content is None:
+        pq.write_table(
+            pa.Table.from_pylist([], schema=pa.schema([("anchor", pa.string()), ("positive", pa.string())])), empty
+        )
+    else:
+        empty.write_bytes(content)
+    source = FileSource(path=str(folder))
+    assert load_source(source).to_list() == rows
+    from cembed.data.sources.files import resolve_shards
+
+    shards = resolve_shards(source)
+    assert [p.name for p in shards.files] == [f"part-0{suffix}", f"part-2{suffix}"]
+    assert shards.skipped == (f"part-1{suffix} (0 rows)",)
+    # Listed shards too; and a source whose every shard holds 0 rows is refused naming it.
+    listed = FileSource(path=[str(folder / f"part-{k}{suffix}") for k in range(3)])
+    assert load_source(listed).to_list() == rows
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=[str(empty), str(empty)]))
+    message = str(err.value)
+    assert "every data file holds 0 rows" in message and "\n" not in message, message
+
+
+def _stream_config(tmp_path: Path, model_dir: Path, folder: Path) -> dict:
+    return {
+        "model": {"name_or_path": str(model_dir), "device": "cpu"},
+        "data": {"train": {"path": str(folder), "streaming": {"check_rows": 20}}},
+        "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2},
+        "train": {"max_steps": 2, "output_dir": str(tmp_path / "out")},
+    }
+
+
+def test_a_streamed_shard_with_another_column_is_refused_naming_it(tiny_model_dir, tmp_path):
+    rows = _rows(40)
+    folder = tmp_path / "stream"
+    write_rows(folder / "part-0.jsonl", rows[:20], "jsonl")
+    write_rows(folder / "part-1.jsonl", [dict(r, extra="x") for r in rows[20:]], "jsonl")
+    cfg = config_from_dict(_stream_config(tmp_path, tiny_model_dir, folder), base=tmp_path)
+    with pytest.raises(UserError) as err:
+        check_run_inputs(cfg)
+    message = str(err.value)
+    assert "part-1.jsonl: columns anchor, positive, extra differ from" in message and "part-0.jsonl" in message
+    assert "\n" not in message, message
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_shard_the_libraries_cannot_read_is_named_with_their_cause(tmp_path, streaming):
+    rows = _rows(40)
+    folder = tmp_path / "parts"
+    write_rows(folder / "part-0.parquet", rows[:20], "parquet")
+    write_rows(folder / "part-1.parquet", rows[20:], "parquet")
+    (folder / "part-2.parquet").write_bytes(b"PAR1 not a parquet file, cut off")
+    source = FileSource(path=str(folder), streaming={} if streaming else None)
+    with pytest.raises(UserError) as err:
+        read_head(source, 100) if streaming else load_source(source)
+    message = str(err.value)
+    assert "part-2.parquet: cannot read as " in message and "Parquet magic bytes not found" in message, message
+    assert GENERIC not in message and "\n" not in message, message
+
+
+def test_a_streamed_jsonl_shard_cut_off_is_named_with_the_line_cause(tmp_path):
+    folder = tmp_path / "parts"
+    write_rows(folder / "part-0.jsonl", _rows(20), "jsonl")
+    (folder / "part-1.jsonl").write_text(json.dumps(_rows(1)[0]) + '\n{"anchor": "cut off", "positive": \n')
+    with pytest.raises(UserError) as err:
+        read_head(FileSource(path=str(folder), streaming={}), 100)
+    message = str(err.value)
+    assert "part-1.jsonl: cannot read as a stream: JSON parse error" in message and "\n" not in message, message
+
+
+def test_shards_whose_column_types_differ_are_named(tmp_path):
+    folder = tmp_path / "parts"
+    write_rows(folder / "part-0.parquet", _rows(10), "parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"anchor": [i], "positive": f"p {i}"} for i in range(5)]), folder / "part-1.parquet"
+    )
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=str(folder)))
+    message = str(err.value)
+    assert "part-1.parquet: column types (anchor: list of int64, positive: string) differ from" in message, message
+    assert "part-0.parquet's (anchor: string, positive: string)" in message and GENERIC not in message, message
