@@ -124,6 +124,7 @@ def test_package_faces_hold_only_a_docstring():
             assert rest == [], init
 
 
+@pytest.mark.slow
 def test_config_imports_no_torch():
     code = "import sys, cembed.config.file; print(sorted(m for m in ('torch','datasets','sentence_transformers','transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
@@ -190,6 +191,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not LINT_IMPORTS.exists(), reason="import-linter is installed by `make install` (dev extra)")
 def test_import_contracts_hold_and_an_upward_import_breaks_them(tmp_path):
     assert lint_imports(REPO).returncode == 0, lint_imports(REPO).stdout[-3000:]

@@ -2,7 +2,7 @@
 
 The contract. A loss is three things, and nothing else in cembed names it:
 
-* a config class, a subclass of :class:`cembed.config.schema.LossConfig` with
+* a config class, a subclass of :class:`cembed.config.loss.LossConfig` with
   ``name: Literal["<name>"] = "<name>"``, its own fields, and the class-level capability
   ``uses_gradient_cache`` (True when it embeds in mini-batches of ``mini_batch_size`` rows);
 * a builder ``builder(model, cfg, settings: LossSettings) -> nn.Module``: ``cfg`` is the validated
@@ -119,13 +119,13 @@ class BuiltLoss:
 
 def register_loss(config_cls: type[LossConfig], builder: LossBuilder) -> LossBuilder:
     """Make ``loss.name: <name>`` usable: register ``config_cls`` (see
-    :func:`cembed.config.schema.register_loss_config`) and its ``builder`` under the config's name.
+    :func:`cembed.config.loss.register_loss_config`) and its ``builder`` under the config's name.
 
     Returns:
         ``builder``, unchanged.
 
     Raises:
-        TypeError, ValueError: see :func:`cembed.config.schema.register_loss_config`.
+        TypeError, ValueError: see :func:`cembed.config.loss.register_loss_config`.
     """
     register_loss_config(config_cls)
     (name,) = get_args(config_cls.model_fields["name"].annotation)

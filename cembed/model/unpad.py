@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from cembed.errors import ModelRefused
+from cembed.errors import ModelRefused, first_line
 from cembed.model.packing import PackPlan, attention_cost, plan_packing
 
 # Keys a packed column may carry besides its per-token tensors: sentence-transformers' bookkeeping.
@@ -360,7 +360,7 @@ def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
             with packed_encoder(model, plan, unpadding):
                 packed = model(dict(features))["sentence_embedding"].float()
     except Exception as err:  # noqa: BLE001 - any failure means: not supported, fall back
-        return False, f"the packed forward fails ({type(err).__name__}: {str(err).strip().splitlines()[0][:120]})"
+        return False, f"the packed forward fails ({type(err).__name__}: {first_line(err, 120)})"
     rel = (packed - alone).norm(dim=1) / alone.norm(dim=1).clamp_min(1e-12)
     worst = int(rel.argmax())
     tolerance = _TOLERANCE.get(parameter.dtype, _HALF_TOLERANCE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from rich.console import Console
 
 from cembed.cli.app import app
@@ -29,6 +30,7 @@ def test_registered_commands_are_the_expected_ones():
     assert [c.name for c in app.registered_commands] == COMMANDS
 
 
+@pytest.mark.slow
 def test_importing_the_cli_loads_no_training_library():
     """``cembed --help`` stays fast: command modules import torch, transformers, datasets and
     sentence-transformers inside their commands only."""
@@ -89,6 +91,7 @@ def heavy_imports(args: list[str], cwd) -> tuple[int, str, list[str]]:
     return r.returncode, r.stdout + r.stderr, [m for m in marker[-1][len("HEAVY=") :].split(",") if m]
 
 
+@pytest.mark.slow
 def test_suggest_lr_and_help_import_no_training_library(tmp_path):
     rc, out, heavy = heavy_imports(["suggest-lr", "--base-lr", "2e-5", "--base-bs", "32", "--bs", "65536"], tmp_path)
     assert rc == 0 and "suggested learning_rate: 9.051e-04" in out
@@ -97,6 +100,7 @@ def test_suggest_lr_and_help_import_no_training_library(tmp_path):
     assert rc == 0 and "suggest-lr" in out and heavy == []
 
 
+@pytest.mark.slow
 def test_a_config_mistake_is_reported_before_any_training_library_loads(tmp_path):
     """A typo'd key (the commonest mistake) answers in a second, not after importing torch."""
     (tmp_path / "run.yaml").write_text("model:\n  name_or_path: all-MiniLM-L6-v2\n  nmae: x\ndata:\n  train: x.jsonl\n")
@@ -106,6 +110,7 @@ def test_a_config_mistake_is_reported_before_any_training_library_loads(tmp_path
         assert heavy == [], command
 
 
+@pytest.mark.slow
 def test_init_example_imports_no_training_library(tmp_path):
     rc, out, heavy = heavy_imports(["init", "quick.yaml", "--example", "quickstart"], tmp_path)
     assert rc == 0 and (tmp_path / "quick.yaml").read_text().startswith("# Fine-tune")

@@ -9,9 +9,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from cembed.cli.common import word_wrapping_console
 
 
+@pytest.mark.slow
 def test_csv_named_jsonl_is_one_clean_error_line_with_a_relative_path(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "x.jsonl").write_text("anchor,positive\nhello,world\nfoo,bar\n")
@@ -77,6 +80,7 @@ def test_piped_output_keeps_each_message_on_one_line():
     assert out.getvalue() == LONG + "\n"
 
 
+@pytest.mark.slow
 def test_validate_names_the_data_file_relative_to_the_working_directory(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

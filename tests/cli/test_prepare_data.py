@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import REPO
 from typer.testing import CliRunner
 
@@ -105,6 +106,7 @@ KILL_WHILE_TOKENIZING = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sigkill_while_tokenizing_publishes_nothing_and_the_rerun_completes(tiny_model_dir, write_config, tmp_path):
     cfg = _config(write_config, tiny_model_dir, _corpus(tmp_path, ROWS))
     out = tmp_path / "prepared"

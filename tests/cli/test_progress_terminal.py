@@ -25,7 +25,10 @@ from conftest import REPO
 
 from cembed.train.checkpoint import MARKER
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+pytestmark = [
+    pytest.mark.slow,  # trains in a subprocess at a pseudo-terminal
+    pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal"),
+]
 
 MAX_STEPS = 8
 BATCH = 8

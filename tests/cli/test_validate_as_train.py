@@ -8,6 +8,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import distinct_pairs
 from hypothesis import HealthCheck, given, settings
@@ -76,6 +77,7 @@ def test_zero_batch_plan_is_an_error_naming_the_largest_size(tmp_path, tiny_mode
     assert r.exit_code == 0, r.output
 
 
+@pytest.mark.slow
 @settings(
     max_examples=6,
     deadline=None,
@@ -111,6 +113,7 @@ def test_validate_ok_means_train_gets_past_setup(
         assert trained.exit_code == checked.exit_code, f"validate:\n{checked.output}\ntrain:\n{trained.output}"
 
 
+@pytest.mark.slow
 def test_a_plain_sampler_warns_of_no_unplaceable_rows(tmp_path, tiny_model_dir):
     # the chain's rows collide across columns; only the no-duplicates sampler refuses to pair them, so
     # with sampler.no_duplicates: false neither command may say rows "cannot be placed"

@@ -16,6 +16,8 @@ import cembed.train.recipe as T
 from cembed.config.file import config_from_dict
 from cembed.errors import UserError
 
+pytestmark = pytest.mark.slow  # runs `cembed validate` in a subprocess
+
 ROWS = [{"anchor": f"a dog {i} in the park", "positive": f"a puppy {i} on grass"} for i in range(3000)]
 
 

@@ -44,6 +44,7 @@ def test_gallery_has_the_recipes_with_headers():
     assert "--nproc-per-node 8 --nnodes 2 --node-rank 1" in (REPO / "configs" / "multi-node-2x8.yaml").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_config_validates(path, offline):
     r = CliRunner().invoke(app, ["validate", str(path)])
@@ -51,6 +52,7 @@ def test_every_config_validates(path, offline):
     assert "config OK" in r.output
 
 
+@pytest.mark.slow
 def test_seed_recipe_plan_and_offline_warning(offline):
     r = CliRunner().invoke(app, ["validate", str(REPO / "configs" / "seed-minilm-65536-bf16.yaml")])
     assert r.exit_code == 0, r.output
@@ -64,6 +66,7 @@ def test_seed_recipe_plan_and_offline_warning(offline):
     assert "model loads; max_seq_length 256" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "flags", "samples", "lr"),
     [

@@ -95,6 +95,7 @@ def test_tsv_and_csv_load(write_config, tmp_path):
     assert data.dataset[7] == {"anchor": "q 7", "positive": "a 7"}
 
 
+@pytest.mark.slow
 def test_validate_cli_prints_lr_and_first_row(write_config, pairs_file):
     path = write_config(
         {

@@ -145,6 +145,7 @@ def test_group_column_excludes_every_text_of_the_group(tiny_model_dir, tmp_path)
     assert report.group_excluded > 0 and report.cache_dir is None
 
 
+@pytest.mark.slow
 def test_mining_errors_name_the_option(tiny_model_dir, tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps({"q": "a", "positive": "b"}) + "\n")

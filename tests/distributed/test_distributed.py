@@ -228,6 +228,7 @@ def two_rank_results(tiny_model_dir, tmp_path_factory):
     return tmp, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_gathered_equal_one_process(name, two_rank_results, tiny_model_dir, monkeypatch):
     tmp, results = two_rank_results
@@ -262,6 +263,7 @@ def test_two_ranks_gathered_equal_one_process(name, two_rank_results, tiny_model
     assert pooler and all(torch.equal(torch.load(tmp / f"{name}-rank0.pt")[k], initial[k]) for k in pooler)
 
 
+@pytest.mark.slow
 def test_global_batches_have_no_duplicates_and_equal_steps(two_rank_results):
     tmp, results = two_rank_results
     rows = _duplicate_heavy_rows()
@@ -277,6 +279,7 @@ def test_global_batches_have_no_duplicates_and_equal_steps(two_rank_results):
             seen |= row_texts
 
 
+@pytest.mark.slow
 def test_signal_on_one_rank_stops_all_ranks_at_the_same_step(two_rank_results):
     """The launcher may deliver SIGTERM to some ranks only (or at different times): the stop
     decision is shared, so both ranks save one checkpoint after the same step and report it."""
@@ -310,6 +313,7 @@ def test_sampler_shards_global_batches_through_accelerate(pairs_file):
             assert b0 + b1 == g and len(b0) == len(b1) == 4
 
 
+@pytest.mark.slow
 def test_cli_train_nproc_per_node_2_on_coco_slice(tiny_model_dir, write_config, tmp_path):
     out = tmp_path / "run"
     cfg = write_config(
@@ -340,6 +344,7 @@ def test_cli_train_nproc_per_node_2_on_coco_slice(tiny_model_dir, write_config, 
     assert "froze 2 parameters" in r.stdout
 
 
+@pytest.mark.slow
 def test_cli_train_bad_cell_with_two_processes_exits_2_with_the_cells_message(tiny_model_dir, write_config, pairs_file):
     # Issue 24 item 3: the launcher loads no table; the workers' data check refuses the cell and
     # rank 0's one-line message comes back through the launcher, exit code 2 (a user mistake).
@@ -386,6 +391,7 @@ dist.barrier()  # rank 0 would wait here forever if the launcher did not stop it
 """
 
 
+@pytest.mark.slow
 def test_failing_rank_stops_the_job(tmp_path):
     (tmp_path / "failing_worker.py").write_text(FAILING_WORKER)
     code = (
@@ -399,6 +405,7 @@ def test_failing_rank_stops_the_job(tmp_path):
     assert "boom on rank 1" in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_launcher_args_and_validate_show_world_size(write_config, pairs_file, tmp_path):
     from conftest import distinct_pairs
 

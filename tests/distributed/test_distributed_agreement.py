@@ -28,6 +28,8 @@ import pytest
 import torch
 from conftest import join_gloo_rank
 
+pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
+
 WORLD = 2
 HANG_S = 120  # a rank still running after this is hung in a collective
 

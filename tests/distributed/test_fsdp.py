@@ -28,6 +28,8 @@ import pytest
 import torch
 from conftest import join_gloo_rank
 
+pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
+
 WORLD = 2
 ROWS = 8
 LORA = {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["query", "value"]}

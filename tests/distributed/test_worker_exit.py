@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.slow  # each test starts a Python worker process
+
 WORKER_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
 
 

@@ -223,6 +223,7 @@ def _cli(*args, **kw):
     )
 
 
+@pytest.mark.slow
 def test_cli_eval_table_json_and_cache(tiny_model_dir, tmp_path):
     root = write_beir(tmp_path / "toy")
     sts = tmp_path / "sts.tsv"
@@ -255,6 +256,7 @@ def test_cli_eval_table_json_and_cache(tiny_model_dir, tmp_path):
     assert json.loads(out.read_text())["sets"]["toy-test"]["headline"] == toy["headline"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -322,6 +324,7 @@ def test_report_to_passed_to_trainer_integrations(write_config):
     assert args.report_to not in ("none", ["none"])  # resolved by transformers to the installed trackers
 
 
+@pytest.mark.slow
 def test_eval_during_training_logs_metrics_and_keeps_best(
     write_config, pairs_file, tiny_model_dir, tmp_path, monkeypatch
 ):

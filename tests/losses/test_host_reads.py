@@ -125,6 +125,7 @@ def _features(model):
     return [model.tokenize(TEXTS), model.tokenize([t + " end" for t in reversed(TEXTS)])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sort_by_length", [True, False])
 @pytest.mark.parametrize("unpad", [False, True])
 def test_cached_step_bookkeeping_reads_nothing_per_minibatch(tiny_model_dir, sort_by_length, unpad):

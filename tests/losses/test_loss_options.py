@@ -41,6 +41,7 @@ OPTIONS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", OPTIONS)
 def test_mnrl_options_cached_equals_plain(tiny_model_dir, options):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
@@ -72,6 +73,7 @@ def _same_masks_reps(model, features, mbs, seed):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[2]])
 @pytest.mark.parametrize("mbs", [2, 7])
 def test_mnrl_options_cached_equals_plain_under_dropout(tiny_dropout_model_dir, options, mbs):
@@ -160,6 +162,7 @@ def guide_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("guide"), seed=5, hidden=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["absolute", "relative"])
 @pytest.mark.parametrize("columns", [("anchor", "positive"), TRIPLETS])
 def test_cached_gist_equals_plain_gist(tiny_model_dir, guide_dir, strategy, columns):
@@ -185,6 +188,7 @@ def test_cached_gist_equals_plain_gist(tiny_model_dir, guide_dir, strategy, colu
             assert counts is cached.module.filter_counts and 0 < counts.masked < counts.candidates
 
 
+@pytest.mark.slow
 def test_cached_gist_with_a_packaged_guide_and_another_tokenizer(tiny_model_dir):
     """The packaged all-MiniLM-L6-v2 as guide: another tokenizer, so the library re-tokenizes the
     decoded texts for it; cached == plain still holds."""
@@ -286,6 +290,7 @@ def test_planted_duplicate_is_masked_and_loss_is_plain_without_it(tiny_model_dir
         assert (built.filter_counts.masked, built.filter_counts.candidates) == (2, n * (width - 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "margin"), [("absolute", 0.0), ("absolute", 0.003), ("relative", 0.004)])
 def test_self_guided_equals_plain_reference(tiny_model_dir, strategy, margin):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
@@ -333,6 +338,7 @@ def test_self_guided_under_dropout_uses_the_no_grad_pass(tiny_dropout_model_dir,
     assert rel_diff(loss, ref_loss.detach()) <= 1e-5 and rel_diff(grads, ref_grads) <= 1e-5
 
 
+@pytest.mark.slow
 def test_masked_share_reaches_the_log_and_run_summary(tiny_model_dir, pairs_file, tmp_path):
     data = {
         "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
@@ -358,6 +364,7 @@ def test_masked_share_reaches_the_log_and_run_summary(tiny_model_dir, pairs_file
 # 3. Matryoshka
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"false_negative_filter": {"margin": 0.003}}])
 def test_matryoshka_cached_equals_plain(tiny_model_dir, options):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
@@ -430,6 +437,7 @@ def test_probe_step_runs_the_configured_loss(tiny_model_dir, guide_dir, monkeypa
 # 5. Gradient checkpointing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fields", [{}, {"false_negative_filter": {"margin": 0.003}}])
 def test_gradient_checkpointing_is_exact_with_the_cached_loss_under_dropout(tiny_dropout_model_dir, fields):
     """Checkpointing recomputes each layer in the backward pass (inside the cached loss's replay of a
@@ -457,6 +465,7 @@ def test_gradient_checkpointing_is_exact_with_the_cached_loss_under_dropout(tiny
 # 3. cembed eval --dims
 
 
+@pytest.mark.slow
 def test_eval_dims_scores_truncated_embeddings(tiny_model_dir, tmp_path):
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
 

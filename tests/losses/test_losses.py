@@ -21,6 +21,7 @@ from cembed.losses.registry import LOSS_BUILDERS, build_loss, register_loss
 from cembed.train.recipe import check_run_inputs, run_training
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("columns", [("anchor", "positive"), ("anchor", "positive", "negative_1")])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_cached_equals_plain_without_dropout(tiny_model_dir, columns, symmetric):
@@ -73,6 +74,7 @@ def test_cached_equals_plain_under_same_dropout_masks(tiny_dropout_model_dir, mb
     assert rel_diff(other, ref_grads) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mbs", [1, 3, 7])
 @pytest.mark.parametrize("columns", [("anchor", "positive"), ("anchor", "positive", "negative_1")])
 def test_length_sorted_equals_unsorted(tiny_model_dir, mbs, columns):
@@ -155,6 +157,7 @@ def _loss_config(tiny_model_dir, pairs_file, tmp_path, loss: dict) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_registered_loss_trains_through_the_registry(scaled_mnrl, tiny_model_dir, pairs_file, tmp_path):
     data = _loss_config(tiny_model_dir, pairs_file, tmp_path, {"name": "scaled_mnrl", "factor": 2})
     cfg = config_from_dict(data, base=tmp_path)

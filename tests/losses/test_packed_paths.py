@@ -102,6 +102,7 @@ def _step(module, features):
     return value.detach(), grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unpad", ["auto", False])
 @pytest.mark.parametrize("kind", KINDS)
 def test_reported_packed_iff_the_encoder_ran_packs(model_dir, guide_dir, kind, unpad):
@@ -138,6 +139,7 @@ def test_reported_packed_iff_the_encoder_ran_packs(model_dir, guide_dir, kind, u
     assert built.token_counts.real == 2 * real
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,rows,mbs",
     [
@@ -225,6 +227,7 @@ def test_a_loss_that_bypasses_packing_is_refused_not_misreported(model_dir):
 # The step's state after backward, and calculate_loss after a forward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cached_mnrl", "self_guided"])
 @pytest.mark.parametrize("unpad", [True, False])
 def test_step_state_released_after_backward(model_dir, guide_dir, monkeypatch, kind, unpad):
@@ -270,6 +273,7 @@ def test_step_state_released_after_backward(model_dir, guide_dir, monkeypatch, k
     assert alive == 0, f"{alive} of {len(watched)} step tensors alive after backward"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cached_mnrl", "self_guided"])
 def test_calculate_loss_never_reuses_a_forwards_row_order(model_dir, guide_dir, kind):
     """``calculate_loss`` on given embeddings gives the same value on a fresh loss and right after a

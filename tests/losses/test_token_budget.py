@@ -81,6 +81,7 @@ def test_short_rows_get_larger_minibatches(tiny_model_dir):
     assert max((e - b) * max(lengths[b:e]) for b, e in library) > 90  # e.g. the 32-token row + short ones
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("budget", "sort"), [(1, True), (45, True), (90, False), (10_000, True)])
 def test_budget_gives_the_same_loss_and_gradients(tiny_model_dir, budget, sort):
     """fp32: the loss and gradients with a token budget equal the plain (one-pass) loss's and the
@@ -178,6 +179,7 @@ def test_probe_token_budget_knee_and_failure():
     assert override_line(result) == "batch.mini_batch_size=37"
 
 
+@pytest.mark.slow
 def test_cpu_token_budget_fits_and_a_larger_one_does_not(tiny_model_dir):
     """Real trials on CPU (child processes, resident memory): with a memory budget between the
     peaks of 64 and 128 full-length rows, the probe's budget (64 rows x 128 tokens) is run and fits;

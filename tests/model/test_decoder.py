@@ -122,6 +122,7 @@ def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mbs", [1, 3])
 def test_cached_equals_plain_with_lora_dropout(decoder_dir, mbs):
     """LoRA dropout on: the cached loss replays each mini-batch's RNG state, so it equals the plain
@@ -206,6 +207,7 @@ def _coco_config(write_config, tmp_path, model_dir, out, merge: bool, **train):
     )
 
 
+@pytest.mark.slow
 def test_train_decoder_with_lora_changes_only_adapted_weights(decoder_dir, write_config, tmp_path):
     cfg = _coco_config(write_config, tmp_path, decoder_dir, tmp_path / "run", merge=True)
     r = subprocess.run(
@@ -229,6 +231,7 @@ def test_train_decoder_with_lora_changes_only_adapted_weights(decoder_dir, write
     assert again.encode(["the cat sat"]).shape == (1, 32)
 
 
+@pytest.mark.slow
 def test_lora_resume_equals_uninterrupted(decoder_dir, write_config, tmp_path):
     env = dict(cwd=REPO, capture_output=True, text=True, timeout=600)
     straight = _coco_config(write_config, tmp_path, decoder_dir, tmp_path / "straight", merge=False, save_steps=3)

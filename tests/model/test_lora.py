@@ -264,6 +264,7 @@ def _dense_config(write_config, tmp_path, model_dir, out):
     )
 
 
+@pytest.mark.slow
 def test_lora_with_dense_head_resume_equals_uninterrupted(tmp_path, write_config):
     """Killed at step 3 (a real SIGTERM) and resumed == uninterrupted, in the Dense head and in the
     merged backbone; dropout is on in the model and the adapters, so the equality is not vacuous."""

@@ -114,6 +114,7 @@ def test_validate_prints_pooling(plain_checkpoint, write_config, pairs_file, tmp
     assert "pooling: lasttoken (model.pooling; plain transformers checkpoint)" in r.output
 
 
+@pytest.mark.slow
 def test_train_records_revision_and_options(plain_checkpoint, write_config, pairs_file, tmp_path):
     model = {"name_or_path": str(plain_checkpoint), "revision": "main", "pooling": "cls"}
     model["model_kwargs"] = {"attn_implementation": "eager"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
@@ -19,6 +20,7 @@ def _cfg(model_dir, data, out, batch: int, **train):
     }
 
 
+@pytest.mark.slow
 def test_samples_seen_counts_the_rows_trained(tiny_model_dir, write_config, pairs_file, tmp_path):
     # Case 7: 42 rows t_i -> t_{i+1} at batch 8 with drop_last false: partial batches. samples_seen
     # was steps x 8 (more rows than exist); it is the rows the steps trained on: all 42, once.
@@ -62,6 +64,7 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+@pytest.mark.slow
 def test_unplaceable_rows_reported_by_validate_inspect_data_and_train(
     tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch
 ):

@@ -104,6 +104,7 @@ def test_validate_reports_stored_training_and_saved_dtypes(bf16_model_dir, tmp_p
     assert "weights: stored bfloat16, trained in float32 with bfloat16 autocast, saved as bfloat16" in r.output
 
 
+@pytest.mark.slow
 def test_bf16_stored_model_trains_like_fp32_and_saves_the_configured_dtype(tiny_model_dir, bf16_model_dir, tmp_path):
     # Before the fix: 14.7 % of the weights changed (bf16 rounds 2e-5 updates away), saved in bf16.
     fp32_run, _ = train_3_steps(tiny_model_dir, tmp_path, "fp32")

@@ -190,6 +190,7 @@ def test_cache_key_includes_the_prompts(tiny_model_dir, tmp_path):
     assert "anchor_prompt_length" in a.dataset.column_names and "anchor_prompt_length" not in c.dataset.column_names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_tokens", [None, 40])
 def test_length_sorted_cached_loss_carries_prompt_length(prompted_model_dir, tmp_path, num_tokens):
     """With include_prompt=False, cembed's length-sorted cached loss on the pre-tokenized batch
@@ -278,6 +279,7 @@ def _small_heldout(folder, n: int = 150):
     return folder
 
 
+@pytest.mark.slow
 def test_prompted_model_trains_and_evaluates_with_its_prompts(prompted_model_dir, tmp_path):
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
@@ -390,6 +392,7 @@ def test_corpus_cache_key_includes_the_prompt(tiny_model_dir, tmp_path):
 # --- the prompts a run trained with are saved with the model -----------------------------------------
 
 
+@pytest.mark.slow
 def test_literal_prompts_are_saved_with_the_trained_model(tiny_model_dir, tmp_path):
     """data.prompts given as literal text (the model has none): the saved model's query / document
     prompts are them, so encode_query / encode_document embed as training did, without naming them."""
@@ -596,6 +599,7 @@ def test_text_path_batches_take_their_sources_prompts(tiny_model_dir, tmp_path):
     assert seen == {"qa", "nli"}
 
 
+@pytest.mark.slow
 def test_with_source_prompts_the_run_wide_prompts_are_saved(tiny_model_dir, tmp_path):
     import cembed.train.recipe as T
 

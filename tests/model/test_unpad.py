@@ -54,6 +54,7 @@ def two_layer_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny2"), layers=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "attn,mbs,columns", [("sdpa", 1, 2), ("sdpa", 3, 2), ("sdpa", 8, 3), ("sdpa", 24, 2), ("eager", 5, 2)]
 )
@@ -94,6 +95,7 @@ def test_processed_counts_the_packs(two_layer_model_dir):
     assert built.token_counts.processed < 0.8 * padded  # lengths 1..35 words: much padding removed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mbs", [3, 7])
 def test_dropout_cached_packed_equals_plain_packed(tiny_dropout_model_dir, mbs):
     """With dropout on, the cached loss replays each packed mini-batch (same packing, same RNG state)
@@ -224,6 +226,7 @@ def test_unsupported_model_falls_back(t5_model_dir):
         resolve_unpad(model, True)
 
 
+@pytest.mark.slow
 def test_roberta_style_positions_pack(tmp_path):
     """A RoBERTa model numbers positions from padding_idx + 1: packed rows get the same offset."""
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
@@ -267,6 +270,7 @@ def _cfg(write_config, pairs_file, model_dir, tmp_path, unpad) -> str:
     )
 
 
+@pytest.mark.slow
 def test_validate_and_train_say_which_path(tiny_model_dir, t5_model_dir, write_config, pairs_file, tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, tiny_model_dir, tmp_path, "auto")])
@@ -307,6 +311,7 @@ def _modes(model) -> dict[str, bool]:
     return {name: module.training for name, module in model.named_modules()}
 
 
+@pytest.mark.slow
 def test_support_check_keeps_every_module_mode(tiny_dropout_model_dir):
     """A freshly loaded model is top-level `train` with its encoder in `eval` (from_pretrained): building
     a packed loss (whose support check runs the model in eval mode) leaves every module's mode as it
@@ -381,6 +386,7 @@ def test_sliding_window_attention_is_not_packed(tiny_model_dir, tmp_path, monkey
     assert not checked.enabled and "differs from the row embedded alone" in checked.description
 
 
+@pytest.mark.slow
 def test_full_attention_modernbert_packs(tiny_model_dir, tmp_path):
     """The same architecture with every layer global packs, and packed == padded through the loss."""
     model = _sliding_modernbert(tmp_path / "global", tiny_model_dir, every=1)

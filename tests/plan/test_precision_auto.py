@@ -125,6 +125,7 @@ def test_validate_prints_the_resolved_precision(monkeypatch, tiny_model_dir, wri
     assert "trained in float32 with bfloat16 autocast" in r.output
 
 
+@pytest.mark.slow
 def test_run_summary_records_the_precision_and_a_resume_compares_it_resolved(tiny_model_dir, tmp_path):
     """The summary records requested and resolved precision; a checkpoint of an explicit-fp32 run
     resumes under the default auto on CPU (both train in fp32), so the new default does not lock

@@ -110,6 +110,7 @@ def test_parse_bytes():
         parse_bytes("8 lots")
 
 
+@pytest.mark.slow
 def test_cpu_budget_mode_tiny_model(tiny_model_dir):
     spec = TrialSpec(
         model=ModelConfig(name_or_path=str(tiny_model_dir), max_seq_length=128, device="cpu").model_dump(),
@@ -133,6 +134,7 @@ def test_cpu_budget_mode_tiny_model(tiny_model_dir):
     assert by_size[next_tried].peak_bytes > budget and not by_size[next_tried].fits
 
 
+@pytest.mark.slow
 def test_mini_batch_size_auto_trains_end_to_end_on_cpu(tiny_model_dir, write_config, pairs_file, tmp_path):
     out = tmp_path / "run"
     cfg = write_config(

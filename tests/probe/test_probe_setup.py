@@ -89,6 +89,7 @@ def test_describe_setup_names_what_was_and_was_not_measured():
     assert describe_setup({"strategy": "ddp", "ranks": 1}) == []  # no trial reported a setup
 
 
+@pytest.mark.slow
 def test_probe_minibatch_prints_the_measured_setup(tiny_model_dir, write_config, pairs_file):
     pytest.importorskip("peft")
     cfg = write_config(

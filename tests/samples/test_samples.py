@@ -92,6 +92,7 @@ def test_before_after_table():
     assert console.export_text() == ""
 
 
+@pytest.mark.slow
 def test_every_step_loss_in_summary_and_plot(tiny_model_dir, write_config, pairs_file, tmp_path):
     rows = [{"anchor": f"question {i} about a {'red ' * (i % 5)}car", "positive": f"answer {i}"} for i in range(96)]
     out = tmp_path / "run"

@@ -73,6 +73,7 @@ def fake_bundle(folder: Path, extra: tuple[str, ...] = ()) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_without_cuda():
     rc, plan = dry_run()
     assert rc == 0 and plan["dry_run"] is True and plan["ok"] is True
@@ -91,6 +92,7 @@ def test_dry_run_prints_the_plan_without_cuda():
     assert [s["name"] for s in subset["stages"]] == ["env", "probe"] and subset["batch"] == 1024
 
 
+@pytest.mark.slow
 def test_dry_run_checks_the_bundle_against_its_manifest(tmp_path):
     bundle = fake_bundle(tmp_path / "bundle")
     rc, plan = dry_run("--bundle", str(bundle))
@@ -116,6 +118,7 @@ def test_dry_run_checks_the_bundle_against_its_manifest(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_run_refuses_an_existing_output_folder(tmp_path):
     r = subprocess.run(
         [sys.executable, str(GPU_CHECK), "--out", str(tmp_path), "--stages", "env"],
@@ -230,6 +233,7 @@ def test_gradient_cosine_is_accumulated_in_fp64():
     assert stages.rel_l2(a, a) == 0.0 and abs(stages.rel_l2(b, a) - 1e-2) < 1e-4
 
 
+@pytest.mark.slow
 def test_stage_budgets_sum_under_the_deadline():
     for extra in ((), ("--quick", "--device", "cpu")):
         _, plan = dry_run(*extra)
@@ -241,6 +245,7 @@ def test_stage_budgets_sum_under_the_deadline():
     assert tight["budget_sum_s"] <= 100 and [s["name"] for s in tight["stages"]] == STAGES
 
 
+@pytest.mark.slow
 def test_cpu_mode_installs_nothing_from_the_bundle(tmp_path):
     bundle = fake_bundle(tmp_path / "bundle")
     _, plan = dry_run("--bundle", str(bundle), "--device", "cpu")
@@ -322,6 +327,7 @@ def test_the_check_runs_end_to_end_on_cpu(tmp_path, capsys):
     assert est["steps"] == 4 and est["predicted_s"] > 0 and est["measured_s"] > 0 and est["bar"] != 0.15
 
 
+@pytest.mark.slow
 def test_the_bundle_may_bring_one_pyarrow(tmp_path):
     # scripts/gpu_bundle.sh adds pyarrow when the image's is too old for the bundled datasets
     pyarrow = "pyarrow-26.0.1-cp312-cp312-manylinux_2_28_x86_64.whl"

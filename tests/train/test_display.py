@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 from transformers import TrainerCallback
 
 import cembed.train.recipe as T
@@ -73,6 +74,7 @@ def _tiny_config(tiny_model_dir, tmp_path, mini_batch_size):
     )
 
 
+@pytest.mark.slow
 def test_a_recording_display_gets_every_call_of_a_run(tiny_model_dir, tmp_path, monkeypatch):
     """mini_batch_size: auto (the probe replaced by a stub: its child processes are slow on CPU) ->
     probe start and result, the header with the final plan, the components, the progress callback
@@ -110,6 +112,7 @@ def test_a_recording_display_gets_every_call_of_a_run(tiny_model_dir, tmp_path, 
     assert set(names[5:]) == {"log_line", "eval_line"}  # nothing else after the trainer is built
 
 
+@pytest.mark.slow
 def test_the_quiet_default_prints_nothing(tiny_model_dir, tmp_path, capsys):
     cfg = _tiny_config(tiny_model_dir, tmp_path, 8)
     plan, data = T.check_run_inputs(cfg)

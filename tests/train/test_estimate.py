@@ -130,6 +130,7 @@ def test_cli_unknown_gpu_lists_the_known_ones(write_config, tmp_path):
     assert len(lines) == 1 and "unknown GPU 'X99'" in lines[0] and "H100 SXM" in lines[0], r.output
 
 
+@pytest.mark.slow
 def test_cli_calibrate_measures_this_machine(write_config, pairs_file, tiny_model_dir, tmp_path):
     cfg = _tiny_config(write_config, pairs_file, tiny_model_dir, tmp_path, max_steps=40)
     out = tmp_path / "estimate.json"

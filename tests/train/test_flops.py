@@ -118,6 +118,7 @@ def test_peak_override_and_precision(tiny_model_dir):
     assert matmul_precision("fp32", "cpu") == "fp32" and matmul_precision("bf16", "cuda") == "bf16"
 
 
+@pytest.mark.slow
 def test_training_reports_flops_and_mfu(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
     """A 2-step run on 32 pairs (every row once): run_summary.json's throughput has the FLOP model of
     the tiny model, FLOP/s = tokens/s x the FLOPs per real token of these rows (hand formula), MFU =

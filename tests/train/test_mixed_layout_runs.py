@@ -58,6 +58,7 @@ class ColumnsSeen(CembedTrainer):
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pretokenize", [True, False])
 def test_triplets_and_pairs_train_in_one_run_each_batch_with_its_columns(tiny_model_dir, tmp_path, pretokenize):
     cfg = config_from_dict(_cfg(tiny_model_dir, tmp_path, tmp_path / "out", pretokenize, max_steps=11), base=tmp_path)
@@ -87,6 +88,7 @@ def _weights(folder):
     return load_file(str(next(folder.glob("model.safetensors"))))
 
 
+@pytest.mark.slow
 def test_mixed_layouts_killed_and_resumed_equals_uninterrupted(tiny_dropout_model_dir, write_config, tmp_path):
     env_run = dict(cwd=REPO, capture_output=True, text=True, timeout=600)
     configs = {}
@@ -117,6 +119,7 @@ def test_mixed_layouts_killed_and_resumed_equals_uninterrupted(tiny_dropout_mode
     assert max_dw <= 1e-6, max_dw
 
 
+@pytest.mark.slow
 def test_two_ranks_on_mixed_layouts_equal_one_process(tiny_model_dir, write_config, tmp_path):
     """2 gloo processes x 4 rows (embeddings gathered across ranks) train the same steps as one process
     x 8 rows: at every step both ranks hold the same source's rows and embed the same columns, so the

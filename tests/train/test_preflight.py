@@ -99,6 +99,7 @@ def test_knowable_mistakes_fail_validate_and_train_alike(case, short_model_dir, 
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_fixed_settings_train(short_model_dir, write_config, pairs_file, tmp_path):
     # The fixes the messages name make the run train.
     path = write_config(
@@ -136,6 +137,7 @@ def _raise_at_call(n, exc):
     return build
 
 
+@pytest.mark.slow
 def test_unexpected_exception_is_recorded(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
     monkeypatch.setattr(
         "cembed.train.recipe.build_loss", _raise_at_call(2, RuntimeError("size of tensor a (109) vs b (40)"))
@@ -164,6 +166,7 @@ def test_unexpected_exception_before_the_run(tiny_model_dir, write_config, pairs
     assert "KeyError" in open(tb).read()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_config(tiny_model_dir, write_config, pairs_file, tmp_path):
     out, data = tmp_path / "run", pairs_file(ROWS)
     path = write_config(_cfg(tiny_model_dir, data, out, train={"max_steps": 4, "save_steps": 2}))
@@ -191,6 +194,7 @@ def test_resume_refuses_a_changed_config(tiny_model_dir, write_config, pairs_fil
     assert summary["steps"] == 4 and summary["samples_seen"] == 16 and summary["learning_rate"]["effective"] == 2e-5
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     scheduler=st.sampled_from(SCHEDULERS),

@@ -8,10 +8,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 from prepared_helpers import pair_rows, write_jsonl, write_prepared
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
+
+pytestmark = pytest.mark.slow  # trains through `cembed train` subprocesses (and 2 ranks)
 
 ROWS = pair_rows(120)
 

@@ -35,6 +35,7 @@ def test_push_to_hub_needs_hub_model_id(tmp_path):
         _cfg(tmp_path, push_to_hub=True)
 
 
+@pytest.mark.slow
 def test_model_card_keeps_cembed_facts(tmp_path, tiny_model_dir, pairs_file):
     from cembed.train.recipe import check_run_inputs, run_training
 
@@ -82,6 +83,7 @@ def _front_matter(card: str) -> dict:
     return yaml.safe_load(card.split("---\n", 2)[1])
 
 
+@pytest.mark.slow
 def test_model_card_tells_the_truth(tmp_path, tiny_model_dir, pairs_file, monkeypatch):
     """A pre-tokenized run with evaluation before and after training (the quickstart's shape): the
     card names the base model and the data source, carries the final model's metrics (and before ->

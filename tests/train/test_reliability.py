@@ -46,6 +46,7 @@ def _weights(folder):
     return load_file(str(next(folder.glob("model.safetensors"))))
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_equals_uninterrupted(tiny_dropout_model_dir, write_config, tmp_path):
     env_run = dict(cwd=REPO, capture_output=True, text=True, timeout=600)
     straight = _config(write_config, tmp_path, tiny_dropout_model_dir, tmp_path / "straight")
@@ -112,6 +113,7 @@ def _nan_at_call(n):
     return build
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_naming_step_and_checkpoint(tiny_model_dir, write_config, tmp_path, monkeypatch):
     monkeypatch.setattr("cembed.train.recipe.build_loss", _nan_at_call(2))
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "nan", save_steps=1))
@@ -123,6 +125,7 @@ def test_nan_loss_stops_naming_step_and_checkpoint(tiny_model_dir, write_config,
     assert summary["status"] == "failed" and "step 2" in summary["error"]
 
 
+@pytest.mark.slow
 def test_nan_loss_skip_policy_counts(tiny_model_dir, write_config, tmp_path, monkeypatch):
     monkeypatch.setattr("cembed.train.recipe.build_loss", _nan_at_call(2))
     cfg = load_config(_config(write_config, tmp_path, tiny_model_dir, tmp_path / "skip", nonfinite_loss="skip"))
@@ -163,6 +166,7 @@ def _fp16_scaler_trainer(record: dict):
     return Fp16ScalerTrainer
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_with_grad_scaler(tiny_model_dir, write_config, tmp_path, monkeypatch):
     """fp16 + ``nonfinite_loss: skip``: the skipped step is a no-op that the GradScaler accepts (it
     used to raise "No inf checks were recorded for this optimizer")."""
@@ -178,6 +182,7 @@ def test_skip_nonfinite_with_grad_scaler(tiny_model_dir, write_config, tmp_path,
     assert record["scale"][2] == record["scale"][1] / 2  # the scaler saw the inf gradients and backed off
 
 
+@pytest.mark.slow
 def test_finished_output_dir_not_overwritten(tiny_model_dir, write_config, tmp_path):
     path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "done", max_steps=1)
     cfg = load_config(path)
@@ -290,6 +295,7 @@ def test_bad_input_is_one_clear_error(case, write_config, tmp_path):
     assert "Traceback" not in r.output and not isinstance(r.exception, Exception) or isinstance(r.exception, SystemExit)
 
 
+@pytest.mark.slow
 def test_bad_rows_dropped_and_counted(write_config, pairs_file):
     rows = distinct_pairs(8)
     rows[1]["anchor"] = "x" * 1_000_001
@@ -304,6 +310,7 @@ def test_config_that_is_a_list(write_config):
     assert r.exit_code == 2 and "must be a mapping of sections" in r.output
 
 
+@pytest.mark.slow
 def test_resume_refuses_finished_or_changed_schedule(tiny_model_dir, write_config, tmp_path):
     path = _config(write_config, tmp_path, tiny_model_dir, tmp_path / "short", max_steps=2, save_steps=1)
     cfg = load_config(path)

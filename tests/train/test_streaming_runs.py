@@ -93,6 +93,7 @@ def _window_counts(model_dir, rows, batch_size, window):
     return asdict(batcher.counts)
 
 
+@pytest.mark.slow
 def test_stream_trains_the_windowed_batches_pass_after_pass(tiny_model_dir, tmp_path):
     """12 steps of batch 8 over a 72-row stream with duplicate texts (W = 2): the loss sees exactly
     the windowed batches of the file, in order (8 per pass), then the next pass's from the start;
@@ -120,6 +121,7 @@ def test_stream_trains_the_windowed_batches_pass_after_pass(tiny_model_dir, tmp_
     assert entry["rows_checked"] == 72 and entry["rows"] is None
 
 
+@pytest.mark.slow
 def test_stream_in_the_samplers_order_trains_as_the_full_table(tiny_model_dir, tmp_path):
     """The rows written in the full-table sampler's epoch-0 permutation (seed 3) and streamed with
     a window past the stream's batches: the same batches, so the same step losses, as the
@@ -167,6 +169,7 @@ REFUSALS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_what_a_stream_cannot_do_is_refused_naming_the_field(tiny_model_dir, tmp_path, write_config, case):
     change, message = REFUSALS[case]
@@ -187,6 +190,7 @@ def _weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_a_stream_killed_in_its_second_pass_and_resumed_equals_uninterrupted(
     tiny_dropout_model_dir, tmp_path, write_config
 ):
@@ -242,6 +246,7 @@ runpy.run_module("cembed", run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_two_ranks_each_train_the_windowed_batches_of_their_own_shard(tiny_model_dir, tmp_path, write_config):
     """2 gloo processes, a stream of 2 shards: each rank reads one whole shard
     (``split_dataset_by_node``) and trains exactly its windowed batches; no row on both ranks."""
@@ -288,6 +293,7 @@ def test_two_ranks_each_train_the_windowed_batches_of_their_own_shard(tiny_model
     assert stream["counts"]["rows_read"] == 36  # rank 0's shard, read whole (one chunk)
 
 
+@pytest.mark.slow
 def test_every_pass_reshuffles_the_stream(tiny_model_dir, tmp_path):
     """With a shuffle buffer and data.max_samples, pass 0 trains the windowed batches of the
     stream's first 64 rows shuffled with seed 3, pass 1 those of the next shuffle (seed 3 + 1):

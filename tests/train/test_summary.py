@@ -301,6 +301,7 @@ def _tiny_run(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch, *
     return cfg, plan, data, out
 
 
+@pytest.mark.slow
 def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
     cfg, plan, data, out = _tiny_run(tiny_model_dir, write_config, pairs_file, tmp_path / "a", monkeypatch)
     done = run_training(cfg, plan, data)
@@ -339,6 +340,7 @@ def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pai
     }
 
 
+@pytest.mark.slow
 def test_a_resumed_run_reports_its_own_rate(tiny_model_dir, tmp_path):
     """Resumed at step 2 of 4 (8 samples a step): samples/s is the 16 samples this run trained over
     its wall time, not the 32 the model has seen; the display is told where the run continues."""

@@ -54,6 +54,7 @@ def _expected_trials(metrics: dict[float, float]) -> int:
     return 4 if best in (min(metrics), max(metrics)) else 3
 
 
+@pytest.mark.slow
 def test_sweep_trains_each_factor_and_picks_the_best(tmp_path, tiny_model_dir, monkeypatch):
     config = _config(tmp_path, tiny_model_dir)
     calls = _counting(monkeypatch)
@@ -86,6 +87,7 @@ def test_sweep_trains_each_factor_and_picks_the_best(tmp_path, tiny_model_dir, m
     assert again.best.factor == data["best"]["factor"]
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_with_only_the_missing_trials(tmp_path, tiny_model_dir, monkeypatch):
     config = _config(tmp_path, tiny_model_dir)
     calls = _counting(monkeypatch, fail_on=2)
@@ -108,6 +110,7 @@ def test_a_killed_sweep_resumes_with_only_the_missing_trials(tmp_path, tiny_mode
     assert [t.trained_now for t in result.trials if t.factor == 0.5] == [False]
 
 
+@pytest.mark.slow
 def test_a_trial_left_running_by_a_kill_is_failed_and_trained_again(tmp_path, tiny_model_dir, monkeypatch):
     import optuna
     from optuna.distributions import FloatDistribution
@@ -159,6 +162,7 @@ def test_cli_refuses_a_config_without_eval_sets(tmp_path, tiny_model_dir):
     assert len(lines) == 1 and "eval" in lines[0] and "no eval sets" in lines[0]
 
 
+@pytest.mark.slow
 def test_cli_prints_the_table_and_the_override(tmp_path, tiny_model_dir):
     config = _config(tmp_path, tiny_model_dir)
     res = CliRunner().invoke(

@@ -107,6 +107,7 @@ def test_no_one_row_batches_without_drop_last():
     assert [sorted(b) for b in batches] in ([[0, 2]], [[1, 3]]) and len(sampler) == 1 and sampler.unplaced == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 2])
 def test_optimizer_steps_equal_sampler_batches(tiny_model_dir, tmp_path, accum):
     """Through the real trainer: the steps it runs in one epoch equal the batches the sampler yields."""

@@ -176,6 +176,7 @@ def _sigterm_at(step: int):
     return Trainer
 
 
+@pytest.mark.slow
 def test_two_source_resume_equals_uninterrupted(tiny_dropout_model_dir, tmp_path):
     straight = _run(_config(tmp_path, tiny_dropout_model_dir, "straight", max_steps=6), tmp_path)
     sources = straight["data"]["sources"]
@@ -223,6 +224,7 @@ def _rank(rank: int, tmp: str, model_dir: str, port: int) -> None:
     leave_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_train_the_same_source_each_step(tiny_model_dir, tmp_path):
     import torch.multiprocessing as mp
 

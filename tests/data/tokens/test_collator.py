@@ -233,6 +233,7 @@ def test_plan_resolves_auto_workers(monkeypatch, big_shm):
         CembedConfig.model_validate({**base, "train": {"dataloader_num_workers": -1}})
 
 
+@pytest.mark.slow
 def test_training_with_auto_workers_same_losses(
     tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch, big_shm
 ):

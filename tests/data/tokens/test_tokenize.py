@@ -62,6 +62,7 @@ def test_cache_reused_and_rebuilt_on_max_seq_length_change(model, tmp_path):
     assert not other.from_cache
 
 
+@pytest.mark.slow
 def test_training_with_two_workers_same_first_loss(tiny_model_dir, write_config, pairs_file, tmp_path, monkeypatch):
     """dataloader_num_workers: 2 gives the same first-step loss as 0 workers."""
     from cembed.config.file import load_config
@@ -147,6 +148,7 @@ def test_num_proc_config_field(tmp_path):
         config_from_dict(base, base=tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_proc", [1, 2])
 def test_parallel_tokenizing_gives_the_same_ids_and_reports_progress(model, tmp_path, num_proc):
     """Two processes: the same ids as one; progress ends at (rows, rows); one copy on disk (the

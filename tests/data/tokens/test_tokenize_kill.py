@@ -10,10 +10,13 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import REPO
 from safetensors.torch import load_file
 
 from cembed.data.tokens.format import MANIFEST
+
+pytestmark = pytest.mark.slow  # kills and reruns a training subprocess
 
 ROWS = 5000  # three map batches of 2048 rows: the kill lands after two were written
 KILL_AFTER_ROWS = 4096
