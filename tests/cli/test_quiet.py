@@ -121,9 +121,9 @@ CTRL_C_WHILE_TOKENIZING = textwrap.dedent(
     """
     import os, signal, sys, time
     from cembed.cli.app import main
-    import cembed.data.tokens.tokenize as tokenize
+    import cembed.data.tokens.encode as encode  # the tokenizing map
 
-    MAIN, FLAG, tokenize_batch = os.getpid(), sys.argv[3], tokenize._tokenize_batch
+    MAIN, FLAG, tokenize_batch = os.getpid(), sys.argv[3], encode._tokenize_batch
 
     def ctrl_c_in_a_worker(*args, **kwargs):
         if os.getpid() != MAIN:
@@ -136,7 +136,7 @@ CTRL_C_WHILE_TOKENIZING = textwrap.dedent(
                 time.sleep(1)
         return tokenize_batch(*args, **kwargs)
 
-    tokenize._tokenize_batch = ctrl_c_in_a_worker
+    encode._tokenize_batch = ctrl_c_in_a_worker
     sys.argv = ["cembed", "prepare-data", sys.argv[1], "--output", sys.argv[2]]
     main()
     """
