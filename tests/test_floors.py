@@ -1,5 +1,6 @@
 """pyproject.toml's version floors are versions cembed is tested with (issue 32, item 7): each floor is
-the lowest version that runs somewhere: CI's environment (this one), the GPU image's packages as read
+the lowest version that runs somewhere: CI's environment (this one, pinned by constraints.txt, so a new
+upstream release does not move it), the GPU image's packages as read
 there (scripts/gpu_check/image_packages.txt, "seen" lines) or the GPU bundle's fallback datasets
 (scripts/gpu_bundle.sh). A floor above all of them claims support nobody tested the day it was raised; a
 floor below all of them claims support nobody tests at all."""
@@ -49,3 +50,15 @@ def test_each_floor_is_the_lowest_tested_version(req):
         "bundle's); set the floor to it"
     )
     assert all(floor(req) <= v for v in versions_run(req.name))
+
+
+def test_every_requirement_is_pinned_by_the_constraints():
+    """``make install`` installs with ``-c constraints.txt``: a requirement without a pin there would
+    take whatever PyPI released that day, and the floor test above would judge a moving target."""
+    pins = {
+        Requirement(line.split("#")[0]).name.lower()
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    missing = sorted({r.name.lower() for r in requirements()} - pins - {"torch"})  # torch: Makefile pins it
+    assert not missing, f"not pinned in constraints.txt: {missing}; refresh it (see its header)"
