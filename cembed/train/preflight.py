@@ -326,11 +326,12 @@ def training_record(
     }
 
 
-def _flat(value, prefix: str = "") -> dict:
+def flatten(value, prefix: str = "") -> dict:
+    """A nested dict (a config dump) as ``{"section.field": value}``; lists stay values."""
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+            out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
         return out
     return {prefix: value}
 
@@ -343,7 +344,7 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
         trained (batch, LR, schedule, loss, data, seed, model ...), ``safe`` only how it is logged,
         saved, evaluated or run (:data:`SAFE_TO_CHANGE`).
     """
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     a |= {key: value for key, value in ADDED_FIELDS.items() if key not in a and key in b}
     refused, safe = [], []
     for key in sorted(set(a) | set(b)):
