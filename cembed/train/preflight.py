@@ -8,7 +8,11 @@ knowable up front:
   position embeddings at the first long batch);
 - the LR scheduler: its arguments (``optim.lr_scheduler_kwargs``) are tried on a one-parameter
   optimizer at the effective LR, so a missing argument or an end LR above the effective LR is found;
-- the tokenizer can pad (the collator pads every batch).
+- the tokenizer can pad (the collator pads every batch);
+- each ``train.report_to`` tracker's package is installed (transformers' own availability check,
+  the one its trainer callbacks run at step 0);
+- the folders a run writes (``train.output_dir``, the cache root of ``data.cache_dir``) can be
+  created: not a file, not under a file, writable.
 
 Each problem is a :class:`Finding` whose text is one line naming the field and the fix.
 
@@ -20,11 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from cembed.config.schema import CembedConfig, ModelConfig, OptimConfig
 from cembed.errors import UserError, first_line
+from cembed.files import cache_root, display_path
 from cembed.model.load import resolve_model_path
 
 # Models whose positions come from a learned absolute table (a longer input crashes); RoBERTa-style
@@ -49,7 +55,12 @@ def preflight(cfg: CembedConfig, learning_rate: float) -> list[Finding]:
 
     A model that cannot be reached (a hub id offline) skips the model checks; loading it later says why.
     """
-    return check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps) + check_model(cfg.model)
+    return (
+        check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps)
+        + check_model(cfg.model)
+        + check_trackers(cfg.train.report_to)
+        + check_writable_folders(cfg)
+    )
 
 
 def raise_findings(findings: list[Finding]) -> None:
@@ -103,6 +114,71 @@ def check_scheduler(optim: OptimConfig, learning_rate: float, max_steps: int | N
     except TypeError as err:
         return [Finding(field, f"{name} does not accept these arguments ({first_line(err)}); fix or remove them")]
     return []
+
+
+# The pip package each tracker of train.report_to needs (transformers' integration names).
+TRACKER_PACKAGES = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "comet_ml": "comet-ml",
+    "clearml": "clearml",
+    "neptune": "neptune",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+    "trackio": "trackio",
+}
+
+
+def check_trackers(report_to: list[str]) -> list[Finding]:
+    """Each ``train.report_to`` tracker whose package transformers cannot find
+    (``transformers.integrations.get_available_reporting_integrations``: the check its callbacks
+    make when the trainer is built, which would stop the run at step 0). ``none`` and ``all`` (every
+    installed tracker, possibly none) need nothing."""
+    from transformers.integrations import get_available_reporting_integrations
+
+    available = set(get_available_reporting_integrations())
+    missing = [name for name in report_to if name not in ("none", "all") and name not in available]
+    if not missing:
+        return []
+    install = " ".join(TRACKER_PACKAGES.get(name, name) for name in missing)
+    return [
+        Finding(
+            "train.report_to",
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed; "
+            f"pip install {install}, or remove {'it' if len(missing) == 1 else 'them'} from train.report_to",
+        )
+    ]
+
+
+def folder_problem(path: str | Path) -> str | None:
+    """Why a run could not create or write the folder ``path`` (None: it can): it is a file, one of
+    its parents is a file, or the folder (or the nearest existing parent, where it will be created)
+    is not writable."""
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        return f"{display_path(path)} is a file, not a folder"
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{display_path(path)} cannot be created: {display_path(existing)} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{display_path(existing)} is not writable"
+    return None
+
+
+def check_writable_folders(cfg: CembedConfig) -> list[Finding]:
+    """``train.output_dir`` and the cache root (``data.cache_dir``, else ``$CEMBED_CACHE_DIR`` or
+    ``~/.cache/cembed``) where the run writes there: pre-tokenized data or retrieval embeddings."""
+    findings = []
+    problem = folder_problem(cfg.train.output_dir)
+    if problem:
+        findings.append(Finding("train.output_dir", f"{problem}; choose another train.output_dir"))
+    if cfg.data.pretokenize or (cfg.eval is not None and cfg.eval.retrieval):
+        problem = folder_problem(cache_root("tokenized", cfg.data.cache_dir))
+        if problem:
+            field = "data.cache_dir" if cfg.data.cache_dir is not None else "data.cache_dir (unset: the default cache)"
+            findings.append(Finding(field, f"{problem}; set data.cache_dir to a writable folder"))
+    return findings
 
 
 def _model_file(name: str, filename: str, revision: str | None) -> Path | None:
@@ -250,11 +326,12 @@ def training_record(
     }
 
 
-def _flat(value, prefix: str = "") -> dict:
+def flatten(value, prefix: str = "") -> dict:
+    """A nested dict (a config dump) as ``{"section.field": value}``; lists stay values."""
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+            out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
         return out
     return {prefix: value}
 
@@ -267,7 +344,7 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
         trained (batch, LR, schedule, loss, data, seed, model ...), ``safe`` only how it is logged,
         saved, evaluated or run (:data:`SAFE_TO_CHANGE`).
     """
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     a |= {key: value for key, value in ADDED_FIELDS.items() if key not in a and key in b}
     refused, safe = [], []
     for key in sorted(set(a) | set(b)):
