@@ -145,6 +145,29 @@ def test_interrupt_finishes_the_step_then_saves_and_stops():
         cb.uninstall()
 
 
+def test_a_signal_after_the_last_step_ends_the_process_at_once():
+    """After the last optimizer step there is no step to finish: what follows (loading the best
+    checkpoint, a collective that may hang when a peer died) must not hold a signal back, or a worker
+    outlives the launcher's SIGTERM. The first signal then acts as the default handler would."""
+    notices = []
+    cb = InterruptCallback(on_signal=lambda signum, step: notices.append(step))
+    state, control = TrainerState(), TrainerControl()
+    state.global_step, state.max_steps = 4, 5
+    before = signal.getsignal(signal.SIGINT)
+    cb.install()
+    try:
+        cb.on_train_begin(None, state, control)
+        cb.on_step_end(None, state, control)  # step 4 of 5: a signal would still finish step 5
+        assert not control.should_training_stop
+        state.global_step = 5
+        cb.on_step_end(None, state, control)  # the last step
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is before and cb.signum is None and notices == []
+    finally:
+        cb.uninstall()
+
+
 def test_output_dir_messages_name_the_folder_relative_to_the_working_directory(tmp_path, monkeypatch):
     run = tmp_path / "runs" / "demo"
     run.mkdir(parents=True)
