@@ -7,7 +7,7 @@
   schedule, RNG states and skips the batches already trained in the epoch (the sampler's batches are
   a pure function of seed and epoch, so the order is the same).
 - SIGINT/SIGTERM finish the current optimizer step, save a checkpoint and stop; a second signal
-  abandons the step at once.
+  abandons the step at once, and so does a first one after the last step (no step to finish).
 - A non-finite loss stops the run naming the step and the last good checkpoint (or, with
   ``train.nonfinite_loss: skip``, skips that step and counts it).
 """
@@ -178,6 +178,7 @@ class InterruptCallback(TrainerCallback):
         self.signum: int | None = None
         self.step = 0
         self.max_steps = 0
+        self.trained = False  # the last optimizer step has ended: a signal has no step left to wait for
         self.on_signal = on_signal
         self.notice: threading.Thread | None = None  # the thread that ran on_signal (tests join it)
         self._previous: dict[int, object] = {}
@@ -192,7 +193,7 @@ class InterruptCallback(TrainerCallback):
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             return
-        if self.signum is not None:  # second signal: give up on the step
+        if self.signum is not None or self.trained:  # second signal, or no step left: give up at once
             self.uninstall()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
@@ -231,4 +232,8 @@ class InterruptCallback(TrainerCallback):
         if self.signum is not None:
             control.should_save = True
             control.should_training_stop = True
+        # After the last step, what remains (the final save, loading the best checkpoint: collectives
+        # that hang if a peer died) is no step to finish: a signal there ends the process at once, so a
+        # hung worker does not outlive the launcher's SIGTERM.
+        self.trained = bool(self.max_steps and state.global_step >= self.max_steps) or control.should_training_stop
         return control

@@ -615,7 +615,7 @@ def write_summary(
         "throughput": trainer.meter.totals(),
         "lora": lora,
         "throughput_per_interval": trainer.meter.history,
-        "eval": evaluation.summary(eval_before, eval_after, state) if evaluation else None,
+        "eval": evaluation.summary(eval_before, eval_after, state, trainer.best_model_loaded) if evaluation else None,
     }
     if not is_main:
         return summary
