@@ -158,6 +158,19 @@ def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
         )
 
 
+def rng_state_file(world_size: int, rank: int) -> str:
+    """The name of the file in which the trainer saves process ``rank``'s RNG states (one process:
+    ``rng_state.pth``; several: ``rng_state_<rank>.pth``)."""
+    return f"rng_state_{rank}.pth" if world_size > 1 else "rng_state.pth"
+
+
+def reseeded(seed: int, step: int, rank: int) -> int:
+    """The seed of process ``rank``'s RNG streams on a resume at ``step`` that has no RNG state for it
+    (a checkpoint of another world size): a function of the run's seed, the step and the rank, so that
+    the resume is reproducible and each process draws its own dropout masks."""
+    return seed + 1_000_003 * step + rank
+
+
 class InterruptCallback(TrainerCallback):
     """On SIGINT/SIGTERM: finish the current optimizer step, save a checkpoint, stop training.
 

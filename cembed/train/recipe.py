@@ -664,7 +664,15 @@ def run_training(
     """
     display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
-    record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset, plan.precision)
+    record = training_record(
+        cfg,
+        plan.samples_per_step,
+        plan.learning_rate,
+        data.dataset,
+        plan.precision,
+        world_size=plan.world_size,
+        contrast_rows=plan.contrast_rows,
+    )
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
     findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))

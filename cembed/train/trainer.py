@@ -48,7 +48,7 @@ from cembed.losses.counts import TokenCounts
 from cembed.losses.registry import BuiltLoss
 from cembed.model.lora import is_lora, load_lora_checkpoint
 from cembed.plan.precision import autocast, precision_from_flags
-from cembed.train.checkpoint import STAGING, latest_complete, mark_complete
+from cembed.train.checkpoint import STAGING, latest_complete, mark_complete, reseeded, rng_state_file
 from cembed.train.flops import format_flops
 from cembed.train.meter import StepClock, ThroughputMeter
 
@@ -338,6 +338,17 @@ class CembedTrainer(SentenceTransformerTrainer):
             load_lora_checkpoint(self.model, checkpoint_path)
             return
         super()._load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def _load_rng_state(self, checkpoint) -> None:
+        # A checkpoint of another world size holds no RNG state for this process: the trainer would go
+        # on with whatever state it has. Re-seed each process's streams instead (reproducibly; the
+        # resume's changes say so: cembed.train.preflight.rng_reseeded).
+        name = rng_state_file(self.args.world_size, self.args.process_index)
+        if checkpoint is None or os.path.isfile(os.path.join(checkpoint, name)):
+            return super()._load_rng_state(checkpoint)
+        from transformers import set_seed
+
+        set_seed(reseeded(self.args.seed, self.state.global_step, self.args.process_index))
 
     # --- atomic checkpoints: staged, marked complete, then renamed into place ------------------
 
