@@ -287,7 +287,9 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     same_samples = a.get("samples_per_step") == b.get("samples_per_step")
     refused, safe = [], []
     for key in sorted(set(a) | set(b)):
-        if a.get(key) == b.get(key) or (key in SPLIT_RECORD and (a.get(key) is None or b.get(key) is None)):
+        if key in CARRIED or a.get(key) == b.get(key):
+            continue
+        if key in SPLIT_RECORD and (a.get(key) is None or b.get(key) is None):
             continue  # (a record from before the split was recorded: nothing to compare it with)
         field = key.removeprefix("config.")
         if key == "contrast_rows":
@@ -303,10 +305,29 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     return refused, safe
 
 
+def freezes_unused(old: dict | None, world_size: int) -> bool:
+    """Whether the run freezes the parameters that get no gradient (the pooler under mean pooling):
+    a run that began on several processes does (DDP needs no unused-parameter search then), one that
+    began on one process does not; a resume keeps the checkpoint's choice, so the optimizer state
+    (which then holds those parameters or not) loads on any world size.
+
+    Args:
+        old: the checkpoint's :func:`training_record` (None: a fresh run).
+        world_size: this run's processes.
+    """
+    if old is None:
+        return world_size > 1
+    if "frozen_unused_parameters" in old:
+        return bool(old["frozen_unused_parameters"])
+    return (old.get("world_size") or world_size) > 1  # older records: the world size decided it
+
+
 # How a step's samples are split over the processes: a resume may change them when samples_per_step stays.
 SPLIT_FIELDS = ("batch.per_device_train_batch_size", "batch.global_batch_size")
 # Record keys older checkpoints lack.
 SPLIT_RECORD = ("world_size", "contrast_rows")
+# Record keys a resume carries over from its checkpoint (:func:`freezes_unused`), never a change.
+CARRIED = ("frozen_unused_parameters",)
 
 
 def rng_reseeded(old_world: int, new_world: int) -> str:
