@@ -190,6 +190,7 @@ SAFE_TO_CHANGE = (
     "train.logging_steps",
     "train.save_steps",
     "train.save_total_limit",
+    "train.save_every_minutes",
     "train.output_dir",
     "train.report_to",
     "train.dataloader_num_workers",

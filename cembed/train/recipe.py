@@ -50,6 +50,7 @@ from cembed.probe.search import ProbeResult
 from cembed.train.args import build_training_args
 from cembed.train.checkpoint import (
     InterruptCallback,
+    TimedSaveCallback,
     check_output_dir,
     check_resume_point,
     checkpoint_progress,
@@ -467,6 +468,8 @@ def build_trainer(
         trainer.add_callback(progress)
     interrupt = InterruptCallback(lambda signum, step: display.interrupt(signal.Signals(signum).name, step))
     trainer.add_callback(interrupt)
+    if cfg.train.save_every_minutes:
+        trainer.add_callback(TimedSaveCallback(cfg.train.save_every_minutes))
     if parts.evaluation:
         trainer.add_callback(parts.evaluation.callback)
     build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
