@@ -98,6 +98,17 @@ def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None
     return str(found)
 
 
+def resume_on_restart(
+    output_dir: str | Path, restarts: int, resume: bool, resume_from: str | None
+) -> tuple[bool, str | None]:
+    """``(resume, resume_from)`` for an attempt of a run: a restart (``restarts`` > 0, by torch's
+    elastic agent after a failure) continues from the newest complete checkpoint in ``output_dir``
+    as ``--resume`` does; the first attempt, or a restart before any checkpoint, as it was asked."""
+    if restarts > 0 and latest_complete(output_dir) is not None:
+        return True, None
+    return resume, resume_from
+
+
 def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
     """Refuse to train into a folder that holds a finished model unless told to.
 
@@ -245,3 +256,33 @@ class InterruptCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class TimedSaveCallback(TrainerCallback):
+    """Save a checkpoint at the end of the first optimizer step that ends ``minutes`` or more after
+    the last save (or the start), beside the step-count saves (``train.save_every_minutes``).
+
+    Each rank reads its own clock, so the decision is taken together (a max over the ranks: one
+    small all-reduce per step); a rank that saved alone would leave the others in a collective.
+
+    Args:
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = minutes * 60
+        self.clock = clock
+        self.last = clock()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from cembed.distributed.collectives import max_over_ranks
+
+        if max_over_ranks(int(self.clock() - self.last >= self.seconds)):
+            control.should_save = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.last = self.clock()
