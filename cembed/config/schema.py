@@ -189,6 +189,8 @@ class TrainConfig(_Strict):
         None  # optimizer steps between checkpoints (None: no checkpoints, only the final model)
     )
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
+    # Also save when this many minutes of wall time passed since the last save (preemptible machines).
+    save_every_minutes: PositiveFloat | None = None
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     # Processes producing batches ahead of the training loop; auto: workers for large batches when the
     # machine has a core to spare and /dev/shm holds their batches, else 0 (cembed.plan.resolve.resolve_workers).

@@ -98,6 +98,13 @@ class Plan:
     dataloader_num_workers: int = 0
     dataloader_workers: str = ""
     lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
+
+    @property
+    def contrast_rows(self) -> int:
+        """Rows an anchor is contrasted with in one batch: the per-device batch, times the world size
+        when the candidates are gathered across processes (``gather_across_devices``)."""
+        return self.per_device_train_batch_size * (self.world_size if self.gather_across_devices else 1)
+
     tf32: bool = False  # TF32 on for fp32 matmuls (a CUDA GPU of compute capability 8.0+)
     precision_reason: str = ""  # how the precision was chosen, e.g. "bf16 (auto: NVIDIA H200 ... has bf16)"
     name_or_path: str = ""  # model.name_or_path (with the fields above: the ModelSpec, Plan.model)

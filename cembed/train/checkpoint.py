@@ -98,6 +98,17 @@ def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None
     return str(found)
 
 
+def resume_on_restart(
+    output_dir: str | Path, restarts: int, resume: bool, resume_from: str | None
+) -> tuple[bool, str | None]:
+    """``(resume, resume_from)`` for an attempt of a run: a restart (``restarts`` > 0, by torch's
+    elastic agent after a failure) continues from the newest complete checkpoint in ``output_dir``
+    as ``--resume`` does; the first attempt, or a restart before any checkpoint, as it was asked."""
+    if restarts > 0 and latest_complete(output_dir) is not None:
+        return True, None
+    return resume, resume_from
+
+
 def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
     """Refuse to train into a folder that holds a finished model unless told to.
 
@@ -156,6 +167,19 @@ def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
             f"{checkpoint} belongs to a run of {planned} steps, but train.max_steps is {max_steps}; its LR "
             f"schedule cannot be stretched: resume with train.max_steps={planned}, or start fresh with --overwrite"
         )
+
+
+def rng_state_file(world_size: int, rank: int) -> str:
+    """The name of the file in which the trainer saves process ``rank``'s RNG states (one process:
+    ``rng_state.pth``; several: ``rng_state_<rank>.pth``)."""
+    return f"rng_state_{rank}.pth" if world_size > 1 else "rng_state.pth"
+
+
+def reseeded(seed: int, step: int, rank: int) -> int:
+    """The seed of process ``rank``'s RNG streams on a resume at ``step`` that has no RNG state for it
+    (a checkpoint of another world size): a function of the run's seed, the step and the rank, so that
+    the resume is reproducible and each process draws its own dropout masks."""
+    return seed + 1_000_003 * step + rank
 
 
 class InterruptCallback(TrainerCallback):
@@ -237,3 +261,33 @@ class InterruptCallback(TrainerCallback):
         # hung worker does not outlive the launcher's SIGTERM.
         self.trained = bool(self.max_steps and state.global_step >= self.max_steps) or control.should_training_stop
         return control
+
+
+class TimedSaveCallback(TrainerCallback):
+    """Save a checkpoint at the end of the first optimizer step that ends ``minutes`` or more after
+    the last save (or the start), beside the step-count saves (``train.save_every_minutes``).
+
+    Each rank reads its own clock, so the decision is taken together (a max over the ranks: one
+    small all-reduce per step); a rank that saved alone would leave the others in a collective.
+
+    Args:
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = minutes * 60
+        self.clock = clock
+        self.last = clock()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from cembed.distributed.collectives import max_over_ranks
+
+        if max_over_ranks(int(self.clock() - self.last >= self.seconds)):
+            control.should_save = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.last = self.clock()

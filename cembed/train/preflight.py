@@ -266,6 +266,7 @@ SAFE_TO_CHANGE = (
     "train.logging_steps",
     "train.save_steps",
     "train.save_total_limit",
+    "train.save_every_minutes",
     "train.output_dir",
     "train.report_to",
     "train.dataloader_num_workers",
@@ -305,15 +306,23 @@ def data_fingerprint(dataset) -> str:
 
 
 def training_record(
-    cfg: CembedConfig, samples_per_step: int, learning_rate: float, dataset, precision: str | None = None
+    cfg: CembedConfig,
+    samples_per_step: int,
+    learning_rate: float,
+    dataset,
+    precision: str | None = None,
+    world_size: int = 1,
+    contrast_rows: int | None = None,
 ) -> dict:
     """What a checkpoint records about its run: the config (JSON) as run, the samples per step, the
-    effective LR and the training data's fingerprint.
+    effective LR, the training data's fingerprint and how a step was split over processes.
 
     Args:
         precision: the resolved precision (``Plan.precision``), recorded as the config's
             ``model.precision`` so that ``auto`` and the precision it resolved to compare equal on
             resume; None records ``cfg.model.precision`` as written.
+        world_size: the processes the run trains on (``Plan.world_size``).
+        contrast_rows: the rows an anchor is contrasted with (``Plan.contrast_rows``; None: not recorded).
     """
     config = cfg.model_dump(mode="json")
     if precision is not None:
@@ -323,6 +332,8 @@ def training_record(
         "samples_per_step": samples_per_step,
         "effective_learning_rate": learning_rate,
         "data_fingerprint": data_fingerprint(dataset),
+        "world_size": world_size,
+        "contrast_rows": contrast_rows,
     }
 
 
@@ -339,22 +350,79 @@ def flatten(value, prefix: str = "") -> dict:
 def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     """Compare two :func:`training_record` s.
 
+    How a step is split over processes may change when what is trained does not: the world size, and
+    :data:`SPLIT_FIELDS` while ``samples_per_step`` stays. The split does change training when the
+    rows an anchor is contrasted with change (``loss.gather_across_devices: false`` with several
+    processes): refused. A new world size re-seeds the per-process RNG streams (:func:`rng_reseeded`).
+
     Returns:
         ``(refused, safe)``: each difference as ``"field old -> new"``; ``refused`` changes what is
         trained (batch, LR, schedule, loss, data, seed, model ...), ``safe`` only how it is logged,
-        saved, evaluated or run (:data:`SAFE_TO_CHANGE`).
+        saved, evaluated, run or split over processes (:data:`SAFE_TO_CHANGE`).
     """
     a, b = flatten(old), flatten(new)
     a |= {key: value for key, value in ADDED_FIELDS.items() if key not in a and key in b}
+    same_samples = a.get("samples_per_step") == b.get("samples_per_step")
     refused, safe = [], []
     for key in sorted(set(a) | set(b)):
-        if a.get(key) == b.get(key):
+        if key in CARRIED or a.get(key) == b.get(key):
             continue
+        if key in SPLIT_RECORD and (a.get(key) is None or b.get(key) is None):
+            continue  # (a record from before the split was recorded: nothing to compare it with)
         field = key.removeprefix("config.")
+        if key == "contrast_rows":
+            if same_samples:  # else the samples' change is the refusal
+                refused.append(_contrast_change(a, b))
+            continue
         text = f"{field} {a.get(key)!r} -> {b.get(key)!r}"
         ok = any(field == s or field.startswith(s + ".") for s in SAFE_TO_CHANGE)
+        ok = ok or key == "world_size" or (field in SPLIT_FIELDS and same_samples)
         (safe if ok else refused).append(text)
+    if a.get("world_size") and b.get("world_size") and a["world_size"] != b["world_size"]:
+        safe.append(rng_reseeded(a["world_size"], b["world_size"]))
     return refused, safe
+
+
+def freezes_unused(old: dict | None, world_size: int) -> bool:
+    """Whether the run freezes the parameters that get no gradient (the pooler under mean pooling):
+    a run that began on several processes does (DDP needs no unused-parameter search then), one that
+    began on one process does not; a resume keeps the checkpoint's choice, so the optimizer state
+    (which then holds those parameters or not) loads on any world size.
+
+    Args:
+        old: the checkpoint's :func:`training_record` (None: a fresh run).
+        world_size: this run's processes.
+    """
+    if old is None:
+        return world_size > 1
+    if "frozen_unused_parameters" in old:
+        return bool(old["frozen_unused_parameters"])
+    return (old.get("world_size") or world_size) > 1  # older records: the world size decided it
+
+
+# How a step's samples are split over the processes: a resume may change them when samples_per_step stays.
+SPLIT_FIELDS = ("batch.per_device_train_batch_size", "batch.global_batch_size")
+# Record keys older checkpoints lack.
+SPLIT_RECORD = ("world_size", "contrast_rows")
+# Record keys a resume carries over from its checkpoint (:func:`freezes_unused`), never a change.
+CARRIED = ("frozen_unused_parameters",)
+
+
+def rng_reseeded(old_world: int, new_world: int) -> str:
+    """The resume change a new world size brings: each process's RNG stream (dropout masks) is re-seeded."""
+    return (
+        f"RNG streams (dropout) re-seeded per rank: the checkpoint holds {old_world} process(es)' RNG states, "
+        f"this run has {new_world}"
+    )
+
+
+def _contrast_change(old: dict, new: dict) -> str:
+    return (
+        f"loss.gather_across_devices: each process contrasts only its own rows, so the split over "
+        f"{old.get('world_size')} -> {new.get('world_size')} process(es) changes the rows an anchor is contrasted "
+        f"with ({old['contrast_rows']} -> {new['contrast_rows']}); resume on {old.get('world_size')} process(es), "
+        "or set loss.gather_across_devices: true for a fresh run"
+    )
 
 
 def check_resume(checkpoint: str, old: dict | None, new: dict) -> list[str]:

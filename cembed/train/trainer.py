@@ -55,7 +55,7 @@ from cembed.losses.counts import TokenCounts
 from cembed.losses.registry import BuiltLoss
 from cembed.model.lora import is_lora, load_lora_checkpoint
 from cembed.plan.precision import autocast, precision_from_flags
-from cembed.train.checkpoint import STAGING, is_complete, latest_complete, mark_complete
+from cembed.train.checkpoint import STAGING, is_complete, latest_complete, mark_complete, reseeded, rng_state_file
 from cembed.train.flops import format_flops
 from cembed.train.meter import StepClock, ThroughputMeter
 
@@ -366,6 +366,17 @@ class CembedTrainer(SentenceTransformerTrainer):
         super()._load_best_model()
         loaded = self._loaded_checkpoint == best
         self.best_model_loaded = bool(reduce_over_ranks(int(loaded), "min")) if self.is_fsdp_enabled else loaded
+
+    def _load_rng_state(self, checkpoint) -> None:
+        # A checkpoint of another world size holds no RNG state for this process: the trainer would go
+        # on with whatever state it has. Re-seed each process's streams instead (reproducibly; the
+        # resume's changes say so: cembed.train.preflight.rng_reseeded).
+        name = rng_state_file(self.args.world_size, self.args.process_index)
+        if checkpoint is None or os.path.isfile(os.path.join(checkpoint, name)):
+            return super()._load_rng_state(checkpoint)
+        from transformers import set_seed
+
+        set_seed(reseeded(self.args.seed, self.state.global_step, self.args.process_index))
 
     # --- atomic checkpoints: staged, marked complete, then renamed into place ------------------
 
