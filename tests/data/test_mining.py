@@ -15,7 +15,7 @@ from conftest import COCO_PAIRS, REPO
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cembed.data.mining import exclusion_pairs, mine_negatives
+from cembed.data.mining import canonical_texts, exclusion_pairs, mine_negatives
 from cembed.errors import UserError
 
 
@@ -209,6 +209,11 @@ def test_mining_takes_a_source_config_and_refuses_a_kind_that_cannot_be_mined(tm
 
 
 # --- issue 32 item 9: a candidate is judged by its token ids, as the model sees it ---------------
+
+
+def test_canonical_texts_maps_each_text_to_the_first_with_its_hash():
+    canon, variants = canonical_texts(["a b", "c", "A  b", "C", "d"], [7, 8, 7, 8, 9])
+    assert canon == {"a b": "a b", "c": "c", "A  b": "a b", "C": "c", "d": "d"} and variants == 2
 
 
 def _variant(text: str, upper: list[bool], spaces: list[int]) -> str:
