@@ -57,7 +57,8 @@ def find_unplaceable(
     data: TrainingData, batch_size: int, drop_last: bool, seed: int, hashes: np.ndarray | None = None
 ) -> Unplaceable | None:
     """The rows the no-duplicates sampler leaves unused in epoch 0 (``seed``) beyond the
-    ``rows % batch_size`` a short last batch leaves with ``drop_last`` (None: no such rows).
+    ``rows % batch_size`` a short last batch leaves with ``drop_last`` (or a lone last row without
+    it) (None: no such rows).
 
     Args:
         data: the prepared training data.
@@ -71,7 +72,10 @@ def find_unplaceable(
     if n == 0 or hashes.shape[1] == 0:
         return None
     placed, bounds, unplaced = build_batches_flat(hashes, batch_size, drop_last, seed)
-    if unplaced <= (n % batch_size if drop_last else 0):
+    # What the end of an epoch leaves out whatever the texts: the short last batch with drop_last, and
+    # without it a lone last row (a 1-row batch has no in-batch negative, build_batches_flat drops it).
+    remainder = n % batch_size
+    if unplaced <= (remainder if drop_last or remainder == 1 else 0):
         return None
     unused = np.ones(n, dtype=bool)
     unused[placed] = False
