@@ -180,8 +180,10 @@ def _row_rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("kind", list(KINDS))
+# flex_attention is not here: on this CPU torch 2.13's inductor compiles it for some shapes (the start-up
+# check with Qwen2 packed and agreed at 1e-5, in 91 s) and fails on others (CppCompileError
+# "cur_qSplitSize4 was not declared"); resolve_unpad then pads, naming the failure.
+@pytest.mark.parametrize("kind,attn", [(kind, attn) for kind in KINDS for attn in ("sdpa", "eager")])
 def test_each_packed_row_equals_the_row_alone(checkpoints, kind, attn):
     """The mode expected for the kind is chosen, and each row packed (3+ rows in a pack, rows beyond
     any local window) embeds as the row alone within 1e-5 relative; the pack's rows differ (so a row
@@ -276,6 +278,26 @@ def test_lora_packed_checkpointed_dropout_replays_exactly(checkpoints, kind, bas
     torch.manual_seed(12)
     cached.module([dict(f) for f in features], labels=None).backward()
     assert rel_diff(grads(), ref) > 1e-3  # dropout is really on
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bert_library_masks_equal_the_hand_built_block_mask(checkpoints, monkeypatch, attn):
+    """BERT (the demo's MiniLM path) moved from the hand-built block-diagonal mask to transformers'
+    packed-sequence masks: the same boolean (sdpa) or additive (eager) mask over the real tokens, so
+    the packed embeddings are bit for bit the former path's (make demo's numbers stay)."""
+    from cembed.model import unpad
+
+    model = _load(checkpoints, "bert", attn)
+    model.eval()
+    features = model.preprocess(_texts(14, seed=6))
+    plan = plan_packing(features["attention_mask"].sum(1).tolist(), 0.0, capacity=80)
+    embedded = {}
+    for modes in (("position_ids",), ("block",)):
+        monkeypatch.setattr(unpad, "PACK_MODES", modes)
+        unpadding = resolve_unpad(model, True)
+        with torch.no_grad(), packed_encoder(model, plan, unpadding):
+            embedded[unpadding.mode] = model(dict(features))["sentence_embedding"]
+    assert torch.equal(embedded["position_ids"], embedded["block"])
 
 
 def test_lora_is_judged_by_its_base_model(checkpoints):

@@ -278,6 +278,13 @@ def test_validate_and_train_say_which_path(tiny_model_dir, t5_model_dir, write_c
     assert "attention: packed rows, no padding (sdpa attention" in r.output
     r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, t5_model_dir, tmp_path, True)])
     assert r.exit_code == 2 and "batch.unpad: true, but this model cannot run packed rows" in r.output
+    r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, t5_model_dir, tmp_path, "auto")])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert (
+        "attention: padded mini-batches, sorted by length (packing unsupported: T5EncoderModel takes no position_ids)"
+        in text
+    )
     r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, tiny_model_dir, tmp_path, "maybe")])
     assert r.exit_code == 2 and "batch.unpad" in r.output and "Traceback" not in r.output
 
