@@ -94,7 +94,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     }
     stats = est.token_stats(
         lengths, path.mini_batch_size, cfg.train.seed, plan.per_device_train_batch_size, path.sort_by_length,
-        bool(path.packed),
+        bool(path.packed), None if path.cached else collator.width,
     )  # fmt: skip
     n, layers, width = encoder_shape(model)
     devices = plan.world_size
