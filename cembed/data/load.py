@@ -214,9 +214,11 @@ def load_training_source(item: TrainSource, drop_invalid: bool) -> tuple[object,
                 )
         rows_read = manifest.rows_read if manifest.rows_read is not None and item.max_samples is None else rows_read
         dropped = manifest.rows_dropped if item.max_samples is None else 0
-        # No file count: validate's "(N files)" would read as the folder's parts.
+        # No file count: validate's "(N files)" would read as the folder's parts. Its own prompts are
+        # kept: the stored ids are checked against them (cembed.data.tokens.model_check).
+        prompts = item.prompts if item.own_prompts else None
         info = LoadedSource(
-            item.name, source.label, item.key, rows_read, dropped, len(raw), 0, roles, manifest=manifest
+            item.name, source.label, item.key, rows_read, dropped, len(raw), 0, roles, prompts, manifest=manifest
         )
         return raw, info, []
     notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.kind)

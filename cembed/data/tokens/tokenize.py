@@ -246,7 +246,9 @@ def tokenize_stage(
     tokenizing): as :func:`pretokenize`'s.
     """
     if getattr(data, "manifest", None) is not None:  # a prepared source: its stored ids, checked against the model
-        return prepared_stage(model, data, prompts, pad_to_multiple_of)
+        # The one source's own prompts where it sets some: what it trains with.
+        own = source_prompts[0] if source_prompts else prompts
+        return prepared_stage(model, data, own, pad_to_multiple_of)
     roles = data.columns
     if not enabled:
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
