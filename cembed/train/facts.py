@@ -151,11 +151,12 @@ def run_facts(cfg: CembedConfig, plan: Plan, data, model=None, placement: bool =
     warnings: tuple[str, ...] = ()
     # only a rule placement predicts (the no-duplicates one) leaves rows unplaced; a plain sampler places every row
     if placement and predicted_by_placement(cfg.sampler) and loaded and not streamed:
-        hashes = None
+        hashes, fallback = None, None
         if model is not None:
-            hashes, compared = sampler_hashes(data, cfg.model, cfg.data, model=model)
+            hashes, compared, fallback = sampler_hashes(data, cfg.model, cfg.data, model=model)
             check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
         warnings = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes)
+        warnings = (fallback, *warnings) if fallback else warnings  # what train prints when it starts
     return RunFacts(
         batch, drop, sources, batches, step_facts(cfg, plan, batches), loss_path(cfg, plan, model, attention), warnings
     )

@@ -96,8 +96,9 @@ class RunDisplay(Protocol):
         """The final plan (device, precision, batch, mini-batch, loss, LR, its warnings) before the model
         loads, and ``warnings``: the run's findings (the data's, unplaceable rows, resume changes)."""
 
-    def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
-        """The attention path the loss runs and, for several processes, ``run_summary['distributed']``."""
+    def components(self, unpadding: Unpadding, distributed: dict | None, warnings: tuple[str, ...] = ()) -> None:
+        """The attention path the loss runs and, for several processes, ``run_summary['distributed']``;
+        ``warnings``: what building them found (pre-tokenizing fell back to tokenizing in the collator)."""
 
     def progress(self, log: RunLog, samples_per_step: int) -> TrainerCallback | None:
         """A trainer callback that shows progress from ``log`` (the run's :class:`RunLog`), or None."""
@@ -133,7 +134,7 @@ class QuietRunDisplay:
     def run_header(self, cfg: CembedConfig, plan: Plan, warnings: tuple[str, ...]) -> None:
         pass
 
-    def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
+    def components(self, unpadding: Unpadding, distributed: dict | None, warnings: tuple[str, ...] = ()) -> None:
         pass
 
     def progress(self, log: RunLog, samples_per_step: int) -> TrainerCallback | None:
@@ -678,7 +679,8 @@ def run_training(
         on_line = display.eval_line if is_main else None
         parts = build_components(cfg, plan, data, device, on_line, display.tokenize_progress)
         if is_main:
-            display.components(parts.loss.unpadding, parts.distributed)
+            fallback = parts.token_info.get("warning")
+            display.components(parts.loss.unpadding, parts.distributed, (fallback,) if fallback else ())
         run = build_trainer(cfg, plan, parts, run_dir, display, trainer_cls)
         attempt.trainer = run.trainer
         if is_main:  # the card's training data: the sources by name, their text columns only
