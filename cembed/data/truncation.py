@@ -151,7 +151,8 @@ def model_truncation_report(
         where = display_path(source.label)
         check_prepared_for_model(model, data.manifest, where, own.for_columns(data.columns), prompts_field(source))
         report = stored_length_report(data.dataset, data.columns, length)
-        return ModelTruncation(length, report, pooling, weights, prompts, attention, None, True)
+        by_source = {source.name: own} if source.prompts is not None else None
+        return ModelTruncation(length, report, pooling, weights, prompts, attention, by_source, True)
     per_source = resolve_source_prompts(data, model, prompts)
     if per_source is None:
         by_column = prompts.for_columns(data.columns)
