@@ -57,3 +57,37 @@ def training_prompts(data: TrainingData, model, prompts_cfg) -> TrainingPrompts:
     if per_source is not None:
         by_source = [p.for_columns(c) for p, c in zip(per_source, data.source_columns())]
     return TrainingPrompts(run, per_source, run.for_columns(data.columns), by_source)
+
+
+def prompt_room_error(data: TrainingData, model, prompts: TrainingPrompts) -> str | None:
+    """Why a prompt leaves no token of its texts at the model's ``max_seq_length`` (every text of the
+    role would be the prompt alone, so the no-duplicates sampler finds them all equal), or None.
+
+    A prompt takes its own tokens and the special tokens the tokenizer adds around a text (the
+    tokenizer on the prompt alone, not truncated: sentence-transformers' ``prompt_length`` stops at
+    ``max_seq_length``); at or above ``max_seq_length`` the text is cut away. The first such
+    (source, role column) is named: the prompt's field (``data.prompts.<role>``,
+    ``data.train[.<name>].prompts.<role>`` or the model's prompt), the prompt, its tokens, the length,
+    the column and the source.
+    """
+    from cembed.files import display_path
+
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    length = int(model.max_seq_length)
+    per_source = prompts.per_source or [prompts.run] * len(data.sources)
+    for source, role_prompts, columns in zip(data.sources, per_source, data.source_columns()):
+        for column, prompt in role_prompts.for_columns(columns).items():
+            used = len(tokenizer(prompt)["input_ids"])
+            if used < length:
+                continue
+            role = "negatives" if column.startswith("negative_") else column
+            field = role_prompts.origin.get(role, f"data.prompts.{role}")
+            return (
+                f"{field} {prompt!r}: {used} tokens with the model's special tokens, max_seq_length {length}, "
+                f"so no token of the {column} texts of {display_path(source.label)} is left (each is the prompt "
+                "alone, and the no-duplicates sampler finds them all equal); shorten the prompt or raise "
+                f"model.max_seq_length above {used}"
+            )
+    return None

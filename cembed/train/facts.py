@@ -26,6 +26,8 @@ from cembed.config.schema import CembedConfig
 from cembed.data.batching.mixture import SourceMix
 from cembed.data.batching.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
 from cembed.data.batching.rules import predicted_by_placement
+from cembed.data.prompts import prompt_room_error, training_prompts
+from cembed.errors import UserError
 from cembed.plan.resolve import Plan
 from cembed.train.flops import forward_passes
 
@@ -132,8 +134,9 @@ def run_facts(cfg: CembedConfig, plan: Plan, data, model=None, placement: bool =
             (``validate``'s truncation report), so that it is not resolved again (see :func:`loss_path`).
 
     Raises:
-        UserError: with ``model``, no duplicate-free batch can be built from a source
-            (:func:`cembed.data.batching.placement.check_sampler_batches`).
+        UserError: with ``model``, a prompt that leaves no token of its texts at ``max_seq_length``
+            (:func:`cembed.data.prompts.prompt_room_error`), or no duplicate-free batch can be built
+            from a source (:func:`cembed.data.batching.placement.check_sampler_batches`).
         ModelRefused: see :func:`loss_path`.
     """
     batch = plan.per_device_train_batch_size * plan.world_size
@@ -148,6 +151,10 @@ def run_facts(cfg: CembedConfig, plan: Plan, data, model=None, placement: bool =
         sources = tuple(batch_count(s.rows, batch, drop) for s in data.sources)
         per_source = list(sources) or [batch_count(len(data.dataset), batch, drop)]
         batches = len(SourceMix.from_data(data, cfg.data.sampling).schedule(per_source))
+    if model is not None and loaded:  # before the sampler's refusal it causes (every text the prompt alone)
+        room = prompt_room_error(data, model, training_prompts(data, model, cfg.data.prompts))
+        if room is not None:
+            raise UserError(room)
     warnings: tuple[str, ...] = ()
     # only a rule placement predicts (the no-duplicates one) leaves rows unplaced; a plain sampler places every row
     if placement and predicted_by_placement(cfg.sampler) and loaded and not streamed:

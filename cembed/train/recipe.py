@@ -31,7 +31,7 @@ from cembed.config.schema import CembedConfig
 from cembed.data.batchable import load_checked_data
 from cembed.data.batching.mixture import SourceMix
 from cembed.data.batching.rules import predicted_by_placement
-from cembed.data.prompts import training_prompts
+from cembed.data.prompts import prompt_room_error, training_prompts
 from cembed.data.rows import TrainingData, UnloadedData, card_datasets
 from cembed.data.tokens.tokenize import tokenize_stage
 from cembed.distributed.ddp import freeze_unused_parameters
@@ -309,7 +309,11 @@ def build_components(
     """
     model = load_model(cfg.model, device, seed=cfg.train.seed)
     describe_base_model(model, cfg.model.name_or_path, cfg.model.revision)  # the card's, before the trainer fills it
-    prompts, per_source, column_prompts, by_source = training_prompts(data, model, cfg.data.prompts)
+    resolved = training_prompts(data, model, cfg.data.prompts)
+    room = prompt_room_error(data, model, resolved)
+    if room is not None:  # before the sampler's refusal it causes (every text the prompt alone)
+        raise UserError(room)
+    prompts, per_source, column_prompts, by_source = resolved
     set_trained_prompts(model, prompts)  # every save (checkpoints, the final model) carries them
     shown = tokenize_progress() if tokenize_progress is not None else nullcontext()
     # One process per node fills the tokenization cache, the others load it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import distinct_pairs
 from typer.testing import CliRunner
 
@@ -54,3 +55,37 @@ def test_each_sources_prompts_are_shown(write_config, pairs_file, tiny_model_dir
         "a": {"anchor": "query: ", "positive": "doc: ", "negatives": "doc: "},
         "b": {"anchor": "", "positive": "doc: ", "negatives": "doc: "},
     }
+
+
+LONG_PROMPT = "one two three four five six seven eight nine ten eleven twelve: "
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+@pytest.mark.parametrize("own", [False, True])
+def test_a_prompt_leaving_no_room_for_the_text_is_named_as_the_cause(
+    write_config, pairs_file, tiny_model_dir, tmp_path, command, own
+):
+    """Issue 32 item 11b: at max_seq_length 12 the anchor prompt (its tokens and the model's [CLS]
+    and [SEP]) leaves no token of any anchor, so every anchor is the prompt alone and the sampler
+    cannot fill a batch: the refusal names the prompt, its field, the role, the source and the lengths."""
+    from sentence_transformers import SentenceTransformer
+
+    data = pairs_file(distinct_pairs(32))
+    if own:
+        cfg = _config(
+            write_config, pairs_file, tiny_model_dir, tmp_path, {"path": str(data), "prompts": {"anchor": LONG_PROMPT}}
+        )
+    else:
+        cfg = _config(write_config, pairs_file, tiny_model_dir, tmp_path, str(data), prompts={"anchor": LONG_PROMPT})
+    tokens = len(SentenceTransformer(str(tiny_model_dir), device="cpu").tokenizer(LONG_PROMPT)["input_ids"])
+    assert tokens >= 12  # [CLS] prompt [SEP]: no room left at 12
+    r = CliRunner().invoke(app, [command, str(cfg), "model.max_seq_length=12"])
+    assert r.exit_code == 2, r.output
+    errors = [line for line in r.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in r.output, r.output
+    line = errors[0]
+    field = "data.train.prompts.anchor" if own else "data.prompts.anchor"
+    assert f"{field} {LONG_PROMPT!r}" in line, line
+    assert f"{tokens} tokens with the model's special tokens, max_seq_length 12" in line, line
+    assert "no token of the anchor texts" in line and str(data) in line, line
+    assert "shorten the prompt or raise model.max_seq_length" in line, line
