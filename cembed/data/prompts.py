@@ -16,14 +16,27 @@ def resolve_source_prompts(data: TrainingData, model, run_prompts) -> list | Non
         ModelRefused: a source's ``{name: ...}`` names no prompt of the model (the message names
             ``data.train.<name>.prompts.<role>``).
     """
-    from cembed.model.prompts import resolve_prompts
-
     if not any(s.prompts is not None for s in data.sources):
         return None
-    return [
-        run_prompts if s.prompts is None else resolve_prompts(s.prompts, model, where=f"{s.key}.prompts")
-        for s in data.sources
-    ]
+    return [run_prompts if s.prompts is None else _own_prompts(s, model) for s in data.sources]
+
+
+def _own_prompts(source, model):
+    """A source's resolved prompts, each role's origin the field that set it: the source's own
+    prompts, else ``data.prompts`` (its prompts are the two merged)."""
+    from dataclasses import replace
+
+    from cembed.model.prompts import resolve_prompts
+
+    resolved = resolve_prompts(source.prompts, model, where=f"{source.key}.prompts")
+    own = f"{source.key}.prompts."
+    origin = {
+        role: f"data.prompts.{field[len(own) :]}"
+        if field.startswith(own) and field[len(own) :] not in source.own_prompt_roles
+        else field
+        for role, field in resolved.origin.items()
+    }
+    return replace(resolved, origin=origin)
 
 
 class TrainingPrompts(NamedTuple):

@@ -47,7 +47,10 @@ def test_each_sources_prompts_are_shown(write_config, pairs_file, tiny_model_dir
     assert r.exit_code == 0, r.output
     text = r.output
     assert "prompts: none" not in text, text
-    assert "prompts of source a: anchor 'query: ' (data.train.a.prompts.anchor); positive 'doc: '" in text, text
+    assert (
+        "prompts of source a: anchor 'query: ' (data.train.a.prompts.anchor); positive 'doc: ' (data.prompts.positive)"
+        in text
+    ), text
     assert "prompts of source b: positive 'doc: ' (data.prompts.positive)" in text, text
     report = json.loads(CliRunner().invoke(app, ["validate", str(cfg), "--json"]).output)
     shown = {s["name"]: {r: v["prompt"] for r, v in s["prompts"].items()} for s in report["data"]["sources"]}
