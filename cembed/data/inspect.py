@@ -38,7 +38,7 @@ def inspect_data(
     if model_cfg is None:
         all_hashes, compared = row_hashes(data.dataset, data.columns), "raw text"
     else:
-        all_hashes, compared = sampler_hashes(data, model_cfg, data_cfg)
+        all_hashes, compared, _ = sampler_hashes(data, model_cfg, data_cfg)
     reports = []
     for i, (view, src) in enumerate(zip(source_views(data), data.sources or [None])):
         offset, source_seed = (src.offset if src is not None else 0), seed + i * SOURCE_SEED_STRIDE

@@ -176,6 +176,12 @@ def check_cells(dataset, source: str, roles: dict[str, str], drop_invalid: bool,
     return dataset.select(keep).flatten_indices(), len(dataset) - len(keep)
 
 
+def own_prompt_roles(item: TrainSource) -> tuple[str, ...]:
+    """The roles a source's own prompts set (``data.train[.<name>].prompts``; the others are data.prompts')."""
+    own = getattr(item.source, "prompts", None) if item.own_prompts else None
+    return tuple(role for role in type(own).model_fields if getattr(own, role) is not None) if own else ()
+
+
 def load_training_source(item: TrainSource, drop_invalid: bool) -> tuple[object, LoadedSource, list[str]]:
     """Load one training source, keep its first ``max_samples`` rows, expand list-valued negatives
     columns (:func:`cembed.data.columns.expand_list_columns`), map its columns to roles and check every cell.
@@ -214,10 +220,13 @@ def load_training_source(item: TrainSource, drop_invalid: bool) -> tuple[object,
                 )
         rows_read = manifest.rows_read if manifest.rows_read is not None and item.max_samples is None else rows_read
         dropped = manifest.rows_dropped if item.max_samples is None else 0
-        # No file count: validate's "(N files)" would read as the folder's parts.
+        # No file count: validate's "(N files)" would read as the folder's parts. Its own prompts are
+        # kept: the stored ids are checked against them (cembed.data.tokens.model_check).
+        prompts = item.prompts if item.own_prompts else None
         info = LoadedSource(
-            item.name, source.label, item.key, rows_read, dropped, len(raw), 0, roles, manifest=manifest
+            item.name, source.label, item.key, rows_read, dropped, len(raw), 0, roles, prompts, manifest=manifest
         )
+        info.own_prompt_roles = own_prompt_roles(item)
         return raw, info, []
     notes = unmapped_column_notes(raw.column_names, item.columns, item.key, label, source.kind)
     raw, columns, expanded = expand_list_columns(raw, item.columns, label, item.key)
@@ -235,6 +244,7 @@ def load_training_source(item: TrainSource, drop_invalid: bool) -> tuple[object,
     files = count_files(source)
     info = LoadedSource(item.name, source.label, item.key, rows_read, dropped, len(dataset), 0, roles, prompts, files)
     info.skipped = skipped_files(source)
+    info.own_prompt_roles = own_prompt_roles(item)
     info.stream = item if streaming is not None else None
     return dataset, info, notes + expanded
 

@@ -98,6 +98,8 @@ class LoadedSource:
     # What its folder or glob holds but does not read, each "<path> (<why>)" (its loader's skipped_files:
     # hidden and underscore-prefixed folders and files, files that are not data, 0-row shards).
     skipped: tuple[str, ...] = ()
+    # The roles its own prompts set (the rest of ``prompts`` is data.prompts'), for where a prompt came from.
+    own_prompt_roles: tuple[str, ...] = ()
     manifest: Any = None  # a prepared source's cembed.data.tokens.format.PreparedManifest (token ids, no text)
     # A streamed source's TrainSource (data.train.streaming): then the rows above are only its first
     # rows, read to check its columns and cells; training reads the stream (cembed.data.batching.windowed).

@@ -232,7 +232,7 @@ def make_starter(out: Path, model: str, data: Path | SourceConfig, seed: int = 4
     mapped = map_columns(raw, column_map, str(data))
     mapped, invalid = check_cells(mapped, str(data), {}, drop_invalid=True)
     prepared = TrainingData(mapped, str(data), len(raw), invalid)
-    hashes, compared = sampler_hashes(prepared, ModelConfig(name_or_path=model))
+    hashes, compared, _ = sampler_hashes(prepared, ModelConfig(name_or_path=model))
     largest = inspect_batches(hashes, batch_size=max(len(mapped), 1), drop_last=False, seed=seed)["largest_batch"]
     proposal = propose_batch_size(hashes, seed, largest)
     batch = proposal.batch_size

@@ -142,14 +142,17 @@ def model_truncation_report(
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
         return ModelTruncation(length, [], pooling, weights, prompts, attention)
     if data.manifest is not None:  # token ids, no text: rows whose ids reach the length (maybe cut)
-        from cembed.data.tokens.model_check import check_prepared_for_model
+        from cembed.data.tokens.model_check import check_prepared_for_model, prompts_field
         from cembed.files import display_path
 
         # The refusals training gives (tokenizer, max_seq_length, prompts), also without the sampler's check.
-        where = display_path(data.sources[0].label)
-        check_prepared_for_model(model, data.manifest, where, prompts.for_columns(data.columns))
+        source = data.sources[0]
+        own = (resolve_source_prompts(data, model, prompts) or [prompts])[0]
+        where = display_path(source.label)
+        check_prepared_for_model(model, data.manifest, where, own.for_columns(data.columns), prompts_field(source))
         report = stored_length_report(data.dataset, data.columns, length)
-        return ModelTruncation(length, report, pooling, weights, prompts, attention, None, True)
+        by_source = {source.name: own} if source.prompts is not None else None
+        return ModelTruncation(length, report, pooling, weights, prompts, attention, by_source, True)
     per_source = resolve_source_prompts(data, model, prompts)
     if per_source is None:
         by_column = prompts.for_columns(data.columns)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cembed.errors import UserError
@@ -91,6 +92,7 @@ def token_stats(
     batch: int | None = None,
     sort_by_length: bool = False,
     packed: bool = False,
+    pad_width: Callable[[int], int] | None = None,
 ) -> TokenStats:
     """:class:`TokenStats` of ``lengths`` (``{column: [tokens of each row, None where absent]}``,
     every list one entry per row).
@@ -99,7 +101,11 @@ def token_stats(
     of ``batch`` rows (default ``mini_batch``), each column sorted by length within its batch when
     ``sort_by_length`` (the cached loss's ``batch.sort_by_length``), cut into ``mini_batch`` rows
     (the whole per-device batch for a plain loss) padded to their longest; ``packed`` (unpadded
-    mini-batches, ``batch.unpad``) has no padding."""
+    mini-batches, ``batch.unpad``) has no padding. ``pad_width``: the width a forward whose longest
+    row has ``n`` tokens runs at, for a plain loss the collator's
+    (:meth:`cembed.data.tokens.collator.PaddingCollator.width`: ``batch.pad_to_multiple_of``); None:
+    the longest row, as a cached loss runs (sentence-transformers' ``_create_minibatch`` trims each
+    mini-batch to its longest row, undoing the collator's rounding)."""
     columns = list(lengths)
     rows = len(lengths[columns[0]]) if columns else 0
     total = total_sq = 0
@@ -125,7 +131,8 @@ def token_stats(
             for i in range(0, len(rows_of_batch), size):
                 chunk = rows_of_batch[i : i + size]
                 real += sum(chunk)
-                positions += sum(chunk) if packed else max(chunk) * len(chunk)
+                width = pad_width(max(chunk)) if pad_width else max(chunk)
+                positions += sum(chunk) if packed else width * len(chunk)
     return TokenStats(
         rows=rows,
         mean_tokens=total / rows if rows else 0.0,

@@ -35,6 +35,8 @@ from cembed.data.batching.placement import (
     unplaceable_warnings,
 )
 from cembed.data.batching.rules import batching_rule, predicted_by_placement
+from cembed.data.prompts import prompt_room_error, training_prompts
+from cembed.errors import UserError
 from cembed.plan.resolve import Plan
 from cembed.train.flops import forward_passes
 
@@ -141,8 +143,9 @@ def run_facts(cfg: CembedConfig, plan: Plan, data, model=None, placement: bool =
             (``validate``'s truncation report), so that it is not resolved again (see :func:`loss_path`).
 
     Raises:
-        UserError: with ``model``, no duplicate-free batch can be built from a source
-            (:func:`cembed.data.batching.placement.check_sampler_batches`).
+        UserError: with ``model``, a prompt that leaves no token of its texts at ``max_seq_length``
+            (:func:`cembed.data.prompts.prompt_room_error`), or no duplicate-free batch can be built
+            from a source (:func:`cembed.data.batching.placement.check_sampler_batches`).
         ModelRefused: see :func:`loss_path`.
     """
     batch = plan.per_device_train_batch_size * plan.world_size
@@ -157,14 +160,20 @@ def run_facts(cfg: CembedConfig, plan: Plan, data, model=None, placement: bool =
         sources = tuple(batch_count(s.rows, batch, drop) for s in data.sources)
         per_source = list(sources) or [batch_count(len(data.dataset), batch, drop)]
         batches = len(SourceMix.from_data(data, cfg.data.sampling).schedule(per_source))
+    if model is not None and loaded:  # before the sampler's refusal it causes (every text the prompt alone)
+        room = prompt_room_error(data, model, training_prompts(data, model, cfg.data.prompts))
+        if room is not None:
+            raise UserError(room)
     warnings: tuple[str, ...] = ()
     hashes = None  # raw text, unless the model says how training compares texts
     # only a rule placement predicts (the no-duplicates one) leaves rows unplaced; a plain sampler places every row
     if placement and predicted_by_placement(cfg.sampler) and loaded and not streamed:
+        fallback = None
         if model is not None:
-            hashes, compared = sampler_hashes(data, cfg.model, cfg.data, model=model)
+            hashes, compared, fallback = sampler_hashes(data, cfg.model, cfg.data, model=model)
             check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
         warnings = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes)
+        warnings = (fallback, *warnings) if fallback else warnings  # what train prints when it starts
     # the rule that lays several sources out by data.sampling (no_duplicates on or off): rows its
     # schedule leaves unused, from the sampler's own epoch plan
     if placement and batching_rule(cfg.sampler).placement and loaded and not streamed:

@@ -31,7 +31,7 @@ from cembed.config.schema import CembedConfig
 from cembed.data.batchable import load_checked_data
 from cembed.data.batching.mixture import SourceMix
 from cembed.data.batching.rules import predicted_by_placement
-from cembed.data.prompts import training_prompts
+from cembed.data.prompts import prompt_room_error, training_prompts
 from cembed.data.rows import TrainingData, UnloadedData, card_datasets
 from cembed.data.tokens.tokenize import tokenize_stage
 from cembed.distributed.ddp import freeze_parameters, ignore_in_ddp, unused_parameters
@@ -97,8 +97,9 @@ class RunDisplay(Protocol):
         """The final plan (device, precision, batch, mini-batch, loss, LR, its warnings) before the model
         loads, and ``warnings``: the run's findings (the data's, unplaceable rows, resume changes)."""
 
-    def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
-        """The attention path the loss runs and, for several processes, ``run_summary['distributed']``."""
+    def components(self, unpadding: Unpadding, distributed: dict | None, warnings: tuple[str, ...] = ()) -> None:
+        """The attention path the loss runs and, for several processes, ``run_summary['distributed']``;
+        ``warnings``: what building them found (pre-tokenizing fell back to tokenizing in the collator)."""
 
     def progress(self, log: RunLog, samples_per_step: int) -> TrainerCallback | None:
         """A trainer callback that shows progress from ``log`` (the run's :class:`RunLog`), or None."""
@@ -134,7 +135,7 @@ class QuietRunDisplay:
     def run_header(self, cfg: CembedConfig, plan: Plan, warnings: tuple[str, ...]) -> None:
         pass
 
-    def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
+    def components(self, unpadding: Unpadding, distributed: dict | None, warnings: tuple[str, ...] = ()) -> None:
         pass
 
     def progress(self, log: RunLog, samples_per_step: int) -> TrainerCallback | None:
@@ -317,7 +318,11 @@ def build_components(
     """
     model = load_model(cfg.model, device, seed=cfg.train.seed)
     describe_base_model(model, cfg.model.name_or_path, cfg.model.revision)  # the card's, before the trainer fills it
-    prompts, per_source, column_prompts, by_source = training_prompts(data, model, cfg.data.prompts)
+    resolved = training_prompts(data, model, cfg.data.prompts)
+    room = prompt_room_error(data, model, resolved)
+    if room is not None:  # before the sampler's refusal it causes (every text the prompt alone)
+        raise UserError(room)
+    prompts, per_source, column_prompts, by_source = resolved
     set_trained_prompts(model, prompts)  # every save (checkpoints, the final model) carries them
     shown = tokenize_progress() if tokenize_progress is not None else nullcontext()
     # One process per node fills the tokenization cache, the others load it.
@@ -707,7 +712,8 @@ def run_training(
         on_line = display.eval_line if is_main else None
         parts = build_components(cfg, plan, data, device, on_line, display.tokenize_progress, frozen)
         if is_main:
-            display.components(parts.loss.unpadding, parts.distributed)
+            fallback = parts.token_info.get("warning")
+            display.components(parts.loss.unpadding, parts.distributed, (fallback,) if fallback else ())
         run = build_trainer(cfg, plan, parts, run_dir, display, trainer_cls)
         attempt.trainer = run.trainer
         if is_main:  # the card's training data: the sources by name, their text columns only

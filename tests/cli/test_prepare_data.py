@@ -141,3 +141,28 @@ def test_a_prepared_source_is_refused_in_one_line(tiny_model_dir, write_config, 
     line = r.output.strip()
     assert line.startswith("error: data.train: ") and "already a prepared source" in line, line
     assert len(line.splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "key", "values"),
+    [
+        (["model.max_seq_length=12"], ["model.max_seq_length=16"], "max_seq_length", ("12", "16")),
+        ([], ["data.prompts.anchor='q: '"], "prompts", ("none", "anchor 'q: '")),
+    ],
+)
+def test_parts_prepared_with_different_settings_are_refused_naming_the_key_and_both_parts(
+    tiny_model_dir, write_config, tmp_path, first, second, key, values
+):
+    """Issue 32 item 5a: the join of --part K/N refuses parts whose manifests differ, in one line
+    naming the key, both parts and both values."""
+    cfg = _config(write_config, tiny_model_dir, _corpus(tmp_path))
+    out = tmp_path / "prepared"
+    r = CliRunner().invoke(app, ["prepare-data", str(cfg), "-o", str(out), "--part", "0/2", *first])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["prepare-data", str(cfg), "-o", str(out), "--part", "1/2", *second])
+    assert r.exit_code == 2, r.output
+    line = r.output.strip()
+    assert "\n" not in line and "Traceback" not in line, r.output
+    assert f"{key} differs" in line and "part 1 of 2" in line and "part 0" in line, line
+    assert f"{values[1]} in part 1" in line and f"{values[0]} in part 0" in line, line
+    assert "remove" in line and "prepare again" in line and not (out / MANIFEST).exists(), line

@@ -88,3 +88,59 @@ def test_a_missing_or_resized_part_is_refused_naming_it(prepared_config, tmp_pat
 def test_columns_on_a_prepared_source_is_refused_naming_the_field(prepared_config):
     line = _one_line_error(CliRunner().invoke(app, ["validate", str(prepared_config(columns={"anchor": "q"}))]))
     assert "data.train.columns: a prepared source's roles are its manifest's columns" in line, line
+
+
+@pytest.fixture
+def prompted_config(tmp_path, tiny_model_dir, write_config, pairs_file):
+    """A source prepared by ``cembed prepare-data`` with ``data.prompts.anchor: 'q: '``, and a config
+    training from it (``**data``: the data section's other fields)."""
+    text = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(ROWS)), "prompts": {"anchor": "q: "}},
+            "batch": {"per_device_train_batch_size": 16, "mini_batch_size": 4},
+        },
+        name="prepare.yaml",
+    )
+    r = CliRunner().invoke(app, ["prepare-data", str(text), "-o", str(tmp_path / "prompted")])
+    assert r.exit_code == 0, r.output
+
+    def _config(train=None, **data):
+        return write_config(
+            {
+                "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+                "data": {"train": train or {"prepared": "prompted"}, **data},
+                "batch": {"per_device_train_batch_size": 16, "mini_batch_size": 4},
+                "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1},
+            }
+        )
+
+    return _config
+
+
+@pytest.mark.parametrize("command", ["validate", "train", "estimate"])
+def test_a_source_prepared_with_prompts_trained_without_them_is_refused(prompted_config, command):
+    """Issue 32 item 5d: the manifest's prompt is compared with the run's in this direction too, in one
+    line naming the field to set."""
+    extra = ["--gpu", "A100"] if command == "estimate" else []
+    line = _one_line_error(CliRunner().invoke(app, [command, str(prompted_config()), *extra]))
+    assert "prompts.anchor: the run's is '', the prepared source's 'q: '" in line, line
+    assert "data.prompts.anchor" in line, line
+    # The source's own prompt, another one: the field named is the source's.
+    cfg = prompted_config(train={"prepared": "prompted", "prompts": {"anchor": "other: "}})
+    line = _one_line_error(CliRunner().invoke(app, [command, str(cfg), *extra]))
+    assert "prompts.anchor: the run's is 'other: ', the prepared source's 'q: '" in line, line
+    assert "set data.train.prompts.anchor to the source's" in line, line
+
+
+@pytest.mark.parametrize("command", ["validate", "estimate", "train"])
+@pytest.mark.parametrize("where", ["data.prompts", "the source's prompts"])
+def test_a_source_prepared_with_prompts_trains_with_the_same_prompts(prompted_config, command, where):
+    """The same prompt, run-wide or the source's own (``data.train.prompts``), is accepted."""
+    if where == "data.prompts":
+        cfg = prompted_config(prompts={"anchor": "q: "})
+    else:
+        cfg = prompted_config(train={"prepared": "prompted", "prompts": {"anchor": "q: "}})
+    extra = ["--gpu", "A100"] if command == "estimate" else []
+    r = CliRunner().invoke(app, [command, str(cfg), *extra])
+    assert r.exit_code == 0, r.output

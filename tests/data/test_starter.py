@@ -118,7 +118,7 @@ def _starter_unused(starter, model_dir):
 
     cfg = load(starter.out, [])
     data = load_training_data(cfg.data)
-    hashes, compared = sampler_hashes(data, cfg.model, cfg.data)
+    hashes, compared, _ = sampler_hashes(data, cfg.model, cfg.data)
     assert compared.startswith("token ids")
     return build_batches(hashes, cfg.batch.per_device_train_batch_size, cfg.batch.drop_last, cfg.train.seed)[1]
 

@@ -28,7 +28,7 @@ class RecordingDisplay:
     def run_header(self, cfg, plan, warnings):
         self.calls.append(("run_header", cfg, plan, warnings))
 
-    def components(self, unpadding, distributed):
+    def components(self, unpadding, distributed, warnings=()):
         self.calls.append(("components", unpadding, distributed))
 
     def progress(self, log, samples_per_step):

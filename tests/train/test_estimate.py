@@ -146,3 +146,39 @@ def test_cli_calibrate_measures_this_machine(write_config, pairs_file, tiny_mode
     assert report["run_seconds"]["value"] == pytest.approx(40 * report["flops_per_step"]["value"] / rate["value"])
     assert report["data_wait_risk"]["value"] in ("low", "some", "high")
     assert not (tmp_path / "run" / "run_summary.json").exists()  # calibration trains in a temporary folder
+
+
+@pytest.mark.parametrize(
+    ("loss", "batch", "share"),
+    [
+        # Two devices of one row each: every forward is one row, padded to itself, whatever the
+        # order. Padding across the global batch of 2 would give anchors 3 and 5 -> 10 positions.
+        ("cached_mnrl", {"per_device_train_batch_size": 1, "mini_batch_size": 1}, 0.0),
+        ("mnrl", {"per_device_train_batch_size": 1, "mini_batch_size": 1}, 0.0),
+        # A plain loss runs on the collator's width: the longest row (3 or 5 anchor tokens, 4 positive)
+        # rounded up to 8 for every per-device batch of 4: 8 real tokens per row in 16 positions.
+        ("mnrl", {"per_device_train_batch_size": 4, "mini_batch_size": 4, "pad_to_multiple_of": 8}, 0.5),
+        # The cached loss trims each mini-batch to its longest row (sentence-transformers'
+        # _create_minibatch), undoing the rounding: mini-batches of one row pad nothing.
+        ("cached_mnrl", {"per_device_train_batch_size": 4, "mini_batch_size": 1, "pad_to_multiple_of": 8}, 0.0),
+    ],
+)
+def test_cli_padded_share_is_counted_per_device_batch(
+    write_config, pairs_file, tiny_model_dir, tmp_path, loss, batch, share
+):
+    """Issue 32 item 5c: the padded share is what each device's forwards pad to (2 devices, hand counts)."""
+    cfg = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(_rows())), "cache_dir": str(tmp_path / "cache")},
+            "loss": {"name": loss},
+            "batch": batch,
+            "train": {"output_dir": str(tmp_path / "run"), "max_steps": 2},
+        }
+    )
+    out = tmp_path / "estimate.json"
+    args = ["estimate", str(cfg), "--gpu", "A100", "--nproc-per-node", "2", "--json", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    padded = json.loads(out.read_text())["data"]["padded_share"]["value"]
+    assert padded == pytest.approx(share)

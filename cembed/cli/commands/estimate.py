@@ -69,6 +69,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     from transformers.utils import logging as transformers_logging
 
     from cembed.data.identity import TOKEN_SUFFIX
+    from cembed.data.prompts import training_prompts
     from cembed.data.tokens.tokenize import tokenize_stage
     from cembed.model.load import load_model, quiet_libraries, weight_dtypes
     from cembed.train import estimate as est
@@ -83,9 +84,11 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     # rows / batch, not the sampler's placement: the estimate counts what the rows allow
     facts = run_facts(cfg, plan, data, model=model, placement=False)
     steps, path = facts.steps, facts.loss
+    prompts = training_prompts(data, model, cfg.data.prompts)  # the lengths training tokenizes, prompts included
     dataset, collator, info = tokenize_stage(
-        model, data, True, cfg.data.cache_dir, None, cfg.batch.pad_to_multiple_of, num_proc=cfg.data.num_proc
-    )
+        model, data, True, cfg.data.cache_dir, prompts.columns, cfg.batch.pad_to_multiple_of, prompts.by_source,
+        num_proc=cfg.data.num_proc,
+    )  # fmt: skip
     if collator is None:
         raise UserError(f"model.name_or_path: estimate counts pre-tokenized lengths; {info['reason']}")
     id_columns = [c + TOKEN_SUFFIX for c in data.columns if c + TOKEN_SUFFIX in dataset.column_names]
@@ -94,7 +97,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     }
     stats = est.token_stats(
         lengths, path.mini_batch_size, cfg.train.seed, plan.per_device_train_batch_size, path.sort_by_length,
-        bool(path.packed),
+        bool(path.packed), None if path.cached else collator.width,
     )  # fmt: skip
     n, layers, width = encoder_shape(model)
     devices = plan.world_size

@@ -60,9 +60,9 @@ class RichRunDisplay:
         """See :func:`print_run_header`."""
         print_run_header(self.console, cfg, plan, warnings)
 
-    def components(self, unpadding: Unpadding, distributed: dict | None) -> None:
+    def components(self, unpadding: Unpadding, distributed: dict | None, warnings: tuple[str, ...] = ()) -> None:
         """See :func:`print_components`."""
-        print_components(self.console, unpadding, distributed)
+        print_components(self.console, unpadding, distributed, warnings)
 
     def progress(self, log: RunLog, samples_per_step: int) -> TrainerCallback | None:
         """A :class:`RichProgressCallback` reading ``log`` (None without ``progress``)."""
@@ -272,12 +272,14 @@ def print_run_header(console: Console, cfg, plan, warnings: tuple[str, ...] = ()
         warn(console, w)
 
 
-def print_components(console: Console, unpadding, distributed: dict | None) -> None:
-    """The attention path the loss runs (a :class:`cembed.model.unpad.Unpadding`) and, for several
-    processes, :func:`print_distributed`."""
+def print_components(console: Console, unpadding, distributed: dict | None, warnings: tuple[str, ...] = ()) -> None:
+    """The attention path the loss runs (a :class:`cembed.model.unpad.Unpadding`), for several
+    processes :func:`print_distributed`, then ``warnings`` (what building the components found)."""
     console.print(f"attention: {unpadding.description}", highlight=False)
     if distributed:
         print_distributed(console, distributed)
+    for w in warnings:
+        warn(console, w)
 
 
 def print_distributed(console: Console, info: dict) -> None:

@@ -64,6 +64,8 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
             }
             for s, batches in zip(data.sources, facts.source_batches)
         ]
+        for entry in sources:  # the prompts each source trains with: its own over data.prompts, the model's
+            entry["prompts"] = _source_prompts(truncation, entry["name"]) if model_ok else None
         first = data.first_row()
         stream = data.streamed
         if stream is not None:  # only the first rows were read: nothing is counted
@@ -209,7 +211,8 @@ def print_validation(console: Console, report: dict) -> None:
     if m["load_error"] is not None:
         console.print(f"[yellow]truncation report skipped:[/] {escape(m['load_error'])}", highlight=False)
     else:
-        for line in (m["weights_line"], _prompts_line(m["prompts"]), m["attention"] and f"attention: {m['attention']}"):
+        prompts = _prompts_lines(m["prompts"], d["sources"] if d["loaded"] else [])
+        for line in (m["weights_line"], *prompts, m["attention"] and f"attention: {m['attention']}"):
             if line:
                 p(line)
         p(_truncation_line(report["truncation"]))
@@ -217,12 +220,32 @@ def print_validation(console: Console, report: dict) -> None:
         warn(console, w)
 
 
-def _prompts_line(prompts: dict | None) -> str | None:
-    if prompts is None:
-        return None
-    if not any(v["prompt"] for v in prompts.values()):
-        return "prompts: none (neither data.prompts nor the model sets one)"
-    return "prompts: " + "; ".join(f"{r} {v['prompt']!r} ({v['from']})" for r, v in prompts.items())
+def _source_prompts(truncation, name: str) -> dict | None:
+    """A source's prompts as ``RolePrompts.to_dict`` gives them: its own where a source sets some
+    (``truncation.source_prompts``), else the run's."""
+    own = (truncation.source_prompts or {}).get(name)
+    prompts = own if own is not None else truncation.prompts
+    return prompts.to_dict() if prompts is not None else None
+
+
+def _prompts_lines(run: dict | None, sources: list[dict]) -> list[str]:
+    """The prompts line: the run's (``data.prompts``, else the model's), or, where a source sets its
+    own, one line per source (a single source: one line) with the prompts it trains with."""
+    if run is None:
+        return []
+    shown = [s for s in sources if s.get("prompts") is not None]
+    if not shown or all(s["prompts"] == run for s in shown):
+        if not any(v["prompt"] for v in run.values()):
+            return ["prompts: none (neither data.prompts nor the model sets one)"]
+        return ["prompts: " + "; ".join(f"{r} {v['prompt']!r} ({v['from']})" for r, v in run.items())]
+    if len(shown) == 1:
+        return [f"prompts: {_role_prompts(shown[0]['prompts'])}"]
+    return [f"prompts of source {s['name']}: {_role_prompts(s['prompts'])}" for s in shown]
+
+
+def _role_prompts(prompts: dict) -> str:
+    """``anchor 'query: ' (data.prompts.anchor); ...`` for the roles with a prompt, else ``none``."""
+    return "; ".join(f"{r} {v['prompt']!r} ({v['from']})" for r, v in prompts.items() if v["prompt"]) or "none"
 
 
 def _truncation_line(t: dict) -> str:

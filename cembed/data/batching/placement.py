@@ -246,9 +246,9 @@ def smaller_batch_fix(largest: int, world_size: int = 1) -> str:
     )
 
 
-def sampler_hashes(data: TrainingData, model_cfg, data_cfg=None, model=None) -> tuple[np.ndarray, str]:
-    """The rows' text hashes exactly as the training sampler will compute them, and a note saying how
-    texts were compared: the data tokenized as training tokenizes it
+def sampler_hashes(data: TrainingData, model_cfg, data_cfg=None, model=None) -> tuple[np.ndarray, str, str | None]:
+    """The rows' text hashes exactly as the training sampler will compute them, a note saying how
+    texts were compared, and the tokenizing fallback's warning (None: none): the data tokenized as training tokenizes it
     (:func:`cembed.data.tokens.tokenize.tokenize_stage` with ``data_cfg``'s prompts, ``pretokenize`` and
     cache folder; the model loaded on CPU unless given) and hashed by
     :func:`cembed.data.identity.row_hashes` over ``data.columns``: token ids after truncation when
@@ -268,13 +268,14 @@ def sampler_hashes(data: TrainingData, model_cfg, data_cfg=None, model=None) -> 
         model = model if model is not None else load_model(model_cfg, "cpu", for_training=False)
         prompts = training_prompts(data, model, prompts_cfg)
     except UserError as err:
-        return row_hashes(data.dataset, data.columns), f"raw text (model not loaded: {first_line(err, 120)})"
+        return row_hashes(data.dataset, data.columns), f"raw text (model not loaded: {first_line(err, 120)})", None
     if getattr(model, "tokenizer", None) is None:
-        return row_hashes(data.dataset, data.columns), "raw text (the model has no tokenizer)"
+        return row_hashes(data.dataset, data.columns), "raw text (the model has no tokenizer)", None
     dataset, _, info = tokenize_stage(
         model, data, pretokenize, cache_dir, prompts.columns, None, prompts.by_source, num_proc
     )
     if not info["pretokenized"]:
-        return row_hashes(data.dataset, data.columns), f"raw text, as the sampler compares them ({info['reason']})"
+        compared = f"raw text, as the sampler compares them ({info['reason']})"
+        return row_hashes(data.dataset, data.columns), compared, info.get("warning")
     length = int(model.max_seq_length)
-    return row_hashes(dataset, data.columns), f"token ids ({model_cfg.name_or_path}, max_seq_length {length})"
+    return row_hashes(dataset, data.columns), f"token ids ({model_cfg.name_or_path}, max_seq_length {length})", None

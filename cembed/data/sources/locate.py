@@ -61,7 +61,11 @@ def _count_rows(path: Path) -> int | None:
 
             return pq.ParquetFile(path).metadata.num_rows
         if name.endswith(".json"):
-            data = json.loads("".join(t for _, t in text_lines(path)))
+            text = "".join(t for _, t in text_lines(path))
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError:  # JSON Lines in a .json file: datasets' json builder reads it so
+                return sum(1 for line in text.splitlines() if line.strip())
             return len(data) if isinstance(data, list) else None
     except Exception:  # noqa: BLE001 - a locator falls back to the row's global number
         return None

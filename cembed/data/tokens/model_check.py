@@ -60,11 +60,15 @@ def matches_model_preprocessing(
     return True
 
 
-def check_prepared_for_model(model, manifest, where: str, prompts: dict[str, str] | None) -> None:
+def check_prepared_for_model(
+    model, manifest, where: str, prompts: dict[str, str] | None, field: str = "data.prompts"
+) -> None:
     """Refuse training ``model`` on the prepared source whose manifest is ``manifest`` when the ids
     were made for another tokenizer (:func:`cembed.model.fingerprint.tokenizer_fingerprint`),
-    ``max_seq_length`` or prompts. ``where`` names the source (its folder); ``prompts``: the run's
-    ``{role column: prompt}`` (``data.prompts``, else the model's own; empty or absent: none).
+    ``max_seq_length`` or prompts (either way: a prompt the run adds or one the ids hold that the
+    run leaves out). ``where`` names the source (its folder); ``prompts``: the ``{role column:
+    prompt}`` the source trains with (its own ``data.train.prompts`` over ``data.prompts``, else the
+    model's own; empty or absent: none); ``field``: the prompts field a message tells to set.
 
     Raises:
         UserError: one line naming the source, the field, the model's value and the source's.
@@ -95,13 +99,20 @@ def check_prepared_for_model(model, manifest, where: str, prompts: dict[str, str
         if run.get(role, "") != stored.get(role, ""):
             raise UserError(
                 f"{where}: prompts.{role}: the run's is {run.get(role, '')!r}, the prepared source's "
-                f"{stored.get(role, '')!r}; set data.prompts.{_prompt_field(role)} to the source's {redo}"
+                f"{stored.get(role, '')!r}; set {field}.{_prompt_field(role)} to the source's {redo}"
             )
 
 
 def _prompt_field(role: str) -> str:
     """The ``data.prompts`` field of a role column: anchor, positive, negatives."""
     return "negatives" if role.startswith("negative_") else role
+
+
+def prompts_field(source) -> str:
+    """The prompts field that sets a source's prompts (``source``: a
+    :class:`cembed.data.rows.LoadedSource`): its own (``data.train.prompts``) when it sets some,
+    else ``data.prompts``."""
+    return f"{source.key}.prompts" if source.prompts is not None else "data.prompts"
 
 
 def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_of: int | None):
@@ -118,7 +129,7 @@ def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_
     started = time.perf_counter()
     manifest, source = data.manifest, data.sources[0]
     where = display_path(source.label)
-    check_prepared_for_model(model, manifest, where, prompts)
+    check_prepared_for_model(model, manifest, where, prompts, prompts_field(source))
     roles = list(manifest.columns)
     collator = collator_for(model, roles, pad_to_multiple_of)
     if collator is None:

@@ -54,6 +54,12 @@ from cembed.model.prompts import prompt_lengths
 # 2: only the new columns, the map's own files, a manifest; 3: <role>_hash; 4: a prepared folder
 # (cembed.data.tokens.format: part-*.arrow and cembed_prepared.json, read by its reader).
 FORMAT_VERSION = "4"
+# What train and validate print when pre-tokenizing falls back (also run_summary's tokenization.warning).
+IDS_DIFFER_WARNING = (
+    "data.pretokenize: the ids the tokenizer gives differ from the model's own preprocessing on the first rows "
+    "(a module that changes the texts or the features), so training tokenizes the texts in the collator, every "
+    "step, instead of once (slower; the sampler compares raw texts); set data.pretokenize: false to choose that"
+)
 
 
 def cache_key(
@@ -239,14 +245,17 @@ def tokenize_stage(
 ):
     """Pre-tokenize ``data`` (:class:`cembed.data.rows.TrainingData`) for ``model`` (cached), ``prompts`` (``{role column: prompt}``)
     prepended, or leave tokenizing to the collator. Returns ``(dataset, collator or None, info)``:
-    ``collator`` is ``None`` when sentence-transformers' collator (tokenizing on the fly) is used, ``info`` says why.
+    ``collator`` is ``None`` when sentence-transformers' collator (tokenizing on the fly) is used, ``info`` says why
+    (``reason``; ``warning``: the line to print when that is a fallback the config did not ask for).
     ``pad_to_multiple_of`` (``batch.pad_to_multiple_of``) is applied by the pre-tokenized collator.
     ``source_prompts``: one ``{role column: prompt}`` per source of ``data.sources`` instead of ``prompts``.
     ``num_proc`` (``data.num_proc``) and ``progress`` (``progress(rows_done, rows_total)`` while
     tokenizing): as :func:`pretokenize`'s.
     """
     if getattr(data, "manifest", None) is not None:  # a prepared source: its stored ids, checked against the model
-        return prepared_stage(model, data, prompts, pad_to_multiple_of)
+        # The one source's own prompts where it sets some: what it trains with.
+        own = source_prompts[0] if source_prompts else prompts
+        return prepared_stage(model, data, own, pad_to_multiple_of)
     roles = data.columns
     if not enabled:
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
@@ -273,7 +282,8 @@ def tokenize_stage(
         progress,
     )
     if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts, sources=sources):
-        return data.dataset, None, {"pretokenized": False, "reason": "stored ids differ from the model's preprocessing"}
+        reason = "stored ids differ from the model's preprocessing"
+        return data.dataset, None, {"pretokenized": False, "reason": reason, "warning": IDS_DIFFER_WARNING}
     info = {
         "pretokenized": True,
         "from_cache": result.from_cache,

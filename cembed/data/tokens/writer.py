@@ -287,6 +287,16 @@ def check_equivalence(model, collator, rows, ids_dir: Path, files: list[str], pr
         )
 
 
+def manifest_value(value) -> str:
+    """A part manifest's field as a message shows it: prompts ``anchor 'query: '`` (``none``), a list
+    comma-separated, anything else as it is."""
+    if isinstance(value, dict):
+        return ", ".join(f"{role} {prompt!r}" for role, prompt in value.items()) or "none"
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
 def join_parts(folder: Path, n: int, result: PrepareResult) -> None:
     """Under ``DIR/.lock``: when every part's manifest is there, write the top manifest (parts in K
     order); else record the parts still missing in ``result.waiting``."""
@@ -303,7 +313,8 @@ def join_parts(folder: Path, n: int, result: PrepareResult) -> None:
             for key in ("columns", "tokenizer", "max_seq_length", "prompts", "rows_read", "source"):
                 if m[key] != first[key]:
                     raise UserError(
-                        f"{display_path(folder / part_manifest_name(k, n))}: {key} differs from part 0's; "
+                        f"{display_path(folder)}: {key} differs between the parts: {manifest_value(m[key])} in "
+                        f"part {k} of {n} ({part_manifest_name(k, n)}), {manifest_value(first[key])} in part 0; "
                         f"every node must prepare with the same config and model: remove {display_path(folder)} "
                         "and prepare again"
                     )

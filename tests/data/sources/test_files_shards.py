@@ -193,3 +193,34 @@ def test_csv_shards_with_another_header_refused(write_config, tmp_path):
         _load(write_config, "csv")
     (tmp_path / "csv" / "p1.csv").write_text("anchor,positive\nq,a\n")
     assert len(_load(write_config, "csv").dataset) == 9
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".json", ".csv", ".parquet"])
+@pytest.mark.parametrize(("shard", "row", "where"), [(2, 0, "first"), (1, ROWS - 1, "last")])
+def test_a_bad_cell_at_a_shard_boundary_is_named_in_its_own_shard(write_config, tmp_path, suffix, shard, row, where):
+    """Issue 32 item 5b: row 0 of shard k > 0 is in shard k (not k-1's end), the last row of shard k in k;
+    also for a .json shard holding JSON Lines (datasets reads it line by line), once named by its global row."""
+    rows = _rows(3 * ROWS)
+    rows[shard * ROWS + row]["anchor"] = None if suffix != ".csv" else ""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for k in range(3):
+        chunk = rows[k * ROWS : (k + 1) * ROWS]
+        path = folder / f"shard-{k:02d}{suffix}"
+        if suffix == ".csv":
+            path.write_text("anchor,positive\n" + "".join(f'"{r["anchor"]}",{r["positive"]}\n' for r in chunk))
+        elif suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(chunk), path)
+        else:
+            _write_jsonl(path, chunk)  # .json: JSON Lines too
+    with pytest.raises(UserError) as err:
+        _load(write_config, "shards")
+    message = str(err.value)
+    # JSON Lines: line = row + 1; CSV: the header is line 1; Parquet and .json: row N (1-based).
+    locator = {".csv": f"line {row + 2}", ".parquet": f"row {row + 1}", ".json": f"row {row + 1}"}
+    locator = locator.get(suffix, f"line {row + 1}")
+    assert f"shard-{shard:02d}{suffix}: {locator}:" in message, (where, message)
+    assert "empty" in message and "\n" not in message, message
