@@ -35,6 +35,12 @@ def collective_timeout_s(err: BaseException) -> float | None:
     return None
 
 
+def failed_key() -> str:
+    """The store key of a failure in this attempt of the job: a group that torch's elastic agent
+    restarts (``--max-restarts``) must not read the failure that ended the attempt before."""
+    return f"{FAILED_KEY}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def _store():
     """The initialized process group's key-value store, or None outside a multi-process job."""
     import torch.distributed as dist
@@ -55,18 +61,18 @@ def announce_failure() -> bool:
         store = _store()
         if store is None:
             return False
-        store.set(FAILED_KEY, os.environ.get("RANK", "?"))
+        store.set(failed_key(), os.environ.get("RANK", "?"))
         return True
     except Exception:  # noqa: BLE001 - a store that is gone cannot be told; the error itself still shows
         return False
 
 
-def _watch(store, exit_code: int) -> None:
+def _watch(store, key: str, exit_code: int) -> None:
     # check() returns at once: a blocking wait() would hold the store's connection, which the
     # main thread may still need to finish its step.
     while True:
         try:
-            if store.check([FAILED_KEY]):
+            if store.check([key]):
                 os._exit(exit_code)  # not sys.exit: it would only end this thread
         except Exception:  # noqa: BLE001 - the launcher's store is gone: it can no longer be asked
             return
@@ -87,6 +93,8 @@ def end_when_a_peer_fails(exit_code: int) -> threading.Thread | None:
     store = _store()
     if store is None:
         return None
-    thread = threading.Thread(target=_watch, args=(store, exit_code), name="cembed-peer-failed", daemon=True)
+    thread = threading.Thread(
+        target=_watch, args=(store, failed_key(), exit_code), name="cembed-peer-failed", daemon=True
+    )
     thread.start()
     return thread

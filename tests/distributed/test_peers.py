@@ -39,11 +39,13 @@ def test_without_a_process_group_nothing_is_announced_or_watched():
 
 
 # A store the test controls in place of the process group's: the watcher must end the process with
-# the given code once the mark is set, while the main thread is busy (sleeping) and never returns.
+# the given code once the mark is set, while the main thread is busy (sleeping) and never returns;
+# the failure that ended the attempt before the launcher's restart (attempt 0) does not count.
 WATCHED = """
 import time, torch.distributed as dist
 from cembed.distributed import peers
 store = dist.HashStore()
+store.set("cembed/failed/attempt0", "1")
 peers._store = lambda: store
 peers.end_when_a_peer_fails(143)
 time.sleep(1)
@@ -56,7 +58,7 @@ print("not reached", flush=True)
 
 @pytest.mark.slow  # starts a Python process
 def test_a_watched_rank_ends_with_its_code_once_a_peer_announces_failure():
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": "0", "TORCHELASTIC_RESTART_COUNT": "1"}
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-c", WATCHED], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - start
