@@ -7,7 +7,8 @@
   schedule, RNG states and skips the batches already trained in the epoch (the sampler's batches are
   a pure function of seed and epoch, so the order is the same).
 - SIGINT/SIGTERM finish the current optimizer step, save a checkpoint and stop; a second signal
-  abandons the step at once, and so does a first one after the last step (no step to finish).
+  abandons the step at once, and so does a first one after the last step (no step to finish), or
+  one held while another rank of the job has failed (the step cannot finish).
 - A non-finite loss stops the run naming the step and the last good checkpoint (or, with
   ``train.nonfinite_loss: skip``, skips that step and counts it).
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from cembed.distributed.peers import end_when_a_peer_fails
 from cembed.errors import UserError
 from cembed.files import display_path, write_json_atomic
 
@@ -189,7 +191,10 @@ class InterruptCallback(TrainerCallback):
     signal restores the default handler's behaviour (KeyboardInterrupt / termination) at once.
     Data-loader workers forked while it is installed inherit the handler: there it ignores SIGINT
     (a terminal's Ctrl-C reaches every process of the group; the main process announces it once
-    and stops the workers) and lets SIGTERM end the worker.
+    and stops the workers) and lets SIGTERM end the worker. In a multi-process job a held signal
+    ends the process at once when another rank announces its failure
+    (:func:`cembed.distributed.peers.end_when_a_peer_fails`): the launcher signals the other ranks
+    after one failed, and a rank hung mid-step would otherwise live until its SIGKILL.
 
     Args:
         on_signal: called on the first signal with ``(signum, step)``, ``step`` the optimizer step
@@ -205,6 +210,7 @@ class InterruptCallback(TrainerCallback):
         self.trained = False  # the last optimizer step has ended: a signal has no step left to wait for
         self.on_signal = on_signal
         self.notice: threading.Thread | None = None  # the thread that ran on_signal (tests join it)
+        self.peer_watch: threading.Thread | None = None  # ends a signalled rank whose peer failed
         self._previous: dict[int, object] = {}
         self._pid = os.getpid()  # the process whose signals these are (install sets it; forked workers differ)
 
@@ -224,6 +230,9 @@ class InterruptCallback(TrainerCallback):
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
+        # The launcher's SIGTERM after another rank failed: this step waits on that rank and can
+        # never end, so the process ends as soon as the failure is seen in the store.
+        self.peer_watch = end_when_a_peer_fails(128 + signum)
         if self.on_signal is not None:
             step = min(self.step + 1, self.max_steps) if self.max_steps else self.step + 1
             self.notice = threading.Thread(target=self.on_signal, args=(signum, step), daemon=True)

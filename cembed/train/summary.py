@@ -8,6 +8,7 @@ one-line :class:`~cembed.errors.RunFailed` (exit 3).
 
 from __future__ import annotations
 
+import os
 import platform
 import traceback
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cembed.data.batching.rules import counted_batches
+from cembed.distributed.peers import collective_timeout_s
 from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
 from cembed.files import append_log, write_atomic, write_json_atomic
 from cembed.train.checkpoint import latest_complete
@@ -176,6 +178,21 @@ def failed_summary(base: dict, err: BaseException, step: int, checkpoint: str | 
     }
 
 
+def failure_cause(err: BaseException, step: int) -> str:
+    """What stopped a run after ``step`` optimizer steps, in one line: a collective that timed out
+    named as such (gloo's and NCCL's own wording names a socket or a work item, not the rank that
+    never came), anything else as its type and first line."""
+    timeout = collective_timeout_s(err)
+    if timeout is None:
+        return f"run failed at step {step}: {type(err).__name__}: {first_line(err, 200)}"
+    rank = os.environ.get("RANK", "0")
+    return (
+        f"a collective timed out after {timeout:g} s on rank {rank} in step {step + 1}: another rank did not reach "
+        "it (hung, crashed, or slower than the timeout); raise distributed.timeout_minutes or check the other "
+        "ranks' logs"
+    )
+
+
 @dataclass
 class Attempt:
     """What a run has built so far, for the failure record: the summary base and the trainer."""
@@ -205,8 +222,8 @@ def failures_recorded(out: Path, is_main: bool, attempt: Attempt):
         checkpoint = str(latest_complete(out)) if latest_complete(out) else None
         tb = save_traceback(err, out) if is_main else None
         message = (
-            f"run failed at step {step}: {type(err).__name__}: {first_line(err, 200)}; last good checkpoint: "
-            f"{checkpoint or 'none'}; traceback in {tb or out / TRACEBACK_FILE}"
+            f"{failure_cause(err, step)}; last good checkpoint: {checkpoint or 'none'}; "
+            f"traceback in {tb or out / TRACEBACK_FILE}"
         )
         if is_main:
             append_log(out / "train.log", f"failed: {message}")

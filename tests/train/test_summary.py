@@ -200,6 +200,21 @@ def test_failure_before_the_trainer_and_on_other_ranks(tmp_path):
     assert list(other.iterdir()) == []  # only rank 0 writes
 
 
+def test_a_collective_timeout_is_named_as_such(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    gloo = "[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 6000ms for send operation to complete"
+    with (
+        pytest.raises(RunFailed) as caught,
+        failures_recorded(tmp_path, False, Attempt(trainer=_trainer(None, step=4))),
+    ):
+        raise RuntimeError(gloo)
+    assert str(caught.value) == (
+        "a collective timed out after 6 s on rank 1 in step 5: another rank did not reach it (hung, crashed, or "
+        "slower than the timeout); raise distributed.timeout_minutes or check the other ranks' logs; last good "
+        f"checkpoint: none; traceback in {tmp_path / TRACEBACK_FILE}"
+    )
+
+
 @pytest.mark.parametrize("err", [UserError("a user error"), RunFailed("nan at step 2"), RunInterrupted(2, 3, "ck")])
 def test_user_errors_and_interruptions_pass_through(tmp_path, err):
     with pytest.raises(type(err)) as caught, failures_recorded(tmp_path, True, Attempt(base={})):

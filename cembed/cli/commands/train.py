@@ -78,6 +78,7 @@ def train_cmd(
         record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
         raise
     from cembed.distributed.group import dist_info, is_worker, leave_process_group
+    from cembed.distributed.peers import announce_failure
     from cembed.train.facts import run_facts
     from cembed.train.recipe import check_run_inputs, run_training
 
@@ -144,6 +145,7 @@ def train_cmd(
         raise typer.Exit(130) from None
     except Exception as err:
         record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
+        announce_failure()  # a peer held by the launcher's SIGTERM mid-step ends at once (InterruptCallback)
         if isinstance(err, UserError):
             raise
         _unexpected(err, cfg.train.output_dir)
@@ -221,8 +223,10 @@ def _launch_training(
         )
         raise typer.Exit(stop.exit_code) from None
     except WorkerFailed as err:
-        # exit code 2: a user mistake (the data's, found by the workers): its one line, as one process shows it
+        # exit code 2: a user mistake (the data's, found by the workers); 3: the run failed (RunFailed).
+        # Both are cembed's own one-line messages: shown as one process shows them, without the class name.
         message = err.message.removeprefix("UserError: ") if err.exitcode == 2 else err.message
+        message = message.removeprefix("RunFailed: ") if err.exitcode == 3 else message
         err_console.print(
             f"[bold red]error:[/] rank {err.rank} failed (exit code {err.exitcode}): {escape(message)}; "
             "the other processes were stopped",
