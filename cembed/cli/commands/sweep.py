@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from cembed.cli.common import ConfigArg, OverridesArg, console, err_console, examples, load, warn
+from cembed.cli.common import ConfigArg, OverridesArg, console, err_console, examples, flag, load, warn
 
 SWEEP_EXAMPLES = examples(
     "cembed sweep quickstart.yaml",
@@ -38,9 +38,9 @@ def sweep_cmd(
         "--out",
         help="Sweep folder (default <train.output_dir>-lr-sweep); a rerun of the same config resumes its study.",
     ),
-    overwrite: bool = typer.Option(
+    overwrite: bool = flag(
         False,
-        "--overwrite",
+        "--overwrite/--no-overwrite",
         help="Move the folder's previous study and runs aside (into <out>/study-<time>/) and sweep afresh.",
     ),
 ) -> None:
