@@ -13,7 +13,12 @@ Sections (``--sections``, default all):
             same worst-case memory, and stock with its own token budget (``mini_batch_num_tokens``,
             the same value), against a padding-free estimate (stock time scaled by its real share of
             positions; not a bound); padded share of the positions each path ran on, and the losses
-            (must agree to 1e-5 relative).
+            (must agree to 1e-5 relative: the script exits 1 after its tables when one does not).
+            Then (``--models``, default minilm,decoder,decoder-lora) a small random Qwen2 decoder
+            (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512, the MiniLM tokenizer,
+            last-token pooling as cembed loads decoders) at batch 256 (``--decoder-batch``), plain and
+            under LoRA (r 8 on q/k/v/o), on the skewed data: stock, cembed padded, cembed packed and
+            the padding-free estimate. ``--models decoder,decoder-lora`` runs the decoder rows only.
   produce   producing one batch (fetch + collate) at batch 4096, 16384 and 65536 (max_seq_length
             256): stock (tokenizing collator), cembed's row path before issue 14 (``datasets``' row
             fetch + per-row padding) and its batch path (``TokenIdRows`` + numpy padding), on the same
@@ -24,7 +29,8 @@ Sections (``--sections``, default all):
             as resolved on this machine); the whole run and steps 2+ (the first batch is always waited for).
   sampler   one epoch of the sampler over 1M rows at batch 65536.
 
-Usage: ``python scripts/bench_throughput.py [--rounds 3] [--sections step,produce,datawait,sampler]``
+Usage: ``python scripts/bench_throughput.py [--rounds 3] [--sections step,produce,datawait,sampler]
+[--models minilm,decoder,decoder-lora]``
 (``--quick`` shrinks every size for a smoke run).
 """
 
@@ -147,20 +153,146 @@ def stock_positions(features, mbs: int, num_tokens: int | None = None) -> tuple[
     return real, processed
 
 
-def section_step(args, cache: Path) -> None:
+# The step section's paths, by name: each a loss over the model. ``+tokens``: mini-batches cut by a
+# token budget instead of a row count.
+ALL_STEP_PATHS = ("stock", "stock+tokens", "cembed padded", "cembed packed", "cembed packed+tokens")
+# The decoder rows run the three paths the targets are stated for (issue 34), to stay within minutes.
+DECODER_STEP_PATHS = ("stock", "cembed padded", "cembed packed")
+LOSS_TOLERANCE = 1e-5  # every path computes the same loss (dropout off): relative to stock's
+STEP_MODELS = ("minilm", "decoder", "decoder-lora")
+# The decoder of the step section: Qwen2-style (grouped-query attention, rotary positions), small
+# enough for CPU, with last-token pooling as cembed builds decoders (cembed/model/load.py).
+DECODER_SIZE = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 512}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def decoder_checkpoint(
+    folder: Path, tokenizer_dir: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int
+) -> Path:
+    """Save a seeded random ``Qwen2Model`` of these sizes at ``folder`` (a plain transformers checkpoint,
+    as cembed loads a decoder) with the tokenizer of ``tokenizer_dir``: all-MiniLM-L6-v2's, so the
+    skewed texts get the lengths they have in the MiniLM rows (its vocabulary sizes the embedding)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2Model
+
+    config = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    # Beside a Qwen2 config the tokenizer loads as Qwen2's class, which adds its EOS token
+    # (<|endoftext|>) after the WordPiece vocabulary: the embedding must cover it.
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen2Model(config).save_pretrained(folder)
+    return folder
+
+
+def load_decoder(folder: Path, lora: bool, max_seq_length: int = 256):
+    """The checkpoint at ``folder`` loaded by cembed as it loads any decoder (``model.pooling:
+    lasttoken``: Transformer + last-token Pooling, the tokenizer set up for it), under LoRA (r 8 on
+    q/k/v/o, peft's initialisation: B = 0) when ``lora``."""
+    from cembed.config.schema import LoraOptions, ModelConfig
+    from cembed.model.load import load_model
+
+    options = LoraOptions(r=8, alpha=16, dropout=0.0, target_modules=LORA_TARGETS) if lora else None
+    cfg = ModelConfig(
+        name_or_path=str(folder), device="cpu", pooling="lasttoken", max_seq_length=max_seq_length, lora=options
+    )
+    return load_model(cfg, "cpu")
+
+
+def step_losses(model, names, mbs: int, budget: int) -> list[tuple[str, object]]:
+    """``(name, loss)`` for each path in ``names`` (of ``ALL_STEP_PATHS``) over ``model``."""
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
     from cembed.losses.mnrl import LengthSortedCachedMNRL
 
-    model = load_minilm()
-    model.eval()  # dropout off, so every path must give the same loss; gradients still flow
-    bs, mbs = args.step_batch, 32
-    budget = mbs * model.max_seq_length  # the same worst-case memory as mbs rows at max_seq_length
-    print(
-        f"\n## step: all-MiniLM-L6-v2, batch {bs}, mini-batch {mbs}, max_seq_length 256, {args.rounds} rounds (CPU, {torch.get_num_threads()} threads)"
+    make = {
+        "stock": lambda: CachedMultipleNegativesRankingLoss(model, mini_batch_size=mbs),
+        "stock+tokens": lambda: CachedMultipleNegativesRankingLoss(
+            model, mini_batch_size=mbs, mini_batch_num_tokens=budget
+        ),
+        "cembed padded": lambda: LengthSortedCachedMNRL(model, mini_batch_size=mbs, unpad=False),
+        "cembed packed": lambda: LengthSortedCachedMNRL(model, mini_batch_size=mbs, unpad=True),
+        "cembed packed+tokens": lambda: LengthSortedCachedMNRL(
+            model, mini_batch_size=mbs, mini_batch_num_tokens=budget, unpad=True
+        ),
+    }
+    return [(name, make[name]()) for name in names]
+
+
+def time_paths(model, paths, stock_feats, our_feats, rounds: int) -> tuple[dict, dict, dict]:
+    """Run each path's loss forward + backward ``rounds`` times, alternating the order each round.
+
+    Returns:
+        ``(times, losses, padding)``: per path its step seconds (a list), its loss, and (cembed's
+        paths, which count their tokens) the padded share of the positions it ran on.
+    """
+    times = {label: [] for label, _ in paths}
+    losses, padding = {}, {}
+    for r in range(rounds):
+        for label, loss_fn in paths[:: 1 if r % 2 == 0 else -1]:
+            feats = stock_feats if label.startswith("stock") else our_feats
+            model.zero_grad(set_to_none=True)
+            counts = getattr(loss_fn, "token_counts", None)
+            if counts is not None:
+                counts.reset()
+            t0 = time.perf_counter()
+            value = loss_fn([dict(f) for f in feats], None)
+            value.backward()
+            times[label].append(time.perf_counter() - t0)
+            losses[label] = float(value.detach())
+            if counts is not None:
+                real, processed, _ = counts.read()
+                padding[label] = 1 - real / processed
+    return times, losses, padding
+
+
+def step_rows(model, name: str, data: dict, paths, mbs: int, budget: int, rounds: int, cache: Path) -> list[str]:
+    """Time ``paths`` (``step_losses``) on one batch of ``data`` and print a table row per path and
+    the padding-free estimate's.
+
+    Returns:
+        One line per path whose loss is not within ``LOSS_TOLERANCE`` of stock's (empty: all agree).
+    """
+    bs = len(data["anchor"])
+    _, stock_coll, pt_ds, our_coll, _ = prepare_paths(model, data, cache)
+    stock_feats = features_of(
+        stock_coll([{"anchor": a, "positive": p} for a, p in zip(data["anchor"], data["positive"])])
     )
-    print(
-        "stock = sentence-transformers' CachedMultipleNegativesRankingLoss, mini-batches of "
+    our_feats = features_of(our_coll(pt_ds.select(range(bs)).to_list()))
+    times, losses, padding = time_paths(model, paths, stock_feats, our_feats, rounds)
+    s_real, s_proc = stock_positions(stock_feats, mbs)
+    padding["stock"] = 1 - s_real / s_proc
+    t_real, t_proc = stock_positions(stock_feats, mbs, budget)
+    padding["stock+tokens"] = 1 - t_real / t_proc
+    ts = median(times["stock"])
+    estimate = ts * s_real / s_proc  # stock time scaled to zero padding: an estimate (see the legend)
+    disagree = []
+    for label, _ in paths:
+        t = median(times[label])
+        rel = abs(losses[label] - losses["stock"]) / abs(losses["stock"])
+        if not rel <= LOSS_TOLERANCE:
+            disagree.append(f"{name}, {label}: loss {losses[label]:.6f} vs stock {losses['stock']:.6f} ({rel:.1e})")
+        print(
+            f"| {name} | {label} | {t:.2f} | {ts / t:.2f}x | {100 * padding[label]:.1f}% | {t / estimate:.2f}x | "
+            f"{losses[label]:.6f} | {rel:.1e} |"
+        )
+    print(f"| {name} | padding-free estimate | {estimate:.2f} | {ts / estimate:.2f}x | 0.0% | 1.00x | | |")
+    return disagree
+
+
+def step_legend(mbs: int, budget: int) -> str:
+    return (
+        "stock = sentence-transformers' CachedMultipleNegativesRankingLoss (its tokenizing collator), mini-batches of "
         f"{mbs} rows; stock+tokens = the same with its own mini_batch_num_tokens = {budget} real tokens (each "
         "mini-batch still padded to its longest row, unsorted). cembed paths: padded = length-sorted "
         "mini-batches padded to their longest row (batch.unpad: false); packed = rows packed without padding "
@@ -169,64 +301,60 @@ def section_step(args, cache: Path) -> None:
         "padding = share of the positions the encoder ran on that were padding; padding-free estimate = "
         "stock time x its real / processed positions (an estimate, not a bound: attention's cost grows "
         "with width and per-mini-batch overheads stay, so a path can beat it or fall short of it); "
-        "x est. = path time / estimate."
+        f"x est. = path time / estimate; rel. diff = |loss - stock's| / stock's (must be <= {LOSS_TOLERANCE:.0e}: "
+        "dropout is off, every path computes the same loss)."
     )
-    print("| data | path | step s | speed-up vs stock | padding | x est. | loss | rel. diff |")
-    print("|---|---|---|---|---|---|---|---|")
-    datasets_ = [("skewed (seeded)", skewed_pairs(bs, seed=1))]
-    if COCO.exists():
-        datasets_.append(("COCO pairs", coco_pairs(bs)))
-    paths = [
-        ("stock", CachedMultipleNegativesRankingLoss(model, mini_batch_size=mbs)),
-        (
-            "stock+tokens",
-            CachedMultipleNegativesRankingLoss(model, mini_batch_size=mbs, mini_batch_num_tokens=budget),
-        ),
-        ("cembed padded", LengthSortedCachedMNRL(model, mini_batch_size=mbs, unpad=False)),
-        ("cembed packed", LengthSortedCachedMNRL(model, mini_batch_size=mbs, unpad=True)),
-        (
-            "cembed packed+tokens",
-            LengthSortedCachedMNRL(model, mini_batch_size=mbs, mini_batch_num_tokens=budget, unpad=True),
-        ),
-    ]
-    for name, data in datasets_:
-        ds, stock_coll, pt_ds, our_coll, _ = prepare_paths(model, data, cache)
-        rows = list(range(bs))
-        stock_feats = features_of(
-            stock_coll([{"anchor": a, "positive": p} for a, p in zip(data["anchor"], data["positive"])])
-        )
-        our_feats = features_of(our_coll(pt_ds.select(rows).to_list()))
-        times = {label: [] for label, _ in paths}
-        losses, padding = {}, {}
-        for r in range(args.rounds):
-            for label, loss_fn in paths[:: 1 if r % 2 == 0 else -1]:
-                feats = stock_feats if label.startswith("stock") else our_feats
-                model.zero_grad(set_to_none=True)
-                counts = getattr(loss_fn, "token_counts", None)
-                if counts is not None:
-                    counts.reset()
-                t0 = time.perf_counter()
-                value = loss_fn([dict(f) for f in feats], None)
-                value.backward()
-                times[label].append(time.perf_counter() - t0)
-                losses[label] = float(value.detach())
-                if counts is not None:
-                    real, processed, _ = counts.read()
-                    padding[label] = 1 - real / processed
-        s_real, s_proc = stock_positions(stock_feats, mbs)
-        padding["stock"] = 1 - s_real / s_proc
-        t_real, t_proc = stock_positions(stock_feats, mbs, budget)
-        padding["stock+tokens"] = 1 - t_real / t_proc
-        ts = median(times["stock"])
-        estimate = ts * s_real / s_proc  # stock time scaled to zero padding: an estimate (see above)
-        for label, _ in paths:
-            t = median(times[label])
-            rel = abs(losses[label] - losses["stock"]) / abs(losses["stock"])
-            print(
-                f"| {name} | {label} | {t:.2f} | {ts / t:.2f}x | {100 * padding[label]:.1f}% | {t / estimate:.2f}x | "
-                f"{losses[label]:.6f} | {rel:.1e} |"
-            )
-        print(f"| {name} | padding-free estimate | {estimate:.2f} | {ts / estimate:.2f}x | 0.0% | 1.00x | | |")
+
+
+def step_models(args, tmp: Path):
+    """``(key, title, model, paths, batch, datasets)`` of each model of ``args.models``, built when
+    its turn comes (one model in memory at a time)."""
+    keys = args.models.split(",")
+    unknown = sorted(set(keys) - set(STEP_MODELS))
+    if unknown:
+        raise SystemExit(f"--models: unknown {', '.join(unknown)} (choose from {', '.join(STEP_MODELS)})")
+    for key in keys:
+        if key == "minilm":
+            datasets_ = [("skewed (seeded)", skewed_pairs(args.step_batch, seed=1))]
+            if COCO.exists():
+                datasets_.append(("COCO pairs", coco_pairs(args.step_batch)))
+            yield key, "all-MiniLM-L6-v2", load_minilm(), ALL_STEP_PATHS, args.step_batch, datasets_
+            continue
+        folder = tmp / "decoder"
+        if not folder.exists():
+            from cembed.model.load import resolve_model_path
+
+            decoder_checkpoint(folder, resolve_model_path("all-MiniLM-L6-v2"), **DECODER_SIZE)
+        lora = key == "decoder-lora"
+        size = ", ".join(f"{k} {v}" for k, v in DECODER_SIZE.items())
+        title = f"random Qwen2 decoder ({size}; MiniLM tokenizer; last-token pooling){' + LoRA r 8 on q/k/v/o' if lora else ''}"
+        datasets_ = [("skewed (seeded)", skewed_pairs(args.decoder_batch, seed=1))]
+        yield key, title, load_decoder(folder, lora), DECODER_STEP_PATHS, args.decoder_batch, datasets_
+
+
+def section_step(args, cache: Path, tmp: Path) -> list[str]:
+    """Returns the lines of any path whose loss disagreed with stock's (``step_rows``)."""
+    mbs = 32
+    budget = mbs * 256  # the same worst-case memory as mbs rows at max_seq_length 256
+    print(
+        f"\n## step: training step (forward + backward), mini-batch {mbs}, max_seq_length 256, {args.rounds} rounds "
+        f"(CPU, {torch.get_num_threads()} threads)"
+    )
+    print(step_legend(mbs, budget))
+    disagree = []
+    for _, title, model, names, bs, datasets_ in step_models(args, tmp):
+        model.eval()  # dropout off, so every path must give the same loss; gradients still flow
+        paths = step_losses(model, names, mbs, budget)
+        print(f"\n### {title}, batch {bs}")
+        print("| data | path | step s | speed-up vs stock | padding | x est. | loss | rel. diff |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, data in datasets_:
+            disagree += step_rows(model, name, data, paths, mbs, budget, args.rounds, cache)
+        del model, paths
+    print(f"\nlosses within {LOSS_TOLERANCE:.0e} of stock's: {'all' if not disagree else 'NO'}")
+    for line in disagree:
+        print(f"  {line}")
+    return disagree
 
 
 class RowPaddingCollator:
@@ -432,7 +560,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sections", default="step,produce,datawait,sampler")
-    p.add_argument("--step-batch", type=int, default=1024)
+    p.add_argument("--step-batch", type=int, default=1024, help="the MiniLM step rows' batch")
+    p.add_argument("--models", default=",".join(STEP_MODELS), help="step rows: " + ",".join(STEP_MODELS))
+    p.add_argument("--decoder-batch", type=int, default=256, help="the decoder step rows' batch")
     p.add_argument("--produce-batches", default="4096,16384,65536")
     p.add_argument("--stock-max", type=int, default=16384, help="largest batch the stock path is timed at")
     p.add_argument("--wait-batch", type=int, default=16384)
@@ -445,7 +575,7 @@ def main() -> None:
     p.add_argument("--cache-dir", default=None, help="keep pre-tokenized data here between runs (default: a temp dir)")
     args = p.parse_args()
     if args.quick:
-        args.rounds, args.step_batch, args.produce_batches = 1, 64, "256"
+        args.rounds, args.step_batch, args.decoder_batch, args.produce_batches = 1, 64, 64, "256"
         args.wait_batch, args.wait_steps, args.sampler_rows, args.sampler_batch = 256, 2, 20_000, 1024
     import transformers
 
@@ -454,14 +584,15 @@ def main() -> None:
         tmp = Path(tmp)
         cache = Path(args.cache_dir) if args.cache_dir else tmp / "cache"
         sections = args.sections.split(",")
-        if "step" in sections:
-            section_step(args, cache)
+        disagree = section_step(args, cache, tmp) if "step" in sections else []
         if "produce" in sections:
             section_produce(args, cache)
         if "datawait" in sections:
             section_datawait(args, cache, tmp)
         if "sampler" in sections:
             section_sampler(args)
+    if disagree:
+        raise SystemExit(f"{len(disagree)} step path(s) computed another loss than stock (listed above)")
 
 
 if __name__ == "__main__":

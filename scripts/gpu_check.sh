@@ -6,7 +6,8 @@
 # (b) probe-minibatch at 256 tokens, batch 65536, (c) tokens/s, MFU, data-wait, padded share at
 # batch 65536 on COCO pairs, (d) stock sentence-transformers' step on the same batch and the ratio,
 # (e) GPU utilisation sampled during (c) and (d), (f) estimate --calibrate vs the real run's wall time;
-# plus issue 13's CUDA-only checks.
+# (g) per attention implementation, packed rows vs rows alone and packed vs padded step (issue 34; alone:
+#     --stages install,env,attention); plus issue 13's CUDA-only checks.
 #
 #   bash scripts/gpu_check.sh                     # in an environment where cembed is installed
 #   bash scripts/gpu_check.sh --bundle DIR        # offline: install the bundle made by gpu_bundle.sh

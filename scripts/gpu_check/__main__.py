@@ -14,7 +14,10 @@ pass/fail status per stage with its seconds, CPU seconds and budget and, under `
       on the same 65536 rows, timed alike, and their ratio;
   (e) ``gpu_util``: GPU utilisation sampled (nvidia-ml-py, else nvidia-smi) during (c) and (d);
   (f) ``estimate``: ``cembed estimate --calibrate 2`` against the same config's real run (issue 26:
-      within 15 % on the GPU; reported, not judged, with ``--quick``).
+      within 15 % on the GPU; reported, not judged, with ``--quick``);
+  (g) ``attention``: per attention implementation (sdpa, eager, flash attention 2/3 when importable,
+      flex attention with its kernel compiled and not), for all-MiniLM-L6-v2 and a small Qwen2
+      decoder: packed rows vs each row alone, packed vs padded step on skewed lengths, the fastest.
 
 Also issue 13's CUDA-only checks (a sticky CUDA error, fp16 + nonfinite_loss: skip under the real
 GradScaler, the probe's gathered loss stage). Every run writes under a fresh folder
@@ -22,7 +25,7 @@ GradScaler, the probe's gathered loss stage). Every run writes under a fresh fol
 first one's outputs; the tokenization cache beside it is keyed by content and shared.
 
 ``--device cpu --quick`` runs the same stages on CPU at small sizes (batch 32, 32 tokens, 2 steps,
-deadline 345 s; the CUDA-only stages skipped, the stock stage in bf16 autocast as on a GPU) in the
+deadline 360 s; the CUDA-only stages skipped, the stock stage in bf16 autocast as on a GPU) in the
 current environment, installing nothing: the CI run (tests/scripts/test_gpu_check.py).
 
 ``--bundle DIR`` (made by ``scripts/gpu_bundle.sh``) installs the bundle's wheels with no package
@@ -60,7 +63,10 @@ STAGES_PY = Path(__file__).resolve().with_name("stages.py")  # run, never import
 # machine shared with other jobs, empty tokenization cache, took (wall / CPU s) install 9 / 9, env 2 / 2,
 # correctness 9 / 11, probe 13 / 2 + its trial processes, train 62 / 58, stock 16 / 17: 110 s in all (the
 # CUDA-only stages skip at once); at a load of ~6 on 2 cores, 240 s. What a stage leaves unused goes
-# to the later ones.
+# to the later ones. attention (issue 34, added later): 16 s wall on the CPU at a load of ~4 (sdpa and
+# eager, never measured on a GPU); with it the GPU column sums to 680 s, over the 570 s deadline, so a
+# full run shrinks every budget in proportion (stage_budgets): on a GPU run it alone with
+# ``--stages install,env,attention``.
 STAGES = (
     ("install", 30, 20, "install the bundle's wheels (no index), report the image's versions and unmet pins"),
     ("env", 20, 10, "CUDA device, driver, torch/cembed versions, /dev/shm, precision auto resolution"),
@@ -72,8 +78,9 @@ STAGES = (
     ("train", 110, 75, "(c) cembed train at batch 65536 on COCO pairs: tokens/s, MFU, data-wait, padding"),
     ("stock", 70, 75, "(d) stock sentence-transformers step vs cembed's on the same batch, each side's attention path"),
     ("estimate", 100, 45, "issue 26: estimate --calibrate 2 predicts the same config's train wall time (15 %)"),
+    ("attention", 120, 20, "issue 34: per attention implementation, packed rows == rows alone, packed vs padded step"),
 )
-DEADLINES = {"full": 570.0, "quick": 345.0}  # seconds for the whole check, per size
+DEADLINES = {"full": 570.0, "quick": 360.0}  # seconds for the whole check, per size
 # --quick: small sizes for a CPU smoke run of the same stages (CI); the full sizes are the GPU's.
 SIZES = {"full": {"batch": 65536, "seq": 256, "steps": 4}, "quick": {"batch": 32, "seq": 32, "steps": 2}}
 
@@ -298,6 +305,7 @@ def run_report(stages: dict, util: dict, selected: list[tuple], run_dir: Path, s
             "stock": stages.get("stock", {}).get("comparison"),
             "attention_paths": stages.get("stock", {}).get("paths"),
             "estimate": stages.get("estimate", {}).get("estimate"),
+            "attention_fastest": stages.get("attention", {}).get("fastest"),
             "gpu_util": util,
         },
         "stages": stages,
@@ -343,7 +351,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--root", default="/tmp/cembed-gpu-check", help="where run folders and the shared cache go")
     p.add_argument("--stages", help="comma-separated subset of: " + ",".join(s[0] for s in STAGES))
     p.add_argument("--quick", action="store_true", help="small sizes (batch 32, 32 tokens, 2 steps): a CPU smoke run")
-    p.add_argument("--deadline", type=float, help="seconds for the whole check (default 570; 345 with --quick)")
+    p.add_argument("--deadline", type=float, help="seconds for the whole check (default 570; 360 with --quick)")
     p.add_argument("--batch", type=int, help="rows per step (default 65536; 32 with --quick)")
     p.add_argument("--seq", type=int, help="max tokens per text (default 256; 32 with --quick)")
     p.add_argument("--steps", type=int, help="training steps (default 4; 2 with --quick)")

@@ -680,6 +680,246 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     return {"status": "pass" if ok else "fail", "comparison": comparison, "paths": paths}
 
 
+# --- attention implementations: packed vs each row alone, packed vs padded (issue 34) ---------------
+
+# label -> (attn_implementation, the flex kernel compiled): transformers compiles flex_attention's
+# kernel itself (torch.compile, on its first call); "not compiled" runs torch's unfused reference.
+ATTENTION_VARIANTS = {
+    "sdpa": ("sdpa", None),
+    "eager": ("eager", None),
+    "flash_attention_2": ("flash_attention_2", None),
+    "flash_attention_3": ("flash_attention_3", None),
+    "flex_attention (kernel not compiled)": ("flex_attention", False),
+    "flex_attention (kernel compiled)": ("flex_attention", True),  # last: its compile may take minutes
+}
+FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+# Sizes: rows of the skewed set per column, mini-batch, max_seq_length, rounds (the first a warm-up),
+# and the stage's own soft limit (s): a variant other than sdpa that would start after it is recorded
+# as not run (--quick: sdpa, the variant judged, and what fits in a few seconds more).
+ATTENTION_SIZES = {
+    "full": {"rows": 2048, "mini": 256, "seq": 256, "rounds": 3, "soft_s": 100.0},
+    "quick": {"rows": 16, "mini": 4, "seq": 32, "rounds": 2, "soft_s": 6.0},
+}
+TOY_DECODER = {"hidden": 32, "layers": 1, "heads": 4, "kv_heads": 2, "intermediate": 64}
+
+
+def _bench_throughput():
+    """scripts/bench_throughput.py (its skewed set and its decoder), imported from this checkout."""
+    scripts = str(REPO / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import bench_throughput
+
+    return bench_throughput
+
+
+def attention_variant_obstacle(label: str, device: str, quick: bool) -> str | None:
+    """Why the variant ``label`` is not run here (None: it is): flash attention without its package
+    or a GPU; flex attention on a CPU with ``--quick`` (inductor's CPU compiles take minutes and
+    fail for some shapes, tests/model/test_packed_models.py; torch 2.13 has no flex backward on CPU)."""
+    import importlib.util
+
+    impl, compiled = ATTENTION_VARIANTS[label]
+    if impl in FLASH_MODULES:
+        if device != "cuda":
+            return "CUDA only"
+        if importlib.util.find_spec(FLASH_MODULES[impl]) is None:
+            return f"{FLASH_MODULES[impl]} is not importable"
+    if impl == "flex_attention" and device != "cuda" and quick:
+        # measured: the not-compiled kernel's mask compile took 51 s, then its backward raised
+        return "not with --quick on CPU: its compiles take minutes, and flex attention has no CPU backward"
+    return None
+
+
+class _FlexKernel:
+    """Within the block, transformers' flex attention runs torch's ``flex_attention`` as is (not
+    compiled) when ``compiled`` is False; True or None changes nothing."""
+
+    def __init__(self, compiled: bool | None):
+        self.compiled = compiled
+
+    def __enter__(self):
+        if self.compiled is False:
+            from torch.nn.attention.flex_attention import flex_attention
+            from transformers.integrations import flex_attention as integration
+
+            self.integration, self.saved = integration, integration.compile_friendly_flex_attention
+            integration.compile_friendly_flex_attention = lambda q, k, v, training=False, **kw: flex_attention(
+                q, k, v, **kw
+            )
+        return self
+
+    def __exit__(self, *exc):
+        if self.compiled is False:
+            self.integration.compile_friendly_flex_attention = self.saved
+
+
+def packed_vs_alone(model, unpadding, texts: list[str]) -> float:
+    """The largest relative L2 difference between a row's sentence embedding packed (about a third
+    of ``texts`` per pack) and the row embedded alone; fp32, TF32 off, no autograd."""
+    import torch
+
+    from cembed.model.packing import plan_packing
+    from cembed.model.unpad import packed_encoder
+
+    device = next(model.parameters()).device
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    features = {k: v.to(device) if hasattr(v, "to") else v for k, v in model.preprocess(texts).items()}
+    lengths = features["attention_mask"].sum(1).tolist()
+    with torch.no_grad():
+        alone = torch.cat(
+            [
+                model({k: v[i : i + 1, :n] if torch.is_tensor(v) else v for k, v in features.items()})[
+                    "sentence_embedding"
+                ]
+                for i, n in enumerate(lengths)
+            ]
+        )
+        plan = plan_packing(lengths, 0.0, device, capacity=max(max(lengths), sum(lengths) // 3))
+        with packed_encoder(model, plan, unpadding):
+            packed = model(dict(features))["sentence_embedding"]
+    return float(((packed - alone).norm(dim=1) / alone.norm(dim=1).clamp_min(1e-12)).max())
+
+
+def attention_case(load, label: str, rows: dict, size: dict, ctx: dict, out: dict) -> None:
+    """One model under one attention variant, into ``out`` as it goes (a failure keeps what came
+    before it): cembed's packing decision (its description), the packed-vs-alone difference when it
+    packs, and the cached loss's step (forward + backward, the stage's precision) padded and packed on
+    the same rows, with what each side's encoder ran."""
+    import torch
+    from sentence_transformers.sentence_transformer.data_collator import SentenceTransformerDataCollator
+
+    from cembed.losses.mnrl import LengthSortedCachedMNRL
+    from cembed.model.unpad import resolve_unpad
+    from cembed.plan.precision import autocast_dtype, enable_tf32, resolve_precision
+
+    impl, compiled = ATTENTION_VARIANTS[label]
+    dev = ctx["device"]
+    with _FlexKernel(compiled):
+        model = load(impl)
+        model.eval()  # dropout off (flex attention refuses it): both sides compute the same loss
+        unpadding = resolve_unpad(model, "auto")
+        out.update({"attn_implementation": impl, "packing": unpadding.description, "packs": unpadding.enabled})
+        texts = rows["positive"][:8] + rows["anchor"][:6]
+        if unpadding.enabled:
+            out["packed_vs_alone_max_rel"] = packed_vs_alone(model, unpadding, texts)
+        sides = {"padded": LengthSortedCachedMNRL(model, mini_batch_size=size["mini"], unpad=False)}
+        if unpadding.enabled:  # built on the fp32 forward, before autocast (see stage_stock)
+            sides["packed"] = LengthSortedCachedMNRL(model, mini_batch_size=size["mini"], unpad=True)
+        precision = resolve_precision(ctx.get("precision", "auto"), dev)
+        if precision.tf32:
+            enable_tf32()
+        dtype = autocast_dtype(precision.precision)
+        if dtype is not None:
+            _autocast_forward(model, dtype)
+        records = [{"anchor": a, "positive": p} for a, p in zip(rows["anchor"], rows["positive"])]
+        feats = _to(_features(SentenceTransformerDataCollator(preprocess_fn=model.preprocess)(records)), dev)
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        paths = {k: {} for k in sides}
+        step, losses = _time_sides(model, {k: (loss, feats) for k, loss in sides.items()}, size["rounds"], sync, paths)
+    out.update({f"{k}_step_s": round(v, 4) for k, v in step.items()})
+    out["ran"] = {k: p["ran"] for k, p in paths.items()}
+    out["precision"] = precision.precision
+    if "packed" in step:
+        out["packed_speedup"] = round(step["padded"] / step["packed"], 3)
+        out["loss_rel"] = abs(losses["packed"] - losses["padded"]) / abs(losses["padded"])
+
+
+def fastest(cases: dict) -> dict | None:
+    """The quickest step among one model's ``cases`` (variant -> result): its variant, path and seconds."""
+    timed = [
+        (case[f"{side}_step_s"], label, side)
+        for label, case in cases.items()
+        for side in ("padded", "packed")
+        if f"{side}_step_s" in case
+    ]
+    if not timed:
+        return None
+    seconds, label, side = min(timed)
+    return {"variant": label, "path": side, "step_s": seconds}
+
+
+def _sdpa_ok(case: dict | None) -> bool:
+    # cembed packs under sdpa, the packed rows equal the rows alone, and the loss agrees (the stage's
+    # precision: bf16 autocast on a GPU, 2e-2 as in stage_stock), each side running its path
+    return bool(
+        case
+        and case.get("packs")
+        and case.get("packed_vs_alone_max_rel", 1.0) <= 1e-4
+        and case.get("loss_rel", 1.0) <= 2e-2
+        and case.get("ran") == {"padded": "padded", "packed": "packed"}
+    )
+
+
+def attention_models(ctx: dict, work: Path, seq: int) -> dict:
+    """``name -> load(attn_implementation)`` for the check's model (all-MiniLM-L6-v2) and the small
+    Qwen2 decoder of scripts/bench_throughput.py (a toy one with ``--quick``), both as cembed loads
+    them for training; the decoder's checkpoint is written once under ``work``."""
+    from cembed.config.schema import ModelConfig
+    from cembed.model.load import load_model, resolve_model_path
+
+    bench = _bench_throughput()
+    dev = ctx["device"]
+    folder = work / "decoder"
+    if not folder.exists():
+        size = TOY_DECODER if ctx.get("quick") else bench.DECODER_SIZE
+        bench.decoder_checkpoint(folder, resolve_model_path(ctx["model"]), **size)
+
+    def minilm(impl):
+        cfg = ModelConfig(
+            name_or_path=ctx["model"], max_seq_length=seq, device=dev, model_kwargs={"attn_implementation": impl}
+        )
+        return load_model(cfg, dev)
+
+    def decoder(impl):
+        cfg = ModelConfig(
+            name_or_path=str(folder),
+            pooling="lasttoken",
+            max_seq_length=seq,
+            device=dev,
+            model_kwargs={"attn_implementation": impl},
+        )
+        return load_model(cfg, dev)
+
+    return {"all-MiniLM-L6-v2": minilm, "qwen2 decoder": decoder}
+
+
+def stage_attention(ctx: dict, work: Path) -> dict:
+    """Issue 34: for each attention variant available here (``ATTENTION_VARIANTS``: sdpa, eager,
+    flash attention 2/3 when importable on a GPU, flex attention with its kernel compiled and not),
+    the check's model and the bench's small Qwen2 decoder: whether cembed packs, each packed row vs
+    the row embedded alone (max relative difference, fp32), and the cached loss's step padded vs
+    packed on the seeded skewed-length set (``ATTENTION_SIZES``), with the fastest variant and path
+    per model. A variant that fails is recorded with its error; the stage passes when sdpa packs both
+    models correctly. The result is rewritten after each case, so a timeout keeps the cases done."""
+    size = ATTENTION_SIZES["quick" if ctx.get("quick") else "full"]
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    rows = _bench_throughput().skewed_pairs(size["rows"], seed=1)
+    models = attention_models(ctx, work, size["seq"])
+    results: dict = {name: {} for name in models}
+    report = {"sizes": size, "variants": results}
+    for label in ATTENTION_VARIANTS:
+        obstacle = attention_variant_obstacle(label, ctx["device"], bool(ctx.get("quick")))
+        for name, load in models.items():
+            # sdpa, the variant judged, always runs; the others while the soft limit allows
+            if obstacle is None and label != "sdpa" and time.perf_counter() - started > size["soft_s"]:
+                obstacle = f"not run: the stage's {size['soft_s']:.0f} s were spent"
+            if obstacle is not None:
+                results[name][label] = {"not_run": obstacle}
+                continue
+            results[name][label] = case = {}
+            try:
+                attention_case(load, label, rows, size, ctx, case)
+            except Exception as err:  # noqa: BLE001 - a variant that fails is recorded, not fatal
+                case["error"] = f"{type(err).__name__}: {str(err).strip()[:300]}"
+            report["fastest"] = {n: fastest(cases) for n, cases in results.items()}
+            (work / "result.json").write_text(json.dumps({"status": "fail", **report}, indent=1, default=str))
+    ok = all(_sdpa_ok(cases.get("sdpa")) for cases in results.values())
+    return {"status": "pass" if ok else "fail", **report, "seconds_in_stage": round(time.perf_counter() - started, 1)}
+
+
 def run_one_stage(name: str, run_dir: Path) -> int:
     """Run ``stage_<name>`` on ``run_dir/context.json`` (a CUDA-only stage is skipped on another
     device) and write its result to ``run_dir/<name>/result.json``; returns 0. Raises KeyError for an
