@@ -5,14 +5,16 @@ message (what a user reads), which rows :func:`matches_model_preprocessing` comp
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 import pytest
+import torch
 from datasets import Dataset
 from sentence_transformers import SentenceTransformer
 
 from cembed.data.tokens import model_check
-from cembed.data.tokens.collator import collator_for
+from cembed.data.tokens.collator import PaddingCollator, collator_for
 from cembed.data.tokens.encode import SourcePrompts
 from cembed.data.tokens.model_check import _prompt_field, check_prepared_for_model, matches_model_preprocessing
 from cembed.data.tokens.tokenize import pretokenize
@@ -136,6 +138,31 @@ def test_the_first_rows_of_each_source_are_compared(tiny, tmp_path):
         assert matches_model_preprocessing(tiny, collator, changed, rows=2, sources=sources) is not compared, row
 
 
+def test_ids_of_as_many_tokens_as_the_text_but_other_ones_do_not_match(tiny, tmp_path):
+    # The same length: the masks agree, only the ids tell the texts apart.
+    dataset = _with_text(_tokenized(tiny, tmp_path, 4), 2, "positive", "answer text 7 with a dog")
+    same = tiny.preprocess(["answer text 7 with a dog", "answer text 2 with a dog"])["attention_mask"]
+    assert same.all()  # neither is padded: as many tokens
+    assert not matches_model_preprocessing(tiny, collator_for(tiny, ROLES), dataset)
+
+
+@dataclass
+class _LeakyCollator(PaddingCollator):
+    """A collator that puts a column into every batch, also one whose source does not map it."""
+
+    def __call__(self, rows):
+        batch = super().__call__(rows)
+        batch.setdefault("negative_1_input_ids", torch.zeros((2, 1), dtype=torch.int64))
+        return batch
+
+
+def test_a_batch_that_carries_a_column_its_source_does_not_map_does_not_match(tiny, tmp_path):
+    sources = [SourcePrompts(3), SourcePrompts(3)]
+    dataset = _tokenized(tiny, tmp_path, 6, sources=sources, missing_negatives=3)
+    leaky = _LeakyCollator(**{f.name: getattr(collator_for(tiny, ROLES), f.name) for f in fields(PaddingCollator)})
+    assert not matches_model_preprocessing(tiny, leaky, dataset, rows=2, sources=sources)
+
+
 def test_a_source_without_a_column_is_compared_on_its_other_columns(tiny, tmp_path):
     sources = [SourcePrompts(3), SourcePrompts(3)]
     dataset = _tokenized(tiny, tmp_path, 6, sources=sources, missing_negatives=3)
@@ -200,3 +227,36 @@ def test_the_prepared_stage_refuses_a_manifest_without_samples_or_with_other_tex
         "of the manifest's sample texts (another tokenizer, lower-casing or truncation); prepare the source "
         "again for this model"
     )
+
+
+def test_the_prepared_stage_names_the_folder_in_the_checks_refusal(tmp_path, tiny64):
+    from cembed.files import display_path
+
+    folder, data = _prepared(tmp_path, tiny64)
+    with pytest.raises(UserError) as refused:
+        model_check.prepared_stage(tiny64, data, {"anchor": "q: "}, None)
+    assert str(refused.value).startswith(f"{display_path(folder)}: prompts.anchor: the run's is 'q: '")
+
+
+def test_the_prepared_stage_refuses_a_model_that_pads_on_the_left(tmp_path, tiny_model_dir):
+    from cembed.files import display_path
+
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu")
+    folder, data = _prepared(tmp_path, model)
+    model.tokenizer.padding_side = "left"
+    with pytest.raises(UserError) as refused:
+        model_check.prepared_stage(model, data, None, None)
+    assert str(refused.value) == (
+        f"{display_path(folder)}: the model's features are not plain token ids (or it pads on the left), so it "
+        "cannot train on stored token ids; train it from the text source"
+    )
+
+
+def test_the_prepared_stage_compares_every_sample_row(tmp_path, tiny64):
+    from prepared_helpers import pair_rows
+
+    rows = pair_rows(80)
+    samples = {c: [r[c] for r in rows] for c in ("anchor", "positive")}  # 80 samples: more than SAMPLE_ROWS
+    samples["positive"][70] = "another text entirely"
+    with pytest.raises(UserError, match="the stored token ids of the first 80 rows differ"):
+        model_check.prepared_stage(tiny64, _prepared(tmp_path, tiny64, samples=samples)[1], None, None)
