@@ -3,8 +3,9 @@ surviving mutant by name (`mutmut show NAME` prints its diff).
 
 mutmut keeps each mutated file's verdicts in ``mutants/<path>.py.meta`` (JSON, ``exit_code_by_key``:
 mutant name -> the test run's exit code); its own ``mutmut results`` lists survivors but no counts.
-The kill rate is killed / checked: a mutant no test reached ("no tests") counts as not killed, one
-not run yet ("not checked") is left out of the rate and shown in its own column.
+The kill rate is detected / checked, detected being killed or timed out (a mutant that makes the tests
+hang, e.g. a loop that never ends, is caught by the time limit); a mutant no test reached ("no tests")
+counts as not killed, one not run yet ("not checked") is left out of the rate, in its own column.
 
 Usage: python scripts/mutation_report.py [mutants folder]   (exit status 0; it reports, never fails)
 """
@@ -25,17 +26,17 @@ def module_counts(meta: dict) -> Counter:
 
 
 def kill_rate(counts: Counter) -> float | None:
-    """killed / checked, where checked is every mutant with a verdict; None before any has one."""
+    """(killed + timeout) / checked, where checked is every mutant with a verdict; None before any has one."""
     checked = sum(n for status, n in counts.items() if status != "not checked")
-    return counts["killed"] / checked if checked else None
+    return (counts["killed"] + counts["timeout"]) / checked if checked else None
 
 
 def survivors(meta: dict) -> list[str]:
-    """The names of a file's mutants that were run and not killed (survived, no tests, timeout, ...)."""
+    """The names of a file's mutants that were run and not detected (survived, no tests, suspicious, ...)."""
     return sorted(
         name
         for name, code in meta["exit_code_by_key"].items()
-        if status_by_exit_code[code] not in ("killed", "not checked")
+        if status_by_exit_code[code] not in ("killed", "timeout", "not checked")
     )
 
 
@@ -53,13 +54,13 @@ def report(mutants: Path) -> str:
         rows.append((module, counts))
         names += survivors(meta)
     lines = [
-        "| module | mutants | killed | survived | no tests | other | not run | kill rate |",
-        "|---|---|---|---|---|---|---|---|",
+        "| module | mutants | killed | timeout | survived | no tests | other | not run | kill rate |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for module, counts in rows + [("**all**", total)]:
-        known = counts["killed"] + counts["survived"] + counts["no tests"] + counts["not checked"]
+        known = sum(counts[s] for s in ("killed", "timeout", "survived", "no tests", "not checked"))
         lines.append(
-            f"| {module} | {sum(counts.values())} | {counts['killed']} | {counts['survived']} | "
+            f"| {module} | {sum(counts.values())} | {counts['killed']} | {counts['timeout']} | {counts['survived']} | "
             f"{counts['no tests']} | {sum(counts.values()) - known} | {counts['not checked']} | {rate_text(kill_rate(counts))} |"
         )
     lines += ["", f"Not killed ({len(names)}; `mutmut show NAME` for the diff):"] + [f"  {n}" for n in names]
