@@ -11,12 +11,13 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: install lint test demo docs mutate clean
 
 # torch first, pinned: on these machines torch==2.13.0 is a CPU build on local disk; any other spec
-# pulls a multi-GB CUDA build. Elsewhere the same pin is the normal wheel from PyPI.
-$(VENV)/.installed: pyproject.toml
+# pulls a multi-GB CUDA build. Elsewhere the same pin is the normal wheel from PyPI. Everything else is
+# pinned by constraints.txt: CI tests the versions it names, not whatever PyPI released that day.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,demo]'
+	$(PIP) install -q -e '.[dev,demo]' -c constraints.txt
 	touch $@
 
 install: $(VENV)/.installed
@@ -46,7 +47,7 @@ mutate: install
 
 # The documentation site into site/ (mkdocs.yml); the reference pages are regenerated from the code first.
 docs: install
-	$(PIP) install -q -e '.[docs]'
+	$(PIP) install -q -e '.[docs]' -c constraints.txt
 	$(PY) scripts/gen_reference.py
 	$(VENV)/bin/mkdocs build --strict
 

@@ -8,6 +8,7 @@
   unreachable); ``validate`` warns and goes on, ``train`` stops.
 - :class:`RunFailed`: training stopped on a problem in the run itself (a non-finite loss); exit 3.
 - :class:`RunInterrupted`: SIGINT/SIGTERM stopped training after a checkpoint; exit 128 + signal.
+- :class:`LauncherSignalled`: the launcher of several processes got SIGTERM/SIGINT; exit 128 + signal.
 - :class:`WorkerFailed`: a launched worker process failed and the launcher stopped the others.
 """
 
@@ -57,6 +58,19 @@ class RunInterrupted(Exception):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum  # shell convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class LauncherSignalled(Exception):
+    """The process that launched the workers got a termination signal (SIGTERM, SIGINT) and forwarded
+    it: each worker finished its step and saved a checkpoint. Exit 128 + signal, as a single process."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 class WorkerFailed(Exception):

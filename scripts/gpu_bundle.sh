@@ -8,25 +8,31 @@
 #             fp32 master weights; the original fp32 copy, 88 MB, is too big to carry)
 #   coco_pairs.jsonl.gz      real COCO caption pairs (val2017, 50,071 rows; else the packaged train slice)
 #   MANIFEST.json            every file with its size and sha256, the wheel versions, the total
-# pyarrow: the bundled datasets needs a recent pyarrow (its wheel's Requires-Dist, read below; 5.2.0 needs
-# >=24.0.0), and the image's version is not known ahead. IMAGE_PYARROW=<version> (as the check's install
-# stage reports it under versions.pyarrow) tells this script the image's: when it does not meet the
-# requirement, the bundle brings the pyarrow wheel of this environment's version (about 53 MiB).
-# Unset, nothing is brought and a warning says so (the install stage then reports the unmet pin).
-# It refuses a bundle over 60 MiB (a device call carries 64 MiB with the tree); pyarrow and the fp16 model
-# together exceed it, so a too-old image pyarrow needs an older datasets instead (see the message).
-# Usage: IMAGE_PYARROW=<version> bash scripts/gpu_bundle.sh DIR   (env: PYTHON, IMAGE_PYARROW)
+# pyarrow: the image's version was never read (KINDS.md lists pyarrow without one) and its wheel (53 MiB)
+# does not fit beside the model, so the bundle adapts instead: wheels/ holds the datasets of this
+# environment (5.2.0 needs pyarrow>=24) and fallback/ an older datasets with the fsspec it accepts
+# (5.0.0: pyarrow>=21, fsspec<=2026.4.0); the check's install stage reads the image's pyarrow and installs
+# fallback/'s wheels in place of wheels/' datasets and fsspec when the image's is below the first floor
+# (scripts/gpu_check/bundle.py). MANIFEST.json records both floors, read from the wheels.
+# The wheel set is resolved against the image's packages (scripts/gpu_check/image_packages.txt) on CPU
+# by tests/scripts/test_gpu_bundle.py. It refuses a bundle over 60 MiB (a device call carries 64 MiB with
+# the tree). Usage: bash scripts/gpu_bundle.sh DIR   (env: PYTHON)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:?usage: gpu_bundle.sh DIR}
 PY=${PYTHON:-python3}
 LIMIT_MIB=${BUNDLE_LIMIT_MIB:-60}
-# What the image lacks or has too old: pydantic (and its three needs), datasets (dill, multiprocess;
-# fsspec pinned at or below datasets' bound), sentence-transformers >= 6.2 (the image has 6.0.1).
-# Everything else cembed imports is in the image (torch, transformers, accelerate, typer, rich,
-# pyyaml, xxhash, matplotlib, pyarrow, pandas, huggingface-hub, nvidia-ml-py).
-PACKAGES="pydantic pydantic-core annotated-types typing-inspection typing-extensions datasets dill multiprocess fsspec sentence-transformers"
-rm -rf "$DIR" && mkdir -p "$DIR/wheels"
+# What the image lacks, has too old, or has at a version nobody read there (image_packages.txt says
+# which): pydantic (and its needs), datasets (dill, multiprocess; fsspec at or below datasets' bound),
+# sentence-transformers >= 6.3 (the image has 6.0.1), optuna (cembed's sweep; alembic, sqlalchemy, mako,
+# colorlog), and typer, rich, pyyaml, xxhash at the versions CI tests (the image's were never read; small).
+# Everything else cembed needs is in the image at a version that meets cembed's floors (torch,
+# transformers, accelerate, pyarrow, numpy, huggingface-hub, tokenizers; matplotlib for the plots only).
+PACKAGES="pydantic pydantic-core annotated-types typing-inspection typing-extensions datasets dill multiprocess fsspec
+  sentence-transformers optuna alembic sqlalchemy mako colorlog typer rich pyyaml xxhash"
+# The datasets, and the fsspec its bound admits, for an image whose pyarrow is below 24 (5.0.0 needs >=21).
+FALLBACK="datasets==5.0.0 fsspec==2026.4.0"
+rm -rf "$DIR" && mkdir -p "$DIR/wheels" "$DIR/fallback"
 pins=$($PY - "$PACKAGES" <<'EOF'
 import sys
 from importlib import metadata
@@ -34,46 +40,34 @@ print(" ".join(f"{n}=={metadata.version(n)}" for n in sys.argv[1].split()))
 EOF
 )
 echo "wheels: $pins"
+download() {  # DEST SPEC...: exact wheels for CPython 3.12 on manylinux x86-64, no dependencies
+  local dest=$1; shift
+  $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$dest" "$@"
+}
 # shellcheck disable=SC2086
-$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$DIR/wheels" $pins
-# Does the image's pyarrow meet the bundled datasets' requirement? (yes / no / unknown, and the requirement)
-read -r pyarrow_ok pyarrow_req < <($PY - "$DIR/wheels" "${IMAGE_PYARROW:-}" <<'EOF'
-import glob, sys, zipfile
+download "$DIR/wheels" $pins
+echo "fallback: $FALLBACK"
+# shellcheck disable=SC2086
+download "$DIR/fallback" $FALLBACK
+$PY -m pip wheel -q --no-deps --no-build-isolation -w "$DIR/wheels" . >/dev/null
+rm -rf build cembed.egg-info 2>/dev/null || true
+$PY - "$DIR" "$LIMIT_MIB" <<'EOF'
+import glob, hashlib, json, shutil, sys, zipfile
 from email.parser import Parser
+from pathlib import Path
 
 from packaging.requirements import Requirement
 
-wheel = glob.glob(sys.argv[1] + "/datasets-*.whl")[0]
-with zipfile.ZipFile(wheel) as z:
-    meta = Parser().parsestr(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode())
-reqs = [Requirement(r) for r in meta.get_all("Requires-Dist") or []]
-req = next((r for r in reqs if r.name == "pyarrow" and (r.marker is None or r.marker.evaluate({"extra": ""}))), None)
-if req is None:
-    print("yes none")
-elif not sys.argv[2]:
-    print("unknown", str(req).replace(" ", ""))
-else:
-    print("yes" if req.specifier.contains(sys.argv[2], prereleases=True) else "no", str(req).replace(" ", ""))
-EOF
-)
-case $pyarrow_ok in
-  yes) echo "pyarrow: the image's ${IMAGE_PYARROW:-} meets datasets' ${pyarrow_req}; not bundled" ;;
-  unknown) echo "warning: pyarrow not bundled: datasets needs ${pyarrow_req} and the image's version is unknown;" \
-    "the check's install stage reports it (versions.pyarrow, unmet); rebuild with IMAGE_PYARROW=<it>" >&2 ;;
-  no)
-    have=$($PY -c 'from importlib import metadata; print(metadata.version("pyarrow"))')
-    echo "pyarrow: the image's ${IMAGE_PYARROW} does not meet datasets' ${pyarrow_req}; bundling pyarrow==${have}"
-    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d "$DIR/wheels" "pyarrow==${have}" ;;
-esac
-$PY -m pip wheel -q --no-deps --no-build-isolation -w "$DIR/wheels" . >/dev/null
-rm -rf build cembed.egg-info 2>/dev/null || true
-$PY - "$DIR" "$LIMIT_MIB" "$pyarrow_ok" "$pyarrow_req" "${IMAGE_PYARROW:-}" <<'EOF'
-import hashlib, json, shutil, sys
-from pathlib import Path
+
+def pyarrow_floor(folder):
+    """The pyarrow requirement of the datasets wheel in ``folder`` (e.g. ``pyarrow>=24.0.0``)."""
+    with zipfile.ZipFile(glob.glob(f"{folder}/datasets-*.whl")[0]) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    reqs = [Requirement(r) for r in Parser().parsestr(meta).get_all("Requires-Dist") or []]
+    return next(str(r.specifier) for r in reqs if r.name == "pyarrow" and not r.marker)
+
 
 out, limit = Path(sys.argv[1]), float(sys.argv[2])
 import torch
@@ -104,7 +98,9 @@ manifest = {
     "model": "all-MiniLM-L6-v2-fp16",
     "coco_pairs": "coco_pairs.jsonl.gz",
     "coco_source": coco.name,
-    "pyarrow": {"datasets_requires": sys.argv[4], "image": sys.argv[5] or None, "image_meets_it": sys.argv[3]},
+    "fallback": sorted(p for p in files if p.startswith("fallback/")),
+    # the pyarrow each datasets needs: the install stage picks fallback/ below the first (bundle.py)
+    "pyarrow": {"wheels": pyarrow_floor(out / "wheels"), "fallback": pyarrow_floor(out / "fallback")},
     "files": files,
     "total_bytes": total,
 }
@@ -112,15 +108,8 @@ manifest = {
 mib = total / 2**20
 print(f"bundle {out}: {len(files)} files, {mib:.1f} MiB (limit {limit:g} MiB)")
 for rel, f in files.items():
-    if rel.startswith("wheels/") or f["bytes"] > 2**20:
+    if rel.startswith(("wheels/", "fallback/")) or f["bytes"] > 2**20:
         print(f"  {f['bytes'] / 2**20:7.2f} MiB  {rel}")
 if mib > limit:
-    advice = ""
-    if sys.argv[3] == "no":
-        advice = (
-            f"; the pyarrow wheel the image's {sys.argv[5]} needs (datasets {sys.argv[4]}) does not fit beside the "
-            "model: install a datasets release whose pyarrow floor the image meets here (cembed needs datasets>=2.19) "
-            "and rebuild"
-        )
-    sys.exit(f"bundle is {mib:.1f} MiB, over the {limit:g} MiB limit{advice}")
+    sys.exit(f"bundle is {mib:.1f} MiB, over the {limit:g} MiB limit")
 EOF

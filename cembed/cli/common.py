@@ -132,8 +132,9 @@ def print_plan(console: Console, plan: Plan, warnings: tuple[str, ...] = ()) -> 
     """World size, effective batch, gathering, the LR derivation, the plan's warnings and ``warnings``
     (what the checks before training found: the data's, the rows the sampler cannot place)."""
     per_node = f" ({plan.world_size} processes)" if plan.world_size > 1 else ""
+    chosen = " (batch.global_batch_size)" if plan.global_batch_size is not None else ""
     console.print(
-        f"world size: {plan.world_size}{per_node}   effective batch: {plan.per_device_train_batch_size} per device x "
+        f"world size: {plan.world_size}{per_node}   effective batch{chosen}: {plan.per_device_train_batch_size} per device x "
         f"{plan.world_size} x {plan.gradient_accumulation_steps} accumulation = {plan.samples_per_step} samples per "
         f"optimizer step   gather_across_devices: {str(plan.gather_across_devices).lower()}",
         highlight=False,

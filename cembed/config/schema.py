@@ -90,6 +90,10 @@ class ModelConfig(_Strict):
 
 class BatchConfig(_Strict):
     per_device_train_batch_size: PositiveInt = 64  # rows per process per step: the in-batch negatives
+    # Samples per optimizer step over all processes, instead of per_device_train_batch_size: the
+    # per-device batch is then global / (world size x accumulation), so any GPU count trains the same
+    # global batch (cembed.plan.resolve.per_device_batch). Set one of the two.
+    global_batch_size: PositiveInt | None = None
     mini_batch_size: PositiveInt | Literal["auto"] = 32  # auto: `cembed train` probes it first
     gradient_accumulation_steps: PositiveInt = 1  # batches per optimizer step (each its own contrastive batch)
     drop_last: bool = True  # drop the last, smaller batch of an epoch (fewer in-batch negatives)
@@ -115,6 +119,13 @@ class BatchConfig(_Strict):
 
     @model_validator(mode="after")
     def _mini_le_batch(self) -> BatchConfig:
+        if self.global_batch_size is not None:
+            if "per_device_train_batch_size" in self.model_fields_set:
+                raise ValueError(
+                    f"global_batch_size ({self.global_batch_size}) and per_device_train_batch_size "
+                    f"({self.per_device_train_batch_size}) are both set; keep one (the other follows from the world size)"
+                )
+            return self  # the mini-batch is checked against the per-device batch the plan derives
         if self.mini_batch_size != "auto" and self.mini_batch_size > self.per_device_train_batch_size:
             raise ValueError(
                 f"mini_batch_size ({self.mini_batch_size}) is larger than per_device_train_batch_size "
@@ -178,6 +189,8 @@ class TrainConfig(_Strict):
         None  # optimizer steps between checkpoints (None: no checkpoints, only the final model)
     )
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
+    # Also save when this many minutes of wall time passed since the last save (preemptible machines).
+    save_every_minutes: PositiveFloat | None = None
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     # Processes producing batches ahead of the training loop; auto: workers for large batches when the
     # machine has a core to spare and /dev/shm holds their batches, else 0 (cembed.plan.resolve.resolve_workers).

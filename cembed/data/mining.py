@@ -13,6 +13,14 @@ none) and checks them in the tests against a recount.
 
 What cembed adds around it:
 
+* **texts are compared as the model sees them.** sentence-transformers compares texts as strings;
+  cembed first maps every text to one representative per token-id identity (the hash the
+  no-duplicates sampler and ``validate`` use: :func:`cembed.data.tokens.encode.text_hashes`, ids
+  after truncation, without prompt), the first such text in the data. So "the  cat sat." is "The
+  cat sat." under an uncased tokenizer: as another row's positive it is the anchor's own text (or
+  its positive), excluded like it, and it fills one corpus slot, not one per spelling. Because the
+  mapping happens before mining, sentence-transformers fills ``num_negatives`` from distinct texts
+  and a pair is short only for the reasons below. Negatives are written as the representative.
 * **the anchor's own text is never its negative.** In symmetric data (caption pairs, duplicate
   questions) a text is one row's anchor and another row's positive, so it is in the corpus and
   would be its own nearest candidate. cembed adds ``(anchor, anchor)`` as a positive for each such
@@ -61,7 +69,9 @@ class MiningReport:
 
     Attributes:
         rows_in: rows read (after ``max_samples``); ``pairs``: distinct (anchor, positive) pairs among them.
-        anchors: distinct anchors; ``corpus``: distinct candidate texts (the positives).
+        anchors: distinct anchors; ``corpus``: distinct candidate texts (the positives); both
+            counted by token ids (``variants``: texts that are another text's token ids, e.g.
+            its case or spacing under an uncased tokenizer, and so compared as that text).
         self_excluded: anchors whose own text is in the corpus and was excluded as their negative.
         group_excluded: (anchor, text) exclusions added by ``group_column`` beyond the rows' own pairs.
         skipped: filter (``absolute_margin`` / ``relative_margin``) -> candidates it removed, as
@@ -79,6 +89,7 @@ class MiningReport:
     pairs: int
     anchors: int
     corpus: int
+    variants: int
     num_negatives: int
     range_min: int
     range_max: int | None
@@ -106,7 +117,8 @@ class MiningReport:
             f"prompts: query {r.prompts['query']!r}, document {r.prompts['document']!r}; "
             f"ranks {r.range_min}..{r.range_max}, {r.num_negatives} negatives per pair",
             f"excluded besides each anchor's positives: its own text for {r.self_excluded} anchors, "
-            f"{r.group_excluded} same-group texts",
+            f"{r.group_excluded} same-group texts; {r.variants} texts compared as another with the same "
+            "token ids (case/spacing the tokenizer drops)",
         ]
         for name, count in r.skipped.items():
             value = getattr(r, name)
@@ -159,6 +171,31 @@ def _load_pairs(
     texts, _ = check_cells(raw.select_columns([anchor, positive]), data, {}, False, row_locator(source))
     groups = raw[group] if group else None
     return list(texts[anchor]), list(texts[positive]), groups
+
+
+def canonical_texts(texts: list[str], hashes) -> tuple[dict[str, str], int]:
+    """Each distinct text -> the first of ``texts`` with its hash (``hashes[i]`` of ``texts[i]``:
+    its token-id identity, :func:`_identity_hashes`), so texts the model cannot tell apart become one
+    string that sentence-transformers' exact-text comparisons see as one.
+
+    Returns:
+        ``(mapping, variants)``: ``variants`` counts the texts mapped to another text.
+    """
+    first: dict[int, str] = {}
+    canon = {t: first.setdefault(int(h), t) for t, h in zip(texts, hashes)}
+    return canon, sum(1 for t, c in canon.items() if t != c)
+
+
+def _identity_hashes(model, texts: list[str]):
+    """The texts' token-id hashes under ``model``'s tokenizer and ``max_seq_length``, as the
+    no-duplicates sampler computes them; a model without a tokenizer compares raw text."""
+    from cembed.data.identity import hash_texts
+    from cembed.data.tokens.encode import text_hashes
+
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return hash_texts(texts)
+    return text_hashes(tokenizer, texts, int(model.max_seq_length))
 
 
 def exclusion_pairs(anchors: list[str], positives: list[str], groups: list | None = None) -> tuple[list, int, int]:
@@ -244,13 +281,17 @@ def mine_negatives(
     source, shown = _mined_source(data)
     anchors, positives, groups = _load_pairs(source, shown, anchor_column, positive_column, group_column, max_samples)
     pairs = list(dict.fromkeys(zip(anchors, positives)))
-    extra, n_self, n_group = exclusion_pairs(anchors, positives, groups)
     quiet_libraries()
     model = load_eval_model(model_name, device)
+    distinct = list(dict.fromkeys(anchors + positives))
+    canon, n_variants = canonical_texts(distinct, _identity_hashes(model, distinct))
+    anchors, positives = [canon[a] for a in anchors], [canon[p] for p in positives]
+    mined_pairs = list(dict.fromkeys(zip(anchors, positives)))
+    extra, n_self, n_group = exclusion_pairs(anchors, positives, groups)
     prompts = resolve_prompts(None, model)
     cache = None if no_cache else mining_cache_folder(model, cache_dir)
     mined_input = Dataset.from_dict(
-        {"anchor": [a for a, _ in pairs + extra], "positive": [p for _, p in pairs + extra]}
+        {"anchor": [a for a, _ in mined_pairs + extra], "positive": [p for _, p in mined_pairs + extra]}
     )
     settings = {
         "range_min": range_min,
@@ -262,7 +303,9 @@ def mine_negatives(
     }
     mined, log = _run_library(mined_input, model, prompts, settings, output_format, cache)
     skipped, range_max = _read_library_log(log, range_max)
-    rows, neg_cols, short = _output_rows(mined, pairs, anchor_column, positive_column, num_negatives, output_format)
+    rows, neg_cols, short = _output_rows(
+        mined, pairs, canon, anchor_column, positive_column, num_negatives, output_format
+    )
     _write_jsonl(output, rows)
     columns = {"anchor": anchor_column, "positive": positive_column, "negatives": neg_cols}
     return MiningReport(
@@ -274,6 +317,7 @@ def mine_negatives(
         pairs=len(pairs),
         anchors=len(set(anchors)),
         corpus=len(set(positives)),
+        variants=n_variants,
         num_negatives=num_negatives,
         range_min=range_min,
         range_max=range_max,
@@ -362,24 +406,30 @@ def _read_library_log(log: list[str], range_max: int | None) -> tuple[dict[str, 
 def _output_rows(
     mined,
     pairs: list[tuple[str, str]],
+    canon: dict[str, str],
     anchor_column: str,
     positive_column: str,
     num_negatives: int,
     output_format: str,
 ) -> tuple[list[dict], list[str], int]:
-    """The rows to write: the input's pairs only (the added exclusion pairs dropped), in the input's
-    column names. Returns ``(rows, negative columns, pairs short of num_negatives)``.
+    """The rows to write: the input's pairs only (the added exclusion pairs dropped), in input order,
+    each with its texts as the input spells them and the negatives mined for its representative pair
+    (``canon``: :func:`canonical_texts`), in the input's column names. Returns ``(rows, negative
+    columns, pairs short of num_negatives)``.
 
     Raises:
         UserError: no pair got ``num_negatives`` negatives.
     """
-    keep = set(pairs)
-    rows = []
     neg_cols = [f"negative_{i}" for i in range(1, num_negatives + 1)] if output_format == "columns" else ["negative"]
+    found: dict[tuple[str, str], list[dict]] = {}  # representative pair -> its negatives' cells, one per row
     for row in mined:
-        if (row["anchor"], row["positive"]) not in keep:
-            continue  # an added exclusion pair
-        rows.append({anchor_column: row["anchor"], positive_column: row["positive"], **{c: row[c] for c in neg_cols}})
+        found.setdefault((row["anchor"], row["positive"]), []).append({c: row[c] for c in neg_cols})
+    # Looking up the input's pairs leaves out the added exclusion pairs.
+    rows = [
+        {anchor_column: a, positive_column: p, **cells}
+        for a, p in pairs
+        for cells in found.get((canon[a], canon[p]), [])
+    ]
     if output_format == "columns":
         short = len(pairs) - len(rows)
     else:

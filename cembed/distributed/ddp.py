@@ -1,8 +1,9 @@
 """DistributedDataParallel without unused-parameter detection: parameters that never receive a
 gradient (the BERT pooler under mean pooling) are found with one small forward/backward before
-training and frozen (:func:`freeze_unused_parameters`), so DDP runs without
+training and frozen (:func:`freeze_parameters`), so DDP runs without
 ``find_unused_parameters`` (no per-forward graph walk, and an error rather than silence if a
-parameter is ever skipped).
+parameter is ever skipped). A run that began on one process keeps them in its optimizer: resumed on
+several, DDP ignores them instead (:func:`ignore_in_ddp`), so the optimizer state loads as it is.
 """
 
 from __future__ import annotations
@@ -50,13 +51,19 @@ def unused_parameters(model, texts: list[str] | dict[str, list[str]], tasks: dic
     return unused
 
 
-def freeze_unused_parameters(model, texts: list[str] | dict[str, list[str]]) -> list[str]:
-    """Freeze (``requires_grad=False``) the parameters :func:`unused_parameters` finds, and return
-    their names. Frozen parameters keep their values, which is what training would have done to
-    them anyway (no gradient, so neither an update nor, in AdamW, weight decay)."""
-    names = unused_parameters(model, texts)
+def freeze_parameters(model, names: list[str]) -> None:
+    """Set ``requires_grad=False`` on the parameters of ``model`` named ``names``."""
     wanted = set(names)
     for name, param in model.named_parameters():
         if name in wanted:
             param.requires_grad_(False)
-    return names
+
+
+def ignore_in_ddp(model, names: list[str]) -> None:
+    """Have DistributedDataParallel skip the parameters ``names`` (no gradient bucket, no reduction,
+    no unused-parameter error) while they stay trainable: what a run that began on one process needs
+    on several, its optimizer state holding them (they never get a gradient, so never an update)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if names:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from cembed.errors import UserError, WorkerFailed
+from cembed.errors import LauncherSignalled, UserError, WorkerFailed
 
 
 def record_worker_error(err: BaseException) -> None:
@@ -28,6 +28,15 @@ def record_worker_error(err: BaseException) -> None:
     handler.record_exception(err)
 
 
+def restart_count() -> int:
+    """How often torch's elastic agent has restarted this worker's group after a failure
+    (``$TORCHELASTIC_RESTART_COUNT``, set by the launcher; 0 on the first attempt and outside a launcher)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def launcher_args(
     module: str,
     module_args: list[str],
@@ -35,14 +44,18 @@ def launcher_args(
     nnodes: int = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The ``torchrun`` command line (without the program name) that runs ``python -m module module_args``
-    in ``nproc_per_node`` processes on each of ``nnodes`` nodes.
+    in ``nproc_per_node`` processes on each of ``nnodes`` nodes; when a worker fails, the launcher
+    restarts them all up to ``max_restarts`` times (torchrun's ``--max-restarts``).
 
     Raises:
-        UserError: a count below 1, a node rank outside ``[0, nnodes)``, or several nodes without
-            ``--rdzv-endpoint`` (every node must know where rank 0's node listens).
+        UserError: a count below 1 (below 0 for ``max_restarts``), a node rank outside ``[0, nnodes)``,
+            or several nodes without ``--rdzv-endpoint`` (every node must know where rank 0's node listens).
     """
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts {max_restarts}: give 0 (no restart) or more")
     if nproc_per_node < 1:
         raise UserError(f"--nproc-per-node {nproc_per_node}: give at least 1 process per node")
     if nnodes < 1:
@@ -56,6 +69,8 @@ def launcher_args(
     argv = ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
     if rdzv_endpoint:
         argv += ["--rdzv-endpoint", rdzv_endpoint]
+    if max_restarts:
+        argv += ["--max-restarts", str(max_restarts)]
     return argv + ["--module", module, *module_args]
 
 
@@ -66,6 +81,7 @@ def launch(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     module: str = "cembed",
+    max_restarts: int = 0,
 ) -> None:
     """Run ``python -m <module> <module_args>`` in ``nproc_per_node`` worker processes through torch's
     elastic launcher, exactly as ``torchrun <launcher_args(...)>`` would, and wait for all of them.
@@ -73,20 +89,29 @@ def launch(
     Single node without ``rdzv_endpoint``: the launcher picks a free local port. Several nodes: run
     the same command on every node with its own ``node_rank`` and node 0's ``rdzv_endpoint``.
 
+    A signal to this process (SIGTERM from a scheduler's preemption, SIGINT) reaches every worker
+    (the launcher forwards it and waits ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, default 30 s, before
+    killing them): each finishes its step and saves, see :class:`cembed.train.checkpoint.InterruptCallback`.
+
     Raises:
         UserError: see :func:`launcher_args`.
-        WorkerFailed: a worker exited non-zero; the launcher has already stopped the others.
+        WorkerFailed: a worker exited non-zero (after ``max_restarts`` restarts); the launcher has
+            already stopped the others.
+        LauncherSignalled: this process got a termination signal and the workers were stopped.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    argv = launcher_args(module, module_args, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    argv = launcher_args(module, module_args, nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     args = get_args_parser().parse_args(argv)
     # A worker killed by a fatal signal (SIGSEGV, SIGABRT from native code) prints every thread's
     # Python stack first, so the launcher's "rank N failed" comes with where it happened.
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     try:
         run(args)
+    except SignalException as err:
+        raise LauncherSignalled(int(err.sigval)) from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = failure.message

@@ -2,23 +2,37 @@
 
 Padded, a mini-batch runs the encoder on ``rows x longest`` positions. Packed, the rows lie end to
 end in a few sequences ("packs"), each token keeps its position within its row (``position_ids``)
-and a block-diagonal attention mask keeps each row attending to itself only, so every token's
-output equals the padded path's (to float rounding) and no position is padding.
+and the attention masks keep each row attending to itself only, so every token's output equals the
+padded path's (to float rounding) and no position is padding.
 
 By composition with sentence-transformers (no copy of its modules' code): during one mini-batch's
 forward (:func:`packed_encoder`) a forward pre-hook on the model's first module, the
 ``Transformer``, hands it the packed inputs; it runs its transformers model (``auto_model``) on
-them; a forward hook scatters the token embeddings back to the padded ``(rows, longest, dim)``
-layout, and the model's own remaining modules (``Pooling``, ``Normalize``...) run on that. The hooks
-live inside the model's forward, so a DDP-wrapped model is called as before.
+them; a forward hook scatters the token embeddings back to the padded ``(rows, width, dim)``
+layout, and the model's own remaining modules (``Pooling``, ``Normalize``...) run on that (so
+last-token pooling reads each row's last real token, its EOS, from the padded layout as before). The
+hooks live inside the model's forward, so a DDP-wrapped model is called as before.
 
-Which models (:func:`resolve_unpad`): a ``Transformer`` whose model takes ``position_ids`` and runs
-``sdpa`` or ``eager`` attention (both take a prepared 4D mask as is, see
-``transformers.masking_utils``), whose config declares only full attention within a row (the 4D mask
-replaces the model's own, so a sliding window or local blocks would silently widen to the whole row),
-confirmed at start-up by embedding rows of up to ~100 tokens, several per pack, packed and each alone.
-Flash attention ignores a 4D mask; relative-position models, causal decoders (the mask is
-bidirectional within a row) and local attention fall back to sorted padding, saying why.
+How a pack's rows are kept apart (:class:`PackMode`, decided in one place, :func:`resolve_unpad`):
+
+* ``position_ids`` (preferred): transformers (>= 5) builds the packed masks itself when a model
+  passes ``position_ids`` to its mask functions and gets no ``attention_mask``: ``masking_utils``
+  (``find_packed_sequence_indices``, ``packed_sequence_mask_function``) starts a new sequence wherever
+  the positions do not go up by one, and builds the causal, bidirectional and sliding-window masks of
+  sdpa, eager and flex attention per row (BERT, XLM-R, Qwen2/Qwen3, Llama, Mistral). The packed
+  positions restart at 0 (plus the RoBERTa offset) for each row, so causal decoders and windows work.
+* ``layer_masks``: a model that takes a mapping of per-layer-type masks but does not pass
+  ``position_ids`` to its mask functions (ModernBERT) gets the mapping, each mask built by the same
+  library functions from the packed ``position_ids`` (block-diagonal for ``full_attention``,
+  block-diagonal and window for ``sliding_attention``).
+* ``block``: a hand-built block-diagonal 4D mask (sdpa and eager only; bidirectional full attention
+  within a row, so only for models that declare nothing narrower, :func:`local_attention_reason`).
+
+A PEFT-wrapped model (LoRA) is looked through to its base model (:func:`backbone`). Each mode is
+confirmed at start-up by embedding rows longer than any local window, several per pack, packed and
+each alone (:func:`_agrees`); the first mode that agrees is used, and a model for which none does
+pads, the reason naming the measured difference. Flash attention needs the packs as one flattened
+sequence (not done here); relative-position models without ``position_ids`` (T5) pad, saying why.
 
 Packing plans (which rows share a pack, the index tensors): :mod:`cembed.model.packing`.
 """
@@ -39,6 +53,14 @@ from cembed.model.packing import PackPlan, attention_cost, plan_packing
 _PASSTHROUGH_KEYS = frozenset({"modality", "prompt_length", "task"})
 
 UnpadSetting = Literal["auto", True, False]
+# How a pack's rows are kept apart, in order of preference (see the module docstring).
+PackMode = Literal["position_ids", "layer_masks", "block"]
+PACK_MODES: tuple[PackMode, ...] = ("position_ids", "layer_masks", "block")
+# The per-layer-type masks of ``layer_masks`` mode: the transformers mask function of each layer type.
+_LAYER_MASK_FUNCTIONS = {
+    "full_attention": "create_bidirectional_mask",
+    "sliding_attention": "create_bidirectional_sliding_window_mask",
+}
 
 
 @dataclass(frozen=True)
@@ -48,13 +70,15 @@ class Unpadding:
     Attributes:
         enabled: mini-batches are packed.
         description: one line for ``validate``, the run header and ``run_summary.json``.
-        mask: ``bool`` (sdpa: True = attend) or ``additive`` (eager: 0 / dtype minimum).
+        mode: how a pack's rows are kept apart (:data:`PackMode`).
+        mask: ``block`` mode's mask: ``bool`` (sdpa: True = attend) or ``additive`` (eager: 0 / dtype minimum).
         position_offset: added to each row's positions (RoBERTa-style tables start after padding_idx).
         cost_per_width: :func:`attention_cost` of the model.
     """
 
     enabled: bool
     description: str
+    mode: PackMode = "position_ids"
     mask: Literal["bool", "additive"] = "bool"
     position_offset: int = 0
     cost_per_width: float = 0.0
@@ -68,6 +92,40 @@ def _first_module(model):
     model = getattr(model, "module", model)  # DDP
     model = getattr(model, "_orig_mod", model)  # torch.compile
     return model[0]
+
+
+def backbone(auto_model):
+    """The transformers model under ``auto_model``: a PEFT wrapper's base model (LoRA), else itself.
+
+    ``PeftModel.forward`` takes ``*args, **kwargs`` and hands them on to the base model, so what the
+    packed forward may pass (``position_ids``, a mask mapping) is what the base model's forward takes.
+    """
+    get_base = getattr(auto_model, "get_base_model", None)
+    return get_base() if callable(get_base) else auto_model
+
+
+def packed_positions(plan: PackPlan, offset: int) -> torch.Tensor:
+    """``(packs, pack_width)`` long: each token's position within its own row plus ``offset`` (the
+    RoBERTa-style start of the position table; 0 after a pack's last row). Restarting at each row is
+    what tells transformers where a pack's rows begin (a step other than +1 starts a new row)."""
+    return plan.positions + offset
+
+
+def _layer_masks(config, plan: PackPlan, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+    """``layer_masks`` mode: ``{layer type: mask}`` for each of ``config.layer_types``, each built by
+    transformers' own mask function from the packed ``positions`` (no ``attention_mask``: the library
+    then starts a new row wherever the positions do not go up by one, and applies a sliding window
+    to the positions within a row)."""
+    from transformers import masking_utils
+
+    # The mask functions read only the batch size, length, dtype and device of their inputs_embeds.
+    shape_only = torch.empty(plan.packs, plan.pack_width, 0, dtype=dtype, device=positions.device)
+    return {
+        kind: getattr(masking_utils, _LAYER_MASK_FUNCTIONS[kind])(
+            config=config, inputs_embeds=shape_only, attention_mask=None, position_ids=positions
+        )
+        for kind in dict.fromkeys(config.layer_types)
+    }
 
 
 def _block_mask(plan: PackPlan, kind: str, dtype: torch.dtype) -> torch.Tensor:
@@ -103,8 +161,9 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
     """Inside the block, ``model``'s next forward runs its first module on ``plan``'s packed rows.
 
     The model must be called on the mini-batch ``plan`` was made for: per-token tensors of shape
-    ``(plan.rows, plan.width)`` with right padding. The first module gets them packed (with the
-    block-diagonal ``attention_mask`` and per-row ``position_ids``); its outputs of shape
+    ``(plan.rows, plan.width)`` with right padding. The first module gets them packed, with per-row
+    ``position_ids`` and, by ``unpadding.mode``, no ``attention_mask`` (transformers builds the packed
+    masks), the per-layer-type mask mapping, or the block-diagonal 4D mask; its outputs of shape
     ``(packs, pack_width, ...)`` (``token_embeddings``, ``all_layer_embeddings``) are scattered back to
     ``(rows, width, ...)`` (zeros at padding) into the original features, which the remaining modules
     read. ``model`` may be DDP- or compile-wrapped. Yields a :class:`PackedForwards` counting the packed
@@ -115,8 +174,20 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
     """
     first = _first_module(model)
     dtype = next(first.parameters()).dtype
+    base = backbone(first.auto_model)
+    positions = packed_positions(plan, unpadding.position_offset)
+    # A decoder's forward would start a KV cache (use_cache defaults to the config's True), and with a
+    # cache transformers does not look for packed rows in the positions.
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(base.forward).parameters else {}
     original: dict = {}
     ran = PackedForwards()
+
+    def packed_mask():
+        if unpadding.mode == "block":
+            return _block_mask(plan, unpadding.mask, dtype)
+        if unpadding.mode == "layer_masks":
+            return _layer_masks(base.config, plan, positions, dtype)
+        return None
 
     def pre(module, args, kwargs):
         features = args[0]
@@ -127,12 +198,13 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
         packed = {}
         for key, value in features.items():
             if key == "attention_mask":
-                packed[key] = _block_mask(plan, unpadding.mask, dtype)
+                packed[key] = packed_mask()
             elif isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == tuple(mask.shape):
                 packed[key] = _pack_tensor(value, plan)
             else:
                 packed[key] = value
-        packed["position_ids"] = plan.positions + unpadding.position_offset
+        packed["position_ids"] = positions
+        packed.update(no_cache)
         original["packed_keys"] = set(packed)
         ran.count += 1
         return (packed, *args[1:]), kwargs
@@ -226,10 +298,12 @@ class PackRegistry:
         return plan_packing(lengths[begin:end], self.unpadding.cost_per_width, feature["attention_mask"].device)
 
 
-# The start-up check's rows: 1 to 96 words over the letters and digits every tokenizer has, so the
-# longest rows (truncated to max_seq_length) outreach a small attention window and the rows differ in
-# content and length; packed at about half their tokens per pack, most packs hold several rows.
+# The start-up check's rows: 1 to 96 words over the letters and digits every tokenizer has (about a
+# token a word), so the rows differ in content and length; packed at about half their tokens per
+# pack, most packs hold several rows. A model with a local window also gets two rows of
+# window + _BEYOND_WINDOW words (:func:`_check_texts`), so a window binds in several rows of a pack.
 _CHECK_WORDS = (96, 61, 40, 27, 18, 12, 8, 5, 3, 2, 1)
+_BEYOND_WINDOW = 32
 _CHECK_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 # Largest relative difference (L2 per row) between a packed row's embedding and the row embedded alone.
 # fp32 (matmuls at full precision during the check): shapes change only the summation order, measured
@@ -299,9 +373,26 @@ def local_attention_reason(config, max_seq_length: int | None) -> str:
     return ""
 
 
-def _check_texts() -> list[str]:
+def widest_window(config) -> int:
+    """The widest local attention span ``config`` (or a config nested in it) declares, in tokens to one
+    side (``sliding_window``, half of ModernBERT's ``local_attention``, ``attention_window``,
+    ``attention_chunk_size``); 0 when it declares none."""
+    spans = [0]
+    for cfg in _configs(config):
+        for name in ("sliding_window", "attention_window", "attention_chunk_size"):
+            value = getattr(cfg, name, None)
+            spans += value if isinstance(value, list) else [value]
+        local = getattr(cfg, "local_attention", None)
+        spans.append(local // 2 if isinstance(local, int) else None)
+    return max(int(v) for v in spans if isinstance(v, int))
+
+
+def _check_texts(window: int = 0) -> list[str]:
+    """The start-up check's texts: ``_CHECK_WORDS`` words each, after two of ``window +
+    _BEYOND_WINDOW`` words when the model has a local ``window`` (tokens to one side)."""
     n = len(_CHECK_ALPHABET)
-    return [" ".join(_CHECK_ALPHABET[(7 * i + 5 * j) % n] for j in range(k)) for i, k in enumerate(_CHECK_WORDS)]
+    words = ((window + _BEYOND_WINDOW,) * 2 if window else ()) + _CHECK_WORDS
+    return [" ".join(_CHECK_ALPHABET[(7 * i + 5 * j) % n] for j in range(k)) for i, k in enumerate(words)]
 
 
 @contextmanager
@@ -329,7 +420,8 @@ def _exact_eval(model, device: torch.device):
 
 
 def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
-    """Embed the check rows packed (several rows per pack) and each row alone, and compare per row.
+    """Embed the check rows packed (several rows per pack) and each row alone, and compare per row;
+    the rows outreach the model's widest local window (:func:`widest_window`) where it has one.
 
     Returns:
         (True, "") when every packed row's sentence embedding is within the dtype's tolerance of the
@@ -339,7 +431,7 @@ def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
     device = parameter.device
     try:
         with _exact_eval(model, device):
-            features = model.preprocess(_check_texts())
+            features = model.preprocess(_check_texts(widest_window(first.auto_model.config)))
             features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
             lengths = column_lengths(features)
             if lengths is None:
@@ -372,15 +464,69 @@ def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
     return True, ""
 
 
+# Attention implementations that build their masks through transformers.masking_utils (the packed
+# modes); flash attention takes no mask and reads row boundaries from position_ids only in a batch of one.
+_LIBRARY_MASKS = ("sdpa", "eager", "flex_attention")
+_BLOCK_MASKS = ("sdpa", "eager")  # take a prepared 4D tensor mask as is
+
+
+def mode_obstacle(mode: PackMode, config, impl: str | None, max_seq_length: int | None) -> str | None:
+    """Why ``mode`` cannot run a model of ``config`` and attention ``impl`` at all, before any
+    measurement: "" when it may (the start-up check decides), None when the mode does not concern the
+    model (``layer_masks`` without ``layer_types``), else the reason.
+
+    Args:
+        mode: a :data:`PackMode`.
+        config: the transformers config of the (base) model.
+        impl: its ``_attn_implementation``.
+        max_seq_length: the longest row the model is given (tokens), None if unbounded.
+    """
+    if mode == "block":
+        if impl not in _BLOCK_MASKS:
+            return f"{impl} attention takes no hand-built 4D mask"
+        return local_attention_reason(config, max_seq_length)
+    if impl not in _LIBRARY_MASKS:
+        if str(impl).startswith("flash"):
+            return f"{impl} reads packed rows from position_ids only as one flattened sequence (not done here)"
+        return f"its attention ({impl}) builds no packed masks (only {', '.join(_LIBRARY_MASKS)} do)"
+    if mode == "layer_masks":
+        types = getattr(config, "layer_types", None)
+        if not types:
+            return None
+        unknown = sorted(set(types) - set(_LAYER_MASK_FUNCTIONS))
+        return f"no packed mask for its layer types {', '.join(unknown)}" if unknown else ""
+    return ""
+
+
+def _description(mode: PackMode, impl: str, auto_model, base) -> str:
+    through = f", through {type(auto_model).__name__} to {type(base).__name__}" if base is not auto_model else ""
+    if mode == "position_ids":
+        how = "transformers' packed-sequence masks from position_ids restarting per row"
+    elif mode == "layer_masks":
+        how = f"per-layer-type masks ({', '.join(dict.fromkeys(base.config.layer_types))}) from position_ids per row"
+    else:
+        how = "block-diagonal mask, position_ids per row"
+    return f"packed rows, no padding ({impl} attention, {how}{through})"
+
+
+_MODE_NAMES = {"position_ids": "position_ids", "layer_masks": "layer masks", "block": "block mask"}
+
+
 def resolve_unpad(model, setting: UnpadSetting = "auto") -> Unpadding:
-    """Decide whether ``model``'s cached-loss mini-batches are packed (``batch.unpad``).
+    """Decide whether ``model``'s cached-loss mini-batches are packed (``batch.unpad``), and how.
+
+    The packing modes (:data:`PACK_MODES`, the module docstring) are tried in order of preference:
+    each that may apply (:func:`mode_obstacle`) is checked at start-up against the rows embedded alone
+    (:func:`_agrees`), and the first that agrees is used. A PEFT-wrapped model (LoRA) is judged by its
+    base model (:func:`backbone`).
 
     Args:
         model: a SentenceTransformer (unwrapped).
         setting: ``auto`` (pack where supported), True (pack, else refuse), False (never pack).
 
     Returns:
-        An :class:`Unpadding`; its description says which path runs and, when padding, why.
+        An :class:`Unpadding`; its description says which path runs and, when padding, why (each
+        mode's obstacle or measured difference).
 
     Raises:
         ModelRefused: ``setting`` is True and the model does not support packed rows.
@@ -390,30 +536,34 @@ def resolve_unpad(model, setting: UnpadSetting = "auto") -> Unpadding:
     from sentence_transformers.base.modules.transformer import Transformer
 
     first = _first_module(model)
-    reason = ""
-    impl = None
+    reasons: list[str] = []
     if not isinstance(first, Transformer):
-        reason = f"its first module is {type(first).__name__}, not a transformers encoder"
+        reasons.append(f"its first module is {type(first).__name__}, not a transformers encoder")
+    elif "position_ids" not in inspect.signature(backbone(first.auto_model).forward).parameters:
+        reasons.append(f"{type(backbone(first.auto_model)).__name__} takes no position_ids")
     else:
-        impl = getattr(first.auto_model.config, "_attn_implementation", None)
-        if impl not in ("sdpa", "eager"):
-            reason = f"its attention ({impl}) does not take a block-diagonal mask (only sdpa and eager do)"
-        elif "position_ids" not in inspect.signature(first.auto_model.forward).parameters:
-            reason = f"{type(first.auto_model).__name__} takes no position_ids"
-        else:
-            reason = local_attention_reason(first.auto_model.config, getattr(first, "max_seq_length", None))
-    if not reason:
-        offset = getattr(first, "_infer_flatten_position_offset", lambda: 0)()
-        unpadding = Unpadding(
-            True,
-            f"packed rows, no padding ({impl} attention, block-diagonal mask, position_ids per row)",
-            "bool" if impl == "sdpa" else "additive",
-            int(offset),
-            attention_cost(first.auto_model.config),
-        )
-        ok, reason = _agrees(model, first, unpadding)
-        if ok:
-            return unpadding
+        base = backbone(first.auto_model)
+        impl = getattr(base.config, "_attn_implementation", None)
+        max_seq_length = getattr(first, "max_seq_length", None)
+        offset = int(getattr(first, "_infer_flatten_position_offset", lambda: 0)())
+        for mode in PACK_MODES:
+            obstacle = mode_obstacle(mode, base.config, impl, max_seq_length)
+            if obstacle is None:
+                continue
+            if not obstacle:
+                unpadding = Unpadding(
+                    True,
+                    _description(mode, impl, first.auto_model, base),
+                    mode,
+                    "bool" if impl == "sdpa" else "additive",
+                    offset,
+                    attention_cost(base.config),
+                )
+                ok, obstacle = _agrees(model, first, unpadding)
+                if ok:
+                    return unpadding
+            reasons.append(f"{_MODE_NAMES[mode]}: {obstacle}")
+    reason = "; ".join(dict.fromkeys(reasons))
     if setting is True:
         raise ModelRefused(
             f"batch.unpad: true, but this model cannot run packed rows: {reason}; "

@@ -10,11 +10,12 @@ config copy with the resolved value written in.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import asdict, dataclass, replace
 
-from cembed.config.schema import CembedConfig, ModelConfig
+from cembed.config.schema import BatchConfig, CembedConfig, ModelConfig
 from cembed.errors import UserError
 from cembed.plan.lr import derivation, scale_lr
 from cembed.plan.precision import resolve_device, resolve_precision, save_dtype
@@ -81,6 +82,9 @@ class Plan:
     lr_derivation: str
     precision: str  # fp32 | bf16 | fp16: model.precision, auto resolved for the device (cembed.plan.precision)
     gather_across_devices: bool = False  # each anchor sees all ranks' candidates (world_size > 1)
+    global_batch_size: int | None = (
+        None  # batch.global_batch_size when the config set it (the per-device batch follows)
+    )
     warnings: tuple[str, ...] = ()
     # Rows embedded at once by a cached loss; None until the probe fills batch.mini_batch_size: auto
     # (cembed.probe.auto.resolve_auto), which also records its measurements here.
@@ -94,6 +98,13 @@ class Plan:
     dataloader_num_workers: int = 0
     dataloader_workers: str = ""
     lora_merge: bool | None = None  # model.lora.merge; None: no LoRA (every weight trains)
+
+    @property
+    def contrast_rows(self) -> int:
+        """Rows an anchor is contrasted with in one batch: the per-device batch, times the world size
+        when the candidates are gathered across processes (``gather_across_devices``)."""
+        return self.per_device_train_batch_size * (self.world_size if self.gather_across_devices else 1)
+
     tf32: bool = False  # TF32 on for fp32 matmuls (a CUDA GPU of compute capability 8.0+)
     precision_reason: str = ""  # how the precision was chosen, e.g. "bf16 (auto: NVIDIA H200 ... has bf16)"
     name_or_path: str = ""  # model.name_or_path (with the fields above: the ModelSpec, Plan.model)
@@ -130,6 +141,57 @@ class Plan:
         return asdict(self)
 
 
+def valid_world_sizes(global_batch_size: int, accumulation: int, min_per_device: int = 1) -> list[int]:
+    """The process counts that split ``global_batch_size`` into equal per-device batches of at least
+    ``min_per_device`` rows (a fixed ``mini_batch_size``): the divisors ``d`` of
+    ``global_batch_size / accumulation`` with ``global / (accumulation x d) >= min_per_device``
+    (empty when the accumulation does not divide it)."""
+    if global_batch_size % accumulation:
+        return []
+    rows = global_batch_size // accumulation
+    small = [d for d in range(1, math.isqrt(rows) + 1) if rows % d == 0]
+    return sorted(d for d in set(small + [rows // d for d in small]) if rows // d >= min_per_device)
+
+
+def _counts(sizes: list[int], limit: int = 12) -> str:
+    shown = ", ".join(map(str, sizes[:limit]))
+    return shown + (f", ... ({len(sizes)} in all)" if len(sizes) > limit else "")
+
+
+def per_device_batch(batch: BatchConfig, world: int) -> int:
+    """Rows per process per step: ``batch.per_device_train_batch_size``, or with
+    ``batch.global_batch_size`` set, ``global / (world x gradient_accumulation_steps)``.
+
+    Raises:
+        UserError: the world size (times the accumulation) does not divide ``global_batch_size``
+            (the message names the process counts that do), or the derived batch is smaller than
+            ``mini_batch_size``.
+    """
+    if batch.global_batch_size is None:
+        return batch.per_device_train_batch_size
+    g, accumulation = batch.global_batch_size, batch.gradient_accumulation_steps
+    mini = 1 if batch.mini_batch_size == "auto" else batch.mini_batch_size
+    if g % (world * accumulation):
+        valid = valid_world_sizes(g, accumulation, mini)
+        fix = (
+            f"run on {_counts(valid)} processes or change it"
+            if valid
+            else f"make it a multiple of batch.gradient_accumulation_steps ({accumulation})"
+        )
+        raise UserError(
+            f"batch.global_batch_size={g} does not split over {world} process(es) x {accumulation} accumulation "
+            f"step(s) into equal per-device batches; {fix}"
+        )
+    per_device = g // (world * accumulation)
+    if mini > per_device:
+        raise UserError(
+            f"batch.mini_batch_size ({mini}) is larger than the per-device batch {per_device} "
+            f"(batch.global_batch_size={g} over {world} process(es) x {accumulation} accumulation); "
+            f"set it to at most {per_device}, or run on {_counts(valid_world_sizes(g, accumulation, mini))} processes"
+        )
+    return per_device
+
+
 def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
     """Resolve device, world size, samples per step and the effective LR for ``cfg``.
 
@@ -139,18 +201,20 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
 
     ``gather_across_devices`` is ``loss.gather_across_devices``, or ``world_size > 1`` when unset.
     ``model.precision: auto`` becomes fp32 on CPU, bf16 on a GPU with bf16 (see :mod:`cembed.plan.precision`).
-    The LR is scaled from the global samples per step (``per_device x world_size x accumulation``).
+    The LR is scaled from the global samples per step (``per_device x world_size x accumulation``,
+    or ``batch.global_batch_size``; the per-device batch is then derived by :func:`per_device_batch`).
 
     Raises:
         UserError: fp16 requested on CPU, bf16 on a GPU without bf16, cuda requested without a GPU,
-            or a world size below 1.
+            a world size below 1, or one that does not divide ``batch.global_batch_size``.
     """
     model = resolve_model(cfg.model)
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
         raise UserError(f"world size {world}: --nproc-per-node x --nnodes (or $WORLD_SIZE) must be at least 1")
     b, o = cfg.batch, cfg.optim
-    samples = b.per_device_train_batch_size * world * b.gradient_accumulation_steps
+    per_device = per_device_batch(b, world)
+    samples = per_device * world * b.gradient_accumulation_steps
     warnings = []
     if b.gradient_accumulation_steps > 1:
         warnings.append(
@@ -163,7 +227,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
     if world > 1 and not gather:
         warnings.append(
             f"loss.gather_across_devices=false with {world} processes: each anchor only sees the "
-            f"{b.per_device_train_batch_size} rows of its own rank as negatives, not the whole global batch"
+            f"{per_device} rows of its own rank as negatives, not the whole global batch"
         )
     if world > 1 and not b.drop_last:
         warnings.append(
@@ -173,7 +237,7 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
     n_columns = cfg.data.max_columns()  # the widest source: the worst case of a step
     workers, how, shm = resolve_workers(
         cfg.train.dataloader_num_workers,
-        b.per_device_train_batch_size,
+        per_device,
         n_columns,
         cfg.model.max_seq_length,
         processes_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
@@ -182,9 +246,10 @@ def resolve_plan(cfg: CembedConfig, world_size: int | None = None) -> Plan:
     return Plan(
         device=model.device,
         world_size=world,
-        per_device_train_batch_size=b.per_device_train_batch_size,
+        per_device_train_batch_size=per_device,
         gradient_accumulation_steps=b.gradient_accumulation_steps,
         samples_per_step=samples,
+        global_batch_size=b.global_batch_size,
         learning_rate=scale_lr(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
         lr_derivation=derivation(o.learning_rate, o.base_batch_size, samples, o.lr_scaling),
         precision=model.precision,

@@ -7,7 +7,7 @@
   schedule, RNG states and skips the batches already trained in the epoch (the sampler's batches are
   a pure function of seed and epoch, so the order is the same).
 - SIGINT/SIGTERM finish the current optimizer step, save a checkpoint and stop; a second signal
-  abandons the step at once.
+  abandons the step at once, and so does a first one after the last step (no step to finish).
 - A non-finite loss stops the run naming the step and the last good checkpoint (or, with
   ``train.nonfinite_loss: skip``, skips that step and counts it).
 """
@@ -98,6 +98,17 @@ def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None
     return str(found)
 
 
+def resume_on_restart(
+    output_dir: str | Path, restarts: int, resume: bool, resume_from: str | None
+) -> tuple[bool, str | None]:
+    """``(resume, resume_from)`` for an attempt of a run: a restart (``restarts`` > 0, by torch's
+    elastic agent after a failure) continues from the newest complete checkpoint in ``output_dir``
+    as ``--resume`` does; the first attempt, or a restart before any checkpoint, as it was asked."""
+    if restarts > 0 and latest_complete(output_dir) is not None:
+        return True, None
+    return resume, resume_from
+
+
 def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
     """Refuse to train into a folder that holds a finished model unless told to.
 
@@ -158,6 +169,19 @@ def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
         )
 
 
+def rng_state_file(world_size: int, rank: int) -> str:
+    """The name of the file in which the trainer saves process ``rank``'s RNG states (one process:
+    ``rng_state.pth``; several: ``rng_state_<rank>.pth``)."""
+    return f"rng_state_{rank}.pth" if world_size > 1 else "rng_state.pth"
+
+
+def reseeded(seed: int, step: int, rank: int) -> int:
+    """The seed of process ``rank``'s RNG streams on a resume at ``step`` that has no RNG state for it
+    (a checkpoint of another world size): a function of the run's seed, the step and the rank, so that
+    the resume is reproducible and each process draws its own dropout masks."""
+    return seed + 1_000_003 * step + rank
+
+
 class InterruptCallback(TrainerCallback):
     """On SIGINT/SIGTERM: finish the current optimizer step, save a checkpoint, stop training.
 
@@ -178,6 +202,7 @@ class InterruptCallback(TrainerCallback):
         self.signum: int | None = None
         self.step = 0
         self.max_steps = 0
+        self.trained = False  # the last optimizer step has ended: a signal has no step left to wait for
         self.on_signal = on_signal
         self.notice: threading.Thread | None = None  # the thread that ran on_signal (tests join it)
         self._previous: dict[int, object] = {}
@@ -192,7 +217,7 @@ class InterruptCallback(TrainerCallback):
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             return
-        if self.signum is not None:  # second signal: give up on the step
+        if self.signum is not None or self.trained:  # second signal, or no step left: give up at once
             self.uninstall()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
@@ -231,4 +256,38 @@ class InterruptCallback(TrainerCallback):
         if self.signum is not None:
             control.should_save = True
             control.should_training_stop = True
+        # After the last step, what remains (the final save, loading the best checkpoint: collectives
+        # that hang if a peer died) is no step to finish: a signal there ends the process at once, so a
+        # hung worker does not outlive the launcher's SIGTERM.
+        self.trained = bool(self.max_steps and state.global_step >= self.max_steps) or control.should_training_stop
         return control
+
+
+class TimedSaveCallback(TrainerCallback):
+    """Save a checkpoint at the end of the first optimizer step that ends ``minutes`` or more after
+    the last save (or the start), beside the step-count saves (``train.save_every_minutes``).
+
+    Each rank reads its own clock, so the decision is taken together (a max over the ranks: one
+    small all-reduce per step); a rank that saved alone would leave the others in a collective.
+
+    Args:
+        clock: seconds, monotonic (tests pass a fake one).
+    """
+
+    def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = minutes * 60
+        self.clock = clock
+        self.last = clock()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from cembed.distributed.collectives import max_over_ranks
+
+        if max_over_ranks(int(self.clock() - self.last >= self.seconds)):
+            control.should_save = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.last = self.clock()

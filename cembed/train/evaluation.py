@@ -221,19 +221,29 @@ class TrainingEvaluation:
             self.callback.on_line(f"eval {label}: {shown}")
         return metrics
 
-    def summary(self, before: dict[str, float], after: dict[str, float], state) -> dict[str, Any]:
+    def summary(
+        self, before: dict[str, float], after: dict[str, float], state, best_loaded: bool = False
+    ) -> dict[str, Any]:
         """The ``eval`` block of ``run_summary.json``: metrics before and after training, every
-        evaluation during training, and the best checkpoint (when a metric was chosen)."""
+        evaluation during training, and the best checkpoint (when a metric was chosen).
+
+        ``best_loaded``: whether the trainer loaded the best checkpoint at the end of training
+        (``CembedTrainer.best_model_loaded``); only then is output_dir's model that checkpoint.
+        """
         best = None
         if self.metric is not None:
             ckpt = getattr(state, "best_model_checkpoint", None)
+            loaded = bool(best_loaded and ckpt)
             best = {
                 "metric": self.metric,
                 "greater_is_better": self.training_args.get("greater_is_better"),
                 "value": getattr(state, "best_metric", None),
                 "step": int(Path(ckpt).name.rsplit("-", 1)[-1]) if ckpt else None,
                 "checkpoint": ckpt,
-                "note": "the model saved in output_dir is this checkpoint (loaded at the end of training)",
+                "loaded": loaded,
+                "note": "the model saved in output_dir is this checkpoint (loaded at the end of training)"
+                if loaded
+                else "not loaded: the model saved in output_dir is the last step's",
             }
         return {
             "sets": [

@@ -13,7 +13,9 @@ short last batch counted unless ``drop_last``), the sources' batches are laid ou
 ``ceil(batches / gradient_accumulation_steps)`` optimizer steps (at least 1), the run is
 ``train.max_steps`` or ``ceil(epochs x steps per epoch)`` steps, ``ceil(total x
 optim.warmup_ratio)`` of them warmup. The no-duplicates sampler can build fewer batches than the
-rows allow; the warnings say how many rows it leaves out. A stream's rows and an unloaded hub
+rows allow, and a ``round_robin`` / ``weighted`` schedule ends an epoch when one source runs out; the
+warnings say how many rows each leaves out (the latter from the sampler's own epoch plan,
+:func:`cembed.data.batching.placement.schedule_warnings`). A stream's rows and an unloaded hub
 dataset's are not known ahead: their counts are None.
 """
 
@@ -22,10 +24,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from cembed.config.schema import CembedConfig
 from cembed.data.batching.mixture import SourceMix
-from cembed.data.batching.placement import check_sampler_batches, sampler_hashes, unplaceable_warnings
-from cembed.data.batching.rules import predicted_by_placement
+from cembed.data.batching.placement import (
+    check_sampler_batches,
+    sampler_hashes,
+    schedule_warnings,
+    unplaceable_warnings,
+)
+from cembed.data.batching.rules import batching_rule, predicted_by_placement
 from cembed.plan.resolve import Plan
 from cembed.train.flops import forward_passes
 
@@ -149,13 +158,19 @@ def run_facts(cfg: CembedConfig, plan: Plan, data, model=None, placement: bool =
         per_source = list(sources) or [batch_count(len(data.dataset), batch, drop)]
         batches = len(SourceMix.from_data(data, cfg.data.sampling).schedule(per_source))
     warnings: tuple[str, ...] = ()
+    hashes = None  # raw text, unless the model says how training compares texts
     # only a rule placement predicts (the no-duplicates one) leaves rows unplaced; a plain sampler places every row
     if placement and predicted_by_placement(cfg.sampler) and loaded and not streamed:
-        hashes = None
         if model is not None:
             hashes, compared = sampler_hashes(data, cfg.model, cfg.data, model=model)
             check_sampler_batches(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes, compared)
         warnings = unplaceable_warnings(plan, data, cfg.batch.drop_last, cfg.train.seed, hashes)
+    # the rule that lays several sources out by data.sampling (no_duplicates on or off): rows its
+    # schedule leaves unused, from the sampler's own epoch plan
+    if placement and batching_rule(cfg.sampler).placement and loaded and not streamed:
+        if not cfg.sampler.no_duplicates:
+            hashes = np.empty((len(data.dataset), 0), dtype=np.uint64)  # texts not compared
+        warnings += schedule_warnings(plan, data, cfg.data.sampling, cfg.batch.drop_last, cfg.train.seed, hashes)
     return RunFacts(
         batch, drop, sources, batches, step_facts(cfg, plan, batches), loss_path(cfg, plan, model, attention), warnings
     )

@@ -8,7 +8,11 @@ knowable up front:
   position embeddings at the first long batch);
 - the LR scheduler: its arguments (``optim.lr_scheduler_kwargs``) are tried on a one-parameter
   optimizer at the effective LR, so a missing argument or an end LR above the effective LR is found;
-- the tokenizer can pad (the collator pads every batch).
+- the tokenizer can pad (the collator pads every batch);
+- each ``train.report_to`` tracker's package is installed (transformers' own availability check,
+  the one its trainer callbacks run at step 0);
+- the folders a run writes (``train.output_dir``, the cache root of ``data.cache_dir``) can be
+  created: not a file, not under a file, writable.
 
 Each problem is a :class:`Finding` whose text is one line naming the field and the fix.
 
@@ -20,11 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from cembed.config.schema import CembedConfig, ModelConfig, OptimConfig
 from cembed.errors import UserError, first_line
+from cembed.files import cache_root, display_path
 from cembed.model.load import resolve_model_path
 
 # Models whose positions come from a learned absolute table (a longer input crashes); RoBERTa-style
@@ -49,7 +55,12 @@ def preflight(cfg: CembedConfig, learning_rate: float) -> list[Finding]:
 
     A model that cannot be reached (a hub id offline) skips the model checks; loading it later says why.
     """
-    return check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps) + check_model(cfg.model)
+    return (
+        check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps)
+        + check_model(cfg.model)
+        + check_trackers(cfg.train.report_to)
+        + check_writable_folders(cfg)
+    )
 
 
 def raise_findings(findings: list[Finding]) -> None:
@@ -103,6 +114,71 @@ def check_scheduler(optim: OptimConfig, learning_rate: float, max_steps: int | N
     except TypeError as err:
         return [Finding(field, f"{name} does not accept these arguments ({first_line(err)}); fix or remove them")]
     return []
+
+
+# The pip package each tracker of train.report_to needs (transformers' integration names).
+TRACKER_PACKAGES = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+    "comet_ml": "comet-ml",
+    "clearml": "clearml",
+    "neptune": "neptune",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+    "trackio": "trackio",
+}
+
+
+def check_trackers(report_to: list[str]) -> list[Finding]:
+    """Each ``train.report_to`` tracker whose package transformers cannot find
+    (``transformers.integrations.get_available_reporting_integrations``: the check its callbacks
+    make when the trainer is built, which would stop the run at step 0). ``none`` and ``all`` (every
+    installed tracker, possibly none) need nothing."""
+    from transformers.integrations import get_available_reporting_integrations
+
+    available = set(get_available_reporting_integrations())
+    missing = [name for name in report_to if name not in ("none", "all") and name not in available]
+    if not missing:
+        return []
+    install = " ".join(TRACKER_PACKAGES.get(name, name) for name in missing)
+    return [
+        Finding(
+            "train.report_to",
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed; "
+            f"pip install {install}, or remove {'it' if len(missing) == 1 else 'them'} from train.report_to",
+        )
+    ]
+
+
+def folder_problem(path: str | Path) -> str | None:
+    """Why a run could not create or write the folder ``path`` (None: it can): it is a file, one of
+    its parents is a file, or the folder (or the nearest existing parent, where it will be created)
+    is not writable."""
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        return f"{display_path(path)} is a file, not a folder"
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{display_path(path)} cannot be created: {display_path(existing)} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{display_path(existing)} is not writable"
+    return None
+
+
+def check_writable_folders(cfg: CembedConfig) -> list[Finding]:
+    """``train.output_dir`` and the cache root (``data.cache_dir``, else ``$CEMBED_CACHE_DIR`` or
+    ``~/.cache/cembed``) where the run writes there: pre-tokenized data or retrieval embeddings."""
+    findings = []
+    problem = folder_problem(cfg.train.output_dir)
+    if problem:
+        findings.append(Finding("train.output_dir", f"{problem}; choose another train.output_dir"))
+    if cfg.data.pretokenize or (cfg.eval is not None and cfg.eval.retrieval):
+        problem = folder_problem(cache_root("tokenized", cfg.data.cache_dir))
+        if problem:
+            field = "data.cache_dir" if cfg.data.cache_dir is not None else "data.cache_dir (unset: the default cache)"
+            findings.append(Finding(field, f"{problem}; set data.cache_dir to a writable folder"))
+    return findings
 
 
 def _model_file(name: str, filename: str, revision: str | None) -> Path | None:
@@ -190,6 +266,7 @@ SAFE_TO_CHANGE = (
     "train.logging_steps",
     "train.save_steps",
     "train.save_total_limit",
+    "train.save_every_minutes",
     "train.output_dir",
     "train.report_to",
     "train.dataloader_num_workers",
@@ -229,15 +306,23 @@ def data_fingerprint(dataset) -> str:
 
 
 def training_record(
-    cfg: CembedConfig, samples_per_step: int, learning_rate: float, dataset, precision: str | None = None
+    cfg: CembedConfig,
+    samples_per_step: int,
+    learning_rate: float,
+    dataset,
+    precision: str | None = None,
+    world_size: int = 1,
+    contrast_rows: int | None = None,
 ) -> dict:
     """What a checkpoint records about its run: the config (JSON) as run, the samples per step, the
-    effective LR and the training data's fingerprint.
+    effective LR, the training data's fingerprint and how a step was split over processes.
 
     Args:
         precision: the resolved precision (``Plan.precision``), recorded as the config's
             ``model.precision`` so that ``auto`` and the precision it resolved to compare equal on
             resume; None records ``cfg.model.precision`` as written.
+        world_size: the processes the run trains on (``Plan.world_size``).
+        contrast_rows: the rows an anchor is contrasted with (``Plan.contrast_rows``; None: not recorded).
     """
     config = cfg.model_dump(mode="json")
     if precision is not None:
@@ -247,14 +332,17 @@ def training_record(
         "samples_per_step": samples_per_step,
         "effective_learning_rate": learning_rate,
         "data_fingerprint": data_fingerprint(dataset),
+        "world_size": world_size,
+        "contrast_rows": contrast_rows,
     }
 
 
-def _flat(value, prefix: str = "") -> dict:
+def flatten(value, prefix: str = "") -> dict:
+    """A nested dict (a config dump) as ``{"section.field": value}``; lists stay values."""
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+            out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
         return out
     return {prefix: value}
 
@@ -262,22 +350,79 @@ def _flat(value, prefix: str = "") -> dict:
 def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     """Compare two :func:`training_record` s.
 
+    How a step is split over processes may change when what is trained does not: the world size, and
+    :data:`SPLIT_FIELDS` while ``samples_per_step`` stays. The split does change training when the
+    rows an anchor is contrasted with change (``loss.gather_across_devices: false`` with several
+    processes): refused. A new world size re-seeds the per-process RNG streams (:func:`rng_reseeded`).
+
     Returns:
         ``(refused, safe)``: each difference as ``"field old -> new"``; ``refused`` changes what is
         trained (batch, LR, schedule, loss, data, seed, model ...), ``safe`` only how it is logged,
-        saved, evaluated or run (:data:`SAFE_TO_CHANGE`).
+        saved, evaluated, run or split over processes (:data:`SAFE_TO_CHANGE`).
     """
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     a |= {key: value for key, value in ADDED_FIELDS.items() if key not in a and key in b}
+    same_samples = a.get("samples_per_step") == b.get("samples_per_step")
     refused, safe = [], []
     for key in sorted(set(a) | set(b)):
-        if a.get(key) == b.get(key):
+        if key in CARRIED or a.get(key) == b.get(key):
             continue
+        if key in SPLIT_RECORD and (a.get(key) is None or b.get(key) is None):
+            continue  # (a record from before the split was recorded: nothing to compare it with)
         field = key.removeprefix("config.")
+        if key == "contrast_rows":
+            if same_samples:  # else the samples' change is the refusal
+                refused.append(_contrast_change(a, b))
+            continue
         text = f"{field} {a.get(key)!r} -> {b.get(key)!r}"
         ok = any(field == s or field.startswith(s + ".") for s in SAFE_TO_CHANGE)
+        ok = ok or key == "world_size" or (field in SPLIT_FIELDS and same_samples)
         (safe if ok else refused).append(text)
+    if a.get("world_size") and b.get("world_size") and a["world_size"] != b["world_size"]:
+        safe.append(rng_reseeded(a["world_size"], b["world_size"]))
     return refused, safe
+
+
+def freezes_unused(old: dict | None, world_size: int) -> bool:
+    """Whether the run freezes the parameters that get no gradient (the pooler under mean pooling):
+    a run that began on several processes does (DDP needs no unused-parameter search then), one that
+    began on one process does not; a resume keeps the checkpoint's choice, so the optimizer state
+    (which then holds those parameters or not) loads on any world size.
+
+    Args:
+        old: the checkpoint's :func:`training_record` (None: a fresh run).
+        world_size: this run's processes.
+    """
+    if old is None:
+        return world_size > 1
+    if "frozen_unused_parameters" in old:
+        return bool(old["frozen_unused_parameters"])
+    return (old.get("world_size") or world_size) > 1  # older records: the world size decided it
+
+
+# How a step's samples are split over the processes: a resume may change them when samples_per_step stays.
+SPLIT_FIELDS = ("batch.per_device_train_batch_size", "batch.global_batch_size")
+# Record keys older checkpoints lack.
+SPLIT_RECORD = ("world_size", "contrast_rows")
+# Record keys a resume carries over from its checkpoint (:func:`freezes_unused`), never a change.
+CARRIED = ("frozen_unused_parameters",)
+
+
+def rng_reseeded(old_world: int, new_world: int) -> str:
+    """The resume change a new world size brings: each process's RNG stream (dropout masks) is re-seeded."""
+    return (
+        f"RNG streams (dropout) re-seeded per rank: the checkpoint holds {old_world} process(es)' RNG states, "
+        f"this run has {new_world}"
+    )
+
+
+def _contrast_change(old: dict, new: dict) -> str:
+    return (
+        f"loss.gather_across_devices: each process contrasts only its own rows, so the split over "
+        f"{old.get('world_size')} -> {new.get('world_size')} process(es) changes the rows an anchor is contrasted "
+        f"with ({old['contrast_rows']} -> {new['contrast_rows']}); resume on {old.get('world_size')} process(es), "
+        "or set loss.gather_across_devices: true for a fresh run"
+    )
 
 
 def check_resume(checkpoint: str, old: dict | None, new: dict) -> list[str]:

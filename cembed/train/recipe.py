@@ -34,7 +34,7 @@ from cembed.data.batching.rules import predicted_by_placement
 from cembed.data.prompts import training_prompts
 from cembed.data.rows import TrainingData, UnloadedData, card_datasets
 from cembed.data.tokens.tokenize import tokenize_stage
-from cembed.distributed.ddp import freeze_unused_parameters
+from cembed.distributed.ddp import freeze_parameters, ignore_in_ddp, unused_parameters
 from cembed.distributed.fsdp import gathered_model
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
 from cembed.errors import RunFailed, RunInterrupted, UserError
@@ -50,6 +50,7 @@ from cembed.probe.search import ProbeResult
 from cembed.train.args import build_training_args
 from cembed.train.checkpoint import (
     InterruptCallback,
+    TimedSaveCallback,
     check_output_dir,
     check_resume_point,
     checkpoint_progress,
@@ -60,7 +61,7 @@ from cembed.train.checkpoint import (
 )
 from cembed.train.flops import build_flop_model
 from cembed.train.meter import ThroughputMeter, plot_run
-from cembed.train.preflight import check_resume, preflight, raise_findings, training_record
+from cembed.train.preflight import check_resume, freezes_unused, preflight, raise_findings, training_record
 from cembed.train.publish import (
     add_card_facts,
     describe_base_model,
@@ -295,11 +296,19 @@ class Components:
 
 
 def build_components(
-    cfg: CembedConfig, plan: Plan, data: TrainingData, device: str, on_line=None, tokenize_progress=None
+    cfg: CembedConfig,
+    plan: Plan,
+    data: TrainingData,
+    device: str,
+    on_line=None,
+    tokenize_progress=None,
+    freeze_unused: bool | None = None,
 ) -> Components:
     """Load the model on ``device``, tokenize the data, build the loss and the evaluation.
 
     Args:
+        freeze_unused: freeze the parameters that get no gradient (:func:`cembed.train.preflight.freezes_unused`;
+            None: on several processes).
         on_line: receives the evaluation's printed lines (None: silent).
         tokenize_progress: :meth:`RunDisplay.tokenize_progress` (None: no progress shown).
 
@@ -339,15 +348,23 @@ def build_components(
         unpad=False if cfg.train.torch_compile else cfg.batch.unpad,  # compiled graphs bypass packing
     )
     distributed = None
+    freeze = plan.world_size > 1 if freeze_unused is None else freeze_unused
+    # The sampler only yields whole global batches and these never get a gradient, so DDP needs no
+    # unused-parameter search: they are frozen, or (a resume of a run begun on one process, whose
+    # optimizer holds them) ignored by DDP (preflight.freezes_unused).
+    unused = unused_parameters(model, data.sample_texts()) if freeze or plan.world_size > 1 else []  # every column
+    if freeze:
+        freeze_parameters(model, unused)
+    elif plan.world_size > 1 and cfg.distributed.strategy == "ddp":
+        ignore_in_ddp(model, unused)
     if plan.world_size > 1:
         distributed = {
             "world_size": plan.world_size,
             "strategy": cfg.distributed.strategy,  # fsdp: parameters, gradients, optimizer state sharded
             "backend": backend_for(plan.device),
             "gather_across_devices": plan.gather_across_devices,
-            # The sampler only yields whole global batches and these never get a gradient, so DDP
-            # needs no unused-parameter search.
-            "frozen_unused_parameters": freeze_unused_parameters(model, data.sample_texts()),  # every column
+            "frozen_unused_parameters": unused if freeze else [],
+            "ddp_ignored_parameters": [] if freeze else unused,
             "find_unused_parameters": False,
         }
     evaluation = None
@@ -451,6 +468,8 @@ def build_trainer(
         trainer.add_callback(progress)
     interrupt = InterruptCallback(lambda signum, step: display.interrupt(signal.Signals(signum).name, step))
     trainer.add_callback(interrupt)
+    if cfg.train.save_every_minutes:
+        trainer.add_callback(TimedSaveCallback(cfg.train.save_every_minutes))
     if parts.evaluation:
         trainer.add_callback(parts.evaluation.callback)
     build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
@@ -615,7 +634,7 @@ def write_summary(
         "throughput": trainer.meter.totals(),
         "lora": lora,
         "throughput_per_interval": trainer.meter.history,
-        "eval": evaluation.summary(eval_before, eval_after, state) if evaluation else None,
+        "eval": evaluation.summary(eval_before, eval_after, state, trainer.best_model_loaded) if evaluation else None,
     }
     if not is_main:
         return summary
@@ -664,9 +683,19 @@ def run_training(
     """
     display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
-    record = training_record(cfg, plan.samples_per_step, plan.learning_rate, data.dataset, plan.precision)
+    record = training_record(
+        cfg,
+        plan.samples_per_step,
+        plan.learning_rate,
+        data.dataset,
+        plan.precision,
+        world_size=plan.world_size,
+        contrast_rows=plan.contrast_rows,
+    )
     t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
+    frozen = freezes_unused(recorded_run(run_dir.checkpoint) if run_dir.checkpoint else None, plan.world_size)
+    record["frozen_unused_parameters"] = frozen  # each checkpoint carries it on (its optimizer's parameters)
     findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))
     quiet_libraries()
     with failures_recorded(run_dir.out, is_main, Attempt()) as attempt:
@@ -676,7 +705,7 @@ def run_training(
             step, planned = checkpoint_progress(run_dir.checkpoint)
             display.resuming(run_dir.checkpoint, step, planned or t.max_steps or 0)
         on_line = display.eval_line if is_main else None
-        parts = build_components(cfg, plan, data, device, on_line, display.tokenize_progress)
+        parts = build_components(cfg, plan, data, device, on_line, display.tokenize_progress, frozen)
         if is_main:
             display.components(parts.loss.unpadding, parts.distributed)
         run = build_trainer(cfg, plan, parts, run_dir, display, trainer_cls)

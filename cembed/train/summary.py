@@ -100,11 +100,13 @@ def source_summary(data, trainer, steps: int | None = None) -> list[dict]:
     """Per training source (a :class:`cembed.data.rows.TrainingData`'s): name, path, rows read,
     dropped and kept, its file count (``files``: a sharded file source's files; for a prepared source
     the files its preparation read, None if unknown; 1 for one file or a source of another kind), what its folder or glob held but did not read
-    (``skipped``, ``"<path> (<why>)"``, only when something was), global batches in the first epoch; with ``steps``, also the global batches
+    (``skipped``, ``"<path> (<why>)"``, only when something was), global batches in the first epoch
+    (``batches_per_epoch``, also after later epochs; None without a counted sampler); with ``steps``, also the global batches
     (``batches_trained``; optimizer steps when gradient_accumulation_steps is 1) and rows the first
     ``steps`` optimizer steps trained on."""
     sampler = _sampler(trainer)
-    first = sampler.batch_sources() if sampler is not None and sampler.epoch == 0 else None
+    # epoch 0's batches whichever epoch the run ended in (a multi-epoch run has moved past it)
+    first = sampler.batch_sources(0) if sampler is not None else None
     trained = sampler.trained_per_source(steps, trainer.args.gradient_accumulation_steps) if sampler and steps else None
     out = []
     for i, src in enumerate(data.sources):

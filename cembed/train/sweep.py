@@ -12,6 +12,12 @@ whose parameter ``factor`` is enqueued and asked; a finished (COMPLETE) trial is
 and not trained again, a trial left RUNNING by a killed process is marked FAIL and trained again.
 One process runs a sweep at a time: a RUNNING trial found at the start is taken to be a dead one.
 
+A study holds one sweep: the study records what its trials train (:func:`sweep_record`: the resolved
+config minus the LR factor, plus ``--steps``; each trial carries its hash), and a rerun whose record
+differs is refused naming each changed field (read back, the old trials would be another config's
+scores at another effective LR). ``overwrite`` moves the old study and its runs aside, into
+``<out>/study-<time>/``, and starts a fresh one.
+
 Each trial's run is checked as ``cembed train`` checks it (:func:`cembed.train.recipe.check_run_inputs`,
 then :func:`cembed.train.facts.run_facts`): the rows the no-duplicates sampler cannot place are handed
 to the run as warnings (its ``run_summary.json`` records them) and kept in the trial's record
@@ -24,8 +30,11 @@ the override the sweep recommends. Nothing here prints.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,10 +43,11 @@ from typing import Any
 from cembed.config.file import load_config
 from cembed.errors import UserError
 from cembed.eval.sets import load_eval_sets
-from cembed.files import write_json_atomic
+from cembed.files import display_path, write_json_atomic
 from cembed.plan.resolve import resolve_plan
 from cembed.train.evaluation import check_metric_name, greater_is_better, headline_keys, metric_names
 from cembed.train.facts import run_facts
+from cembed.train.preflight import SAFE_TO_CHANGE, flatten
 from cembed.train.recipe import check_run_inputs, run_training
 
 STUDY_NAME = "lr-sweep"
@@ -104,6 +114,7 @@ class SweepResult:
     metric_before: float | None = None  # the base model's metric (evaluated before every trial's training)
     storage: str = ""
     ran: list[float] = field(default_factory=list)  # factors trained by this call
+    moved_aside: Path | None = None  # where overwrite moved the previous study and its runs
 
     @property
     def warnings(self) -> list[str]:
@@ -130,6 +141,7 @@ class SweepResult:
             "warnings": self.warnings,
             "study": {"storage": self.storage, "name": STUDY_NAME},
             "trained_this_call": self.ran,
+            "moved_aside": str(self.moved_aside) if self.moved_aside else None,
         }
 
 
@@ -177,6 +189,92 @@ def trial_overrides(config_lr: float, steps: int, run_dir: Path) -> list[str]:
     ]
 
 
+# Fields that do not change what a trial trains or how it is scored: where and how a run logs, saves
+# and runs (preflight.SAFE_TO_CHANGE, what a resume may change; the eval sets excepted, they are the
+# score), and what every trial's overrides set (trial_overrides; its length is --steps).
+NOT_RECORDED = (
+    *(name for name in SAFE_TO_CHANGE if name != "eval"),
+    "train.max_steps",
+    "train.num_train_epochs",
+    "eval.eval_steps",
+    "eval.metric_for_best_model",
+    "eval.save_total_limit",
+    "eval.batch_size",
+)
+
+
+def sweep_record(cfg, precision: str, steps: int) -> dict[str, Any]:
+    """What every trial of a sweep trains, minus its LR factor: the resolved config flattened to
+    dotted fields (``optim.learning_rate`` is the base LR the factors multiply; ``model.precision``
+    as resolved, so ``auto`` equals what it chose), without :data:`NOT_RECORDED`, plus ``--steps``.
+    Two runs with equal records train the same trial at each factor."""
+    config = cfg.model_dump(mode="json")
+    config["model"]["precision"] = precision
+    fields = {
+        key: value
+        for key, value in flatten(config).items()
+        if not any(key == name or key.startswith(name + ".") for name in NOT_RECORDED)
+    }
+    return {**fields, "--steps": steps}
+
+
+def record_fingerprint(record: dict[str, Any]) -> str:
+    """A short hash of a :func:`sweep_record` (stored with each trial)."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else value if isinstance(value, str) else json.dumps(value)
+
+
+def record_differences(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(field, old value, new value)`` for each field two :func:`sweep_record` s differ in, sorted."""
+    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def check_study_record(study, record: dict[str, Any], db: Path) -> None:
+    """Store ``record`` in a new study; refuse a study another config ran.
+
+    Raises:
+        UserError: the study's record differs (naming each field: its old and new value), or it has
+            finished trials and no record (an older cembed's study).
+    """
+    from optuna.trial import TrialState
+
+    fix = "use a new --out or --overwrite to move the old study aside"
+    old = study.user_attrs.get("record")
+    if old is None:
+        if study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            raise UserError(f"sweep: {display_path(db)} holds trials without a record of the config they ran; {fix}")
+        study.set_user_attr("record", record)
+        study.set_user_attr("fingerprint", record_fingerprint(record))
+        return
+    changed = record_differences(old, record)
+    if changed:
+        was = ", ".join(f"{k}={_shown(a)}" for k, a, _ in changed)
+        now = ", ".join(f"{k}={_shown(b)}" if len(changed) > 1 else _shown(b) for k, _, b in changed)
+        raise UserError(f"sweep: {display_path(db)} was run with {was}, this config has {now}; {fix}")
+
+
+SWEEP_FILES = ("study.db", "sweep.json", "sweep.png")
+
+
+def move_study_aside(out: Path) -> Path | None:
+    """Move a previous sweep in ``out`` (its study, sweep.json, plot and ``factor-*`` runs) into a new
+    ``out/study-<YYYYmmdd-HHMMSS>`` folder, kept rather than deleted; None when ``out`` holds no study."""
+    if not (out / "study.db").exists():
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = out / f"study-{stamp}", 1
+    while aside.exists():  # two overwrites within a second
+        aside, n = out / f"study-{stamp}-{n}", n + 1
+    aside.mkdir()
+    for path in [*(out / name for name in SWEEP_FILES), *sorted(out.glob("factor-*"))]:
+        if path.exists():
+            path.rename(aside / path.name)
+    return aside
+
+
 def open_study(storage: str, greater: bool):
     """The sweep's Optuna study in ``storage`` (created or loaded); a trial left RUNNING by a killed
     sweep is marked FAIL so that its factor is trained again."""
@@ -192,15 +290,34 @@ def open_study(storage: str, greater: bool):
     return study
 
 
-def completed_trials(study, metric: str, steps: int) -> dict[str, SweepTrial]:
-    """The study's COMPLETE trials of this metric and length, by factor (``_factor_key``)."""
+def sweep_study(out: Path, greater: bool, record: dict[str, Any], overwrite: bool):
+    """The sweep's study in ``out/study.db`` (:func:`open_study`; with ``overwrite`` a previous one is
+    moved aside first, :func:`move_study_aside`) checked against this sweep's ``record``
+    (:func:`check_study_record`).
+
+    Returns:
+        ``(study, storage URL, the record's fingerprint, the folder moved aside or None)``.
+
+    Raises:
+        UserError: the study was run by another config.
+    """
+    moved = move_study_aside(out) if overwrite else None
+    storage = f"sqlite:///{(out / 'study.db').resolve()}"
+    study = open_study(storage, greater)
+    check_study_record(study, record, out / "study.db")
+    return study, storage, record_fingerprint(record), moved
+
+
+def completed_trials(study, metric: str, steps: int, fingerprint: str) -> dict[str, SweepTrial]:
+    """The study's COMPLETE trials of this metric, length and :func:`record_fingerprint`, by factor
+    (``_factor_key``)."""
     from optuna.trial import TrialState
 
     done: dict[str, SweepTrial] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
-        if a.get("metric_name") != metric or a.get("steps") != steps:
-            continue  # a trial of another metric or length is not this sweep's
+        if a.get("metric_name") != metric or a.get("steps") != steps or a.get("fingerprint") != fingerprint:
+            continue  # a trial of another metric, length or config is not this sweep's
         done[_factor_key(t.params["factor"])] = SweepTrial(
             factor=t.params["factor"],
             learning_rate=a["learning_rate"],
@@ -215,11 +332,11 @@ def completed_trials(study, metric: str, steps: int) -> dict[str, SweepTrial]:
     return done
 
 
-def record_trial(study, trial, result: SweepTrial, metric: str, steps: int) -> None:
+def record_trial(study, trial, result: SweepTrial, metric: str, steps: int, fingerprint: str) -> None:
     """Store a finished trial: what :func:`completed_trials` reads back as user attributes, the
     metric as its value (COMPLETE)."""
     attrs = {k: v for k, v in asdict(result).items() if k not in ("factor", "metric", "trained_now")}
-    for name, value in {**attrs, "metric_name": metric, "steps": steps}.items():
+    for name, value in {**attrs, "metric_name": metric, "steps": steps, "fingerprint": fingerprint}.items():
         trial.set_user_attr(name, value)
     study.tell(trial, result.metric)
 
@@ -232,6 +349,7 @@ def run_sweep(
     metric: str | None = None,
     overrides: list[str] | None = None,
     on_trial: Callable[[str, float, float], None] | None = None,
+    overwrite: bool = False,
 ) -> SweepResult:
     """Train ``config`` for ``steps`` steps at the effective LR x each factor and score each run.
 
@@ -244,12 +362,15 @@ def run_sweep(
             ``factor-<f>`` run folder per trial; the caller writes ``sweep.json`` and the plot there.
         metric: the metric to compare (see :func:`sweep_metric`).
         on_trial: called ``(event, factor, effective_lr)`` with ``"start"`` / ``"done"`` / ``"cached"``.
+        overwrite: move a previous study in ``out`` aside (:func:`move_study_aside`) and start afresh;
+            without it a study another config ran (:func:`sweep_record`) is refused.
 
     Returns:
         The :class:`SweepResult`, trials sorted by factor.
 
     Raises:
-        UserError: no eval sets, unknown metric, bad steps, or a config mistake of a trial.
+        UserError: no eval sets, unknown metric, bad steps, a study of another config in ``out``
+            (naming each changed field), or a config mistake of a trial.
         RunFailed, RunInterrupted, KeyboardInterrupt: a trial's; the trial is marked FAIL in the study
             and trained again by the next call.
     """
@@ -265,10 +386,8 @@ def run_sweep(
     plan = resolve_plan(cfg)
     out = Path(out) if out is not None else Path(f"{cfg.train.output_dir.rstrip('/')}-lr-sweep")
     out.mkdir(parents=True, exist_ok=True)
-
-    storage = f"sqlite:///{(out / 'study.db').resolve()}"
-    study = open_study(storage, greater)
-    done = completed_trials(study, chosen, steps)
+    study, storage, fingerprint, moved = sweep_study(out, greater, sweep_record(cfg, plan.precision, steps), overwrite)
+    done = completed_trials(study, chosen, steps, fingerprint)
     ran: list[float] = []
 
     def trial_for(factor: float, edge: bool = False) -> SweepTrial:
@@ -306,7 +425,7 @@ def run_sweep(
         )
         if summary["eval"].get("before"):  # the base model's score: the same for every trial; kept for reruns
             study.set_user_attr(f"before:{chosen}", float(summary["eval"]["before"][chosen]))
-        record_trial(study, trial, result, chosen, steps)
+        record_trial(study, trial, result, chosen, steps, fingerprint)
         done[key] = result
         ran.append(factor)
         if on_trial:
@@ -335,6 +454,7 @@ def run_sweep(
         metric_before=study.user_attrs.get(f"before:{chosen}"),
         storage=storage,
         ran=ran,
+        moved_aside=moved,
     )
 
 

@@ -25,6 +25,7 @@ summary and appends one line per logging interval to ``output_dir/train.log``; i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -36,10 +37,16 @@ import torch
 from sentence_transformers import SentenceTransformerTrainer
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
 
 from cembed.data.batching.stream import StreamingRows
 from cembed.data.tokens.collator import PaddingCollator, SourceNamedRows, TextCollator, TokenIdRows
-from cembed.distributed.collectives import gather_over_ranks, max_over_ranks, require_same_on_all_ranks
+from cembed.distributed.collectives import (
+    gather_over_ranks,
+    max_over_ranks,
+    reduce_over_ranks,
+    require_same_on_all_ranks,
+)
 from cembed.distributed.fsdp import enable_fsdp_on_cpu
 from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
@@ -48,7 +55,7 @@ from cembed.losses.counts import TokenCounts
 from cembed.losses.registry import BuiltLoss
 from cembed.model.lora import is_lora, load_lora_checkpoint
 from cembed.plan.precision import autocast, precision_from_flags
-from cembed.train.checkpoint import STAGING, latest_complete, mark_complete
+from cembed.train.checkpoint import STAGING, is_complete, latest_complete, mark_complete, reseeded, rng_state_file
 from cembed.train.flops import format_flops
 from cembed.train.meter import StepClock, ThroughputMeter
 
@@ -100,6 +107,8 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.add_callback(SkipNonfiniteCallback(self))
         require_same_on_all_ranks(self.collective_facts())
         self.last_checkpoint: str | None = None
+        self.best_model_loaded = False  # the best checkpoint's weights were loaded at the end of training
+        self._loaded_checkpoint: str | None = None  # the checkpoint _load_from_checkpoint last loaded in full
         self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
         self.source_rows: tuple[list[str], list[int]] | None = None  # per-source prompts without pre-tokenization
         self._train_dataloader = None
@@ -330,14 +339,44 @@ class CembedTrainer(SentenceTransformerTrainer):
             from transformers import Trainer
 
             Trainer._load_from_checkpoint(self, checkpoint_path, *args, **kwargs)
+            self._loaded_checkpoint = checkpoint_path
             return
         # A LoRA checkpoint holds the backbone as the adapter only, beside the other modules' folders
         # (a Dense head): sentence-transformers' loader would rebuild the model from it through
         # transformers' own PEFT integration instead. load_lora_checkpoint restores both.
         if is_lora(self.model):
             load_lora_checkpoint(self.model, checkpoint_path)
+        else:
+            super()._load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        self._loaded_checkpoint = checkpoint_path
+
+    def _load_best_model(self) -> None:
+        # sentence-transformers logs a failed load and carries on with the last step's weights: record
+        # whether the best checkpoint really was loaded (run_summary.json says so only then). Under
+        # FSDP the load is a collective (torch.distributed.checkpoint), so all ranks take the same
+        # branch: a rank that skipped it would leave the others waiting in it.
+        best = self.state.best_model_checkpoint
+        present = bool(best) and is_complete(best)
+        if self.is_fsdp_enabled:
+            present = bool(reduce_over_ranks(int(present), "min"))
+        self.best_model_loaded = False
+        if not present:
             return
-        super()._load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        self._loaded_checkpoint = None
+        super()._load_best_model()
+        loaded = self._loaded_checkpoint == best
+        self.best_model_loaded = bool(reduce_over_ranks(int(loaded), "min")) if self.is_fsdp_enabled else loaded
+
+    def _load_rng_state(self, checkpoint) -> None:
+        # A checkpoint of another world size holds no RNG state for this process: the trainer would go
+        # on with whatever state it has. Re-seed each process's streams instead (reproducibly; the
+        # resume's changes say so: cembed.train.preflight.rng_reseeded).
+        name = rng_state_file(self.args.world_size, self.args.process_index)
+        if checkpoint is None or os.path.isfile(os.path.join(checkpoint, name)):
+            return super()._load_rng_state(checkpoint)
+        from transformers import set_seed
+
+        set_seed(reseeded(self.args.seed, self.state.global_step, self.args.process_index))
 
     # --- atomic checkpoints: staged, marked complete, then renamed into place ------------------
 
@@ -359,14 +398,16 @@ class CembedTrainer(SentenceTransformerTrainer):
         finally:
             self._staging_root = None
         self.accelerator.wait_for_everyone()
+        self.state.best_model_checkpoint = published_best(self.state, staging_root, run_dir)
         if self.args.should_save:
             apply_umask(staged)  # the weights were written through a private 0o600 temporary file
+            # the trainer wrote its state with the staging path (or none): a resume reads this one
+            self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
             mark_complete(staged, self.state.global_step, self.run_record)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staged, final)
-            best = self.state.best_model_checkpoint
-            if best and best.startswith(staging_root):
-                self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+            with contextlib.suppress(OSError):  # the now empty staging folder: output_dir keeps no leftover
+                os.rmdir(staging_root)
             rotate_checkpoints(
                 output_dir=run_dir,
                 save_total_limit=self.args.save_total_limit,
@@ -374,6 +415,24 @@ class CembedTrainer(SentenceTransformerTrainer):
             )
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
+
+
+def published_best(state, staging_root: str, run_dir: str) -> str | None:
+    """Where the best checkpoint lives once published, for ``state.best_model_checkpoint``, on every
+    rank alike.
+
+    The trainer records the best checkpoint at save time as the folder it was written into (the
+    staging folder, renamed right after), and only where that folder is visible to the rank at that
+    moment: ranks could disagree (one None, one a path), and then disagree on loading it at the end.
+    Here every rank derives it from the trainer's state alone: this step's checkpoint when this step
+    is the best so far, else the path recorded before, moved out of ``staging_root`` into ``run_dir``.
+    """
+    if state.best_global_step and state.best_global_step == state.global_step:
+        return str(Path(run_dir) / f"checkpoint-{state.global_step}")
+    best = state.best_model_checkpoint
+    if best and Path(best).parent == Path(staging_root):
+        return str(Path(run_dir) / Path(best).name)
+    return best
 
 
 class StreamingLoader(DataLoader):

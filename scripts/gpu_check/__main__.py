@@ -162,7 +162,7 @@ def run_plan(args, py: str, bundle: Path | None, run_dir: Path, selected: list[t
                 "name": n,
                 "timeout_s": budgets[n],
                 "what": w,
-                "command": " ".join(install_command(py, bundle, site))
+                "command": " ".join(install_command(py, bundle, site, image_pyarrow()))
                 if n == "install" and installs_wheels(args, bundle)
                 else " ".join(stage_command(py, n, run_dir)),
             }
@@ -205,6 +205,17 @@ def child_env(site: Path | None) -> dict:
     return env
 
 
+def image_pyarrow() -> str | None:
+    """The image's pyarrow version (this interpreter's; the stages run under the same one), which picks
+    the bundle's datasets (bundle.chosen_wheels); None when it has none."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("pyarrow")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def install_wheels(py: str, bundle: Path, bundle_check: dict, site: Path, timeout: float) -> dict | None:
     """Install the bundle's wheels, and nothing else, into ``site`` (pip with no index and no
     dependencies, ``timeout`` s) before the install stage runs.
@@ -216,7 +227,9 @@ def install_wheels(py: str, bundle: Path, bundle_check: dict, site: Path, timeou
     if not bundle_check["ok"]:
         return {"status": "fail", "bundle_check": bundle_check}
     try:
-        pip = subprocess.run(install_command(py, bundle, site), capture_output=True, text=True, timeout=timeout)
+        pip = subprocess.run(
+            install_command(py, bundle, site, image_pyarrow()), capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "pip": f"pip install ran past {timeout:.0f} s"}
     if pip.returncode != 0:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 BUNDLE_LIMIT = 60 * 2**20
 # What the bundle must hold beyond the GPU image (torch 2.11, transformers 5.17, sentence-transformers
-# 6.0.1, no pydantic or datasets): see scripts/gpu_bundle.sh.
+# 6.0.1, no pydantic, datasets or optuna; typer, rich, pyyaml and xxhash at versions nobody read there):
+# see scripts/gpu_bundle.sh.
 BUNDLE_PACKAGES = (
     "pydantic",
     "pydantic_core",
@@ -25,11 +27,20 @@ BUNDLE_PACKAGES = (
     "multiprocess",
     "fsspec",
     "sentence_transformers",
+    "optuna",
+    "alembic",
+    "sqlalchemy",
+    "mako",
+    "colorlog",
+    "typer",
+    "rich",
+    "pyyaml",
+    "xxhash",
     "cembed",
 )
-# Brought only when the image's is too old for the bundled datasets (scripts/gpu_bundle.sh decides):
-# at most one wheel each.
-OPTIONAL_PACKAGES = ("pyarrow",)
+# fallback/ holds these for an image whose pyarrow is below wheels/' datasets' floor (its pyarrow wheel,
+# 53 MiB, does not fit beside the model): installed in place of wheels/' own (``chosen_wheels``).
+FALLBACK_PACKAGES = ("datasets", "fsspec")
 MODEL_FILES = ("modules.json", "config.json", "model.safetensors", "tokenizer.json")
 
 
@@ -67,10 +78,11 @@ def check_bundle(bundle: Path | None) -> dict:
         count = names.count(pkg)
         if count != 1:
             problems.append(f"wheels/: {count} wheels of {pkg} (need exactly 1)")
-    for pkg in OPTIONAL_PACKAGES:
-        count = names.count(pkg)
-        if count > 1:
-            problems.append(f"wheels/: {count} wheels of {pkg} (at most 1)")
+    if manifest.get("fallback"):
+        fallback = [_dist_name(p.name) for p in (bundle / "fallback").glob("*.whl")]
+        for pkg in FALLBACK_PACKAGES:
+            if fallback.count(pkg) != 1:
+                problems.append(f"fallback/: {fallback.count(pkg)} wheels of {pkg} (need exactly 1)")
     model = bundle / manifest.get("model", "all-MiniLM-L6-v2-fp16")
     problems += [f"model folder lacks {f}" for f in MODEL_FILES if not any(model.rglob(f))]
     if not (bundle / manifest.get("coco_pairs", "coco_pairs.jsonl.gz")).is_file():
@@ -88,7 +100,37 @@ def check_bundle(bundle: Path | None) -> dict:
     }
 
 
-def install_command(py: str, bundle: Path, site: Path) -> list[str]:
-    """The pip call that installs the bundle's wheels into ``site`` without an index."""
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numeric release of a version (``"24.0.0"`` -> (24, 0, 0); ``"2.11.0+cu130"`` -> (2, 11, 0);
+    ``"25.0.0rc1"`` -> (25, 0, 0)): enough to compare against a floor without ``packaging``."""
+    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+
+def meets_floor(version: str, spec: str) -> bool:
+    """Whether ``version`` meets a lower bound written ``>=X`` (the form datasets' pyarrow pin takes)."""
+    if not spec.startswith(">="):
+        raise ValueError(f"expected a '>=' floor, got {spec!r}")
+    return _release(version) >= _release(spec[2:])
+
+
+def chosen_wheels(bundle: Path, pyarrow: str | None) -> list[str]:
+    """The wheels to install for an image whose pyarrow is ``pyarrow`` (None: not read): wheels/ all,
+    unless its datasets needs a newer pyarrow and fallback/ has a datasets that does not; then
+    fallback/'s wheels replace wheels/' of the same packages."""
     wheels = sorted(str(p) for p in (bundle / "wheels").glob("*.whl"))
+    manifest = json.loads((bundle / "MANIFEST.json").read_text())
+    floors = manifest.get("pyarrow") or {}
+    if pyarrow is None or "wheels" not in floors or meets_floor(pyarrow, floors["wheels"]):
+        return wheels
+    fallback = sorted(str(p) for p in (bundle / "fallback").glob("*.whl"))
+    if not fallback or not meets_floor(pyarrow, floors["fallback"]):
+        return wheels  # nothing fits; the install stage reports the unmet pin
+    replaced = {_dist_name(w) for w in fallback}
+    return sorted([w for w in wheels if _dist_name(w) not in replaced] + fallback)
+
+
+def install_command(py: str, bundle: Path, site: Path, pyarrow: str | None = None) -> list[str]:
+    """The pip call that installs the bundle's wheels (``chosen_wheels`` for the image's ``pyarrow``)
+    into ``site`` without an index."""
+    wheels = chosen_wheels(bundle, pyarrow)
     return [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", str(site), *wheels]

@@ -147,10 +147,10 @@ def stage_install(ctx: dict, work: Path) -> dict:
     import importlib
     from importlib import metadata
 
-    from bundle import BUNDLE_PACKAGES, OPTIONAL_PACKAGES
+    from bundle import BUNDLE_PACKAGES
 
     site = str(Path(ctx["run_dir"]) / "site") if ctx.get("bundle_wheels_installed") else None
-    names = [n.replace("_", "-") for n in BUNDLE_PACKAGES + OPTIONAL_PACKAGES]
+    names = [n.replace("_", "-") for n in BUNDLE_PACKAGES]
     versions, origin = {}, {}
     for dist in dict.fromkeys(names + list(IMAGE_PACKAGES)):
         try:

@@ -1,6 +1,8 @@
 """``cembed validate`` refuses what ``cembed train`` refuses (issue 25 item 1): a model train cannot
 load, and a batch the no-duplicates sampler never fills (named with the largest size that does);
-and, over generated configs, validate OK => train gets past setup (and validate's refusal => train's)."""
+and, over generated configs, validate OK => train gets past setup (and validate's refusal => train's).
+Issue 32 item 4: the same for every path-valued field (a file where a folder is needed, a folder
+under a file, a folder where a file is needed) and for a ``train.report_to`` tracker not installed."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import distinct_pairs
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -78,8 +80,83 @@ def test_zero_batch_plan_is_an_error_naming_the_largest_size(tmp_path, tiny_mode
 
 
 @pytest.mark.slow
+def test_a_plain_sampler_warns_of_no_unplaceable_rows(tmp_path, tiny_model_dir):
+    # the chain's rows collide across columns; only the no-duplicates sampler refuses to pair them, so
+    # with sampler.no_duplicates: false neither command may say rows "cannot be placed"
+    path = _config(tmp_path, str(tiny_model_dir), _chain(40), 8, sampler={"no_duplicates": False})
+    for command in ("validate", "train"):
+        r = _run(command, str(path))
+        assert r.exit_code == 0, f"{command}: {r.output}"
+        assert "cannot be placed" not in r.output, f"{command}: {r.output}"
+
+
+# --- issue 32 item 4: every path-valued field and train.report_to, validate OK <=> train runs --------
+
+
+def _file(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("not a folder\n")
+    return path
+
+
+def _path_mistakes(tmp: Path) -> dict[str, tuple[dict, str]]:
+    """Each mistake: the config sections that make it and the field the one-line error must name."""
+    blocker = _file(tmp / "blocker")  # a file where a folder is needed
+    sts = _file(tmp / "sts.tsv")
+    sts.write_text("".join(f"a car {i}\ta vehicle {i}\t{i % 5}\n" for i in range(8)))
+    return {
+        "output_dir is a file": ({"train": {"output_dir": str(blocker)}}, "train.output_dir"),
+        "output_dir under a file": ({"train": {"output_dir": str(blocker / "run")}}, "train.output_dir"),
+        "cache_dir is a file": ({"data": {"cache_dir": str(blocker)}}, "data.cache_dir"),
+        "cache_dir under a file": ({"data": {"cache_dir": str(blocker / "cache")}}, "data.cache_dir"),
+        "sts set is a folder": ({"eval": {"sts": str(tmp)}}, "eval.sts"),
+        "retrieval set is a file": ({"eval": {"retrieval": str(sts)}}, "eval.retrieval"),
+        "tracker not installed": ({"train": {"report_to": ["tensorboard"]}}, "train.report_to"),
+    }
+
+
+MISTAKES = (
+    "output_dir is a file",
+    "output_dir under a file",
+    "cache_dir is a file",
+    "cache_dir under a file",
+    "sts set is a folder",
+    "retrieval set is a file",
+    "tracker not installed",
+)
+
+
+def test_every_mistake_is_drawn(tmp_path):
+    assert tuple(_path_mistakes(tmp_path)) == MISTAKES  # the parametrized and the property test see them all
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_validate_refuses_what_train_fails_on(tmp_path, tiny_model_dir, mistake):
+    """A path where the other kind is needed, or a tracker whose package is missing: validate and
+    train both refuse with the same one line naming the field (exit 2), before any training."""
+    sections, field = _path_mistakes(tmp_path)[mistake]
+    path = _config(tmp_path, str(tiny_model_dir), distinct_pairs(16), 4, **sections)
+    checked, trained = _run("validate", str(path)), _run("train", str(path))
+    assert checked.exit_code == 2, checked.output
+    (line,) = checked.output.strip().splitlines()
+    assert line.startswith(f"error: {field}"), line
+    assert trained.exit_code == 2 and trained.output.strip().splitlines()[-1] == line, trained.output
+    assert "Traceback" not in trained.output and "step" not in trained.output.split("error:")[0].lower()
+
+
+def test_a_missing_tracker_names_the_package_to_install(tmp_path, tiny_model_dir):
+    from transformers.integrations import get_available_reporting_integrations
+
+    assert "tensorboard" not in get_available_reporting_integrations()  # the venv has no tensorboard
+    path = _config(tmp_path, str(tiny_model_dir), distinct_pairs(16), 4, train={"report_to": "tensorboard"})
+    r = _run("validate", str(path))
+    assert r.exit_code == 2 and "pip install tensorboard" in r.output and "\n" not in r.output.strip(), r.output
+
+
+@pytest.mark.slow
 @settings(
-    max_examples=6,
+    max_examples=10,
     deadline=None,
     derandomize=True,  # the same few configs every run: a failure reproduces
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -91,34 +168,22 @@ def test_zero_batch_plan_is_an_error_naming_the_largest_size(tmp_path, tiny_mode
     no_duplicates=st.booleans(),
     drop_last=st.booleans(),
     model_ok=st.booleans(),  # the tiny model, or one train cannot load
+    mistake=st.sampled_from([None, *MISTAKES]),  # a path-valued field or train.report_to gone wrong
 )
 def test_validate_ok_means_train_gets_past_setup(
-    tiny_model_dir, pairs, vocabulary, batch, no_duplicates, drop_last, model_ok
+    tiny_model_dir, pairs, vocabulary, batch, no_duplicates, drop_last, model_ok, mistake
 ):
     model = str(tiny_model_dir) if model_ok else MISSING_MODEL
     rows = [{"anchor": f"word {a % vocabulary}", "positive": f"word {p % vocabulary}"} for a, p in pairs]
     with tempfile.TemporaryDirectory() as tmp:
-        path = _config(
-            Path(tmp),
-            model,
-            rows,
-            batch,
-            batch={"drop_last": drop_last},
-            sampler={"no_duplicates": no_duplicates},
-        )
+        sections = {"batch": {"drop_last": drop_last}, "sampler": {"no_duplicates": no_duplicates}}
+        if mistake is not None:
+            for key, value in _path_mistakes(Path(tmp))[mistake][0].items():
+                sections[key] = {**sections.get(key, {}), **value}
+            event(mistake)
+        path = _config(Path(tmp), model, rows, batch, **sections)
         checked = _run("validate", str(path))
         trained = _run("train", str(path))  # train.max_steps: 1
         assert checked.exit_code in (0, 2), checked.output
         # validate OK => train sets up and trains; validate's refusal => train refuses too
         assert trained.exit_code == checked.exit_code, f"validate:\n{checked.output}\ntrain:\n{trained.output}"
-
-
-@pytest.mark.slow
-def test_a_plain_sampler_warns_of_no_unplaceable_rows(tmp_path, tiny_model_dir):
-    # the chain's rows collide across columns; only the no-duplicates sampler refuses to pair them, so
-    # with sampler.no_duplicates: false neither command may say rows "cannot be placed"
-    path = _config(tmp_path, str(tiny_model_dir), _chain(40), 8, sampler={"no_duplicates": False})
-    for command in ("validate", "train"):
-        r = _run(command, str(path))
-        assert r.exit_code == 0, f"{command}: {r.output}"
-        assert "cannot be placed" not in r.output, f"{command}: {r.output}"

@@ -12,8 +12,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 from conftest import COCO_PAIRS, REPO
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from cembed.data.mining import exclusion_pairs, mine_negatives
+from cembed.data.mining import canonical_texts, exclusion_pairs, mine_negatives
 from cembed.errors import UserError
 
 
@@ -204,3 +206,112 @@ def test_mining_takes_a_source_config_and_refuses_a_kind_that_cannot_be_mined(tm
         UserError, match=r"^prep: a prepared source cannot be mined \(mine-negatives reads text pairs\)$"
     ):
         mine_negatives(PreparedSource(path="prep"), "m", tmp_path / "o.jsonl")
+
+
+# --- issue 32 item 9: a candidate is judged by its token ids, as the model sees it ---------------
+
+
+def test_canonical_texts_maps_each_text_to_the_first_with_its_hash():
+    canon, variants = canonical_texts(["a b", "c", "A  b", "C", "d"], [7, 8, 7, 8, 9])
+    assert canon == {"a b": "a b", "c": "c", "A  b": "a b", "C": "c", "d": "d"} and variants == 2
+
+
+def _variant(text: str, upper: list[bool], spaces: list[int]) -> str:
+    """``text`` with letters upper-cased where ``upper`` says and each word gap widened by
+    ``spaces`` extra spaces: the same token ids under an uncased tokenizer, another string (the
+    first letter is always upper-cased, so it differs from ``text``)."""
+    words = text.split(" ")
+    gaps = [" " * (1 + spaces[i % len(spaces)]) for i in range(len(words) - 1)] + [""]
+    chars = "".join(w + g for w, g in zip(words, gaps))
+    flip = [True] + [upper[i % len(upper)] for i in range(1, len(chars))]
+    return "".join(c.upper() if f else c for c, f in zip(chars, flip))
+
+
+def _variant_rows(bases: list[str], picks: list[tuple[int, bool]], upper, spaces) -> list[dict]:
+    """Pairs ``(bases[2i], bases[2i+1])``, plus for each pick ``(k, anchor?)`` a row whose positive
+    is a case/space variant of pair ``k``'s anchor (or positive): a candidate for pair ``k`` whose
+    string differs from its anchor and positive while its token ids equal one of them."""
+    pairs = [(bases[2 * i], bases[2 * i + 1]) for i in range(len(bases) // 2)]
+    rows = [{"anchor": a, "positive": p} for a, p in pairs]
+    for j, (k, of_anchor) in enumerate(picks):
+        a, p = pairs[k % len(pairs)]
+        other = pairs[(k + 1 + j) % len(pairs)][0]  # another row's anchor, so the pair is new
+        rows.append({"anchor": other, "positive": _variant(a if of_anchor else p, upper, spaces)})
+    return rows
+
+
+def _same_ids_negatives(tokenizer, rows_out: list[dict], neg_cols: list[str]) -> list[tuple]:
+    """``(anchor, positive, negative)`` for each written negative whose token ids equal its row's
+    anchor's or positive's."""
+    ids = lambda t: tuple(tokenizer(t)["input_ids"])  # noqa: E731
+    return [
+        (r["anchor"], r["positive"], r[c])
+        for r in rows_out
+        for c in neg_cols
+        if ids(r[c]) in (ids(r["anchor"]), ids(r["positive"]))
+    ]
+
+
+_BASES = [
+    "a man sitting at a table", "two dogs on the street", "a red bus near a car", "the cat sat on a plate",
+    "people standing in a room", "a white plate with food", "a black dog next to a man", "a small blue car",
+    "a woman with a large dog", "two people at the table", "a train on top of the street", "red food on a plate",
+    "a cat is sitting in the car", "the woman and the man", "a large white room", "black and white cat",
+    "a dog at the bus", "small people near a train", "a blue plate on the table", "the street is large",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("margin", [None, 0.0])
+def test_no_negative_has_the_token_ids_of_its_anchor_or_positive(tiny_model_dir, tmp_path, margin):
+    """Ten pairs plus five rows whose positive is a case/space variant ("The  cat sat...") of
+    another pair's anchor or positive: the tiny uncased tokenizer gives the variant the same ids,
+    so it is that pair's anchor or positive as the model sees it and never its negative."""
+    from transformers import AutoTokenizer
+
+    rows = _variant_rows(_BASES, [(0, True), (1, False), (2, True), (3, False), (4, True)], [False, True], [1, 0])
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "mined.jsonl"
+    report = mine_negatives(str(data), str(tiny_model_dir), out, num_negatives=2, absolute_margin=margin,
+                            device="cpu", no_cache=True)  # fmt: skip
+    written = _read(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    bad = _same_ids_negatives(tokenizer, written, ["negative_1", "negative_2"])
+    assert bad == [], f"{len({(a, p) for a, p, _ in bad})} of {len(written)} rows: {bad}"
+    # each variant is one text with its original: 15 positive strings, 13 candidates as the model sees
+    # them (10 positives + the 3 anchors whose variants are positives); those 3 anchors are now
+    # excluded as their own negatives
+    assert (report.variants, report.corpus, report.self_excluded) == (5, 13, 3)
+    # every pair still gets its 2 negatives: the variant never took a slot another text could fill
+    assert report.short == 0 and len(written) == report.pairs == 15
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bases=st.permutations(_BASES),
+    n_pairs=st.integers(6, 10),
+    picks=st.lists(st.tuples(st.integers(0, 9), st.booleans()), min_size=1, max_size=6),
+    upper=st.lists(st.booleans(), min_size=1, max_size=5),
+    spaces=st.lists(st.integers(0, 2), min_size=1, max_size=3),
+    margin=st.sampled_from([None, 0.0]),
+    fmt=st.sampled_from(["columns", "rows"]),
+)
+def test_no_negative_has_its_rows_token_ids_over_generated_variants(
+    tiny_model_dir, tmp_path_factory, bases, n_pairs, picks, upper, spaces, margin, fmt
+):
+    """Property: over generated case/whitespace variants of a pair's anchor or positive, with and
+    without an absolute margin of 0, no written negative has the token ids of its row's anchor or
+    positive."""
+    from transformers import AutoTokenizer
+
+    tmp = tmp_path_factory.mktemp("variants")
+    rows = _variant_rows(list(bases[: 2 * n_pairs]), picks, upper, spaces)
+    data = tmp / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp / "mined.jsonl"
+    # one negative per pair: with 6+ pairs every generated case leaves some pair one (a file with
+    # none is a refusal, not the case tested)
+    mine_negatives(str(data), str(tiny_model_dir), out, num_negatives=1, absolute_margin=margin, output_format=fmt,
+                   device="cpu", no_cache=True)  # fmt: skip
+    cols = ["negative_1"] if fmt == "columns" else ["negative"]
+    assert _same_ids_negatives(AutoTokenizer.from_pretrained(str(tiny_model_dir)), _read(out), cols) == []

@@ -361,7 +361,7 @@ def test_eval_during_training_logs_metrics_and_keeps_best(
     best_step = max(values, key=lambda s: (values[s], -s))  # ties: the first one wins
     best = ev["best"]
     assert best["metric"] == "sts_spearman_cosine" and best["greater_is_better"] is True
-    assert best["value"] == pytest.approx(values[best_step]) and best["step"] == best_step
+    assert best["value"] == pytest.approx(values[best_step]) and best["step"] == best_step and best["loaded"] is True
     assert (out / f"checkpoint-{best_step}").is_dir()
     assert ev["after"]["sts_spearman_cosine"] == pytest.approx(values[best_step], abs=1e-6)
     on_disk = json.loads((out / "run_summary.json").read_text())["eval"]

@@ -67,8 +67,9 @@ def _features(model, n: int, columns: int = 2) -> list[dict]:
 
 class EncoderSpy:
     """Counts the encoder's forwards (the model's first module, the ``Transformer``): packed (it ran on
-    a 4D block mask and ``position_ids``) or padded, and the token positions each ran on. A forward
-    hook registered before any packing hook sees the inputs the module really ran on."""
+    per-row ``position_ids``, which the padded path never passes, and no 2D padding mask) or padded,
+    and the token positions each ran on. A forward hook registered before any packing hook sees the
+    inputs the module really ran on."""
 
     def __init__(self, model):
         self.calls: list[tuple[bool, int]] = []
@@ -77,8 +78,8 @@ class EncoderSpy:
     def _seen(self, module, args, kwargs, output):
         features = args[0]
         mask = features["attention_mask"]
-        packed = mask.ndim == 4 and features.get("position_ids") is not None
-        self.calls.append((packed, int(mask.shape[0] * mask.shape[-1])))
+        packed = features.get("position_ids") is not None and (mask is None or mask.ndim == 4)
+        self.calls.append((packed, int(features["input_ids"].numel())))
 
     def remove(self):
         self._handle.remove()

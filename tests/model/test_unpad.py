@@ -278,6 +278,13 @@ def test_validate_and_train_say_which_path(tiny_model_dir, t5_model_dir, write_c
     assert "attention: packed rows, no padding (sdpa attention" in r.output
     r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, t5_model_dir, tmp_path, True)])
     assert r.exit_code == 2 and "batch.unpad: true, but this model cannot run packed rows" in r.output
+    r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, t5_model_dir, tmp_path, "auto")])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert (
+        "attention: padded mini-batches, sorted by length (packing unsupported: T5EncoderModel takes no position_ids)"
+        in text
+    )
     r = runner.invoke(app, ["validate", _cfg(write_config, pairs_file, tiny_model_dir, tmp_path, "maybe")])
     assert r.exit_code == 2 and "batch.unpad" in r.output and "Traceback" not in r.output
 
@@ -368,19 +375,25 @@ def _sliding_modernbert(folder, tokenizer_dir, every: int):
     return SentenceTransformer(modules=[transformer, Pooling(32, "mean")], device="cpu")
 
 
-def test_sliding_window_attention_is_not_packed(tiny_model_dir, tmp_path, monkeypatch):
-    """Packed rows get full attention within the row (the block-diagonal mask replaces the model's own
-    masks), so a model with local attention layers would train on other embeddings: refused under
-    auto (padded, naming the window) and with batch.unpad: true. Without the config rule the start-up
-    check's own comparison (rows longer than the window, each against itself embedded alone) refuses it."""
+def test_sliding_window_modernbert_packs_with_layer_masks(tiny_model_dir, tmp_path, monkeypatch):
+    """ModernBERT does not pass position_ids to its mask functions (issue 34): restarted positions
+    alone leave its packs attending across rows, which the start-up check measures and rejects; the
+    per-layer-type mapping (block-diagonal, and block-diagonal within the 16-token window for its local
+    layers) agrees and is used. With that mode gone, the hand-built block mask is refused by the config
+    rule (it would widen the window), and without the rule the check's own comparison refuses it."""
     from cembed.model import unpad
 
     model = _sliding_modernbert(tmp_path / "local", tiny_model_dir, every=3)
     auto = resolve_unpad(model, "auto")
-    assert not auto.enabled
-    assert "padded mini-batches" in auto.description and "sliding-window attention" in auto.description
+    assert auto.enabled and auto.mode == "layer_masks"
+    assert "per-layer-type masks (full_attention, sliding_attention)" in auto.description
+    monkeypatch.setattr(unpad, "PACK_MODES", ("position_ids", "block"))
+    refused = resolve_unpad(model, "auto")
+    assert not refused.enabled and "sliding-window attention" in refused.description
+    assert "position_ids: a packed row" in refused.description  # measured, not assumed
     with pytest.raises(ModelRefused, match=r"batch.unpad: true, but .*sliding-window attention"):
         resolve_unpad(model, True)
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
     monkeypatch.setattr(unpad, "local_attention_reason", lambda config, max_seq_length: "")
     checked = resolve_unpad(model, "auto")
     assert not checked.enabled and "differs from the row embedded alone" in checked.description
@@ -449,6 +462,7 @@ def test_leaking_rows_are_refused(two_layer_model_dir, monkeypatch, third_only, 
     from cembed.model import unpad
 
     model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))  # BERT's preferred mode builds no mask here
     assert resolve_unpad(model, "auto").enabled
     monkeypatch.setattr(unpad, "_block_mask", _leaky_block_mask(third_only, weight))
     leaky = resolve_unpad(model, "auto")

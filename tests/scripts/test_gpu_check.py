@@ -30,9 +30,21 @@ WHEELS = [
     "dill-0.4.1-py3-none-any.whl",
     "multiprocess-0.70.19-py312-none-any.whl",
     "fsspec-2026.9.0-py3-none-any.whl",
-    "sentence_transformers-6.2.0-py3-none-any.whl",
+    "sentence_transformers-6.3.0-py3-none-any.whl",
+    "optuna-5.1.0-py3-none-any.whl",
+    "alembic-1.20.1-py3-none-any.whl",
+    "sqlalchemy-2.1.9-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl",
+    "mako-1.4.3-py3-none-any.whl",
+    "colorlog-6.12.0-py3-none-any.whl",
+    "typer-0.29.2-py3-none-any.whl",
+    "rich-15.0.0-py3-none-any.whl",
+    "pyyaml-6.0.4-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl",
+    "xxhash-4.1.0-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl",
     "cembed-0.1.0-py3-none-any.whl",
 ]
+# For an image whose pyarrow is below wheels/' datasets' floor (scripts/gpu_bundle.sh).
+FALLBACK = ["datasets-5.0.0-py3-none-any.whl", "fsspec-2026.4.0-py3-none-any.whl"]
+PYARROW_FLOORS = {"wheels": ">=24.0.0", "fallback": ">=21.0.0"}
 
 
 def dry_run(*extra: str) -> tuple[int, dict]:
@@ -49,10 +61,11 @@ def dry_run(*extra: str) -> tuple[int, dict]:
 
 def fake_bundle(folder: Path, extra: tuple[str, ...] = ()) -> Path:
     """A bundle laid out as scripts/gpu_bundle.sh lays it out (placeholder bytes), with its manifest;
-    ``extra``: more wheels (pyarrow, which the script adds when the image's is too old)."""
-    for name in [*WHEELS, *extra]:
-        (folder / "wheels").mkdir(parents=True, exist_ok=True)
-        (folder / "wheels" / name).write_bytes(name.encode())
+    ``extra``: more wheels in wheels/."""
+    for sub, names in (("wheels", [*WHEELS, *extra]), ("fallback", FALLBACK)):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (folder / sub / name).write_bytes(name.encode())
     model = folder / "all-MiniLM-L6-v2-fp16"
     (model / "0_Transformer").mkdir(parents=True)
     for name in (
@@ -69,6 +82,7 @@ def fake_bundle(folder: Path, extra: tuple[str, ...] = ()) -> Path:
         if p.is_file()
     }
     manifest = {"model": model.name, "coco_pairs": "coco_pairs.jsonl.gz", "files": files}
+    manifest |= {"fallback": [f"fallback/{n}" for n in FALLBACK], "pyarrow": PYARROW_FLOORS}
     (folder / "MANIFEST.json").write_text(json.dumps(manifest))
     return folder
 
@@ -327,12 +341,38 @@ def test_the_check_runs_end_to_end_on_cpu(tmp_path, capsys):
     assert est["steps"] == 4 and est["predicted_s"] > 0 and est["measured_s"] > 0 and est["bar"] != 0.15
 
 
-@pytest.mark.slow
-def test_the_bundle_may_bring_one_pyarrow(tmp_path):
-    # scripts/gpu_bundle.sh adds pyarrow when the image's is too old for the bundled datasets
-    pyarrow = "pyarrow-26.0.1-cp312-cp312-manylinux_2_28_x86_64.whl"
-    rc, plan = dry_run("--bundle", str(fake_bundle(tmp_path / "one", extra=(pyarrow,))))
-    assert rc == 0 and plan["bundle_check"]["problems"] == [] and len(plan["bundle_check"]["wheels"]) == 12
-    two = fake_bundle(tmp_path / "two", extra=(pyarrow, "pyarrow-25.0.0-cp312-cp312-manylinux_2_28_x86_64.whl"))
-    rc, plan = dry_run("--bundle", str(two))
-    assert rc == 1 and plan["bundle_check"]["problems"] == ["wheels/: 2 wheels of pyarrow (at most 1)"]
+@pytest.mark.parametrize(
+    ("pyarrow", "datasets", "fsspec"),
+    [
+        ("26.0.1", "datasets-5.2.0", "fsspec-2026.9.0"),
+        ("24.0.0", "datasets-5.2.0", "fsspec-2026.9.0"),
+        ("23.0.1", "datasets-5.0.0", "fsspec-2026.4.0"),  # below 24: the fallback pair
+        ("21.0.0", "datasets-5.0.0", "fsspec-2026.4.0"),
+        ("20.0.0", "datasets-5.2.0", "fsspec-2026.9.0"),  # neither fits: wheels/ as built, the pin reported
+        (None, "datasets-5.2.0", "fsspec-2026.9.0"),
+    ],
+)
+def test_the_install_picks_the_datasets_the_image_pyarrow_meets(tmp_path, pyarrow, datasets, fsspec):
+    sys.path.insert(0, str(GPU_CHECK))
+    try:
+        from bundle import chosen_wheels, install_command
+    finally:
+        sys.path.remove(str(GPU_CHECK))
+    bundle = fake_bundle(tmp_path / "bundle")
+    names = [Path(w).name for w in chosen_wheels(bundle, pyarrow)]
+    assert len(names) == len(WHEELS)
+    assert [n for n in names if n.startswith(("datasets-", "fsspec-"))] == [
+        f"{datasets}-py3-none-any.whl",
+        f"{fsspec}-py3-none-any.whl",
+    ]
+    assert install_command("py", bundle, tmp_path / "site", pyarrow)[-len(names) :] == chosen_wheels(bundle, pyarrow)
+
+
+def test_the_bundle_check_wants_one_wheel_of_each_fallback_package(tmp_path):
+    bundle = fake_bundle(tmp_path / "bundle")
+    (bundle / "fallback" / "fsspec-2026.4.0-py3-none-any.whl").unlink()
+    rc, plan = dry_run("--bundle", str(bundle))
+    assert rc == 1 and sorted(plan["bundle_check"]["problems"]) == [
+        "fallback/: 0 wheels of fsspec (need exactly 1)",
+        "missing fallback/fsspec-2026.4.0-py3-none-any.whl",
+    ]

@@ -145,6 +145,29 @@ def test_interrupt_finishes_the_step_then_saves_and_stops():
         cb.uninstall()
 
 
+def test_a_signal_after_the_last_step_ends_the_process_at_once():
+    """After the last optimizer step there is no step to finish: what follows (loading the best
+    checkpoint, a collective that may hang when a peer died) must not hold a signal back, or a worker
+    outlives the launcher's SIGTERM. The first signal then acts as the default handler would."""
+    notices = []
+    cb = InterruptCallback(on_signal=lambda signum, step: notices.append(step))
+    state, control = TrainerState(), TrainerControl()
+    state.global_step, state.max_steps = 4, 5
+    before = signal.getsignal(signal.SIGINT)
+    cb.install()
+    try:
+        cb.on_train_begin(None, state, control)
+        cb.on_step_end(None, state, control)  # step 4 of 5: a signal would still finish step 5
+        assert not control.should_training_stop
+        state.global_step = 5
+        cb.on_step_end(None, state, control)  # the last step
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is before and cb.signum is None and notices == []
+    finally:
+        cb.uninstall()
+
+
 def test_output_dir_messages_name_the_folder_relative_to_the_working_directory(tmp_path, monkeypatch):
     run = tmp_path / "runs" / "demo"
     run.mkdir(parents=True)
@@ -175,3 +198,48 @@ def test_the_first_signal_is_acknowledged_at_once_with_the_step_being_finished()
         assert heard == [(signal.SIGINT, 21)]  # the second signal is not announced as a first
     finally:
         cb.uninstall()
+
+
+def test_published_best_is_the_same_on_every_rank_and_never_the_staging_folder(tmp_path):
+    """The best checkpoint as ``state.best_model_checkpoint`` records it once published: derived from
+    the trainer's state alone (the trainer's own record depends on whether the rank saw the staging
+    folder at save time, and under FSDP ranks disagreed: None on one, a path on the other)."""
+    from cembed.train.trainer import published_best
+
+    run_dir = str(tmp_path / "run")
+    staging = os.path.join(run_dir, STAGING)
+    final = str(tmp_path / "run" / "checkpoint-3")
+    # this step is the best so far: its checkpoint, whatever the trainer recorded (None or staged)
+    for recorded in (None, os.path.join(staging, "checkpoint-3")):
+        state = TrainerState(global_step=3, best_global_step=3, best_model_checkpoint=recorded)
+        assert published_best(state, staging, run_dir) == final
+    # an earlier best: its published folder (moved out of staging), or as recorded when already published
+    state = TrainerState(global_step=5, best_global_step=3, best_model_checkpoint=os.path.join(staging, "checkpoint-3"))
+    assert published_best(state, staging, run_dir) == final
+    state = TrainerState(global_step=5, best_global_step=3, best_model_checkpoint=final)
+    assert published_best(state, staging, run_dir) == final
+    # a relative output_dir: the same spelling as the rotation's folder listing (Path-normalised)
+    assert published_best(TrainerState(global_step=2, best_global_step=2), "./o/.staging", "./o") == "o/checkpoint-2"
+    # no best yet (no metric, or no evaluation so far)
+    assert published_best(TrainerState(global_step=5), staging, run_dir) is None
+
+
+def test_summary_says_the_best_was_loaded_only_when_it_was(tmp_path):
+    from cembed.train.evaluation import EvalLogCallback, TrainingEvaluation
+
+    evaluation = TrainingEvaluation(
+        sets=type("Sets", (), {"retrieval": [], "sts": []})(),
+        evaluator=None,
+        metric="sts_spearman_cosine",
+        training_args={"greater_is_better": True},
+        callback=EvalLogCallback(None, []),
+    )
+    ckpt = str(tmp_path / "checkpoint-2")
+    state = TrainerState(best_metric=0.7, best_model_checkpoint=ckpt)
+    best = evaluation.summary({}, {}, state, best_loaded=True)["best"]
+    assert best["loaded"] is True and best["step"] == 2 and "is this checkpoint" in best["note"]
+    best = evaluation.summary({}, {}, state, best_loaded=False)["best"]
+    assert best["loaded"] is False and best["note"].startswith("not loaded")
+    # no checkpoint recorded (the best evaluation was at a step without a save): never "loaded"
+    best = evaluation.summary({}, {}, TrainerState(best_metric=0.7), best_loaded=True)["best"]
+    assert best["loaded"] is False and best["step"] is None

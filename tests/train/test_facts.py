@@ -141,3 +141,58 @@ def test_the_loss_path(write_config, pairs_file):
     auto = _config(write_config, path, batch={"mini_batch_size": "auto"})
     assert loss_path(auto, resolve_plan(auto)).mini_batch_size == 4  # auto: probed later; the batch until then
     assert _facts(cached).loss == loss_path(cached, plan)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "drop_last", "unused"),
+    [
+        # 37 rows -> 9 batches of 4 (a short batch of 1 row is never kept), 8 rows -> 2: two rounds,
+        # 8 of 37 rows trained
+        ({"strategy": "round_robin"}, False, {0: 29}),
+        # drop_last: 9 full batches and 2; still 2 rounds: the 29 rows include the 1 no batch holds
+        ({"strategy": "round_robin"}, True, {0: 29}),
+        # equal weights: a, b, a, b, a, then b's turn finds none: big trains 3 batches (12 rows)
+        ({"weights": {"big": 1, "small": 1}}, False, {0: 25}),
+        # small weighted 4x: b, b, a, then b's turn finds none: big trains one batch (4 rows)
+        ({"weights": {"big": 1, "small": 4}}, False, {0: 33}),
+        ({}, False, {}),  # proportional: every batch of every source, nothing unused
+    ],
+)
+def test_a_schedule_that_leaves_rows_unused_says_so_and_counts_what_the_sampler_yields(
+    write_config, pairs_file, sampling, drop_last, unused
+):
+    """Issue 32 item 10: round_robin / weighted end the epoch when a source runs out; the other
+    sources' remaining rows go unused each epoch. The warning's count is the one the sampler's own
+    epoch plan gives: compared here to the rows the training sampler yields for epoch 0."""
+    from collections import Counter
+
+    from cembed.data.batching.full_table import NoDuplicatesSampler
+    from cembed.data.batching.mixture import SourceMix
+
+    rows = distinct_pairs(45)
+    train = {
+        "big": {"path": str(pairs_file(rows[:37], "big.jsonl"))},
+        "small": {"path": str(pairs_file(rows[37:], "small.jsonl"))},
+    }
+    cfg = _config(write_config, train, batch={"drop_last": drop_last}, train={"seed": 3})
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"sampling": SamplingConfig(**sampling)})})
+    plan, data = check_run_inputs(cfg)
+    facts = run_facts(cfg, plan, data)
+    strategy = cfg.data.sampling.resolved_strategy
+    expected = [
+        f"{data.sources[i].where}: {n} of 37 rows ({round(100 * n / 37)}%) unused each epoch under "
+        f"data.sampling.strategy {strategy}"
+        for i, n in unused.items()
+    ]
+    # (37 rows leave one row over a batch of 4 either way: the unplaceable-rows warning says that)
+    found = [w for w in facts.warnings if "unused each epoch" in w]
+    assert [w.split(": the schedule")[0] for w in found] == expected, facts.warnings
+    assert all("set data.sampling.strategy: proportional" in w for w in found)
+    # what the trainer's sampler yields in one epoch, per source
+    sampler = NoDuplicatesSampler(
+        data.dataset, 4, drop_last, seed=3, world_size=1, sources=SourceMix.from_data(data, cfg.data.sampling)
+    )
+    sampler.set_epoch(0)
+    yielded = Counter(int(r >= 37) for batch in sampler for r in batch)
+    assert 37 - yielded[0] == unused.get(0, 1)  # proportional: only the row no batch of 4 holds
+    assert yielded[1] == 8

@@ -145,3 +145,45 @@ def test_two_ranks_on_mixed_layouts_equal_one_process(tiny_model_dir, write_conf
     max_dw = max((a[k] - b[k]).abs().max().item() for k in a)
     print(f"2 ranks vs 1 process on mixed layouts: max |dW| = {max_dw:.3e}")
     assert max_dw <= 1e-5, max_dw
+
+
+@pytest.mark.slow
+def test_two_epochs_of_two_sources_record_batches_per_epoch_and_warn_of_unused_rows(
+    tiny_model_dir, write_config, tmp_path
+):
+    """Issue 32 item 10: after 2 epochs run_summary.json still records each source's batches per
+    epoch, and round_robin over 37 and 8 rows (batches of 4: 9 and 2) says in validate and at the
+    start of train that it leaves 29 of the 37 rows unused each epoch."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from cembed.cli.app import app
+
+    rows = [{"anchor": f"question {i} about a red car", "positive": f"answer {i} on the street"} for i in range(45)]
+    for name, part in (("big", rows[:37]), ("small", rows[37:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    cfg = {
+        "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+        "data": {
+            "train": {"big": str(tmp_path / "big.jsonl"), "small": str(tmp_path / "small.jsonl")},
+            "sampling": {"strategy": "round_robin"},
+            "cache_dir": str(tmp_path / "cache"),
+        },
+        "batch": {"per_device_train_batch_size": 4, "mini_batch_size": 2},
+        "train": {"num_train_epochs": 2, "logging_steps": 1, "output_dir": str(tmp_path / "out"), "seed": 5},
+    }
+    path = write_config(cfg)
+    unused = re.compile(r"data\.train\.big \([^)]*big\.jsonl\): 29 of 37 rows \(78%\) unused each epoch under\s+data\.sampling\.strategy round_robin")  # fmt: skip
+    runner = CliRunner()
+    r = runner.invoke(app, ["validate", str(path)], terminal_width=400)
+    assert r.exit_code == 0 and unused.search(" ".join(r.output.split())), r.output
+    r = runner.invoke(app, ["train", str(path)], terminal_width=400)
+    assert r.exit_code == 0, r.output
+    assert unused.search(" ".join(r.output.split())), r.output
+    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
+    assert summary["steps"] == 8  # 2 rounds of (big, small) per epoch, 2 epochs
+    sources = summary["data"]["sources"]
+    assert [s["batches_per_epoch"] for s in sources] == [2, 2]
+    assert [(s["batches_trained"], s["rows_trained"]) for s in sources] == [(4, 16), (4, 16)]
+    assert any(unused.search(w) for w in summary["plan"]["warnings"])

@@ -262,3 +262,37 @@ def test_a_checkpoint_from_before_sampler_rule_resumes_with_the_default_rule():
     assert resume_differences(old, new) == ([], [])
     new["config"]["sampler"]["rule"] = "fixed_order"  # another rule draws other batches: refused
     assert resume_differences(old, new)[0] == ["sampler.rule 'no_duplicates' -> 'fixed_order'"]
+
+
+# --- issue 32 item 4: trackers and the folders a run writes ------------------------------------------
+
+
+def test_folder_problem_names_each_mistake(tmp_path, monkeypatch):
+    import os
+
+    from cembed.train.preflight import folder_problem
+
+    (tmp_path / "f").write_text("x")
+    assert folder_problem(tmp_path / "new" / "run") is None  # created on demand under a writable folder
+    assert folder_problem(tmp_path / "f").endswith("/f is a file, not a folder")
+    assert folder_problem(tmp_path / "f" / "run").endswith(
+        "/f/run cannot be created: " + str(tmp_path / "f") + " is a file"
+    )
+    # root writes anywhere, so "not writable" is os.access saying no for the nearest existing folder
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and Path(p) != tmp_path)
+    assert folder_problem(tmp_path / "new" / "run") == f"{tmp_path} is not writable"
+
+
+def test_trackers_are_checked_by_transformers_availability(monkeypatch):
+    import transformers.integrations as integrations
+
+    from cembed.train.preflight import check_trackers
+
+    monkeypatch.setattr(integrations, "get_available_reporting_integrations", lambda: ["wandb"])
+    assert check_trackers(["none"]) == [] and check_trackers(["all"]) == [] and check_trackers(["wandb"]) == []
+    (finding,) = check_trackers(["wandb", "tensorboard", "comet_ml"])
+    assert finding.field == "train.report_to"
+    assert finding.message == (
+        "tensorboard, comet_ml are not installed; pip install tensorboard comet-ml, or remove them from train.report_to"
+    )

@@ -214,3 +214,107 @@ def test_trials_carry_the_unplaceable_row_warnings_train_would_show(tmp_path, ti
     assert res.output.count("warning: 8 of 16 rows cannot be placed") == 1
     again = S.run_sweep(config, [1.0], steps=1, out=tmp_path / "s")  # read back from the study
     assert len(handed) == 1 and again.trials[0].trained_now is False and again.trials[0].warnings == [warning]
+
+
+# --- issue 32 item 3: a stored trial is reused only by the config that trained it ----------------------
+
+
+def _fake_runs(monkeypatch):
+    """Replace each trial's training by a summary whose metric is its LR (no model is trained);
+    returns the LRs of the runs, in call order."""
+    calls = []
+
+    def fake_run(cfg, plan, data, *args, **kwargs):
+        calls.append(plan.learning_rate)
+        return {
+            "step_losses": [[1, 0.5]],
+            "eval": {"before": None, "after": {"sts_spearman_cosine": plan.learning_rate}},
+        }
+
+    monkeypatch.setattr(S, "run_training", fake_run)
+    return calls
+
+
+def test_a_changed_config_is_refused_naming_the_field(tmp_path, tiny_model_dir, monkeypatch):
+    config, out = _config(tmp_path, tiny_model_dir), tmp_path / "s"
+    calls = _fake_runs(monkeypatch)
+    S.run_sweep(config, [1.0], steps=1, out=out)
+    assert len(calls) == 1
+    again = S.run_sweep(config, [1.0], steps=1, out=out)  # unchanged: read back, nothing trained
+    assert len(calls) == 1 and again.ran == [] and again.trials[0].trained_now is False
+    batch16 = ["batch.per_device_train_batch_size=16"]
+    with pytest.raises(UserError) as err:
+        S.run_sweep(config, [1.0], steps=1, out=out, overrides=batch16)
+    assert str(err.value) == (
+        f"sweep: {out / 'study.db'} was run with batch.per_device_train_batch_size=8, this config has 16; "
+        "use a new --out or --overwrite to move the old study aside"
+    )
+    with pytest.raises(UserError, match=r"was run with --steps=1, this config has 2"):
+        S.run_sweep(config, [1.0], steps=2, out=out)
+    with pytest.raises(UserError, match=r"was run with optim.learning_rate=0.001, this config has 0.002"):
+        S.run_sweep(config, [1.0], steps=1, out=out, overrides=["optim.learning_rate=0.002"])
+    assert len(calls) == 1  # refused before any training
+
+
+def test_overwrite_moves_the_old_study_aside_and_trains_fresh(tmp_path, tiny_model_dir, monkeypatch):
+    import optuna
+
+    config, out = _config(tmp_path, tiny_model_dir), tmp_path / "s"
+    calls = _fake_runs(monkeypatch)
+    first = S.run_sweep(config, [1.0], steps=1, out=out)
+    S.write_sweep(first)
+    fresh = S.run_sweep(
+        config, [1.0], steps=1, out=out, overrides=["batch.per_device_train_batch_size=16"], overwrite=True
+    )
+    # trained again at the new batch's LR: 1e-3 x sqrt(16/2), not read back at sqrt(8/2)'s
+    assert calls == pytest.approx([2e-3, 1e-3 * 8**0.5]) and fresh.ran == [1.0]
+    assert fresh.trials[0].learning_rate == pytest.approx(fresh.base_learning_rate) == pytest.approx(1e-3 * 8**0.5)
+    (aside,) = out.glob("study-*")
+    assert fresh.moved_aside == aside and (aside / "sweep.json").is_file()
+    old = optuna.load_study(study_name=S.STUDY_NAME, storage=f"sqlite:///{aside / 'study.db'}")
+    assert [t.state.name for t in old.trials] == ["COMPLETE"] and old.trials[0].value == pytest.approx(2e-3)
+    new = optuna.load_study(study_name=S.STUDY_NAME, storage=f"sqlite:///{out / 'study.db'}")
+    assert [t.value for t in new.trials] == pytest.approx([1e-3 * 8**0.5])
+
+
+def test_a_study_without_a_config_record_is_refused(tmp_path, tiny_model_dir, monkeypatch):
+    """A study whose finished trials carry no record of what they trained (an older cembed) is not
+    read back as this config's."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    config, out = _config(tmp_path, tiny_model_dir), tmp_path / "s"
+    out.mkdir()
+    study = optuna.create_study(storage=f"sqlite:///{out / 'study.db'}", study_name=S.STUDY_NAME, direction="maximize")
+    study.enqueue_trial({"factor": 1.0})
+    study.tell(study.ask({"factor": FloatDistribution(1e-6, 1e6, log=True)}), 0.5)
+    calls = _fake_runs(monkeypatch)
+    with pytest.raises(UserError, match=r"holds trials without a record of the config they ran.*--overwrite"):
+        S.run_sweep(config, [1.0], steps=1, out=out)
+    assert calls == []
+
+
+@pytest.mark.slow
+def test_cli_a_changed_batch_is_refused_then_overwritten_then_reused(tmp_path, tiny_model_dir, monkeypatch):
+    config, out = _config(tmp_path, tiny_model_dir), tmp_path / "s"
+    calls = _counting(monkeypatch)
+    sweep = ["sweep", str(config), "--lr-factors", "1", "--steps", "1", "--out", str(out)]
+    assert CliRunner().invoke(app, sweep).exit_code == 0 and len(calls) == 1
+
+    changed = [*sweep, "batch.per_device_train_batch_size=16"]
+    res = CliRunner().invoke(app, changed)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    (line,) = [x for x in res.output.splitlines() if x.strip()]
+    assert "batch.per_device_train_batch_size=8, this config has 16" in line and len(calls) == 1
+
+    res = CliRunner().invoke(app, [*changed, "--overwrite"])
+    assert res.exit_code == 0 and len(calls) == 2, res.output
+    assert "moved the old sweep aside to" in res.output and len(list(out.glob("study-*/study.db"))) == 1
+    # the header's effective LR at x1 is the table's x1 row and the best line's: 1e-3 x sqrt(16/2)
+    assert "effective learning_rate at x1: 2.828e-03" in res.output
+    (row,) = [x for x in res.output.splitlines() if x.startswith("│") and "x1" in x]
+    assert [cell.strip() for cell in row.split("│")[1:3]] == ["x1", "2.828e-03"]
+    assert "best: x1 = effective LR 2.828e-03" in res.output
+
+    res = CliRunner().invoke(app, changed)  # unchanged since: read back, nothing trained
+    assert res.exit_code == 0 and len(calls) == 2 and "finished before, read back" in res.output, res.output

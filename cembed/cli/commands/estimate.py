@@ -125,7 +125,8 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
         },
         "data": {
             "rows": est.number(stats.rows, "rows", "pre-tokenized data"),
-            "rows_per_step": est.number(plan.samples_per_step, "rows", "batch x devices x accumulation"),
+            "rows_per_step": est.number(plan.samples_per_step, "rows", _rows_per_step_source(plan)),
+            "per_device_batch": est.number(plan.per_device_train_batch_size, "rows", _per_device_source(plan)),
             "batches_per_epoch": est.number(facts.batches_per_epoch, "batches", "rows / global batch"),
             "mean_tokens_per_row": est.number(stats.mean_tokens, "tokens", "measured: pre-tokenized data"),
             "token_histogram": stats.histogram,
@@ -138,6 +139,20 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
         "flop_model": {"N": n, "L": layers, "d": width, "passes": path.passes},
         "calibration": measured,
     }
+
+
+def _rows_per_step_source(plan) -> str:
+    if plan.global_batch_size is not None:
+        return "batch.global_batch_size"
+    return "batch.per_device_train_batch_size x devices x accumulation"
+
+
+def _per_device_source(plan) -> str:
+    if plan.global_batch_size is not None:
+        return (
+            f"batch.global_batch_size / ({plan.world_size} devices x {plan.gradient_accumulation_steps} accumulation)"
+        )
+    return "batch.per_device_train_batch_size"
 
 
 def device_rate(cfg, plan, gpu: str | None, mfu: float | None, measured: dict | None):
@@ -235,7 +250,8 @@ def print_estimate(report: dict) -> None:
     t = report["target"]
     console.print(f"[bold]estimate[/] for {t['devices']} x {t['device']} ({t['precision']})", highlight=False)
     rows = [("rate per device", report["rate"]["flops_per_s_per_device"])]
-    rows += [(k.replace("_", " "), report["data"][k]) for k in ("rows", "batches_per_epoch", "padded_share")]
+    data_keys = ("rows", "rows_per_step", "per_device_batch", "batches_per_epoch", "padded_share")
+    rows += [(k.replace("_", " "), report["data"][k]) for k in data_keys]
     keys = ("steps_per_epoch", "steps", "tokens", "flops", "seconds_per_step", "epoch_seconds", "run_seconds",
             "gpu_hours", "memory_per_rank", "data_wait_risk", "checkpoint_size")  # fmt: skip
     rows += [(k.replace("_", " "), report[k]) for k in keys]

@@ -19,6 +19,7 @@ SWEEP_EXAMPLES = examples(
     "cembed sweep quickstart.yaml --lr-factors 0.25,0.5,1,2,4 --steps 50",
     "cembed sweep quickstart.yaml --metric coco-heldout_cosine_mrr@10 --out runs/lr-sweep",
     "cembed sweep quickstart.yaml batch.per_device_train_batch_size=256 --lr-factors 0.5,1,2",
+    "cembed sweep quickstart.yaml batch.per_device_train_batch_size=256 --overwrite",
 )
 
 
@@ -33,10 +34,20 @@ def sweep_cmd(
         None, "--metric", help="Eval metric to compare (default: eval.metric_for_best_model, else the headline one)."
     ),
     out: Optional[Path] = typer.Option(
-        None, "--out", help="Sweep folder (default <train.output_dir>-lr-sweep); a rerun resumes its study."
+        None,
+        "--out",
+        help="Sweep folder (default <train.output_dir>-lr-sweep); a rerun of the same config resumes its study.",
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Move the folder's previous study and runs aside (into <out>/study-<time>/) and sweep afresh.",
     ),
 ) -> None:
-    """Search the learning rate: short runs at the scaled LR x each factor, one more beyond an edge best."""
+    """Search the learning rate: short runs at the scaled LR x each factor, one more beyond an edge best.
+
+    A rerun reads back the trials of the same config; a study another config ran is refused (naming
+    what changed) unless --overwrite moves it aside."""
     from cembed.train.sweep import parse_factors, sweep_metric
 
     factors = parse_factors(lr_factors)
@@ -51,7 +62,7 @@ def sweep_cmd(
     from cembed.errors import RunInterrupted
 
     try:
-        result = run_sweep(config, factors, steps, out, metric, overrides, on_trial)
+        result = run_sweep(config, factors, steps, out, metric, overrides, on_trial, overwrite=overwrite)
     except RunInterrupted as stop:  # SIGINT/SIGTERM in a trial: it is marked failed in the study
         err_console.print(
             f"[yellow]{stop}[/]: the finished trials are kept; rerun the same command to train the missing ones",
@@ -59,6 +70,8 @@ def sweep_cmd(
         )
         raise typer.Exit(stop.exit_code) from None
     path, plot = write_sweep(result)
+    if result.moved_aside is not None:
+        console.print(f"moved the old sweep aside to {result.moved_aside}", highlight=False)
     table = Table(title=f"LR sweep ({result.steps} steps per trial): {result.metric}")
     for name in ("factor", "learning rate", result.metric, "loss at end"):
         table.add_column(name, justify="right")

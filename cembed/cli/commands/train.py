@@ -30,6 +30,10 @@ from cembed.files import display_path
 
 NPROC_HELP = "Processes (GPUs) per node; >1 launches them through torch.distributed.run (torchrun)."
 NNODES_HELP = "Machines taking part; run the same command on each with its own --node-rank."
+RESTARTS_HELP = (
+    "Restart all processes up to this many times when one fails (torchrun's elastic agent); each restart "
+    "resumes from the newest complete checkpoint."
+)
 
 TRAIN_EXAMPLES = examples(
     "cembed train quickstart.yaml",
@@ -60,6 +64,7 @@ def train_cmd(
     peak_tflops: Optional[float] = typer.Option(
         None, "--peak-tflops", help="The GPU's dense peak TFLOP/s for MFU (same as train.peak_tflops=...)."
     ),
+    max_restarts: int = typer.Option(0, "--max-restarts", help=RESTARTS_HELP),
 ) -> None:
     """Fine-tune a model as the config says; writes the model and run_summary.json to train.output_dir."""
     if peak_tflops is not None:
@@ -87,11 +92,25 @@ def train_cmd(
         + (["--overwrite"] if overwrite else [])
         + (["--max-memory", max_memory] if max_memory else [])
     )
-    if world is not None and world > 1:
+    if (world is not None and world > 1) or max_restarts:  # restarts come from the launcher, even for 1 process
         _launch_training(
-            cfg, config, (overrides or []) + worker_flags, world, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint
+            cfg,
+            config,
+            (overrides or []) + worker_flags,
+            world or 1,
+            nproc_per_node or 1,
+            nnodes,
+            node_rank,
+            rdzv_endpoint,
+            max_restarts,
+            overrides or [],
         )
         return
+    from cembed.distributed.launch import restart_count
+    from cembed.train.checkpoint import resume_on_restart
+
+    # A restart by the launcher (after a failure) continues from the newest complete checkpoint.
+    resume, resume_from = resume_on_restart(cfg.train.output_dir, restart_count(), resume, resume_from)
     out = console if dist_info().is_main else make_console(quiet=True)  # only rank 0 prints
     display = RichRunDisplay(out)
     try:
@@ -161,15 +180,22 @@ def _launch_training(
     nnodes: int,
     node_rank: int,
     rdzv_endpoint: str | None,
+    max_restarts: int = 0,
+    shown_overrides: list[str] | None = None,
 ) -> None:
     """Check the config here (a config mistake exits 2 before any process starts), then run
     ``python -m cembed train config overrides`` in ``nproc_per_node`` processes via torch.distributed.run.
     The data is loaded and checked by the workers only (this process holds no table, so a node's
-    memory is its ranks'): a data mistake comes back as rank 0's one-line error, exit code 2."""
+    memory is its ranks'): a data mistake comes back as rank 0's one-line error, exit code 2.
+    SIGTERM/SIGINT to this process reaches every worker, which saves and stops: exit 128 + signal,
+    naming the checkpoint to resume from. With ``max_restarts`` a failed worker restarts them all,
+    each restart resuming from the newest complete checkpoint."""
     from cembed.distributed.launch import launch, launcher_args
+    from cembed.errors import LauncherSignalled
+    from cembed.train.checkpoint import latest_complete
     from cembed.train.recipe import check_run_config
 
-    launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint)  # flag checks only
+    launcher_args("cembed", [], nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)  # flag checks only
     plan = check_run_config(cfg, world)
     print_plan(console, plan)
     console.print(
@@ -177,7 +203,23 @@ def _launch_training(
         highlight=False,
     )
     try:
-        launch(["train", str(config.resolve()), *overrides], nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+        launch(
+            ["train", str(config.resolve()), *overrides],
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            rdzv_endpoint,
+            max_restarts=max_restarts,
+        )
+    except LauncherSignalled as stop:
+        found = latest_complete(cfg.train.output_dir)
+        saved = f"newest checkpoint {display_path(found)}" if found else "no checkpoint was saved"
+        extra = " ".join(shown_overrides or [])
+        err_console.print(
+            f"[yellow]{stop}[/]: {saved}\nresume with: cembed train {config}{' ' + extra if extra else ''} --resume",
+            highlight=False,
+        )
+        raise typer.Exit(stop.exit_code) from None
     except WorkerFailed as err:
         # exit code 2: a user mistake (the data's, found by the workers): its one line, as one process shows it
         message = err.message.removeprefix("UserError: ") if err.exitcode == 2 else err.message

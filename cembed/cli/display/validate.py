@@ -114,6 +114,7 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
         "data": data_facts,
         "batch": {
             "per_device_train_batch_size": plan.per_device_train_batch_size,
+            "global_batch_size": plan.global_batch_size,  # the config's, when set (the per-device batch follows)
             "world_size": plan.world_size,
             "gradient_accumulation_steps": plan.gradient_accumulation_steps,
             "samples_per_step": plan.samples_per_step,
@@ -190,8 +191,9 @@ def print_validation(console: Console, report: dict) -> None:
     if b["mini_batch_num_tokens"]:
         mini += f", mini_batch_num_tokens: {b['mini_batch_num_tokens']}"
     processes = f" ({b['world_size']} processes)" if b["world_size"] > 1 else ""
+    chosen = " (batch.global_batch_size)" if b.get("global_batch_size") is not None else ""
     p(
-        f"batch: world size: {b['world_size']}{processes}   effective batch: {b['per_device_train_batch_size']} per "
+        f"batch: world size: {b['world_size']}{processes}   effective batch{chosen}: {b['per_device_train_batch_size']} per "
         f"device x {b['world_size']} x {b['gradient_accumulation_steps']} accumulation = {b['samples_per_step']} "
         f"samples per optimizer step   {mini}   gather_across_devices: {str(b['gather_across_devices']).lower()}"
     )

@@ -32,6 +32,8 @@ steps. Only whole global batches are used then (every rank needs the same batch 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from sentence_transformers.base.sampler import DefaultBatchSampler
 from sentence_transformers.util import get_world_size
@@ -42,6 +44,56 @@ from cembed.data.identity import TOKEN_SUFFIX, compared_columns, row_hashes
 
 # Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
 SOURCE_SEED_STRIDE = 1_000_003
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """One epoch of several sources: each source's duplicate-free batches (:func:`build_batches_flat`)
+    and the schedule that takes them (:meth:`cembed.data.batching.mixture.SourceMix.schedule`). The
+    sampler trains on exactly this; ``validate`` reads the rows it leaves unused from it.
+
+    Attributes:
+        rows: per source, its batches' dataset row indices, one flat int64 array.
+        bounds: per source, its batches' offsets into ``rows`` (``len(bounds) - 1`` batches).
+        sizes: per source, its rows in the dataset.
+        order: the source index of each global batch of the epoch, in training order.
+    """
+
+    rows: list[np.ndarray]
+    bounds: list[np.ndarray]
+    sizes: tuple[int, ...]
+    order: list[int]
+
+    @property
+    def taken(self) -> list[int]:
+        """Per source, the batches the schedule takes: always its first ones."""
+        return [self.order.count(i) for i in range(len(self.rows))]
+
+    @property
+    def used(self) -> list[int]:
+        """Per source, the rows its taken batches hold: the rows the epoch trains on."""
+        return [int(b[t]) for b, t in zip(self.bounds, self.taken)]
+
+    @property
+    def unused(self) -> list[int]:
+        """Per source, its rows the epoch does not train on: those no batch holds and those in
+        batches the schedule leaves out (round_robin, weighted)."""
+        return [n - u for n, u in zip(self.sizes, self.used)]
+
+
+def plan_epoch(hashes: np.ndarray, mix: SourceMix, batch_size: int, drop_last: bool, seed: int) -> EpochPlan:
+    """The :class:`EpochPlan` of the rows with ``hashes`` (all sources', shape ``(rows, columns)``,
+    in ``mix.sizes`` order) for global batches of ``batch_size``: source ``i`` is shuffled with
+    ``seed + i x SOURCE_SEED_STRIDE`` (``seed``: the sampler's seed + epoch)."""
+    rows, bounds = [], []
+    for i, (offset, n) in enumerate(zip(mix.offsets, mix.sizes)):
+        placed, cuts, _ = build_batches_flat(
+            hashes[offset : offset + n], batch_size, drop_last, seed + i * SOURCE_SEED_STRIDE
+        )
+        placed += offset  # in place: the array is this call's own
+        rows.append(placed)
+        bounds.append(cuts)
+    return EpochPlan(rows, bounds, tuple(mix.sizes), mix.schedule([len(b) - 1 for b in bounds]))
 
 
 def build_batches(hashes: np.ndarray, batch_size: int, drop_last: bool, seed: int) -> tuple[list[list[int]], int]:
@@ -260,22 +312,15 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         as ``(rows, bounds, unplaced)`` (see :func:`build_batches_flat`; ``rows`` int32 below 2^31
         rows); rows of batches the schedule leaves out (round_robin, weighted) count as unplaced."""
         size, drop = self.batch_size * self.world_size, self.drop_last or self.world_size > 1
-        per_source, unplaced = [], 0
-        for i, (offset, n) in enumerate(zip(self.sources.offsets, self.sources.sizes)):
-            rows, bounds, left = build_batches_flat(
-                self.hashes[offset : offset + n], size, drop, self.seed + epoch + i * SOURCE_SEED_STRIDE
-            )
-            rows += offset
-            per_source.append((rows, bounds))
-            unplaced += left
-        order = self.sources.schedule([len(bounds) - 1 for _, bounds in per_source])
-        taken = [0] * len(per_source)
+        plan = plan_epoch(self.hashes, self.sources, size, drop, self.seed + epoch)
+        order = plan.order
+        taken = [0] * len(plan.rows)
         pieces = []
         for i in order:
-            rows, bounds = per_source[i]
+            rows, bounds = plan.rows[i], plan.bounds[i]
             pieces.append(rows[bounds[taken[i]] : bounds[taken[i] + 1]])
             taken[i] += 1
-        unplaced += sum(len(rows) - int(bounds[taken[i]]) for i, (rows, bounds) in enumerate(per_source))
+        unplaced = sum(plan.unused)
         dtype = np.int32 if len(self.hashes) < 2**31 else np.int64
         rows = np.concatenate(pieces, dtype=dtype) if pieces else np.empty(0, dtype=dtype)
         sizes = [len(p) for p in pieces]
@@ -315,10 +360,15 @@ class NoDuplicatesSampler(DefaultBatchSampler):
             steps, epoch = steps - take, epoch + 1
         return [(b, r) for b, r in counts]
 
-    def batch_sources(self) -> list[int]:
-        """This epoch's global batches' source indices, in order."""
-        self._epoch_batches()
-        return self._origin[self.epoch]
+    def batch_sources(self, epoch: int | None = None) -> list[int]:
+        """The global batches' source indices of ``epoch`` (None: the current one), in order; an
+        epoch other than the current one is built for it (its batches are not kept)."""
+        if epoch is None or epoch == self.epoch:
+            self._epoch_batches()
+            return self._origin[self.epoch]
+        if epoch not in self._origin:
+            self._build(epoch)
+        return self._origin[epoch]
 
     def global_batches(self) -> list[list[int]]:
         """This epoch's duplicate-free global batches (``batch_size x world_size`` row indices each)."""

@@ -11,6 +11,10 @@ separately (:class:`cembed.data.batching.full_table.NoDuplicatesSampler`), then 
   sentence-transformers' ``RoundRobinBatchSampler``): every source gets the same number of batches.
 - ``weighted``: shares of the batches by ``data.sampling.weights``, until a source runs out.
 
+The last two leave the other sources' remaining rows unused each epoch;
+:func:`cembed.data.batching.placement.schedule_warnings` says how many, from the epoch plan the sampler
+trains on (:func:`cembed.data.batching.full_table.plan_epoch`).
+
 The schedule is deterministic and smooth: batch ``t`` goes to the source furthest behind its share
 (largest ``t x share - batches taken``, ties to the first source), so with two sources every prefix
 of the epoch, not only the whole epoch, is within one batch of the shares. It depends only on the

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cembed.data.batching.fits import fits
-from cembed.data.batching.full_table import SOURCE_SEED_STRIDE, build_batches_flat
+from cembed.data.batching.full_table import SOURCE_SEED_STRIDE, build_batches_flat, plan_epoch
+from cembed.data.batching.mixture import SourceMix
 from cembed.data.identity import arrow_table, row_hashes
 from cembed.data.prompts import training_prompts
 from cembed.data.rows import TrainingData, source_views
@@ -56,7 +57,8 @@ def find_unplaceable(
     data: TrainingData, batch_size: int, drop_last: bool, seed: int, hashes: np.ndarray | None = None
 ) -> Unplaceable | None:
     """The rows the no-duplicates sampler leaves unused in epoch 0 (``seed``) beyond the
-    ``rows % batch_size`` a short last batch leaves with ``drop_last`` (None: no such rows).
+    ``rows % batch_size`` a short last batch leaves with ``drop_last`` (or a lone last row without
+    it) (None: no such rows).
 
     Args:
         data: the prepared training data.
@@ -70,7 +72,10 @@ def find_unplaceable(
     if n == 0 or hashes.shape[1] == 0:
         return None
     placed, bounds, unplaced = build_batches_flat(hashes, batch_size, drop_last, seed)
-    if unplaced <= (n % batch_size if drop_last else 0):
+    # What the end of an epoch leaves out whatever the texts: the short last batch with drop_last, and
+    # without it a lone last row (a 1-row batch has no in-batch negative, build_batches_flat drops it).
+    remainder = n % batch_size
+    if unplaced <= (remainder if drop_last or remainder == 1 else 0):
         return None
     unused = np.ones(n, dtype=bool)
     unused[placed] = False
@@ -108,6 +113,44 @@ def unplaceable_warnings(plan, data, drop_last: bool, seed: int, hashes: np.ndar
         part = None if hashes is None else hashes[offset : offset + len(view.dataset)]
         found.append(find_unplaceable(view, batch, drop, seed + i * SOURCE_SEED_STRIDE, part))
     return tuple(str(f) for f in found if f)
+
+
+def schedule_warnings(
+    plan, data, sampling, drop_last: bool, seed: int, hashes: np.ndarray | None = None
+) -> tuple[str, ...]:
+    """One warning per training source whose rows the ``data.sampling`` schedule leaves unused in an
+    epoch (round_robin and weighted end the epoch when a source runs out of batches), with the
+    share: the count is the sampler's own epoch 0 (:func:`cembed.data.batching.full_table.plan_epoch`,
+    the plan :class:`~cembed.data.batching.full_table.NoDuplicatesSampler` trains on), all the rows
+    of the source the epoch does not train on. Empty with one source, ``proportional`` (every batch
+    of every source is taken) or no rows loaded.
+
+    Args:
+        plan: the resolved plan (its per-device batch and world size make the global batch).
+        sampling: the ``data.sampling`` section (:class:`cembed.config.data.SamplingConfig`).
+        hashes: all rows' hashes as the sampler compares them (:func:`sampler_hashes`; zero columns
+            with ``sampler.no_duplicates: false``; default: raw text).
+    """
+    if not hasattr(data, "dataset") or len(data.sources) < 2:
+        return ()
+    mix = SourceMix.from_data(data, sampling)
+    hashes = row_hashes(data.dataset, data.columns) if hashes is None else hashes
+    batch = plan.per_device_train_batch_size * plan.world_size
+    epoch = plan_epoch(hashes, mix, batch, drop_last or plan.world_size > 1, seed)
+    taken, available = epoch.taken, [len(b) - 1 for b in epoch.bounds]
+    if taken == available:
+        return ()
+    ran_out = ", ".join(data.sources[i].where for i in range(len(taken)) if taken[i] == available[i])
+    out = []
+    for src, unused, size, t, a in zip(data.sources, epoch.unused, epoch.sizes, taken, available):
+        if t < a:
+            out.append(
+                f"{src.where}: {unused} of {size} rows ({round(100 * unused / size)}%) unused each epoch under "
+                f"data.sampling.strategy {mix.strategy}: the schedule ends the epoch when {ran_out} has no batch "
+                f"left, after {t} of this source's {a} batches; set data.sampling.strategy: proportional to "
+                "train on every source's batches each epoch (each source's share of steps its share of rows)"
+            )
+    return tuple(out)
 
 
 def _views_with_offsets(data: TrainingData) -> list[tuple[TrainingData, int]]:

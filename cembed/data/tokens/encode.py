@@ -103,6 +103,23 @@ def _row_hashes(ids: pa.Array, skip: list[int]) -> pa.Array:
     return pa.array(hashes, type=pa.uint64(), mask=ids.is_null().to_numpy(zero_copy_only=False))
 
 
+def text_hashes(tokenizer, texts: list[str], max_length: int) -> np.ndarray:
+    """Each text's identity as training compares it: the hash :func:`_tokenize_batch` stores as
+    ``<role>_hash`` for a text without a prompt (its ids after truncation to ``max_length``, special
+    tokens included: :func:`cembed.data.identity.hash_token_ids`), so "The cat." and "the  cat."
+    hash equal under an uncased tokenizer. Shape ``(len(texts),)`` uint64; tokenized
+    ``_HASH_SLICE`` texts at a time (bounds the id lists held at once)."""
+    out = np.empty(len(texts), dtype=np.uint64)
+    for start in range(0, len(texts), _HASH_SLICE):
+        part = texts[start : start + _HASH_SLICE]
+        table = _tokenize_batch({"text": part}, list(range(len(part))), ["text"], tokenizer, max_length, [0], [{}])
+        out[start : start + len(part)] = table.column("text" + HASH_SUFFIX).to_numpy()
+    return out
+
+
+_HASH_SLICE = 65_536
+
+
 # Rows below which tokenizing stays in this process: starting worker processes (each unpickles the
 # tokenizer) costs more than it saves.
 PARALLEL_MIN_ROWS = 50_000

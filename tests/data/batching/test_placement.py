@@ -57,6 +57,15 @@ def test_nothing_to_report():
     assert find_unplaceable(empty, 4, drop_last=True, seed=0) is None
 
 
+def test_a_lone_remainder_row_is_not_blamed_on_repeated_texts():
+    # 37 distinct rows in batches of 4 without drop_last: the one row left over would be a 1-row batch,
+    # which has no in-batch negative, so the sampler leaves it out; no text repeats, so nothing to report.
+    distinct = TrainingData(
+        Dataset.from_dict({"anchor": [f"q{i}" for i in range(37)], "positive": [f"p{i}" for i in range(37)]}), "x", 37
+    )
+    assert find_unplaceable(distinct, 4, drop_last=False, seed=0) is None
+
+
 def test_long_text_shortened_in_the_message():
     long = "x" * 80
     found = find_unplaceable(_data((long,) * 8), 4, drop_last=True, seed=0)

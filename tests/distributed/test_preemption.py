@@ -1,0 +1,148 @@
+"""Runs that outlive their machines (issue 33 item 3), through the launcher (``cembed train
+--nproc-per-node 2``, 2 gloo ranks):
+
+- SIGTERM to the launcher (a scheduler's preemption): every rank finishes its step and saves the same
+  complete checkpoint, the job exits 143 (128 + SIGTERM), and ``--resume`` ends with the
+  uninterrupted run's weights.
+- ``--max-restarts 1``: a rank killed (SIGKILL) mid-run restarts the job, which resumes from the
+  newest complete checkpoint by itself and exits 0 with the uninterrupted run's weights.
+
+The signals land wherever the run is (after its first checkpoint): the comparison holds for any step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+pytestmark = pytest.mark.slow  # each test launches 2 worker processes
+
+STEPS = 24
+
+
+def _config(write_config, tmp: Path, model_dir: Path, out: str) -> Path:
+    data = tmp / "pairs.jsonl"
+    if not data.exists():
+        rows = [{"anchor": f"a query about topic {i}", "positive": f"the passage on topic {i}"} for i in range(32)]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return write_config(
+        {
+            "model": {"name_or_path": str(model_dir), "max_seq_length": 32, "device": "cpu"},
+            "data": {"train": str(data), "cache_dir": str(tmp / "cache")},
+            "batch": {"global_batch_size": 8, "mini_batch_size": 4},
+            "optim": {"learning_rate": 1e-2, "lr_scaling": "none", "warmup_ratio": 0.25},
+            "train": {"max_steps": STEPS, "save_steps": 2, "logging_steps": 1, "output_dir": str(tmp / out)},
+        },
+        name=f"{out}.yaml",
+    )
+
+
+def _launch(cfg: Path, *flags: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    cmd = [sys.executable, "-m", "cembed", "train", str(cfg), "--nproc-per-node", "2", *flags]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int = 2, timeout: float = 300) -> None:
+    marker = out / f"checkpoint-{step}" / "cembed_checkpoint_complete.json"
+    end = time.monotonic() + timeout
+    while not marker.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < end, "no checkpoint in time"
+        time.sleep(0.02)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _max_dw(a: Path, b: Path) -> float:
+    wa, wb = _weights(a), _weights(b)
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    import yaml
+
+    tmp = tmp_path_factory.mktemp("preempt")
+
+    def write_config(cfg: dict, name: str) -> Path:
+        (tmp / name).write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return tmp / name
+
+    cfg = _config(write_config, tmp, tiny_model_dir, "straight")
+    proc = _launch(cfg)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    return tmp, write_config, tmp / "straight"
+
+
+def test_sigterm_to_the_launcher_saves_every_rank_and_resume_equals_uninterrupted(uninterrupted, tiny_model_dir):
+    tmp, write_config, straight = uninterrupted
+    cfg = _config(write_config, tmp, tiny_model_dir, "preempted")
+    out = tmp / "preempted"
+    proc = _launch(cfg)
+    _wait_for_checkpoint(out, proc)
+    proc.send_signal(signal.SIGTERM)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, text  # 128 + SIGTERM
+    summary = json.loads((out / "run_summary.json").read_text())
+    step = summary["steps"]
+    assert summary["status"] == "interrupted" and 2 <= step < STEPS, summary
+    checkpoint = out / f"checkpoint-{step}"
+    assert summary["checkpoint"] == str(checkpoint)
+    marker = json.loads((checkpoint / "cembed_checkpoint_complete.json").read_text())
+    assert marker["step"] == step
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in checkpoint.iterdir()}  # both ranks saved it
+    assert f"interrupted by SIGTERM: newest checkpoint {checkpoint}" in " ".join(text.split()), text
+    assert "--resume" in text and "Traceback" not in text
+    resumed = _launch(cfg, "--resume")
+    text, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, text
+    d_w = _max_dw(straight, out)
+    print(f"\nSIGTERM at step {step}, resumed: max|dW| vs uninterrupted {d_w:.2e}")
+    assert d_w <= 1e-5
+
+
+def _workers(launcher: int) -> list:
+    """The launcher's worker processes (psutil.Process)."""
+    import psutil
+
+    return [p for p in psutil.Process(launcher).children() if "cembed" in " ".join(p.cmdline())]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the restart happens, but the restarted ranks' gloo connectFullMesh is refused (a stale address from "
+    "the first attempt under the static rendezvous?): not fixed yet (issue 33 item 3)",
+)
+def test_max_restarts_resumes_a_killed_rank_from_the_newest_checkpoint(uninterrupted, tiny_model_dir):
+    tmp, write_config, straight = uninterrupted
+    cfg = _config(write_config, tmp, tiny_model_dir, "restarted")
+    out = tmp / "restarted"
+    proc = _launch(cfg, "--max-restarts", "1")
+    _wait_for_checkpoint(out, proc)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    workers[-1].send_signal(signal.SIGKILL)
+    text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, text
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
+    resumed_from = summary["resumed_from"]
+    assert resumed_from and Path(resumed_from).parent == out, summary  # the restart resumed by itself
+    d_w = _max_dw(straight, out)
+    print(f"\nSIGKILL of a rank, restarted from {Path(resumed_from).name}: max|dW| vs uninterrupted {d_w:.2e}")
+    assert d_w <= 1e-5

@@ -1,0 +1,92 @@
+"""Issue 33 item 2: a resume may change how a step is split over processes (the world size, the
+per-device batch at the same samples per step), not what is trained; it says that the per-process
+RNG streams are re-seeded, and refuses a split that changes what an anchor is contrasted with."""
+
+from __future__ import annotations
+
+import pytest
+
+from cembed.config.schema import CembedConfig
+from cembed.errors import UserError
+from cembed.plan.resolve import resolve_plan
+from cembed.train.checkpoint import reseeded, rng_state_file
+from cembed.train.preflight import check_resume, resume_differences, training_record
+
+
+def _record(world: int, gather: bool | None = None, **batch) -> dict:
+    cfg = CembedConfig.model_validate(
+        {
+            "data": {"train": "pairs.jsonl"},
+            "model": {"device": "cpu"},
+            "batch": {"mini_batch_size": 2, **(batch or {"global_batch_size": 8})},
+            "loss": {"gather_across_devices": gather},
+            "train": {"output_dir": "/tmp/x"},
+        }
+    )
+    plan = resolve_plan(cfg, world)
+    rows = [{"anchor": "a", "positive": "b"}]
+    return training_record(
+        cfg, plan.samples_per_step, plan.learning_rate, rows, plan.precision, plan.world_size, plan.contrast_rows
+    )
+
+
+RESEEDED_2_TO_1 = (
+    "RNG streams (dropout) re-seeded per rank: the checkpoint holds 2 process(es)' RNG states, this run has 1"
+)
+
+
+def test_a_new_world_size_with_the_same_global_batch_is_a_safe_change():
+    assert resume_differences(_record(2), _record(1)) == ([], ["world_size 2 -> 1", RESEEDED_2_TO_1])
+    assert resume_differences(_record(1), _record(4))[1][0] == "world_size 1 -> 4"
+    assert resume_differences(_record(2), _record(2)) == ([], [])
+
+
+def test_a_new_per_device_batch_at_the_same_samples_per_step_is_a_safe_change(tmp_path):
+    old, new = _record(2, per_device_train_batch_size=4), _record(1, per_device_train_batch_size=8)
+    assert check_resume(str(tmp_path), old, new) == [
+        "batch.per_device_train_batch_size 4 -> 8",
+        "world_size 2 -> 1",
+        RESEEDED_2_TO_1,
+    ]
+    # from per_device_train_batch_size to global_batch_size, same 8 samples per step
+    assert resume_differences(old, _record(1))[0] == []
+    # more samples per step changes what is trained: the batch field is refused with it
+    refused, _ = resume_differences(old, _record(2, per_device_train_batch_size=8))
+    assert refused == [
+        "batch.per_device_train_batch_size 4 -> 8",
+        "effective_learning_rate 1e-05 -> 1.4142135623730953e-05",
+        "samples_per_step 8 -> 16",
+    ]
+
+
+def test_a_split_that_changes_the_contrast_is_refused_naming_the_field(tmp_path):
+    # gather_across_devices false: each of 2 processes contrasts its own 4 rows; on 1 process all 8
+    old, new = _record(2, gather=False), _record(1, gather=False)
+    with pytest.raises(UserError) as err:
+        check_resume("ck", old, new)
+    message = str(err.value)
+    assert message.startswith(
+        "cannot resume ck with a changed config: loss.gather_across_devices: each process contrasts only its own "
+        "rows, so the split over 2 -> 1 process(es) changes the rows an anchor is contrasted with (4 -> 8); "
+        "resume on 2 process(es), or set loss.gather_across_devices: true for a fresh run"
+    ), message
+    assert check_resume("ck", _record(2, gather=True), _record(1, gather=True)) == [
+        "world_size 2 -> 1",
+        RESEEDED_2_TO_1,
+    ]
+
+
+def test_a_record_from_before_the_split_was_recorded_compares_without_it():
+    old = _record(2)
+    del old["world_size"], old["contrast_rows"]
+    assert resume_differences(old, _record(1)) == ([], [])
+
+
+def test_rng_file_names_and_reseeding():
+    assert [rng_state_file(1, 0), rng_state_file(2, 0), rng_state_file(2, 1)] == [
+        "rng_state.pth",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    ]
+    seeds = {reseeded(42, step, rank) for step in (3, 4) for rank in range(4)}
+    assert len(seeds) == 8 and reseeded(42, 3, 1) == reseeded(42, 3, 1)
