@@ -40,7 +40,7 @@ demo: install
 # run against the fast tests that reach its function, one worker at a time (nice, one torch thread: it
 # shares a 2-core machine), then a per-module table and every surviving mutant (scripts/mutation_report.py).
 # Verdicts are cached in mutants/ (only changed functions rerun); `rm -rf mutants` for a run from scratch.
-# From scratch on 2 shared cores this takes well over an hour (docs/development.md has the measured time).
+# From scratch on 2 shared cores this takes well over an hour (docs/development.md has the measured times).
 mutate: install
 	OMP_NUM_THREADS=1 nice -n 19 $(VENV)/bin/mutmut run --max-children 1
 	$(PY) scripts/mutation_report.py

@@ -200,6 +200,7 @@ def test_token_stats_edges():
     assert stats.rows == 5 and stats.histogram == {"anchor": {1: 1, 4: 3}}  # 1 token: the bucket of 1
     assert stats.padded_share == 0  # mini-batches of one row pad nothing
     assert est.token_stats({"anchor": [1, 3]}, 2, batch=1).padded_share == 0  # nor per-device batches of one
+    assert est.token_stats({"anchor": [1, 3]}, 1, batch=2).padded_share == 0  # a batch of 2 in mini-batches of 1
 
 
 def test_token_stats_defaults_seed_0_and_no_sorting():
@@ -236,6 +237,7 @@ def test_data_wait_risk_levels_and_record():
     assert est.data_wait_risk(0.3, 1.0)["source"].endswith("on this machine / predicted seconds per step")
     levels = {share: est.data_wait_risk(share, 1.0)["value"] for share in (0.05, 0.1, 0.49, 0.5, 2.0)}
     assert levels == {0.05: "low", 0.1: "some", 0.49: "some", 0.5: "high", 2.0: "high"}
+    assert est.data_wait_risk(0.3, 2.0)["share_of_step"] == pytest.approx(0.15)  # production / step
     stalled = est.data_wait_risk(0.1, 0.0)
     assert stalled["value"] == "high" and stalled["share_of_step"] == float("inf")
     assert est.data_wait_risk(None, 1.0) == {
