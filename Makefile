@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install lint test demo docs clean
+.PHONY: install lint test demo docs mutate clean
 
 # torch first, pinned: on these machines torch==2.13.0 is a CPU build on local disk; any other spec
 # pulls a multi-GB CUDA build. Elsewhere the same pin is the normal wheel from PyPI. Everything else is
@@ -35,6 +35,15 @@ test: install
 
 demo: install
 	$(VENV)/bin/cembed train configs/quickstart.yaml
+
+# Mutation testing (mutmut 3, pyproject.toml [tool.mutmut]): the modules issue 32 landed, each mutant
+# run against the fast tests that reach its function, one worker at a time (nice, one torch thread: it
+# shares a 2-core machine), then a per-module table and every surviving mutant (scripts/mutation_report.py).
+# Verdicts are cached in mutants/ (only changed functions rerun); `rm -rf mutants` for a run from scratch.
+# From scratch on 2 shared cores this takes well over an hour (docs/development.md has the measured times).
+mutate: install
+	OMP_NUM_THREADS=1 nice -n 19 $(VENV)/bin/mutmut run --max-children 1
+	$(PY) scripts/mutation_report.py
 
 # The documentation site into site/ (mkdocs.yml); the reference pages are regenerated from the code first.
 docs: install

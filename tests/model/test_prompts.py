@@ -190,6 +190,24 @@ def test_cache_key_includes_the_prompts(tiny_model_dir, tmp_path):
     assert "anchor_prompt_length" in a.dataset.column_names and "anchor_prompt_length" not in c.dataset.column_names
 
 
+def test_ids_made_with_the_prompt_but_without_its_length_do_not_match(prompted_model_dir, tmp_path):
+    """Stored ids with the prompt but no prompt length (an engine that did not record it): the ids
+    equal the model's, yet with include_prompt=False the pooling needs the length, so the check fails."""
+    import datasets
+
+    from cembed.data.tokens.collator import collator_for
+    from cembed.data.tokens.model_check import matches_model_preprocessing
+    from cembed.data.tokens.tokenize import pretokenize
+
+    model = _model(prompted_model_dir, include_prompt=False)
+    roles = ["anchor", "positive", "negative_1"]
+    prompts = resolve_prompts(None, model).for_columns(roles)
+    ds = datasets.Dataset.from_list(ROWS)
+    tok = pretokenize(ds, roles, model.tokenizer, model.max_seq_length, tmp_path / "c", prompts=prompts)
+    assert "anchor_prompt_length" not in tok.dataset.column_names
+    assert not matches_model_preprocessing(model, collator_for(model, roles), tok.dataset, prompts=prompts)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("num_tokens", [None, 40])
 def test_length_sorted_cached_loss_carries_prompt_length(prompted_model_dir, tmp_path, num_tokens):

@@ -182,3 +182,113 @@ def test_cli_padded_share_is_counted_per_device_batch(
     assert r.exit_code == 0, r.output
     padded = json.loads(out.read_text())["data"]["padded_share"]["value"]
     assert padded == pytest.approx(share)
+
+
+# --- each reported number whole (value, unit, source: what `cembed estimate` shows), the edges of
+# the arithmetic (written against `make mutate`'s survivors).
+
+
+def test_each_run_number_says_its_unit_and_where_it_comes_from():
+    stats = est.token_stats({"anchor": [2, 4], "positive": [3, 5]}, mini_batch=2)
+    run = est.estimate_run(stats, 2, 5, 12, (100, 2, 4, 4), est.peak_rate(100.0, "peak", 0.5, "given"), devices=2)
+    data = "2 rows x mean real tokens per row over 2 rows of the pre-tokenized data"
+    assert {k: (v["unit"], v["source"]) for k, v in run.items()} == {
+        "steps_per_epoch": ("steps", "config and rows the sampler places"),
+        "steps": ("steps", "train.max_steps or epochs x steps per epoch"),
+        "tokens_per_step": ("tokens", data),
+        "tokens": ("tokens", "tokens per step x steps"),
+        "flops_per_step": ("FLOP", "4 x (2 N sum(l) + 4 L d sum(l^2)), N=100 L=2 d=4"),
+        "flops": ("FLOP", "FLOPs per step x steps"),
+        "seconds_per_step": ("s", "FLOPs per step / (peak x MFU 0.5 (given) x 2 devices)"),
+        "epoch_seconds": ("s", "seconds per step x steps per epoch"),
+        "run_seconds": ("s", "seconds per step x steps"),
+        "gpu_hours": ("h", "run seconds x devices / 3600"),
+    }
+
+
+def test_a_peak_rate_and_the_mfu_bounds():
+    assert est.peak_rate(100.0, "peak", 0.5, "given") == est.Rate(
+        50.0, "peak x MFU 0.5 (given)", 100.0, "peak", 0.5, "given"
+    )
+    assert est.peak_rate(100.0, "peak", 1, "given").flops_per_s == 100.0  # the whole peak is a share
+    for mfu in (0, 1.5):
+        with pytest.raises(UserError) as refused:
+            est.peak_rate(100.0, "peak", mfu, "given")
+        assert (
+            str(refused.value) == f"--mfu: {mfu:g} is not a share of the peak; give a value in (0, 1], e.g. --mfu 0.35"
+        )
+
+
+def test_known_gpus_and_a_precision_a_part_lacks():
+    names = est.known_gpus()
+    assert names[:2] == ["GB200", "B200"] and "H100 SXM" in names and not any("(" in n for n in names)
+    assert est.gpu_peak("h100_sxm", "auto") == est.gpu_peak("H100 SXM", "auto")
+    with pytest.raises(UserError) as refused:
+        est.gpu_peak("V100", "bf16")
+    message = str(refused.value)
+    assert message.startswith("--gpu: ") and message.endswith("; pick another model.precision") and "V100" in message
+
+
+def test_token_stats_edges():
+    assert est.token_stats({}, 2) == est.TokenStats(0, 0.0, 0.0, {}, 0.0)
+    assert est.token_stats({"anchor": []}, 2) == est.TokenStats(0, 0.0, 0.0, {"anchor": {}}, 0.0)
+    stats = est.token_stats({"anchor": [1, 3, 4, 4, None]}, 1)
+    assert stats.rows == 5 and stats.histogram == {"anchor": {1: 1, 4: 3}}  # 1 token: the bucket of 1
+    assert stats.padded_share == 0  # mini-batches of one row pad nothing
+    assert est.token_stats({"anchor": [1, 3]}, 2, batch=1).padded_share == 0  # nor per-device batches of one
+    assert est.token_stats({"anchor": [1, 3]}, 1, batch=2).padded_share == 0  # a batch of 2 in mini-batches of 1
+
+
+def test_token_stats_defaults_seed_0_and_no_sorting():
+    lengths = {"anchor": [1, 8, 2, 7, 3, 6, 4, 5] * 4}
+    share = est.token_stats(lengths, 2, batch=8).padded_share
+    assert share == est.token_stats(lengths, 2, batch=8, seed=0, sort_by_length=False).padded_share
+    assert share != est.token_stats(lengths, 2, batch=8, seed=1).padded_share
+    assert share != est.token_stats(lengths, 2, batch=8, sort_by_length=True).padded_share
+
+
+def test_probe_memory_takes_the_smallest_tried_size_at_or_above():
+    trials = [{"size": 32, "peak_bytes": 400}, {"size": 16, "peak_bytes": 300}, {"size": 8, "peak_bytes": 100}]
+    assert est.probe_memory({"trials": trials}, 16) == {
+        "value": 300,
+        "unit": "bytes",
+        "source": "measured: probe's worst case at mini_batch_size 16",
+    }
+    assert est.probe_memory({"trials": trials}, 17)["value"] == 400
+    assert est.probe_memory({"trials": trials}, None) == {
+        "value": "run probe-minibatch",
+        "unit": "",
+        "source": "no probe trial at this mini-batch size",
+    }
+
+
+def test_data_wait_risk_levels_and_record():
+    assert est.data_wait_risk(0.3, 1.0, "rank 0") == {
+        "value": "some",
+        "batch_production_s": 0.3,
+        "share_of_step": 0.3,
+        "unit": "",
+        "source": "measured batch production per step on rank 0 / predicted seconds per step",
+    }
+    assert est.data_wait_risk(0.3, 1.0)["source"].endswith("on this machine / predicted seconds per step")
+    levels = {share: est.data_wait_risk(share, 1.0)["value"] for share in (0.05, 0.1, 0.49, 0.5, 2.0)}
+    assert levels == {0.05: "low", 0.1: "some", 0.49: "some", 0.5: "high", 2.0: "high"}
+    assert est.data_wait_risk(0.3, 2.0)["share_of_step"] == pytest.approx(0.15)  # production / step
+    stalled = est.data_wait_risk(0.1, 0.0)
+    assert stalled["value"] == "high" and stalled["share_of_step"] == float("inf")
+    assert est.data_wait_risk(None, 1.0) == {
+        "value": "not measured",
+        "unit": "",
+        "source": "run with --calibrate STEPS to measure batch production",
+    }
+
+
+@pytest.mark.parametrize(
+    ("dtype", "size"), [("float32", 4), ("bfloat16", 2), ("float16", 2), ("float64", 8), ("int8", 4)]
+)
+def test_checkpoint_bytes_per_dtype(dtype, size):
+    assert est.checkpoint_bytes(1000, dtype) == {
+        "value": 1000 * size,
+        "unit": "bytes",
+        "source": f"1000 parameters x {size} bytes ({dtype}, the saved dtype)",
+    }
