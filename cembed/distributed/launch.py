@@ -15,6 +15,13 @@ import os
 
 from cembed.errors import LauncherSignalled, UserError, WorkerFailed
 
+# The elastic agent's rendezvous shares its TCP store with the workers, and keeps it across restarts:
+# the restarted workers' process group then reads the first attempt's keys (gloo's peer addresses,
+# NCCL's unique id) and connects to dead ports ("Gloo connectFullMesh failed ... Connection refused";
+# pytorch/pytorch#135712). torch's opt-out gives every rendezvous round a store of its own (hosted by
+# the round's rank 0 on a fresh port).
+FRESH_STORE_PER_RESTART = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
 
 def record_worker_error(err: BaseException) -> None:
     """Write ``err`` to the error file the launcher reads (``$TORCHELASTIC_ERROR_FILE``), so the
@@ -92,6 +99,7 @@ def launch(
     A signal to this process (SIGTERM from a scheduler's preemption, SIGINT) reaches every worker
     (the launcher forwards it and waits ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, default 30 s, before
     killing them): each finishes its step and saves, see :class:`cembed.train.checkpoint.InterruptCallback`.
+    With ``max_restarts``, every restart's workers meet in a store of their own (:data:`FRESH_STORE_PER_RESTART`).
 
     Raises:
         UserError: see :func:`launcher_args`.
@@ -108,6 +116,8 @@ def launch(
     # A worker killed by a fatal signal (SIGSEGV, SIGABRT from native code) prints every thread's
     # Python stack first, so the launcher's "rank N failed" comes with where it happened.
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    if max_restarts:
+        os.environ.setdefault(*FRESH_STORE_PER_RESTART)
     try:
         run(args)
     except SignalException as err:

@@ -5,7 +5,9 @@
   complete checkpoint, the job exits 143 (128 + SIGTERM), and ``--resume`` ends with the
   uninterrupted run's weights.
 - ``--max-restarts 1``: a rank killed (SIGKILL) mid-run restarts the job, which resumes from the
-  newest complete checkpoint by itself and exits 0 with the uninterrupted run's weights.
+  newest complete checkpoint by itself and exits 0 with the uninterrupted run's weights. (Before
+  cembed's launcher gave each restart a store of its own, the restarted ranks hung or failed to
+  connect: cembed.distributed.launch.FRESH_STORE_PER_RESTART.)
 
 The signals land wherever the run is (after its first checkpoint): the comparison holds for any step.
 """
@@ -123,11 +125,6 @@ def _workers(launcher: int) -> list:
     return [p for p in psutil.Process(launcher).children() if "cembed" in " ".join(p.cmdline())]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the restart happens, but the restarted ranks' gloo connectFullMesh is refused (a stale address from "
-    "the first attempt under the static rendezvous?): not fixed yet (issue 33 item 3)",
-)
 def test_max_restarts_resumes_a_killed_rank_from_the_newest_checkpoint(uninterrupted, tiny_model_dir):
     tmp, write_config, straight = uninterrupted
     cfg = _config(write_config, tmp, tiny_model_dir, "restarted")
