@@ -105,7 +105,8 @@ def launch(
         UserError: see :func:`launcher_args`.
         WorkerFailed: a worker exited non-zero (after ``max_restarts`` restarts); the launcher has
             already stopped the others.
-        LauncherSignalled: this process got a termination signal and the workers were stopped.
+        LauncherSignalled: this process got a termination signal and the workers were stopped
+            (``abandoned``: a second one, and the workers stopped without saving).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -121,7 +122,11 @@ def launch(
     try:
         run(args)
     except SignalException as err:
-        raise LauncherSignalled(int(err.sigval)) from None
+        # A second signal reaches the launcher while it waits for the workers to save: torch's agent
+        # raises it while handling the first (its __context__) and, on the way out, signals the workers
+        # still running once more, which makes them abandon their step (InterruptCallback).
+        abandoned = isinstance(err.__context__, SignalException)
+        raise LauncherSignalled(int(err.sigval), abandoned) from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = failure.message
