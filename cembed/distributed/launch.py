@@ -15,11 +15,12 @@ import os
 
 from cembed.errors import LauncherSignalled, UserError, WorkerFailed
 
-# The elastic agent's rendezvous shares its TCP store with the workers, and keeps it across restarts:
-# the restarted workers' process group then reads the first attempt's keys (gloo's peer addresses,
-# NCCL's unique id) and connects to dead ports ("Gloo connectFullMesh failed ... Connection refused";
-# pytorch/pytorch#135712). torch's opt-out gives every rendezvous round a store of its own (hosted by
-# the round's rank 0 on a fresh port).
+# On one node torchrun meets in a c10d rendezvous whose TCP store it lends the workers and keeps across
+# restarts. Restarted that way, the workers never formed their process group again (2 gloo ranks:
+# still waiting after 600 s; earlier "Gloo connectFullMesh failed ... Connection refused";
+# pytorch/pytorch#135712 reports the same with NCCL, which read the previous attempt's unique id from
+# the kept store). torch's opt-out gives every rendezvous round a store of its own, hosted by the
+# round's rank 0 on a fresh port; with it the restart resumes and finishes (tests/distributed/test_preemption.py).
 FRESH_STORE_PER_RESTART = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
