@@ -213,6 +213,15 @@ def rng_state_file(world_size: int, rank: int) -> str:
     return f"rng_state_{rank}.pth" if world_size > 1 else "rng_state.pth"
 
 
+def holds_rng_states(checkpoint: str | Path, world_size: int) -> bool:
+    """Whether ``checkpoint`` holds the RNG states of exactly ``world_size`` processes. A checkpoint of
+    another world size is re-seeded on every process (:func:`reseeded`), as the resume's changes say,
+    also where some files would match (2 -> 3: processes 0 and 1 would find states that belonged to
+    another split of the batch, process 2 none)."""
+    saved = {p.name for p in Path(checkpoint).glob("rng_state*.pth")}
+    return saved == {rng_state_file(world_size, rank) for rank in range(world_size)}
+
+
 def reseeded(seed: int, step: int, rank: int) -> int:
     """The seed of process ``rank``'s RNG streams on a resume at ``step`` that has no RNG state for it
     (a checkpoint of another world size): a function of the run's seed, the step and the rank, so that
