@@ -62,11 +62,20 @@ class RunInterrupted(Exception):
 
 class LauncherSignalled(Exception):
     """The process that launched the workers got a termination signal (SIGTERM, SIGINT) and forwarded
-    it: each worker finished its step and saved a checkpoint. Exit 128 + signal, as a single process."""
+    it: each worker finished its step and saved a checkpoint. Exit 128 + signal, as a single process.
 
-    def __init__(self, signum: int) -> None:
+    Attributes:
+        abandoned: a second signal came while the workers were finishing: they stopped at once,
+            without saving that step.
+    """
+
+    def __init__(self, signum: int, abandoned: bool = False) -> None:
         self.signum = signum
-        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.abandoned = abandoned
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"interrupted again by {name}: step abandoned, not saved" if abandoned else f"interrupted by {name}"
+        )
 
     @property
     def exit_code(self) -> int:

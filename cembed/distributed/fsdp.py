@@ -3,7 +3,8 @@ through accelerate and the trainer's ``fsdp`` options.
 
 - :func:`fsdp_args`: the trainer's FSDP2 options: one shard unit per transformer layer plus the
   root, sharded checkpoints (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, torch.distributed.checkpoint
-  folders each rank writes its shard into; resume reads them back, on the same world size).
+  folders each rank writes its shard into; resume reads them back resharded, on any number of
+  processes above one: :func:`cembed.train.checkpoint.check_checkpoint_layout` refuses the others).
 - :func:`enable_fsdp_on_cpu`: accelerate (1.15, ``AcceleratorState.__init__``) turns the FSDP plugin
   into ``DistributedType.FSDP`` only inside its branch for accelerator devices (MULTI_GPU, XPU, NPU,
   ...); a CPU job stays ``MULTI_CPU``, drops the plugin and trains with DDP, silently. torch's

@@ -15,6 +15,14 @@ import os
 
 from cembed.errors import LauncherSignalled, UserError, WorkerFailed
 
+# On one node torchrun meets in a c10d rendezvous whose TCP store it lends the workers and keeps across
+# restarts. Restarted that way, the workers never formed their process group again (2 gloo ranks:
+# still waiting after 600 s; earlier "Gloo connectFullMesh failed ... Connection refused";
+# pytorch/pytorch#135712 reports the same with NCCL, which read the previous attempt's unique id from
+# the kept store). torch's opt-out gives every rendezvous round a store of its own, hosted by the
+# round's rank 0 on a fresh port; with it the restart resumes and finishes (tests/distributed/test_preemption.py).
+FRESH_STORE_PER_RESTART = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
 
 def record_worker_error(err: BaseException) -> None:
     """Write ``err`` to the error file the launcher reads (``$TORCHELASTIC_ERROR_FILE``), so the
@@ -92,12 +100,14 @@ def launch(
     A signal to this process (SIGTERM from a scheduler's preemption, SIGINT) reaches every worker
     (the launcher forwards it and waits ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, default 30 s, before
     killing them): each finishes its step and saves, see :class:`cembed.train.checkpoint.InterruptCallback`.
+    With ``max_restarts``, every restart's workers meet in a store of their own (:data:`FRESH_STORE_PER_RESTART`).
 
     Raises:
         UserError: see :func:`launcher_args`.
         WorkerFailed: a worker exited non-zero (after ``max_restarts`` restarts); the launcher has
             already stopped the others.
-        LauncherSignalled: this process got a termination signal and the workers were stopped.
+        LauncherSignalled: this process got a termination signal and the workers were stopped
+            (``abandoned``: a second one, and the workers stopped without saving).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -108,10 +118,16 @@ def launch(
     # A worker killed by a fatal signal (SIGSEGV, SIGABRT from native code) prints every thread's
     # Python stack first, so the launcher's "rank N failed" comes with where it happened.
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    if max_restarts:
+        os.environ.setdefault(*FRESH_STORE_PER_RESTART)
     try:
         run(args)
     except SignalException as err:
-        raise LauncherSignalled(int(err.sigval)) from None
+        # A second signal reaches the launcher while it waits for the workers to save: torch's agent
+        # raises it while handling the first (its __context__) and, on the way out, signals the workers
+        # still running once more, which makes them abandon their step (InterruptCallback).
+        abandoned = isinstance(err.__context__, SignalException)
+        raise LauncherSignalled(int(err.sigval), abandoned) from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = failure.message

@@ -55,7 +55,14 @@ from cembed.losses.counts import TokenCounts
 from cembed.losses.registry import BuiltLoss
 from cembed.model.lora import is_lora, load_lora_checkpoint
 from cembed.plan.precision import autocast, precision_from_flags
-from cembed.train.checkpoint import STAGING, is_complete, latest_complete, mark_complete, reseeded, rng_state_file
+from cembed.train.checkpoint import (
+    STAGING,
+    holds_rng_states,
+    is_complete,
+    latest_complete,
+    mark_complete,
+    reseeded,
+)
 from cembed.train.flops import format_flops
 from cembed.train.meter import StepClock, ThroughputMeter
 
@@ -368,11 +375,10 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.best_model_loaded = bool(reduce_over_ranks(int(loaded), "min")) if self.is_fsdp_enabled else loaded
 
     def _load_rng_state(self, checkpoint) -> None:
-        # A checkpoint of another world size holds no RNG state for this process: the trainer would go
-        # on with whatever state it has. Re-seed each process's streams instead (reproducibly; the
-        # resume's changes say so: cembed.train.preflight.rng_reseeded).
-        name = rng_state_file(self.args.world_size, self.args.process_index)
-        if checkpoint is None or os.path.isfile(os.path.join(checkpoint, name)):
+        # A checkpoint of another world size holds no RNG state for some processes (the trainer would
+        # go on with whatever state they have) and another split's for the others. Re-seed every
+        # process's streams instead (reproducibly; the resume's changes say so: cembed.train.preflight.rng_reseeded).
+        if checkpoint is None or holds_rng_states(checkpoint, self.args.world_size):
             return super()._load_rng_state(checkpoint)
         from transformers import set_seed
 

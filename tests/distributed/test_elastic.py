@@ -6,10 +6,16 @@ epoch, 6 steps with AdamW and a warmup + cosine schedule) resumes on the other w
 optimizer and scheduler state load as they are, the sampler's global batches (same seed) are re-sliced
 for the new ranks and the batches already trained are skipped by the global step. Resumed 2 -> 1 and
 1 -> 2, the final weights equal the uninterrupted 2-rank run's within 1e-5 and every later step logs
-the same LR and loss. With dropout on, the same resume completes and its summary names the re-seeded
-per-process RNG streams.
+the same LR and loss; each summary names the re-seeded per-process RNG streams.
 
-One pair of spawned processes runs every 2-rank part (module fixture); the 1-process runs run here.
+FSDP (``distributed.strategy: fsdp``): cembed shards only with more than one process, so 2 <-> 3 ranks
+with ``batch.global_batch_size: 6``. A straight 2-rank run (4 steps, warmup + cosine) resumes from its
+checkpoint-1 on 3 ranks; that run's checkpoint-2 (3 shard files) resumes on 2 ranks; both equal the
+straight run (weights within 1e-5, the same LR and loss at every resumed step). A resume across the
+layouts is refused before training, in one line: a sharded checkpoint on 1 process, a 1-process (full)
+checkpoint under FSDP.
+
+Three spawned groups (2, 3, 2 ranks) run every multi-rank part (module fixture); the 1-process runs run here.
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from conftest import join_gloo_rank
 
 pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
 
-WORLD = 2
 ROWS = 32
 STEPS = 6
+# The FSDP runs: cembed shards only with more than one process, so 2 <-> 3 ranks, 3 or 2 rows each;
+# 4 steps (warmup to step 2, then cosine), a checkpoint every step.
+FSDP = {"rows": 24, "batch": 6, "steps": 4}
 OPTIM = {
     "learning_rate": 1e-2,
     "lr_scaling": "none",
@@ -42,25 +50,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(tmp: Path, model_dir: Path, out: str, steps: int = STEPS, save_steps: int = 3) -> dict:
-    """The same config on any world size that divides 8: ``batch.global_batch_size: 8`` from
-    ``ROWS`` distinct pairs (4 global batches an epoch)."""
-    data = tmp / "pairs.jsonl"
+def _config(tmp: Path, model_dir: Path, out: str, fsdp: bool = False) -> dict:
+    """The same config on any world size that divides its global batch: ``batch.global_batch_size: 8``
+    from ``ROWS`` distinct pairs (4 global batches an epoch); ``fsdp``: the FSDP runs' (see FSDP)."""
+    rows, batch, steps, save_steps = (FSDP["rows"], FSDP["batch"], FSDP["steps"], 1) if fsdp else (ROWS, 8, STEPS, 3)
+    data = tmp / f"pairs{rows}.jsonl"
     if not data.exists():
-        rows = [{"anchor": f"a query about topic {i}", "positive": f"the passage on topic {i}"} for i in range(ROWS)]
-        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        pairs = [{"anchor": f"a query about topic {i}", "positive": f"the passage on topic {i}"} for i in range(rows)]
+        data.write_text("".join(json.dumps(r) + "\n" for r in pairs))
     return {
         "model": {"name_or_path": str(model_dir), "max_seq_length": 32, "device": "cpu"},
         "data": {"train": str(data), "cache_dir": str(tmp / "cache")},
-        "batch": {"global_batch_size": 8, "mini_batch_size": 2},
+        "batch": {"global_batch_size": batch, "mini_batch_size": 2},
         "optim": OPTIM,
         "loss": {"name": "cached_mnrl", "scale": 20},
+        "distributed": {"strategy": "fsdp" if fsdp else "ddp"},
         "train": {"max_steps": steps, "save_steps": save_steps, "logging_steps": 1, "output_dir": str(tmp / out)},
     }
 
 
-def _run(tmp: Path, model_dir: Path, out: str, resume_from: str | None = None, **kwargs) -> dict:
-    """One run: its summary and the learning rate each step logged."""
+def _run(
+    tmp: Path,
+    model_dir: Path,
+    out: str,
+    resume_from: str | None = None,
+    fsdp: bool = False,
+    strategy: str | None = None,
+) -> dict:
+    """One run (``strategy``: only ``distributed.strategy`` changed): its summary, the learning rate
+    each step logged and whether it trained sharded."""
     from cembed.config.file import config_from_dict
     from cembed.train.recipe import check_run_inputs, run_training
     from cembed.train.trainer import CembedTrainer
@@ -72,50 +90,63 @@ def _run(tmp: Path, model_dir: Path, out: str, resume_from: str | None = None, *
             record.append(self)
             return super().train(*args, **kw)
 
-    cfg = config_from_dict(_config(tmp, model_dir, out, **kwargs), base=tmp)
+    cfg_dict = _config(tmp, model_dir, out, fsdp)
+    cfg_dict["distributed"]["strategy"] = strategy or cfg_dict["distributed"]["strategy"]
+    cfg = config_from_dict(cfg_dict, base=tmp)
     plan, data = check_run_inputs(cfg)
     summary = run_training(cfg, plan, data, resume_from=resume_from, trainer_cls=RecordingTrainer)
     history = record[-1].state.log_history
     return {
         "summary": summary,
         "lrs": [[h["step"], h["learning_rate"]] for h in history if "learning_rate" in h],
+        "fsdp": bool(record[-1].is_fsdp_enabled),
     }
 
 
-def _worker(rank: int, tmp: str, model_dir: str, dropout_model_dir: str, port: int) -> None:
-    join_gloo_rank(rank, WORLD, port, 600)
+def _outcome(tmp: Path, model_dir: Path, out: str, resume_from: str | None, fsdp: bool, strategy: str | None) -> dict:
+    """:func:`_run`, or the error that ended it (a refused resume ends on every rank before training)."""
+    try:
+        return _run(tmp, model_dir, out, resume_from, fsdp, strategy)
+    except Exception as err:  # noqa: BLE001 (the test names the expected error)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _worker(rank: int, world: int, tmp: str, model_dir: str, port: int, jobs: list, name: str) -> None:
+    join_gloo_rank(rank, world, port, 600)
     from cembed.distributed.group import leave_process_group
 
     tmp_path = Path(tmp)
     results = {
-        "two": _run(tmp_path, Path(model_dir), "two"),
-        "one-to-two": _run(tmp_path, Path(model_dir), "one-to-two", str(tmp_path / "one" / "checkpoint-3")),
-        "dropout-two": _run(tmp_path, Path(dropout_model_dir), "dropout-two", steps=2, save_steps=1),
+        out: _outcome(tmp_path, Path(model_dir), out, str(tmp_path / src) if src else None, fsdp, strategy)
+        for out, src, fsdp, strategy in jobs
     }
     if rank == 0:
-        (tmp_path / "results.json").write_text(json.dumps(results, default=str))
+        (tmp_path / name).write_text(json.dumps(results, default=str))
     leave_process_group()
 
 
-@pytest.fixture(scope="module")
-def elastic_runs(tiny_model_dir, tiny_dropout_model_dir, tmp_path_factory):
-    """Every run: 1 process straight (its checkpoint-3 resumes on 2 ranks), then on 2 spawned ranks the
-    straight run, that resume and a dropout run; then here the 2 -> 1 resumes."""
+def _spawn(tmp: Path, model_dir: Path, world: int, jobs: list) -> dict:
+    """Run ``jobs`` (``(out, checkpoint to resume or None, fsdp, strategy)``) on ``world`` spawned gloo ranks."""
     import torch.multiprocessing as mp
 
+    name = f"results-{world}-{jobs[0][0]}.json"
+    mp.spawn(_worker, args=(world, str(tmp), str(model_dir), _free_port(), jobs, name), nprocs=world)
+    return json.loads((tmp / name).read_text())
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tiny_model_dir, tmp_path_factory):
+    """Every run: 1 process straight (its checkpoint-3 resumes on 2 ranks); on 2 spawned ranks the
+    straight runs (DDP, FSDP), that resume and the same under FSDP (refused); on 3 ranks the FSDP 2 -> 3
+    resume, whose checkpoint-2 resumes on 2 ranks; then here the 2 -> 1 resume."""
     tmp = tmp_path_factory.mktemp("elastic")
     runs = {"one": _run(tmp, tiny_model_dir, "one")}
-    mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), str(tiny_dropout_model_dir), _free_port()), nprocs=WORLD)
-    runs |= json.loads((tmp / "results.json").read_text())
+    two = [("two", None, False, None), ("one-to-two", "one/checkpoint-3", False, None)]
+    two += [("fsdp-two", None, True, None), ("fsdp-one-to-two", "one/checkpoint-3", False, "fsdp")]
+    runs |= _spawn(tmp, tiny_model_dir, 2, two)
+    runs |= _spawn(tmp, tiny_model_dir, 3, [("fsdp-two-to-three", "fsdp-two/checkpoint-1", True, None)])
+    runs |= _spawn(tmp, tiny_model_dir, 2, [("fsdp-three-to-two", "fsdp-two-to-three/checkpoint-2", True, None)])
     runs["two-to-one"] = _run(tmp, tiny_model_dir, "two-to-one", str(tmp / "two" / "checkpoint-3"))
-    runs["dropout-two-to-one"] = _run(
-        tmp,
-        tiny_dropout_model_dir,
-        "dropout-two-to-one",
-        str(tmp / "dropout-two" / "checkpoint-1"),
-        steps=2,
-        save_steps=1,
-    )
     return tmp, runs
 
 
@@ -165,11 +196,88 @@ def test_one_process_equals_two_ranks(elastic_runs):
     assert _max_dw(tmp / "two", tmp / "one") <= 1e-5
 
 
-def test_dropout_resume_on_another_world_size_names_the_reseeded_streams(elastic_runs):
+@pytest.mark.parametrize(("resumed", "old", "new"), [("two-to-one", 2, 1), ("one-to-two", 1, 2)])
+def test_resume_on_another_world_size_names_the_reseeded_streams(elastic_runs, resumed, old, new):
+    """The checkpoint holds no RNG state for the new ranks: the resume says their streams (dropout
+    masks) are re-seeded. (The re-seeding runs with or without dropout; the runs above have none, so
+    that their weights compare with the uninterrupted run's.)"""
     _, runs = elastic_runs
-    summary = runs["dropout-two-to-one"]["summary"]
-    assert summary["status"] == "completed" and summary["steps"] == 2
+    summary = runs[resumed]["summary"]
     assert summary["resume_changes"][-2:] == [
-        "world_size 2 -> 1",
-        "RNG streams (dropout) re-seeded per rank: the checkpoint holds 2 process(es)' RNG states, this run has 1",
+        f"world_size {old} -> {new}",
+        f"RNG streams (dropout) re-seeded per rank: the checkpoint holds {old} process(es)' RNG states, this run has {new}",
     ]
+
+
+@pytest.mark.parametrize(
+    ("resumed", "checkpoint", "old", "new"),
+    [
+        ("fsdp-two-to-three", "fsdp-two/checkpoint-1", 2, 3),
+        ("fsdp-three-to-two", "fsdp-two-to-three/checkpoint-2", 3, 2),
+    ],
+)
+def test_fsdp_resume_on_another_world_size_equals_the_uninterrupted_run(
+    elastic_runs, tiny_model_dir, resumed, checkpoint, old, new
+):
+    """An FSDP checkpoint (model and AdamW state as torch.distributed.checkpoint folders, one file per
+    rank) loads resharded on another number of ranks: the resumed steps log the uninterrupted run's LR
+    and loss, and it ends with its weights."""
+    tmp, runs = elastic_runs
+    straight, run = runs["fsdp-two"], runs[resumed]
+    assert straight["fsdp"] and run["fsdp"]  # both really sharded
+    files = {p.name for p in (tmp / checkpoint / "pytorch_model_fsdp_0").iterdir()}
+    assert files == {".metadata"} | {f"__{r}_0.distcp" for r in range(old)}
+    assert not (tmp / checkpoint / "model.safetensors").exists()
+    steps = FSDP["steps"]
+    losses = dict(map(tuple, straight["summary"]["losses"]))
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert min(abs(losses[s] - losses[t]) for s in losses for t in losses if s < t) > 1e-3  # each step its batch
+    first = int(checkpoint.rsplit("-", 1)[1]) + 1
+    resumed_losses = dict(map(tuple, run["summary"]["losses"]))
+    assert sorted(resumed_losses) == list(range(first, steps + 1))
+    d_loss = max(abs(resumed_losses[s] - losses[s]) for s in resumed_losses)
+    lrs = dict(map(tuple, straight["lrs"]))
+    lr = OPTIM["learning_rate"]  # warmup over steps 1-2, then cosine decay: a fresh schedule would differ
+    assert [lrs[s] for s in sorted(lrs)] == pytest.approx([0.0, lr / 2, lr, lr / 2], abs=1e-12)
+    resumed_lrs = {s: v for s, v in map(tuple, run["lrs"]) if s >= first}
+    assert resumed_lrs == pytest.approx({s: lrs[s] for s in range(first, steps + 1)}, abs=1e-12)
+    d_w = _max_dw(tmp / "fsdp-two", tmp / resumed)
+    moved = _max_dw(tmp / "fsdp-two", Path(tiny_model_dir))
+    print(f"\n{resumed} resume vs uninterrupted: max|dW| {d_w:.2e} (max update {moved:.2e}), max|dloss| {d_loss:.2e}")
+    assert d_w <= 1e-5 and d_loss <= 1e-5 and moved > 1e-3
+    summary = run["summary"]
+    assert summary["status"] == "completed" and summary["steps"] == steps
+    assert f"world_size {old} -> {new}" in summary["resume_changes"]
+    assert summary["plan"]["per_device_train_batch_size"] == FSDP["batch"] // new
+
+
+def test_fsdp_checkpoint_on_one_process_is_refused_naming_the_fix(elastic_runs, tiny_model_dir):
+    """cembed shards only with more than one process: a sharded checkpoint cannot load into the
+    unsharded model of a 1-process resume (before: the run failed at step 0 with transformers'
+    "Unrecognized model in .../checkpoint-1"). Refused before training, in one line with the fix."""
+    from cembed.errors import UserError
+
+    tmp, _ = elastic_runs
+    checkpoint = tmp / "fsdp-two" / "checkpoint-1"
+    with pytest.raises(UserError) as err:
+        _run(tmp, tiny_model_dir, "fsdp-two-to-one", str(checkpoint), fsdp=True)
+    assert str(err.value) == (
+        f"cannot resume {checkpoint} on 1 process (cembed shards only with more than one): it holds FSDP shards "
+        "(torch.distributed.checkpoint); resume it with distributed.strategy: fsdp on 2 or more processes (any count "
+        "that divides the global batch)"
+    )
+    assert not (tmp / "fsdp-two-to-one" / "checkpoint-2").exists()  # nothing trained
+
+
+def test_full_checkpoint_under_fsdp_is_refused_naming_the_fix(elastic_runs):
+    """A 1-process run's checkpoint (full model.safetensors and optimizer.pt) resumed on 2 ranks with
+    distributed.strategy: fsdp: FSDP's loader reads only torch.distributed.checkpoint folders (before: a
+    rank crashed in it, "metadata is None"). Refused on every rank before training, in one line."""
+    tmp, runs = elastic_runs
+    checkpoint = tmp / "one" / "checkpoint-3"
+    assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "pytorch_model_fsdp_0").exists()
+    assert runs["fsdp-one-to-two"] == {
+        "error": f"UserError: cannot resume {checkpoint} with FSDP: it holds a full model and optimizer (a run on 1 "
+        "process or with distributed.strategy: ddp), which FSDP's sharded loader cannot read; resume it as it was "
+        "run (1 process, or distributed.strategy=ddp)"
+    }

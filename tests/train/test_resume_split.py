@@ -9,7 +9,7 @@ import pytest
 from cembed.config.schema import CembedConfig
 from cembed.errors import UserError
 from cembed.plan.resolve import resolve_plan
-from cembed.train.checkpoint import reseeded, rng_state_file
+from cembed.train.checkpoint import holds_rng_states, reseeded, rng_state_file
 from cembed.train.preflight import check_resume, resume_differences, training_record
 
 
@@ -90,3 +90,20 @@ def test_rng_file_names_and_reseeding():
     ]
     seeds = {reseeded(42, step, rank) for step in (3, 4) for rank in range(4)}
     assert len(seeds) == 8 and reseeded(42, 3, 1) == reseeded(42, 3, 1)
+
+
+@pytest.mark.parametrize(
+    ("saved", "world", "holds"),
+    [
+        (["rng_state.pth"], 1, True),
+        (["rng_state_0.pth", "rng_state_1.pth"], 2, True),
+        (["rng_state_0.pth", "rng_state_1.pth"], 1, False),
+        (["rng_state_0.pth", "rng_state_1.pth"], 3, False),  # 0 and 1 would find another split's states
+        (["rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"], 2, False),
+        (["rng_state.pth"], 2, False),
+    ],
+)
+def test_rng_states_load_only_on_the_world_size_that_saved_them(tmp_path, saved, world, holds):
+    for name in saved:
+        (tmp_path / name).write_bytes(b"")
+    assert holds_rng_states(tmp_path, world) is holds

@@ -215,7 +215,8 @@ def _launch_training(
         )
     except LauncherSignalled as stop:
         found = latest_complete(cfg.train.output_dir)
-        saved = f"newest checkpoint {display_path(found)}" if found else "no checkpoint was saved"
+        newest = "the last complete checkpoint is" if stop.abandoned else "newest checkpoint"
+        saved = f"{newest} {display_path(found)}" if found else "no checkpoint was saved"
         extra = " ".join(shown_overrides or [])
         err_console.print(
             f"[yellow]{stop}[/]: {saved}\nresume with: cembed train {config}{' ' + extra if extra else ''} --resume",
