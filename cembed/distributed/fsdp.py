@@ -3,8 +3,9 @@ through accelerate and the trainer's ``fsdp`` options.
 
 - :func:`fsdp_args`: the trainer's FSDP2 options: one shard unit per transformer layer plus the
   root, sharded checkpoints (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, torch.distributed.checkpoint
-  folders each rank writes its shard into; resume reads them back resharded, on any number of
-  processes above one: :func:`cembed.train.checkpoint.check_checkpoint_layout` refuses the others).
+  folders each rank writes its shard into; resume reads them back resharded on any number of
+  processes, and into one process's unsharded model: :func:`load_sharded_model`; the other way:
+  :func:`load_full_optimizer`).
 - :func:`enable_fsdp_on_cpu`: accelerate (1.15, ``AcceleratorState.__init__``) turns the FSDP plugin
   into ``DistributedType.FSDP`` only inside its branch for accelerator devices (MULTI_GPU, XPU, NPU,
   ...); a CPU job stays ``MULTI_CPU``, drops the plugin and trains with DDP, silently. torch's
@@ -132,3 +133,60 @@ def gathered_model(trainer, build):
     model.model_card_data = card
     card.register_model(model)
     return model
+
+
+# --- resuming across the layouts: sharded (torch.distributed.checkpoint) <-> full ------------------
+# accelerate saves an FSDP2 model as {"model": state dict} and its optimizer as {"optimizer": torch's
+# get_optimizer_state_dict}, both keyed by parameter FQN, in these folders of the checkpoint.
+SHARDED_MODEL = "pytorch_model_fsdp_0"
+SHARDED_OPTIMIZER = "optimizer_0"
+
+
+def load_sharded_model(model, checkpoint: str) -> None:
+    """Load a sharded checkpoint's model into an unsharded ``model`` on one process: torch.distributed.checkpoint
+    reads every rank's shards into the full tensors, without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(f"{checkpoint}/{SHARDED_MODEL}"), no_dist=True)
+    model.load_state_dict(state["model"], strict=True)
+
+
+def load_sharded_optimizer(model, optimizer, checkpoint: str) -> None:
+    """Load a sharded checkpoint's optimizer state into the optimizer of an unsharded ``model`` on one
+    process: torch's FQN-keyed optimizer state dict of the plain model names the same entries as the
+    sharded run's, so torch.distributed.checkpoint fills it with the full tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # (initialises an empty AdamW state)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(f"{checkpoint}/{SHARDED_OPTIMIZER}"), no_dist=True)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_full_optimizer(model, optimizer, saved: dict) -> None:
+    """Load an unsharded run's ``optimizer.state_dict()`` (``saved``) into the optimizer of the sharded
+    ``model``: every rank holds the full state and torch keeps each rank's shard of it.
+
+    ``saved`` numbers the parameters in the order of its param groups; the sharded run built the
+    same groups from the same model (the trainer's weight-decay split), so the position names the
+    parameter, and torch's loader takes FQNs.
+
+    Raises:
+        ValueError: the param groups differ in number or size (not the same model or optimizer).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if [len(g) for g in groups] != [len(g["params"]) for g in saved["param_groups"]]:
+        raise ValueError("the checkpoint's optimizer has other param groups than this run's")
+    order = [n for g in groups for n in g]
+    state = {
+        "state": {order[i]: s for i, s in saved["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+    # strict=False: a parameter that never had a gradient (an unused pooler) has no AdamW state, as
+    # torch's own Optimizer.load_state_dict accepts.
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_optimizer_state_dict(model, optimizer, state, options=options)

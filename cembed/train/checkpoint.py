@@ -27,6 +27,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from cembed.distributed.fsdp import SHARDED_MODEL
 from cembed.distributed.peers import end_when_a_peer_fails
 from cembed.errors import UserError
 from cembed.files import display_path, write_json_atomic
@@ -171,42 +172,11 @@ def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
         )
 
 
-# The folder in which accelerate saves an FSDP model's shards (torch.distributed.checkpoint).
-FSDP_MODEL_FOLDER = "pytorch_model_fsdp_0"
-
-
 def is_sharded_checkpoint(checkpoint: str | Path) -> bool:
     """True for a checkpoint of a sharded (FSDP) run: its model and optimizer are
-    torch.distributed.checkpoint folders, not a full ``model.safetensors`` and ``optimizer.pt``."""
-    return (Path(checkpoint) / FSDP_MODEL_FOLDER).is_dir()
-
-
-def check_checkpoint_layout(checkpoint: str, sharded: bool, world_size: int) -> None:
-    """Refuse a resume whose checkpoint is saved in the other layout than this run loads.
-
-    A sharded checkpoint loads into any number of FSDP processes (torch.distributed.checkpoint
-    reshards it), but not into an unsharded model; a full one not into FSDP's shards. cembed shards
-    only with ``distributed.strategy: fsdp`` and more than one process.
-
-    Args:
-        sharded: this run trains with FSDP (``distributed.strategy: fsdp`` and ``world_size`` > 1).
-
-    Raises:
-        UserError: the checkpoint's layout and this run's differ, saying how to resume it.
-    """
-    if is_sharded_checkpoint(checkpoint) == sharded:
-        return
-    if not sharded:
-        why = "on 1 process (cembed shards only with more than one)" if world_size == 1 else "without FSDP"
-        raise UserError(
-            f"cannot resume {checkpoint} {why}: it holds FSDP shards (torch.distributed.checkpoint); resume it "
-            "with distributed.strategy: fsdp on 2 or more processes (any count that divides the global batch)"
-        )
-    raise UserError(
-        f"cannot resume {checkpoint} with FSDP: it holds a full model and optimizer (a run on 1 process or with "
-        "distributed.strategy: ddp), which FSDP's sharded loader cannot read; resume it as it was run (1 process, "
-        "or distributed.strategy=ddp)"
-    )
+    torch.distributed.checkpoint folders, not a full ``model.safetensors`` and ``optimizer.pt``. Either
+    layout resumes in either kind of run (:mod:`cembed.distributed.fsdp` reads the other one)."""
+    return (Path(checkpoint) / SHARDED_MODEL).is_dir()
 
 
 def rng_state_file(world_size: int, rank: int) -> str:

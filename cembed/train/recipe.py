@@ -51,7 +51,6 @@ from cembed.train.args import build_training_args
 from cembed.train.checkpoint import (
     InterruptCallback,
     TimedSaveCallback,
-    check_checkpoint_layout,
     check_output_dir,
     check_resume_point,
     checkpoint_progress,
@@ -223,19 +222,17 @@ def prepare_output(
     resume_from: str | None,
     overwrite: bool,
     record: dict | None = None,
-    sharded: bool = False,
 ) -> RunDir:
     """Check ``output_dir`` and find the resume point; on rank 0 create the folder, remove
     half-written checkpoints of a killed run and start the run's log.
 
     Args:
         record: this run's ``preflight.training_record``, compared with the checkpoint's on resume.
-        sharded: this run trains with FSDP, so it resumes only a sharded checkpoint (and vice versa).
 
     Raises:
         UserError: the folder holds a finished model (without ``overwrite``), there is no checkpoint
-            to resume, the checkpoint cannot be resumed under ``max_steps`` or in this run's layout
-            (sharded or not), or the config changes what the checkpoint's run trains (naming each change).
+            to resume, the checkpoint cannot be resumed under ``max_steps``, or the config changes
+            what the checkpoint's run trains (naming each change).
     """
     out = Path(output_dir)
     # Resuming a checkpoint of another folder into a finished output_dir still needs --overwrite.
@@ -245,7 +242,6 @@ def prepare_output(
     changes: list[str] = []
     if checkpoint:
         check_resume_point(checkpoint, max_steps)
-        check_checkpoint_layout(checkpoint, sharded, plan.world_size)
         changes = check_resume(checkpoint, recorded_run(checkpoint), record) if record else []
     run = RunDir(out, checkpoint, record, tuple(changes))
     if dist_info().is_main:
@@ -702,8 +698,7 @@ def run_training(
         contrast_rows=plan.contrast_rows,
     )
     t = cfg.train
-    sharded = cfg.distributed.strategy == "fsdp" and plan.world_size > 1  # as build_training_args decides
-    run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record, sharded)
+    run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
     frozen = freezes_unused(recorded_run(run_dir.checkpoint) if run_dir.checkpoint else None, plan.world_size)
     record["frozen_unused_parameters"] = frozen  # each checkpoint carries it on (its optimizer's parameters)
     findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))

@@ -37,7 +37,7 @@ import torch
 from sentence_transformers import SentenceTransformerTrainer
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 
 from cembed.data.batching.stream import StreamingRows
 from cembed.data.tokens.collator import PaddingCollator, SourceNamedRows, TextCollator, TokenIdRows
@@ -47,7 +47,12 @@ from cembed.distributed.collectives import (
     reduce_over_ranks,
     require_same_on_all_ranks,
 )
-from cembed.distributed.fsdp import enable_fsdp_on_cpu
+from cembed.distributed.fsdp import (
+    enable_fsdp_on_cpu,
+    load_full_optimizer,
+    load_sharded_model,
+    load_sharded_optimizer,
+)
 from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
 from cembed.files import append_log, apply_umask
@@ -59,6 +64,7 @@ from cembed.train.checkpoint import (
     STAGING,
     holds_rng_states,
     is_complete,
+    is_sharded_checkpoint,
     latest_complete,
     mark_complete,
     reseeded,
@@ -199,6 +205,7 @@ class CembedTrainer(SentenceTransformerTrainer):
     def train(self, *args, **kwargs):
         """``Trainer.train``; then the meter's totals are closed on every rank (one gather), before
         rank 0 alone saves and evaluates."""
+        self._preload_full_checkpoint(kwargs.get("resume_from_checkpoint"))
         result = super().train(*args, **kwargs)
         if self.meter is not None:
             self.meter.finish()
@@ -339,7 +346,25 @@ class CembedTrainer(SentenceTransformerTrainer):
         super().create_accelerator_and_postprocess()
         enable_fsdp_on_cpu(self)  # accelerate drops the FSDP plugin on CPU (cembed.distributed.fsdp)
 
+    def _preload_full_checkpoint(self, checkpoint) -> None:
+        # FSDP resuming a full checkpoint (a 1-process or DDP run's): every rank loads it into the
+        # model before the trainer shards it (sentence-transformers' loader reads only whole models),
+        # so the shards start from its weights; _load_from_checkpoint then has nothing left to load.
+        self._preloaded_checkpoint = None
+        if checkpoint and self.is_fsdp_enabled and not is_sharded_checkpoint(checkpoint):
+            self._load_unsharded(checkpoint)
+            self._preloaded_checkpoint = checkpoint
+
     def _load_from_checkpoint(self, checkpoint_path, *args, **kwargs) -> None:
+        if getattr(self, "_preloaded_checkpoint", None) == checkpoint_path:
+            self._loaded_checkpoint = checkpoint_path
+            return
+        # A sharded checkpoint on one process (cembed shards only with more than one):
+        # torch.distributed.checkpoint reads the shards into the full model.
+        if not self.is_fsdp_enabled and is_sharded_checkpoint(checkpoint_path):
+            load_sharded_model(self.model, checkpoint_path)
+            self._loaded_checkpoint = checkpoint_path
+            return
         # FSDP: the checkpoint holds the ranks' shards (torch.distributed.checkpoint), which only
         # transformers' own loader reads; sentence-transformers' expects a full model folder.
         if self.is_fsdp_enabled:
@@ -348,14 +373,30 @@ class CembedTrainer(SentenceTransformerTrainer):
             Trainer._load_from_checkpoint(self, checkpoint_path, *args, **kwargs)
             self._loaded_checkpoint = checkpoint_path
             return
+        self._load_unsharded(checkpoint_path)
+        self._loaded_checkpoint = checkpoint_path
+
+    def _load_unsharded(self, checkpoint_path) -> None:
         # A LoRA checkpoint holds the backbone as the adapter only, beside the other modules' folders
         # (a Dense head): sentence-transformers' loader would rebuild the model from it through
         # transformers' own PEFT integration instead. load_lora_checkpoint restores both.
         if is_lora(self.model):
             load_lora_checkpoint(self.model, checkpoint_path)
         else:
-            super()._load_from_checkpoint(checkpoint_path, *args, **kwargs)
-        self._loaded_checkpoint = checkpoint_path
+            super()._load_from_checkpoint(checkpoint_path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        # A checkpoint of the other layout (sharded on one process, full under FSDP): its optimizer
+        # state is read with torch.distributed.checkpoint's tools, its LR schedule as it is.
+        if checkpoint is None or is_sharded_checkpoint(checkpoint) == self.is_fsdp_enabled:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper: torch's own
+        if self.is_fsdp_enabled:
+            saved = torch.load(os.path.join(checkpoint, OPTIMIZER_NAME), map_location="cpu", weights_only=True)
+            load_full_optimizer(self.model, optimizer, saved)
+        else:
+            load_sharded_optimizer(self.model, optimizer, checkpoint)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     def _load_best_model(self) -> None:
         # sentence-transformers logs a failed load and carries on with the last step's weights: record
