@@ -12,7 +12,7 @@ FSDP (``distributed.strategy: fsdp``, ``batch.global_batch_size: 6``): a straigh
 warmup + cosine) resumes from its checkpoint-1 on 3 ranks and on 1 process (cembed shards only with
 more than one: the shards load into the full model); that 3-rank run's checkpoint-2 (3 shard files)
 resumes on 2 ranks; a 1-process run's checkpoint-1 (full model and optimizer) resumes sharded on 2
-ranks. All equal the straight run (weights within 1e-5, the same LR and loss at every resumed step).
+ranks, and that run's checkpoint-2 back on 1 process. All equal the straight run (weights within 1e-5, the same LR and loss at every resumed step).
 
 With dropout, a 2-rank run's checkpoint-3 resumes on 1 process: it completes, names the re-seeded
 streams, and its final loss stays within the spread of two seeds' 2-rank runs.
@@ -153,6 +153,8 @@ def elastic_runs(tiny_model_dir, tiny_dropout_model_dir, tmp_path_factory):
     runs |= _spawn(tmp, models, 2, [("fsdp-three-to-two", "fsdp-two-to-three/checkpoint-2", True, "plain")])
     runs["two-to-one"] = _run(tmp, tiny_model_dir, "two-to-one", str(tmp / "two" / "checkpoint-3"))
     runs["fsdp-two-to-one"] = _run(tmp, tiny_model_dir, "fsdp-two-to-one", str(tmp / "fsdp-two/checkpoint-1"), True)
+    back = str(tmp / "fsdp-one-to-two/checkpoint-2")  # 1 -> 2 -> 1: a sharded checkpoint of a 1-process run
+    runs["fsdp-one-to-two-to-one"] = _run(tmp, tiny_model_dir, "fsdp-one-to-two-to-one", back, True)
     resumed = str(tmp / "dropout-two/checkpoint-3")
     runs["dropout-two-to-one"] = _run(tmp, tiny_dropout_model_dir, "dropout-two-to-one", resumed)
     return tmp, runs
@@ -224,6 +226,7 @@ def test_resume_on_another_world_size_names_the_reseeded_streams(elastic_runs, r
         ("fsdp-three-to-two", "fsdp-two-to-three/checkpoint-2", 3, 2),
         ("fsdp-two-to-one", "fsdp-two/checkpoint-1", 2, 1),
         ("fsdp-one-to-two", "fsdp-one/checkpoint-1", 1, 2),
+        ("fsdp-one-to-two-to-one", "fsdp-one-to-two/checkpoint-2", 2, 1),
     ],
 )
 def test_fsdp_resume_on_another_world_size_equals_the_uninterrupted_run(
