@@ -123,6 +123,7 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.best_model_loaded = False  # the best checkpoint's weights were loaded at the end of training
         self._loaded_checkpoint: str | None = None  # the checkpoint _load_from_checkpoint last loaded in full
         self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
+        self._preloaded_checkpoint: str | None = None  # a full checkpoint loaded before FSDP sharded the model
         self.source_rows: tuple[list[str], list[int]] | None = None  # per-source prompts without pre-tokenization
         self._train_dataloader = None
         self._staging_root: str | None = None
@@ -202,11 +203,11 @@ class CembedTrainer(SentenceTransformerTrainer):
 
     # --- the throughput meter ----------------------------------------------------------------
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``Trainer.train``; then the meter's totals are closed on every rank (one gather), before
         rank 0 alone saves and evaluates."""
-        self._preload_full_checkpoint(kwargs.get("resume_from_checkpoint"))
-        result = super().train(*args, **kwargs)
+        self._preload_full_checkpoint(resume_from_checkpoint)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
         if self.meter is not None:
             self.meter.finish()
         return result
@@ -356,7 +357,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             self._preloaded_checkpoint = checkpoint
 
     def _load_from_checkpoint(self, checkpoint_path, *args, **kwargs) -> None:
-        if getattr(self, "_preloaded_checkpoint", None) == checkpoint_path:
+        if self._preloaded_checkpoint == checkpoint_path:
             self._loaded_checkpoint = checkpoint_path
             return
         # A sharded checkpoint on one process (cembed shards only with more than one):
