@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,14 +93,23 @@ def check_scheduler(optim: OptimConfig, learning_rate: float, max_steps: int | N
                 f"set e.g. optim.lr_scheduler_kwargs={{num_decay_steps: {max(1, steps // 10)}}}",
             )
         ]
+    warmup = math.ceil(optim.warmup_ratio * steps)  # as TrainingArguments.get_warmup_steps rounds it
     try:
-        get_scheduler(
-            name,
-            opt,
-            num_warmup_steps=int(optim.warmup_ratio * steps),
-            num_training_steps=steps,
-            scheduler_specific_kwargs=kwargs,
+        scheduler = get_scheduler(
+            name, opt, num_warmup_steps=warmup, num_training_steps=steps, scheduler_specific_kwargs=kwargs
         )
+        # the schedule's own edges: transformers' polynomial decay divides by (steps - warmup) unguarded
+        for lr_at in getattr(scheduler, "lr_lambdas", ()):
+            for step in sorted({0, warmup, warmup + 1, steps - 1, steps}):
+                lr_at(step)
+    except ZeroDivisionError:
+        return [
+            Finding(
+                "optim.warmup_ratio",
+                f"{name}: the warmup ({warmup} step(s) = ceil({optim.warmup_ratio:g} x {steps})) leaves no step to "
+                "decay over; lower optim.warmup_ratio or train more steps",
+            )
+        ]
     except ValueError as err:
         if name == "polynomial" and "lr_end" in str(err):
             end = kwargs.get("lr_end", 1e-7)

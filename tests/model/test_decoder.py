@@ -151,7 +151,9 @@ def test_cached_equals_plain_with_lora_dropout(decoder_dir, mbs):
     ref_loss.backward()
     ref = _grads(model)
 
-    cached = build_loss(model, loss_config(), mbs, sort_by_length=False).module
+    # padded like the reference: dropout masks follow the tensor's shape, so a packed mini-batch draws
+    # other masks (the packed path's own replay: tests/model/test_packed_models.py)
+    cached = build_loss(model, loss_config(), mbs, sort_by_length=False, unpad=False).module
     model.zero_grad()
     torch.manual_seed(7)
     loss = cached(features, labels=None)

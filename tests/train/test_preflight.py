@@ -296,3 +296,20 @@ def test_trackers_are_checked_by_transformers_availability(monkeypatch):
     assert finding.message == (
         "tensorboard, comet_ml are not installed; pip install tensorboard comet-ml, or remove them from train.report_to"
     )
+
+
+def test_a_warmup_that_takes_every_step_is_refused_for_the_polynomial_schedule():
+    """transformers' polynomial decay divides by (steps - warmup): one step at warmup_ratio 0.1 has
+    ceil(0.1) = 1 warmup step and nothing to decay over (found by the property test below: validate
+    said OK, train crashed at step 0 with ZeroDivisionError)."""
+    from cembed.config.schema import OptimConfig
+    from cembed.train.preflight import check_scheduler
+
+    (finding,) = check_scheduler(OptimConfig(lr_scheduler_type="polynomial"), 2e-5, max_steps=1)
+    assert finding.field == "optim.warmup_ratio"
+    assert finding.message == (
+        "polynomial: the warmup (1 step(s) = ceil(0.1 x 1)) leaves no step to decay over; lower "
+        "optim.warmup_ratio or train more steps"
+    )
+    assert check_scheduler(OptimConfig(lr_scheduler_type="polynomial"), 2e-5, max_steps=2) == []
+    assert check_scheduler(OptimConfig(lr_scheduler_type="linear"), 2e-5, max_steps=1) == []  # guarded there

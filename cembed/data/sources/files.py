@@ -143,12 +143,12 @@ def resolve_shards(source: FileSource) -> Shards:
                 )
             if path.is_dir():
                 raise UserError(f"{display_path(path)}: is a folder; a list of shards names files")
-        return _without_empty_shards(files, [], display_path(source.label))
+        return without_empty_shards(files, [], display_path(source.label))
     if not is_sharded(source):
         return Shards([Path(source.path)])
     if is_glob(source.path) and not Path(source.path).exists():
         pattern = os.path.abspath(source.path)
-        base = Path(_literal_prefix(pattern))
+        base = Path(literal_prefix(pattern))
         what = "no {} file matches this pattern"
     else:
         base = Path(os.path.abspath(source.path))
@@ -158,10 +158,10 @@ def resolve_shards(source: FileSource) -> Shards:
     if not files:
         shown = display_path(source.path)
         raise UserError(f"{shown}: {what.format(SUPPORTED_FILES)}" + _skipped_note(_grouped(skipped, base)))
-    return _without_empty_shards(files, _grouped(skipped, base), display_path(source.label), base)
+    return without_empty_shards(files, _grouped(skipped, base), display_path(source.label), base)
 
 
-def _literal_prefix(pattern: str) -> str:
+def literal_prefix(pattern: str) -> str:
     """The folder of a glob pattern before its first wildcard part (``/d/x/**/*.jsonl`` -> ``/d/x``)."""
     parts = Path(pattern).parts
     literal = next(i for i, part in enumerate(parts) if is_glob(part))
@@ -237,7 +237,7 @@ def _skipped_note(skipped: list[str] | tuple[str, ...]) -> str:
     return f"; skipped: {', '.join(skipped)}" if skipped else ""
 
 
-def _without_empty_shards(files: list[Path], skipped: list[str], label: str, base: Path | None = None) -> Shards:
+def without_empty_shards(files: list[Path], skipped: list[str], label: str, base: Path | None = None) -> Shards:
     """``files`` less the shards that hold 0 rows (each added to ``skipped`` as ``<shard> (0 rows)``).
 
     Raises:
@@ -294,7 +294,7 @@ def _read_no_rows(file: str, size: int, mtime_ns: int) -> bool:
     return False
 
 
-def _format(path: Path) -> str:
+def shard_format(path: Path) -> str:
     """A shard's format for the one-format rule: ``.jsonl`` and ``.jsonl.gz`` (and ``.json``) are one."""
     name = path.name.lower().removesuffix(".gz")
     return ".jsonl" if name.endswith(".json") else Path(name).suffix
@@ -328,15 +328,15 @@ def check_shards(files: list[Path], label: str) -> None:
     """Refuse shards that cannot be one source, naming the first offending one: a missing file, a
     second format, columns that differ from the first shard's. (A loaded and a streamed source
     alike: :func:`load_file`, :func:`cembed.data.sources.stream.open_file_stream`.)"""
-    first_format = _format(files[0])
+    first_format = shard_format(files[0])
     first_columns: list[str] | None = None
     for path in files:
         shown = display_path(path)
         if not path.exists():
             raise UserError(f"{shown}: data file not found")
-        if _format(path) != first_format:
+        if shard_format(path) != first_format:
             raise UserError(
-                f"{label}: {shown}: a {_format(path)} file among {first_format} files ({display_path(files[0])}); "
+                f"{label}: {shown}: a {shard_format(path)} file among {first_format} files ({display_path(files[0])}); "
                 "one source holds one format: convert it, or make the formats two sources"
             )
         columns = _shard_columns(path)

@@ -99,11 +99,11 @@ def check_prepared_for_model(
         if run.get(role, "") != stored.get(role, ""):
             raise UserError(
                 f"{where}: prompts.{role}: the run's is {run.get(role, '')!r}, the prepared source's "
-                f"{stored.get(role, '')!r}; set {field}.{_prompt_field(role)} to the source's {redo}"
+                f"{stored.get(role, '')!r}; set {field}.{prompt_field(role)} to the source's {redo}"
             )
 
 
-def _prompt_field(role: str) -> str:
+def prompt_field(role: str) -> str:
     """The ``data.prompts`` field of a role column: anchor, positive, negatives."""
     return "negatives" if role.startswith("negative_") else role
 

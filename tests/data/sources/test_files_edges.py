@@ -269,34 +269,34 @@ def test_shards_whose_column_types_differ_are_named(tmp_path):
 
 
 def test_every_shard_empty_is_refused_counting_the_files_and_naming_the_skipped(tmp_path):
-    from cembed.data.sources.files import _without_empty_shards
+    from cembed.data.sources.files import without_empty_shards
 
     empty = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
     for path in empty:
         path.write_bytes(b"")
     with pytest.raises(UserError) as err:
-        _without_empty_shards(empty, ["notes.txt (not a data file)"], "data/p")
+        without_empty_shards(empty, ["notes.txt (not a data file)"], "data/p")
     assert str(err.value) == "data/p: every data file holds 0 rows (2 files); skipped: notes.txt (not a data file)"
     with pytest.raises(UserError) as err:
-        _without_empty_shards(empty[:1], [], "data/p")
+        without_empty_shards(empty[:1], [], "data/p")
     assert str(err.value) == "data/p: every data file holds 0 rows (1 file)"
 
 
 def test_an_empty_shard_is_named_under_its_folder(tmp_path):
-    from cembed.data.sources.files import _without_empty_shards
+    from cembed.data.sources.files import without_empty_shards
 
     (tmp_path / "sub").mkdir()
     full, empty = tmp_path / "full.jsonl", tmp_path / "sub" / "e.jsonl"
     full.write_text('{"anchor": "a", "positive": "b"}\n')
     empty.write_text("\n\n")  # blank lines only: no row
-    shards = _without_empty_shards([full, empty], [], "data/p", base=tmp_path)
+    shards = without_empty_shards([full, empty], [], "data/p", base=tmp_path)
     assert shards.files == [full] and shards.skipped == ("sub/e.jsonl (0 rows)",)
 
 
 def test_a_shards_format_and_a_patterns_literal_folder():
-    from cembed.data.sources.files import _format, _literal_prefix
+    from cembed.data.sources.files import literal_prefix, shard_format
 
-    formats = [_format(Path(n)) for n in ("a.json", "a.JSON.gz", "a.jsonl", "a.jsonl.gz", "a.parquet", "a.csv")]
+    formats = [shard_format(Path(n)) for n in ("a.json", "a.JSON.gz", "a.jsonl", "a.jsonl.gz", "a.parquet", "a.csv")]
     assert formats == [".jsonl", ".jsonl", ".jsonl", ".jsonl", ".parquet", ".csv"]
-    assert _literal_prefix("/d/x/**/*.jsonl") == str(Path("/d/x"))
-    assert _literal_prefix("/*/a.jsonl") == os.sep
+    assert literal_prefix("/d/x/**/*.jsonl") == str(Path("/d/x"))
+    assert literal_prefix("/*/a.jsonl") == os.sep

@@ -16,7 +16,7 @@ from sentence_transformers import SentenceTransformer
 from cembed.data.tokens import model_check
 from cembed.data.tokens.collator import PaddingCollator, collator_for
 from cembed.data.tokens.encode import SourcePrompts
-from cembed.data.tokens.model_check import _prompt_field, check_prepared_for_model, matches_model_preprocessing
+from cembed.data.tokens.model_check import check_prepared_for_model, matches_model_preprocessing, prompt_field
 from cembed.data.tokens.tokenize import pretokenize
 from cembed.errors import UserError
 
@@ -28,7 +28,7 @@ REDO = "or prepare the source again for this model (cembed prepare-data)"
     [("anchor", "anchor"), ("positive", "positive"), ("negative_1", "negatives"), ("negative_12", "negatives")],
 )
 def test_a_roles_prompt_field(role, field):
-    assert _prompt_field(role) == field
+    assert prompt_field(role) == field
 
 
 def _manifest(**changes):
