@@ -353,8 +353,17 @@ def test_the_check_runs_end_to_end_on_cpu(tmp_path, capsys):
     assert est["steps"] == 4 and est["predicted_s"] > 0 and est["measured_s"] > 0 and est["bar"] != 0.15
     # issue 34: sdpa packs both models and is timed; the fastest variant and path recorded per model
     assert set(summary["attention_fastest"]) == {"all-MiniLM-L6-v2", "qwen2 decoder"}
-    for cases in report["stages"]["attention"]["variants"].values():
-        assert cases["sdpa"]["packs"] is True and cases["sdpa"]["packed_vs_alone_max_rel"] <= 1e-4
+    # the stage at its --quick sizes (run here only: it is the slowest part of a stage unit test): sdpa
+    # packs both models, each packed row equals the row alone, the packed loss is the padded one's (bf16
+    # autocast), each side ran its path; the variants that cannot run here say why; the fastest was timed
+    for name, cases in report["stages"]["attention"]["variants"].items():
+        sdpa = cases["sdpa"]
+        assert sdpa["packs"] is True and sdpa["packed_vs_alone_max_rel"] <= 1e-4 and sdpa["loss_rel"] <= 2e-2
+        assert sdpa["ran"] == {"padded": "padded", "packed": "packed"} and sdpa["padded_step_s"] > 0
+        assert cases["flash_attention_2"] == {"not_run": "CUDA only"}
+        assert cases["flex_attention (kernel compiled)"]["not_run"].startswith("not with --quick on CPU")
+        best = summary["attention_fastest"][name]
+        assert best["step_s"] == cases[best["variant"]][f"{best['path']}_step_s"]
 
 
 @pytest.mark.parametrize(
@@ -395,25 +404,6 @@ def test_the_bundle_check_wants_one_wheel_of_each_fallback_package(tmp_path):
 
 
 CPU_QUICK = {"device": "cpu", "quick": True, "model": "all-MiniLM-L6-v2", "precision": "bf16"}
-
-
-@pytest.mark.slow
-def test_attention_stage_on_cpu(tmp_path):
-    """The attention stage at its --quick sizes: sdpa packs both models, each packed row equals the
-    row alone, the packed loss is the padded one's (bf16 autocast), each side ran its path; the
-    variants that cannot run here say why; the fastest is one that was timed."""
-    stages = load_stages()
-    result = stages.stage_attention(CPU_QUICK, tmp_path / "attention")
-    assert result["status"] == "pass", result
-    for name, cases in result["variants"].items():
-        assert list(cases) == list(stages.ATTENTION_VARIANTS)
-        sdpa = cases["sdpa"]
-        assert sdpa["packs"] and sdpa["packed_vs_alone_max_rel"] <= 1e-5 and sdpa["loss_rel"] <= 2e-2
-        assert sdpa["ran"] == {"padded": "padded", "packed": "packed"} and sdpa["padded_step_s"] > 0
-        assert cases["flash_attention_2"] == {"not_run": "CUDA only"}
-        assert cases["flex_attention (kernel compiled)"]["not_run"].startswith("not with --quick on CPU")
-        best = result["fastest"][name]
-        assert best["step_s"] == cases[best["variant"]][f"{best['path']}_step_s"]
 
 
 def test_a_failing_attention_variant_is_recorded_not_fatal(tmp_path, monkeypatch):
