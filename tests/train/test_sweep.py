@@ -318,3 +318,122 @@ def test_cli_a_changed_batch_is_refused_then_overwritten_then_reused(tmp_path, t
 
     res = CliRunner().invoke(app, changed)  # unchanged since: read back, nothing trained
     assert res.exit_code == 0 and len(calls) == 2 and "finished before, read back" in res.output, res.output
+
+
+# --- sweep.json and sweep.png from a result built by hand (no training) -------------------------------
+
+
+def _result(tmp_path, metric_before: float | None = 0.25) -> S.SweepResult:
+    trials = [
+        S.SweepTrial(0.5, 1e-3, 5e-4, 0.5, 0.75, "f-0.5", True, warnings=["w1"]),
+        S.SweepTrial(1.0, 2e-3, 1e-3, 0.625, None, "f-1", False, warnings=["w1", "w2"]),
+        S.SweepTrial(2.0, 4e-3, 2e-3, 0.375, 1.5, "f-2", True),
+    ]
+    return S.SweepResult(
+        metric="sts_spearman_cosine",
+        greater_is_better=True,
+        base_learning_rate=2e-3,
+        base_config_learning_rate=1e-3,
+        lr_derivation="sqrt rule",
+        steps=3,
+        trials=trials,
+        best=trials[1],
+        out=tmp_path,
+        metric_before=metric_before,
+        storage="sqlite:///study.db",
+        ran=[0.5, 2.0],
+    )
+
+
+def test_sweep_json_holds_every_trial_the_best_and_the_override(tmp_path):
+    result = _result(tmp_path)
+    path, plot = S.write_sweep(result)
+    assert path == tmp_path / "sweep.json" and plot == tmp_path / "sweep.png"
+    trial = {"learning_rate": 2e-3, "config_learning_rate": 1e-3, "metric": 0.625, "last_loss": None}
+    best = {"factor": 1.0, **trial, "output_dir": "f-1", "trained_now": False, "edge": False, "warnings": ["w1", "w2"]}
+    data = json.loads(path.read_text())
+    assert data == {
+        "metric": "sts_spearman_cosine",
+        "greater_is_better": True,
+        "metric_before_training": 0.25,
+        "steps": 3,
+        "base_learning_rate": 2e-3,
+        "base_config_learning_rate": 1e-3,
+        "lr_derivation": "sqrt rule",
+        "trials": [
+            {"factor": 0.5, "learning_rate": 1e-3, "config_learning_rate": 5e-4, "metric": 0.5, "last_loss": 0.75,
+             "output_dir": "f-0.5", "trained_now": True, "edge": False, "warnings": ["w1"]},
+            best,
+            {"factor": 2.0, "learning_rate": 4e-3, "config_learning_rate": 2e-3, "metric": 0.375, "last_loss": 1.5,
+             "output_dir": "f-2", "trained_now": True, "edge": False, "warnings": []},
+        ],
+        "best": best,
+        "override": "optim.learning_rate=0.001",
+        "warnings": ["w1", "w2"],
+        "study": {"storage": "sqlite:///study.db", "name": "lr-sweep"},
+        "trained_this_call": [0.5, 2.0],
+        "moved_aside": None,
+        "plot": str(tmp_path / "sweep.png"),
+    }  # fmt: skip
+    result.moved_aside = tmp_path / "study-1"
+    assert result.as_json()["moved_aside"] == str(tmp_path / "study-1")
+
+
+def _plotted(tmp_path, monkeypatch, result):
+    """Plot ``result``; returns (figure, axes, the PNG's width and height in pixels)."""
+    import struct
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    real = plt.subplots
+
+    def subplots(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(plt, "subplots", subplots)
+    path = S.plot_sweep(result, str(tmp_path / "plot.png"))
+    assert path == tmp_path / "plot.png"
+    ((fig, ax),) = made
+    assert not plt.fignum_exists(fig.number)  # closed
+    width, height = struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR
+    return fig, ax, (width, height)
+
+
+def test_the_plot_marks_each_factor_the_best_and_the_base_models_metric(tmp_path, monkeypatch):
+    from matplotlib.font_manager import FontProperties
+
+    fig, ax, size = _plotted(tmp_path, monkeypatch, _result(tmp_path))
+    assert size == (600, 400) and list(fig.get_size_inches()) == [6, 4]
+    after, best, before = ax.get_lines()
+    assert list(after.get_xdata()) == [1e-3, 2e-3, 4e-3] and list(after.get_ydata()) == [0.5, 0.625, 0.375]
+    assert (after.get_marker(), after.get_color(), after.get_label()) == ("o", "tab:blue", "after training")
+    assert list(best.get_xdata()) == [2e-3] and list(best.get_ydata()) == [0.625]
+    assert (best.get_marker(), best.get_linestyle(), best.get_color()) == ("*", "None", "tab:red")
+    assert (best.get_markersize(), best.get_label()) == (14, "best")
+    assert list(before.get_ydata()) == [0.25, 0.25]
+    assert (before.get_color(), before.get_linestyle(), before.get_label()) == ("gray", "--", "before training")
+    notes = [(t.get_text(), t.xy, t.xyann, t.anncoords) for t in ax.texts]
+    assert notes == [
+        ("x0.5", (1e-3, 0.5), (0, 6), "offset points"),
+        ("x1", (2e-3, 0.625), (0, 6), "offset points"),
+        ("x2", (4e-3, 0.375), (0, 6), "offset points"),
+    ]
+    assert ax.get_xscale() == "log" and ax.margins() == (0.08, 0.15)
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("effective learning rate", "sts_spearman_cosine")
+    assert ax.get_title() == "LR sweep: 3 steps per trial"
+    legend = [(t.get_text(), t.get_fontsize()) for t in ax.get_legend().get_texts()]
+    small = FontProperties(size="small").get_size_in_points()
+    assert legend == [("after training", small), ("best", small), ("before training", small)]
+
+
+def test_the_plot_without_a_base_metric_has_no_line_for_it_and_no_trials_no_plot(tmp_path, monkeypatch):
+    _, ax, _ = _plotted(tmp_path, monkeypatch, _result(tmp_path, metric_before=None))
+    assert [line.get_label() for line in ax.get_lines()] == ["after training", "best"]
+    empty = _result(tmp_path)
+    empty.trials = []
+    assert S.plot_sweep(empty, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
