@@ -437,3 +437,51 @@ def test_the_plot_without_a_base_metric_has_no_line_for_it_and_no_trials_no_plot
     empty = _result(tmp_path)
     empty.trials = []
     assert S.plot_sweep(empty, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+def test_a_sweep_without_trials_writes_no_plot(tmp_path):
+    result = _result(tmp_path)
+    result.trials = []
+    path, plot = S.write_sweep(result)
+    assert plot is None and json.loads(path.read_text())["plot"] is None and not (tmp_path / "sweep.png").exists()
+
+
+def test_a_changed_record_names_each_field_its_old_and_new_value(tmp_path):
+    import optuna
+
+    study = optuna.create_study(study_name=S.STUDY_NAME)  # in memory
+    old = {"batch.size": 8, "data.train": "a.jsonl", "model.prompts": ["q: "], "gone": 1}
+    S.check_study_record(study, old, tmp_path / "study.db")  # a new study stores the record
+    assert study.user_attrs == {"record": old, "fingerprint": S.record_fingerprint(old)}
+    S.check_study_record(study, dict(old), tmp_path / "study.db")  # the same record passes
+    new = {"batch.size": 16, "data.train": "b.jsonl", "model.prompts": ["q: "], "added": None, "new": 2}
+    assert S.record_differences(old, new) == [
+        ("batch.size", 8, 16), ("data.train", "a.jsonl", "b.jsonl"), ("gone", 1, None), ("new", None, 2)
+    ]  # fmt: skip
+    with pytest.raises(UserError) as err:
+        S.check_study_record(study, new, tmp_path / "study.db")
+    assert str(err.value) == (
+        f"sweep: {tmp_path / 'study.db'} was run with batch.size=8, data.train=a.jsonl, gone=1, new=unset, "
+        "this config has batch.size=16, data.train=b.jsonl, gone=unset, new=2; "
+        "use a new --out or --overwrite to move the old study aside"
+    )
+    with pytest.raises(UserError) as err:
+        S.check_study_record(study, {**old, "model.prompts": ["p: "]}, tmp_path / "study.db")
+    assert 'was run with model.prompts=["q: "], this config has ["p: "]; use a new' in str(err.value)
+
+
+def test_overwrite_moves_each_earlier_study_into_its_own_folder(tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    out.mkdir()
+    assert S.move_study_aside(out) is None  # no study: nothing moved
+    monkeypatch.setattr(S.time, "strftime", lambda fmt: {"%Y%m%d-%H%M%S": "20260102-030405"}[fmt])
+    for n in range(3):  # three overwrites within one second
+        for name in ("study.db", "sweep.json", "factor-1", "factor-0.5", "notes.txt"):
+            (out / name).write_text(str(n))
+        aside = S.move_study_aside(out)
+        assert aside == out / ("study-20260102-030405" + ("" if n == 0 else f"-{n}"))
+        assert sorted(p.name for p in aside.iterdir()) == ["factor-0.5", "factor-1", "study.db", "sweep.json"]
+        assert (aside / "study.db").read_text() == str(n)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "notes.txt", "study-20260102-030405", "study-20260102-030405-1", "study-20260102-030405-2"
+    ]  # fmt: skip
