@@ -485,3 +485,19 @@ def test_overwrite_moves_each_earlier_study_into_its_own_folder(tmp_path, monkey
     assert sorted(p.name for p in out.iterdir()) == [
         "notes.txt", "study-20260102-030405", "study-20260102-030405-1", "study-20260102-030405-2"
     ]  # fmt: skip
+
+
+def test_bad_factors_are_refused_with_the_whole_fix():
+    for text in (None, "", " , "):
+        with pytest.raises(UserError) as err:
+            S.parse_factors(text)
+        assert str(err.value) == (
+            "--lr-factors is empty; give comma-separated positive factors, e.g. --lr-factors 0.5,1,2"
+        )
+    with pytest.raises(UserError) as err:
+        S.parse_factors("1, abc")
+    assert str(err.value) == "--lr-factors: 'abc' is not a number; e.g. --lr-factors 0.5,1,2"
+    for bad in ("0", "-2", "inf", "nan"):
+        with pytest.raises(UserError) as err:
+            S.parse_factors(f"1,{bad}")
+        assert str(err.value) == f"--lr-factors: {bad} is not a positive factor; e.g. --lr-factors 0.5,1,2"
