@@ -388,6 +388,7 @@ def _plotted(tmp_path, monkeypatch, result):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    monkeypatch.setitem(matplotlib.rcParams, "savefig.dpi", 50)  # a user's matplotlibrc: the plot keeps its 100
     made = []
     real = plt.subplots
 
@@ -501,3 +502,40 @@ def test_bad_factors_are_refused_with_the_whole_fix():
         with pytest.raises(UserError) as err:
             S.parse_factors(f"1,{bad}")
         assert str(err.value) == f"--lr-factors: {bad} is not a positive factor; e.g. --lr-factors 0.5,1,2"
+
+
+def test_a_trial_is_stored_with_what_completed_trials_reads_back(tmp_path):
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    assert S._space() == {"factor": FloatDistribution(1e-6, 1e6, log=True)}
+    study = optuna.create_study(study_name=S.STUDY_NAME, direction="maximize")  # in memory
+    trial_at = {}
+    for factor, steps, fingerprint in ((2.0, 3, "f"), (0.5, 3, "f"), (4.0, 5, "f"), (8.0, 3, "other")):
+        study.enqueue_trial({"factor": factor})
+        trial = study.ask(S._space())
+        result = S.SweepTrial(factor, 1e-3 * factor, 5e-4 * factor, 0.1 * factor, 0.5, f"f-{factor:g}", True,
+                              edge=factor == 2.0, warnings=["w"])  # fmt: skip
+        S.record_trial(study, trial, result, "sts", steps, fingerprint)
+        trial_at[factor] = trial.number
+    stored = study.trials[trial_at[2.0]]
+    assert stored.value == pytest.approx(0.2) and stored.params == {"factor": 2.0}
+    assert stored.user_attrs == {
+        "learning_rate": 2e-3, "config_learning_rate": 1e-3, "last_loss": 0.5, "output_dir": "f-2", "edge": True,
+        "warnings": ["w"], "metric_name": "sts", "steps": 3, "fingerprint": "f",
+    }  # fmt: skip
+    done = S.completed_trials(study, "sts", 3, "f")  # not the trial of 5 steps, nor another config's
+    assert done == {
+        "2": S.SweepTrial(2.0, 2e-3, 1e-3, pytest.approx(0.2), 0.5, "f-2", False, edge=True, warnings=["w"]),
+        "0.5": S.SweepTrial(0.5, 5e-4, 2.5e-4, pytest.approx(0.05), 0.5, "f-0.5", False, warnings=["w"]),
+    }
+    assert S.completed_trials(study, "other", 3, "f") == {}
+
+
+def test_the_record_fingerprint_is_sha256_of_its_sorted_json():
+    import hashlib
+    from pathlib import Path
+
+    record = {"b": 1, "a": Path("x")}
+    expected = hashlib.sha256(b'{"a": "x", "b": 1}').hexdigest()[:16]
+    assert S.record_fingerprint(record) == expected
