@@ -518,6 +518,11 @@ def test_a_trial_is_stored_with_what_completed_trials_reads_back(tmp_path):
                               edge=factor == 2.0, warnings=["w"])  # fmt: skip
         S.record_trial(study, trial, result, "sts", steps, fingerprint)
         trial_at[factor] = trial.number
+    study.enqueue_trial({"factor": 16.0})  # killed after its attributes were stored, before its score
+    killed = study.ask(S._space())
+    for name, value in study.trials[trial_at[2.0]].user_attrs.items():
+        killed.set_user_attr(name, value)
+    study.tell(killed, state=optuna.trial.TrialState.FAIL)
     stored = study.trials[trial_at[2.0]]
     assert stored.value == pytest.approx(0.2) and stored.params == {"factor": 2.0}
     assert stored.user_attrs == {
