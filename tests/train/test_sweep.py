@@ -544,3 +544,79 @@ def test_the_record_fingerprint_is_sha256_of_its_sorted_json():
     record = {"b": 1, "a": Path("x")}
     expected = hashlib.sha256(b'{"a": "x", "b": 1}').hexdigest()[:16]
     assert S.record_fingerprint(record) == expected
+
+
+def test_the_sweep_metric_and_its_refusals(tmp_path):
+    from cembed.config.file import load_config
+
+    cfg = load_config(_config(tmp_path, "some-model"))  # no model is read
+    assert S.sweep_metric(cfg, None) == ("sts_spearman_cosine", True)
+    assert S.sweep_metric(cfg, "eval_sts_pearson_cosine") == ("sts_pearson_cosine", True)
+    assert S.sweep_metric(cfg, "sts_pearson_cosine") == ("sts_pearson_cosine", True)
+    with pytest.raises(UserError) as err:
+        S.sweep_metric(cfg, "eval_sts_nope")
+    assert str(err.value) == (
+        "--metric: 'eval_sts_nope' is not a metric of the eval sets (e.g. sts_spearman_cosine, sts_pearson_cosine)"
+    )
+    cfg = load_config(
+        _config(tmp_path, "some-model"), ["eval.metric_for_best_model=sts_pearson_cosine", "eval.eval_steps=10"]
+    )
+    assert S.sweep_metric(cfg, None) == ("sts_pearson_cosine", True)
+    cfg = load_config(_config(tmp_path, "some-model"), ["eval.greater_is_better=false"])
+    assert S.sweep_metric(cfg, None) == ("sts_spearman_cosine", False)
+    cfg = load_config(_config(tmp_path, "some-model", eval_section=False))
+    with pytest.raises(UserError) as err:
+        S.sweep_metric(cfg, None)
+    assert str(err.value) == (
+        "eval: the config has no eval sets; sweep scores each trial on them: add an eval section "
+        "(eval.retrieval or eval.sts)"
+    )
+
+
+def test_a_trials_overrides_and_the_record_of_what_it_trains(tmp_path):
+    from cembed.config.file import load_config
+
+    assert S.trial_overrides(0.002, 5, tmp_path / "factor-2") == [
+        "optim.learning_rate=0.002",
+        "train.num_train_epochs=null",
+        "train.max_steps=5",
+        f"train.output_dir={(tmp_path / 'factor-2').resolve()}",
+        "train.save_steps=null",
+        "train.push_to_hub=false",
+        "train.report_to=[none]",
+        "eval.eval_steps=null",
+        "eval.metric_for_best_model=null",
+    ]
+    config = _config(tmp_path, "some-model")
+    record = S.sweep_record(load_config(config), "fp32", 2)
+    assert record["model.precision"] == "fp32" and record["--steps"] == 2 and record["optim.learning_rate"] == 1e-3
+    assert record["eval.sts"] == [{"path": str(tmp_path / "sts.tsv"), "name": None}]
+    assert record["model.name_or_path"] == "some-model" and record["batch.per_device_train_batch_size"] == 8
+    for left_out in ("train.output_dir", "train.max_steps", "data.cache_dir", "model.device", "train.logging_steps"):
+        assert left_out not in record
+    assert not [key for key in record if key.startswith(("distributed", "eval.batch_size", "eval.eval_steps"))]
+    # where and how a trial logs, saves and runs do not change the record; what it trains does
+    moved = load_config(config, ["train.output_dir=elsewhere", "data.cache_dir=c2", "train.logging_steps=5"])
+    assert S.sweep_record(moved, "fp32", 2) == record
+    seeded = S.sweep_record(load_config(config, ["train.seed=7"]), "fp32", 2)
+    assert S.record_differences(record, seeded) == [("train.seed", 42, 7)]
+
+
+def test_the_study_is_created_then_loaded_and_a_running_trial_marked_failed(tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = S.open_study(storage, greater=False)
+    assert study.study_name == "lr-sweep" and study.direction == optuna.study.StudyDirection.MINIMIZE
+    study.enqueue_trial({"factor": 1.0})
+    study.ask(S._space())  # left RUNNING by a killed sweep
+    again = S.open_study(storage, greater=False)
+    assert [t.state for t in again.trials] == [optuna.trial.TrialState.FAIL]
+    assert S.open_study(f"sqlite:///{tmp_path / 'up.db'}", greater=True).direction.name == "MAXIMIZE"
+    assert optuna.logging.get_verbosity() == optuna.logging.WARNING
+    record = {"a": 1}
+    study, url, fingerprint, moved = S.sweep_study(tmp_path, True, record, overwrite=False)
+    assert url == storage and fingerprint == S.record_fingerprint(record) and moved is None
+    assert study.user_attrs["record"] == record
+    study, url, fingerprint, moved = S.sweep_study(tmp_path, True, {"a": 2}, overwrite=True)
+    assert moved is not None and (moved / "study.db").is_file() and study.user_attrs["record"] == {"a": 2}
