@@ -620,3 +620,22 @@ def test_the_study_is_created_then_loaded_and_a_running_trial_marked_failed(tmp_
     assert study.user_attrs["record"] == record
     study, url, fingerprint, moved = S.sweep_study(tmp_path, True, {"a": 2}, overwrite=True)
     assert moved is not None and (moved / "study.db").is_file() and study.user_attrs["record"] == {"a": 2}
+
+
+def test_a_study_with_finished_trials_and_no_record_is_refused_failed_ones_are_not(tmp_path):
+    import optuna
+
+    failed = optuna.create_study(study_name=S.STUDY_NAME)  # in memory
+    failed.enqueue_trial({"factor": 1.0})
+    failed.tell(failed.ask(S._space()), state=optuna.trial.TrialState.FAIL)
+    S.check_study_record(failed, {"a": 1}, tmp_path / "study.db")  # nothing finished: the record is stored
+    assert failed.user_attrs["record"] == {"a": 1}
+    done = optuna.create_study(study_name=S.STUDY_NAME)
+    done.enqueue_trial({"factor": 1.0})
+    done.tell(done.ask(S._space()), 0.5)
+    with pytest.raises(UserError) as err:
+        S.check_study_record(done, {"a": 1}, tmp_path / "study.db")
+    assert str(err.value) == (
+        f"sweep: {tmp_path / 'study.db'} holds trials without a record of the config they ran; "
+        "use a new --out or --overwrite to move the old study aside"
+    )
