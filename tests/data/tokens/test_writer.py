@@ -534,3 +534,34 @@ def test_check_folder_removes_this_parts_leftovers_and_keeps_the_others(tmp_path
     (one / "link").symlink_to(one / "sub")
     check_folder(one, 0, 1, True)  # --overwrite: everything goes, a link without its target
     assert list(one.iterdir()) == []
+
+
+def test_datasets_cache_points_into_the_folder_while_the_block_runs_and_is_restored(tmp_path, hf_cache):
+    from cembed.data.tokens.writer import temporary_datasets_cache
+
+    before = (datasets.config.HF_DATASETS_CACHE, datasets.config.DOWNLOADED_DATASETS_PATH)
+    before += (datasets.config.EXTRACTED_DATASETS_PATH,)
+    with temporary_datasets_cache(tmp_path / "t" / "cache") as folder:
+        assert folder == tmp_path / "t" / "cache" and folder.is_dir()
+        downloads = folder / datasets.config.DOWNLOADED_DATASETS_DIR
+        assert datasets.config.HF_DATASETS_CACHE == folder and datasets.config.DOWNLOADED_DATASETS_PATH == downloads
+        assert datasets.config.EXTRACTED_DATASETS_PATH == downloads / datasets.config.EXTRACTED_DATASETS_DIR
+    after = (datasets.config.HF_DATASETS_CACHE, datasets.config.DOWNLOADED_DATASETS_PATH)
+    assert after + (datasets.config.EXTRACTED_DATASETS_PATH,) == before
+
+
+def test_a_joined_results_figures_are_the_whole_folders(tmp_path):
+    from cembed.data.tokens.writer import folder_bytes
+
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    (tmp_path / "b").write_bytes(b"x" * 5)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c").write_bytes(b"x" * 100)  # not in the folder itself
+    assert folder_bytes(tmp_path) == 15
+    joined = PrepareResult(tmp_path, 1, 2, 2, [], 40, 30, 0.0, 1, True, total_rows=4, disk_bytes=100)
+    joined.total_token_bytes = 80
+    assert joined.bytes_per_row == 25 and joined.ratio == 1.25
+    part = PrepareResult(tmp_path, 1, 2, 2, [], 40, 30, 0.0, 1, False, total_rows=4, disk_bytes=100)
+    assert part.bytes_per_row == 20 and part.ratio == 40 / 30
+    empty = PrepareResult(tmp_path, 3, 4, 0, [], 0, 0, 0.0, 1, False)
+    assert empty.bytes_per_row == 0 and empty.ratio == 0
