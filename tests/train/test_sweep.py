@@ -4,6 +4,7 @@ study that lets a killed sweep resume with only the missing trials, and the refu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -639,3 +640,62 @@ def test_a_study_with_finished_trials_and_no_record_is_refused_failed_ones_are_n
         f"sweep: {tmp_path / 'study.db'} holds trials without a record of the config they ran; "
         "use a new --out or --overwrite to move the old study aside"
     )
+
+
+def test_run_sweep_refuses_bad_steps_and_factors_before_reading_the_config(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    for steps, factors, says in (
+        (0, [1.0], "--steps must be at least 1 (got 0)"),
+        (1, [], "--lr-factors is empty; e.g. 0.5,1,2"),
+        (-1, [], "--steps must be at least 1 (got -1)"),
+    ):
+        with pytest.raises(UserError) as err:
+            S.run_sweep(missing, factors, steps)
+        assert str(err.value) == says
+
+
+def test_run_sweep_extends_past_the_best_edge_and_records_each_trial(tmp_path, tiny_model_dir, monkeypatch):
+    """Without training (the run returns a summary): the metric chosen, one factor beyond the best edge
+    (x2 above, x0.5 below, none when the best is inside), the last loss, the base model's score, the
+    default folder, and the events a caller is told."""
+    import optuna
+
+    def fake_run(cfg, plan, data, *args, **kwargs):
+        lr = cfg.optim.learning_rate  # the config LR: 1e-3 x factor
+        losses = [[1, 0.5], [2, lr]] if lr != 2e-3 else []
+        after = {"sts_pearson_cosine": lr, "sts_spearman_cosine": -abs(lr - 2e-3)}  # peak at x2
+        before = {"sts_pearson_cosine": 0.125, "sts_spearman_cosine": 0.25}
+        return {"step_losses": losses, "last_loss": 0.75, "eval": {"before": before, "after": after}}
+
+    monkeypatch.setattr(S, "run_training", fake_run)
+    config = _config(tmp_path, tiny_model_dir)
+    events = []
+    on_trial = lambda event, factor, lr: events.append((event, factor, round(lr, 9)))  # noqa: E731
+    up = S.run_sweep(config, [1.0, 2.0], 1, out=tmp_path / "up", metric="eval_sts_pearson_cosine", on_trial=on_trial)
+    assert up.metric == "sts_pearson_cosine" and up.greater_is_better
+    assert [(t.factor, t.edge, t.metric) for t in up.trials] == [
+        (1.0, False, 1e-3),
+        (2.0, False, 2e-3),
+        (4.0, True, 4e-3),
+    ]
+    assert up.best.factor == 4.0 and up.ran == [1.0, 2.0, 4.0] and up.metric_before == 0.125
+    assert [t.last_loss for t in up.trials] == [1e-3, 0.75, 4e-3]  # the last step's loss, else the summary's
+    assert events == [
+        ("start", 1.0, 2e-3), ("done", 1.0, 2e-3), ("start", 2.0, 4e-3), ("done", 2.0, 4e-3),
+        ("start", 4.0, 8e-3), ("done", 4.0, 8e-3),
+    ]  # fmt: skip
+    study = optuna.load_study(study_name=S.STUDY_NAME, storage=up.storage)
+    assert study.direction.name == "MAXIMIZE"
+    assert {t.user_attrs["fingerprint"] for t in study.trials} == {study.user_attrs["fingerprint"]}
+    events.clear()
+    again = S.run_sweep(config, [1.0, 2.0], 1, out=tmp_path / "up", metric="sts_pearson_cosine", on_trial=on_trial)
+    assert again.ran == [] and again.metric_before == 0.125
+    assert events == [("cached", 1.0, 2e-3), ("cached", 2.0, 4e-3), ("cached", 4.0, 8e-3)]
+
+    down = S.run_sweep(config, [4.0, 8.0], 1, out=tmp_path / "down")  # spearman: best at x4, the low edge
+    assert [(t.factor, t.edge) for t in down.trials] == [(2.0, True), (4.0, False), (8.0, False)]
+    assert down.best.factor == 2.0 and down.metric == "sts_spearman_cosine" and down.metric_before == 0.25
+    inside = S.run_sweep(config, [1.0, 2.0, 4.0], 1, out=tmp_path / "inside")
+    assert [t.factor for t in inside.trials] == [1.0, 2.0, 4.0] and inside.best.factor == 2.0
+    alone = S.run_sweep(config, [1.0], 1, overrides=[f"train.output_dir={tmp_path / 'run'}/"])
+    assert alone.out == Path(f"{tmp_path / 'run'}-lr-sweep") and [t.factor for t in alone.trials] == [1.0]
