@@ -669,6 +669,8 @@ def test_run_sweep_extends_past_the_best_edge_and_records_each_trial(tmp_path, t
 
     monkeypatch.setattr(S, "run_training", fake_run)
     config = _config(tmp_path, tiny_model_dir)
+    (tmp_path / "up" / "factor-2").mkdir(parents=True)
+    (tmp_path / "up" / "factor-2" / "half-written").write_text("")  # a killed trial's run
     events = []
     on_trial = lambda event, factor, lr: events.append((event, factor, round(lr, 9)))  # noqa: E731
     up = S.run_sweep(config, [1.0, 2.0], 1, out=tmp_path / "up", metric="eval_sts_pearson_cosine", on_trial=on_trial)
@@ -679,6 +681,7 @@ def test_run_sweep_extends_past_the_best_edge_and_records_each_trial(tmp_path, t
         (4.0, True, 4e-3),
     ]
     assert up.best.factor == 4.0 and up.ran == [1.0, 2.0, 4.0] and up.metric_before == 0.125
+    assert not (tmp_path / "up" / "factor-2" / "half-written").exists()  # its trial starts over
     assert [t.last_loss for t in up.trials] == [1e-3, 0.75, 4e-3]  # the last step's loss, else the summary's
     assert events == [
         ("start", 1.0, 2e-3), ("done", 1.0, 2e-3), ("start", 2.0, 4e-3), ("done", 2.0, 4e-3),
