@@ -565,3 +565,33 @@ def test_a_joined_results_figures_are_the_whole_folders(tmp_path):
     assert part.bytes_per_row == 20 and part.ratio == 40 / 30
     empty = PrepareResult(tmp_path, 3, 4, 0, [], 0, 0, 0.0, 1, False)
     assert empty.bytes_per_row == 0 and empty.ratio == 0
+
+
+def test_parse_part_auto_reads_torchruns_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert part_manifest_name(*parse_part("auto")) == "cembed_prepared.part-00003-of-00004.json"
+
+
+def test_ids_that_differ_from_the_models_preprocessing_are_refused(tmp_path, monkeypatch):
+    import cembed.data.tokens.writer as W
+
+    _ids_file(tmp_path / "a.arrow", [[2, 5, 3], [2, 6, 3]])
+    rows = Dataset.from_dict({"anchor": ["a", "b"]})
+    seen = []
+
+    def differs(model, collator, head, prompts):
+        seen.append((head.column_names, len(head), prompts))
+        return False
+
+    monkeypatch.setattr(W, "matches_model_preprocessing", differs)
+    with pytest.raises(UserError) as err:
+        W.check_equivalence("model", "collator", rows, tmp_path, ["a.arrow"], {"anchor": "q: "}, "tiny")
+    assert str(err.value) == (
+        "model tiny: the stored ids differ from the model's own preprocessing; a prepared source needs a model "
+        "whose inputs are plain token ids: train from the text source instead"
+    )
+    assert seen == [(["anchor", "anchor_input_ids"], 2, {"anchor": "q: "})]
+    W.check_equivalence("model", "collator", rows.select([]), tmp_path, [], {}, "tiny")  # no rows: nothing to check
+    assert len(seen) == 1
