@@ -524,7 +524,14 @@ def test_check_folder_removes_this_parts_leftovers_and_keeps_the_others(tmp_path
     assert sorted(p.name for p in folder.iterdir()) == sorted(theirs)
     one = tmp_path / "one"
     one.mkdir()
-    for name in (".tmp-x", "part-00000.arrow", ".cembed_prepared.json.tmp"):
+    # a one-process run owns every name a preparation writes (of N = 1, or of no N)
+    for name in (
+        ".tmp-x",
+        "part-00000.arrow",
+        ".cembed_prepared.json.tmp",
+        "cembed_prepared.part-x.json",
+        ".cembed_prepared.part-x.json.tmp",
+    ):
         (one / name).mkdir() if name.startswith(".tmp-") else (one / name).write_text("")
     (one / ".lock").write_text("")
     check_folder(one, 0, 1, False)
