@@ -661,6 +661,7 @@ def test_run_sweep_extends_past_the_best_edge_and_records_each_trial(tmp_path, t
     import optuna
 
     def fake_run(cfg, plan, data, *args, **kwargs):
+        assert data is not None  # the trial's checked data
         lr = cfg.optim.learning_rate  # the config LR: 1e-3 x factor
         losses = [[1, 0.5], [2, lr]] if lr != 2e-3 else []
         after = {"sts_pearson_cosine": lr, "sts_spearman_cosine": -abs(lr - 2e-3)}  # peak at x2
@@ -681,6 +682,14 @@ def test_run_sweep_extends_past_the_best_edge_and_records_each_trial(tmp_path, t
         (4.0, True, 4e-3),
     ]
     assert up.best.factor == 4.0 and up.ran == [1.0, 2.0, 4.0] and up.metric_before == 0.125
+    assert [(t.output_dir, t.trained_now) for t in up.trials] == [
+        (str(tmp_path / "up" / f"factor-{f}"), True) for f in (1, 2, 4)
+    ]
+    assert (up.base_config_learning_rate, up.steps, up.lr_derivation) == (
+        1e-3,
+        1,
+        "2.000e-03 = 0.001 x sqrt(8/2) (lr_scaling: sqrt)",
+    )
     assert not (tmp_path / "up" / "factor-2" / "half-written").exists()  # its trial starts over
     assert [t.last_loss for t in up.trials] == [1e-3, 0.75, 4e-3]  # the last step's loss, else the summary's
     assert events == [
@@ -700,5 +709,25 @@ def test_run_sweep_extends_past_the_best_edge_and_records_each_trial(tmp_path, t
     assert down.best.factor == 2.0 and down.metric == "sts_spearman_cosine" and down.metric_before == 0.25
     inside = S.run_sweep(config, [1.0, 2.0, 4.0], 1, out=tmp_path / "inside")
     assert [t.factor for t in inside.trials] == [1.0, 2.0, 4.0] and inside.best.factor == 2.0
+    three = S.run_sweep(config, [0.5, 1.0, 2.0], 1, out=tmp_path / "a" / "three", metric="sts_pearson_cosine")
+    assert [(t.factor, t.edge) for t in three.trials] == [(0.5, False), (1.0, False), (2.0, False), (4.0, True)]
+    lower = ["eval.greater_is_better=false"]  # the least pearson is the best: x0.5, then x0.25 below it
+    least = S.run_sweep(config, [0.5, 1.0], 1, out=tmp_path / "least", metric="sts_pearson_cosine", overrides=lower)
+    assert least.best.factor == 0.25 and not least.greater_is_better
+    study = optuna.load_study(study_name=S.STUDY_NAME, storage=least.storage)
+    assert study.direction.name == "MINIMIZE" and study.user_attrs["record"]["model.precision"] == "fp32"
     alone = S.run_sweep(config, [1.0], 1, overrides=[f"train.output_dir={tmp_path / 'run'}/"])
     assert alone.out == Path(f"{tmp_path / 'run'}-lr-sweep") and [t.factor for t in alone.trials] == [1.0]
+
+
+def test_a_trial_killed_mid_run_is_marked_failed(tmp_path, tiny_model_dir, monkeypatch):
+    import optuna
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(S, "run_training", killed)
+    with pytest.raises(KeyboardInterrupt):
+        S.run_sweep(_config(tmp_path, tiny_model_dir), [1.0], 1, out=tmp_path / "s")
+    study = optuna.load_study(study_name=S.STUDY_NAME, storage=f"sqlite:///{tmp_path / 's' / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["FAIL"]
