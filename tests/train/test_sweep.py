@@ -468,6 +468,9 @@ def test_a_changed_record_names_each_field_its_old_and_new_value(tmp_path):
         "use a new --out or --overwrite to move the old study aside"
     )
     with pytest.raises(UserError) as err:
+        S.check_study_record(study, {**old, "batch.size": 16, "gone": 2}, tmp_path / "study.db")
+    assert "was run with batch.size=8, gone=1, this config has batch.size=16, gone=2; use" in str(err.value)
+    with pytest.raises(UserError) as err:
         S.check_study_record(study, {**old, "model.prompts": ["p: "]}, tmp_path / "study.db")
     assert 'was run with model.prompts=["q: "], this config has ["p: "]; use a new' in str(err.value)
 
@@ -512,13 +515,20 @@ def test_a_trial_is_stored_with_what_completed_trials_reads_back(tmp_path):
     assert S._space() == {"factor": FloatDistribution(1e-6, 1e6, log=True)}
     study = optuna.create_study(study_name=S.STUDY_NAME, direction="maximize")  # in memory
     trial_at = {}
-    for factor, steps, fingerprint in ((2.0, 3, "f"), (0.5, 3, "f"), (4.0, 5, "f"), (8.0, 3, "other")):
+    for factor, steps, fingerprint in ((4.0, 5, "f"), (2.0, 3, "f"), (8.0, 3, "other"), (0.5, 3, "f")):
         study.enqueue_trial({"factor": factor})
         trial = study.ask(S._space())
         result = S.SweepTrial(factor, 1e-3 * factor, 5e-4 * factor, 0.1 * factor, 0.5, f"f-{factor:g}", True,
                               edge=factor == 2.0, warnings=["w"])  # fmt: skip
         S.record_trial(study, trial, result, "sts", steps, fingerprint)
         trial_at[factor] = trial.number
+    study.enqueue_trial({"factor": 1.0})  # an older cembed's trial: no edge, no warnings stored
+    older = study.ask(S._space())
+    for name, value in {"learning_rate": 1e-3, "config_learning_rate": 5e-4, "output_dir": "f-1"}.items():
+        older.set_user_attr(name, value)
+    for name, value in {"metric_name": "sts", "steps": 3, "fingerprint": "f"}.items():
+        older.set_user_attr(name, value)
+    study.tell(older, 0.125)
     study.enqueue_trial({"factor": 16.0})  # killed after its attributes were stored, before its score
     killed = study.ask(S._space())
     for name, value in study.trials[trial_at[2.0]].user_attrs.items():
@@ -534,6 +544,7 @@ def test_a_trial_is_stored_with_what_completed_trials_reads_back(tmp_path):
     assert done == {
         "2": S.SweepTrial(2.0, 2e-3, 1e-3, pytest.approx(0.2), 0.5, "f-2", False, edge=True, warnings=["w"]),
         "0.5": S.SweepTrial(0.5, 5e-4, 2.5e-4, pytest.approx(0.05), 0.5, "f-0.5", False, warnings=["w"]),
+        "1": S.SweepTrial(1.0, 1e-3, 5e-4, 0.125, None, "f-1", False, edge=False, warnings=[]),
     }
     assert S.completed_trials(study, "other", 3, "f") == {}
 
