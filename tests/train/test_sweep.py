@@ -4,6 +4,7 @@ study that lets a killed sweep resume with only the missing trials, and the refu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -318,3 +319,426 @@ def test_cli_a_changed_batch_is_refused_then_overwritten_then_reused(tmp_path, t
 
     res = CliRunner().invoke(app, changed)  # unchanged since: read back, nothing trained
     assert res.exit_code == 0 and len(calls) == 2 and "finished before, read back" in res.output, res.output
+
+
+# --- sweep.json and sweep.png from a result built by hand (no training) -------------------------------
+
+
+def _result(tmp_path, metric_before: float | None = 0.25) -> S.SweepResult:
+    trials = [
+        S.SweepTrial(0.5, 1e-3, 5e-4, 0.5, 0.75, "f-0.5", True, warnings=["w1"]),
+        S.SweepTrial(1.0, 2e-3, 1e-3, 0.625, None, "f-1", False, warnings=["w1", "w2"]),
+        S.SweepTrial(2.0, 4e-3, 2e-3, 0.375, 1.5, "f-2", True),
+    ]
+    return S.SweepResult(
+        metric="sts_spearman_cosine",
+        greater_is_better=True,
+        base_learning_rate=2e-3,
+        base_config_learning_rate=1e-3,
+        lr_derivation="sqrt rule",
+        steps=3,
+        trials=trials,
+        best=trials[1],
+        out=tmp_path,
+        metric_before=metric_before,
+        storage="sqlite:///study.db",
+        ran=[0.5, 2.0],
+    )
+
+
+def test_sweep_json_holds_every_trial_the_best_and_the_override(tmp_path):
+    result = _result(tmp_path)
+    path, plot = S.write_sweep(result)
+    assert path == tmp_path / "sweep.json" and plot == tmp_path / "sweep.png"
+    trial = {"learning_rate": 2e-3, "config_learning_rate": 1e-3, "metric": 0.625, "last_loss": None}
+    best = {"factor": 1.0, **trial, "output_dir": "f-1", "trained_now": False, "edge": False, "warnings": ["w1", "w2"]}
+    data = json.loads(path.read_text())
+    assert data == {
+        "metric": "sts_spearman_cosine",
+        "greater_is_better": True,
+        "metric_before_training": 0.25,
+        "steps": 3,
+        "base_learning_rate": 2e-3,
+        "base_config_learning_rate": 1e-3,
+        "lr_derivation": "sqrt rule",
+        "trials": [
+            {"factor": 0.5, "learning_rate": 1e-3, "config_learning_rate": 5e-4, "metric": 0.5, "last_loss": 0.75,
+             "output_dir": "f-0.5", "trained_now": True, "edge": False, "warnings": ["w1"]},
+            best,
+            {"factor": 2.0, "learning_rate": 4e-3, "config_learning_rate": 2e-3, "metric": 0.375, "last_loss": 1.5,
+             "output_dir": "f-2", "trained_now": True, "edge": False, "warnings": []},
+        ],
+        "best": best,
+        "override": "optim.learning_rate=0.001",
+        "warnings": ["w1", "w2"],
+        "study": {"storage": "sqlite:///study.db", "name": "lr-sweep"},
+        "trained_this_call": [0.5, 2.0],
+        "moved_aside": None,
+        "plot": str(tmp_path / "sweep.png"),
+    }  # fmt: skip
+    result.moved_aside = tmp_path / "study-1"
+    assert result.as_json()["moved_aside"] == str(tmp_path / "study-1")
+
+
+def _plotted(tmp_path, monkeypatch, result):
+    """Plot ``result``; returns (figure, axes, the PNG's width and height in pixels)."""
+    import struct
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.setitem(matplotlib.rcParams, "savefig.dpi", 50)  # a user's matplotlibrc: the plot keeps its 100
+    made = []
+    real = plt.subplots
+
+    def subplots(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(plt, "subplots", subplots)
+    path = S.plot_sweep(result, str(tmp_path / "plot.png"))
+    assert path == tmp_path / "plot.png"
+    ((fig, ax),) = made
+    assert not plt.fignum_exists(fig.number)  # closed
+    width, height = struct.unpack(">II", path.read_bytes()[16:24])  # the PNG's IHDR
+    return fig, ax, (width, height)
+
+
+def test_the_plot_marks_each_factor_the_best_and_the_base_models_metric(tmp_path, monkeypatch):
+    from matplotlib.font_manager import FontProperties
+
+    fig, ax, size = _plotted(tmp_path, monkeypatch, _result(tmp_path))
+    assert size == (600, 400) and list(fig.get_size_inches()) == [6, 4]
+    after, best, before = ax.get_lines()
+    assert list(after.get_xdata()) == [1e-3, 2e-3, 4e-3] and list(after.get_ydata()) == [0.5, 0.625, 0.375]
+    assert (after.get_marker(), after.get_color(), after.get_label()) == ("o", "tab:blue", "after training")
+    assert list(best.get_xdata()) == [2e-3] and list(best.get_ydata()) == [0.625]
+    assert (best.get_marker(), best.get_linestyle(), best.get_color()) == ("*", "None", "tab:red")
+    assert (best.get_markersize(), best.get_label()) == (14, "best")
+    assert list(before.get_ydata()) == [0.25, 0.25]
+    assert (before.get_color(), before.get_linestyle(), before.get_label()) == ("gray", "--", "before training")
+    notes = [(t.get_text(), t.xy, t.xyann, t.anncoords) for t in ax.texts]
+    assert notes == [
+        ("x0.5", (1e-3, 0.5), (0, 6), "offset points"),
+        ("x1", (2e-3, 0.625), (0, 6), "offset points"),
+        ("x2", (4e-3, 0.375), (0, 6), "offset points"),
+    ]
+    assert ax.get_xscale() == "log" and ax.margins() == (0.08, 0.15)
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("effective learning rate", "sts_spearman_cosine")
+    assert ax.get_title() == "LR sweep: 3 steps per trial"
+    legend = [(t.get_text(), t.get_fontsize()) for t in ax.get_legend().get_texts()]
+    small = FontProperties(size="small").get_size_in_points()
+    assert legend == [("after training", small), ("best", small), ("before training", small)]
+
+
+def test_the_plot_without_a_base_metric_has_no_line_for_it_and_no_trials_no_plot(tmp_path, monkeypatch):
+    _, ax, _ = _plotted(tmp_path, monkeypatch, _result(tmp_path, metric_before=None))
+    assert [line.get_label() for line in ax.get_lines()] == ["after training", "best"]
+    empty = _result(tmp_path)
+    empty.trials = []
+    assert S.plot_sweep(empty, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+def test_a_sweep_without_trials_writes_no_plot(tmp_path):
+    result = _result(tmp_path)
+    result.trials = []
+    path, plot = S.write_sweep(result)
+    assert plot is None and json.loads(path.read_text())["plot"] is None and not (tmp_path / "sweep.png").exists()
+
+
+def test_a_changed_record_names_each_field_its_old_and_new_value(tmp_path):
+    import optuna
+
+    study = optuna.create_study(study_name=S.STUDY_NAME)  # in memory
+    old = {"batch.size": 8, "data.train": "a.jsonl", "model.prompts": ["q: "], "gone": 1}
+    S.check_study_record(study, old, tmp_path / "study.db")  # a new study stores the record
+    assert study.user_attrs == {"record": old, "fingerprint": S.record_fingerprint(old)}
+    S.check_study_record(study, dict(old), tmp_path / "study.db")  # the same record passes
+    new = {"batch.size": 16, "data.train": "b.jsonl", "model.prompts": ["q: "], "added": None, "new": 2}
+    assert S.record_differences(old, new) == [
+        ("batch.size", 8, 16), ("data.train", "a.jsonl", "b.jsonl"), ("gone", 1, None), ("new", None, 2)
+    ]  # fmt: skip
+    with pytest.raises(UserError) as err:
+        S.check_study_record(study, new, tmp_path / "study.db")
+    assert str(err.value) == (
+        f"sweep: {tmp_path / 'study.db'} was run with batch.size=8, data.train=a.jsonl, gone=1, new=unset, "
+        "this config has batch.size=16, data.train=b.jsonl, gone=unset, new=2; "
+        "use a new --out or --overwrite to move the old study aside"
+    )
+    with pytest.raises(UserError) as err:
+        S.check_study_record(study, {**old, "batch.size": 16, "gone": 2}, tmp_path / "study.db")
+    assert "was run with batch.size=8, gone=1, this config has batch.size=16, gone=2; use" in str(err.value)
+    with pytest.raises(UserError) as err:
+        S.check_study_record(study, {**old, "model.prompts": ["p: "]}, tmp_path / "study.db")
+    assert 'was run with model.prompts=["q: "], this config has ["p: "]; use a new' in str(err.value)
+
+
+def test_overwrite_moves_each_earlier_study_into_its_own_folder(tmp_path, monkeypatch):
+    out = tmp_path / "s"
+    out.mkdir()
+    assert S.move_study_aside(out) is None  # no study: nothing moved
+    monkeypatch.setattr(S.time, "strftime", lambda fmt: {"%Y%m%d-%H%M%S": "20260102-030405"}[fmt])
+    for n in range(3):  # three overwrites within one second
+        for name in ("study.db", "sweep.json", "factor-1", "factor-0.5", "notes.txt"):
+            (out / name).write_text(str(n))
+        aside = S.move_study_aside(out)
+        assert aside == out / ("study-20260102-030405" + ("" if n == 0 else f"-{n}"))
+        assert sorted(p.name for p in aside.iterdir()) == ["factor-0.5", "factor-1", "study.db", "sweep.json"]
+        assert (aside / "study.db").read_text() == str(n)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "notes.txt", "study-20260102-030405", "study-20260102-030405-1", "study-20260102-030405-2"
+    ]  # fmt: skip
+
+
+def test_bad_factors_are_refused_with_the_whole_fix():
+    for text in (None, "", " , "):
+        with pytest.raises(UserError) as err:
+            S.parse_factors(text)
+        assert str(err.value) == (
+            "--lr-factors is empty; give comma-separated positive factors, e.g. --lr-factors 0.5,1,2"
+        )
+    with pytest.raises(UserError) as err:
+        S.parse_factors("1, abc")
+    assert str(err.value) == "--lr-factors: 'abc' is not a number; e.g. --lr-factors 0.5,1,2"
+    for bad in ("0", "-2", "inf", "nan"):
+        with pytest.raises(UserError) as err:
+            S.parse_factors(f"1,{bad}")
+        assert str(err.value) == f"--lr-factors: {bad} is not a positive factor; e.g. --lr-factors 0.5,1,2"
+
+
+def test_a_trial_is_stored_with_what_completed_trials_reads_back(tmp_path):
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    assert S._space() == {"factor": FloatDistribution(1e-6, 1e6, log=True)}
+    study = optuna.create_study(study_name=S.STUDY_NAME, direction="maximize")  # in memory
+    trial_at = {}
+    for factor, steps, fingerprint in ((4.0, 5, "f"), (2.0, 3, "f"), (8.0, 3, "other"), (0.5, 3, "f")):
+        study.enqueue_trial({"factor": factor})
+        trial = study.ask(S._space())
+        result = S.SweepTrial(factor, 1e-3 * factor, 5e-4 * factor, 0.1 * factor, 0.5, f"f-{factor:g}", True,
+                              edge=factor == 2.0, warnings=["w"])  # fmt: skip
+        S.record_trial(study, trial, result, "sts", steps, fingerprint)
+        trial_at[factor] = trial.number
+    study.enqueue_trial({"factor": 1.0})  # an older cembed's trial: no edge, no warnings stored
+    older = study.ask(S._space())
+    for name, value in {"learning_rate": 1e-3, "config_learning_rate": 5e-4, "output_dir": "f-1"}.items():
+        older.set_user_attr(name, value)
+    for name, value in {"metric_name": "sts", "steps": 3, "fingerprint": "f"}.items():
+        older.set_user_attr(name, value)
+    study.tell(older, 0.125)
+    study.enqueue_trial({"factor": 16.0})  # killed after its attributes were stored, before its score
+    killed = study.ask(S._space())
+    for name, value in study.trials[trial_at[2.0]].user_attrs.items():
+        killed.set_user_attr(name, value)
+    study.tell(killed, state=optuna.trial.TrialState.FAIL)
+    stored = study.trials[trial_at[2.0]]
+    assert stored.value == pytest.approx(0.2) and stored.params == {"factor": 2.0}
+    assert stored.user_attrs == {
+        "learning_rate": 2e-3, "config_learning_rate": 1e-3, "last_loss": 0.5, "output_dir": "f-2", "edge": True,
+        "warnings": ["w"], "metric_name": "sts", "steps": 3, "fingerprint": "f",
+    }  # fmt: skip
+    done = S.completed_trials(study, "sts", 3, "f")  # not the trial of 5 steps, nor another config's
+    assert done == {
+        "2": S.SweepTrial(2.0, 2e-3, 1e-3, pytest.approx(0.2), 0.5, "f-2", False, edge=True, warnings=["w"]),
+        "0.5": S.SweepTrial(0.5, 5e-4, 2.5e-4, pytest.approx(0.05), 0.5, "f-0.5", False, warnings=["w"]),
+        "1": S.SweepTrial(1.0, 1e-3, 5e-4, 0.125, None, "f-1", False, edge=False, warnings=[]),
+    }
+    assert S.completed_trials(study, "other", 3, "f") == {}
+
+
+def test_the_record_fingerprint_is_sha256_of_its_sorted_json():
+    import hashlib
+    from pathlib import Path
+
+    record = {"b": 1, "a": Path("x")}
+    expected = hashlib.sha256(b'{"a": "x", "b": 1}').hexdigest()[:16]
+    assert S.record_fingerprint(record) == expected
+
+
+def test_the_sweep_metric_and_its_refusals(tmp_path):
+    from cembed.config.file import load_config
+
+    cfg = load_config(_config(tmp_path, "some-model"))  # no model is read
+    assert S.sweep_metric(cfg, None) == ("sts_spearman_cosine", True)
+    assert S.sweep_metric(cfg, "eval_sts_pearson_cosine") == ("sts_pearson_cosine", True)
+    assert S.sweep_metric(cfg, "sts_pearson_cosine") == ("sts_pearson_cosine", True)
+    with pytest.raises(UserError) as err:
+        S.sweep_metric(cfg, "eval_sts_nope")
+    assert str(err.value) == (
+        "--metric: 'eval_sts_nope' is not a metric of the eval sets (e.g. sts_spearman_cosine, sts_pearson_cosine)"
+    )
+    cfg = load_config(
+        _config(tmp_path, "some-model"), ["eval.metric_for_best_model=sts_pearson_cosine", "eval.eval_steps=10"]
+    )
+    assert S.sweep_metric(cfg, None) == ("sts_pearson_cosine", True)
+    cfg = load_config(_config(tmp_path, "some-model"), ["eval.greater_is_better=false"])
+    assert S.sweep_metric(cfg, None) == ("sts_spearman_cosine", False)
+    cfg = load_config(_config(tmp_path, "some-model", eval_section=False))
+    with pytest.raises(UserError) as err:
+        S.sweep_metric(cfg, None)
+    assert str(err.value) == (
+        "eval: the config has no eval sets; sweep scores each trial on them: add an eval section "
+        "(eval.retrieval or eval.sts)"
+    )
+
+
+def test_a_trials_overrides_and_the_record_of_what_it_trains(tmp_path):
+    from cembed.config.file import load_config
+
+    assert S.trial_overrides(0.002, 5, tmp_path / "factor-2") == [
+        "optim.learning_rate=0.002",
+        "train.num_train_epochs=null",
+        "train.max_steps=5",
+        f"train.output_dir={(tmp_path / 'factor-2').resolve()}",
+        "train.save_steps=null",
+        "train.push_to_hub=false",
+        "train.report_to=[none]",
+        "eval.eval_steps=null",
+        "eval.metric_for_best_model=null",
+    ]
+    config = _config(tmp_path, "some-model")
+    record = S.sweep_record(load_config(config), "fp32", 2)
+    assert record["model.precision"] == "fp32" and record["--steps"] == 2 and record["optim.learning_rate"] == 1e-3
+    assert record["eval.sts"] == [{"path": str(tmp_path / "sts.tsv"), "name": None}]
+    assert record["model.name_or_path"] == "some-model" and record["batch.per_device_train_batch_size"] == 8
+    for left_out in ("train.output_dir", "train.max_steps", "data.cache_dir", "model.device", "train.logging_steps"):
+        assert left_out not in record
+    assert not [key for key in record if key.startswith(("distributed", "eval.batch_size", "eval.eval_steps"))]
+    # where and how a trial logs, saves and runs do not change the record; what it trains does
+    moved = load_config(config, ["train.output_dir=elsewhere", "data.cache_dir=c2", "train.logging_steps=5"])
+    assert S.sweep_record(moved, "fp32", 2) == record
+    seeded = S.sweep_record(load_config(config, ["train.seed=7"]), "fp32", 2)
+    assert S.record_differences(record, seeded) == [("train.seed", 42, 7)]
+
+
+def test_the_study_is_created_then_loaded_and_a_running_trial_marked_failed(tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    study = S.open_study(storage, greater=False)
+    assert study.study_name == "lr-sweep" and study.direction == optuna.study.StudyDirection.MINIMIZE
+    study.enqueue_trial({"factor": 1.0})
+    study.ask(S._space())  # left RUNNING by a killed sweep
+    again = S.open_study(storage, greater=False)
+    assert [t.state for t in again.trials] == [optuna.trial.TrialState.FAIL]
+    assert S.open_study(f"sqlite:///{tmp_path / 'up.db'}", greater=True).direction.name == "MAXIMIZE"
+    assert optuna.logging.get_verbosity() == optuna.logging.WARNING
+    record = {"a": 1}
+    study, url, fingerprint, moved = S.sweep_study(tmp_path, True, record, overwrite=False)
+    assert url == storage and fingerprint == S.record_fingerprint(record) and moved is None
+    assert study.user_attrs["record"] == record
+    study, url, fingerprint, moved = S.sweep_study(tmp_path, True, {"a": 2}, overwrite=True)
+    assert moved is not None and (moved / "study.db").is_file() and study.user_attrs["record"] == {"a": 2}
+
+
+def test_a_study_with_finished_trials_and_no_record_is_refused_failed_ones_are_not(tmp_path):
+    import optuna
+
+    failed = optuna.create_study(study_name=S.STUDY_NAME)  # in memory
+    failed.enqueue_trial({"factor": 1.0})
+    failed.tell(failed.ask(S._space()), state=optuna.trial.TrialState.FAIL)
+    S.check_study_record(failed, {"a": 1}, tmp_path / "study.db")  # nothing finished: the record is stored
+    assert failed.user_attrs["record"] == {"a": 1}
+    done = optuna.create_study(study_name=S.STUDY_NAME)
+    done.enqueue_trial({"factor": 1.0})
+    done.tell(done.ask(S._space()), 0.5)
+    with pytest.raises(UserError) as err:
+        S.check_study_record(done, {"a": 1}, tmp_path / "study.db")
+    assert str(err.value) == (
+        f"sweep: {tmp_path / 'study.db'} holds trials without a record of the config they ran; "
+        "use a new --out or --overwrite to move the old study aside"
+    )
+
+
+def test_run_sweep_refuses_bad_steps_and_factors_before_reading_the_config(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    for steps, factors, says in (
+        (0, [1.0], "--steps must be at least 1 (got 0)"),
+        (1, [], "--lr-factors is empty; e.g. 0.5,1,2"),
+        (-1, [], "--steps must be at least 1 (got -1)"),
+    ):
+        with pytest.raises(UserError) as err:
+            S.run_sweep(missing, factors, steps)
+        assert str(err.value) == says
+
+
+def test_run_sweep_extends_past_the_best_edge_and_records_each_trial(tmp_path, tiny_model_dir, monkeypatch):
+    """Without training (the run returns a summary): the metric chosen, one factor beyond the best edge
+    (x2 above, x0.5 below, none when the best is inside), the last loss, the base model's score, the
+    default folder, and the events a caller is told."""
+    import optuna
+
+    def fake_run(cfg, plan, data, *args, **kwargs):
+        assert data is not None  # the trial's checked data
+        lr = cfg.optim.learning_rate  # the config LR: 1e-3 x factor
+        losses = [[1, 0.5], [2, lr]] if lr != 2e-3 else []
+        after = {"sts_pearson_cosine": lr, "sts_spearman_cosine": -abs(lr - 2e-3)}  # peak at x2
+        before = {"sts_pearson_cosine": 0.125, "sts_spearman_cosine": 0.25}
+        return {"step_losses": losses, "last_loss": 0.75, "eval": {"before": before, "after": after}}
+
+    monkeypatch.setattr(S, "run_training", fake_run)
+    config = _config(tmp_path, tiny_model_dir)
+    (tmp_path / "up" / "factor-2").mkdir(parents=True)
+    (tmp_path / "up" / "factor-2" / "half-written").write_text("")  # a killed trial's run
+    events = []
+    on_trial = lambda event, factor, lr: events.append((event, factor, round(lr, 9)))  # noqa: E731
+    up = S.run_sweep(config, [1.0, 2.0], 1, out=tmp_path / "up", metric="eval_sts_pearson_cosine", on_trial=on_trial)
+    assert up.metric == "sts_pearson_cosine" and up.greater_is_better
+    assert [(t.factor, t.edge, t.metric) for t in up.trials] == [
+        (1.0, False, 1e-3),
+        (2.0, False, 2e-3),
+        (4.0, True, 4e-3),
+    ]
+    assert up.best.factor == 4.0 and up.ran == [1.0, 2.0, 4.0] and up.metric_before == 0.125
+    assert [(t.output_dir, t.trained_now) for t in up.trials] == [
+        (str(tmp_path / "up" / f"factor-{f}"), True) for f in (1, 2, 4)
+    ]
+    assert (up.base_config_learning_rate, up.steps, up.lr_derivation) == (
+        1e-3,
+        1,
+        "2.000e-03 = 0.001 x sqrt(8/2) (lr_scaling: sqrt)",
+    )
+    assert not (tmp_path / "up" / "factor-2" / "half-written").exists()  # its trial starts over
+    assert [t.last_loss for t in up.trials] == [1e-3, 0.75, 4e-3]  # the last step's loss, else the summary's
+    assert events == [
+        ("start", 1.0, 2e-3), ("done", 1.0, 2e-3), ("start", 2.0, 4e-3), ("done", 2.0, 4e-3),
+        ("start", 4.0, 8e-3), ("done", 4.0, 8e-3),
+    ]  # fmt: skip
+    study = optuna.load_study(study_name=S.STUDY_NAME, storage=up.storage)
+    assert study.direction.name == "MAXIMIZE"
+    assert {t.user_attrs["fingerprint"] for t in study.trials} == {study.user_attrs["fingerprint"]}
+    events.clear()
+    again = S.run_sweep(config, [1.0, 2.0], 1, out=tmp_path / "up", metric="sts_pearson_cosine", on_trial=on_trial)
+    assert again.ran == [] and again.metric_before == 0.125
+    assert events == [("cached", 1.0, 2e-3), ("cached", 2.0, 4e-3), ("cached", 4.0, 8e-3)]
+
+    down = S.run_sweep(config, [4.0, 8.0], 1, out=tmp_path / "down")  # spearman: best at x4, the low edge
+    assert [(t.factor, t.edge) for t in down.trials] == [(2.0, True), (4.0, False), (8.0, False)]
+    assert down.best.factor == 2.0 and down.metric == "sts_spearman_cosine" and down.metric_before == 0.25
+    inside = S.run_sweep(config, [1.0, 2.0, 4.0], 1, out=tmp_path / "inside")
+    assert [t.factor for t in inside.trials] == [1.0, 2.0, 4.0] and inside.best.factor == 2.0
+    three = S.run_sweep(config, [0.5, 1.0, 2.0], 1, out=tmp_path / "a" / "three", metric="sts_pearson_cosine")
+    assert [(t.factor, t.edge) for t in three.trials] == [(0.5, False), (1.0, False), (2.0, False), (4.0, True)]
+    lower = ["eval.greater_is_better=false"]  # the least pearson is the best: x0.5, then x0.25 below it
+    least = S.run_sweep(config, [0.5, 1.0], 1, out=tmp_path / "least", metric="sts_pearson_cosine", overrides=lower)
+    assert least.best.factor == 0.25 and not least.greater_is_better
+    study = optuna.load_study(study_name=S.STUDY_NAME, storage=least.storage)
+    assert study.direction.name == "MINIMIZE" and study.user_attrs["record"]["model.precision"] == "fp32"
+    alone = S.run_sweep(config, [1.0], 1, overrides=[f"train.output_dir={tmp_path / 'run'}/"])
+    assert alone.out == Path(f"{tmp_path / 'run'}-lr-sweep") and [t.factor for t in alone.trials] == [1.0]
+
+
+def test_a_trial_killed_mid_run_is_marked_failed(tmp_path, tiny_model_dir, monkeypatch):
+    import optuna
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(S, "run_training", killed)
+    with pytest.raises(KeyboardInterrupt):
+        S.run_sweep(_config(tmp_path, tiny_model_dir), [1.0], 1, out=tmp_path / "s")
+    study = optuna.load_study(study_name=S.STUDY_NAME, storage=f"sqlite:///{tmp_path / 's' / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["FAIL"]
