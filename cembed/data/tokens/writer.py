@@ -129,7 +129,7 @@ def part_rows(rows: int, k: int, n: int) -> tuple[int, int]:
     return start, start + div + (1 if k < mod else 0)
 
 
-def _part_file(k: int, n: int, i: int) -> str:
+def part_file(k: int, n: int, i: int) -> str:
     # N is in the name: runs with another N into the same folder cannot overwrite each other's files.
     return f"part-{i:05d}.arrow" if n == 1 else f"part-{k:05d}-of-{n:05d}-{i:05d}.arrow"
 
@@ -138,7 +138,7 @@ _ONE_PART = re.compile(r"part-\d{5}\.arrow")
 _OF_N = re.compile(r"\.?(?:cembed_prepared\.)?part-\d{5}-of-(\d{5})[-.]")
 
 
-def _part_count(name: str) -> int | None:
+def part_count(name: str) -> int | None:
     """The N of the ``--part K/N`` run that wrote the file ``name`` in a prepared folder (1 for a
     one-process run's part), 0 for a part file of unknown N (an older cembed's ``part-K-I.arrow``),
     None for anything else (temporary folders, the lock)."""
@@ -196,9 +196,9 @@ def check_folder(folder: Path, k: int, n: int, overwrite: bool) -> None:
             f"--output {where}: the folder is not empty ({foreign[0]}...); give an empty or new folder, or --overwrite"
         )
     # Parts of another N would mix with this run's rows (the join takes N manifests of this N only).
-    other = next((e.name for e in sorted(entries) if _part_count(e.name) not in (None, n)), None)
+    other = next((e.name for e in sorted(entries) if part_count(e.name) not in (None, n)), None)
     if other is not None:
-        m = _part_count(other)
+        m = part_count(other)
         theirs = "another number of parts" if m == 0 else "one process (no --part)" if m == 1 else f"--part K/{m}"
         mine = "one process (no --part)" if n == 1 else f"--part {k}/{n}"
         raise UserError(
@@ -242,7 +242,7 @@ def move_parts(ids_dir: Path, files: list[str], folder: Path, k: int = 0, n: int
     for one part), and return them as the manifest lists them. The tokenize cache and
     ``prepare-data`` both publish their ids through it; the manifest is written after it, last
     (:func:`cembed.data.tokens.format.write_manifest`)."""
-    names = [_part_file(k, n, i) for i in range(len(files))]
+    names = [part_file(k, n, i) for i in range(len(files))]
     for name, new in zip(files, names):
         os.replace(ids_dir / name, folder / new)
     return [PreparedPart(f, _stream_rows(folder / f), (folder / f).stat().st_size) for f in names]

@@ -353,9 +353,9 @@ def test_parse_part_refusals_say_the_whole_fix():
 
 
 def test_part_file_names_carry_k_and_n_and_are_read_back():
-    from cembed.data.tokens.writer import _part_count, _part_file
+    from cembed.data.tokens.writer import part_count, part_file
 
-    assert _part_file(0, 1, 3) == "part-00003.arrow" and _part_file(2, 12, 1) == "part-00002-of-00012-00001.arrow"
+    assert part_file(0, 1, 3) == "part-00003.arrow" and part_file(2, 12, 1) == "part-00002-of-00012-00001.arrow"
     names = {
         "part-00003.arrow": 1,
         "part-00002-of-00012-00001.arrow": 12,
@@ -367,7 +367,7 @@ def test_part_file_names_carry_k_and_n_and_are_read_back():
         ".lock": None,
         "notes-part-00003.arrow": None,
     }
-    assert {name: _part_count(name) for name in names} == names
+    assert {name: part_count(name) for name in names} == names
 
 
 def test_manifest_values_read_as_a_message_shows_them():
