@@ -203,4 +203,4 @@ def test_import_contracts_hold_and_an_upward_import_breaks_them(tmp_path):
     columns.write_text(columns.read_text() + "\n\ndef _upward():\n    from cembed.train import recipe  # noqa\n")
     broken = lint_imports(tmp_path)
     assert broken.returncode != 0
-    assert "cembed.data.columns -> cembed.train.recipe" in broken.stdout
+    assert "cembed.data.column_mapping -> cembed.train.recipe" in broken.stdout

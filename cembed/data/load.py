@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from cembed.config.columns import ColumnMap
 from cembed.config.data import DataConfig, TrainSource
-from cembed.data.columns import expand_list_columns, unmapped_column_notes
+from cembed.data.column_mapping import expand_list_columns, unmapped_column_notes
 from cembed.data.identity import arrow_table
 from cembed.data.rows import LoadedSource, TrainingData, role_columns
 from cembed.data.sources.registry import count_files, load_source, read_head, row_locator, skipped_files
@@ -184,11 +184,11 @@ def own_prompt_roles(item: TrainSource) -> tuple[str, ...]:
 
 def load_training_source(item: TrainSource, drop_invalid: bool) -> tuple[object, LoadedSource, list[str]]:
     """Load one training source, keep its first ``max_samples`` rows, expand list-valued negatives
-    columns (:func:`cembed.data.columns.expand_list_columns`), map its columns to roles and check every cell.
+    columns (:func:`cembed.data.column_mapping.expand_list_columns`), map its columns to roles and check every cell.
 
     Returns:
         ``(dataset, LoadedSource with offset 0, notes)``: the notes name unmapped columns
-        (:func:`cembed.data.columns.unmapped_column_notes`) and expanded list columns.
+        (:func:`cembed.data.column_mapping.unmapped_column_notes`) and expanded list columns.
 
     Raises:
         UserError: see :func:`cembed.data.sources.registry.load_source`, :func:`map_columns`, :func:`check_cells`;

@@ -1,4 +1,4 @@
-"""cembed.data.columns: the notes about columns a mapping leaves out (exact wording, the mapping
+"""cembed.data.column_mapping: the notes about columns a mapping leaves out (exact wording, the mapping
 to add) and the expansion of list-of-texts negatives columns into one column per position."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from datasets import Dataset
 
 from cembed.config.columns import ColumnMap
-from cembed.data.columns import NEGATIVE_NAME, expand_list_columns, mapped_columns, unmapped_column_notes
+from cembed.data.column_mapping import NEGATIVE_NAME, expand_list_columns, mapped_columns, unmapped_column_notes
 from cembed.errors import UserError
 
 

@@ -1,6 +1,6 @@
 """Training from a stream: rows read on the fly, tokenized, and cut into windowed no-duplicate batches.
 
-:class:`StreamingSource` reads a file source's shards (:mod:`cembed.data.sources.stream`), splits them
+:class:`StreamingSource` reads a file source's shards (:mod:`cembed.data.sources.file_stream`), splits them
 between ranks, tokenizes on the fly and yields the windowed batches
 (:mod:`cembed.data.batching.windowed`); :class:`StreamingRows` hands them to a ``DataLoader``.
 """
@@ -25,7 +25,7 @@ class StreamingSource:
 
     The source is opened by its kind's ``open_stream`` hook (:func:`cembed.data.sources.registry.open_stream`;
     a file source: ``datasets.load_dataset(builder, data_files=..., streaming=True)``, shards in
-    :func:`cembed.data.sources.files.source_files` order) and split between processes with
+    :func:`cembed.data.sources.file_kind.source_files` order) and split between processes with
     :func:`datasets.distributed.split_dataset_by_node` (whole shards per rank when the shard count
     divides by ``world_size``, else every ``world_size``-th row). Each chunk of ``read_rows`` rows is
     tokenized with ``tokenizer`` exactly as pre-tokenization does (special tokens, truncation to

@@ -9,7 +9,7 @@ from pathlib import Path
 from cembed.config.sources import (
     FileSource,
 )
-from cembed.data.sources.files import is_sharded, source_files
+from cembed.data.sources.file_kind import is_sharded, source_files
 from cembed.data.sources.text import csv_records, delimiter_of, text_lines
 from cembed.errors import UserError
 from cembed.files import display_path

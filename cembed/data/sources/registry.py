@@ -20,13 +20,13 @@ from cembed.config.sources import (
     SourceConfig,
 )
 from cembed.data.sources.beir import load_beir_pairs
-from cembed.data.sources.files import load_file, shard_count
-from cembed.data.sources.files import skipped_files as file_skips
+from cembed.data.sources.file_kind import load_file, shard_count
+from cembed.data.sources.file_kind import skipped_files as file_skips
+from cembed.data.sources.file_stream import open_file_stream
 from cembed.data.sources.hub import load_hub
 from cembed.data.sources.locate import file_row_locator, row_number
 from cembed.data.sources.logs import captured_library_logs, file_named_in, library_cause
 from cembed.data.sources.prepared import load_prepared
-from cembed.data.sources.stream import open_file_stream
 from cembed.errors import UserError
 from cembed.files import display_path
 
@@ -120,7 +120,7 @@ def count_files(source: SourceConfig) -> int | None:
     sharded file source's files); None for one file or a kind that reads no shards.
 
     Raises:
-        UserError: see the kind's hook (:func:`cembed.data.sources.files.source_files`).
+        UserError: see the kind's hook (:func:`cembed.data.sources.file_kind.source_files`).
     """
     count = _loader(source).count_files
     return count(source) if count is not None else None
@@ -132,7 +132,7 @@ def skipped_files(source: SourceConfig) -> tuple[str, ...]:
     are not data, 0-row shards); ``()`` for a kind without the hook.
 
     Raises:
-        UserError: see the kind's hook (:func:`cembed.data.sources.files.resolve_shards`).
+        UserError: see the kind's hook (:func:`cembed.data.sources.file_kind.resolve_shards`).
     """
     skipped = _loader(source).skipped_files
     return tuple(skipped(source)) if skipped is not None else ()
@@ -140,7 +140,7 @@ def skipped_files(source: SourceConfig) -> tuple[str, ...]:
 
 def open_stream(source: SourceConfig):
     """``source``'s rows as a ``datasets.IterableDataset`` read lazily in a fixed order, through its
-    kind's ``open_stream`` hook (a file source: :func:`cembed.data.sources.stream.open_file_stream`).
+    kind's ``open_stream`` hook (a file source: :func:`cembed.data.sources.file_stream.open_file_stream`).
 
     Raises:
         UserError: see the kind's hook.

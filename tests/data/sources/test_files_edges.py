@@ -191,7 +191,7 @@ def test_a_zero_row_shard_is_skipped_with_a_note(tmp_path, case):
         empty.write_bytes(content)
     source = FileSource(path=str(folder))
     assert load_source(source).to_list() == rows
-    from cembed.data.sources.files import resolve_shards
+    from cembed.data.sources.file_kind import resolve_shards
 
     shards = resolve_shards(source)
     assert [p.name for p in shards.files] == [f"part-0{suffix}", f"part-2{suffix}"]
@@ -269,7 +269,7 @@ def test_shards_whose_column_types_differ_are_named(tmp_path):
 
 
 def test_every_shard_empty_is_refused_counting_the_files_and_naming_the_skipped(tmp_path):
-    from cembed.data.sources.files import without_empty_shards
+    from cembed.data.sources.file_kind import without_empty_shards
 
     empty = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
     for path in empty:
@@ -283,7 +283,7 @@ def test_every_shard_empty_is_refused_counting_the_files_and_naming_the_skipped(
 
 
 def test_an_empty_shard_is_named_under_its_folder(tmp_path):
-    from cembed.data.sources.files import without_empty_shards
+    from cembed.data.sources.file_kind import without_empty_shards
 
     (tmp_path / "sub").mkdir()
     full, empty = tmp_path / "full.jsonl", tmp_path / "sub" / "e.jsonl"
@@ -294,7 +294,7 @@ def test_an_empty_shard_is_named_under_its_folder(tmp_path):
 
 
 def test_a_shards_format_and_a_patterns_literal_folder():
-    from cembed.data.sources.files import literal_prefix, shard_format
+    from cembed.data.sources.file_kind import literal_prefix, shard_format
 
     formats = [shard_format(Path(n)) for n in ("a.json", "a.JSON.gz", "a.jsonl", "a.jsonl.gz", "a.parquet", "a.csv")]
     assert formats == [".jsonl", ".jsonl", ".jsonl", ".jsonl", ".parquet", ".csv"]

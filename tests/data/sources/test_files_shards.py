@@ -1,5 +1,5 @@
 """A sharded file source (issue 24 item 1): a folder, a glob or a list of files read as ONE source
-(cembed.data.sources.files.load_file), in path order, refused naming the first offending shard when the
+(cembed.data.sources.file_kind.load_file), in path order, refused naming the first offending shard when the
 shards do not agree, and a bad cell named by its shard and line."""
 
 from __future__ import annotations

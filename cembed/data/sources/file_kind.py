@@ -327,7 +327,7 @@ def _shard_columns(path: Path) -> list[str] | None:
 def check_shards(files: list[Path], label: str) -> None:
     """Refuse shards that cannot be one source, naming the first offending one: a missing file, a
     second format, columns that differ from the first shard's. (A loaded and a streamed source
-    alike: :func:`load_file`, :func:`cembed.data.sources.stream.open_file_stream`.)"""
+    alike: :func:`load_file`, :func:`cembed.data.sources.file_stream.open_file_stream`.)"""
     first_format = shard_format(files[0])
     first_columns: list[str] | None = None
     for path in files:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 
 def open_file_stream(source):
-    """A :class:`cembed.config.sources.FileSource`'s files (:func:`cembed.data.sources.files.source_files`
+    """A :class:`cembed.config.sources.FileSource`'s files (:func:`cembed.data.sources.file_kind.source_files`
     order: skipped paths and 0-row shards left out) as one ``datasets.IterableDataset``, read lazily
     in file order, after the shard checks a loaded source gets (one format, the same columns:
-    :func:`cembed.data.sources.files.check_shards`).
+    :func:`cembed.data.sources.file_kind.check_shards`).
 
     Raises:
         UserError: the files are missing or of an unsupported type; shards that cannot be one source
@@ -16,7 +16,7 @@ def open_file_stream(source):
     """
     import datasets
 
-    from cembed.data.sources.files import builder_for, check_shards, is_sharded, source_files
+    from cembed.data.sources.file_kind import builder_for, check_shards, is_sharded, source_files
     from cembed.files import display_path
 
     files = source_files(source)
