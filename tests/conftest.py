@@ -161,6 +161,15 @@ def spark_folder(folder: Path, rows: list[dict], fmt: str = "jsonl") -> None:
     (folder / "part-00000.crc").write_bytes(b"crc\x00\x02")
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test's own process group rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def join_gloo_rank(rank: int, world: int, port: int, hang_s: float) -> None:
     """Set up one spawned test rank: the env:// variables of a ``world``-process job on this machine,
     one thread, faulthandler on (a native crash prints the Python stacks), and a timer that ends the

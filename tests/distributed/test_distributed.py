@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import COCO_PAIRS, REPO, join_gloo_rank
+from conftest import COCO_PAIRS, REPO, free_port, join_gloo_rank
 
 WORLD = 2
 ROWS = 8  # one global batch: 1 x 8 rows == 2 x 4 rows
@@ -38,12 +37,6 @@ CASES = {
     "cached_lora": ("cached_mnrl", False, False, "lora"),  # model.lora: only the adapters train
 }
 MEASURED: dict[str, dict[str, float]] = {}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rows(negatives: bool) -> list[dict]:
@@ -223,7 +216,7 @@ def two_rank_results(tiny_model_dir, tmp_path_factory):
     import torch.multiprocessing as mp
 
     tmp = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), _free_port()), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), free_port()), nprocs=WORLD, join=True)
     results = [json.loads((tmp / f"results-rank{r}.json").read_text()) for r in range(WORLD)]
     return tmp, results
 

@@ -21,23 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import join_gloo_rank
+from conftest import free_port, join_gloo_rank
 
 pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
 
 WORLD = 2
 HANG_S = 120  # a rank still running after this is hung in a collective
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(tmp: Path, model_dir: Path, name: str, mini, **train) -> dict:
@@ -222,7 +215,7 @@ def results(tiny_model_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("agree")
     try:
-        mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), _free_port(), _free_port()), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(str(tmp), str(tiny_model_dir), free_port(), free_port()), nprocs=WORLD, join=True)
     except Exception as err:  # noqa: BLE001 - a hung (killed) or failed rank: the tests say which case
         print(f"ranks failed: {err}")
     out = []

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import join_gloo_rank
+from conftest import free_port, join_gloo_rank
 
 pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
 
@@ -47,12 +46,6 @@ OPTIM = {
     "weight_decay": 0.01,
     "lr_scheduler_type": "cosine",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(tmp: Path, model_dir: Path, out: str, fsdp: bool = False, seed: int = 42) -> dict:
@@ -138,7 +131,7 @@ def _spawn(tmp: Path, models: dict, world: int, jobs: list) -> dict:
 
     name = f"results-{world}-{jobs[0][0]}.json"
     models = {k: (str(path), seed) for k, (path, seed) in models.items()}
-    mp.spawn(_worker, args=(world, str(tmp), models, _free_port(), jobs, name), nprocs=world)
+    mp.spawn(_worker, args=(world, str(tmp), models, free_port(), jobs, name), nprocs=world)
     return json.loads((tmp / name).read_text())
 
 

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import join_gloo_rank
+from conftest import free_port, join_gloo_rank
 
 pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
 
@@ -46,12 +45,6 @@ RESUME_OPTIM = {
     "weight_decay": 0.01,
     "lr_scheduler_type": "cosine",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(
@@ -194,7 +187,7 @@ def fsdp_results(tiny_model_dir, tiny_dropout_model_dir, tmp_path_factory):
     import torch.multiprocessing as mp
 
     tmp = tmp_path_factory.mktemp("fsdp")
-    args = (str(tmp), str(tiny_model_dir), str(tiny_dropout_model_dir), _free_port())
+    args = (str(tmp), str(tiny_model_dir), str(tiny_dropout_model_dir), free_port())
     mp.spawn(_worker, args=args, nprocs=WORLD, join=True)
     return tmp, [json.loads((tmp / f"results-rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -347,7 +340,7 @@ def fsdp_best_run(tiny_model_dir, tmp_path_factory):
     import torch.multiprocessing as mp
 
     tmp = tmp_path_factory.mktemp("fsdp_best")
-    mp.spawn(_best_worker, args=(str(tmp), str(tiny_model_dir), _free_port()), nprocs=WORLD, join=True)
+    mp.spawn(_best_worker, args=(str(tmp), str(tiny_model_dir), free_port()), nprocs=WORLD, join=True)
     return tmp, [json.loads((tmp / f"best-rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 from pathlib import Path
 
 import pytest
-from conftest import SCIFACT_TEST_SUBSET, join_gloo_rank
+from conftest import SCIFACT_TEST_SUBSET, free_port, join_gloo_rank
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -197,12 +196,6 @@ def test_two_source_resume_equals_uninterrupted(tiny_dropout_model_dir, tmp_path
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, tmp: str, model_dir: str, port: int) -> None:
     join_gloo_rank(rank, 2, port, 600)
     import accelerate.data_loader as adl
@@ -228,7 +221,7 @@ def _rank(rank: int, tmp: str, model_dir: str, port: int) -> None:
 def test_two_gloo_ranks_train_the_same_source_each_step(tiny_model_dir, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(str(tmp_path), str(tiny_model_dir), _free_port()), nprocs=2, join=True)
+    mp.spawn(_rank, args=(str(tmp_path), str(tiny_model_dir), free_port()), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     sources = ranks[0]["summary"]["sources"]
     steps = sum(s["batches_per_epoch"] for s in sources)
