@@ -115,7 +115,10 @@ def install_distribution(site: Path, name: str, files: dict[str, str], entry_poi
     for path, text in files.items():
         (site / path).parent.mkdir(parents=True, exist_ok=True)
         (site / path).write_text(textwrap.dedent(text))
-    info = site / f"{name}-0.1.dist-info"
+    # The folder's name escapes "-" as the wheel format says: importlib.metadata reads the project
+    # name as the stem up to the first "-", so "cembed-test-hang-0.1.dist-info" would read as
+    # "cembed" and be shadowed by cembed's own metadata (a cembed.egg-info in the working folder).
+    info = site / f"{name.replace('-', '_')}-0.1.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
     groups = [
@@ -195,6 +198,18 @@ def join_gloo_rank(rank: int, world: int, port: int, hang_s: float) -> None:
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+
+
+def end_gloo_rank() -> None:
+    """End a spawned test rank as a launched cembed worker ends (``leave_process_group``, then
+    ``exit_worker``: output flushed, ``os._exit(0)``). Why: freeing the gloo group at interpreter
+    exit can abort a rank that finished (``terminate called without an active exception``, SIGABRT;
+    seen in CI on rank 1 of the mixture test); :func:`cembed.distributed.group.exit_worker` says more.
+    Call last, after the rank wrote its results."""
+    from cembed.distributed.group import exit_worker, leave_process_group
+
+    leave_process_group()
+    exit_worker(0)
 
 
 # --- shared by the loss tests (tests/losses, tests/model) ---------------------------------------

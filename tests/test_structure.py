@@ -199,7 +199,7 @@ def test_import_contracts_hold_and_an_upward_import_breaks_them(tmp_path):
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     (tmp_path / "cembed" / "samples").mkdir()
     shutil.copy(PKG / "samples" / "__init__.py", tmp_path / "cembed" / "samples")
-    columns = tmp_path / "cembed" / "data" / "columns.py"
+    columns = tmp_path / "cembed" / "data" / "column_mapping.py"
     columns.write_text(columns.read_text() + "\n\ndef _upward():\n    from cembed.train import recipe  # noqa\n")
     broken = lint_imports(tmp_path)
     assert broken.returncode != 0

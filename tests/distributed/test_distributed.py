@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COCO_PAIRS, REPO, free_port, join_gloo_rank
+from conftest import COCO_PAIRS, REPO, end_gloo_rank, free_port, join_gloo_rank
 
 WORLD = 2
 ROWS = 8  # one global batch: 1 x 8 rows == 2 x 4 rows
@@ -205,9 +205,7 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
             "checkpoint": stop.checkpoint,
         }
     (tmp_path / f"results-rank{rank}.json").write_text(json.dumps(results))
-    from cembed.distributed.group import leave_process_group
-
-    leave_process_group()
+    end_gloo_rank()
 
 
 @pytest.fixture(scope="module")

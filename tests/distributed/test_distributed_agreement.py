@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, join_gloo_rank
+from conftest import end_gloo_rank, free_port, join_gloo_rank
 
 pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
 
@@ -204,7 +204,7 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int, port2: int) -> None:
         if name == "slow_rank0":  # the later cases: a fresh group with the default timeout
             leave_process_group()
             os.environ["MASTER_PORT"] = str(port2)
-    leave_process_group()
+    end_gloo_rank()
 
 
 @pytest.fixture(scope="module")

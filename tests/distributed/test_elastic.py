@@ -23,13 +23,11 @@ Three spawned groups (2, 3, 2 ranks) run every multi-rank part (module fixture);
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, join_gloo_rank
+from conftest import end_gloo_rank, free_port, join_gloo_rank
 
 pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
 
@@ -107,7 +105,6 @@ def _run(
 def _worker(rank: int, world: int, tmp: str, models: dict, port: int, jobs: list, name: str) -> None:
     """Run ``jobs`` (see :func:`_spawn`) as process ``rank``; rank 0 writes their results to ``name``."""
     join_gloo_rank(rank, world, port, 600)
-    from cembed.distributed.group import leave_process_group
 
     tmp_path = Path(tmp)
     results = {
@@ -116,12 +113,7 @@ def _worker(rank: int, world: int, tmp: str, models: dict, port: int, jobs: list
     }
     if rank == 0:
         (tmp_path / name).write_text(json.dumps(results, default=str))
-    leave_process_group()
-    # End as a launched worker does (cembed.distributed.group.exit_worker says why): freeing the gloo
-    # group at interpreter exit can abort a rank (SIGABRT) after its runs finished (seen here once).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_gloo_rank()
 
 
 def _spawn(tmp: Path, models: dict, world: int, jobs: list) -> dict:

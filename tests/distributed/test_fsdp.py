@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, join_gloo_rank
+from conftest import end_gloo_rank, free_port, join_gloo_rank
 
 pytestmark = pytest.mark.slow  # 2 spawned gloo ranks (module fixture)
 
@@ -147,7 +147,6 @@ def _worker(rank: int, tmp: str, model_dir: str, dropout_model_dir: str, port: i
     from torch.distributed.tensor import DTensor
 
     from cembed.distributed.fsdp import local_numel
-    from cembed.distributed.group import leave_process_group
 
     tmp_path, model_path = Path(tmp), Path(model_dir)
     record: list = []
@@ -179,7 +178,7 @@ def _worker(rank: int, tmp: str, model_dir: str, dropout_model_dir: str, port: i
         "storage_dtype": str(param.dtype),
     }
     (tmp_path / f"results-rank{rank}.json").write_text(json.dumps(results))
-    leave_process_group()
+    end_gloo_rank()
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +323,6 @@ def _best_config(tmp: Path, model_dir: Path, out: str) -> dict:
 
 def _best_worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     join_gloo_rank(rank, WORLD, port, 300)  # a hung collective ends the rank (exit 3): the test fails
-    from cembed.distributed.group import leave_process_group
 
     tmp_path = Path(tmp)
     record: list = []
@@ -332,7 +330,7 @@ def _best_worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
     state = record[-1].state
     results = {"best_model_checkpoint": state.best_model_checkpoint, "eval": summary["eval"]}
     (tmp_path / f"best-rank{rank}.json").write_text(json.dumps(results))
-    leave_process_group()
+    end_gloo_rank()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import SCIFACT_TEST_SUBSET, free_port, join_gloo_rank
+from conftest import SCIFACT_TEST_SUBSET, end_gloo_rank, free_port, join_gloo_rank
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -212,9 +212,7 @@ def _rank(rank: int, tmp: str, model_dir: str, port: int) -> None:
     cfg = _config(Path(tmp), Path(model_dir), "ddp", coco_rows=48, scifact_rows=32, batch=4, num_train_epochs=1)
     summary = _run(cfg, Path(tmp))
     Path(tmp, f"rank{rank}.json").write_text(json.dumps({"batches": seen, "summary": summary["data"]}))
-    from cembed.distributed.group import leave_process_group
-
-    leave_process_group()
+    end_gloo_rank()
 
 
 @pytest.mark.slow
