@@ -15,7 +15,7 @@ Sections (``--sections``, default all):
             positions; not a bound); padded share of the positions each path ran on, and the losses
             (must agree to 1e-5 relative: the script exits 1 after its tables when one does not).
             Then (``--models``, default minilm,decoder,decoder-lora) a small random Qwen2 decoder
-            (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512, the MiniLM tokenizer,
+            (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 512, MiniLM's WordPiece tokenizer,
             last-token pooling as cembed loads decoders) at batch 256 (``--decoder-batch``), plain and
             under LoRA (r 8 on q/k/v/o), on the skewed data: stock, cembed padded, cembed packed and
             the padding-free estimate. ``--models decoder,decoder-lora`` runs the decoder rows only.
@@ -164,6 +164,9 @@ STEP_MODELS = ("minilm", "decoder", "decoder-lora")
 # enough for CPU, with last-token pooling as cembed builds decoders (cembed/model/load.py).
 DECODER_SIZE = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 512}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# The decoder's tokenizer keeps MiniLM's WordPiece class; it has no EOS token, so its own last token
+# ([SEP]) is the one pooled (cembed/model/decoder.py), one special token at the end as EOS would be.
+DECODER_TOKENIZER = {"tokenizer_type": "bert"}
 
 
 def decoder_checkpoint(
@@ -171,7 +174,10 @@ def decoder_checkpoint(
 ) -> Path:
     """Save a seeded random ``Qwen2Model`` of these sizes at ``folder`` (a plain transformers checkpoint,
     as cembed loads a decoder) with the tokenizer of ``tokenizer_dir``: all-MiniLM-L6-v2's, so the
-    skewed texts get the lengths they have in the MiniLM rows (its vocabulary sizes the embedding)."""
+    skewed texts get the lengths they have in the MiniLM rows (its vocabulary sizes the embedding).
+    Loaded as BERT's WordPiece class (:data:`DECODER_TOKENIZER`): beside a Qwen2 config transformers 5
+    loads a tokenizer as Qwen2's byte-level class, which splits these texts into single characters
+    (most positives then fill all 256 positions and stock pads 46 % of them instead of 70 %)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2Model
 
     config = Qwen2Config(
@@ -185,9 +191,7 @@ def decoder_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
-    # Beside a Qwen2 config the tokenizer loads as Qwen2's class, which adds its EOS token
-    # (<|endoftext|>) after the WordPiece vocabulary: the embedding must cover it.
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **DECODER_TOKENIZER)
     config.vocab_size, config.pad_token_id = len(tokenizer), tokenizer.pad_token_id
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -204,7 +208,12 @@ def load_decoder(folder: Path, lora: bool, max_seq_length: int = 256):
 
     options = LoraOptions(r=8, alpha=16, dropout=0.0, target_modules=LORA_TARGETS) if lora else None
     cfg = ModelConfig(
-        name_or_path=str(folder), device="cpu", pooling="lasttoken", max_seq_length=max_seq_length, lora=options
+        name_or_path=str(folder),
+        device="cpu",
+        pooling="lasttoken",
+        max_seq_length=max_seq_length,
+        lora=options,
+        tokenizer_kwargs=DECODER_TOKENIZER,
     )
     return load_model(cfg, "cpu")
 
@@ -327,7 +336,7 @@ def step_models(args, tmp: Path):
             decoder_checkpoint(folder, resolve_model_path("all-MiniLM-L6-v2"), **DECODER_SIZE)
         lora = key == "decoder-lora"
         size = ", ".join(f"{k} {v}" for k, v in DECODER_SIZE.items())
-        title = f"random Qwen2 decoder ({size}; MiniLM tokenizer; last-token pooling){' + LoRA r 8 on q/k/v/o' if lora else ''}"
+        title = f"random Qwen2 decoder ({size}; MiniLM's WordPiece tokenizer; last-token pooling){' + LoRA r 8 on q/k/v/o' if lora else ''}"
         datasets_ = [("skewed (seeded)", skewed_pairs(args.decoder_batch, seed=1))]
         yield key, title, load_decoder(folder, lora), DECODER_STEP_PATHS, args.decoder_batch, datasets_
 

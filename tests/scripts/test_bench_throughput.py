@@ -37,7 +37,12 @@ def test_decoder_step_rows_agree_with_stock(bench, decoder_dir, tmp_path, capsys
 
     model = bench.load_decoder(decoder_dir, lora, max_seq_length=64)
     assert uses_last_token_pooling(model) and is_lora(model) == lora
-    assert model.tokenizer("a b")["input_ids"][-1] == model.tokenizer.eos_token_id
+    # The texts get the lengths MiniLM's WordPiece tokenizer gives them (not Qwen2's byte-level
+    # class, which transformers 5 picks beside a Qwen2 config and which splits them into characters).
+    from transformers import BertTokenizerFast
+
+    text = bench.skewed_pairs(1, seed=1)["positive"][0]
+    assert model.tokenizer(text)["input_ids"] == BertTokenizerFast.from_pretrained(decoder_dir)(text)["input_ids"]
     assert len(model.tokenizer) <= model[0].auto_model.config.vocab_size
     model.eval()
     paths = bench.step_losses(model, bench.DECODER_STEP_PATHS, mbs=4, budget=4 * 64)
