@@ -879,6 +879,7 @@ def attention_models(ctx: dict, work: Path, seq: int) -> dict:
             max_seq_length=seq,
             device=dev,
             model_kwargs={"attn_implementation": impl},
+            tokenizer_kwargs=bench.DECODER_TOKENIZER,  # MiniLM's WordPiece, as the bench loads it
         )
         return load_model(cfg, dev)
 
