@@ -433,3 +433,13 @@ def test_hashes_that_differ_only_in_their_low_bits_are_different_texts():
 def test_hashes_of_one_dimension_are_refused():
     with pytest.raises(ValueError, match=r"^hashes must be \(rows, columns\), got shape \(3,\)$"):
         WindowedBatcher(2, 1).push(np.zeros(3, dtype=np.uint64))
+
+
+def test_without_drop_last_a_larger_later_batch_replaces_the_kept_one_and_its_rows_count_as_left():
+    # B = 4: r1 r2 r3 each share one text with r0 and none with each other; the end's batches are
+    # [0, 4] (2 rows, kept at first) and [1, 2, 3] (larger: kept instead, [0, 4] left).
+    batcher = WindowedBatcher(4, 2, drop_last=False)
+    rows = [(1, 10, 100), (1, 11, 101), (10, 12, 102), (100, 13, 103), (2, 14, 104)]
+    assert batcher.push(_h(rows)) == []
+    assert [b.tolist() for b in batcher.finish()] == [[1, 2, 3]]
+    assert batcher.counts == WindowCounts(rows_read=5, batches=1, placed=3, deferred=3, left_at_end=2)

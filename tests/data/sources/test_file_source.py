@@ -39,6 +39,7 @@ def test_na_words_stay_text(write_config, tmp_path, suffix):
     path.write_text(f"anchor{sep}positive\n" + "".join(f"{w}{sep}answer to {w}\n" for w in NA_WORDS))
     data = _train(write_config, path)
     assert data.rows_dropped == 0 and data.dataset["anchor"] == NA_WORDS
+    assert data.sources[0].files is None  # one file: no shard count in the summary
 
 
 @pytest.mark.parametrize("suffix", [".tsv", ".csv"])
@@ -123,3 +124,60 @@ def test_a_local_file_asks_the_network_nothing(write_config, tmp_path, monkeypat
         path.write_text("".join(f'{{"anchor": "{a}", "positive": "{p}"}}\n' for a, p in rows))
     assert len(_train(write_config, path).dataset) == 8
     assert pings == []
+
+
+def _load(path):
+    from cembed.config.sources import FileSource
+    from cembed.data.sources.registry import load_source
+
+    return load_source(FileSource(path=str(path)))
+
+
+def test_a_missing_or_empty_file_is_named(tmp_path):
+    with pytest.raises(UserError) as err:
+        _load(tmp_path / "pairs.jsonl")
+    assert (
+        str(err.value)
+        == f"{tmp_path / 'pairs.jsonl'}: data file not found (data paths resolve relative to the config file)"
+    )
+    (tmp_path / "pairs.jsonl").write_bytes(b"")
+    with pytest.raises(UserError) as err:
+        _load(tmp_path / "pairs.jsonl")
+    assert str(err.value) == f"{tmp_path / 'pairs.jsonl'}: data file is empty"
+
+
+def test_a_file_of_another_type_is_refused_naming_the_types_read():
+    from pathlib import Path
+
+    from cembed.data.sources.file_kind import builder_for
+
+    with pytest.raises(UserError) as err:
+        builder_for(Path("data/notes.txt"))
+    assert str(err.value) == "data/notes.txt: unsupported file type; use .jsonl[.gz], .json, .csv, .tsv or .parquet"
+
+
+def test_bad_utf8_in_a_jsonl_string_or_a_csv_header_is_named_on_its_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(b'{"anchor": "a", "positive": "p"}\n{"anchor": "a\xff", "positive": "p"}\n')
+    with pytest.raises(UserError) as err:
+        _load(path)
+    assert str(err.value) == f"{path}: line 2: bytes that are not UTF-8 at column 14; re-encode the file as UTF-8"
+    path = tmp_path / "pairs.csv"
+    path.write_bytes(b"anc\xffhor,positive\nq,a\n")
+    with pytest.raises(UserError) as err:
+        _load(path)
+    assert str(err.value) == f"{path}: line 1: bytes that are not UTF-8 at column 4; re-encode the file as UTF-8"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_jsonl_with_a_blank_line_and_a_non_text_cell_reads_every_row(tmp_path, suffix):
+    # datasets' reader fails on this mix; the rows are read as written, the number kept for the cell
+    # checks to name.
+    import gzip
+    import json
+
+    rows = [{"anchor": 5 if i == 1 else f"q {i}", "positive": f"a {i}"} for i in range(4)]
+    text = json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:])
+    path = tmp_path / f"pairs{suffix}"
+    path.write_bytes(gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode())
+    assert _load(path).to_list() == rows

@@ -163,6 +163,8 @@ EMPTY_SHARDS = {
     "csv, header alone": ("x.csv", b"\xef\xbb\xbfanchor,positive\r\n"),
     "tsv, header alone": ("x.tsv", b"anchor\tpositive\n"),
     "parquet, 0 rows": ("x.parquet", None),
+    "parquet, 0 bytes": ("x.parquet", b""),
+    "json, an empty list": ("x.json", b"[]\n"),
 }
 
 
@@ -177,7 +179,7 @@ def test_a_zero_row_shard_is_skipped_with_a_note(tmp_path, case):
         path = folder / f"part-{2 * k}{suffix}"
         if suffix == ".parquet":
             pq.write_table(pa.Table.from_pylist(part), path)
-        elif suffix == ".jsonl":
+        elif suffix in (".jsonl", ".json"):
             path.write_text("".join(json.dumps(r) + "\n" for r in part))
         else:
             sep = "," if suffix == ".csv" else "\t"
@@ -300,3 +302,188 @@ def test_a_shards_format_and_a_patterns_literal_folder():
     assert formats == [".jsonl", ".jsonl", ".jsonl", ".jsonl", ".parquet", ".csv"]
     assert literal_prefix("/d/x/**/*.jsonl") == str(Path("/d/x"))
     assert literal_prefix("/*/a.jsonl") == os.sep
+
+
+def test_what_a_folder_skips_is_listed_by_file_or_by_folder_with_its_count(tmp_path):
+    from cembed.data.sources.file_kind import resolve_shards
+
+    folder = tmp_path / "job"
+    write_rows(folder / "part-0.jsonl", _rows(3), "jsonl")
+    for name in ("a", "b", "c"):
+        write_rows(folder / ".hidden" / f"{name}.jsonl", _rows(1), "jsonl")
+    write_rows(folder / ".hidden" / "__pycache__" / "d.jsonl", _rows(1), "jsonl")
+    write_rows(folder / "__pycache__" / "x.jsonl", _rows(1), "jsonl")  # datasets' own rule, not a hidden one
+    write_rows(folder / "_temporary" / "x.jsonl", _rows(1), "jsonl")
+    (folder / "sub").mkdir()
+    (folder / "sub" / ".part-0.jsonl.crc").write_text("crc")  # a hidden file in a folder that is not
+    (folder / "sub" / "notes.txt").write_text("not data")
+    shards = resolve_shards(FileSource(path=str(folder)))
+    assert shards.files == [folder / "part-0.jsonl"]
+    assert shards.skipped == (
+        ".hidden/ (hidden folder, 4 files)",
+        "__pycache__/x.jsonl (left out by datasets' data-files resolution)",
+        "_temporary/ (underscore-prefixed folder: Spark/Hadoop bookkeeping, 1 file)",
+        "sub/.part-0.jsonl.crc (hidden)",
+        "sub/notes.txt (not a data file)",
+    )
+    # A glob naming the hidden folder reads it; what datasets leaves out there is not called hidden.
+    named = resolve_shards(FileSource(path=str(folder / ".hidden" / "**" / "*.jsonl")))
+    assert [p.name for p in named.files] == ["a.jsonl", "b.jsonl", "c.jsonl"]
+    assert named.skipped == ("__pycache__/d.jsonl (left out by datasets' data-files resolution)",)
+
+
+def test_a_folder_or_glob_without_data_names_what_it_skipped(tmp_path):
+    from cembed.files import display_path
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / ".part-0.crc").write_text("crc")
+    (folder / ".part-1.crc").write_text("crc")
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=str(folder)))
+    assert str(err.value) == (
+        f"{display_path(folder)}: the folder holds no .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet "
+        "file; skipped: .part-0.crc (hidden), .part-1.crc (hidden)"
+    )
+    pattern = str(folder / "*.parquet")
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=pattern))
+    assert str(err.value) == (
+        f"{display_path(pattern)}: no .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet file matches "
+        "this pattern"
+    )
+
+
+def test_a_folder_with_brackets_in_its_name_is_the_folder_not_a_pattern(tmp_path):
+    folder = tmp_path / "shards[2024]"
+    write_rows(folder / "part-0.jsonl", _rows(3), "jsonl")
+    (tmp_path / "shards2").mkdir()  # what the name would match as a pattern
+    assert load_source(FileSource(path=str(folder))).to_list() == _rows(3)
+
+
+def test_a_list_naming_a_folder_is_refused_naming_it(tmp_path):
+    from cembed.files import display_path
+
+    write_rows(tmp_path / "a.jsonl", _rows(3), "jsonl")
+    (tmp_path / "more").mkdir()
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=[str(tmp_path / "a.jsonl"), str(tmp_path / "more")]))
+    assert str(err.value) == f"{display_path(tmp_path / 'more')}: is a folder; a list of shards names files"
+
+
+def test_every_shard_empty_names_the_source(tmp_path):
+    from cembed.files import display_path
+
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for name in ("part-0.jsonl", "part-1.jsonl"):
+        (folder / name).write_text("\n")
+    (folder / "_SUCCESS").write_text("")
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=str(folder)))
+    assert str(err.value) == (
+        f"{display_path(folder)}: every data file holds 0 rows (2 files); "
+        "skipped: _SUCCESS (underscore-prefixed: Spark/Hadoop bookkeeping)"
+    )
+    listed = FileSource(path=[str(folder / "part-0.jsonl"), str(folder / "part-1.jsonl")])
+    with pytest.raises(UserError) as err:
+        load_source(listed)
+    assert str(err.value) == f"{display_path(listed.label)}: every data file holds 0 rows (2 files)"
+
+
+def test_an_empty_listed_shard_is_skipped_by_its_path(tmp_path):
+    from cembed.data.sources.file_kind import resolve_shards
+    from cembed.files import display_path
+
+    full = write_rows(tmp_path / "a.jsonl", _rows(3), "jsonl")
+    empty = tmp_path / "b.jsonl"
+    empty.write_text("")
+    shards = resolve_shards(FileSource(path=[str(full), str(empty)]))
+    assert shards.files == [full] and shards.skipped == (f"{display_path(empty)} (0 rows)",)
+
+
+def test_a_shard_that_cannot_be_read_is_not_judged_empty(tmp_path):
+    from cembed.data.sources.file_kind import without_empty_shards
+
+    full = write_rows(tmp_path / "a.jsonl", _rows(3), "jsonl")
+    gone = tmp_path / "b.jsonl"  # removed after the folder was listed: the load names it
+    assert without_empty_shards([full, gone], [], "p").files == [full, gone]
+
+
+def test_a_shard_rewritten_in_place_is_judged_again(tmp_path):
+    from cembed.data.sources.file_kind import without_empty_shards
+
+    full = write_rows(tmp_path / "a.jsonl", _rows(1), "jsonl")
+    text = full.read_text()
+    other = tmp_path / "b.jsonl"
+    other.write_text(" " * (len(text) - 1) + "\n")  # blank: 0 rows, the same size as one row
+    assert without_empty_shards([full, other], [], "p").files == [full]
+    mtime = other.stat().st_mtime_ns
+    other.write_text(text)
+    os.utime(other, ns=(mtime + 10**9, mtime + 10**9))  # a later version, whatever the clock's resolution
+    assert without_empty_shards([full, other], [], "p").files == [full, other]
+
+
+def test_check_shards_names_a_vanished_shard_and_passes_over_unknown_columns(tmp_path):
+    from cembed.data.sources.file_kind import check_shards
+    from cembed.files import display_path
+
+    a = write_rows(tmp_path / "a.jsonl", _rows(3), "jsonl")
+    gone = tmp_path / "gone.jsonl"
+    with pytest.raises(UserError) as err:
+        check_shards([a, gone], "src")
+    assert str(err.value) == f"{display_path(gone)}: data file not found"
+    # A first record that is not an object tells no columns: the next shards still must agree.
+    odd = tmp_path / "0.jsonl"
+    odd.write_text("[1, 2]\n")
+    other = write_rows(tmp_path / "c.jsonl", [{"anchor": "q", "answer": "a"}], "jsonl")
+    with pytest.raises(UserError) as err:
+        check_shards([odd, a, other], "src")
+    assert str(err.value) == (
+        f"src: {display_path(other)}: columns anchor, answer differ from {display_path(a)}'s (anchor, positive); "
+        "every shard of one source needs the same columns"
+    )
+
+
+def test_mixed_formats_are_refused_naming_the_source_the_shard_and_the_first_shard(tmp_path):
+    from cembed.files import display_path
+
+    folder = tmp_path / "parts"
+    write_rows(folder / "part-0.jsonl", _rows(3), "jsonl")
+    write_rows(folder / "part-1.jsonl", _rows(3), "jsonl")
+    write_rows(folder / "part-2.parquet", _rows(3), "parquet")
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=str(folder)))
+    assert str(err.value) == (
+        f"{display_path(folder)}: {display_path(folder / 'part-2.parquet')}: a .parquet file among .jsonl files "
+        f"({display_path(folder / 'part-0.jsonl')}); one source holds one format: convert it, or make the formats "
+        "two sources"
+    )
+
+
+def test_parquet_shards_with_other_column_names_are_refused_before_reading(tmp_path):
+    folder = tmp_path / "parts"
+    write_rows(folder / "part-0.parquet", _rows(3), "parquet")
+    pq.write_table(pa.Table.from_pylist([{"anchor": "q", "answer": "a"}]), folder / "part-1.parquet")
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=str(folder)))
+    message = str(err.value)
+    assert "part-1.parquet: columns anchor, answer differ from " in message, message
+    assert "part-0.parquet's (anchor, positive); every shard of one source needs the same columns" in message
+
+
+@pytest.mark.parametrize(("cell", "shown"), [([1], "list of int64"), ({"text": "q"}, "dict")], ids=["list", "struct"])
+def test_the_first_shard_whose_column_types_differ_is_named_with_its_types(tmp_path, cell, shown):
+    from cembed.files import display_path
+
+    folder = tmp_path / "parts"
+    write_rows(folder / "part-0.parquet", _rows(4), "parquet")
+    write_rows(folder / "part-1.parquet", _rows(4), "parquet")
+    pq.write_table(pa.Table.from_pylist([{"anchor": cell, "positive": "p"}]), folder / "part-2.parquet")
+    with pytest.raises(UserError) as err:
+        load_source(FileSource(path=str(folder)))
+    assert str(err.value) == (
+        f"{display_path(folder)}: {display_path(folder / 'part-2.parquet')}: column types (anchor: {shown}, "
+        f"positive: string) differ from {display_path(folder / 'part-0.parquet')}'s (anchor: string, positive: "
+        "string); every shard of one source needs the same column types"
+    )

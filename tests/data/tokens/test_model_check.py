@@ -146,6 +146,18 @@ def test_ids_of_as_many_tokens_as_the_text_but_other_ones_do_not_match(tiny, tmp
     assert not matches_model_preprocessing(tiny, collator_for(tiny, ROLES), dataset)
 
 
+def test_ids_stored_with_their_padding_do_not_match(tiny, tmp_path):
+    # A row's ids with the tokenizer's padding kept (prepared with padding=True): the ids agree once
+    # padded, the attention mask does not (the stored pads would train as tokens).
+    rows = {"anchor": ["a car", "a long question about a red car on the street"], "positive": ["a dog", "an answer"]}
+    dataset = pretokenize(Dataset.from_dict(rows), ["anchor", "positive"], tiny.tokenizer, 24, tmp_path).dataset
+    collator = collator_for(tiny, ["anchor", "positive"])
+    assert matches_model_preprocessing(tiny, collator, dataset)
+    pad = tiny.tokenizer.pad_token_id
+    padded = dataset.map(lambda r, i: {"anchor_input_ids": r["anchor_input_ids"] + [pad] * (i == 0)}, with_indices=True)
+    assert not matches_model_preprocessing(tiny, collator, padded)
+
+
 @dataclass
 class _LeakyCollator(PaddingCollator):
     """A collator that puts a column into every batch, also one whose source does not map it."""
@@ -170,6 +182,13 @@ def test_a_source_without_a_column_is_compared_on_its_other_columns(tiny, tmp_pa
     assert matches_model_preprocessing(tiny, collator, dataset, rows=2, sources=sources)
     changed = _with_text(dataset, 1, "positive", "another text entirely")  # after the null negative_1
     assert not matches_model_preprocessing(tiny, collator, changed, rows=2, sources=sources)
+
+
+def _prepared_folder(folder):
+    from cembed.config.data import DataConfig
+    from cembed.data.load import load_training_data
+
+    return folder, load_training_data(DataConfig.model_validate({"train": {"prepared": str(folder)}}))
 
 
 def _prepared(tmp_path, tiny, samples=None):
@@ -235,7 +254,43 @@ def test_the_prepared_stage_names_the_folder_in_the_checks_refusal(tmp_path, tin
     folder, data = _prepared(tmp_path, tiny64)
     with pytest.raises(UserError) as refused:
         model_check.prepared_stage(tiny64, data, {"anchor": "q: "}, None)
-    assert str(refused.value).startswith(f"{display_path(folder)}: prompts.anchor: the run's is 'q: '")
+    assert str(refused.value) == (
+        f"{display_path(folder)}: prompts.anchor: the run's is 'q: ', the prepared source's ''; "
+        f"set data.prompts.anchor to the source's {REDO}"
+    )
+
+
+def test_the_prepared_stage_names_the_sources_own_prompts_field(tmp_path, tiny64):
+    from cembed.config.data import DataConfig
+    from cembed.data.load import load_training_data
+
+    folder, _ = _prepared(tmp_path, tiny64)
+    data = load_training_data(
+        DataConfig.model_validate({"train": {"prepared": str(folder), "prompts": {"anchor": "q: "}}})
+    )
+    with pytest.raises(UserError) as refused:
+        model_check.prepared_stage(tiny64, data, {"anchor": "q: "}, None)
+    assert str(refused.value).endswith(f"set data.train.prompts.anchor to the source's {REDO}")
+
+
+def test_a_source_prepared_with_a_prompt_passes_the_check_with_that_prompt(
+    tmp_path, tiny_model_dir, write_config, tiny64
+):
+    from prepared_helpers import pair_rows, write_jsonl
+
+    from cembed.config.file import load_config
+    from cembed.data.prepare_folder import prepare_folder
+
+    corpus = write_jsonl(tmp_path / "pairs.jsonl", pair_rows(40))
+    cfg = {
+        "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+        "data": {"train": str(corpus), "prompts": {"anchor": "query: "}},
+        "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 8},
+    }
+    prepare_folder(load_config(write_config(cfg)), tmp_path / "prepared")
+    folder, data = _prepared_folder(tmp_path / "prepared")
+    dataset, _, info = model_check.prepared_stage(tiny64, data, {"anchor": "query: "}, None)
+    assert len(dataset) == 40 and info["prepared"] == data.manifest.fingerprint
 
 
 def test_the_prepared_stage_refuses_a_model_that_pads_on_the_left(tmp_path, tiny_model_dir):
