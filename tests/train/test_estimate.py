@@ -223,6 +223,9 @@ def test_known_gpus_and_a_precision_a_part_lacks():
     names = est.known_gpus()
     assert names[:2] == ["GB200", "B200"] and "H100 SXM" in names and not any("(" in n for n in names)
     assert est.gpu_peak("h100_sxm", "auto") == est.gpu_peak("H100 SXM", "auto")
+    # "-" and "_" read as spaces where the part's name has a space in it (its pattern needs one)
+    assert est.gpu_peak("rtx-6000_ada", "bf16") == (364.2e12, "RTX 6000 Ada bf16 dense peak (NVIDIA datasheet)")
+    assert est.gpu_peak("GeForce--RTX_4090", "fp32")[0] == 82.6e12
     with pytest.raises(UserError) as refused:
         est.gpu_peak("V100", "bf16")
     message = str(refused.value)
