@@ -164,6 +164,16 @@ def spark_folder(folder: Path, rows: list[dict], fmt: str = "jsonl") -> None:
     (folder / "part-00000.crc").write_bytes(b"crc\x00\x02")
 
 
+def load_script(path: Path, name: str):
+    """The script at ``path`` (under scripts/, not a package) imported as module ``name``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a test's own process group rendezvous)."""
     import socket

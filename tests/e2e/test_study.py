@@ -3,11 +3,10 @@ and scored on the real SciFact test split, the table, plot and JSON written."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
-from conftest import REPO, SHARED_DATA
+from conftest import REPO, SHARED_DATA, load_script
 
 pytestmark = [
     pytest.mark.slow,  # tests/e2e: whole runs
@@ -16,10 +15,7 @@ pytestmark = [
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("study_batch_size", REPO / "scripts" / "study_batch_size.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "study_batch_size.py", "study_batch_size")
 
 
 def test_scifact_train_pairs_join_qrels_queries_and_corpus():

@@ -4,21 +4,18 @@ counts, ~5 % duplicate texts, seeded) and the fitted slope / extrapolation is th
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "scripts" / "bench_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "bench_scale.py", "bench_scale")
 
 
 def _duplicate_share(texts: list[str]) -> float:

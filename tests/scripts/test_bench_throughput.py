@@ -4,11 +4,10 @@ path (stock, cembed padded, cembed packed; plain and under LoRA) computes stock'
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_model
+from conftest import load_script, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = {"hidden": 32, "layers": 1, "heads": 4, "kv_heads": 2, "intermediate": 64}
@@ -16,10 +15,7 @@ TOY = {"hidden": 32, "layers": 1, "heads": 4, "kv_heads": 2, "intermediate": 64}
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_throughput", REPO / "scripts" / "bench_throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "bench_throughput.py", "bench_throughput")
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_window", REPO / "scripts" / "bench_window.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "bench_window.py", "bench_window")
 
 
 def test_shared_pairs_counts_row_pairs_per_text_across_columns():

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_CHECK = REPO / "scripts" / "gpu_check"
@@ -235,14 +236,9 @@ def test_the_stdlib_check_catches_a_planted_third_party_import(tmp_path):
 def load_stages():
     """scripts/gpu_check/stages.py as a module (it is run as a script; its top level is stdlib only),
     with the check's folder on the path for its ``from bundle import ...``."""
-    import importlib.util
-
     if str(GPU_CHECK) not in sys.path:
         sys.path.insert(0, str(GPU_CHECK))
-    spec = importlib.util.spec_from_file_location("gpu_check_stages", GPU_CHECK / "stages.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GPU_CHECK / "stages.py", "gpu_check_stages")
 
 
 def test_gradient_cosine_is_accumulated_in_fp64():

@@ -3,11 +3,11 @@ names of the mutants that lived (a survivor, one no test reached; not a timeout,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,10 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def report():
     pytest.importorskip("mutmut")
-    spec = importlib.util.spec_from_file_location("mutation_report", REPO / "scripts" / "mutation_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "scripts" / "mutation_report.py", "mutation_report")
 
 
 # mutmut's exit codes: 1 killed, 0 survived, 33 no tests, 36 timeout, None not run yet.
