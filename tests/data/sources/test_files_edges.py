@@ -26,6 +26,13 @@ from cembed.train.recipe import check_run_inputs, run_training
 GENERIC = "An error occurred while generating the dataset"
 
 
+def _refusal(read, *args) -> str:
+    """The one-line message of the UserError ``read(*args)`` raises."""
+    with pytest.raises(UserError) as err:
+        read(*args)
+    return str(err.value)
+
+
 def _rows(n: int, tag: str = "") -> list[dict]:
     # Anchors repeat, so the no-duplicates sampler's batches depend on which rows the source holds.
     return [{"anchor": f"topic {i % 13}{tag}", "positive": f"passage number {i}{tag}"} for i in range(n)]
@@ -201,9 +208,7 @@ def test_a_zero_row_shard_is_skipped_with_a_note(tmp_path, case):
     # Listed shards too; and a source whose every shard holds 0 rows is refused naming it.
     listed = FileSource(path=[str(folder / f"part-{k}{suffix}") for k in range(3)])
     assert load_source(listed).to_list() == rows
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=[str(empty), str(empty)]))
-    message = str(err.value)
+    message = _refusal(load_source, FileSource(path=[str(empty), str(empty)]))
     assert "every data file holds 0 rows" in message and "\n" not in message, message
 
 
@@ -222,9 +227,7 @@ def test_a_streamed_shard_with_another_column_is_refused_naming_it(tiny_model_di
     write_rows(folder / "part-0.jsonl", rows[:20], "jsonl")
     write_rows(folder / "part-1.jsonl", [dict(r, extra="x") for r in rows[20:]], "jsonl")
     cfg = config_from_dict(_stream_config(tmp_path, tiny_model_dir, folder), base=tmp_path)
-    with pytest.raises(UserError) as err:
-        check_run_inputs(cfg)
-    message = str(err.value)
+    message = _refusal(check_run_inputs, cfg)
     assert "part-1.jsonl: columns anchor, positive, extra differ from" in message and "part-0.jsonl" in message
     assert "\n" not in message, message
 
@@ -237,9 +240,7 @@ def test_a_shard_the_libraries_cannot_read_is_named_with_their_cause(tmp_path, s
     write_rows(folder / "part-1.parquet", rows[20:], "parquet")
     (folder / "part-2.parquet").write_bytes(b"PAR1 not a parquet file, cut off")
     source = FileSource(path=str(folder), streaming={} if streaming else None)
-    with pytest.raises(UserError) as err:
-        read_head(source, 100) if streaming else load_source(source)
-    message = str(err.value)
+    message = _refusal(read_head, source, 100) if streaming else _refusal(load_source, source)
     assert "part-2.parquet: cannot read as " in message and "Parquet magic bytes not found" in message, message
     assert GENERIC not in message and "\n" not in message, message
 
@@ -248,9 +249,7 @@ def test_a_streamed_jsonl_shard_cut_off_is_named_with_the_line_cause(tmp_path):
     folder = tmp_path / "parts"
     write_rows(folder / "part-0.jsonl", _rows(20), "jsonl")
     (folder / "part-1.jsonl").write_text(json.dumps(_rows(1)[0]) + '\n{"anchor": "cut off", "positive": \n')
-    with pytest.raises(UserError) as err:
-        read_head(FileSource(path=str(folder), streaming={}), 100)
-    message = str(err.value)
+    message = _refusal(read_head, FileSource(path=str(folder), streaming={}), 100)
     assert "part-1.jsonl: cannot read as a stream: JSON parse error" in message and "\n" not in message, message
 
 
@@ -260,9 +259,7 @@ def test_shards_whose_column_types_differ_are_named(tmp_path):
     pq.write_table(
         pa.Table.from_pylist([{"anchor": [i], "positive": f"p {i}"} for i in range(5)]), folder / "part-1.parquet"
     )
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=str(folder)))
-    message = str(err.value)
+    message = _refusal(load_source, FileSource(path=str(folder)))
     assert "part-1.parquet: column types (anchor: list of int64, positive: string) differ from" in message, message
     assert "part-0.parquet's (anchor: string, positive: string)" in message and GENERIC not in message, message
 
@@ -276,12 +273,11 @@ def test_every_shard_empty_is_refused_counting_the_files_and_naming_the_skipped(
     empty = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
     for path in empty:
         path.write_bytes(b"")
-    with pytest.raises(UserError) as err:
-        without_empty_shards(empty, ["notes.txt (not a data file)"], "data/p")
-    assert str(err.value) == "data/p: every data file holds 0 rows (2 files); skipped: notes.txt (not a data file)"
-    with pytest.raises(UserError) as err:
-        without_empty_shards(empty[:1], [], "data/p")
-    assert str(err.value) == "data/p: every data file holds 0 rows (1 file)"
+    assert (
+        _refusal(without_empty_shards, empty, ["notes.txt (not a data file)"], "data/p")
+        == "data/p: every data file holds 0 rows (2 files); skipped: notes.txt (not a data file)"
+    )
+    assert _refusal(without_empty_shards, empty[:1], [], "data/p") == "data/p: every data file holds 0 rows (1 file)"
 
 
 def test_an_empty_shard_is_named_under_its_folder(tmp_path):
@@ -339,16 +335,12 @@ def test_a_folder_or_glob_without_data_names_what_it_skipped(tmp_path):
     folder.mkdir()
     (folder / ".part-0.crc").write_text("crc")
     (folder / ".part-1.crc").write_text("crc")
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=str(folder)))
-    assert str(err.value) == (
+    assert _refusal(load_source, FileSource(path=str(folder))) == (
         f"{display_path(folder)}: the folder holds no .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet "
         "file; skipped: .part-0.crc (hidden), .part-1.crc (hidden)"
     )
     pattern = str(folder / "*.parquet")
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=pattern))
-    assert str(err.value) == (
+    assert _refusal(load_source, FileSource(path=pattern)) == (
         f"{display_path(pattern)}: no .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet file matches "
         "this pattern"
     )
@@ -366,9 +358,10 @@ def test_a_list_naming_a_folder_is_refused_naming_it(tmp_path):
 
     write_rows(tmp_path / "a.jsonl", _rows(3), "jsonl")
     (tmp_path / "more").mkdir()
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=[str(tmp_path / "a.jsonl"), str(tmp_path / "more")]))
-    assert str(err.value) == f"{display_path(tmp_path / 'more')}: is a folder; a list of shards names files"
+    assert (
+        _refusal(load_source, FileSource(path=[str(tmp_path / "a.jsonl"), str(tmp_path / "more")]))
+        == f"{display_path(tmp_path / 'more')}: is a folder; a list of shards names files"
+    )
 
 
 def test_every_shard_empty_names_the_source(tmp_path):
@@ -379,16 +372,12 @@ def test_every_shard_empty_names_the_source(tmp_path):
     for name in ("part-0.jsonl", "part-1.jsonl"):
         (folder / name).write_text("\n")
     (folder / "_SUCCESS").write_text("")
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=str(folder)))
-    assert str(err.value) == (
+    assert _refusal(load_source, FileSource(path=str(folder))) == (
         f"{display_path(folder)}: every data file holds 0 rows (2 files); "
         "skipped: _SUCCESS (underscore-prefixed: Spark/Hadoop bookkeeping)"
     )
     listed = FileSource(path=[str(folder / "part-0.jsonl"), str(folder / "part-1.jsonl")])
-    with pytest.raises(UserError) as err:
-        load_source(listed)
-    assert str(err.value) == f"{display_path(listed.label)}: every data file holds 0 rows (2 files)"
+    assert _refusal(load_source, listed) == f"{display_path(listed.label)}: every data file holds 0 rows (2 files)"
 
 
 def test_an_empty_listed_shard_is_skipped_by_its_path(tmp_path):
@@ -430,16 +419,12 @@ def test_check_shards_names_a_vanished_shard_and_passes_over_unknown_columns(tmp
 
     a = write_rows(tmp_path / "a.jsonl", _rows(3), "jsonl")
     gone = tmp_path / "gone.jsonl"
-    with pytest.raises(UserError) as err:
-        check_shards([a, gone], "src")
-    assert str(err.value) == f"{display_path(gone)}: data file not found"
+    assert _refusal(check_shards, [a, gone], "src") == f"{display_path(gone)}: data file not found"
     # A first record that is not an object tells no columns: the next shards still must agree.
     odd = tmp_path / "0.jsonl"
     odd.write_text("[1, 2]\n")
     other = write_rows(tmp_path / "c.jsonl", [{"anchor": "q", "answer": "a"}], "jsonl")
-    with pytest.raises(UserError) as err:
-        check_shards([odd, a, other], "src")
-    assert str(err.value) == (
+    assert _refusal(check_shards, [odd, a, other], "src") == (
         f"src: {display_path(other)}: columns anchor, answer differ from {display_path(a)}'s (anchor, positive); "
         "every shard of one source needs the same columns"
     )
@@ -452,9 +437,7 @@ def test_mixed_formats_are_refused_naming_the_source_the_shard_and_the_first_sha
     write_rows(folder / "part-0.jsonl", _rows(3), "jsonl")
     write_rows(folder / "part-1.jsonl", _rows(3), "jsonl")
     write_rows(folder / "part-2.parquet", _rows(3), "parquet")
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=str(folder)))
-    assert str(err.value) == (
+    assert _refusal(load_source, FileSource(path=str(folder))) == (
         f"{display_path(folder)}: {display_path(folder / 'part-2.parquet')}: a .parquet file among .jsonl files "
         f"({display_path(folder / 'part-0.jsonl')}); one source holds one format: convert it, or make the formats "
         "two sources"
@@ -465,9 +448,7 @@ def test_parquet_shards_with_other_column_names_are_refused_before_reading(tmp_p
     folder = tmp_path / "parts"
     write_rows(folder / "part-0.parquet", _rows(3), "parquet")
     pq.write_table(pa.Table.from_pylist([{"anchor": "q", "answer": "a"}]), folder / "part-1.parquet")
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=str(folder)))
-    message = str(err.value)
+    message = _refusal(load_source, FileSource(path=str(folder)))
     assert "part-1.parquet: columns anchor, answer differ from " in message, message
     assert "part-0.parquet's (anchor, positive); every shard of one source needs the same columns" in message
 
@@ -480,9 +461,7 @@ def test_the_first_shard_whose_column_types_differ_is_named_with_its_types(tmp_p
     write_rows(folder / "part-0.parquet", _rows(4), "parquet")
     write_rows(folder / "part-1.parquet", _rows(4), "parquet")
     pq.write_table(pa.Table.from_pylist([{"anchor": cell, "positive": "p"}]), folder / "part-2.parquet")
-    with pytest.raises(UserError) as err:
-        load_source(FileSource(path=str(folder)))
-    assert str(err.value) == (
+    assert _refusal(load_source, FileSource(path=str(folder))) == (
         f"{display_path(folder)}: {display_path(folder / 'part-2.parquet')}: column types (anchor: {shown}, "
         f"positive: string) differ from {display_path(folder / 'part-0.parquet')}'s (anchor: string, positive: "
         "string); every shard of one source needs the same column types"
