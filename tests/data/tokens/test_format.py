@@ -29,9 +29,7 @@ def _refusal(folder, done: list[int], n: int) -> str:
     folder.mkdir()
     for k in done:
         (folder / part_manifest_name(k, n)).write_text("{}")
-    with pytest.raises(UserError) as refused:
-        read_manifest(folder)
-    return str(refused.value)
+    return _refused(folder)
 
 
 @pytest.mark.parametrize(
@@ -111,9 +109,7 @@ def test_a_part_datasets_cannot_open_is_named_with_the_first_200_characters_of_w
         raise ValueError("x" * 250 + "\nsecond line")
 
     monkeypatch.setattr(datasets.Dataset, "from_file", refuse)
-    with pytest.raises(UserError) as refused:
-        read_parts(folder, manifest)
-    assert str(refused.value) == (
+    assert _message(read_parts, folder, manifest) == (
         f"{display_path(folder)}: part part-00000.arrow: not an Arrow stream file ({'x' * 200}); prepare it again"
     )
 
@@ -122,9 +118,7 @@ def test_a_part_holding_other_rows_than_the_manifest_says_is_named(tmp_path):
     folder = tmp_path / "prepared"
     manifest = _hand_made(folder, [PAIRS])
     manifest.parts[0].rows = 3
-    with pytest.raises(UserError) as refused:
-        read_parts(folder, manifest)
-    assert str(refused.value) == (
+    assert _message(read_parts, folder, manifest) == (
         f"{display_path(folder)}: part part-00000.arrow: holds 2 rows, the manifest says 3; prepare it again"
     )
 
@@ -132,17 +126,16 @@ def test_a_part_holding_other_rows_than_the_manifest_says_is_named(tmp_path):
 def test_a_manifest_without_parts_has_nothing_to_train_on(tmp_path):
     folder = tmp_path / "prepared"
     manifest = _hand_made(folder, [])
-    with pytest.raises(UserError) as refused:
-        read_parts(folder, manifest)
-    assert str(refused.value) == f"{display_path(folder)}: the prepared source has no parts; nothing to train on"
+    assert (
+        _message(read_parts, folder, manifest)
+        == f"{display_path(folder)}: the prepared source has no parts; nothing to train on"
+    )
 
 
 def test_a_part_without_a_roles_ids_is_named_with_its_columns(tmp_path):
     folder = tmp_path / "prepared"
     manifest = _hand_made(folder, [PAIRS, {"anchor_input_ids": [[2, 4, 3]], "anchor_hash": [7]}])
-    with pytest.raises(UserError) as refused:
-        read_parts(folder, manifest)
-    assert str(refused.value) == (
+    assert _message(read_parts, folder, manifest) == (
         f"{display_path(folder)}: part part-00001.arrow: no column positive_input_ids "
         "(columns: anchor_input_ids, anchor_hash); prepare it again"
     )
@@ -151,18 +144,21 @@ def test_a_part_without_a_roles_ids_is_named_with_its_columns(tmp_path):
 def test_parts_with_other_columns_than_the_first_are_named_with_both(tmp_path):
     folder = tmp_path / "prepared"
     manifest = _hand_made(folder, [PAIRS, {**ONE, "anchor_prompt_length": [2]}, ONE])
-    with pytest.raises(UserError) as refused:
-        read_parts(folder, manifest)
-    assert str(refused.value) == (
+    assert _message(read_parts, folder, manifest) == (
         f"{display_path(folder)}: part part-00001.arrow's columns (anchor_input_ids, positive_input_ids, "
         "anchor_prompt_length) differ from part-00000.arrow's (anchor_input_ids, positive_input_ids); prepare it again"
     )
 
 
-def _refused(folder) -> str:
+def _message(read, *args) -> str:
+    """The one-line message of the UserError ``read(*args)`` raises."""
     with pytest.raises(UserError) as refused:
-        read_manifest(folder)
+        read(*args)
     return str(refused.value)
+
+
+def _refused(folder) -> str:
+    return _message(read_manifest, folder)
 
 
 def test_what_is_not_a_prepared_folder_is_refused_naming_the_fix(tmp_path):
