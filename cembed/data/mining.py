@@ -406,9 +406,7 @@ def _check_arguments(
         )
 
 
-def _run_library(
-    mined_input, model, model_name: str, prompts, settings: dict, output_format: str, cache: Path | None
-):
+def _run_library(mined_input, model, model_name: str, prompts, settings: dict, output_format: str, cache: Path | None):
     """sentence-transformers' ``mine_hard_negatives`` on the pairs (and the added exclusion pairs),
     its printed statistics captured. Returns ``(mined dataset, non-empty printed lines)``.
 
