@@ -128,3 +128,46 @@ def test_done_prints_the_streams_counts_and_warns_when_many_rows_were_dropped():
     text = console.export_text()
     assert "stream: 102 rows read, 88 placed in batches, 1 dropped (1.0%)" in text, text
     assert "shuffle_buffer" not in text
+
+
+def test_the_step_line_labels_an_interval_mean_the_bar_does_not_show():
+    """Logging every 10 steps: at step 40 the bar shows step 40's loss (0.7501) and the step line the
+    trainer's logged loss, the mean over steps 31-40 (0.9353), labelled so; with several processes
+    the line says it averages them too; a one-step interval of one process is the bar's loss, unlabelled."""
+    lines: list[str] = []
+    log = RunLog(clock=StepClock(clock=Clock(0.0)))
+    callback = RunLogCallback(log, 8, on_line=lines.append, step_loss={40: 0.7501}.get)
+    console = Console(record=True, width=200, force_terminal=False)
+    display = RichRunDisplay(console)
+    bar = display.progress(log, 8)
+    state = SimpleNamespace(global_step=20, max_steps=100, is_world_process_zero=True)
+    for cb in (callback, bar):
+        cb.on_train_begin(None, state, None)
+    state.global_step = 30
+    callback.on_log(None, state, None, logs={"loss": 1.2, "learning_rate": 1e-4})
+    state.global_step = 40
+    for cb in (callback, bar):
+        cb.on_step_end(None, state, None)
+    callback.on_log(None, state, None, logs={"loss": 0.9353, "learning_rate": 1e-4})
+    display.close()
+    assert [line.split("  lr")[0] for line in lines] == [
+        "step 30/100  loss 1.2000 (mean of steps 21-30)",  # a resumed run's first interval starts after its step
+        "step 40/100  loss 0.9353 (mean of steps 31-40)",
+    ]
+    assert "40/100 loss 0.7501  lr" in console.export_text()  # the bar: step 40's own loss
+    state.global_step = 41
+    callback.on_log(SimpleNamespace(world_size=4), state, None, logs={"loss": 0.5})
+    callback.on_log(None, SimpleNamespace(global_step=42, max_steps=100, is_world_process_zero=True), None,
+                    logs={"loss": 0.4})  # fmt: skip
+    assert [line.split("  lr")[0] for line in lines[2:]] == [
+        "step 41/100  loss 0.5000 (mean of 4 processes)",
+        "step 42/100  loss 0.4000",
+    ]
+    assert progress_line(40, 100, log, 8, {}, since=30, processes=2).startswith(
+        "step 40/100  loss 0.4000 (mean of steps 31-40, 2 processes)  lr"
+    )
+    from cembed.cli.display.run import print_done
+
+    console = Console(record=True, width=400)
+    print_done(console, _done_summary({"rows_read": 30, "placed": 24, "dropped": 0, "left_at_end": 0}))
+    assert "loss 2.0000 -> 1.0000 (first and last logged means)" in console.export_text()
