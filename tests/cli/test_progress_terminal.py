@@ -206,11 +206,6 @@ def test_progress_interrupt_and_resume_at_a_terminal(terminal, write_config, tin
     run.expect(r"resume with: cembed train \S+ --resume", timeout=10)
     assert run.wait(30) == 128 + signal.SIGINT
     assert (out / f"checkpoint-{k}" / MARKER).is_file()
-    # one loss per step everywhere: the step line's loss is labelled the mean of steps 1-4, and it is
-    # the mean of the losses the bar showed for those steps (each rounded to 4 decimals)
-    logged = float(run.expect(r"step 4/8  loss (\S+) \(mean of steps 1-4\)  lr", timeout=1)[1])
-    by_step = {int(m["step"]): m for m in run.bars()}
-    assert abs(logged - sum(float(by_step[s]["loss"]) for s in range(1, 5)) / 4) < 1.5e-4, run.screen()
 
     # --- the resume: says where it continues, the bar starts there; two Ctrl-C abandon at once ---
     resumed = terminal(str(config), "--resume")

@@ -4,8 +4,10 @@ the lines for a resume, a signal and an abandoned run."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
+import pytest
 from rich.console import Console
 
 from cembed.cli.display.run import RichRunDisplay, abandoned_message
@@ -171,3 +173,40 @@ def test_the_step_line_labels_an_interval_mean_the_bar_does_not_show():
     console = Console(record=True, width=400)
     print_done(console, _done_summary({"rows_read": 30, "placed": 24, "dropped": 0, "left_at_end": 0}))
     assert "loss 2.0000 -> 1.0000 (first and last logged means)" in console.export_text()
+
+
+@pytest.mark.slow
+def test_a_runs_labelled_interval_mean_is_the_mean_of_its_step_losses(
+    tiny_model_dir, write_config, pairs_file, tmp_path
+):
+    """A real run logging every 3 steps (and its first step): each train.log line's loss is labelled
+    the mean of the steps since the last line, and it is the mean of those steps' own losses
+    (run_summary.json's ``step_losses``, what the bar shows), to the 4 decimals printed; the first
+    step's line is that step's loss, unlabelled."""
+    import json
+
+    from conftest import distinct_pairs
+    from typer.testing import CliRunner
+
+    from cembed.cli.app import app
+
+    config = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(distinct_pairs(64)))},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+            "optim": {"learning_rate": 1e-3, "base_batch_size": 8},
+            "train": {"max_steps": 6, "logging_steps": 3, "output_dir": str(tmp_path / "out"), "seed": 1},
+        }
+    )
+    r = CliRunner().invoke(app, ["train", str(config)])
+    assert r.exit_code == 0, r.output
+    steps = dict(map(tuple, json.loads((tmp_path / "out" / "run_summary.json").read_text())["step_losses"]))
+    lines = [line for line in (tmp_path / "out" / "train.log").read_text().splitlines() if "  loss " in line]
+    logged = [re.search(r"step (\d+)/6  loss (\S+)( \(mean of steps (\d+)-(\d+)\))?  lr", line) for line in lines]
+    assert all(logged), lines
+    spans = [(int(m[1]), m[4] and int(m[4]), m[5] and int(m[5])) for m in logged]
+    assert spans == [(1, None, None), (3, 2, 3), (6, 4, 6)], lines
+    for m, (step, first, last) in zip(logged, spans):
+        span = range(first, last + 1) if first else [step]
+        assert abs(float(m[2]) - sum(steps[s] for s in span) / len(span)) < 1e-4, (m[0], steps)
