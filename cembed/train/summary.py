@@ -44,9 +44,9 @@ def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...]
     and the run's findings beside the plan's warnings (data, unplaceable rows, resume changes): the
     ``plan`` entry's ``warnings`` lists both.
     """
-    # The config as run (a record, not a config to use): batch.mini_batch_size: auto shows the plan's size.
-    config = cfg.model_dump(mode="json")
-    config["batch"].update(mini_batch_size=plan.mini_batch_size, mini_batch_num_tokens=plan.mini_batch_num_tokens)
+    # The config as run (a record, not a config to use): batch.mini_batch_size: auto shows the plan's size,
+    # a batch.global_batch_size run the per-device batch it derives.
+    config = plan.config_as_run(cfg)
     streamed = getattr(data, "streamed", None) is not None  # a stream's rows are not counted ahead
     return {
         "config": config,

@@ -97,7 +97,9 @@ def _worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
         record: list = []
         cfg = _config(tmp_path, model_path, name, tmp_path / f"{name}.jsonl", stream)
         summary = _train(cfg, tmp_path, record)
-        results[name] = {"summary": {k: summary[k] for k in ("step_losses", "losses", "steps")}, "batches": record}
+        kept = {k: summary[k] for k in ("step_losses", "losses", "steps")}
+        kept |= {"batch": summary["config"]["batch"], "sources": summary["data"]["sources"]}
+        results[name] = {"summary": kept, "batches": record}
     (tmp_path / f"results-rank{rank}.json").write_text(json.dumps(results))
     end_gloo_rank()
 
@@ -164,6 +166,17 @@ def test_step_losses_are_the_global_steps_loss(two_ranks, tiny_model_dir):
     by_hand = _hand_loss(tiny_model_dir, first)
     print(f"\nstep 1: step_losses {step_losses[0][1]:.6f}  logged {logged[1]:.6f}  by hand {by_hand:.6f}")
     assert step_losses[0][1] == pytest.approx(by_hand, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_summary_records_the_runs_batch_and_counts_with_two_ranks(two_ranks):
+    """The config as run holds the per-device batch batch.global_batch_size derived (not the schema's
+    default 64), and the per-source counts come through accelerate's per-rank sampler."""
+    _, results = two_ranks
+    summary = results[0]["table"]["summary"]
+    assert (summary["batch"]["per_device_train_batch_size"], summary["batch"]["global_batch_size"]) == (4, GLOBAL)
+    (source,) = summary["sources"]
+    assert (source["batches_per_epoch"], source["batches_trained"], source["rows_trained"]) == (6, STEPS, STEPS * GLOBAL)
 
 
 def _repeats(batch: dict) -> int:

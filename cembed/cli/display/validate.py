@@ -136,7 +136,7 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
         "truncation": trunc,
         "warnings": [*plan.warnings, *warnings, *([] if loaded else [data.message])],
         "plan": plan.to_dict(),
-        "config": cfg.model_dump(mode="json"),
+        "config": plan.config_as_run(cfg),  # the per-device batch a batch.global_batch_size derives
     }
 
 
