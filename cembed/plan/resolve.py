@@ -149,7 +149,9 @@ class Plan:
         config = cfg.model_dump(mode="json")
         config["batch"]["per_device_train_batch_size"] = self.per_device_train_batch_size
         if self.mini_batch_size is not None:
-            config["batch"].update(mini_batch_size=self.mini_batch_size, mini_batch_num_tokens=self.mini_batch_num_tokens)
+            config["batch"].update(
+                mini_batch_size=self.mini_batch_size, mini_batch_num_tokens=self.mini_batch_num_tokens
+            )
         return config
 
 

@@ -128,7 +128,9 @@ def eval_metrics(logs: dict[str, Any]) -> dict[str, float]:
     """An evaluation's metrics in a trainer log (keys ``eval_<metric>``) without the prefix and
     without the trainer's timings; ``{}`` for a log that holds no evaluation."""
     metrics = {
-        k.removeprefix("eval_"): float(v) for k, v in logs.items() if k.startswith("eval_") and isinstance(v, (int, float))
+        k.removeprefix("eval_"): float(v)
+        for k, v in logs.items()
+        if k.startswith("eval_") and isinstance(v, (int, float))
     }
     return {k: v for k, v in metrics.items() if k not in ("runtime", "samples_per_second", "steps_per_second")}
 

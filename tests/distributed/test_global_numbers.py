@@ -14,7 +14,6 @@ process.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -30,7 +29,9 @@ STREAM_STEPS = 12
 
 def _table_rows() -> list[dict]:
     words = "man woman dog cat train table street car room plate food bus red blue white black".split()
-    return [{"anchor": f"a {words[i % 16]} {i}", "positive": f"the {words[(i * 5) % 16]} next to {i}"} for i in range(48)]
+    return [
+        {"anchor": f"a {words[i % 16]} {i}", "positive": f"the {words[(i * 5) % 16]} next to {i}"} for i in range(48)
+    ]
 
 
 def _stream_rows() -> list[dict]:
@@ -176,7 +177,11 @@ def test_the_summary_records_the_runs_batch_and_counts_with_two_ranks(two_ranks)
     summary = results[0]["table"]["summary"]
     assert (summary["batch"]["per_device_train_batch_size"], summary["batch"]["global_batch_size"]) == (4, GLOBAL)
     (source,) = summary["sources"]
-    assert (source["batches_per_epoch"], source["batches_trained"], source["rows_trained"]) == (6, STEPS, STEPS * GLOBAL)
+    assert (source["batches_per_epoch"], source["batches_trained"], source["rows_trained"]) == (
+        6,
+        STEPS,
+        STEPS * GLOBAL,
+    )
 
 
 def _repeats(batch: dict) -> int:
