@@ -140,9 +140,10 @@ def stream_summary(trainer) -> dict:
     """A streamed source's entry (``data.train.streaming``): its window and shuffle buffer, the pass
     (epoch) being read and the window rule's counts
     (:class:`cembed.data.batching.windowed.WindowCounts`: rows read, placed, dropped, deferred, left at the end,
-    buffered) of this process's share of the stream in that pass, as far as training read it, and the
-    earlier passes' (``earlier_passes``, whole passes, oldest first). The counts are None when a
-    data-loader worker reads the stream (they live in that process)."""
+    buffered) of the global batches in that pass, as far as training read it (every rank reads the
+    whole stream and counts the same), and the earlier passes' (``earlier_passes``, whole passes,
+    oldest first). The counts are None when a data-loader worker reads the stream (they live in that
+    process)."""
     from dataclasses import asdict
 
     source = trainer.train_dataset.batches  # the StreamingSource

@@ -224,9 +224,9 @@ class CembedTrainer(SentenceTransformerTrainer):
         # Built once: its sampler hashes every text, and the recipe reads its length before
         # train() asks for it again.
         if self._train_dataloader is None and self.streaming:
-            # Each rank reads its own split of the stream: accelerate's preparation would instead
-            # dispatch rank 0's batches (or shard them again), so the loader is not prepared; the
-            # trainer moves each batch to the device itself.
+            # Each rank's stream yields its slice of every global batch already: accelerate's
+            # preparation would instead dispatch rank 0's batches (or shard them again), so the loader
+            # is not prepared; the trainer moves each batch to the device itself.
             workers = min(self.args.dataloader_num_workers, 1)  # one reader: more would each read it all
             self._train_dataloader = StreamingLoader(
                 self.train_dataset,

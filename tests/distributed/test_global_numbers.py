@@ -200,5 +200,9 @@ def test_a_stream_on_two_ranks_has_duplicate_free_global_batches(two_ranks, tiny
     assert with_repeat == 0
     # the 1-process run of the same config: the same global batches, row for row
     record: list = []
-    _train(_config(tmp, tiny_model_dir, "stream-1proc", tmp / "stream.jsonl", True), tmp, record)
+    alone = _train(_config(tmp, tiny_model_dir, "stream-1proc", tmp / "stream.jsonl", True), tmp, record)
     assert record == batches
+    # the window rule's counts are the global batches', the same on every rank as in one process
+    streams = [r["stream"]["summary"]["sources"][0]["stream"] for r in results]
+    assert streams[0]["world_size"] == 2 and streams[0]["counts"]["rows_read"] == 200  # every rank read it all
+    assert streams[0]["counts"] == streams[1]["counts"] == alone["data"]["sources"][0]["stream"]["counts"]
