@@ -165,7 +165,10 @@ def test_step_losses_are_the_global_steps_loss(two_ranks, tiny_model_dir):
     first = _global_batches(results, "table")[0]
     assert len(first["anchor"]) == GLOBAL
     by_hand = _hand_loss(tiny_model_dir, first)
-    print(f"\nstep 1: step_losses {step_losses[0][1]:.6f}  logged {logged[1]:.6f}  by hand {by_hand:.6f}")
+    print(
+        f"\nstep 1: step_losses {step_losses[0][1]:.7f}  logged {logged[1]:.7f}  by hand {by_hand:.7f}  "
+        f"|d| {abs(step_losses[0][1] - by_hand):.1e}"
+    )
     assert step_losses[0][1] == pytest.approx(by_hand, abs=1e-6)
 
 
