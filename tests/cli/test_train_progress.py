@@ -128,3 +128,19 @@ def test_done_prints_the_streams_counts_and_warns_when_many_rows_were_dropped():
     text = console.export_text()
     assert "stream: 102 rows read, 88 placed in batches, 1 dropped (1.0%)" in text, text
     assert "shuffle_buffer" not in text
+
+
+def test_the_streams_counts_of_several_processes_are_the_global_batches():
+    """With 2 processes every rank reads the whole stream: the counts are the global batches', not
+    one rank's share (issue 38 item 6)."""
+    from cembed.cli.display.run import print_done
+
+    console = Console(record=True, width=400)
+    summary = _done_summary({"rows_read": 200, "placed": 96, "dropped": 3, "left_at_end": 0})
+    summary["data"]["sources"][0]["stream"]["world_size"] = 2
+    print_done(console, summary)
+    text = " ".join(console.export_text().split())
+    assert (
+        "stream: 200 rows read, 96 placed in batches, 3 dropped (1.5%) (global batches of 2 processes, each reading "
+        "the whole stream)"
+    ) in text, text
