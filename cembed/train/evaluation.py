@@ -124,24 +124,39 @@ def training_eval_args(eval_cfg, metric: str | None, save_steps: int | None) -> 
     return args
 
 
+def eval_metrics(logs: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's metrics in a trainer log (keys ``eval_<metric>``) without the prefix and
+    without the trainer's timings; ``{}`` for a log that holds no evaluation."""
+    metrics = {
+        k.removeprefix("eval_"): float(v)
+        for k, v in logs.items()
+        if k.startswith("eval_") and isinstance(v, (int, float))
+    }
+    return {k: v for k, v in metrics.items() if k not in ("runtime", "samples_per_second", "steps_per_second")}
+
+
 class EvalLogCallback(TrainerCallback):
     """Trainer callback that records each evaluation (step, metrics without the ``eval_`` prefix)
     and hands ``on_line`` one line per evaluation with the headline metrics
-    (``eval step <step>: <metric> <value:.4f>  ...``); ``on_line=None`` shows nothing."""
+    (``eval step <step>: <metric> <value:.4f>  ...``); ``on_line=None`` shows nothing. A resumed
+    run's history starts with the evaluations before its checkpoint (the trainer's restored log
+    history), so ``run_summary.json``'s ``eval.during`` lists the whole run's."""
 
     def __init__(self, on_line: LineFn | None = None, headline_keys: list[str] | None = None) -> None:
         self.on_line = on_line
         self.history: list[dict[str, Any]] = []
         self.headline_keys = headline_keys or []
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # The trainer restored a resumed run's state (its log history included) before this.
+        self.history = [
+            {"step": entry["step"], "metrics": metrics}
+            for entry in state.log_history
+            if (metrics := eval_metrics(entry)) and "step" in entry
+        ]
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        metrics = {
-            k.removeprefix("eval_"): float(v)
-            for k, v in logs.items()
-            if k.startswith("eval_") and isinstance(v, (int, float))
-        }
-        metrics = {k: v for k, v in metrics.items() if k not in ("runtime", "samples_per_second", "steps_per_second")}
+        metrics = eval_metrics(logs or {})
         if not metrics:
             return
         self.history.append({"step": state.global_step, "metrics": metrics})

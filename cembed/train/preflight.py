@@ -35,6 +35,7 @@ from cembed.config.schema import CembedConfig, ModelConfig, OptimConfig
 from cembed.errors import UserError, first_line
 from cembed.files import cache_root, display_path
 from cembed.model.load import resolve_model_path
+from cembed.plan.resolve import per_device_batch
 
 # Models whose positions come from a learned absolute table (a longer input crashes); RoBERTa-style
 # tables reserve the first pad_token_id + 1 entries.
@@ -364,7 +365,9 @@ def training_record(
     contrast_rows: int | None = None,
 ) -> dict:
     """What a checkpoint records about its run: the config (JSON) as run, the samples per step, the
-    effective LR, the training data's fingerprint and how a step was split over processes.
+    effective LR, the training data's fingerprint and how a step was split over processes. The
+    config's ``batch.per_device_train_batch_size`` is the rows each process trains (derived from
+    ``batch.global_batch_size`` when that is set), so a resume names the per-device batch that changed.
 
     Args:
         precision: the resolved precision (``Plan.precision``), recorded as the config's
@@ -374,6 +377,8 @@ def training_record(
         contrast_rows: the rows an anchor is contrasted with (``Plan.contrast_rows``; None: not recorded).
     """
     config = cfg.model_dump(mode="json")
+    # the rows each process trains: with batch.global_batch_size, derived (not the schema's unused default)
+    config["batch"]["per_device_train_batch_size"] = per_device_batch(cfg.batch, world_size)
     if precision is not None:
         config["model"]["precision"] = precision
     return {
@@ -400,7 +405,9 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     """Compare two :func:`training_record` s.
 
     How a step is split over processes may change when what is trained does not: the world size, and
-    :data:`SPLIT_FIELDS` while ``samples_per_step`` stays. The split does change training when the
+    :data:`SPLIT_FIELDS` while ``samples_per_step`` stays. The per-device batch is named only where a
+    record set it (``batch.per_device_train_batch_size``): two ``batch.global_batch_size`` runs derive
+    it from the world size, whose change is named. The split does change training when the
     rows an anchor is contrasted with change (``loss.gather_across_devices: false`` with several
     processes): refused. A new world size re-seeds the per-process RNG streams (:func:`rng_reseeded`).
 
@@ -409,13 +416,15 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
         trained (batch, LR, schedule, loss, data, seed, model ...), ``safe`` only how it is logged,
         saved, evaluated, run or split over processes (:data:`SAFE_TO_CHANGE`).
     """
-    a, b = flatten(old), flatten(new)
+    a, b = _per_device_as_run(flatten(old)), _per_device_as_run(flatten(new))
     a |= {key: value for key, value in ADDED_FIELDS.items() if key not in a and key in b}
     same_samples = a.get("samples_per_step") == b.get("samples_per_step")
     refused, safe = [], []
     for key in sorted(set(a) | set(b)):
         if key in CARRIED or a.get(key) == b.get(key):
             continue
+        if key == PER_DEVICE and a.get(GLOBAL) is not None and b.get(GLOBAL) is not None:
+            continue  # derived from the global batch by the world size on both sides: the world size's change
         if key in SPLIT_RECORD and (a.get(key) is None or b.get(key) is None):
             continue  # (a record from before the split was recorded: nothing to compare it with)
         field = key.removeprefix("config.")
@@ -430,6 +439,17 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     if a.get("world_size") and b.get("world_size") and a["world_size"] != b["world_size"]:
         safe.append(rng_reseeded(a["world_size"], b["world_size"]))
     return refused, safe
+
+
+def _per_device_as_run(record: dict) -> dict:
+    """A flattened record whose config set ``batch.global_batch_size`` with the per-device batch its
+    run derived (``global / (world_size x accumulation)``): records written before the derived value
+    was recorded hold the schema's unused default there, which a resume would name as a change."""
+    total, world = record.get(GLOBAL), record.get("world_size")
+    accumulation = record.get("config.batch.gradient_accumulation_steps") or 1
+    if total is None or not world:
+        return record
+    return {**record, PER_DEVICE: total // (world * accumulation)}
 
 
 def freezes_unused(old: dict | None, world_size: int) -> bool:
@@ -451,6 +471,7 @@ def freezes_unused(old: dict | None, world_size: int) -> bool:
 
 # How a step's samples are split over the processes: a resume may change them when samples_per_step stays.
 SPLIT_FIELDS = ("batch.per_device_train_batch_size", "batch.global_batch_size")
+PER_DEVICE, GLOBAL = (f"config.{f}" for f in SPLIT_FIELDS)
 # Record keys older checkpoints lack.
 SPLIT_RECORD = ("world_size", "contrast_rows")
 # Record keys a resume carries over from its checkpoint (:func:`freezes_unused`), never a change.

@@ -634,7 +634,7 @@ def write_summary(
         "first_loss": log.losses[0][1] if log.losses else None,
         "last_loss": log.losses[-1][1] if log.losses else None,
         "losses": log.losses,
-        "step_losses": trainer.step_losses(),  # every optimizer step's loss (this process's)
+        "step_losses": trainer.step_losses(),  # every optimizer step's loss, the global step's (over all ranks)
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
         "throughput": trainer.meter.totals(),
         "lora": lora,

@@ -134,8 +134,8 @@ def test_done_prints_the_streams_counts_and_warns_when_many_rows_were_dropped():
 
 def test_the_step_line_labels_an_interval_mean_the_bar_does_not_show():
     """Logging every 10 steps: at step 40 the bar shows step 40's loss (0.7501) and the step line the
-    trainer's logged loss, the mean over steps 31-40 (0.9353), labelled so; with several processes
-    the line says it averages them too; a one-step interval of one process is the bar's loss, unlabelled."""
+    trainer's logged loss, the mean over steps 31-40 (0.9353), labelled so; a one-step interval is the
+    bar's loss (the global step's, as the logged one, with several processes too), unlabelled."""
     lines: list[str] = []
     log = RunLog(clock=StepClock(clock=Clock(0.0)))
     callback = RunLogCallback(log, 8, on_line=lines.append, step_loss={40: 0.7501}.get)
@@ -159,15 +159,8 @@ def test_the_step_line_labels_an_interval_mean_the_bar_does_not_show():
     assert "40/100 loss 0.7501  lr" in console.export_text()  # the bar: step 40's own loss
     state.global_step = 41
     callback.on_log(SimpleNamespace(world_size=4), state, None, logs={"loss": 0.5})
-    callback.on_log(None, SimpleNamespace(global_step=42, max_steps=100, is_world_process_zero=True), None,
-                    logs={"loss": 0.4})  # fmt: skip
-    assert [line.split("  lr")[0] for line in lines[2:]] == [
-        "step 41/100  loss 0.5000 (mean of 4 processes)",
-        "step 42/100  loss 0.4000",
-    ]
-    assert progress_line(40, 100, log, 8, {}, since=30, processes=2).startswith(
-        "step 40/100  loss 0.4000 (mean of steps 31-40, 2 processes)  lr"
-    )
+    assert lines[2].split("  lr")[0] == "step 41/100  loss 0.5000"
+    assert progress_line(40, 100, log, 8, {}, since=30).startswith("step 40/100  loss 0.5000 (mean of steps 31-40)  lr")
     from cembed.cli.display.run import print_done
 
     console = Console(record=True, width=400)
@@ -210,3 +203,19 @@ def test_a_runs_labelled_interval_mean_is_the_mean_of_its_step_losses(
     for m, (step, first, last) in zip(logged, spans):
         span = range(first, last + 1) if first else [step]
         assert abs(float(m[2]) - sum(steps[s] for s in span) / len(span)) < 1e-4, (m[0], steps)
+
+
+def test_the_streams_counts_of_several_processes_are_the_global_batches():
+    """With 2 processes every rank reads the whole stream: the counts are the global batches', not
+    one rank's share (issue 38 item 6)."""
+    from cembed.cli.display.run import print_done
+
+    console = Console(record=True, width=400)
+    summary = _done_summary({"rows_read": 200, "placed": 96, "dropped": 3, "left_at_end": 0})
+    summary["data"]["sources"][0]["stream"]["world_size"] = 2
+    print_done(console, summary)
+    text = " ".join(console.export_text().split())
+    assert (
+        "stream: 200 rows read, 96 placed in batches, 3 dropped (1.5%) (global batches of 2 processes, each reading "
+        "the whole stream)"
+    ) in text, text

@@ -253,3 +253,29 @@ def test_a_sharded_checkpoint_is_told_by_its_model_folder(tmp_path, saved_sharde
     checkpoint = tmp_path / "checkpoint-3"
     (checkpoint / "pytorch_model_fsdp_0" if saved_sharded else checkpoint).mkdir(parents=True)
     assert is_sharded_checkpoint(checkpoint) is saved_sharded
+
+
+def test_a_resumed_runs_eval_history_keeps_the_evaluations_before_its_checkpoint():
+    """Issue 38 item 5: the trainer restores a resumed run's log history before training begins; the
+    evaluations in it stay in ``eval.during`` (not only those after the resume), without being shown
+    again, and a fresh run's history starts empty."""
+    from cembed.train.evaluation import EvalLogCallback
+
+    lines: list[str] = []
+    callback = EvalLogCallback(lines.append, ["sts_spearman_cosine"])
+    history = [
+        {"loss": 1.2, "step": 2},
+        {"eval_sts_spearman_cosine": 0.5, "eval_runtime": 0.1, "step": 2},
+        {"loss": 1.0, "step": 4},
+        {"eval_sts_spearman_cosine": 0.6, "eval_samples_per_second": 9.0, "step": 4},
+    ]
+    callback.on_train_begin(None, TrainerState(global_step=4, log_history=history), None)
+    assert callback.history == [
+        {"step": 2, "metrics": {"sts_spearman_cosine": 0.5}},
+        {"step": 4, "metrics": {"sts_spearman_cosine": 0.6}},
+    ]
+    assert lines == []
+    callback.on_log(None, TrainerState(global_step=6), None, logs={"eval_sts_spearman_cosine": 0.7})
+    assert [e["step"] for e in callback.history] == [2, 4, 6] and lines == ["eval step 6: sts_spearman_cosine 0.7000"]
+    callback.on_train_begin(None, TrainerState(), None)
+    assert callback.history == []

@@ -346,8 +346,8 @@ STREAM_DROP_WARN = 0.05
 
 def print_stream_counts(console: Console, summary: dict) -> None:
     """For a run trained from a stream (``data.train.streaming``): one line with the rows it read,
-    placed in batches and dropped (the window rule's counts, every pass read so far, this process's
-    share of the stream), and a warning when more than :data:`STREAM_DROP_WARN` of them were dropped
+    placed in batches and dropped (the window rule's counts of the global batches, every pass read so
+    far; with several processes each reads the whole stream), and a warning when more than :data:`STREAM_DROP_WARN` of them were dropped
     (a file in file order with equal texts close together: sorted files need a shuffle buffer)."""
     for entry in (summary.get("data") or {}).get("sources") or []:
         stream = entry.get("stream")
@@ -356,7 +356,8 @@ def print_stream_counts(console: Console, summary: dict) -> None:
         passes = [*(stream.get("earlier_passes") or []), stream["counts"]]
         read, placed, dropped = (sum(c[k] for c in passes) for k in ("rows_read", "placed", "dropped"))
         share = dropped / read if read else 0.0
-        whose = f" (rank {stream['rank']}'s share of {stream['world_size']})" if stream.get("world_size", 1) > 1 else ""
+        world = stream.get("world_size", 1)
+        whose = f" (global batches of {world} processes, each reading the whole stream)" if world > 1 else ""
         console.print(
             f"stream: {read:,} rows read, {placed:,} placed in batches, {dropped:,} dropped ({share:.1%}){whose}",
             highlight=False,

@@ -136,7 +136,7 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
         "truncation": trunc,
         "warnings": [*plan.warnings, *warnings, *([] if loaded else [data.message])],
         "plan": plan.to_dict(),
-        "config": cfg.model_dump(mode="json"),
+        "config": plan.config_as_run(cfg),  # the per-device batch a batch.global_batch_size derives
     }
 
 
@@ -164,9 +164,14 @@ def print_validation(console: Console, report: dict) -> None:
         )
         if d.get("streaming"):
             w = d["streaming"]
+            ranks = (
+                f" (global batches of {b['world_size']} processes: each reads the whole stream and trains its slice)"
+                if b["world_size"] > 1
+                else ""
+            )
             p(
                 f"data: {what}: a stream (rows not counted); its first {sources[0]['rows_checked']} rows checked "
-                f"(columns, cells); no-duplicate batches over a window of {w['window_batches']} batches, "
+                f"(columns, cells); no-duplicate batches{ranks} over a window of {w['window_batches']} batches, "
                 f"shuffle buffer {w['shuffle_buffer'] or 'none (file order)'}"
             )
         else:
