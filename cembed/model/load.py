@@ -12,7 +12,7 @@ processes and ``cembed eval`` never import the trainer.
   ``model.trust_remote_code`` and models cembed cannot train (:func:`check_trainable`);
   :func:`load_eval_model` checks a user-given path first (a saved model folder or a run's output).
 - :func:`quiet_libraries` silences the libraries' own logging and progress bars, which would
-  interleave with cembed's progress display.
+  interleave with cembed's progress display (their Python warnings are the CLI's to filter).
 - :func:`weight_dtypes`: the weights' stored, training and saved dtypes. A model is trained in fp32
   master weights whatever its stored dtype (``model.precision`` bf16/fp16 is autocast), and saved in
   ``model.save_dtype`` (default: the training dtype).
@@ -39,17 +39,16 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "
 
 
 def quiet_libraries() -> None:
-    """Silence transformers / sentence-transformers logging, tqdm bars and their Future/User
-    warnings. Idempotent; tqdm reads ``TQDM_DISABLE`` at import, so call this before it is imported
-    where possible (the CLI does, at start)."""
+    """Silence transformers / sentence-transformers logging and tqdm bars. Idempotent; tqdm reads
+    ``TQDM_DISABLE`` at import, so call this before it is imported where possible (the CLI does, at
+    start). Python warnings are left alone: the CLI filters the libraries' deprecation notes at its
+    edge (:func:`cembed.cli.common.filter_library_warnings`); a program that imports cembed keeps its own."""
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
     transformers.logging.set_verbosity_error()
     logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
 
 
 def packaged_model_dir() -> Path | None:

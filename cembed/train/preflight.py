@@ -9,6 +9,8 @@ knowable up front:
 - the LR scheduler: its arguments (``optim.lr_scheduler_kwargs``) are tried on a one-parameter
   optimizer at the effective LR, so a missing argument or an end LR above the effective LR is found;
 - the tokenizer can pad (the collator pads every batch);
+- ``batch.pad_to_multiple_of`` is at most the texts' length (``model.max_seq_length`` or the model's
+  own): above it, no width is a multiple and every batch would be padded to the full length;
 - each ``train.report_to`` tracker's package is installed (transformers' own availability check,
   the one its trainer callbacks run at step 0);
 - the folders a run writes (``train.output_dir``, the cache root of ``data.cache_dir``) can be
@@ -60,6 +62,7 @@ def preflight(cfg: CembedConfig, learning_rate: float) -> list[Finding]:
     return (
         check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps)
         + check_model(cfg.model)
+        + check_pad_multiple(cfg.batch.pad_to_multiple_of, cfg.model)
         + check_trackers(cfg.train.report_to)
         + check_writable_folders(cfg)
     )
@@ -213,14 +216,26 @@ def _read_json(path: Path | None) -> dict:
         return {}
 
 
+# transformers' VERY_LARGE_INTEGER marks a tokenizer saved without a length limit
+_NO_LIMIT = 10**12
+
+
 def transformer_folder(cfg: ModelConfig) -> tuple[str, int | None]:
     """Where the model's transformer (config.json, tokenizer) lives and the model's own
-    max_seq_length (``sentence_bert_config.json``; None when it sets none)."""
+    max_seq_length: ``sentence_bert_config.json``'s, else (sentence-transformers >= 6 keeps it in
+    the tokenizer) ``tokenizer_config.json``'s ``model_max_length`` capped at ``config.json``'s
+    ``max_position_embeddings``, as sentence-transformers' Transformer module reads it; None when
+    none is set."""
     name = resolve_model_path(cfg.name_or_path)
     modules = _read_json(_model_file(name, "modules.json", cfg.revision))
     sub = next((m.get("path", "") for m in modules if "Transformer" in m.get("type", "")), "") if modules else ""
     base = str(Path(name) / sub) if sub and Path(name).is_dir() else name
     own = _read_json(_model_file(base, "sentence_bert_config.json", cfg.revision)).get("max_seq_length")
+    if own is None:
+        limit = _read_json(_model_file(base, "tokenizer_config.json", cfg.revision)).get("model_max_length")
+        positions = _read_json(_model_file(base, "config.json", cfg.revision)).get("max_position_embeddings")
+        if isinstance(limit, int) and 0 < limit < _NO_LIMIT:
+            own = min(limit, positions) if isinstance(positions, int) and positions > 0 else limit
     return base, own
 
 
@@ -249,6 +264,30 @@ def check_model(cfg: ModelConfig) -> list[Finding]:
     if hf and not cfg.trust_remote_code:
         findings += _check_padding(base, cfg)
     return findings
+
+
+def check_pad_multiple(multiple: int | None, cfg: ModelConfig) -> list[Finding]:
+    """``batch.pad_to_multiple_of`` against ``model.max_seq_length`` (or the model's own, when it
+    sets one): the collator bounds each padded width by that length, so a larger multiple is never
+    reached and every batch is padded to the full length instead."""
+    if multiple is None:
+        return []
+    length = cfg.max_seq_length
+    if length is None:
+        try:
+            length = transformer_folder(cfg)[1]
+        except Exception:  # an unreachable or odd model: loading it reports the problem
+            return []
+    if not isinstance(length, int) or multiple <= length:
+        return []
+    what = f"model.max_seq_length {length}" if cfg.max_seq_length else f"the model's max_seq_length {length}"
+    return [
+        Finding(
+            "batch.pad_to_multiple_of",
+            f"{multiple} is above {what}: no batch width can be a multiple of it (every batch would be padded "
+            f"to {length}); set it to at most {length} or leave it unset",
+        )
+    ]
 
 
 def _check_padding(base: str, cfg: ModelConfig) -> list[Finding]:

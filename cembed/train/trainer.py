@@ -551,9 +551,21 @@ class RunLog:
         return self.clock.samples_per_s(samples_per_step)
 
 
-def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict) -> str:
+def interval_label(step: int, since: int | None) -> str:
+    """What a logged loss is the mean of, for the line that shows it beside the progress bar's step
+    loss: ``" (mean of steps 31-40)"`` when the interval since the last log (step ``since``) holds
+    several steps; ``""`` for one step, where it is that step's loss, the bar's (both the global
+    step's, over the ranks)."""
+    return f" (mean of steps {since + 1}-{step})" if since is not None and step - since > 1 else ""
+
+
+def progress_line(
+    step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict, since: int | None = None
+) -> str:
     """One logging interval as text: step, loss, LR, samples/s and the meter's statistics (model
-    TFLOP/s and MFU when the meter has them)."""
+    TFLOP/s and MFU when the meter has them). The loss is the trainer's logged one, the mean over the
+    steps since the last log (step ``since``), labelled so (:func:`interval_label`) where it is not the
+    one step's loss the progress bar shows."""
     meter = ""
     if "data_wait" in logs:
         meter = (
@@ -567,7 +579,8 @@ def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int,
     if "masked_share" in logs:  # a false-negative filter: share of in-batch candidates left out
         meter += f"  masked {100 * logs['masked_share']:.2f}%"
     return (
-        f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
+        f"step {step}/{max_steps}  loss {log.last_loss:.4f}{interval_label(step, since)}  "
+        f"lr {log.last_lr:.3e}  "
         f"{log.samples_per_s(samples_per_step):.1f} samples/s{meter}"
     )
 
@@ -596,11 +609,13 @@ class RunLogCallback(TrainerCallback):
         self.on_line = on_line
         self.step_loss = step_loss
         self._lr = float("nan")  # the LR of the step in progress
+        self._logged = 0  # the step of the last logged loss (the start step before the first)
 
     def on_train_begin(self, args, state, control, **kwargs):
         # global_step is the checkpoint's on a resume (the trainer restored its state before this)
         self.log.clock.begin(state.global_step)
         self.log.started = self.log.clock.started
+        self._logged = state.global_step
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         # The LR this step uses (read before the scheduler steps), as the trainer logs it.
@@ -625,9 +640,10 @@ class RunLogCallback(TrainerCallback):
             return
         self.log.last_loss = float(logs["loss"])
         self.log.losses.append((state.global_step, self.log.last_loss))
+        since, self._logged = self._logged, state.global_step
         if not state.is_world_process_zero:
             return
-        line = progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs)
+        line = progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs, since)
         if self.on_line is not None:
             self.on_line(line)
         if self.log_path is not None:

@@ -78,7 +78,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     from cembed.train.recipe import check_run_inputs
 
     transformers_logging.disable_progress_bar()
-    quiet_libraries()  # as train and validate: no library's deprecation notes or warnings on the terminal
+    quiet_libraries()  # as train and validate: no library logging on the terminal
     plan, data = check_run_inputs(cfg, world)
     model = load_model(cfg.model, "cpu", seed=cfg.train.seed)  # on CPU: a GPU target never loads CUDA
     # rows / batch, not the sampler's placement: the estimate counts what the rows allow

@@ -315,7 +315,8 @@ def print_done(console: Console, summary: dict) -> None:
     )
     console.print(
         f"[green]done[/]: {trained} in {summary['wall_time_s']:.1f}s "
-        f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
+        f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} "
+        "(first and last logged means)",
         highlight=False,
     )
     t = summary.get("throughput") or {}

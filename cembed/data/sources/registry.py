@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cembed.config.base import registered_by
 from cembed.config.sources import (
     SourceConfig,
 )
@@ -81,7 +82,7 @@ def register_source_loader(
     """
     entry = SourceLoader(load, row_locator, count_files, open_stream, skipped_files)
     if LOADERS.get(kind, entry) != entry:
-        raise ValueError(f"source kind {kind!r} already has a loader ({LOADERS[kind].load.__name__})")
+        raise ValueError(f"source kind {kind!r} already has a loader ({registered_by(LOADERS[kind].load)})")
     LOADERS[kind] = entry
 
 

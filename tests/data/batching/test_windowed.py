@@ -467,3 +467,19 @@ def test_without_drop_last_a_larger_later_batch_replaces_the_kept_one_and_its_ro
     assert batcher.push(_h(rows)) == []
     assert [b.tolist() for b in batcher.finish()] == [[1, 2, 3]]
     assert batcher.counts == WindowCounts(rows_read=5, batches=1, placed=3, deferred=3, left_at_end=2)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_deferred_row_joins_the_last_batch_of_its_window_and_not_one_more(window):
+    """The boundary at exactly the window's length: B = 2, rows a_1 .. a_{W+2} share their anchor
+    "a" (a batch takes one), each after a filler f_j of its own texts. Batch 1 takes a_1 and f_1 and
+    defers a_2 .. a_{W+2} (W + 1 rows, within the W x B bound); batch j + 1 takes the oldest, a_{j+1},
+    which has waited j batches. a_{W+1} waits exactly W and joins batch W + 1; a_{W+2} would need
+    W + 1 and is dropped when batch W + 1 closes (a window of W + 1 batches would place it)."""
+    n = window + 2
+    hashes = [(1, 100 + i) for i in range(n)] + [(200 + j, 300 + j) for j in range(n)]
+    batches, counts = run(_h(hashes), 2, window, chunks=(len(hashes),))
+    fillers = list(range(n, 2 * n))
+    assert batches[: window + 1] == [[0, fillers[0]]] + [[j, fillers[j]] for j in range(1, window + 1)]
+    assert not any(n - 1 in b for b in batches) and counts.dropped == 1
+    assert batches == reference(hashes, 2, window, True)[0]
