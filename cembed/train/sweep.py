@@ -12,10 +12,11 @@ whose parameter ``factor`` is enqueued and asked; a finished (COMPLETE) trial is
 and not trained again, a trial left RUNNING by a killed process is marked FAIL and trained again.
 One process runs a sweep at a time: a RUNNING trial found at the start is taken to be a dead one.
 
-A study holds one sweep: the study records what its trials train (:func:`sweep_record`: the resolved
-config minus the LR factor, plus ``--steps``; each trial carries its hash), and a rerun whose record
-differs is refused naming each changed field (read back, the old trials would be another config's
-scores at another effective LR). ``overwrite`` moves the old study and its runs aside, into
+A study holds one sweep: the study records what its trials train and are scored on (:func:`sweep_record`:
+the resolved config minus the LR factor and the fields of :data:`NOT_RECORDED`, plus ``--steps`` and a
+hash of the rows of each training source and eval set, :func:`contents_record`; each trial carries its
+hash), and a rerun whose record differs is refused naming each changed field, or the data edited in
+place (read back, the old trials would be another config's or other rows' scores). ``overwrite`` moves the old study and its runs aside, into
 ``<out>/study-<time>/``, and starts a fresh one.
 
 Each trial's run is checked as ``cembed train`` checks it (:func:`cembed.train.recipe.check_run_inputs`,
