@@ -26,7 +26,7 @@ TEXT_FORMATS = (".jsonl", ".json", ".csv", ".tsv")
 READABLE = (
     "cembed reads JSON Lines, JSON, CSV and TSV plain or compressed with "
     + ", ".join(COMPRESSIONS[:-1])
-    + f" or {COMPRESSIONS[-1]}"
+    + f" or {COMPRESSIONS[-1]}, and Parquet plain"
 )
 
 
@@ -38,12 +38,13 @@ def inner_name(path: Path) -> str:
 
 def foreign_compression(path: Path) -> str | None:
     """The suffix of a data file compressed or archived in a way cembed does not read
-    (``part-1.jsonl.lz4`` -> ``.lz4``, :data:`FOREIGN_COMPRESSIONS`); None for any other file."""
+    (``part-1.jsonl.lz4`` -> ``.lz4``, :data:`FOREIGN_COMPRESSIONS`; a Parquet file compressed whole,
+    ``part-1.parquet.gz`` -> ``.gz``); None for any other file."""
     name = path.name.lower()
     suffix = next((c for c in FOREIGN_COMPRESSIONS if name.endswith(c)), None)
-    if suffix is None or not name[: -len(suffix)].endswith((*TEXT_FORMATS, ".parquet")):
-        return None
-    return suffix
+    if suffix is not None and name[: -len(suffix)].endswith((*TEXT_FORMATS, ".parquet")):
+        return suffix
+    return next((c for c in COMPRESSIONS if name.endswith(".parquet" + c)), None)
 
 
 def unreadable_compression(path: Path) -> str:

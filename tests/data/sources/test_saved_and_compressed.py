@@ -182,8 +182,35 @@ def test_a_shard_compressed_in_a_way_cembed_cannot_read_is_refused_by_name(tmp_p
         assert r.exit_code == 2, r.output
         assert r.output.strip().splitlines()[-1] == (
             f"error: {lz4}: a .lz4 file: cembed reads JSON Lines, JSON, CSV and TSV plain or compressed with .gz, "
-            ".bz2, .xz or .zst; decompress it, or compress it with one of those"
+            ".bz2, .xz or .zst, and Parquet plain; decompress it, or compress it with one of those"
         ), r.output
+
+
+def test_which_files_are_refused_and_which_skipped_in_a_folder(tmp_path):
+    """A data file compressed another way is refused (a .parquet compressed whole too); a file that is
+    not data (a checksum, notes) is still skipped and listed."""
+    from cembed.config.sources import FileSource
+    from cembed.data.sources.file_kind import resolve_shards
+    from cembed.data.sources.text import foreign_compression
+
+    assert [foreign_compression(Path(n)) for n in ("a.jsonl.lz4", "a.CSV.zip", "a.parquet.gz", "a.jsonl.zst")] == [
+        ".lz4",
+        ".zip",
+        ".gz",
+        None,
+    ]
+    assert foreign_compression(Path("notes.zip")) is None and foreign_compression(Path("a.json.crc")) is None
+    folder = tmp_path / "job"
+    _jsonl(folder / "part-0.jsonl.xz", _rows(4))
+    (folder / "part-0.jsonl.crc").write_text("crc")
+    (folder / "notes.zip").write_bytes(b"PK")
+    shards = resolve_shards(FileSource(path=str(folder)))
+    assert shards.files == [folder / "part-0.jsonl.xz"]
+    assert shards.skipped == ("notes.zip (not a data file)", "part-0.jsonl.crc (not a data file)")
+    (folder / "part-1.parquet.gz").write_bytes(b"\x1f\x8b")
+    assert _refusal(resolve_shards, FileSource(path=str(folder))).startswith(
+        f"{folder / 'part-1.parquet.gz'}: a .gz file: cembed reads"
+    )
 
 
 def test_zst_without_zstandard_is_one_line_naming_the_package(tmp_path, tiny_model_dir, monkeypatch):
