@@ -36,6 +36,15 @@ class MatryoshkaConfig(_Strict):
         return self
 
 
+def matryoshka_dims_problem(dims: list[int], size: int | None) -> str | None:
+    """Why ``loss.matryoshka.dims`` cannot train a model whose embeddings have ``size`` dimensions (a
+    dim above it: truncating to it would keep the whole embedding); None when they fit or ``size`` is
+    unknown. The one line ``validate`` and ``train`` say after ``loss.matryoshka.dims: ``."""
+    if size is None or max(dims) <= size:
+        return None
+    return f"{list(dims)}: the model's embeddings have {size} dimensions; use dims up to {size}"
+
+
 class FalseNegativeFilter(_Strict):
     """``false_negative_filter``: self-guided false-negative filtering. An in-batch candidate
     that the model itself (its no-grad embeddings of the step) scores above the anchor's positive
@@ -63,6 +72,8 @@ class LossConfig(_Strict):
     """
 
     uses_gradient_cache: ClassVar[bool] = False
+    # Fields naming a model the loss loads besides the one trained (a guide): validate checks each loads.
+    model_paths: ClassVar[tuple[str, ...]] = ()
 
     name: str = DEFAULT_LOSS
     scale: PositiveFloat = 20.0
@@ -150,6 +161,7 @@ class CachedGISTLossConfig(LossConfig):
     """
 
     uses_gradient_cache: ClassVar[bool] = True
+    model_paths: ClassVar[tuple[str, ...]] = ("guide",)
 
     name: Literal["cached_gist"] = "cached_gist"
     guide: str

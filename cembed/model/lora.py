@@ -47,6 +47,29 @@ def is_lora(model) -> bool:
     return type(backbone_holder(model).model).__name__.startswith("Peft")
 
 
+# Module classes peft adapts that `all-linear` and the listing below name (transformers' GPT-2 Conv1D too).
+LINEAR_CLASSES = ("Linear", "Conv1D")
+
+
+def target_modules_problem(modules: dict[str, str], target_modules: list[str] | str) -> str | None:
+    """Why ``model.lora.target_modules`` does not fit a backbone's ``modules`` (name -> class name, as
+    ``named_modules()`` gives them): the entries that match no module, as peft matches a list entry
+    (the module's name, or its last dotted parts: ``q_proj`` matches ``layers.0.self_attn.q_proj``),
+    which peft would ignore while it adapts the rest; None when every entry matches, or for
+    ``all-linear`` (peft picks the linear layers itself)."""
+    if isinstance(target_modules, str):
+        return None
+    missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in modules)]
+    if not missing:
+        return None
+    linear = sorted({n.rsplit(".", 1)[-1] for n, kind in modules.items() if kind in LINEAR_CLASSES})
+    return (
+        f"{', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module of the model (peft would "
+        f"adapt the others and skip {'it' if len(missing) == 1 else 'them'}); its linear layers are named "
+        f"{', '.join(linear) or 'nothing'}: name those, or use all-linear"
+    )
+
+
 def apply_lora(model, options, seed: int = 0) -> None:
     """Wrap ``model``'s backbone with LoRA adapters; afterwards only the adapters require grad.
 
@@ -57,10 +80,15 @@ def apply_lora(model, options, seed: int = 0) -> None:
             the global RNG, so a run (and its resume) starts from the same adapters.
 
     Raises:
-        UserError: peft is not installed, or no module matches ``model.lora.target_modules``.
+        UserError: peft is not installed, or an entry of ``model.lora.target_modules`` matches no
+            module (:func:`target_modules_problem`).
     """
     peft = _peft()
     holder = backbone_holder(model)
+    modules = {name: type(module).__name__ for name, module in holder.model.named_modules() if name}
+    problem = target_modules_problem(modules, options.target_modules)
+    if problem is not None:
+        raise UserError(f"model.lora.target_modules: {problem}")
     config = peft.LoraConfig(
         r=options.r,
         lora_alpha=options.alpha,

@@ -11,8 +11,13 @@ knowable up front:
 - the tokenizer can pad (the collator pads every batch);
 - ``batch.pad_to_multiple_of`` is at most the texts' length (``model.max_seq_length`` or the model's
   own): above it, no width is a multiple and every batch would be padded to the full length;
+- what the model's files say of its shape (:mod:`cembed.model.shape`, no weights read): each
+  ``loss.matryoshka.dims`` within its embedding size, each LoRA ``target_modules`` entry naming a
+  module of its backbone (peft would skip one that names none);
+- each model the loss loads besides the one trained (``cached_gist``'s ``loss.guide``) can be found;
 - each ``train.report_to`` tracker's package is installed (transformers' own availability check,
   the one its trainer callbacks run at step 0);
+- ``train.push_to_hub``: the hub is reachable (not offline; a token that the hub answers to);
 - the folders a run writes (``train.output_dir``, the cache root of ``data.cache_dir``) can be
   created: not a file, not under a file, writable.
 
@@ -34,7 +39,7 @@ from pathlib import Path
 from cembed.config.schema import CembedConfig, ModelConfig, OptimConfig
 from cembed.errors import UserError, first_line
 from cembed.files import cache_root, display_path
-from cembed.model.load import resolve_model_path
+from cembed.model.shape import model_file, read_json, transformer_folder
 from cembed.plan.resolve import per_device_batch
 
 # Models whose positions come from a learned absolute table (a longer input crashes); RoBERTa-style
@@ -63,7 +68,10 @@ def preflight(cfg: CembedConfig, learning_rate: float) -> list[Finding]:
         check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps)
         + check_model(cfg.model)
         + check_pad_multiple(cfg.batch.pad_to_multiple_of, cfg.model)
+        + check_model_shape(cfg)
+        + check_loss_models(cfg.loss)
         + check_trackers(cfg.train.report_to)
+        + check_hub(cfg.train)
         + check_writable_folders(cfg)
     )
 
@@ -195,55 +203,11 @@ def check_writable_folders(cfg: CembedConfig) -> list[Finding]:
     return findings
 
 
-def _model_file(name: str, filename: str, revision: str | None) -> Path | None:
-    """``filename`` from a model folder or (cached) hub id; None when it is not there or unreachable."""
-    if Path(name).is_dir():
-        path = Path(name) / filename
-        return path if path.is_file() else None
-    try:
-        from sentence_transformers.util import load_file_path
-
-        found = load_file_path(name, filename, revision=revision)
-        return Path(found) if found else None
-    except Exception:
-        return None
-
-
-def _read_json(path: Path | None) -> dict:
-    try:
-        return json.loads(path.read_text()) if path else {}
-    except (OSError, ValueError):
-        return {}
-
-
-# transformers' VERY_LARGE_INTEGER marks a tokenizer saved without a length limit
-_NO_LIMIT = 10**12
-
-
-def transformer_folder(cfg: ModelConfig) -> tuple[str, int | None]:
-    """Where the model's transformer (config.json, tokenizer) lives and the model's own
-    max_seq_length: ``sentence_bert_config.json``'s, else (sentence-transformers >= 6 keeps it in
-    the tokenizer) ``tokenizer_config.json``'s ``model_max_length`` capped at ``config.json``'s
-    ``max_position_embeddings``, as sentence-transformers' Transformer module reads it; None when
-    none is set."""
-    name = resolve_model_path(cfg.name_or_path)
-    modules = _read_json(_model_file(name, "modules.json", cfg.revision))
-    sub = next((m.get("path", "") for m in modules if "Transformer" in m.get("type", "")), "") if modules else ""
-    base = str(Path(name) / sub) if sub and Path(name).is_dir() else name
-    own = _read_json(_model_file(base, "sentence_bert_config.json", cfg.revision)).get("max_seq_length")
-    if own is None:
-        limit = _read_json(_model_file(base, "tokenizer_config.json", cfg.revision)).get("model_max_length")
-        positions = _read_json(_model_file(base, "config.json", cfg.revision)).get("max_position_embeddings")
-        if isinstance(limit, int) and 0 < limit < _NO_LIMIT:
-            own = min(limit, positions) if isinstance(positions, int) and positions > 0 else limit
-    return base, own
-
-
 def check_model(cfg: ModelConfig) -> list[Finding]:
     """The position table against ``model.max_seq_length`` (or the model's own), and a pad token."""
     try:
         base, own = transformer_folder(cfg)
-        hf = _read_json(_model_file(base, "config.json", cfg.revision))
+        hf = read_json(model_file(base, "config.json", cfg.revision))
     except Exception:  # an unreachable or odd model: loading it reports the problem
         return []
     findings = []
@@ -288,6 +252,93 @@ def check_pad_multiple(multiple: int | None, cfg: ModelConfig) -> list[Finding]:
             f"to {length}); set it to at most {length} or leave it unset",
         )
     ]
+
+
+def check_model_shape(cfg: CembedConfig) -> list[Finding]:
+    """``loss.matryoshka.dims`` against the model's embedding size and ``model.lora.target_modules``
+    against its backbone's modules, both read from its files (:mod:`cembed.model.shape`); nothing when
+    the files do not say (loading the model then says the same, in the same words)."""
+    from cembed.config.loss import matryoshka_dims_problem
+    from cembed.model.lora import target_modules_problem
+    from cembed.model.shape import backbone_modules, embedding_dimension
+
+    findings = []
+    try:
+        if cfg.loss.matryoshka is not None:
+            problem = matryoshka_dims_problem(cfg.loss.matryoshka.dims, embedding_dimension(cfg.model))
+            if problem is not None:
+                findings.append(Finding("loss.matryoshka.dims", problem))
+        lora = cfg.model.lora
+        if lora is not None and not isinstance(lora.target_modules, str):
+            modules = backbone_modules(cfg.model)
+            problem = target_modules_problem(modules, lora.target_modules) if modules else None
+            if problem is not None:
+                findings.append(Finding("model.lora.target_modules", problem))
+    except UserError:  # an unknown packaged name: loading the model reports it
+        return findings
+    return findings
+
+
+def check_loss_models(loss) -> list[Finding]:
+    """Each model the loss loads besides the one trained (its config's ``model_paths``: ``cached_gist``'s
+    ``guide``) can be found: a folder with a model, a packaged short name, a hub id in the cache (or
+    reachable), without its own code. One that cannot is loaded here, which fails at once with the
+    one line ``train`` would give when it builds the loss."""
+    from cembed.model.load import load_model, remote_code_entries, resolve_model_path
+
+    findings = []
+    for name in type(loss).model_paths:
+        value = getattr(loss, name)
+        if not isinstance(value, str):
+            continue
+        try:
+            path = resolve_model_path(value)
+            found = any(model_file(path, f, None) for f in ("modules.json", "config.json"))
+            if found and not remote_code_entries(path):
+                continue
+            load_model(ModelConfig(name_or_path=value), "cpu", for_training=False)
+        except UserError as err:
+            field, _, message = str(err).replace("model.name_or_path", f"loss.{name}", 1).partition(": ")
+            findings.append(Finding(field, message))
+    return findings
+
+
+def check_hub(train) -> list[Finding]:
+    """With ``train.push_to_hub``: the hub can be reached as it will be at the start of training
+    (the trainer creates the repo there): not in offline mode (``HF_HUB_OFFLINE`` /
+    ``TRANSFORMERS_OFFLINE``), with a token, which the hub answers to (``whoami``)."""
+    if not train.push_to_hub:
+        return []
+    from huggingface_hub import constants
+
+    fix = "or set train.push_to_hub: false (the model is saved in train.output_dir either way)"
+    if constants.HF_HUB_OFFLINE:
+        return [
+            Finding(
+                "train.push_to_hub",
+                f"the hub is unreachable: offline mode is on (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE); run with "
+                f"network access and offline mode off, {fix}",
+            )
+        ]
+    from huggingface_hub import get_token, whoami
+
+    if get_token() is None:
+        return [
+            Finding(
+                "train.push_to_hub",
+                f"no hub token to create {train.hub_model_id} with: log in (hf auth login) or set HF_TOKEN, {fix}",
+            )
+        ]
+    try:
+        whoami()
+    except Exception as err:  # noqa: BLE001 - no network, a revoked token: the hub's own words
+        return [
+            Finding(
+                "train.push_to_hub",
+                f"the hub does not answer to your token ({first_line(err)}); {fix.removeprefix('or ')}",
+            )
+        ]
+    return []
 
 
 def _check_padding(base: str, cfg: ModelConfig) -> list[Finding]:

@@ -281,7 +281,7 @@ BAD_INPUTS = {
     ),
     "a folder": (
         lambda p: (p / "folder.jsonl").mkdir() or p / "folder.jsonl",
-        "folder.jsonl: the folder holds no .jsonl[.gz]",
+        "folder.jsonl: the folder holds no .jsonl, .json, .csv, .tsv (each also .gz, .bz2, .xz or .zst)",
     ),  # a folder is a sharded source
 }
 
