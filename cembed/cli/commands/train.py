@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -253,6 +254,7 @@ def _launch_training(
     )
     extra = " ".join(shown_overrides or [])
     resume = f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume"
+    started = time.time()
     try:
         launch(
             ["train", str(config.resolve()), *overrides],
@@ -266,10 +268,18 @@ def _launch_training(
         )
     except LauncherSignalled as stop:
         name = signal.Signals(stop.signum).name
+        summary = _summary_since(output_dir, started)
         if stop.abandoned:  # what rank 0 recorded as abandoned (a step, or a part of the run's end)
-            text = abandoned_message(name, _abandoned_what(output_dir), output_dir, config, shown_overrides)
-            err_console.print(text, highlight=False)
+            what = summary.get("abandoned") if summary.get("status") == "abandoned" else None
+            err_console.print(abandoned_message(name, what, output_dir, config, shown_overrides), highlight=False)
             raise typer.Exit(stop.exit_code) from None
+        if summary.get("status") == "completed":  # the signal came after the last step, and the run was finished
+            err_console.print(
+                f"{name}: the run was finished within train.stop_grace_seconds "
+                f"({cfg.train.stop_grace_seconds:g} s); model and run_summary.json in {display_path(output_dir)}",
+                highlight=False,
+            )
+            raise typer.Exit(0) from None
         found = latest_complete(output_dir)
         saved = f"newest checkpoint {display_path(found)}" if found else "no checkpoint was saved"
         err_console.print(f"[yellow]{stop}[/]: {saved}\n{resume}", highlight=False)
@@ -294,12 +304,14 @@ def _launch_training(
         raise typer.Exit(2 if err.exitcode == 2 else 1) from None
 
 
-def _abandoned_what(output_dir: str) -> str | None:
-    """What rank 0 recorded as abandoned in ``run_summary.json`` (``step 4``, ``the evaluation``), or None."""
+def _summary_since(output_dir: str, started: float) -> dict:
+    """The ``run_summary.json`` rank 0 wrote after ``started`` (``time.time()``: this launch), else {}."""
     import json
 
+    summary = Path(output_dir) / "run_summary.json"
     try:
-        summary = json.loads((Path(output_dir) / "run_summary.json").read_text())
+        if summary.stat().st_mtime < started:
+            return {}
+        return json.loads(summary.read_text())
     except (OSError, ValueError):
-        return None
-    return summary.get("abandoned") if summary.get("status") == "abandoned" else None
+        return {}
