@@ -122,8 +122,11 @@ def restarts_record() -> list[dict]:
     return [{"restart": k, "of": None, "resumed_from": None, "reason": None} for k in range(1, count + 1)]
 
 
-def _policy_agent(policy: RestartPolicy):
-    """torch's LocalElasticAgent that asks ``policy`` before it restarts a failed worker group."""
+def policy_agent(policy: RestartPolicy):
+    """A subclass of torch's ``LocalElasticAgent`` that asks ``policy`` before it restarts a failed
+    worker group: its check of the workers ends the restarts left when the first failure (by time)
+    is one no restart changes (:meth:`RestartPolicy.restart`); the agent then stops the workers and
+    reports that failure, as when none are left."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class PolicyAgent(LocalElasticAgent):
@@ -142,14 +145,14 @@ def _policy_agent(policy: RestartPolicy):
 @contextmanager
 def _agent(policy: RestartPolicy | None):
     """torch's launcher builds its agent from ``torch.distributed.launcher.api.LocalElasticAgent``:
-    for the launch, that name is cembed's :func:`_policy_agent`."""
+    for the launch, that name is cembed's :func:`policy_agent`."""
     if policy is None:
         yield
         return
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _policy_agent(policy)
+    launcher_api.LocalElasticAgent = policy_agent(policy)
     try:
         yield
     finally:

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO
 from typer.testing import CliRunner
 
-from cembed.distributed.launch import RESTARTS_ENV, RestartPolicy, _policy_agent, restartable, restarts_record
+from cembed.distributed.launch import RESTARTS_ENV, RestartPolicy, policy_agent, restartable, restarts_record
 from cembed.errors import UserError
 from cembed.train.checkpoint import mark_complete
 
@@ -68,7 +68,7 @@ def test_the_agent_asks_the_policy_before_it_restarts(monkeypatch):
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     policy = RestartPolicy(3)
-    agent_cls = _policy_agent(policy)
+    agent_cls = policy_agent(policy)
     assert issubclass(agent_cls, LocalElasticAgent)
     failures: dict = {}
     monkeypatch.setattr(
