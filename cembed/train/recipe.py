@@ -43,6 +43,7 @@ from cembed.distributed.collectives import max_over_ranks
 from cembed.distributed.ddp import freeze_parameters, ignore_in_ddp, unused_parameters
 from cembed.distributed.fsdp import gathered_model
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
+from cembed.distributed.launch import job_restart_count
 from cembed.errors import RunAbandoned, RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, display_path, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
@@ -65,6 +66,7 @@ from cembed.train.checkpoint import (
     remove_checkpoints,
     remove_incomplete,
     resolve_resume,
+    resume_on_restart,
     run_status,
 )
 from cembed.train.flops import build_flop_model
@@ -215,6 +217,7 @@ class RunDir:
     checkpoint: str | None
     record: dict | None = None
     resume_changes: tuple[str, ...] = ()
+    restarts: int = 0  # the job's restarts so far (cembed.distributed.launch.job_restart_count)
 
     @property
     def log_path(self) -> Path:
@@ -708,7 +711,9 @@ def run_training(
     Args:
         display: what the run shows (probe, header, components, progress, evaluation lines;
             default :class:`QuietRunDisplay`, which shows nothing).
-        resume: continue from the newest complete checkpoint in ``train.output_dir``.
+        resume: continue from the newest complete checkpoint in ``train.output_dir``; an attempt that
+            torch's elastic agent restarted (any rank's ``$TORCHELASTIC_RESTART_COUNT`` > 0) does
+            so without it, where such a checkpoint exists (:func:`cembed.train.checkpoint.resume_on_restart`).
         resume_from: continue from this checkpoint folder instead.
         overwrite: allow an ``output_dir`` that already holds a finished model.
         max_memory: memory budget for ``batch.mini_batch_size: auto`` (e.g. ``8GiB``).
@@ -727,6 +732,14 @@ def run_training(
     """
     display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
+    t = cfg.train
+    # An attempt that torch's elastic agent restarted after a failure continues from the newest
+    # complete checkpoint, as --resume does. The ranks decide together, in the process group (joined
+    # here, before the output folder is read): a node whose workers were healthy restarts them with
+    # a restart count of 0 (cembed.distributed.launch.job_restart_count).
+    init_distributed(plan.device, cfg.distributed.timeout_minutes)
+    restarts = job_restart_count()
+    resume, resume_from = resume_on_restart(t.output_dir, restarts, resume, resume_from)
     record = training_record(
         cfg,
         plan.samples_per_step,
@@ -736,8 +749,8 @@ def run_training(
         world_size=plan.world_size,
         contrast_rows=plan.contrast_rows,
     )
-    t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
+    run_dir.restarts = restarts
     frozen = freezes_unused(recorded_run(run_dir.checkpoint) if run_dir.checkpoint else None, plan.world_size)
     record["frozen_unused_parameters"] = frozen  # each checkpoint carries it on (its optimizer's parameters)
     findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))

@@ -126,7 +126,7 @@ def test_summary_base_entries(tmp_path, sampler, monkeypatch):
         loss=SimpleNamespace(unpadding=SimpleNamespace(to_dict=lambda: {"mode": "padded"})),
         distributed=None,
     )
-    run_dir = SimpleNamespace(checkpoint="ck-3", resume_changes=("x",), out=tmp_path / "out")
+    run_dir = SimpleNamespace(checkpoint="ck-3", resume_changes=("x",), out=tmp_path / "out", restarts=0)
     run = SimpleNamespace(batches_per_epoch=4, rows_unplaced=0, trainer=_trainer(sampler))
     base = summary_base(cfg, plan, data, parts, run_dir, run)
     assert base["config"]["batch"]["mini_batch_size"] == 16  # the config as run: auto shows the probed size
