@@ -24,6 +24,7 @@ the summary.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
@@ -61,6 +62,7 @@ from cembed.train.checkpoint import (
     check_output_dir,
     check_resume_point,
     checkpoint_progress,
+    later_checkpoints,
     latest_complete,
     recorded_run,
     remove_checkpoints,
@@ -254,17 +256,30 @@ def prepare_output(
     check_output_dir(out, overwrite, continuing)
     checkpoint = resolve_resume(out, resume, resume_from)
     changes: list[str] = []
+    later: list[Path] = []
     if checkpoint:
         check_resume_point(checkpoint, max_steps, finished=run_status(Path(checkpoint).parent) == "completed")
         changes = check_resume(checkpoint, recorded_run(checkpoint), record) if record else []
+        later = later_checkpoints(out, checkpoint)
+        if later and not overwrite:
+            # Left beside this run's, a later --resume would take the newest of either continuation.
+            raise UserError(
+                f"--resume-from {display_path(checkpoint)}: train.output_dir also holds the later "
+                f"{', '.join(p.name for p in later)} of the run this one replaces from step "
+                f"{checkpoint_progress(checkpoint)[0]}; add --overwrite to remove them, or resume into another output_dir"
+            )
     run = RunDir(out, checkpoint, record, tuple(changes))
     if dist_info().is_main:
         out.mkdir(parents=True, exist_ok=True)
         remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
         if overwrite and not checkpoint:  # a fresh run replaces the folder's run, checkpoints included
             remove_checkpoints(out)
+        for replaced in later:  # --resume-from an earlier checkpoint with --overwrite: its later ones go
+            shutil.rmtree(replaced, ignore_errors=True)
         start = (
-            f"resume from {checkpoint}" + (f" with {'; '.join(changes)}" if changes else "")
+            f"resume from {checkpoint}"
+            + (f" with {'; '.join(changes)}" if changes else "")
+            + (f"; removed the later {', '.join(p.name for p in later)}" if later else "")
             if checkpoint
             else "fresh run"
         )

@@ -9,6 +9,9 @@ resume: the uninterrupted run of the same config (its step losses and final weig
 - tftrainer#7, Lightning-AI/pytorch-lightning#688, vllm-project/speculators#739: a second Ctrl-C
   (or a kill) while a checkpoint is written leaves a half-written newest checkpoint that the resume
   then picks.
+- bghira/SimpleTuner#2989, unslothai/unsloth-zoo#782: a run continued from an earlier checkpoint
+  in its own folder left the later checkpoints of the run it replaces beside its own, and the newest
+  of either was taken as the place to resume (or kept by the rotation instead of the one just saved).
 - sentence-transformers#3348: the no-duplicates sampler's epochs differ in length on duplicate-heavy
   data, and the trainer, which plans every epoch with the first one's length, ended short of
   ``train.max_steps`` (tests/data/batching/test_full_table.py has the sampler's own case).
@@ -31,7 +34,7 @@ from safetensors.torch import load_file
 import cembed.train.recipe as T
 import cembed.train.trainer as trainer_module
 from cembed.config.file import config_from_dict
-from cembed.errors import RunAbandoned, RunInterrupted
+from cembed.errors import RunAbandoned, RunInterrupted, UserError
 from cembed.train.checkpoint import MARKER, STAGING, latest_complete
 
 pytestmark = pytest.mark.slow  # every test trains
@@ -172,6 +175,36 @@ def test_a_second_sigint_while_the_checkpoint_is_written_leaves_the_last_complet
     print(
         f"\nsecond SIGINT in the save of checkpoint-3, resumed from checkpoint-2: loss gap {gap:.1e}, max|dW| {d_w:.1e}"
     )
+    assert gap <= 1e-6 and d_w <= 1e-6
+
+
+def test_resuming_an_earlier_checkpoint_of_the_folder_replaces_its_later_ones(straight, tiny_model_dir, monkeypatch):
+    """bghira/SimpleTuner#2989, unslothai/unsloth-zoo#782: a run stopped at step 5 holds checkpoint-2,
+    -4 and -5; continued ``--resume-from checkpoint-2`` and stopped at step 3, its printed ``--resume``
+    took the replaced run's checkpoint-5 (the newest) instead of the checkpoint-3 it had just saved.
+    ``--resume-from`` an earlier checkpoint now names the later ones and asks for ``--overwrite``,
+    which removes them; the run then resumes its own checkpoint-3 and ends as the uninterrupted run."""
+    folder, reference = straight
+    cfg = _config(folder, tiny_model_dir, "branch", ROWS, STEPS)
+    out = folder / "branch"
+    _stop_during(monkeypatch, 5)
+    with pytest.raises(RunInterrupted):
+        _run(cfg)
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    with pytest.raises(UserError) as refused:
+        _run(cfg, resume_from=str(out / "checkpoint-2"))
+    assert "also holds the later checkpoint-4, checkpoint-5" in str(refused.value)
+    assert "--overwrite" in str(refused.value)
+    _stop_during(monkeypatch, 3)
+    with pytest.raises(RunInterrupted):
+        _run(cfg, resume_from=str(out / "checkpoint-2"), overwrite=True)
+    monkeypatch.undo()
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-2", "checkpoint-3"]
+    assert "removed the later checkpoint-4, checkpoint-5" in (out / "train.log").read_text()
+    summary = _run(cfg, resume=True)
+    assert summary["resumed_from"] == str(out / "checkpoint-3")
+    gap, d_w = _loss_gap(summary, reference), _max_dw(folder / "straight", out)
+    print(f"\nresumed from checkpoint-2 over a run stopped at 5, then --resume: loss gap {gap:.1e}, max|dW| {d_w:.1e}")
     assert gap <= 1e-6 and d_w <= 1e-6
 
 

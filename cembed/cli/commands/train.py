@@ -60,7 +60,11 @@ def train_cmd(
         False, "--resume/--no-resume", help="Continue from the newest complete checkpoint in output_dir."
     ),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
-    overwrite: bool = flag(False, "--overwrite/--no-overwrite", help="Replace a finished model in output_dir."),
+    overwrite: bool = flag(
+        False,
+        "--overwrite/--no-overwrite",
+        help="Replace a finished model or a stopped run in output_dir (with --resume-from: the later checkpoints).",
+    ),
     max_memory: Optional[str] = typer.Option(
         None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."
     ),
