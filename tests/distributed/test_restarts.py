@@ -208,3 +208,37 @@ def test_a_data_mistake_ends_the_job_at_once_with_its_one_line(tiny_model_dir, t
     assert text.count(expected) == 1, text  # one line: the worker does not print it again
     if mistake != "bad file":  # the stream failed after some steps: their checkpoints are there
         assert (out / "checkpoint-2").is_dir(), text
+
+
+def test_the_launcher_gives_signalled_workers_train_stop_grace_seconds_before_sigkill(
+    tiny_model_dir, write_config, pairs_file, monkeypatch
+):
+    """pytorch/pytorch#119856: torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM, while
+    Slurm's --signal=TERM@120 leaves minutes for a step and a save. ``cembed train --nproc-per-node``
+    hands torch's launcher ``train.stop_grace_seconds`` (rounded up) as its shutdown timeout; the
+    reference is torch's own reading of the arguments (``config_from_args``), with no
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` set, and a value set by the user is kept."""
+    import torch.distributed.run as torchrun
+
+    from cembed.cli.app import app
+
+    seen = []
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.append(torchrun.config_from_args(args)[0].shutdown_timeout))
+    for name in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "CEMBED_LAUNCHER", "PYTHONFAULTHANDLER", RESTARTS_ENV):
+        monkeypatch.setenv(name, "")  # restored (to unset) after the test: launch() sets them
+        monkeypatch.delenv(name)
+    rows = [{"anchor": f"question {i}", "positive": f"answer {i}"} for i in range(16)]
+    path = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(rows))},
+            "batch": {"global_batch_size": 8, "mini_batch_size": 4},
+            "train": {"stop_grace_seconds": 149.5},
+        }
+    )
+    r = CliRunner().invoke(app, ["train", str(path), "--nproc-per-node", "2"])
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")  # the user's own
+    r = CliRunner().invoke(app, ["train", str(path), "--nproc-per-node", "2"])
+    assert r.exit_code == 0, r.output
+    assert seen == [150, 600]
