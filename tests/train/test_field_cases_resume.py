@@ -6,6 +6,8 @@ resume: the uninterrupted run of the same config (its step losses and final weig
   epoch trained the first epoch's order (the skipping loader reset the sampler's epoch to 0).
 - accelerate#1451: the batches skipped on resume were skipped again in every later epoch.
 - KempnerForge#57: a second resume within one epoch landed on the wrong batch.
+- transformers#38939 (fixed by #40347): with gradient accumulation and an epoch whose last step has
+  fewer batches, a resumed run lost track of the epoch's end and did not train (or save) its last step.
 - tftrainer#7, Lightning-AI/pytorch-lightning#688, vllm-project/speculators#739: a second Ctrl-C
   (or a kill) while a checkpoint is written leaves a half-written newest checkpoint that the resume
   then picks.
@@ -70,6 +72,11 @@ def _config(folder: Path, model_dir: Path, name: str, rows: list[dict], steps: i
             },
         }
     )
+
+
+def _with_batch(cfg, **batch):
+    """``cfg`` with ``batch`` fields changed."""
+    return cfg.model_copy(update={"batch": cfg.batch.model_copy(update=batch)})
 
 
 def _run(cfg, **kwargs) -> dict:
@@ -139,6 +146,28 @@ def test_a_resume_trains_the_uninterrupted_runs_batches_in_every_later_epoch(
     gap, d_w = _loss_gap(summary, reference), _max_dw(folder / "straight", folder / name)
     print(f"\nstopped at {stops}, resumed: step-loss gap {gap:.1e}, max|dW| {d_w:.1e}")
     assert gap <= 1e-6 and d_w <= 1e-6
+
+
+def test_a_resume_with_accumulation_trains_each_epochs_short_last_step(tiny_model_dir, tmp_path, monkeypatch):
+    """transformers#38939: 40 rows are 5 batches of 8 per epoch; 2 batches per optimizer step make 3
+    steps an epoch, the third of one batch. Stopped at step 4 (the second epoch's first) and at 5,
+    the resumed runs train the steps after it (step 6 is a one-batch step) as the uninterrupted run."""
+    rows = ROWS[:40]
+    straight = _run(_with_batch(_config(tmp_path, tiny_model_dir, "accum", rows, 7), gradient_accumulation_steps=2))
+    assert straight["data"]["batches_per_epoch"] == 5 and straight["steps"] == 7
+    assert straight["samples_seen"] == (2 * 2 + 1) * 8 + (2 * 2 + 1) * 8 + 8 * 2  # 16 + 16 + 8 rows per epoch, then one step of 16
+    for stop in (4, 5):
+        cfg = _with_batch(_config(tmp_path, tiny_model_dir, f"accum-{stop}", rows, 7), gradient_accumulation_steps=2)
+        _stop_during(monkeypatch, stop)
+        with pytest.raises(RunInterrupted):
+            _run(cfg)
+        monkeypatch.undo()
+        resumed = _run(cfg, resume=True)
+        assert [s for s, _ in resumed["step_losses"]] == list(range(stop + 1, 8))
+        assert resumed["samples_seen"] == straight["samples_seen"]
+        gap, d_w = _loss_gap(resumed, straight), _max_dw(tmp_path / "accum", tmp_path / f"accum-{stop}")
+        print(f"\naccumulation 2, 5 batches an epoch, stopped at {stop}: loss gap {gap:.1e}, max|dW| {d_w:.1e}")
+        assert gap <= 1e-6 and d_w <= 1e-6
 
 
 def test_a_second_sigint_while_the_checkpoint_is_written_leaves_the_last_complete_one(
