@@ -155,7 +155,7 @@ def test_a_resume_with_accumulation_trains_each_epochs_short_last_step(tiny_mode
     rows = ROWS[:40]
     straight = _run(_with_batch(_config(tmp_path, tiny_model_dir, "accum", rows, 7), gradient_accumulation_steps=2))
     assert straight["data"]["batches_per_epoch"] == 5 and straight["steps"] == 7
-    assert straight["samples_seen"] == (2 * 2 + 1) * 8 + (2 * 2 + 1) * 8 + 8 * 2  # 16 + 16 + 8 rows per epoch, then one step of 16
+    assert straight["samples_seen"] == 40 + 40 + 16  # 16 + 16 + 8 rows an epoch, then one step of 16
     for stop in (4, 5):
         cfg = _with_batch(_config(tmp_path, tiny_model_dir, f"accum-{stop}", rows, 7), gradient_accumulation_steps=2)
         _stop_during(monkeypatch, stop)
