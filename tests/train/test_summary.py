@@ -379,7 +379,8 @@ def test_a_resumed_run_reports_its_own_rate(tiny_model_dir, tmp_path):
             self.told = (checkpoint, step, max_steps)
 
     display = Resuming()
-    summary = run_training(cfg, plan, data, display, resume_from=str(out / "checkpoint-2"))
+    # (--overwrite: the folder's later checkpoint-4 belongs to the run this one replaces from step 2)
+    summary = run_training(cfg, plan, data, display, resume_from=str(out / "checkpoint-2"), overwrite=True)
     assert summary["samples_per_s"] == pytest.approx(16 / summary["wall_time_s"], rel=0.01)
     assert (summary["steps"], summary["samples_seen"]) == (4, 32)
     assert (summary["steps_this_run"], summary["samples_this_run"]) == (2, 16)
