@@ -125,3 +125,40 @@ def test_a_model_folder_retrained_in_place_is_another_sweep(tmp_path, monkeypatc
     ), message
     assert len(calls) == 1
     assert S.run_sweep(config, [1.0], steps=1, out=out, overwrite=True).ran == [1.0] and len(calls) == 2
+
+
+# --- the step line's labelled interval mean against the trainer's own log --------------------------
+
+
+@pytest.mark.slow
+def test_the_logged_means_are_the_trainers_own_with_a_tail_and_accumulation(tmp_path, tiny_model_dir):
+    """huggingface/transformers#15047 ("very different loss reported during training vs. at the end")
+    with #15096's "various logging_steps values", and Lightning-AI#15831 (the bar's loss differs from
+    the logged one, unlabelled): 7 steps logged every 3 (step 7 is a tail no line covers), 2
+    accumulated micro-batches per step. The reference: transformers' own ``log_history`` in the
+    checkpoint's trainer_state.json. Each train.log line is its entry at that step, labelled with the
+    steps it averages; the done line's "first and last logged means" are its first and last entries."""
+    import re
+
+    config = _config(
+        tmp_path,
+        tiny_model_dir,
+        batch={"per_device_train_batch_size": 4, "mini_batch_size": 2, "gradient_accumulation_steps": 2},
+        optim={"learning_rate": 1e-3, "base_batch_size": 8},
+        train={"max_steps": 7, "logging_steps": 3, "save_steps": 7},
+    )
+    r = CliRunner().invoke(app, ["train", str(config)], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    state = json.loads((tmp_path / "run" / "checkpoint-7" / "trainer_state.json").read_text())
+    library = {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+    assert sorted(library) == [1, 3, 6]  # the trainer logs no line for the tail step 7
+    lines = [line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "  loss " in line]
+    logged = {
+        int(m[1]): (float(m[2]), m[3]) for m in (re.search(r"step (\d+)/7  loss (\S+)(.*?)  lr", x) for x in lines)
+    }
+    assert sorted(logged) == [1, 3, 6]
+    labels = {1: "", 3: " (mean of steps 2-3)", 6: " (mean of steps 4-6)"}
+    for step, (loss, label) in logged.items():
+        assert abs(loss - library[step]) < 1e-4 and label == labels[step], (step, loss, label, library)
+    done = re.search(r"loss (\S+) -> (\S+) \(first and last logged means\)", r.output)
+    assert done and (float(done[1]), float(done[2])) == (round(library[1], 4), round(library[6], 4)), r.output
