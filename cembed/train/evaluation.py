@@ -13,6 +13,7 @@ to an ``on_line`` callable.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +190,7 @@ class TrainingEvaluation:
     callback: EvalLogCallback
     batch_size: int = 32
     prompts: Any = None  # cembed.model.prompts.RolePrompts: query = anchor prompt, corpus = positive prompt
+    seconds: float | None = None  # how long the last evaluate() took (a stop signal's grace estimate)
 
     @classmethod
     def from_config(
@@ -222,6 +224,7 @@ class TrainingEvaluation:
         With ``cache_dir`` (used before training, when the weights are the base model's) retrieval
         corpora come from / go to the corpus-embedding cache; the metrics are the same.
         """
+        started = time.perf_counter()
         if cache_dir is None:
             metrics = run_evaluator(self.evaluator, model)
         else:
@@ -231,6 +234,7 @@ class TrainingEvaluation:
                 metrics.update(evaluate_retrieval(model, rs, self.batch_size, cache_dir, None, fp, self.prompts)[0])
             for ss in self.sets.sts:
                 metrics.update(evaluate_sts(model, ss, self.batch_size))
+        self.seconds = time.perf_counter() - started
         if self.callback.on_line is not None:
             shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in headline_keys(self.sets) if k in metrics)
             self.callback.on_line(f"eval {label}: {shown}")

@@ -374,6 +374,7 @@ SAFE_TO_CHANGE = (
     "train.save_steps",
     "train.save_total_limit",
     "train.save_every_minutes",
+    "train.stop_grace_seconds",
     "train.output_dir",
     "train.report_to",
     "train.dataloader_num_workers",

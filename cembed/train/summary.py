@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cembed.data.batching.rules import counted_batches
+from cembed.distributed.launch import restarts_record
 from cembed.distributed.peers import collective_timeout_s
 from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
 from cembed.files import append_log, write_atomic, write_json_atomic
@@ -77,6 +78,7 @@ def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...]
             "reason": plan.precision_reason,
         },
         "distributed": parts.distributed,
+        "restarts": restarts_record(),  # --max-restarts: each restart's reason and resume point
         "mini_batch_probe": plan.mini_batch_probe,
         "versions": versions(),
         "output_dir": str(run_dir.out),

@@ -69,6 +69,7 @@ from cembed.train.checkpoint import (
     latest_complete,
     mark_complete,
     reseeded,
+    worker_init,
 )
 from cembed.train.flops import format_flops
 from cembed.train.meter import StepClock, ThroughputMeter
@@ -121,6 +122,8 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.add_callback(SkipNonfiniteCallback(self))
         require_same_on_all_ranks(self.collective_facts())
         self.last_checkpoint: str | None = None
+        self.save_seconds: float | None = None  # how long the last checkpoint took to save (all ranks)
+        self.eval_seconds: float | None = None  # how long the last evaluation during training took
         self.best_model_loaded = False  # the best checkpoint's weights were loaded at the end of training
         self._loaded_checkpoint: str | None = None  # the checkpoint _load_from_checkpoint last loaded in full
         self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
@@ -203,6 +206,15 @@ class CembedTrainer(SentenceTransformerTrainer):
                 f"(train.hub_model_id; needs network access and a token with write access): {first_line(err)}"
             ) from None
 
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``, timed: :attr:`eval_seconds` is what the last evaluation during
+        training took (what finishing the run would need for its own, :mod:`cembed.train.stopping`)."""
+        started = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self.eval_seconds = time.perf_counter() - started
+
     # --- the throughput meter ----------------------------------------------------------------
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -235,6 +247,7 @@ class CembedTrainer(SentenceTransformerTrainer):
                 num_workers=workers,
                 pin_memory=self.args.dataloader_pin_memory,
                 prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
+                worker_init_fn=worker_init(),
             )
         if self._train_dataloader is None:
             self._train_dataloader = super().get_train_dataloader()
@@ -243,7 +256,11 @@ class CembedTrainer(SentenceTransformerTrainer):
     def _build_dataloader(self, dataset, batch_size, dataset_kind):
         # Pre-tokenized training batches are fetched a batch at a time from the Arrow table (TokenIdRows).
         loader = super()._build_dataloader(dataset, batch_size, dataset_kind)
+        # Its workers ignore SIGINT/SIGTERM, which a scheduler sends to every process of the job: the
+        # main process decides (InterruptCallback) and ends them.
+        loader.worker_init_fn = worker_init(loader.worker_init_fn)
         keep = ("batch_sampler", "collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        keep += ("worker_init_fn",)
         if dataset_kind == "train" and isinstance(self.data_collator, TextCollator) and self.source_rows:
             # Text batches name their source, so sentence-transformers' collator picks its prompts.
             rows = SourceNamedRows(dataset, *self.source_rows)
@@ -253,6 +270,12 @@ class CembedTrainer(SentenceTransformerTrainer):
         return DataLoader(TokenIdRows(dataset, self.data_collator.roles), **{k: getattr(loader, k) for k in keep})
 
     def get_batch_samples(self, *args, **kwargs):
+        if self.state.max_steps and self.state.global_step >= self.state.max_steps:
+            # A resume from the last step's checkpoint (a run stopped during its final save or
+            # evaluation): the trainer's loop would train one step past train.max_steps before its
+            # end-of-training check; there is nothing left to train, only the run's end to do.
+            self.control.should_training_stop = True
+            return [], None
         started = time.perf_counter()
         out = super().get_batch_samples(*args, **kwargs)
         if self.meter is not None:
@@ -453,6 +476,7 @@ class CembedTrainer(SentenceTransformerTrainer):
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_utils import rotate_checkpoints
 
+        started = time.perf_counter()
         run_dir = super()._get_output_dir(trial)
         name = f"checkpoint-{self.state.global_step}"
         staging_root = os.path.join(run_dir, STAGING)
@@ -482,6 +506,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             )
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
+        self.save_seconds = time.perf_counter() - started
 
 
 def published_best(state, staging_root: str, run_dir: str) -> str | None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from cembed.cli.display.run import RichRunDisplay, abandoned_message
+from cembed.cli.display.run import RichRunDisplay, abandoned_message, interrupted_before_training
 from cembed.files import display_path
 from cembed.train.meter import StepClock
 from cembed.train.trainer import RunLog, RunLogCallback, progress_line
@@ -57,22 +57,32 @@ def test_a_resumed_bar_starts_at_the_checkpoint_and_shows_each_step():
 
 
 def test_the_lines_of_a_resume_an_interrupt_and_an_abandoned_run(tmp_path):
-    console = Console(record=True, width=200)
+    console = Console(record=True, width=400)
     display = RichRunDisplay(console)
     display.resuming("out/checkpoint-20", 20, 40)
     display.interrupt("SIGINT", 21)
     display.interrupt("SIGTERM", 7)
+    display.interrupt("SIGTERM", 40, 90.0)  # the last step: the run is finished if that fits in the grace
+    display.interrupt("SIGINT", None, 30.0)  # after the last step
     assert console.export_text().splitlines() == [
         "resuming from out/checkpoint-20 at step 20 of 40",
         "Ctrl-C: finishing step 21, then saving a checkpoint; Ctrl-C again to abandon",
         "SIGTERM: finishing step 7, then saving a checkpoint; send SIGTERM again to abandon",
+        "SIGTERM: finishing step 40 (the last), then the run if that fits in train.stop_grace_seconds (90 s), else "
+        "saving a checkpoint from which --resume finishes it; send SIGTERM again to abandon",
+        "Ctrl-C after the last step: finishing the run (final model, evaluation, summary) if that fits in "
+        "train.stop_grace_seconds (30 s), else stopping where --resume finishes it; Ctrl-C again to abandon",
     ]
-    assert abandoned_message(display, str(tmp_path), tmp_path / "c.yaml", None) == (
+    assert interrupted_before_training(str(tmp_path), tmp_path / "c.yaml", None) == (
         "[yellow]interrupted[/] before training started; no checkpoint to resume from"
+    )
+    assert abandoned_message("SIGTERM", "step 4", str(tmp_path), tmp_path / "c.yaml", None) == (
+        "[yellow]abandoned step 4[/] (SIGTERM again): not saved; no checkpoint to resume from"
     )
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "cembed_checkpoint_complete.json").write_text("{}")
-    text = abandoned_message(display, str(tmp_path), tmp_path / "c.yaml", ["train.seed=1"])
+    text = abandoned_message("SIGINT", "the evaluation", str(tmp_path), tmp_path / "c.yaml", ["train.seed=1"])
+    assert text.startswith("[yellow]abandoned the evaluation[/] (Ctrl-C again): not saved; ")
     assert f"the last complete checkpoint is {display_path(tmp_path / 'checkpoint-3')}" in text
     assert text.endswith(f"resume with: cembed train {tmp_path / 'c.yaml'} train.seed=1 --resume")
 

@@ -66,8 +66,8 @@ class StreamingSource:
             ``data.max_samples`` cuts a table; None: every row.
 
     Raises:
-        UserError: the source's files are missing or of an unsupported type (from the loader).
-        ValueError: a row without one of ``columns`` (a null cell).
+        UserError: the source's files are missing or of an unsupported type (from the loader); while
+            reading, a row without one of ``columns`` (a null cell).
     """
 
     def __init__(
@@ -139,9 +139,11 @@ class StreamingSource:
             ids_by_column = {}
             for j, column in enumerate(self.columns):
                 texts = chunk[column]
-                if any(t is None for t in texts):
-                    raise ValueError(
-                        f"{self.source.label}: a row has no {column!r} (null cell); streaming needs every column"
+                if any(t is None for t in texts):  # a data mistake, the same on every attempt: exit 2, no restart
+                    raise UserError(
+                        f"{self.source.label}: a row has no {column!r} (null cell); streaming needs every column "
+                        "(only the first data.train.streaming.check_rows rows are checked before training): fill "
+                        "or drop the row"
                     )
                 ids = self.tokenizer(
                     texts,
