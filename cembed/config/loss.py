@@ -74,6 +74,9 @@ class LossConfig(_Strict):
     uses_gradient_cache: ClassVar[bool] = False
     # Fields naming a model the loss loads besides the one trained (a guide): validate checks each loads.
     model_paths: ClassVar[tuple[str, ...]] = ()
+    # Those of them whose model must be a transformer with a transformers tokenizer (GIST's guide, whose
+    # vocabulary sentence-transformers compares with the trained model's): validate checks its modules.
+    transformer_paths: ClassVar[tuple[str, ...]] = ()
 
     name: str = DEFAULT_LOSS
     scale: PositiveFloat = 20.0
@@ -153,7 +156,9 @@ class CachedGISTLossConfig(LossConfig):
     sentence-transformers' ``CachedGISTEmbedLoss``: a frozen ``guide`` model scores every in-batch
     candidate, and a candidate the guide scores above the anchor's positive (minus ``margin``) is left
     out of the softmax. ``guide`` is any model cembed loads (a folder, a hub id, a packaged short name
-    such as all-MiniLM-L6-v2); with a different tokenizer the texts are re-tokenized for it.
+    such as all-MiniLM-L6-v2) whose first module is a transformer (a StaticEmbedding model has no
+    transformers tokenizer, which the library needs); with a different tokenizer the texts are
+    re-tokenized for it.
 
     ``temperature``: the softmax temperature (default 0.01, the library's and the paper's); giving
     ``scale`` instead means ``temperature = 1 / scale`` (both are stored, resolved). ``contrast_anchors`` / ``contrast_positives``
@@ -162,6 +167,7 @@ class CachedGISTLossConfig(LossConfig):
 
     uses_gradient_cache: ClassVar[bool] = True
     model_paths: ClassVar[tuple[str, ...]] = ("guide",)
+    transformer_paths: ClassVar[tuple[str, ...]] = ("guide",)
 
     name: Literal["cached_gist"] = "cached_gist"
     guide: str

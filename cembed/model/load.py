@@ -304,14 +304,31 @@ def load_guide_model(name_or_path: str, device, max_seq_length: int | None = Non
 
     Raises:
         ModelRefused: the guide needs its own code (``auto_map``).
-        UserError: it cannot be found or loaded, naming ``loss.guide``.
+        UserError: it cannot be found or loaded, or its first module is not a transformer
+            (:func:`guide_problem`), naming ``loss.guide``.
     """
+    from sentence_transformers.models import Transformer
+
     try:
         guide = load_model(ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length), str(device), False)
     except UserError as err:
         raise UserError(str(err).replace("model.name_or_path", "loss.guide", 1)) from None
+    first = guide[0] if len(guide) else None
+    if not isinstance(first, Transformer):
+        raise UserError(f"loss.guide: {guide_problem(name_or_path, type(first).__name__)}")
     guide.requires_grad_(False)
     return guide.eval()
+
+
+def guide_problem(name_or_path: str, first_module: str) -> str:
+    """Why a model whose first module is ``first_module`` (a class name: StaticEmbedding, ...) cannot be
+    GIST's guide: sentence-transformers' GIST losses compare the guide's transformers tokenizer with the
+    trained model's (their constructor raises ValueError at the first step otherwise)."""
+    return (
+        f"{name_or_path!r} is a {first_module} model: a guide must be a transformer model with a transformers "
+        "tokenizer (sentence-transformers' GIST loss compares its vocabulary with the trained model's and "
+        "re-tokenizes the texts for it); use a transformer model as loss.guide"
+    )
 
 
 # --- weight dtypes: stored, trained, saved ---------------------------------------------------------
