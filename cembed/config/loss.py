@@ -56,13 +56,16 @@ class LossConfig(_Strict):
 
     Each loss is a subclass with ``name: Literal["<name>"] = "<name>"``, its own fields, and the
     ``uses_gradient_cache`` capability (True: the loss embeds in mini-batches of
-    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it). Subclasses are
+    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it) and ``consumes``, what
+    a text must become for it to train (:attr:`cembed.config.model.ModelConfig.output`: ``vector`` by
+    default, the dense kind's; a config whose ``model.kind`` makes something else is refused). Subclasses are
     registered by name in :data:`LOSS_CONFIGS` (:func:`register_loss_config`, or
     ``cembed.losses.registry.register_loss`` with its builder); :func:`loss_config` builds the registered
     class for a ``name``.
     """
 
     uses_gradient_cache: ClassVar[bool] = False
+    consumes: ClassVar[frozenset[str]] = frozenset({"vector"})
 
     name: str = DEFAULT_LOSS
     scale: PositiveFloat = 20.0
