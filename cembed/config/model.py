@@ -156,4 +156,44 @@ def model_config(**fields: Any) -> ModelConfig:
     return model_config_class(fields.get("kind", DEFAULT_KIND)).model_validate(fields)
 
 
+class MultiVectorModelConfig(ModelConfig):
+    """``model.kind: multi_vector``: one vector per token, scored by MaxSim (late interaction, ColBERT:
+    Khattab & Zaharia 2020, arXiv:2004.12832), a sentence-transformers ``MultiVectorEncoder``. A
+    ``MultiVectorEncoder`` folder (also PyLate's and Stanford ColBERT's) is loaded as it is; any other
+    encoder or dense ``SentenceTransformer`` is turned into one as sentence-transformers 6.3 does
+    (pooling and sentence-level normalisation dropped, a dense model's ``Dense`` head kept at token level,
+    else a new bias-free projection to `dim`; a ``MultiVectorMask``; token L2-normalisation). Query and
+    document markers (e.g. ``[Q] ``, ``[D] ``) are the `query` / `document` prompts (`data.prompts`)."""
+
+    output: ClassVar[str] = "token_vectors"
+    default_loss: ClassVar[str] = "cached_maxsim"
+    model_types: ClassVar[tuple[str, ...]] = ("MultiVectorEncoder", "SentenceTransformer")
+    not_options: ClassVar[dict[str, str]] = {
+        "model.pooling": "a multi-vector model keeps one vector per token (no pooling)",
+        "eval.sts": "STS scores one vector per text; evaluate a multi-vector model by retrieval (eval.retrieval)",
+    }
+
+    kind: Literal["multi_vector"] = "multi_vector"
+    dim: PositiveInt | None = Field(
+        None,
+        description="size of a token vector when cembed makes the projection (unset: 128, as sentence-transformers); "
+        "a model with its own projection must match it",
+    )
+    query_length: PositiveInt | None = Field(
+        None, description="tokens per query (unset: the model's, else max_seq_length)"
+    )
+    document_length: PositiveInt | None = Field(
+        None, description="tokens per document (unset: the model's, else max_seq_length)"
+    )
+    query_expansion: PositiveInt | None = Field(
+        None,
+        description="pad each query with [MASK] tokens to this many tokens, scored but not attended to (ColBERT's "
+        "query augmentation); unset: the model's own setting",
+    )
+    skiplist: Literal["punctuation"] | list[str] | None = Field(
+        None, description="document tokens left out of MaxSim (punctuation: string.punctuation); unset: the model's"
+    )
+
+
 register_model_config(DenseModelConfig)
+register_model_config(MultiVectorModelConfig)

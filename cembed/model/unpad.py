@@ -241,7 +241,9 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
 def column_lengths(feature: dict) -> list[int] | None:
     """Each row's token count when ``feature`` can be packed, else None: an ``attention_mask`` of
     shape ``(rows, width)`` with right padding, and besides it only per-token tensors of the same
-    shape and sentence-transformers' bookkeeping keys. One host read of the lengths."""
+    shape and sentence-transformers' bookkeeping keys; no position outside the attention mask that is
+    embedded all the same (a multi-vector query's expansion tokens, ``query_expansion_positions``, when
+    they are not attended to: a pack would drop them). One host read of the lengths."""
     mask = feature.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] == 0:
         return None
@@ -253,6 +255,9 @@ def column_lengths(feature: dict) -> list[int] | None:
     lengths = mask.sum(dim=1)
     right = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
     not_right = (mask.bool() != right).any() | (lengths == 0).any()
+    expansion = feature.get("query_expansion_positions")
+    if isinstance(expansion, torch.Tensor):  # ColBERT query expansion: positions embedded but not attended to
+        not_right = not_right | (expansion.bool() & ~mask.bool()).any()
     host = torch.cat([lengths, not_right.to(lengths.dtype).view(1)]).tolist()
     return None if host[-1] else [int(n) for n in host[:-1]]
 

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import cembed.model.kinds.dense  # noqa: F401 - registers dense
+import cembed.model.kinds.multi_vector  # noqa: F401 - registers multi_vector
 from cembed.errors import ModelRefused
 from cembed.model.kinds.registry import MODEL_KINDS, ModelKind
 
