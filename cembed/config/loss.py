@@ -75,6 +75,13 @@ class LossConfig(_Strict):
     gather_across_devices: bool | None = None
     matryoshka: MatryoshkaConfig | None = None  # also train truncated embeddings (any loss)
 
+    def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str] | None:
+        """The most bytes the loss's scoring holds at once, whatever the batch, for ``queries`` query rows of
+        at most ``longest_query`` tokens (besides the cached embeddings and their gradients), and how it
+        is bounded; None: the loss states no bound (a dense loss's ``(rows, candidates)`` score matrix
+        grows with the batch)."""
+        return None
+
 
 class MNRLOptionsConfig(LossConfig):
     """The options of sentence-transformers' (Cached)MultipleNegativesRankingLoss, shared by
@@ -206,6 +213,18 @@ class MNRLLossConfig(MNRLOptionsConfig):
     name: Literal["mnrl"] = "mnrl"
 
 
+def maxsim_scoring_bytes(
+    query_tokens: int, document_tokens: int, document_rows: int, longest_query: int, queries: int
+) -> int:
+    """The scoring memory bound of tiled MaxSim (:mod:`cembed.model.maxsim`), in bytes:
+    ``4 x (3 Sq Td + 3 Sq Rd) + 32 x queries`` with ``Sq = max(query_tokens, longest_query)`` (a query
+    tile holds whole queries), ``Td = document_tokens``, ``Rd = document_rows``: one tile's similarities,
+    their hit mask and weights; the running max per (query token, document), its gradient and a claim
+    mask; four numbers per query (the running log-sum-exp, the positive). Pure arithmetic."""
+    sq = max(query_tokens, longest_query)
+    return 4 * (3 * sq * document_tokens + 3 * sq * document_rows) + 32 * queries
+
+
 class CachedMaxSimLossConfig(LossConfig):
     """``cached_maxsim``: in-batch negatives InfoNCE over MaxSim scores for a multi-vector model
     (``model.kind: multi_vector``), with GradCache: sentence-transformers'
@@ -224,6 +243,16 @@ class CachedMaxSimLossConfig(LossConfig):
     score_query_tokens: PositiveInt = 2048
     score_document_tokens: PositiveInt = 8192
     score_document_rows: PositiveInt = 2048
+
+    def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str]:
+        """:func:`maxsim_scoring_bytes` of the tiles, and the tiles in words."""
+        bound = maxsim_scoring_bytes(
+            self.score_query_tokens, self.score_document_tokens, self.score_document_rows, longest_query, queries
+        )
+        return bound, (
+            f"MaxSim in tiles of {self.score_query_tokens} query x {self.score_document_tokens} document tokens, "
+            f"{self.score_document_rows} documents at a time"
+        )
 
     @model_validator(mode="after")
     def _maxsim_options(self) -> CachedMaxSimLossConfig:

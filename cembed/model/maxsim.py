@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cembed.config.loss import maxsim_scoring_bytes
+
 EMPTY_DOCUMENT_SCORE = -1e9  # sentence-transformers' score of a document with no scored token
 
 
@@ -84,9 +86,9 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be at least 1, got {getattr(self, name)}")
 
     def bound_bytes(self, longest_query: int, queries: int) -> int:
-        """The scoring memory bound of the module docstring, in bytes."""
-        sq = max(self.query_tokens, longest_query)
-        return 4 * (3 * sq * self.document_tokens + 3 * sq * self.document_rows) + 32 * queries
+        """The scoring memory bound of the module docstring, in bytes
+        (:func:`cembed.config.loss.maxsim_scoring_bytes`)."""
+        return maxsim_scoring_bytes(self.query_tokens, self.document_tokens, self.document_rows, longest_query, queries)
 
 
 def query_tiles(offsets: list[int], max_tokens: int) -> list[tuple[int, int]]:

@@ -61,6 +61,7 @@ from cembed.train.checkpoint import (
     resolve_resume,
 )
 from cembed.train.flops import build_flop_model
+from cembed.train.kinds import trainer_for_kind
 from cembed.train.meter import ThroughputMeter, plot_run
 from cembed.train.preflight import check_resume, freezes_unused, preflight, raise_findings, training_record
 from cembed.train.publish import (
@@ -191,7 +192,8 @@ def check_run_inputs(
         from cembed.eval.sets import load_eval_sets
         from cembed.train.evaluation import check_metric_name, training_eval_args
 
-        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval))
+        similarity = type(cfg.model).similarity
+        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval), similarity)
         training_eval_args(cfg.eval, metric, cfg.train.save_steps)
     return plan, data
 
@@ -378,7 +380,9 @@ def build_components(
     if cfg.eval is not None:
         from cembed.train.evaluation import TrainingEvaluation
 
-        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
+        evaluation = TrainingEvaluation.from_config(
+            cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts, similarity=type(cfg.model).similarity
+        )
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
     weights = weight_dtypes(model, cfg.model, plan.precision)
@@ -440,7 +444,9 @@ def build_trainer(
     is_main = dist_info().is_main
     layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
     eval_args = parts.evaluation.training_args if parts.evaluation else None
-    args = build_training_args(cfg, plan, eval_args, layers, parts.sources)
+    kind = kind_of(parts.model)
+    args = build_training_args(cfg, plan, eval_args, layers, parts.sources, kind.trainer_classes().training_args)
+    trainer_cls = trainer_for_kind(trainer_cls, kind)  # the kind's model, arguments, collator and card classes
     if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
         args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
         if parts.source_prompts is not None:  # its per-dataset form: source name -> column -> prompt
@@ -613,7 +619,7 @@ def write_summary(
     if eval_after is not None:  # its evaluators reported to the card: rewrite it (push_to_hub uploads it)
         from cembed.train.evaluation import headline_keys
 
-        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets))
+        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets, evaluation.similarity))
         write_model_card(model, run_dir.out)
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started  # this process's training time

@@ -22,6 +22,7 @@ from cembed.data.tokens.encode import SourcePrompts, prompt_groups
 from cembed.errors import UserError
 from cembed.files import display_path
 from cembed.model.fingerprint import tokenizer_fingerprint
+from cembed.model.kinds.lookup import kind_of
 
 
 def matches_model_preprocessing(
@@ -37,7 +38,9 @@ def matches_model_preprocessing(
     attention mask, token types, prompt length), for the columns the source maps, and no batch
     carries a column its source does not map. The ids are fetched as training fetches them
     (:class:`TokenIdRows`) and padded to the longest row, as the model pads (``pad_to_multiple_of``
-    is left out)."""
+    is left out). Each column is preprocessed as the model's kind preprocesses it (a multi-vector
+    model's query / document task: its markers, lengths and query expansion)."""
+    kind = kind_of(model)
     plain = replace(collator, pad_to_multiple_of=None)
     start = 0
     for group in prompt_groups(len(dataset), collator.roles, prompts, None, sources):
@@ -45,15 +48,18 @@ def matches_model_preprocessing(
         start += group.rows
         sample = dataset.select(indices)
         batch = plain(TokenIdRows(dataset, collator.roles).__getitems__(indices))
-        for role in collator.roles:
+        for column, role in enumerate(collator.roles):
             if sample[0][role] is None:  # a column this source does not map is left out of its batches
                 if any(k.startswith(role + "_") for k in batch):
                     return False
                 continue
             prompt = group.prompts.get(role) or None
-            ref = model.preprocess(sample[role], prompt=prompt) if prompt else model.preprocess(sample[role])
-            for key in ("input_ids", "attention_mask", "token_type_ids"):
-                if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"]):
+            task = kind.preprocess_kwargs(column)
+            ref = model.preprocess(sample[role], **({"prompt": prompt} if prompt else {}), **task)
+            if ("query_expansion_positions" in ref) != (f"{role}_query_expansion_positions" in batch):
+                return False
+            for key in ("input_ids", "attention_mask", "token_type_ids", "query_expansion_positions"):
+                if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"].to(torch.int64)):
                     return False
             if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
                 return False
