@@ -202,6 +202,22 @@ class MultiVectorModelConfig(ModelConfig):
         None, description="document tokens left out of MaxSim (punctuation: string.punctuation); unset: the model's"
     )
 
+    def conflicts(self, config: Any) -> list[tuple[str, str]]:
+        """:meth:`ModelConfig.conflicts`, and a streamed source: a stream is tokenized batch by batch
+        with one length and no task, not per column as a multi-vector model tokenizes its queries and
+        documents."""
+        out = super().conflicts(config)
+        for item in config.data.sources():
+            if item.source.stream_options() is not None:
+                out.append(
+                    (
+                        f"{item.key}.streaming",
+                        "not an option of model.kind multi_vector: a stream is tokenized without the query / "
+                        "document tasks; train from the files (or a prepared folder: cembed prepare-data)",
+                    )
+                )
+        return out
+
     def query_tokens(self, max_seq_length: int) -> int:
         """``query_expansion`` (an expanded query's exact width), else ``query_length``, else ``max_seq_length``."""
         return self.query_expansion or self.query_length or max_seq_length

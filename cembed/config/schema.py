@@ -378,8 +378,10 @@ class CembedConfig(_Strict):
 
 
 def _value_at(config: CembedConfig, dotted: str) -> Any:
-    """The value at ``section.field`` of ``config`` (None where there is none), for an error's "got"."""
+    """The value at ``section.field`` of ``config`` (None where there is none), for an error's "got"; ``{}``
+    for a value that is not a number, text or flag."""
     value: Any = config
     for part in dotted.split("."):
         value = getattr(value, part, None)
-    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+    # A section or a list is not shown (the error formatter leaves out a mapping's "got").
+    return value if isinstance(value, (str, int, float, bool)) or value is None else {}

@@ -66,6 +66,23 @@ def matches_model_preprocessing(
     return True
 
 
+def column_layouts(model, roles: list[str]) -> tuple[dict[str, int], dict] | None:
+    """How ``model``'s kind tokenizes each training column (:meth:`cembed.model.kinds.registry.ModelKind.token_layout`):
+    ``({role: truncation length}, {role: query expansion})``, or None when a column's ids cannot be
+    stored ahead (the model tokenizes it per batch)."""
+    kind = kind_of(model)
+    layouts = [kind.token_layout(model, i) for i in range(len(roles))]
+    if any(layout is None for layout in layouts):
+        return None
+    lengths = {r: layout.max_length for r, layout in zip(roles, layouts)}
+    return lengths, {r: layout.expansion for r, layout in zip(roles, layouts) if layout.expansion is not None}
+
+
+def role_lengths(lengths: dict[str, int], max_seq_length: int) -> dict[str, int]:
+    """The roles cut elsewhere than at ``max_seq_length`` (what a prepared source's manifest records)."""
+    return {r: n for r, n in lengths.items() if n != max_seq_length}
+
+
 def check_prepared_for_model(
     model, manifest, where: str, prompts: dict[str, str] | None, field: str = "data.prompts"
 ) -> None:
@@ -92,6 +109,15 @@ def check_prepared_for_model(
             f"{where}: max_seq_length: the model's is {length}, the prepared source's {manifest.max_seq_length}; "
             f"set model.max_seq_length: {manifest.max_seq_length} {redo}"
         )
+    layouts = column_layouts(model, list(manifest.columns))
+    wanted = role_lengths(layouts[0], length) if layouts is not None else {}
+    for role in manifest.columns:
+        mine, stored = wanted.get(role, length), manifest.role_lengths.get(role, manifest.max_seq_length)
+        if mine != stored:
+            raise UserError(
+                f"{where}: column {role!r} is cut at {stored} tokens in the prepared source, at {mine} for this model "
+                f"(its query/document length); set the model's lengths as they were {redo}"
+            )
     tokenizer = tokenizer_fingerprint(model.tokenizer)
     if tokenizer != manifest.tokenizer:
         made_for = f" (prepared for {manifest.model})" if manifest.model else ""
@@ -137,7 +163,8 @@ def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_
     where = display_path(source.label)
     check_prepared_for_model(model, manifest, where, prompts, prompts_field(source))
     roles = list(manifest.columns)
-    collator = collator_for(model, roles, pad_to_multiple_of)
+    layouts = column_layouts(model, roles)
+    collator = collator_for(model, roles, pad_to_multiple_of, layouts[1]) if layouts is not None else None
     if collator is None:
         raise UserError(
             f"{where}: the model's features are not plain token ids (or it pads on the left), so it cannot "

@@ -44,11 +44,10 @@ from cembed.data.tokens.format import (
     read_folder,
     write_manifest,
 )
-from cembed.data.tokens.model_check import matches_model_preprocessing, prepared_stage
+from cembed.data.tokens.model_check import column_layouts, matches_model_preprocessing, prepared_stage
 from cembed.data.tokens.writer import move_parts
 from cembed.files import cache_root, file_lock
 from cembed.model.fingerprint import tokenizer_fingerprint
-from cembed.model.kinds.lookup import kind_of
 from cembed.model.prompts import prompt_lengths
 
 # Bump when the stored layout changes, so old caches are not reused (they simply miss once).
@@ -276,11 +275,10 @@ def tokenize_stage(
     roles = data.columns
     if not enabled:
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
-    layouts = [kind_of(model).token_layout(model, i) for i in range(len(roles))]
-    if any(layout is None for layout in layouts):
+    layouts = column_layouts(model, roles)
+    if layouts is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model tokenizes a column per batch"}
-    expansions = {r: layout.expansion for r, layout in zip(roles, layouts) if layout.expansion is not None}
-    collator = collator_for(model, roles, pad_to_multiple_of, expansions)
+    collator = collator_for(model, roles, pad_to_multiple_of, layouts[1])
     if collator is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
     started = time.perf_counter()
@@ -301,7 +299,7 @@ def tokenize_stage(
         lengths,
         sources,
         progress,
-        {r: layout.max_length for r, layout in zip(roles, layouts)},
+        layouts[0],
     )
     if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts, sources=sources):
         reason = "stored ids differ from the model's preprocessing"
