@@ -217,12 +217,13 @@ def maxsim_scoring_bytes(
     query_tokens: int, document_tokens: int, document_rows: int, longest_query: int, queries: int
 ) -> int:
     """The scoring memory bound of tiled MaxSim (:mod:`cembed.model.maxsim`), in bytes:
-    ``4 x (3 Sq Td + 3 Sq Rd) + 32 x queries`` with ``Sq = max(query_tokens, longest_query)`` (a query
-    tile holds whole queries), ``Td = document_tokens``, ``Rd = document_rows``: one tile's similarities,
-    their hit mask and weights; the running max per (query token, document), its gradient and a claim
-    mask; four numbers per query (the running log-sum-exp, the positive). Pure arithmetic."""
+    ``4 x (3 Sq Td + 5 Sq Rd) + 32 x queries`` with ``Sq = max(query_tokens, longest_query)`` (a query
+    tile holds whole queries), ``Td = document_tokens``, ``Rd = document_rows``: a tile's similarities, one
+    gathered copy of a per-(query token, document) array and their product; the running max per (query
+    token, document), its gradient, the hits found so far and in the tile, and the scores; four numbers
+    per query (the running log-sum-exp, the positive). Pure arithmetic."""
     sq = max(query_tokens, longest_query)
-    return 4 * (3 * sq * document_tokens + 3 * sq * document_rows) + 32 * queries
+    return 4 * (3 * sq * document_tokens + 5 * sq * document_rows) + 32 * queries
 
 
 class CachedMaxSimLossConfig(LossConfig):
@@ -240,9 +241,9 @@ class CachedMaxSimLossConfig(LossConfig):
 
     name: Literal["cached_maxsim"] = "cached_maxsim"
     scale: PositiveFloat = 1.0
-    score_query_tokens: PositiveInt = 2048
+    score_query_tokens: PositiveInt = 1024
     score_document_tokens: PositiveInt = 8192
-    score_document_rows: PositiveInt = 2048
+    score_document_rows: PositiveInt = 1024
 
     def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str]:
         """:func:`maxsim_scoring_bytes` of the tiles, and the tiles in words."""

@@ -78,7 +78,7 @@ def kind_of_model_flops(dim: int, q: float, d: float) -> float:
 def test_the_scoring_memory_bound_does_not_grow_with_the_batch():
     cfg = loss_config(name="cached_maxsim", score_query_tokens=64, score_document_tokens=256, score_document_rows=32)
     small, large = cfg.scoring_memory(12, 1024)[0], cfg.scoring_memory(12, 65536)[0]
-    assert small == 4 * (3 * 64 * 256 + 3 * 64 * 32) + 32 * 1024
+    assert small == 4 * (3 * 64 * 256 + 5 * 64 * 32) + 32 * 1024
     assert large - small == 32 * (65536 - 1024)  # four numbers per query, nothing per (query, document)
     assert loss_config(name="cached_mnrl").scoring_memory(12, 1024) is None
 
@@ -112,7 +112,7 @@ def test_validate_states_the_kind_and_the_scoring_bound(tiny_model_dir, write_co
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert "   kind: multi_vector   pooling: none: one 16-dim vector per token, maxsim" in lines[0]
-    bound = (4 * (3 * 64 * 256 + 3 * 64 * 32) + 32 * 8) / 2**20
+    bound = (4 * (3 * 64 * 256 + 5 * 64 * 32) + 32 * 8) / 2**20
     assert lines[1] == (
         "loss: cached_maxsim on anchor, positive; MaxSim in tiles of 64 query x 256 document tokens, 32 documents "
         f"at a time: scoring memory at most {bound:.1f} MiB, whatever the batch"

@@ -89,6 +89,7 @@ def test_the_saved_folder_loads_in_plain_sentence_transformers_and_scores_as_cem
     plain = MultiVectorEncoder(str(saved), device="cpu")  # plain sentence-transformers
     assert json.loads((saved / "config_sentence_transformers.json").read_text())["model_type"] == "MultiVectorEncoder"
     assert (plain[0].query_length, plain[0].document_length, plain.get_embedding_dimension()) == (12, 24, 16)
+    assert "Multi-Vector Encoder" in (saved / "README.md").read_text()  # its own model card
     rs = load_beir(beir)
     stock = MultiVectorInformationRetrievalEvaluator(rs.queries, rs.corpus, rs.relevant_docs, name=name)(plain)
     report = score_model(str(saved), [beir], [], no_cache=True)
