@@ -119,3 +119,15 @@ def test_validate_states_the_kind_and_the_scoring_bound(tiny_model_dir, write_co
     )
     report = json.loads(CliRunner().invoke(app, ["validate", str(path), "--json"]).output)
     assert report["model"]["kind"] == "multi_vector" and report["loss"]["scoring_memory"]["bytes"] == int(bound * 2**20)
+
+
+def test_the_before_after_table_shows_maxsim_metrics():
+    from cembed.cli.display.run import eval_change_rows
+
+    block = {
+        "before": {"coco_maxsim_ndcg@10": 0.5, "coco_maxsim_recall@10": 0.7, "coco_maxsim_mrr@10": 0.4},
+        "after": {"coco_maxsim_ndcg@10": 0.6, "coco_maxsim_recall@10": 0.75, "coco_maxsim_mrr@10": 0.5},
+    }
+    rows = eval_change_rows(block)
+    assert [r[0] for r in rows] == ["coco_maxsim_ndcg@10", "coco_maxsim_recall@10"]
+    assert rows[0][3] == pytest.approx(0.1) and rows[1][3] == pytest.approx(0.05)
