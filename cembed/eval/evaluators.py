@@ -157,10 +157,7 @@ def similarity_of(model) -> str:
     model of no registered kind (any object with ``encode_query`` / ``encode_document`` giving one vector)."""
     from cembed.model.kinds.lookup import kind_of
 
-    try:
-        return kind_of(model).config_class.similarity
-    except ValueError:
-        return "cosine"
+    return kind_of(model, default="dense").config_class.similarity
 
 
 def evaluate_sts(model, sts: StsSet, batch_size: int = 32) -> dict[str, float]:

@@ -145,7 +145,7 @@ def pooling_in_effect(model, cfg: ModelConfig) -> str:
     with what cembed changed in its tokenizer for last-token pooling and, under ``model.lora``, how many
     parameters train (and which modules outside the adapters train with them)."""
     saved = has_st_config(resolve_model_path(cfg.name_or_path), cfg.revision)
-    text = kind_of(model).describe(model, cfg, saved)
+    text = kind_of(model, default="dense").describe(model, cfg, saved)
     changes = getattr(model, "cembed_tokenizer_changes", None) or {}
     text += "".join(f"; {key}: {value}" for key, value in changes.items())
     if is_lora(model):

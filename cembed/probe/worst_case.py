@@ -175,7 +175,7 @@ def full_length_features(model, n_columns: int, batch_size: int) -> list[dict]:
 
     from cembed.model.kinds.lookup import kind_of
 
-    kind = kind_of(model)
+    kind = kind_of(model, default="dense")
     preprocess = getattr(model, "preprocess", None) or model.tokenize
     longest = [
         "a " * (4 * max(model.max_seq_length, *(kind.token_layout(model, i).max_length for i in range(n_columns))) + 8)

@@ -173,10 +173,7 @@ def model_shape(model) -> tuple[int, int, int]:
     from cembed.model.kinds.lookup import kind_of
 
     n, layers, width = encoder_shape(model)
-    try:
-        head = kind_of(model).head_flops_per_token(model)
-    except ValueError:  # not a registered kind's model (a bare transformers model): no head
-        head = 0.0
+    head = kind_of(model, default="dense").head_flops_per_token(model)  # a bare transformers model: none
     return n + int(head // 2), layers, width
 
 

@@ -360,7 +360,7 @@ def build_components(
     # The sampler only yields whole global batches and these never get a gradient, so DDP needs no
     # unused-parameter search: they are frozen, or (a resume of a run begun on one process, whose
     # optimizer holds them) ignored by DDP (preflight.freezes_unused).
-    outputs = kind_of(model).text_outputs
+    outputs = kind_of(model, default="dense").text_outputs
     unused = unused_parameters(model, data.sample_texts(), outputs=outputs) if freeze or plan.world_size > 1 else []
     if freeze:
         freeze_parameters(model, unused)

@@ -105,7 +105,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
 
     measured = calibrate_rate(cfg, calibrate) if calibrate else None
     rate, target = device_rate(cfg, plan, gpu, mfu, measured)
-    kind = kind_of(model)
+    kind = kind_of(model, default="dense")
     scoring, cache, scoring_memory = _loss_stage(cfg, plan, model, kind, stats, data.columns, path)
     run = est.estimate_run(
         stats, plan.samples_per_step, steps.per_epoch or 0, steps.total or 0, (n, layers, width, path.passes), rate,
@@ -153,6 +153,7 @@ def _loss_stage(cfg, plan, model, kind, stats, columns: list[str], path):
     """What the loss stage of a step adds, from the model kind and the loss: ``(scoring (FLOPs per
     step, source) or None, the cache per rank, the scoring memory bound per rank or None)``, each
     quantity an :func:`cembed.train.estimate.number`."""
+    from cembed.plan.precision import torch_dtype
     from cembed.train import estimate as est
 
     rows = plan.per_device_train_batch_size
@@ -169,7 +170,7 @@ def _loss_stage(cfg, plan, model, kind, stats, columns: list[str], path):
             f"{forward:.4g} (a device's {rows} queries x {query:.1f} tokens against {gathered} x {rows} rows x "
             f"{sum(means[1:]):.1f} document tokens)",
         )
-    element = 2 if plan.precision in ("bf16", "fp16") else 4
+    element = torch_dtype(plan.precision).itemsize  # the cache is in the run's precision
     per_row = kind.cache_bytes_per_row(model, round(query), element)
     per_row += sum(kind.cache_bytes_per_row(model, round(m), element) for m in means[1:])
     cache = est.number(

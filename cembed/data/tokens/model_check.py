@@ -40,7 +40,7 @@ def matches_model_preprocessing(
     (:class:`TokenIdRows`) and padded to the longest row, as the model pads (``pad_to_multiple_of``
     is left out). Each column is preprocessed as the model's kind preprocesses it (a multi-vector
     model's query / document task: its markers, lengths and query expansion)."""
-    kind = kind_of(model)
+    kind = kind_of(model, default="dense")
     plain = replace(collator, pad_to_multiple_of=None)
     start = 0
     for group in prompt_groups(len(dataset), collator.roles, prompts, None, sources):
@@ -70,7 +70,7 @@ def column_layouts(model, roles: list[str]) -> tuple[dict[str, int], dict] | Non
     """How ``model``'s kind tokenizes each training column (:meth:`cembed.model.kinds.registry.ModelKind.token_layout`):
     ``({role: truncation length}, {role: query expansion})``, or None when a column's ids cannot be
     stored ahead (the model tokenizes it per batch)."""
-    kind = kind_of(model)
+    kind = kind_of(model, default="dense")
     layouts = [kind.token_layout(model, i) for i in range(len(roles))]
     if any(layout is None for layout in layouts):
         return None
@@ -112,7 +112,8 @@ def check_prepared_for_model(
     layouts = column_layouts(model, list(manifest.columns))
     wanted = role_lengths(layouts[0], length) if layouts is not None else {}
     for role in manifest.columns:
-        mine, stored = wanted.get(role, length), manifest.role_lengths.get(role, manifest.max_seq_length)
+        mine = wanted.get(role, length)
+        stored = (getattr(manifest, "role_lengths", None) or {}).get(role, manifest.max_seq_length)
         if mine != stored:
             raise UserError(
                 f"{where}: column {role!r} is cut at {stored} tokens in the prepared source, at {mine} for this model "
