@@ -165,12 +165,15 @@ def sweep_metric(cfg, metric: str | None, sets=None) -> tuple[str, bool]:
     sets = sets if sets is not None else load_eval_sets(cfg.eval)
     if metric is not None:
         bare = metric.removeprefix("eval_")
-        known = metric_names(sets)
+        known = metric_names(sets, cfg.model.similarity)
         if bare not in known:
             raise UserError(f"--metric: {metric!r} is not a metric of the eval sets (e.g. {', '.join(known[:6])})")
         chosen = bare
     else:
-        chosen = check_metric_name(cfg.eval.metric_for_best_model, sets) or headline_keys(sets)[0]
+        similarity = cfg.model.similarity  # the model kind's: retrieval metrics are keyed by it
+        chosen = (
+            check_metric_name(cfg.eval.metric_for_best_model, sets, similarity) or headline_keys(sets, similarity)[0]
+        )
     return chosen, greater_is_better(chosen, cfg.eval.greater_is_better)
 
 
@@ -231,6 +234,11 @@ NOT_RECORDED = (
     "data.num_proc",
     "eval.batch_size",
     "distributed",
+    # MaxSim's scoring tiles (cached_maxsim): the same scores in other tiles (issue 40: the result does
+    # not depend on the tile sizes; tests/losses/test_maxsim_loss.py)
+    "loss.score_query_tokens",
+    "loss.score_document_tokens",
+    "loss.score_document_rows",
     # columns declared not trained (dropped either way)
     "data.columns.ignore",
     "data.train.columns.ignore",
