@@ -283,8 +283,11 @@ def check_loss_models(loss) -> list[Finding]:
     """Each model the loss loads besides the one trained (its config's ``model_paths``: ``cached_gist``'s
     ``guide``) can be found: a folder with a model, a packaged short name, a hub id in the cache (or
     reachable), without its own code. One that cannot is loaded here, which fails at once with the
-    one line ``train`` would give when it builds the loss."""
-    from cembed.model.load import load_model, remote_code_entries, resolve_model_path
+    one line ``train`` would give when it builds the loss. One that must be a transformer (the loss
+    config's ``transformer_paths``: GIST's guide) and whose first module is not (a StaticEmbedding
+    model) is refused with ``train``'s line (:func:`cembed.model.load.guide_problem`)."""
+    from cembed.model.load import guide_problem, load_model, remote_code_entries, resolve_model_path
+    from cembed.model.shape import first_module_type
 
     findings = []
     for name in type(loss).model_paths:
@@ -294,12 +297,15 @@ def check_loss_models(loss) -> list[Finding]:
         try:
             path = resolve_model_path(value)
             found = any(model_file(path, f, None) for f in ("modules.json", "config.json"))
-            if found and not remote_code_entries(path):
-                continue
-            load_model(ModelConfig(name_or_path=value), "cpu", for_training=False)
+            if not found or remote_code_entries(path):
+                load_model(ModelConfig(name_or_path=value), "cpu", for_training=False)
         except UserError as err:
             field, _, message = str(err).replace("model.name_or_path", f"loss.{name}", 1).partition(": ")
             findings.append(Finding(field, message))
+            continue
+        first = first_module_type(ModelConfig(name_or_path=value)) if name in type(loss).transformer_paths else None
+        if first is not None and first != "Transformer":
+            findings.append(Finding(f"loss.{name}", guide_problem(value, first)))
     return findings
 
 

@@ -48,6 +48,7 @@ from cembed.distributed.launch import job_restart_count
 from cembed.errors import RunAbandoned, RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, display_path, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
+from cembed.model.kinds.lookup import kind_of
 from cembed.model.load import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.model.lora import adapter_facts, finish_lora, is_lora
 from cembed.model.prompts import RolePrompts, set_trained_prompts
@@ -72,6 +73,7 @@ from cembed.train.checkpoint import (
     run_status,
 )
 from cembed.train.flops import build_flop_model
+from cembed.train.kinds import trainer_for_kind
 from cembed.train.meter import ThroughputMeter, plot_run
 from cembed.train.preflight import check_resume, freezes_unused, preflight, raise_findings, training_record
 from cembed.train.publish import (
@@ -205,7 +207,8 @@ def check_run_inputs(
         from cembed.eval.sets import load_eval_sets
         from cembed.train.evaluation import check_metric_name, training_eval_args
 
-        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval))
+        similarity = type(cfg.model).similarity
+        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval), similarity)
         training_eval_args(cfg.eval, metric, cfg.train.save_steps)
     return plan, data
 
@@ -388,7 +391,8 @@ def build_components(
     # The sampler only yields whole global batches and these never get a gradient, so DDP needs no
     # unused-parameter search: they are frozen, or (a resume of a run begun on one process, whose
     # optimizer holds them) ignored by DDP (preflight.freezes_unused).
-    unused = unused_parameters(model, data.sample_texts()) if freeze or plan.world_size > 1 else []  # every column
+    outputs = kind_of(model, default="dense").text_outputs
+    unused = unused_parameters(model, data.sample_texts(), outputs=outputs) if freeze or plan.world_size > 1 else []
     if freeze:
         freeze_parameters(model, unused)
     elif plan.world_size > 1 and cfg.distributed.strategy == "ddp":
@@ -407,7 +411,9 @@ def build_components(
     if cfg.eval is not None:
         from cembed.train.evaluation import TrainingEvaluation
 
-        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
+        evaluation = TrainingEvaluation.from_config(
+            cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts, similarity=type(cfg.model).similarity
+        )
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
     weights = weight_dtypes(model, cfg.model, plan.precision)
@@ -470,7 +476,9 @@ def build_trainer(
     is_main = dist_info().is_main
     layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
     eval_args = parts.evaluation.training_args if parts.evaluation else None
-    args = build_training_args(cfg, plan, eval_args, layers, parts.sources)
+    kind = kind_of(parts.model)
+    args = build_training_args(cfg, plan, eval_args, layers, parts.sources, kind.trainer_classes().training_args)
+    trainer_cls = trainer_for_kind(trainer_cls, kind)  # the kind's model, arguments, collator and card classes
     if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
         args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
         if parts.source_prompts is not None:  # its per-dataset form: source name -> column -> prompt
@@ -667,7 +675,7 @@ def write_summary(
     if eval_after is not None:  # its evaluators reported to the card: rewrite it (push_to_hub uploads it)
         from cembed.train.evaluation import headline_keys
 
-        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets))
+        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets, evaluation.similarity))
         write_model_card(model, run_dir.out)
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started  # this process's training time

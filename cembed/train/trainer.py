@@ -53,6 +53,7 @@ from cembed.distributed.fsdp import (
     load_full_optimizer,
     load_sharded_model,
     load_sharded_optimizer,
+    search_final_norm_in_backbone,
 )
 from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
@@ -388,6 +389,8 @@ class CembedTrainer(SentenceTransformerTrainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         enable_fsdp_on_cpu(self)  # accelerate drops the FSDP plugin on CPU (cembed.distributed.fsdp)
+        if self.is_fsdp_enabled:  # a model's last Normalize is no final norm to shard (cembed.distributed.fsdp)
+            search_final_norm_in_backbone(self.model)
 
     def _preload_full_checkpoint(self, checkpoint) -> None:
         # FSDP resuming a full checkpoint (a 1-process or DDP run's): every rank loads it into the
