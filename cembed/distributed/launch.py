@@ -108,15 +108,21 @@ def restart_line(entry: dict) -> str:
     return f"restart {entry['restart']} of {entry['of']}: {point} ({entry['reason']})"
 
 
-def restarts_record() -> list[dict]:
+def restarts_record(count: int | None = None) -> list[dict]:
     """The restarts of this job so far, for ``run_summary.json``: the launching process's record
-    (:class:`RestartPolicy`) where cembed launched it; under ``torchrun`` by hand only the count is
-    known (``$TORCHELASTIC_RESTART_COUNT``: entries without a reason). Empty on a first attempt."""
+    (:class:`RestartPolicy`) where cembed launched it; under ``torchrun`` by hand, or on a node whose
+    launcher restarted healthy workers (:func:`job_restart_count`), only the count is known (entries
+    without a reason). Empty on a first attempt.
+
+    Args:
+        count: the job's restarts (:func:`job_restart_count`); None: this worker's own
+            ``$TORCHELASTIC_RESTART_COUNT``.
+    """
     try:
         recorded = json.loads(os.environ.get(RESTARTS_ENV, "") or "[]")
     except ValueError:
         recorded = []
-    count = restart_count()
+    count = restart_count() if count is None else count
     if isinstance(recorded, list) and len(recorded) == count:
         return recorded
     return [{"restart": k, "of": None, "resumed_from": None, "reason": None} for k in range(1, count + 1)]
@@ -192,6 +198,20 @@ def restart_count() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
+
+
+def job_restart_count() -> int:
+    """How often the job's workers have been restarted after a failure, as the whole job counts it:
+    the largest :func:`restart_count` over the ranks (a collective: every rank calls it at the same
+    point, in the process group; this worker's own count without one).
+
+    Why not each worker's own: torch's elastic agent counts a restart on the node whose worker failed
+    only. The agents of the other nodes see the failed node back in the rendezvous and restart their
+    healthy workers without counting it (pytorch/pytorch#108158), so those would start the run afresh
+    while the failed node's resume it."""
+    from cembed.distributed.collectives import max_over_ranks
+
+    return max_over_ranks(restart_count())
 
 
 def launcher_args(

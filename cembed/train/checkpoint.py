@@ -114,6 +114,17 @@ def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None
     return str(found)
 
 
+def later_checkpoints(output_dir: str | Path, checkpoint: str | Path) -> list[Path]:
+    """The complete checkpoints of ``output_dir`` saved at a later step than ``checkpoint``, when
+    ``checkpoint`` is one of that folder's (a ``--resume-from`` an earlier step of the run): a
+    continuation that a run resumed from ``checkpoint`` replaces. Oldest step first; empty otherwise."""
+    start = Path(checkpoint)
+    if start.resolve().parent != Path(output_dir).resolve() or not _CHECKPOINT_RE.match(start.name):
+        return []
+    step = int(start.name.split("-")[1])
+    return [p for p in checkpoints(output_dir) if int(p.name.split("-")[1]) > step and is_complete(p)]
+
+
 def resume_on_restart(
     output_dir: str | Path, restarts: int, resume: bool, resume_from: str | None
 ) -> tuple[bool, str | None]:

@@ -126,7 +126,7 @@ def test_summary_base_entries(tmp_path, sampler, monkeypatch):
         loss=SimpleNamespace(unpadding=SimpleNamespace(to_dict=lambda: {"mode": "padded"})),
         distributed=None,
     )
-    run_dir = SimpleNamespace(checkpoint="ck-3", resume_changes=("x",), out=tmp_path / "out")
+    run_dir = SimpleNamespace(checkpoint="ck-3", resume_changes=("x",), out=tmp_path / "out", restarts=0)
     run = SimpleNamespace(batches_per_epoch=4, rows_unplaced=0, trainer=_trainer(sampler))
     base = summary_base(cfg, plan, data, parts, run_dir, run)
     assert base["config"]["batch"]["mini_batch_size"] == 16  # the config as run: auto shows the probed size
@@ -379,7 +379,8 @@ def test_a_resumed_run_reports_its_own_rate(tiny_model_dir, tmp_path):
             self.told = (checkpoint, step, max_steps)
 
     display = Resuming()
-    summary = run_training(cfg, plan, data, display, resume_from=str(out / "checkpoint-2"))
+    # (--overwrite: the folder's later checkpoint-4 belongs to the run this one replaces from step 2)
+    summary = run_training(cfg, plan, data, display, resume_from=str(out / "checkpoint-2"), overwrite=True)
     assert summary["samples_per_s"] == pytest.approx(16 / summary["wall_time_s"], rel=0.01)
     assert (summary["steps"], summary["samples_seen"]) == (4, 32)
     assert (summary["steps_this_run"], summary["samples_this_run"]) == (2, 16)
