@@ -37,6 +37,7 @@ from cembed.errors import RunAbandoned, UserError
 from cembed.files import display_path, write_json_atomic
 
 MARKER = "cembed_checkpoint_complete.json"
+STEP_LOSSES = "cembed_step_losses.json"
 STAGING = ".staging"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
@@ -53,6 +54,21 @@ def recorded_run(checkpoint_dir: str | Path) -> dict | None:
         return json.loads((Path(checkpoint_dir) / MARKER).read_text()).get("run")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def write_step_losses(checkpoint_dir: str | Path, step_losses: list[tuple[int, float]]) -> None:
+    """Keep every optimizer step's loss so far (``[(step, loss)]``, the global step's) in a checkpoint
+    being written, so that a resumed run's ``run_summary.json`` has the steps before it too."""
+    write_json_atomic(Path(checkpoint_dir) / STEP_LOSSES, [[step, loss] for step, loss in step_losses])
+
+
+def read_step_losses(checkpoint_dir: str | Path) -> dict[int, float]:
+    """``{step: loss}`` kept by :func:`write_step_losses`; empty for a checkpoint without them (an older
+    cembed's) or an unreadable file."""
+    try:
+        return {int(step): float(loss) for step, loss in json.loads((Path(checkpoint_dir) / STEP_LOSSES).read_text())}
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def is_complete(checkpoint_dir: str | Path) -> bool:

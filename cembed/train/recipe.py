@@ -612,9 +612,15 @@ def train(run: Run, run_dir: RunDir, base: dict, evaluation=None):
             if ended:  # the trained run's end does not fit in the grace: --resume does it
                 raise run.end.stopped(FINAL_SAVE)
             err = RunInterrupted(interrupt.signum, state.global_step, trainer.last_checkpoint)
+            step_losses = trainer.step_losses()  # on every rank (reduced when training ended: no collective left)
             if is_main:
                 append_log(run_dir.log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
-                stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
+                stopped = {
+                    "status": "interrupted",
+                    "steps": state.global_step,
+                    "checkpoint": trainer.last_checkpoint,
+                    "step_losses": step_losses,
+                }
                 write_json_atomic(run_dir.summary_path, {**base, **stopped})
             raise err
     if state.global_step == 0 and trainer.streaming:

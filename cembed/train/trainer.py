@@ -69,8 +69,10 @@ from cembed.train.checkpoint import (
     is_sharded_checkpoint,
     latest_complete,
     mark_complete,
+    read_step_losses,
     reseeded,
     worker_init,
+    write_step_losses,
 )
 from cembed.train.flops import format_flops
 from cembed.train.meter import StepClock, ThroughputMeter
@@ -402,6 +404,8 @@ class CembedTrainer(SentenceTransformerTrainer):
             self._preloaded_checkpoint = checkpoint
 
     def _load_from_checkpoint(self, checkpoint_path, *args, **kwargs) -> None:
+        # The steps trained before the checkpoint keep their losses in the summary (and its plot).
+        self._global_losses.update(read_step_losses(checkpoint_path))
         if self._preloaded_checkpoint == checkpoint_path:
             self._loaded_checkpoint = checkpoint_path
             return
@@ -487,6 +491,7 @@ class CembedTrainer(SentenceTransformerTrainer):
         if self.args.should_save:
             shutil.rmtree(staged, ignore_errors=True)
         self._staging_root = staging_root
+        step_losses = self.step_losses()  # on every rank: reducing the pending steps is a collective
         try:
             super()._save_checkpoint(model, trial)
         finally:
@@ -497,6 +502,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             apply_umask(staged)  # the weights were written through a private 0o600 temporary file
             # the trainer wrote its state with the staging path (or none): a resume reads this one
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+            write_step_losses(staged, step_losses)
             mark_complete(staged, self.state.global_step, self.run_record)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staged, final)
@@ -644,6 +650,8 @@ class RunLogCallback(TrainerCallback):
         self.log.clock.begin(state.global_step)
         self.log.started = self.log.clock.started
         self._logged = state.global_step
+        # A resumed run's log history (restored from the checkpoint) holds the losses logged before it.
+        self.log.losses = [(e["step"], float(e["loss"])) for e in state.log_history if "loss" in e and "step" in e]
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         # The LR this step uses (read before the scheduler steps), as the trainer logs it.

@@ -110,6 +110,13 @@ def _loss_gap(resumed: dict, reference: dict) -> float:
     return max(abs(v - ref[s]) for s, v in resumed["step_losses"])
 
 
+def _logged_gap(resumed: dict, reference: dict) -> float:
+    """The largest difference of the logged losses (``losses``: the trainer's interval means, as
+    ``train.log``), which must be logged at the reference's steps."""
+    assert [s for s, _ in resumed["losses"]] == [s for s, _ in reference["losses"]]
+    return max(abs(a - b) for (_, a), (_, b) in zip(resumed["losses"], reference["losses"]))
+
+
 @pytest.fixture(scope="module")
 def straight(tiny_model_dir, tmp_path_factory):
     """The uninterrupted run: its summary and folder, and the folder the other runs share."""
@@ -142,7 +149,9 @@ def test_a_resume_trains_the_uninterrupted_runs_batches_in_every_later_epoch(
     assert summary["status"] == "completed" and summary["resumed_from"] == str(
         folder / name / f"checkpoint-{stops[-1]}"
     )
-    assert [s for s, _ in summary["step_losses"]] == list(range(stops[-1] + 1, STEPS + 1))  # every step after it
+    # every step: those before the checkpoint kept in it (issue 38 item 5), those after trained now
+    assert [s for s, _ in summary["step_losses"]] == list(range(1, STEPS + 1))
+    assert _logged_gap(summary, reference) <= 1e-6
     gap, d_w = _loss_gap(summary, reference), _max_dw(folder / "straight", folder / name)
     print(f"\nstopped at {stops}, resumed: step-loss gap {gap:.1e}, max|dW| {d_w:.1e}")
     assert gap <= 1e-6 and d_w <= 1e-6
@@ -161,8 +170,10 @@ def test_a_resume_with_accumulation_trains_each_epochs_short_last_step(tiny_mode
     with pytest.raises(RunInterrupted):
         _run(cfg)
     monkeypatch.undo()
+    stopped = json.loads((tmp_path / "accum-stopped" / "run_summary.json").read_text())
+    assert stopped["status"] == "interrupted" and [s for s, _ in stopped["step_losses"]] == [1, 2, 3, 4, 5]
     resumed = _run(cfg, resume=True)
-    assert [s for s, _ in resumed["step_losses"]] == [6, 7]
+    assert [s for s, _ in resumed["step_losses"]] == [1, 2, 3, 4, 5, 6, 7]
     assert resumed["samples_seen"] == straight["samples_seen"]
     gap, d_w = _loss_gap(resumed, straight), _max_dw(tmp_path / "accum", tmp_path / "accum-stopped")
     print(f"\naccumulation 2, 5 batches an epoch, stopped at 5: loss gap {gap:.1e}, max|dW| {d_w:.1e}")
