@@ -225,7 +225,8 @@ def launcher_args(
 ) -> list[str]:
     """The ``torchrun`` command line (without the program name) that runs ``python -m module module_args``
     in ``nproc_per_node`` processes on each of ``nnodes`` nodes; when a worker fails, the launcher
-    restarts them all up to ``max_restarts`` times (torchrun's ``--max-restarts``).
+    restarts them all up to ``max_restarts`` times (torchrun's ``--max-restarts``; across nodes through
+    torchrun's c10d rendezvous, which re-forms the group after a restart).
 
     Raises:
         UserError: a count below 1 (below 0 for ``max_restarts``), a node rank outside ``[0, nnodes)``,
@@ -248,6 +249,11 @@ def launcher_args(
         argv += ["--rdzv-endpoint", rdzv_endpoint]
     if max_restarts:
         argv += ["--max-restarts", str(max_restarts)]
+    if max_restarts and nnodes > 1:
+        # torchrun's default with --rdzv-endpoint is the static rendezvous, whose restarted workers on
+        # several nodes never connected again (Gloo connectFullMesh failed, measured on two nodes);
+        # the c10d rendezvous re-forms the group (docs/preemptible.md)
+        argv += ["--rdzv-backend", "c10d"]
     return argv + ["--module", module, *module_args]
 
 
