@@ -651,7 +651,8 @@ class RunLogCallback(TrainerCallback):
         self.log.started = self.log.clock.started
         self._logged = state.global_step
         # A resumed run's log history (restored from the checkpoint) holds the losses logged before it.
-        self.log.losses = [(e["step"], float(e["loss"])) for e in state.log_history if "loss" in e and "step" in e]
+        history = getattr(state, "log_history", ())  # (a TrainerState has one; a bare state in a test may not)
+        self.log.losses = [(e["step"], float(e["loss"])) for e in history if "loss" in e and "step" in e]
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         # The LR this step uses (read before the scheduler steps), as the trainer logs it.

@@ -335,7 +335,9 @@ def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pai
     # step 2 finished, was saved as a complete checkpoint, and the summary has every base entry
     assert (stopped["status"], stopped["steps"], stopped["checkpoint"]) == ("interrupted", 2, str(out / "checkpoint-2"))
     assert latest_complete(out) == out / "checkpoint-2"
-    assert set(stopped) == {k for k in done if k not in COMPLETED_ONLY} | {"checkpoint"}
+    # and every step's loss so far (the resume reads them back from the checkpoint)
+    assert set(stopped) == {k for k in done if k not in COMPLETED_ONLY} | {"checkpoint", "step_losses"}
+    assert [step for step, _ in stopped["step_losses"]] == [1, 2]
     assert "status" not in json.loads((out / "checkpoint-2" / MARKER).read_text())  # the marker is not a summary
 
     cfg, plan, data, out = _tiny_run(
