@@ -93,7 +93,8 @@ class CachedMaxSimLoss(LengthSortedMixin, CachedMultiVectorMultipleNegativesRank
         model = getattr(self.model, "module", self.model)  # the trainer hands a DDP-wrapped model
         length_normalize = getattr(model, "similarity_fn_name", "maxsim") == "meanmaxsim"
         loss = maxsim_infonce(queries, documents, labels, self.scale, length_normalize, self.tiles, queries.rows)
-        if with_backward:
+        if with_backward:  # a training step: the meter's scoring FLOPs (cembed.train.flops.scoring_flops)
+            self.token_counts.scored_pairs += queries.offsets[-1] * documents.offsets[-1]
             loss.backward()
             loss = loss.detach()
         return loss
