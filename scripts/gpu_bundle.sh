@@ -32,6 +32,9 @@ PACKAGES="pydantic pydantic-core annotated-types typing-inspection typing-extens
   sentence-transformers optuna alembic sqlalchemy mako colorlog typer rich pyyaml xxhash"
 # The datasets, and the fsspec its bound admits, for an image whose pyarrow is below 24 (5.0.0 needs >=21).
 FALLBACK="datasets==5.0.0 fsspec==2026.4.0"
+# Optional, not a requirement of cembed (so not in this environment): the fused MaxSim kernel the maxsim
+# stage compares with the tiled path on CUDA (pure Python + Triton; the image has triton 3.6.0).
+KERNELS="late-interaction-kernels==0.4.5"
 rm -rf "$DIR" && mkdir -p "$DIR/wheels" "$DIR/fallback"
 pins=$($PY - "$PACKAGES" <<'EOF'
 import sys
@@ -48,6 +51,9 @@ download() {  # DEST SPEC...: exact wheels for CPython 3.12 on manylinux x86-64,
 }
 # shellcheck disable=SC2086
 download "$DIR/wheels" $pins
+echo "kernels: $KERNELS"
+# shellcheck disable=SC2086
+download "$DIR/wheels" $KERNELS
 echo "fallback: $FALLBACK"
 # shellcheck disable=SC2086
 download "$DIR/fallback" $FALLBACK
