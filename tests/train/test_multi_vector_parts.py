@@ -70,7 +70,6 @@ def test_the_meter_counts_maxsim_scoring_as_estimate_does(model, monkeypatch):
     import torch
 
     import cembed.train.meter as meter_module
-    from cembed.train.flops import scoring_flops
     from cembed.train.meter import ThroughputMeter
 
     built = build_loss(model, loss_config(name="cached_maxsim"), 2)
@@ -91,6 +90,8 @@ def test_the_meter_counts_maxsim_scoring_as_estimate_does(model, monkeypatch):
     maxsim = 4 * 2 * 16 * scored[0] * scored[1]
     assert stats["flops_per_s"] == pytest.approx((encoder + maxsim) / 10, rel=1e-9)
     assert maxsim > 1e-3 * encoder  # far above the tolerance: a meter without it fails
+    from cembed.train.flops import scoring_flops
+
     assert scoring_flops(model, scored[0], scored[1]) == maxsim
     assert meter.totals()["flop_model"]["scoring_flops_per_pair"] == 4 * 2 * 16
 
