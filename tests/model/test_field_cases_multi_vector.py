@@ -267,3 +267,30 @@ def test_a_documents_scores_do_not_depend_on_the_batch_it_is_encoded_in(tiny_mod
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         by_hand = torch.tensor([[_maxsim(q, d) for d in alone] for q in queries])
         torch.testing.assert_close(ours.similarity(queries, rows), by_hand, rtol=1e-5, atol=1e-5)
+
+
+def test_documents_equal_once_cut_are_duplicates_for_the_sampler(write_config, pairs_file, tiny_model_dir, tmp_path):
+    """ColBERT.jl#16 (documents cut at doc_maxlen), the false-negative half: documents that differ only after
+    ``document_length`` are the same document to the model, so the no-duplicates sampler treats them as one
+    and ``validate`` says it cannot fill a batch, naming the column and where it is cut (it named
+    max_seq_length only). Reference: the tokenizer's ids cut at 12 by hand: one distinct document."""
+    rows = [
+        {"anchor": f"question {i}", "positive": "the man sits at the table near the bus " * 2 + f"end {i}"}
+        for i in range(12)
+    ]
+    path = write_config(
+        {
+            "model": {"kind": "multi_vector", "name_or_path": str(tiny_model_dir), "device": "cpu", "dim": 16}
+            | {"document_length": 12},
+            "data": {"train": str(pairs_file(rows)), "cache_dir": str(tmp_path / "cache")},
+            "batch": {"per_device_train_batch_size": 6, "mini_batch_size": 3},
+            "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1},
+        }
+    )
+    tokenizer = _plain(tiny_model_dir).tokenizer
+    cut = {tuple(ids[:11] + ids[-1:]) for ids in tokenizer([r["positive"] for r in rows])["input_ids"]}
+    assert len(cut) == 1 and len({r["positive"] for r in rows}) == 12
+    r = CliRunner().invoke(app, ["validate", str(path)])
+    assert r.exit_code == 2
+    assert "column 'positive' (role positive) has only 1 distinct texts" in r.output
+    assert "max_seq_length 64, positive cut at 12)" in r.output
