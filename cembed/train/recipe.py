@@ -508,7 +508,9 @@ def build_trainer(
     display = display if display is not None else QuietRunDisplay()
     progress = display.progress(log, plan.samples_per_step)
     log_path = run_dir.log_path if is_main else None
-    trainer.add_callback(RunLogCallback(log, plan.samples_per_step, log_path, display.log_line, trainer.step_loss))
+    trainer.add_callback(
+        RunLogCallback(log, plan.samples_per_step, log_path, display.log_line, trainer.step_loss, parts.loss.notes)
+    )
     if progress is not None:
         trainer.add_callback(progress)
     interrupt = InterruptCallback()
@@ -706,6 +708,8 @@ def write_summary(
         "losses": log.losses,
         "step_losses": trainer.step_losses(),  # every optimizer step's loss, the global step's (over all ranks)
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
+        # what the loss chose as it ran (a MaxSim kernel, or why not)
+        "loss_notes": list(trainer.built_loss.notes) if trainer.built_loss is not None else [],
         "throughput": trainer.meter.totals(),
         "lora": lora,
         "throughput_per_interval": trainer.meter.history,

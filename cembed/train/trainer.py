@@ -627,6 +627,8 @@ class RunLogCallback(TrainerCallback):
         step_loss: ``step -> that optimizer step's loss`` (:meth:`CembedTrainer.step_loss`, reduced
             over the ranks), called at every step end on every rank (it may be a collective) for
             :attr:`RunLog.step_loss`; None: not tracked.
+        notes: the loss's notes (:attr:`cembed.losses.registry.BuiltLoss.notes`): each line added to it is
+            shown and logged like an interval's line, once, at the end of the step that added it.
     """
 
     def __init__(
@@ -636,12 +638,15 @@ class RunLogCallback(TrainerCallback):
         log_path: Path | None = None,
         on_line: Callable[[str], None] | None = None,
         step_loss: Callable[[int], float | None] | None = None,
+        notes: list[str] | None = None,
     ) -> None:
         self.log = log
         self.samples_per_step = samples_per_step
         self.log_path = log_path
         self.on_line = on_line
         self.step_loss = step_loss
+        self.notes = notes if notes is not None else []
+        self._noted = 0  # notes shown so far
         self._lr = float("nan")  # the LR of the step in progress
         self._logged = 0  # the step of the last logged loss (the start step before the first)
 
@@ -668,6 +673,15 @@ class RunLogCallback(TrainerCallback):
         self.log.step_lr = self._lr
         if loss is not None:
             self.log.step_loss = loss
+        for line in self.notes[self._noted :]:
+            self._emit(line)
+        self._noted = len(self.notes)
+
+    def _emit(self, line: str) -> None:
+        if self.on_line is not None:
+            self.on_line(line)
+        if self.log_path is not None:
+            append_log(self.log_path, line)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -680,11 +694,7 @@ class RunLogCallback(TrainerCallback):
         since, self._logged = self._logged, state.global_step
         if not state.is_world_process_zero:
             return
-        line = progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs, since)
-        if self.on_line is not None:
-            self.on_line(line)
-        if self.log_path is not None:
-            append_log(self.log_path, line)
+        self._emit(progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs, since))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.ended = self.log.clock.clock()

@@ -264,6 +264,7 @@ COMPLETED_ONLY = {
     "samples_seen",
     "steps_this_run",
     "samples_this_run",
+    "loss_notes",
     "wall_time_s",
     "samples_per_s",
     "train_loss",
