@@ -30,8 +30,12 @@ lint: install
 	$(VENV)/bin/lint-imports --no-cache
 	@find cembed -name '*.py' | xargs wc -l | awk '$$2 != "total" && $$1 > 600 {print "note: " $$2 " has " $$1 " lines (over 600: one concept still?)"}'
 
+# Two pytest-xdist workers, a test file at a time on each (--dist loadfile: a module's shared fixture, such
+# as the elastic runs, is built once): CI has 2 cores, and most slow tests are one process's Python (a CLI
+# run's imports, a tiny model's steps) that leaves the other core idle. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 demo: install
 	$(VENV)/bin/cembed train configs/quickstart.yaml
