@@ -32,6 +32,7 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 
 INT32_MAX = 2**31 - 1
+DENSE_BLOCK_ROWS = 4096  # rows of a dense column summed at a time (column_sums)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -195,11 +196,15 @@ class SparseRows:
     def column_sums(self, row_weight: torch.Tensor | None = None) -> torch.Tensor:
         """``(width,)`` in :func:`compute_dtype`: ``sum_i row_weight_i * w_ij`` (each row's weight 1 without
         ``row_weight``), differentiable in ``values``."""
-        values = self.values.to(compute_dtype(self.values.dtype))
-        if not self.is_sparse:
-            if row_weight is not None:
-                values = values * row_weight.to(values.dtype).unsqueeze(1)
-            return values.sum(dim=0)
+        dtype = compute_dtype(self.values.dtype)
+        if not self.is_sparse:  # blocks of rows: a bfloat16 column is never copied whole into float32
+            out = torch.zeros(self.width, dtype=dtype, device=self.values.device)
+            for begin in range(0, self.rows, DENSE_BLOCK_ROWS):
+                block = self.values[begin : begin + DENSE_BLOCK_ROWS].to(dtype)
+                weight = None if row_weight is None else row_weight[begin : begin + DENSE_BLOCK_ROWS].to(dtype)
+                out = out + (block.sum(dim=0) if weight is None else weight @ block)
+            return out
+        values = self.values.to(dtype)
         if row_weight is not None:
             values = values * row_weight.to(values.dtype)[self.row_ids()]
         out = torch.zeros(self.width, dtype=values.dtype, device=values.device)
