@@ -286,7 +286,12 @@ def rel_diff(a, b):
 
 
 def make_tiny_splade(
-    path: Path, activation: str = "relu", width: int | None = None, bias: float = 0.0, seed: int = 0, dropout: float = 0.0
+    path: Path,
+    activation: str = "relu",
+    width: int | None = None,
+    bias: float = 0.0,
+    seed: int = 0,
+    dropout: float = 0.0,
 ):
     """A random SPLADE ``SparseEncoder`` (a 1-layer, hidden-32 ``BertForMaskedLM`` as sentence-transformers 6.3
     builds it: ``Transformer(transformer_task="fill-mask")`` + ``SpladePooling("max", activation)``), its
