@@ -148,6 +148,10 @@ class SparseCachedSpladeLoss(CachedSpladeLoss):
         self.cache_form = cache_form
         self.sparse_counts = SparseCounts()
 
+    def get_config_dict(self) -> dict:
+        """``CachedSpladeLoss``'s configuration (the model card's loss section) and ``cache_form``."""
+        return super().get_config_dict() | {"cache_form": self.cache_form}
+
     def forward_cached(self, sentence_features, labels=None) -> torch.Tensor:
         """GradCache's three steps (sentence-transformers' ``CachedLossMixin.forward_cached``), each
         mini-batch's embeddings kept as :class:`SparseRows` and the cached gradient at their active

@@ -295,6 +295,10 @@ def test_refuses_what_it_does_not_compute(models):
         SparseCachedSpladeLoss(
             model, SparseMultipleNegativesRankingLoss(model), document_regularizer_weight=1, cache_form="csr"
         )
+    config = SparseCachedSpladeLoss(
+        model, SparseMultipleNegativesRankingLoss(model), document_regularizer_weight=1, mini_batch_size=5
+    ).get_config_dict()
+    assert (config["mini_batch_size"], config["document_regularizer_weight"], config["cache_form"]) == (5, 1, "auto")
 
 
 def test_calculate_loss_on_dense_reps_matches_stock(models):
