@@ -56,13 +56,16 @@ class LossConfig(_Strict):
 
     Each loss is a subclass with ``name: Literal["<name>"] = "<name>"``, its own fields, and the
     ``uses_gradient_cache`` capability (True: the loss embeds in mini-batches of
-    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it). Subclasses are
+    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it) and ``consumes``, what
+    a text must become for it to train (:attr:`cembed.config.model.ModelConfig.output`: ``vector`` by
+    default, the dense kind's; a config whose ``model.kind`` makes something else is refused). Subclasses are
     registered by name in :data:`LOSS_CONFIGS` (:func:`register_loss_config`, or
     ``cembed.losses.registry.register_loss`` with its builder); :func:`loss_config` builds the registered
     class for a ``name``.
     """
 
     uses_gradient_cache: ClassVar[bool] = False
+    consumes: ClassVar[frozenset[str]] = frozenset({"vector"})
 
     name: str = DEFAULT_LOSS
     scale: PositiveFloat = 20.0
@@ -203,6 +206,36 @@ class MNRLLossConfig(MNRLOptionsConfig):
     name: Literal["mnrl"] = "mnrl"
 
 
+class CachedMaxSimLossConfig(LossConfig):
+    """``cached_maxsim``: in-batch negatives InfoNCE over MaxSim scores for a multi-vector model
+    (``model.kind: multi_vector``), with GradCache: sentence-transformers'
+    ``CachedMultiVectorMultipleNegativesRankingLoss`` (same loss and gradients), its token vectors cached
+    ragged (no padding) and MaxSim computed in tiles of at most `score_query_tokens` query tokens by
+    `score_document_tokens` document tokens (`score_document_rows` documents at a time), so the scoring
+    memory is bounded by the tiles, not the batch (:mod:`cembed.model.maxsim`). The tiles change memory
+    and speed only, never the result. `scale`: ``1 / temperature``; MaxSim sums over query tokens, so
+    the library's default is 1, not the cosine losses' 20."""
+
+    uses_gradient_cache: ClassVar[bool] = True
+    consumes: ClassVar[frozenset[str]] = frozenset({"token_vectors"})
+
+    name: Literal["cached_maxsim"] = "cached_maxsim"
+    scale: PositiveFloat = 1.0
+    score_query_tokens: PositiveInt = 2048
+    score_document_tokens: PositiveInt = 8192
+    score_document_rows: PositiveInt = 2048
+
+    @model_validator(mode="after")
+    def _maxsim_options(self) -> CachedMaxSimLossConfig:
+        if self.symmetric:
+            raise ValueError("symmetric is not an option of cached_maxsim (queries and documents are encoded apart)")
+        if self.matryoshka is not None:
+            raise ValueError(
+                "matryoshka is not an option of cached_maxsim (a multi-vector model's tokens keep their size)"
+            )
+        return self
+
+
 # name -> LossConfig subclass; `loss.name` in a config picks one.
 LOSS_CONFIGS: dict[str, type[LossConfig]] = {}
 
@@ -238,3 +271,4 @@ def loss_config(**fields: Any) -> LossConfig:
 register_loss_config(CachedMNRLLossConfig)
 register_loss_config(MNRLLossConfig)
 register_loss_config(CachedGISTLossConfig)
+register_loss_config(CachedMaxSimLossConfig)

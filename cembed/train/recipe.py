@@ -40,6 +40,7 @@ from cembed.distributed.group import backend_for, dist_info, init_distributed, l
 from cembed.errors import RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, display_path, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
+from cembed.model.kinds.lookup import kind_of
 from cembed.model.load import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.model.lora import adapter_facts, finish_lora, is_lora
 from cembed.model.prompts import RolePrompts, set_trained_prompts
@@ -357,7 +358,8 @@ def build_components(
     # The sampler only yields whole global batches and these never get a gradient, so DDP needs no
     # unused-parameter search: they are frozen, or (a resume of a run begun on one process, whose
     # optimizer holds them) ignored by DDP (preflight.freezes_unused).
-    unused = unused_parameters(model, data.sample_texts()) if freeze or plan.world_size > 1 else []  # every column
+    outputs = kind_of(model).text_outputs
+    unused = unused_parameters(model, data.sample_texts(), outputs=outputs) if freeze or plan.world_size > 1 else []
     if freeze:
         freeze_parameters(model, unused)
     elif plan.world_size > 1 and cfg.distributed.strategy == "ddp":

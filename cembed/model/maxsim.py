@@ -1,0 +1,337 @@
+"""MaxSim (late interaction, Khattab & Zaharia 2020, arXiv:2004.12832) over ragged token vectors, in tiles.
+
+A text of a multi-vector model is a set of token vectors. Here a column of texts is :class:`RaggedTokens`:
+the scored token vectors of all rows end to end (``values``, ``(tokens, dim)``) and the row offsets
+(``offsets``, ``rows + 1``): no padding anywhere, whatever the lengths. The score of query ``q`` and
+document ``d`` is ``sum_{s in q} max_{t in d} <q_s, d_t>`` (sentence-transformers' ``maxsim``: a document
+with no token scores ``-1e9``; ``length_normalize`` divides by the query's token count, MeanMaxSim, the
+``-1e9`` too).
+
+Tiles. Queries are cut into tiles of whole rows holding at most ``Tiles.query_tokens`` tokens (at least
+one row); documents into chunks of at most ``Tiles.document_rows`` consecutive rows, each read in token
+tiles of at most ``Tiles.document_tokens`` tokens of the flat ``values`` (a tile may end inside a
+document: a long document spans tiles). For each (query tile, document chunk) a running max per
+(query token, document) is kept over the chunk's token tiles, and the chunk's scores update a running
+(online) log-sum-exp per query (Milakov & Gimelshein 2018, arXiv:1805.02867), so neither the
+``(queries, documents)`` score matrix nor any ``(query tokens, document tokens)`` similarity beyond one
+tile is ever materialised. Scoring memory, besides the inputs and their gradients, is bounded by the tiles:
+
+    at most 4 bytes x (3 x Sq x Td + 3 x Sq x Rd) + 32 bytes x queries
+
+for ``Sq = max(query_tokens, longest query)``, ``Td = document_tokens``, ``Rd = document_rows`` (the
+tile's similarities, their hit mask and weights; the running max, its gradient and a claim mask; four
+numbers per query), whatever the batch.
+
+:func:`maxsim_infonce` is InfoNCE over these scores (``CachedMultiVectorMultipleNegativesRankingLoss``'s
+loss: ``mean_i [logsumexp_j(scale s_ij) - scale s_i,label_i]``) as one autograd Function whose backward
+recomputes each tile's similarities and sends each (query token, document) pair's gradient to the one
+document token that held its max (the first in token order on a tie, as ``torch.max`` returns) — again
+without the full similarity tensor. :func:`maxsim_scores` is the forward alone, for retrieval.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+EMPTY_DOCUMENT_SCORE = -1e9  # sentence-transformers' score of a document with no scored token
+
+
+@dataclass(frozen=True)
+class RaggedTokens:
+    """Token vectors of ``rows`` texts end to end: ``values`` ``(tokens, dim)`` and ``offsets`` (a
+    host list of ``rows + 1`` ints: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``)."""
+
+    values: torch.Tensor
+    offsets: list[int]
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+    @classmethod
+    def from_lengths(cls, values: torch.Tensor, lengths) -> RaggedTokens:
+        """From ``values`` and each row's token count (a tensor or a list)."""
+        counts = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + int(n))
+        if offsets[-1] != values.shape[0]:
+            raise ValueError(f"{values.shape[0]} token vectors but the lengths sum to {offsets[-1]}")
+        return cls(values, offsets)
+
+    @classmethod
+    def from_padded(cls, embeddings: torch.Tensor, mask: torch.Tensor) -> RaggedTokens:
+        """From a padded ``(rows, width, dim)`` tensor and its ``(rows, width)`` scoring mask."""
+        mask = mask.bool()
+        return cls.from_lengths(embeddings[mask], mask.sum(dim=1))
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How MaxSim is cut (see the module docstring): query tiles of at most ``query_tokens`` tokens (whole
+    rows), document chunks of at most ``document_rows`` rows read in tiles of ``document_tokens`` tokens."""
+
+    query_tokens: int = 2048
+    document_tokens: int = 8192
+    document_rows: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("query_tokens", "document_tokens", "document_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Tiles.{name} must be at least 1, got {getattr(self, name)}")
+
+    def bound_bytes(self, longest_query: int, queries: int) -> int:
+        """The scoring memory bound of the module docstring, in bytes."""
+        sq = max(self.query_tokens, longest_query)
+        return 4 * (3 * sq * self.document_tokens + 3 * sq * self.document_rows) + 32 * queries
+
+
+def query_tiles(offsets: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive ``(first row, end row)`` ranges of whole rows holding at most ``max_tokens`` tokens
+    each (a longer row alone)."""
+    tiles, begin = [], 0
+    rows = len(offsets) - 1
+    while begin < rows:
+        end = begin + 1
+        while end < rows and offsets[end + 1] - offsets[begin] <= max_tokens:
+            end += 1
+        tiles.append((begin, end))
+        begin = end
+    return tiles
+
+
+def document_tiles(offsets: list[int], tiles: Tiles) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """``(first row, end row, token tiles)`` per chunk of at most ``tiles.document_rows`` rows, its
+    tokens ``offsets[first]:offsets[end]`` cut into ``(begin, end)`` ranges of at most
+    ``tiles.document_tokens`` tokens (a range may end inside a document)."""
+    out = []
+    rows = len(offsets) - 1
+    for j0 in range(0, rows, tiles.document_rows):
+        j1 = min(rows, j0 + tiles.document_rows)
+        t0, t1 = offsets[j0], offsets[j1]
+        token_tiles = [(t, min(t1, t + tiles.document_tokens)) for t in range(t0, t1, tiles.document_tokens)]
+        out.append((j0, j1, token_tiles))
+    return out
+
+
+def _row_ids(offsets: list[int], begin: int, end: int, device) -> torch.Tensor:
+    """For the rows ``begin:end``: each of their tokens' row index minus ``begin`` (long, on ``device``)."""
+    counts = torch.tensor([offsets[i + 1] - offsets[i] for i in range(begin, end)], device=device)
+    return torch.repeat_interleave(torch.arange(end - begin, device=device), counts)
+
+
+class _Chunk:
+    """One (query tile, document chunk) pair: its running max per (query token, document), its scores
+    and the backward of the running max. Holds one tile's similarities at most (the chunk's only tile,
+    reused by the backward), dropped by :meth:`release`."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, d_offsets: list[int], j0: int, j1: int, token_tiles):
+        self.q, self.d, self.offsets, self.j0, self.j1, self.token_tiles = q, d, d_offsets, j0, j1, token_tiles
+        lengths = torch.tensor([d_offsets[j + 1] - d_offsets[j] for j in range(j0, j1)], device=q.device)
+        self.empty = lengths == 0
+        self.similarities: torch.Tensor | None = None  # kept when the chunk is one token tile
+
+    def tile(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token tile ``t0:t1``: ``(similarities (Sq, T) float32, each token's chunk-local document
+        (T,), each token's tile-local column where its document starts within the tile (T,))``."""
+        first = bisect.bisect_right(self.offsets, t0) - 1  # the document holding token t0
+        last = bisect.bisect_left(self.offsets, t1)  # one past the document holding token t1 - 1
+        while first < last and self.offsets[first + 1] <= t0:  # skip documents without tokens
+            first += 1
+        starts = [max(self.offsets[j], t0) for j in range(first, last)]
+        ends = [min(self.offsets[j + 1], t1) for j in range(first, last)]
+        counts = torch.tensor([e - b for b, e in zip(starts, ends)], device=self.q.device)
+        docs = torch.repeat_interleave(torch.arange(first - self.j0, last - self.j0, device=self.q.device), counts)
+        seg = torch.repeat_interleave(torch.tensor([b - t0 for b in starts], device=self.q.device), counts)
+        if self.similarities is None:
+            sim = (self.q @ self.d[t0:t1].T).float()
+        else:
+            sim = self.similarities
+        return sim, docs, seg
+
+    def running_max(self) -> torch.Tensor:
+        """``(Sq, documents)`` float32: each query token's max similarity to each document of the chunk
+        (``-inf`` for a document without tokens), over the chunk's token tiles."""
+        sq = self.q.shape[0]
+        rmax = torch.full((sq, self.j1 - self.j0), float("-inf"), device=self.q.device)
+        for t0, t1 in self.token_tiles:
+            sim, docs, _ = self.tile(t0, t1)
+            rmax.scatter_reduce_(1, docs.expand(sq, -1), sim, "amax", include_self=True)
+            if len(self.token_tiles) == 1:
+                self.similarities = sim
+        return rmax
+
+    def release(self) -> None:
+        """Drop the kept similarities."""
+        self.similarities = None
+
+    def scores(self, rmax: torch.Tensor, q_rows: torch.Tensor, n_rows: int, divide: torch.Tensor | None):
+        """``(query rows, documents)`` float32 MaxSim scores from the running max (``divide``: the query
+        token counts, for MeanMaxSim)."""
+        total = torch.zeros(n_rows, rmax.shape[1], device=rmax.device).index_add_(
+            0, q_rows, rmax.masked_fill(self.empty, 0.0)
+        )
+        total = total.masked_fill(self.empty, EMPTY_DOCUMENT_SCORE)  # then divided, as sentence-transformers does
+        return total / divide[:, None] if divide is not None else total
+
+    def backward(self, rmax: torch.Tensor, dmax: torch.Tensor, dq: torch.Tensor, dd: torch.Tensor) -> None:
+        """Add to ``dq`` (this query tile's tokens, in place) and ``dd`` (all document tokens) the
+        gradient of the running max, ``dmax`` ``(Sq, documents)``: each (query token, document) pair's
+        goes to the first token of the document that reached the max."""
+        sq = self.q.shape[0]
+        claimed = torch.zeros(sq, self.j1 - self.j0, dtype=torch.int8, device=self.q.device)
+        for t0, t1 in self.token_tiles:
+            sim, docs, seg = self.tile(t0, t1)
+            index = docs.expand(sq, -1)
+            hit = (sim == rmax.gather(1, index)) & (claimed.gather(1, index) == 0)
+            # The first hit of each document within this tile: a running count per document segment.
+            count = hit.to(torch.int32).cumsum(dim=1)
+            before = torch.where(seg > 0, count.gather(1, (seg - 1).clamp_min(0).expand(sq, -1)), 0)
+            first = hit & (count - before == 1)
+            claimed.scatter_reduce_(1, index, first.to(torch.int8), "amax", include_self=True)
+            weights = first.to(dmax.dtype) * dmax.gather(1, index)
+            dq += weights @ self.d[t0:t1].float()
+            dd[t0:t1] += weights.T @ self.q.float()
+
+
+def _query_tiles(queries: RaggedTokens, documents: RaggedTokens, tiles: Tiles):
+    """Each query tile ``(r0, r1, a0, a1, token rows, chunks)``; ``chunks`` yields its document chunks
+    (:class:`_Chunk`) one at a time."""
+    d_tiles = document_tiles(documents.offsets, tiles)
+    for r0, r1 in query_tiles(queries.offsets, tiles.query_tokens):
+        a0, a1 = queries.offsets[r0], queries.offsets[r1]
+        q = queries.values[a0:a1]
+        rows = _row_ids(queries.offsets, r0, r1, q.device)
+        chunks = (_Chunk(q, documents.values, documents.offsets, *dt) for dt in d_tiles)
+        yield r0, r1, a0, a1, rows, chunks
+
+
+def _token_counts(queries: RaggedTokens, device) -> torch.Tensor:
+    counts = torch.tensor(queries.offsets[1:], device=device) - torch.tensor(queries.offsets[:-1], device=device)
+    return counts.float().clamp_min(1.0)
+
+
+@torch.no_grad()
+def maxsim_scores(
+    queries: RaggedTokens, documents: RaggedTokens, tiles: Tiles = Tiles(), length_normalize: bool = False
+) -> torch.Tensor:
+    """``(queries, documents)`` float32 MaxSim scores (sentence-transformers' ``maxsim`` of the same
+    vectors), computed in tiles. The returned matrix is the only thing that grows with both counts: a
+    retrieval scores one block of queries at a time."""
+    out = torch.empty(queries.rows, documents.rows, device=queries.values.device)
+    counts = _token_counts(queries, queries.values.device) if length_normalize else None
+    for r0, r1, _a0, _a1, rows, chunks in _query_tiles(queries, documents, tiles):
+        divide = counts[r0:r1] if counts is not None else None
+        for chunk in chunks:
+            out[r0:r1, chunk.j0 : chunk.j1] = chunk.scores(chunk.running_max(), rows, r1 - r0, divide)
+            chunk.release()
+    return out
+
+
+class _MaxSimInfoNCE(torch.autograd.Function):
+    """InfoNCE over tiled MaxSim scores; see :func:`maxsim_infonce`."""
+
+    @staticmethod
+    def forward(ctx, q_values, d_values, q_offsets, d_offsets, labels, scale, length_normalize, tiles, divisor):
+        queries, documents = RaggedTokens(q_values, q_offsets), RaggedTokens(d_values, d_offsets)
+        device = q_values.device
+        counts = _token_counts(queries, device) if length_normalize else None
+        lse = torch.empty(queries.rows, device=device)
+        positive = torch.empty(queries.rows, device=device)
+        for r0, r1, _a0, _a1, rows, chunks in _query_tiles(queries, documents, tiles):
+            n = r1 - r0
+            top = torch.full((n,), float("-inf"), device=device)
+            total = torch.zeros(n, device=device)
+            label = labels[r0:r1]
+            divide = counts[r0:r1] if counts is not None else None
+            for chunk in chunks:
+                logits = scale * chunk.scores(chunk.running_max(), rows, n, divide)
+                chunk.release()
+                new_top = torch.maximum(top, logits.max(dim=1).values)
+                total = total * torch.exp(top - new_top) + torch.exp(logits - new_top[:, None]).sum(dim=1)
+                top = new_top
+                inside = (label >= chunk.j0) & (label < chunk.j1)
+                local = (label - chunk.j0).clamp(0, chunk.j1 - chunk.j0 - 1)
+                positive[r0:r1] = torch.where(inside, logits.gather(1, local[:, None])[:, 0], positive[r0:r1])
+            lse[r0:r1] = top + torch.log(total)
+        ctx.save_for_backward(q_values, d_values, labels, lse)
+        ctx.setup = (q_offsets, d_offsets, scale, length_normalize, tiles, divisor)
+        return (lse - positive).sum() / divisor
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_values, d_values, labels, lse = ctx.saved_tensors
+        q_offsets, d_offsets, scale, length_normalize, tiles, divisor = ctx.setup
+        queries, documents = RaggedTokens(q_values, q_offsets), RaggedTokens(d_values, d_offsets)
+        device = q_values.device
+        dq = torch.zeros(q_values.shape, dtype=torch.float32, device=device)
+        dd = torch.zeros(d_values.shape, dtype=torch.float32, device=device)
+        counts = _token_counts(queries, device) if length_normalize else None
+        weight = grad.float() / divisor
+        for r0, r1, a0, a1, rows, chunks in _query_tiles(queries, documents, tiles):
+            n = r1 - r0
+            label = labels[r0:r1]
+            divide = counts[r0:r1] if counts is not None else None
+            for chunk in chunks:
+                rmax = chunk.running_max()
+                logits = scale * chunk.scores(rmax, rows, n, divide)
+                dlogits = torch.exp(logits - lse[r0:r1, None])
+                inside = (label >= chunk.j0) & (label < chunk.j1)
+                local = (label - chunk.j0).clamp(0, chunk.j1 - chunk.j0 - 1)
+                dlogits.scatter_add_(1, local[:, None], -inside.float()[:, None])
+                dscores = (dlogits * (weight * scale)).masked_fill(chunk.empty, 0.0)
+                if divide is not None:
+                    dscores = dscores / divide[:, None]
+                dmax = dscores[rows].masked_fill(chunk.empty, 0.0)
+                chunk.backward(rmax, dmax, dq[a0:a1], dd)
+                chunk.release()
+        return dq.to(q_values.dtype), dd.to(d_values.dtype), None, None, None, None, None, None, None
+
+
+def maxsim_infonce(
+    queries: RaggedTokens,
+    documents: RaggedTokens,
+    labels: torch.Tensor,
+    scale: float = 1.0,
+    length_normalize: bool = False,
+    tiles: Tiles = Tiles(),
+    divisor: int | None = None,
+) -> torch.Tensor:
+    """InfoNCE of each query against every document by MaxSim, summed and divided by ``divisor``.
+
+    ``sum_i [logsumexp_j(scale * s_ij) - scale * s_i,labels_i] / divisor``, with ``s`` the MaxSim
+    scores (:func:`maxsim_scores`): sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss``
+    on the same scores when ``divisor`` is the number of queries (its default here). Differentiable
+    with respect to ``queries.values`` and ``documents.values`` (a custom autograd Function: the backward
+    recomputes every tile, so no score matrix is kept).
+
+    Args:
+        queries: the queries' token vectors.
+        documents: every candidate document's token vectors (positives, hard negatives, other ranks').
+        labels: ``(queries,)`` long: the index (among ``documents``' rows) of each query's positive.
+        scale: ``1 / temperature``.
+        length_normalize: MeanMaxSim (each score divided by its query's token count).
+        tiles: the tile sizes (they change the memory, never the result beyond float rounding).
+        divisor: what the summed loss is divided by (the local batch's rows); default the query count.
+
+    Raises:
+        ValueError: ``labels`` is not one index per query, or an index is out of range.
+    """
+    if labels.shape != (queries.rows,):
+        raise ValueError(f"labels: expected ({queries.rows},) positives, got {tuple(labels.shape)}")
+    if queries.rows and (int(labels.min()) < 0 or int(labels.max()) >= documents.rows):
+        raise ValueError(f"labels must index the {documents.rows} documents")
+    return _MaxSimInfoNCE.apply(
+        queries.values,
+        documents.values,
+        queries.offsets,
+        documents.offsets,
+        labels,
+        float(scale),
+        bool(length_normalize),
+        tiles,
+        divisor if divisor is not None else max(queries.rows, 1),
+    )
