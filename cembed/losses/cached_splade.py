@@ -40,7 +40,7 @@ from sentence_transformers.sparse_encoder.losses import CachedSpladeLoss, FlopsL
 from sentence_transformers.util import dot_score
 
 from cembed.losses.counts import SparseCounts
-from cembed.losses.sparse_rows import GatheredRows, SparseRows, assemble, compute_dtype, gather_rows
+from cembed.losses.sparse_rows import SPARSE_ROWS, GatheredRows, SparseRows, assemble, compute_dtype, gather_rows
 
 CACHE_FORMS = ("auto", "sparse", "dense")
 
@@ -140,6 +140,8 @@ class SparseCachedSpladeLoss(CachedSpladeLoss):
             ``cache_form``.
     """
 
+    row_ops = SPARSE_ROWS  # a column's cached rows are SparseRows (cembed.losses.reps)
+
     def __init__(self, *args, cache_form: str = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         check_supported(self)
@@ -158,7 +160,7 @@ class SparseCachedSpladeLoss(CachedSpladeLoss):
         coordinates; the replay is the library's own backward hook."""
         features = list(sentence_features)
         grad_enabled = torch.is_grad_enabled()
-        ranges = [_minibatch_ranges(f, self.mini_batch_size, self.mini_batch_num_tokens) for f in features]
+        ranges = [self.column_ranges(f) for f in features]
         columns, random_states = [], []
         for index, (feature, column_ranges) in enumerate(zip(features, ranges)):
             parts, states = [], []
@@ -170,12 +172,13 @@ class SparseCachedSpladeLoss(CachedSpladeLoss):
                 self.sparse_counts.add(index, part.rows, part.active(), part.nbytes, part.is_sparse)
                 parts.append(part)
                 states.append(state)
-            columns.append(assemble(parts, self.cache_form))
+            columns.append(self.to_original_order(index, assemble(parts, self.cache_form)))
             random_states.append(states)
         if not grad_enabled:
             return self.sparse_loss(columns, labels)[0]
         loss, grads = self.sparse_loss(columns, labels, with_backward=True)
         del columns
+        grads = [self.to_sorted_order(index, grad) for index, grad in enumerate(grads)]
         cache = [MiniBatchGrads(grad, column_ranges) for grad, column_ranges in zip(grads, ranges)]
         loss = loss.detach().requires_grad_()
         loss.register_hook(
@@ -189,6 +192,20 @@ class SparseCachedSpladeLoss(CachedSpladeLoss):
             )
         )
         return loss
+
+    def column_ranges(self, feature: dict) -> list[tuple[int, int]]:
+        """The ``(begin, end)`` mini-batches of one column: ``mini_batch_size`` rows, or the library's
+        ``mini_batch_num_tokens`` budget (cembed's :class:`~cembed.losses.length_sorted.LengthSortedMixin`
+        cuts its own)."""
+        return _minibatch_ranges(feature, self.mini_batch_size, self.mini_batch_num_tokens)
+
+    def to_original_order(self, index: int, column: SparseRows) -> SparseRows:
+        """Column ``index``'s rows in the batch's row order: as embedded (cembed's length sorting reorders)."""
+        return column
+
+    def to_sorted_order(self, index: int, column: SparseRows) -> SparseRows:
+        """The inverse of :meth:`to_original_order`."""
+        return column
 
     def calculate_loss(self, reps, labels=None, *, with_backward: bool = False) -> torch.Tensor:
         """The ``CachedLossMixin`` contract on dense mini-batch embeddings ``reps`` (one list of

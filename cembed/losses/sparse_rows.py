@@ -169,6 +169,23 @@ class SparseRows:
         lo, hi = (int(v) for v in self.crow[[begin, end]].tolist())
         return SparseRows(self.values[lo:hi], self.width, self.crow[begin : end + 1] - lo, self.col[lo:hi])
 
+    def take(self, index: torch.Tensor) -> SparseRows:
+        """Rows ``index`` (``(n,)`` int64), in that order, as a new ``SparseRows`` of the same form (a copy;
+        the sparse form gathers each row's stored coordinates: ``O(nnz)``, one host read of the new size)."""
+        index = index.to(self.values.device)
+        if not self.is_sparse:
+            return SparseRows(self.values.index_select(0, index), self.width)
+        lengths = self.row_active().index_select(0, index)
+        crow = torch.zeros(index.numel() + 1, dtype=torch.int64, device=index.device)
+        torch.cumsum(lengths, 0, out=crow[1:])
+        nnz = int(crow[-1])
+        starts = self.crow.to(torch.int64).index_select(0, index)
+        # Position p of the new rows reads the old position starts[row(p)] + (p - crow[row(p)]).
+        row = torch.repeat_interleave(torch.arange(index.numel(), device=index.device), lengths, output_size=nnz)
+        source = starts[row] + torch.arange(nnz, device=index.device) - crow[row]
+        dtype = self.crow.dtype
+        return SparseRows(self.values[source], self.width, crow.to(dtype), self.col[source])
+
     def to_dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(rows, width)``, differentiable in ``values``; ``dtype``: the values' dtype by default."""
         dtype = dtype or self.values.dtype
@@ -257,6 +274,26 @@ def assemble(parts: list[SparseRows], form: str = "auto") -> SparseRows:
         crow[row_at + 1 : row_at + part.rows + 1] = part.crow[1:] + value_at
         row_at, value_at = row_at + part.rows, value_at + n
     return SparseRows(values, width, crow, col)
+
+
+class SparseRowOps:
+    """The row operations of a cached column held as :class:`SparseRows` (:class:`cembed.losses.reps.RowOps`)."""
+
+    def cat(self, parts: list[SparseRows]) -> SparseRows:
+        return assemble(list(parts))
+
+    def take(self, column: SparseRows, index: torch.Tensor) -> SparseRows:
+        return column.take(index)
+
+    def split(self, column: SparseRows, sizes: list[int]) -> list[SparseRows]:
+        out, at = [], 0
+        for size in sizes:
+            out.append(column.slice(at, at + size))
+            at += size
+        return out
+
+
+SPARSE_ROWS = SparseRowOps()
 
 
 def _all_gather_padded(tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:

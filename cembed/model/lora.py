@@ -44,7 +44,7 @@ def backbone_holder(model):
 
 def is_lora(model) -> bool:
     """Whether ``model``'s backbone is wrapped with LoRA adapters by :func:`apply_lora`."""
-    return type(backbone_holder(model).model).__name__.startswith("Peft")
+    return type(getattr(backbone_holder(model), "model", None)).__name__.startswith("Peft")
 
 
 def apply_lora(model, options, seed: int = 0) -> None:
