@@ -164,6 +164,19 @@ def encoder_shape(model) -> tuple[int, int, int]:
     return n, layers, width
 
 
+def head_flops_per_token(model) -> float:
+    """Forward FLOPs per token the model's kind adds beyond :func:`encoder_shape`'s encoder (SPLADE's tied
+    vocabulary projection, a multi-vector projection): :meth:`cembed.model.kinds.registry.ModelKind.head_flops_per_token`;
+    0 for a model of no registered kind."""
+    from cembed.model.kinds.lookup import kind_of
+
+    try:
+        kind = kind_of(model)
+    except ValueError:
+        return 0.0
+    return float(kind.head_flops_per_token(model))
+
+
 def forward_passes(cached: bool) -> int:
     """Forward-pass equivalents per row of a step: 4 for a loss that caches gradients (a no-grad
     forward, then forward and backward), 3 for one forward/backward (a backward costs two forwards)."""
@@ -181,6 +194,7 @@ def build_flop_model(model, cached: bool, precision: str, device: str, peak_tflo
         peak_tflops: ``train.peak_tflops``: the peak in TFLOP/s per device, overriding the table.
     """
     n, layers, width = encoder_shape(model)
+    n += int(head_flops_per_token(model) // 2)  # 2 N per token: a head's FLOPs as N's weights
     passes = forward_passes(cached)
     if peak_tflops is not None:
         peak, source = peak_tflops * 1e12, "train.peak_tflops"

@@ -532,6 +532,19 @@ class RunLog:
         return self.clock.samples_per_s(samples_per_step)
 
 
+def sparse_cache_text(stats: dict, sep: str = ", ") -> str:
+    """A sparse model's cache statistics of the meter (``active_dims_*``, ``cache_bytes_per_row``,
+    ``dense_fallback_share``) as text, ``""`` without them."""
+    if stats.get("cache_bytes_per_row") is None:
+        return ""
+    query, document = stats.get("active_dims_query"), stats.get("active_dims_document")
+    dims = "/".join("-" if v is None else f"{v:.0f}" for v in (query, document))
+    return (
+        f"{sep}active dims {dims} (query/document){sep}cache {stats['cache_bytes_per_row']:,.0f} B/row"
+        f"{sep}dense fallback {100 * (stats.get('dense_fallback_share') or 0):.0f}%"
+    )
+
+
 def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict) -> str:
     """One logging interval as text: step, loss, LR, samples/s and the meter's statistics (model
     TFLOP/s and MFU when the meter has them)."""
@@ -547,6 +560,7 @@ def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int,
         meter += f"  MFU {100 * logs['mfu']:.1f}%"
     if "masked_share" in logs:  # a false-negative filter: share of in-batch candidates left out
         meter += f"  masked {100 * logs['masked_share']:.2f}%"
+    meter += sparse_cache_text(logs, "  ")
     return (
         f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
         f"{log.samples_per_s(samples_per_step):.1f} samples/s{meter}"

@@ -74,7 +74,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     from cembed.model.load import load_model, quiet_libraries, weight_dtypes
     from cembed.train import estimate as est
     from cembed.train.facts import run_facts
-    from cembed.train.flops import encoder_shape
+    from cembed.train.flops import encoder_shape, head_flops_per_token
     from cembed.train.recipe import check_run_inputs
 
     transformers_logging.disable_progress_bar()
@@ -100,6 +100,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
         bool(path.packed), None if path.cached else collator.width,
     )  # fmt: skip
     n, layers, width = encoder_shape(model)
+    n += int(head_flops_per_token(model) // 2)  # the kind's head (SPLADE's vocabulary projection) as weights
     devices = plan.world_size
 
     measured = calibrate_rate(cfg, calibrate) if calibrate else None

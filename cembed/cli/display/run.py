@@ -306,6 +306,7 @@ def print_done(console: Console, summary: dict) -> None:
     """The closing lines of a completed run."""
     from cembed.files import format_bytes
     from cembed.train.flops import format_flops
+    from cembed.train.trainer import sparse_cache_text
 
     steps, here = summary["steps"], summary.get("steps_this_run", summary["steps"])
     trained = (
@@ -323,7 +324,7 @@ def print_done(console: Console, summary: dict) -> None:
         mfu = f", MFU {100 * t['mfu']:.1f}%" if t.get("mfu") is not None else " (no device peak: MFU not computed)"
         console.print(
             f"throughput: {t['tokens_per_s']:.0f} tok/s, model {format_flops(t['flops_per_s'])}{mfu}, "
-            f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%",
+            f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%" + sparse_cache_text(t),
             highlight=False,
         )
     print_stream_counts(console, summary)

@@ -1,0 +1,65 @@
+"""A sparse model trains through cembed's whole run (issue 41 item 3): ``model.kind: sparse`` with its
+default loss ``cached_splade``; the regularizer weights ramp up as sentence-transformers' scheduler callback
+ramps them (the trainer runs the loss's callback, with the config's schedule); the meter reports the
+sparse cache (active dimensions per column, bytes per row, dense fallbacks) and counts the MLM head's
+FLOPs; the saved folder loads in plain sentence-transformers as a ``SparseEncoder`` and gives the trained
+model's sparse embeddings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import distinct_pairs, make_tiny_splade
+from sentence_transformers import SparseEncoder
+
+from cembed.config.file import config_from_dict
+from cembed.train import recipe as T
+from cembed.train.flops import encoder_shape
+
+pytestmark = pytest.mark.slow  # trains
+
+STEPS, WARMUP = 4, 0.5
+
+
+def test_a_sparse_run_ramps_its_regularizers_meters_its_cache_and_saves_a_sparse_encoder(tmp_path, pairs_file):
+    make_tiny_splade(tmp_path / "m", bias=-0.2)
+    cfg = config_from_dict(
+        {
+            "model": {"kind": "sparse", "name_or_path": str(tmp_path / "m" / "hf"), "device": "cpu"},
+            "data": {"train": str(pairs_file(distinct_pairs(64)))},
+            "batch": {"per_device_train_batch_size": 16, "mini_batch_size": 8},
+            "loss": {
+                "regularizer_warmup_ratio": WARMUP,
+                "regularizer_schedule": "linear",
+                "query_regularizer_weight": 0.1,
+            },
+            "train": {"output_dir": str(tmp_path / "run"), "max_steps": STEPS, "logging_steps": 1},
+            "optim": {"learning_rate": 1e-3},
+        }
+    )
+    assert cfg.loss.name == "cached_splade"
+    plan, data = T.check_run_inputs(cfg)
+    seen, trainers = [], []
+
+    class Recording(T.CembedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            trainers[:] = [self]
+            loss = self.loss
+            seen.append((self.state.global_step, loss.document_regularizer_weight, loss.query_regularizer_weight))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    summary = T.run_training(cfg, plan, data, trainer_cls=Recording)
+    # linear warm-up over int(4 * 0.5) = 2 steps: 0, half, then the full weights
+    assert seen == [(0, 0.0, 0.0), (1, 1.5e-5, 0.05), (2, 3e-5, 0.1), (3, 3e-5, 0.1)]
+    t = summary["throughput"]
+    assert 0 < t["active_dims_query"] <= 127 and 0 < t["active_dims_document"] <= 127
+    assert t["cache_bytes_per_row"] > 0 and 0.0 <= t["dense_fallback_share"] <= 1.0
+    model = SparseEncoder(str(tmp_path / "run"), device="cpu")
+    n, _, _ = encoder_shape(model)
+    assert t["flop_model"]["non_embedding_params"] == n + 32 * 127  # the tied decoder's hidden x vocab
+    texts = ["question number 3", "answer text 7 and more words"]
+    trained = trainers[0].model.eval()
+    for encode in ("encode_query", "encode_document"):
+        mine = getattr(trained, encode)(texts, convert_to_tensor=True).to_dense()
+        plain = getattr(model, encode)(texts, convert_to_tensor=True).to_dense()
+        assert (mine != 0).any() and torch.allclose(plain, mine, atol=1e-5, rtol=0)
