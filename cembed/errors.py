@@ -8,6 +8,7 @@
   unreachable); ``validate`` warns and goes on, ``train`` stops.
 - :class:`RunFailed`: training stopped on a problem in the run itself (a non-finite loss); exit 3.
 - :class:`RunInterrupted`: SIGINT/SIGTERM stopped training after a checkpoint; exit 128 + signal.
+- :class:`RunAbandoned`: a second SIGINT/SIGTERM stopped the run at once, nothing more saved; exit 128 + signal.
 - :class:`LauncherSignalled`: the launcher of several processes got SIGTERM/SIGINT; exit 128 + signal.
 - :class:`WorkerFailed`: a launched worker process failed and the launcher stopped the others.
 """
@@ -49,15 +50,50 @@ class RunFailed(UserError):
 
 
 class RunInterrupted(Exception):
-    """Training stopped on SIGINT/SIGTERM after saving a checkpoint."""
+    """Training stopped on SIGINT/SIGTERM after saving a checkpoint.
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}")
+    Attributes:
+        stage: None for a stop after a step; after the last step, the part of the run's end that was
+            not done (``"final save"``, ``"evaluation"``): a resume from ``checkpoint`` finishes it.
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None, stage: str | None = None) -> None:
+        self.signum, self.step, self.checkpoint, self.stage = signum, step, checkpoint, stage
+        where = f"after the last step ({step}), before the {stage}" if stage else f"at step {step}"
+        super().__init__(f"interrupted by {signal.Signals(signum).name} {where}")
 
     @property
     def exit_code(self) -> int:
         return 128 + self.signum  # shell convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class RunAbandoned(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM while the run finished its step, or its end after the last step: it stops
+    at once and saves nothing more. A KeyboardInterrupt, so that no library's ``except Exception``
+    takes it for an error of its own.
+
+    Attributes:
+        signum: the second signal.
+        step: the optimizer step abandoned: being trained, or trained and its checkpoint being saved
+            (not saved either way); None for a first signal after the last step.
+        stage: the part of the run's end abandoned (``"evaluation"``; set by the recipe), if it had begun.
+    """
+
+    def __init__(self, signum: int, step: int | None = None, stage: str | None = None) -> None:
+        self.signum, self.step, self.stage = signum, step, stage
+        super().__init__(f"second {signal.Signals(signum).name}")
+
+    @property
+    def what(self) -> str:
+        """What was abandoned: ``the evaluation`` (a part of the run's end), ``step 4`` (its training or
+        its checkpoint), else ``the end of training``."""
+        if self.stage:
+            return f"the {self.stage}"
+        return f"step {self.step}" if self.step is not None else "the end of training"
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 class LauncherSignalled(Exception):
@@ -89,10 +125,13 @@ class WorkerFailed(Exception):
         rank: global rank of the first worker that failed.
         exitcode: its exit code (negative: killed by that signal).
         message: its recorded error (``Type: message``), or a pointer to its output above.
+        restarts: how often the job was restarted before this failure (``--max-restarts``).
+        not_restarted: restarts were left, but this failure was not restarted (a user error).
     """
 
-    def __init__(self, rank: int, exitcode: int, message: str) -> None:
+    def __init__(self, rank: int, exitcode: int, message: str, restarts: int = 0, not_restarted: bool = False) -> None:
         self.rank, self.exitcode, self.message = rank, exitcode, message
+        self.restarts, self.not_restarted = restarts, not_restarted
         super().__init__(f"rank {rank} failed with exit code {exitcode}: {message}")
 
 

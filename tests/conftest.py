@@ -74,6 +74,29 @@ def make_tiny_model(
     return st_dir
 
 
+def make_static_model(
+    path: Path, dim: int = 16, seed: int = 0, truncation: int | None = None, prompts: dict | None = None
+) -> Path:
+    """Build and save a random StaticEmbedding SentenceTransformer (an embedding bag over the tiny
+    uncased WordPiece vocabulary of :func:`make_tiny_model`; ``max_seq_length`` infinite) at ``path``;
+    ``truncation``: the tokenizer's own limit (tokens), ``prompts``: the model's prompts."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    from transformers import BertTokenizerFast
+
+    chars = list(string.ascii_lowercase + string.digits + ".,'!?-")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + WORDS
+    tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+    torch.manual_seed(seed)
+    module = StaticEmbedding(tokenizer, embedding_dim=dim)
+    if truncation is not None:
+        module.tokenizer.enable_truncation(max_length=truncation)
+    model = SentenceTransformer(modules=[module], device="cpu", prompts=prompts)
+    model.save(str(path))
+    return Path(path)
+
+
 def make_other_kind_folders(path: Path, st_dir: Path) -> dict[str, Path]:
     """Save the three other sentence-transformers model types built on the tiny BERT of ``st_dir``
     (:func:`make_tiny_model`) under ``path``: ``SparseEncoder`` (MLM head + SPLADE max pooling),

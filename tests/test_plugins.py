@@ -62,7 +62,8 @@ def plugin_site(tmp_path, monkeypatch):
     registrations and the record of loaded plugins are gone."""
     site = tmp_path / "site"
     site.mkdir()
-    loaded = dict(plugins.LOADED)
+    loaded, modules = dict(plugins.LOADED), dict(plugins.MODULES)
+    sources, losses = dict(SOURCE_CONFIGS), dict(LOSS_CONFIGS)
     names: list[str] = []
 
     def install(name: str, files: dict[str, str], points: dict[str, str]) -> None:
@@ -73,10 +74,13 @@ def plugin_site(tmp_path, monkeypatch):
     yield install
     plugins.LOADED.clear()
     plugins.LOADED.update(loaded)
+    plugins.MODULES.clear()
+    plugins.MODULES.update(modules)
     for module in [m for m in sys.modules if m.split(".")[0] in names]:
         del sys.modules[module]
-    SOURCE_CONFIGS.pop("counted", None)
-    LOSS_CONFIGS.pop("module_loss", None)
+    for registry, before in ((SOURCE_CONFIGS, sources), (LOSS_CONFIGS, losses)):
+        registry.clear()
+        registry.update(before)
 
 
 def test_a_callable_plugin_registers_a_kind_once_before_the_config_validates(plugin_site, tmp_path):
@@ -85,7 +89,7 @@ def test_a_callable_plugin_registers_a_kind_once_before_the_config_validates(plu
     cfg = config_from_dict({"data": {"train": {"kind": "counted", "rows": 3}}}, base=tmp_path)
     assert type(cfg.data.train).__name__ == "CountedSource" and cfg.data.train.rows == 3
     assert isinstance(cfg.data.train, SourceConfig)
-    assert plugins.load_plugins()["counted"] == "counting:register"
+    assert plugins.load_plugins()[("counting", "counted")] == "counting:register"
     config_from_dict({"data": {"train": {"kind": "counted", "rows": 4}}}, base=tmp_path)
     assert sys.modules["counting"].CALLS == [1]  # run once per process, however many configs are read
 
@@ -109,10 +113,10 @@ def test_a_plugin_that_fails_to_load_is_one_line_naming_it(plugin_site, write_co
         load_config(path)
     message = str(err.value)
     assert message == (
-        "cembed plugin 'sql' (broken:register, entry point group cembed.plugins) failed to load: "
-        "ModuleNotFoundError: No module named 'not_installed_anywhere'"
+        "cembed plugin 'sql' of distribution 'broken' (broken:register, entry point group cembed.plugins) failed "
+        "to load: ModuleNotFoundError: No module named 'not_installed_anywhere'"
     )
-    assert "sql" not in plugins.LOADED  # a later command tries again (and says the same)
+    assert ("broken", "sql") not in plugins.LOADED  # a later command tries again (and says the same)
 
 
 def test_a_plugin_whose_registration_fails_is_named_too(plugin_site, tmp_path):
@@ -132,7 +136,8 @@ def test_a_plugin_whose_registration_fails_is_named_too(plugin_site, tmp_path):
     plugin_site("clash", {"clash.py": clash}, {"clash": "clash:register"})
     with pytest.raises(
         UserError,
-        match=r"^cembed plugin 'clash' \(clash:register, .*\) failed to load: ValueError: source kind 'file' is already registered \(FileSource\)$",
+        match=r"^cembed plugin 'clash' of distribution 'clash' \(clash:register, .*\) failed to load: ValueError: "
+        r"source kind 'file' is already registered \(FileSource\)$",
     ):
         config_from_dict({"data": {"train": "x.jsonl"}}, base=tmp_path)
 
@@ -146,3 +151,136 @@ def test_without_plugins_nothing_is_loaded(tmp_path):
 def test_an_unknown_kind_still_lists_the_registered_ones(tmp_path):
     with pytest.raises(UserError, match="'file', 'hub', 'beir', 'prepared'"):
         config_from_dict({"data": {"train": {"kind": "counted", "rows": 3}}}, base=tmp_path)
+
+
+# --- issue 39 item 3: what a plugin does at import, and plugins identified by distribution --------
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        # argparse at import parses cembed's (here pytest's) command line: usage on stderr, exit 2
+        (
+            "import argparse\nargparse.ArgumentParser(prog='exiting').parse_args(['--nope'])\n",
+            "SystemExit(2): it tried to end the process while loading (its output, if any, is above)",
+        ),
+        ("import sys\nsys.exit('bye')\n", "SystemExit('bye'): it tried to end the process while loading"),
+        ("class Odd(BaseException):\n    pass\n\nraise Odd('not an Exception')\n", "Odd: not an Exception"),
+    ],
+    ids=["argparse", "sys.exit", "BaseException"],
+)
+def test_a_plugin_that_exits_at_import_is_one_line_naming_it_and_its_distribution(
+    plugin_site, tmp_path, source, reason
+):
+    plugin_site("exiting-plugin", {"exiting.py": source}, {"exiter": "exiting:register"})
+    with pytest.raises(UserError) as err:
+        config_from_dict({"data": {"train": "x.jsonl"}}, base=tmp_path)
+    assert str(err.value).startswith(
+        "cembed plugin 'exiter' of distribution 'exiting-plugin' (exiting:register, entry point group "
+        f"cembed.plugins) failed to load: {reason}"
+    ), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_keyboard_interrupt_while_a_plugin_loads_is_not_swallowed(plugin_site, tmp_path):
+    plugin_site("interrupted", {"interrupted.py": "raise KeyboardInterrupt\n"}, {"stop": "interrupted"})
+    with pytest.raises(KeyboardInterrupt):
+        config_from_dict({"data": {"train": "x.jsonl"}}, base=tmp_path)
+
+
+CHATTY = """
+    import os
+
+    print("chatty plugin: importing")
+    os.write(1, b"chatty plugin: a C extension's output\\n")
+
+
+    def register():
+        print("chatty plugin: registering")
+"""
+
+
+def test_what_a_plugin_prints_while_loading_goes_to_stderr(plugin_site, capfd):
+    plugin_site("chatty", {"chatty.py": CHATTY}, {"chatty": "chatty:register"})
+    print("before")
+    plugins.load_plugins()
+    print("after")
+    out, err = capfd.readouterr()
+    assert out == "before\nafter\n"
+    assert err.splitlines() == [
+        "chatty plugin: importing",
+        "chatty plugin: a C extension's output",
+        "chatty plugin: registering",
+    ]
+
+
+def test_validate_json_stays_one_object_with_a_plugin_that_prints(
+    plugin_site, write_config, pairs_file, tiny_model_dir, tmp_path
+):
+    import json
+
+    from conftest import distinct_pairs
+    from typer.testing import CliRunner
+
+    from cembed.cli.app import app
+
+    plugin_site("chatty", {"chatty.py": CHATTY.replace("os.write(1,", "print(")}, {"chatty": "chatty:register"})
+    config = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(distinct_pairs(32)))},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+            "train": {"output_dir": str(tmp_path / "run")},
+        }
+    )
+    r = CliRunner().invoke(app, ["validate", str(config), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["data"]["rows"] == 32  # stdout is the one JSON object, nothing else
+    assert "chatty plugin: importing" in r.stderr and "chatty plugin: registering" in r.stderr
+
+
+def _kind_plugin(kind: str, cls: str) -> str:
+    return f"""
+        from typing import Literal
+
+        from cembed.config.sources import SourceConfig, register_source_config
+
+
+        class {cls}(SourceConfig):
+            kind: Literal["{kind}"] = "{kind}"
+            rows: int
+
+            def default_name(self) -> str:
+                return "{kind}"
+
+
+        def register():
+            register_source_config({cls})
+    """
+
+
+def test_two_distributions_with_the_same_entry_point_name_both_load(plugin_site, tmp_path):
+    plugin_site("kind-alpha", {"kind_alpha.py": _kind_plugin("alpha", "Alpha")}, {"extra": "kind_alpha:register"})
+    plugin_site("kind-beta", {"kind_beta.py": _kind_plugin("beta", "Beta")}, {"extra": "kind_beta:register"})
+    for kind, cls in (("alpha", "Alpha"), ("beta", "Beta")):
+        cfg = config_from_dict({"data": {"train": {"kind": kind, "rows": 2}}}, base=tmp_path)
+        assert type(cfg.data.train).__name__ == cls
+    assert {k: v for k, v in plugins.LOADED.items() if k[1] == "extra"} == {
+        ("kind-alpha", "extra"): "kind_alpha:register",
+        ("kind-beta", "extra"): "kind_beta:register",
+    }
+
+
+def test_two_plugins_registering_one_kind_is_one_line_naming_both(plugin_site, tmp_path):
+    plugin_site("sql-one", {"sql_one.py": _kind_plugin("sql", "SqlOne")}, {"sql": "sql_one:register"})
+    plugin_site("sql-two", {"sql_two.py": _kind_plugin("sql", "SqlTwo")}, {"sql": "sql_two:register"})
+    with pytest.raises(UserError) as err:
+        config_from_dict({"data": {"train": "x.jsonl"}}, base=tmp_path)
+    (first,) = [dist for dist, name in plugins.LOADED if name == "sql"]  # the directory's order decides
+    second, cls = ("sql-two", "SqlOne") if first == "sql-one" else ("sql-one", "SqlTwo")
+    module = second.replace("-", "_")
+    assert str(err.value) == (
+        f"cembed plugin 'sql' of distribution '{second}' ({module}:register, entry point group cembed.plugins) "
+        f"failed to load: ValueError: source kind 'sql' is already registered ({cls}, from cembed plugin 'sql' of "
+        f"distribution '{first}')"
+    )

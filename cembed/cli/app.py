@@ -31,9 +31,10 @@ from cembed.cli.commands import (
     validate,
 )
 from cembed.cli.commands import eval as evaluate
-from cembed.cli.common import err_console, user_errors
+from cembed.cli.common import Command, Group, err_console, filter_library_warnings, user_errors
 
 app = typer.Typer(
+    cls=Group,  # and each command's cls=Command: no <bool> beside -h/--help
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -62,23 +63,28 @@ def _options(
 ) -> None:
     # The app's own options, before any command; no docstring: the help is the Typer's ``help``.
     del version  # handled eagerly by its callback
+    filter_library_warnings()  # the edge of cembed's output: no library deprecation note reaches it
 
 
-app.command("suggest-lr", epilog=suggest_lr.SUGGEST_LR_EXAMPLES)(user_errors(suggest_lr.suggest_lr_cmd))
-app.command("validate", epilog=validate.VALIDATE_EXAMPLES)(user_errors(validate.validate_cmd))
-app.command("init", epilog=init.INIT_EXAMPLES)(user_errors(init.init_cmd))
-app.command("inspect-data", epilog=inspect_data.INSPECT_DATA_EXAMPLES)(user_errors(inspect_data.inspect_data_cmd))
-app.command("train", epilog=train.TRAIN_EXAMPLES)(user_errors(train.train_cmd))
-app.command("probe-minibatch", epilog=probe_minibatch.PROBE_MINIBATCH_EXAMPLES)(
+app.command("suggest-lr", cls=Command, epilog=suggest_lr.SUGGEST_LR_EXAMPLES)(user_errors(suggest_lr.suggest_lr_cmd))
+app.command("validate", cls=Command, epilog=validate.VALIDATE_EXAMPLES)(user_errors(validate.validate_cmd))
+app.command("init", cls=Command, epilog=init.INIT_EXAMPLES)(user_errors(init.init_cmd))
+app.command("inspect-data", cls=Command, epilog=inspect_data.INSPECT_DATA_EXAMPLES)(
+    user_errors(inspect_data.inspect_data_cmd)
+)
+app.command("train", cls=Command, epilog=train.TRAIN_EXAMPLES)(user_errors(train.train_cmd))
+app.command("probe-minibatch", cls=Command, epilog=probe_minibatch.PROBE_MINIBATCH_EXAMPLES)(
     user_errors(probe_minibatch.probe_minibatch_cmd)
 )
-app.command("eval", epilog=evaluate.EVAL_EXAMPLES)(user_errors(evaluate.eval_cmd))
-app.command("mine-negatives", epilog=mine_negatives.MINE_NEGATIVES_EXAMPLES)(
+app.command("eval", cls=Command, epilog=evaluate.EVAL_EXAMPLES)(user_errors(evaluate.eval_cmd))
+app.command("mine-negatives", cls=Command, epilog=mine_negatives.MINE_NEGATIVES_EXAMPLES)(
     user_errors(mine_negatives.mine_negatives_cmd)
 )
-app.command("estimate", epilog=estimate.ESTIMATE_EXAMPLES)(user_errors(estimate.estimate_cmd))
-app.command("sweep", epilog=sweep.SWEEP_EXAMPLES)(user_errors(sweep.sweep_cmd))
-app.command("prepare-data", epilog=prepare_data.PREPARE_DATA_EXAMPLES)(user_errors(prepare_data.prepare_data_cmd))
+app.command("estimate", cls=Command, epilog=estimate.ESTIMATE_EXAMPLES)(user_errors(estimate.estimate_cmd))
+app.command("sweep", cls=Command, epilog=sweep.SWEEP_EXAMPLES)(user_errors(sweep.sweep_cmd))
+app.command("prepare-data", cls=Command, epilog=prepare_data.PREPARE_DATA_EXAMPLES)(
+    user_errors(prepare_data.prepare_data_cmd)
+)
 
 
 def main() -> None:

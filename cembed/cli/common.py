@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import warnings
 
 # Library progress bars (weights loading, shard writing) would interleave with cembed's own rich
 # progress; tqdm reads this at import time, so it is set before anything imports tqdm.
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, List, Literal, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from cembed.errors import UserError
 
@@ -57,10 +60,47 @@ LRRule = Literal["sqrt", "linear"]  # cembed.plan.lr.Rule without "none"
 OutputFormat = Literal["columns", "rows"]  # cembed.data.mining.OutputFormat
 
 
+# Warnings the command line never shows (unless Python is told to: ``-W``, ``PYTHONWARNINGS``): every
+# deprecation note (the libraries' own, e.g. transformers' ``is_gradient_checkpointing`` FutureWarning
+# that peft triggers; a user cannot act on one) and the libraries' UserWarnings; cembed's own stay.
+_HIDDEN = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+_NOT_CEMBED = r"(?!cembed(\.|$))"  # a warning's module: anything but cembed's
+
+
+def filter_library_warnings() -> None:
+    """Install the command line's warning filters (:data:`_HIDDEN` from any module, UserWarning from
+    any module but cembed's), at the edge of cembed's output: the app's callback runs it before every
+    command. Nothing when the user asked for warnings (``python -W ...``, ``PYTHONWARNINGS``)."""
+    if sys.warnoptions:
+        return
+    for category in _HIDDEN:
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", category=UserWarning, module=_NOT_CEMBED)
+
+
 def flag(default: bool, names: str, *short: str, help: str):
     """A boolean option declared as ``--name/--no-name`` (``names``) with an empty metavar: typer
     would otherwise print ``<bool>`` beside it, as if the flag took a value."""
     return typer.Option(default, names, *short, metavar="", help=help)
+
+
+class _BareHelpOption:
+    """The ``-h/--help`` row without a metavar: typer would print ``<bool>`` beside it, as if the
+    flag took a value (the same reason :func:`flag` clears a boolean option's)."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Command(_BareHelpOption, TyperCommand):
+    """Every command's class (``app.command(cls=Command)``): its ``--help`` row shows no ``<bool>``."""
+
+
+class Group(_BareHelpOption, TyperGroup):
+    """The app's class (``typer.Typer(cls=Group)``): ``cembed --help``'s own row shows no ``<bool>``."""
 
 
 def examples(*commands: str) -> str:

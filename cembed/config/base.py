@@ -1,10 +1,13 @@
 """The base class of every config section, and the registration rule of the kinds a YAML file names
 (source kinds, losses)."""
 
+from functools import partial
 from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import PydanticUndefined
+
+from cembed.plugins import plugin_of
 
 
 class Strict(BaseModel):
@@ -30,9 +33,18 @@ def register_by_literal(registry: dict, cls: Any, base: type, field: str, what: 
         raise TypeError(f"{cls.__name__}.{field}: declare it as {field}: Literal['<{field}>'] = '<{field}>'")
     key = values[0]
     if registry.get(key, cls) is not cls:
-        raise ValueError(f"{what} {key!r} is already registered ({registry[key].__name__})")
+        raise ValueError(f"{what} {key!r} is already registered ({registered_by(registry[key])})")
     registry[key] = cls
     return cls
+
+
+def registered_by(obj: Any) -> str:
+    """How a refusal names what holds a registry's name: the class or function, and the plugin that
+    brought it in (:func:`cembed.plugins.plugin_of`), so two plugins' clash names both."""
+    obj = obj.func if isinstance(obj, partial) else obj
+    owner = plugin_of(obj)
+    name = getattr(obj, "__name__", None) or type(obj).__name__
+    return f"{name}, from {owner}" if owner else name
 
 
 def registered(registry: dict, key: Any, what: str) -> type:

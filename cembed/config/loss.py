@@ -36,6 +36,15 @@ class MatryoshkaConfig(_Strict):
         return self
 
 
+def matryoshka_dims_problem(dims: list[int], size: int | None) -> str | None:
+    """Why ``loss.matryoshka.dims`` cannot train a model whose embeddings have ``size`` dimensions (a
+    dim above it: truncating to it would keep the whole embedding); None when they fit or ``size`` is
+    unknown. The one line ``validate`` and ``train`` say after ``loss.matryoshka.dims: ``."""
+    if size is None or max(dims) <= size:
+        return None
+    return f"{list(dims)}: the model's embeddings have {size} dimensions; use dims up to {size}"
+
+
 class FalseNegativeFilter(_Strict):
     """``false_negative_filter``: self-guided false-negative filtering. An in-batch candidate
     that the model itself (its no-grad embeddings of the step) scores above the anchor's positive
@@ -65,6 +74,11 @@ class LossConfig(_Strict):
     """
 
     uses_gradient_cache: ClassVar[bool] = False
+    # Fields naming a model the loss loads besides the one trained (a guide): validate checks each loads.
+    model_paths: ClassVar[tuple[str, ...]] = ()
+    # Those of them whose model must be a transformer with a transformers tokenizer (GIST's guide, whose
+    # vocabulary sentence-transformers compares with the trained model's): validate checks its modules.
+    transformer_paths: ClassVar[tuple[str, ...]] = ()
     consumes: ClassVar[frozenset[str]] = frozenset({"vector"})
 
     name: str = DEFAULT_LOSS
@@ -74,6 +88,13 @@ class LossConfig(_Strict):
     # None: true when training runs in more than one process.
     gather_across_devices: bool | None = None
     matryoshka: MatryoshkaConfig | None = None  # also train truncated embeddings (any loss)
+
+    def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str] | None:
+        """The most bytes the loss's scoring holds at once, whatever the batch, for ``queries`` query rows of
+        at most ``longest_query`` tokens (besides the cached embeddings and their gradients), and how it
+        is bounded; None: the loss states no bound (a dense loss's ``(rows, candidates)`` score matrix
+        grows with the batch)."""
+        return None
 
 
 class MNRLOptionsConfig(LossConfig):
@@ -145,7 +166,9 @@ class CachedGISTLossConfig(LossConfig):
     sentence-transformers' ``CachedGISTEmbedLoss``: a frozen ``guide`` model scores every in-batch
     candidate, and a candidate the guide scores above the anchor's positive (minus ``margin``) is left
     out of the softmax. ``guide`` is any model cembed loads (a folder, a hub id, a packaged short name
-    such as all-MiniLM-L6-v2); with a different tokenizer the texts are re-tokenized for it.
+    such as all-MiniLM-L6-v2) whose first module is a transformer (a StaticEmbedding model has no
+    transformers tokenizer, which the library needs); with a different tokenizer the texts are
+    re-tokenized for it.
 
     ``temperature``: the softmax temperature (default 0.01, the library's and the paper's); giving
     ``scale`` instead means ``temperature = 1 / scale`` (both are stored, resolved). ``contrast_anchors`` / ``contrast_positives``
@@ -153,6 +176,8 @@ class CachedGISTLossConfig(LossConfig):
     """
 
     uses_gradient_cache: ClassVar[bool] = True
+    model_paths: ClassVar[tuple[str, ...]] = ("guide",)
+    transformer_paths: ClassVar[tuple[str, ...]] = ("guide",)
 
     name: Literal["cached_gist"] = "cached_gist"
     guide: str
@@ -206,6 +231,19 @@ class MNRLLossConfig(MNRLOptionsConfig):
     name: Literal["mnrl"] = "mnrl"
 
 
+def maxsim_scoring_bytes(
+    query_tokens: int, document_tokens: int, document_rows: int, longest_query: int, queries: int
+) -> int:
+    """The scoring memory bound of tiled MaxSim (:mod:`cembed.model.maxsim`), in bytes:
+    ``4 x (3 Sq Td + 5 Sq Rd) + 32 x queries`` with ``Sq = max(query_tokens, longest_query)`` (a query
+    tile holds whole queries), ``Td = document_tokens``, ``Rd = document_rows``: a tile's similarities, one
+    gathered copy of a per-(query token, document) array and their product; the running max per (query
+    token, document), its gradient, the hits found so far and in the tile, and the scores; four numbers
+    per query (the running log-sum-exp, the positive). Pure arithmetic."""
+    sq = max(query_tokens, longest_query)
+    return 4 * (3 * sq * document_tokens + 5 * sq * document_rows) + 32 * queries
+
+
 class CachedMaxSimLossConfig(LossConfig):
     """``cached_maxsim``: in-batch negatives InfoNCE over MaxSim scores for a multi-vector model
     (``model.kind: multi_vector``), with GradCache: sentence-transformers'
@@ -221,9 +259,19 @@ class CachedMaxSimLossConfig(LossConfig):
 
     name: Literal["cached_maxsim"] = "cached_maxsim"
     scale: PositiveFloat = 1.0
-    score_query_tokens: PositiveInt = 2048
+    score_query_tokens: PositiveInt = 1024
     score_document_tokens: PositiveInt = 8192
-    score_document_rows: PositiveInt = 2048
+    score_document_rows: PositiveInt = 1024
+
+    def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str]:
+        """:func:`maxsim_scoring_bytes` of the tiles, and the tiles in words."""
+        bound = maxsim_scoring_bytes(
+            self.score_query_tokens, self.score_document_tokens, self.score_document_rows, longest_query, queries
+        )
+        return bound, (
+            f"MaxSim in tiles of {self.score_query_tokens} query x {self.score_document_tokens} document tokens, "
+            f"{self.score_document_rows} documents at a time"
+        )
 
     @model_validator(mode="after")
     def _maxsim_options(self) -> CachedMaxSimLossConfig:

@@ -8,6 +8,8 @@ class-level declarations every layer above reads instead of asking which kind it
 * ``output``: what one text becomes, the contract with a loss (``LossConfig.consumes``):
   ``vector`` (one ``(dim,)`` vector), ``token_vectors`` (a ragged set of ``(dim,)`` vectors, one per
   scored token), ``sparse_vector`` (one vocabulary-wide vector);
+* ``similarity``: how retrieval scores a query and a document (``cosine``, ``maxsim``): the evaluator
+  used and the metric keys (``<set>_<similarity>_ndcg@10``);
 * ``default_loss``: the ``loss.name`` a config that names none trains with;
 * ``model_types``: the sentence-transformers model types (``config_sentence_transformers.json``
   ``model_type``) of the saved folders it trains, its own first (a folder of a type no kind of the
@@ -60,6 +62,7 @@ class ModelConfig(_Strict):
     picks the concrete class (the dense kind's declarations are the defaults here)."""
 
     output: ClassVar[str] = "vector"
+    similarity: ClassVar[str] = "cosine"
     default_loss: ClassVar[str] = "cached_mnrl"
     model_types: ClassVar[tuple[str, ...]] = ("SentenceTransformer",)
     not_options: ClassVar[dict[str, str]] = {}
@@ -94,6 +97,10 @@ class ModelConfig(_Strict):
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in the backward pass: less memory per mini-batch, more compute"
     )
+
+    def query_tokens(self, max_seq_length: int) -> int:
+        """The most tokens a query (the first column) is given, under ``max_seq_length``."""
+        return max_seq_length
 
     def conflicts(self, config: Any) -> list[tuple[str, str]]:
         """The options of ``config`` (a :class:`cembed.config.schema.CembedConfig`) that this kind does
@@ -166,6 +173,7 @@ class MultiVectorModelConfig(ModelConfig):
     document markers (e.g. ``[Q] ``, ``[D] ``) are the `query` / `document` prompts (`data.prompts`)."""
 
     output: ClassVar[str] = "token_vectors"
+    similarity: ClassVar[str] = "maxsim"
     default_loss: ClassVar[str] = "cached_maxsim"
     model_types: ClassVar[tuple[str, ...]] = ("MultiVectorEncoder", "SentenceTransformer")
     not_options: ClassVar[dict[str, str]] = {
@@ -193,6 +201,39 @@ class MultiVectorModelConfig(ModelConfig):
     skiplist: Literal["punctuation"] | list[str] | None = Field(
         None, description="document tokens left out of MaxSim (punctuation: string.punctuation); unset: the model's"
     )
+
+    def conflicts(self, config: Any) -> list[tuple[str, str]]:
+        """:meth:`ModelConfig.conflicts`, and a streamed source: a stream is tokenized batch by batch
+        with one length and no task, not per column as a multi-vector model tokenizes its queries and
+        documents."""
+        out = super().conflicts(config)
+        for item in config.data.sources():
+            if item.source.stream_options() is not None:
+                out.append(
+                    (
+                        f"{item.key}.streaming",
+                        "not an option of model.kind multi_vector: a stream is tokenized without the query / "
+                        "document tasks; train from the files (or a prepared folder: cembed prepare-data)",
+                    )
+                )
+        return out
+
+    def query_tokens(self, max_seq_length: int) -> int:
+        """``query_expansion`` (an expanded query's exact width), else ``query_length``, else ``max_seq_length``."""
+        return self.query_expansion or self.query_length or max_seq_length
+
+    @model_validator(mode="after")
+    def _expansion_fits(self) -> MultiVectorModelConfig:
+        if (
+            self.query_expansion is not None
+            and self.query_length is not None
+            and self.query_length < self.query_expansion
+        ):
+            raise ValueError(
+                f"query_length ({self.query_length}) is smaller than query_expansion ({self.query_expansion}): an expanded "
+                "query is exactly query_expansion tokens long; drop query_length or raise it to query_expansion"
+            )
+        return self
 
 
 SPARSE_ARCHITECTURES = ("splade", "inference_free_splade", "csr")

@@ -158,6 +158,10 @@ class TrainConfig(_Strict):
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
     # Also save when this many minutes of wall time passed since the last save (preemptible machines).
     save_every_minutes: PositiveFloat | None = None
+    # Seconds a stop signal (SIGTERM, Ctrl-C) leaves before the process is killed: a signal during or
+    # after the last step finishes the run (final model, evaluation, summary) when that fits, else it
+    # stops where --resume finishes it. 90: Slurm's --signal=TERM@120 less a margin.
+    stop_grace_seconds: PositiveFloat = 90.0
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     # Processes producing batches ahead of the training loop; auto: workers for large batches when the
     # machine has a core to spare and /dev/shm holds their batches, else 0 (cembed.plan.resolve.resolve_workers).
@@ -378,8 +382,10 @@ class CembedConfig(_Strict):
 
 
 def _value_at(config: CembedConfig, dotted: str) -> Any:
-    """The value at ``section.field`` of ``config`` (None where there is none), for an error's "got"."""
+    """The value at ``section.field`` of ``config`` (None where there is none), for an error's "got"; ``{}``
+    for a value that is not a number, text or flag."""
     value: Any = config
     for part in dotted.split("."):
         value = getattr(value, part, None)
-    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+    # A section or a list is not shown (the error formatter leaves out a mapping's "got").
+    return value if isinstance(value, (str, int, float, bool)) or value is None else {}

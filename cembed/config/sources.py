@@ -1,4 +1,4 @@
-"""Source kinds as configured: ``file``, ``hub``, ``beir`` and ``prepared``, and their registry.
+"""Source kinds as configured: ``file``, ``hub``, ``beir``, ``prepared`` and ``saved``, and their registry.
 
 A kind is a :class:`SourceConfig` subclass registered by its ``kind`` literal
 (:func:`register_source_config`); :mod:`cembed.data.sources.registry` holds its loader.
@@ -22,10 +22,30 @@ from cembed.config.columns import ColumnMap
 from cembed.config.prompts import PromptsConfig
 from cembed.samples import is_sample
 
+# The compressions a text data file may carry, as datasets reads them (gzip, bzip2, xz, Zstandard:
+# .zst needs the zstandard package, cembed[zstd]).
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 # Extensions read as local files; anything else that does not exist on disk is taken as a hub id.
-LOCAL_EXTENSIONS = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".csv", ".tsv", ".parquet", ".csv.gz", ".tsv.gz")
+LOCAL_EXTENSIONS = (
+    *(text + c for text in (".jsonl", ".json", ".csv", ".tsv") for c in ("", *COMPRESSIONS)),
+    ".parquet",
+)
+# What datasets' save_to_disk writes: a Dataset's folder holds both files, a DatasetDict's the one
+# (datasets.config DATASET_STATE_JSON_FILENAME, DATASET_INFO_FILENAME, DATASETDICT_JSON_FILENAME).
+SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
+SAVED_DICT_FILE = "dataset_dict.json"
 # A file source's path holding one of these is a glob pattern (a hub id never holds them).
 GLOB_CHARACTERS = "*?["
+
+
+def saved_dataset_kind(folder: str | Path) -> Literal["Dataset", "DatasetDict"] | None:
+    """What ``datasets``' ``save_to_disk`` wrote in ``folder``, judged as ``datasets.load_from_disk``
+    judges it: ``Dataset`` (``state.json`` and ``dataset_info.json``), ``DatasetDict``
+    (``dataset_dict.json``), or None (not such a folder, or not a folder)."""
+    folder = Path(folder)
+    if all((folder / name).is_file() for name in SAVED_DATASET_FILES):
+        return "Dataset"
+    return "DatasetDict" if (folder / SAVED_DICT_FILE).is_file() else None
 
 
 def is_glob(path: str) -> bool:
@@ -144,7 +164,8 @@ class StreamingOptions(_Strict):
 
 
 class FileSource(SourceConfig):
-    """A local data file: .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet; or a sharded one:
+    """A local data file: .jsonl, .json, .csv or .tsv (each plain or compressed: .gz, .bz2, .xz, .zst) or
+    .parquet; or a sharded one:
     a folder, a glob or a list of files of one format and the same columns, read as one source."""
 
     kind: Literal["file"] = Field("file", description="source kind; inferred from path when not given")
@@ -251,6 +272,33 @@ class BeirSource(SourceConfig):
         return f"{Path(self.path).name}-{self.split}"
 
 
+class SavedSource(SourceConfig):
+    """A folder ``datasets``' ``save_to_disk`` wrote (a ``Dataset``; a ``DatasetDict``, its split picked
+    by name; or a DatasetDict's split folder), read as ``datasets.load_from_disk`` reads it: its Arrow
+    files memory-mapped. Inferred from the folder's own files (:func:`saved_dataset_kind`)."""
+
+    kind: Literal["saved"] = Field("saved", description="source kind; inferred from the folder's save_to_disk files")
+    path: str = Field(
+        description="the folder save_to_disk wrote; a relative path resolves against the config file's folder"
+    )
+    split: str | None = Field(
+        None, description="a DatasetDict's split to train on (default: train); a Dataset is one split"
+    )
+
+    path_fields: ClassVar[tuple[str, ...]] = ("path",)
+    reads_files: ClassVar[bool] = True
+
+    @property
+    def label(self) -> str:
+        """How messages and the run summary name this source: its folder (and split)."""
+        return self.path + (f" (split {self.split})" if self.split else "")
+
+    def default_name(self) -> str:
+        """The folder's name, with the split when one is given (``pairs-validation``)."""
+        name = Path(self.path).name or self.path
+        return f"{name}-{self.split}" if self.split else name
+
+
 class PreparedSource(SourceConfig):
     """A prepared source (:mod:`cembed.data.tokens.format`): a folder of token ids already tokenized for
     the model, by ``cembed prepare-data`` or another engine; YAML ``{prepared: folder}``. Its role
@@ -328,14 +376,25 @@ register_source_config(FileSource)
 register_source_config(HubSource)
 register_source_config(BeirSource)
 register_source_config(PreparedSource)
+register_source_config(SavedSource)
 
 
-def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub"]:
-    """``file`` when ``path`` names packaged data (``cembed:<name>``), exists (relative to the
-    working folder or to ``base``, the config file's folder), ends with one of
-    :data:`LOCAL_EXTENSIONS` or is a glob pattern; ``hub`` otherwise."""
-    if is_sample(path) or path.lower().endswith(LOCAL_EXTENSIONS) or is_glob(path) or Path(path).exists():
-        return "file"
-    if base is not None and (base / path).exists():
+def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "hub", "saved"]:
+    """``saved`` when ``path`` is a folder ``datasets``' ``save_to_disk`` wrote (:func:`saved_dataset_kind`);
+    ``file`` when it names packaged data (``cembed:<name>``), exists (relative to the working folder or
+    to ``base``, the config file's folder), ends with one of :data:`LOCAL_EXTENSIONS` or is a glob
+    pattern; ``hub`` otherwise."""
+    found = [p for p in (Path(path), base / path if base is not None else None) if p is not None and p.exists()]
+    if not is_sample(path) and any(saved_dataset_kind(p) for p in found[:1]):
+        return "saved"
+    if is_sample(path) or path.lower().endswith(LOCAL_EXTENSIONS) or is_glob(path) or found:
         return "file"
     return "hub"
+
+
+def local_source(path: str) -> SourceConfig:
+    """The source a command's own data path names (``cembed init --data``, ``cembed mine-negatives``):
+    a folder ``datasets``' ``save_to_disk`` wrote is a :class:`SavedSource` (read as
+    ``datasets.load_from_disk`` reads it, not as files: its ``state.json`` is no table), anything
+    else a :class:`FileSource`."""
+    return SavedSource(path=path) if infer_source_kind(path) == "saved" else FileSource(path=path)

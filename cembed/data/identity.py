@@ -11,6 +11,8 @@ duplicate for all.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import xxhash
@@ -167,3 +169,37 @@ HASH_SUFFIX = "_hash"
 def arrow_table(dataset) -> pa.Table:
     """The dataset's rows as a pyarrow Table (selections applied), without copying when possible."""
     return dataset.with_format("arrow")[:]
+
+
+def rows_digest(dataset, start: int = 0, stop: int | None = None) -> str:
+    """A 128-bit hash (xxh3, 32 hex characters) of rows ``start .. stop`` of a ``datasets.Dataset``
+    (or a ``pyarrow.Table``) by value: the column names, then each column's per-row hashes in row
+    order (text: :func:`hash_texts`; token ids: :func:`hash_token_ids`; fixed-width numbers: their
+    bytes; anything else: its JSON). Equal rows give equal digests however the table is chunked or
+    stored (memory-mapped, in memory, behind a selection); a changed cell, row or order changes it.
+    Read ``_SLICE_ROWS`` rows at a time: the whole table is read once, nothing is kept."""
+    table = dataset if isinstance(dataset, pa.Table) else None
+    rows = table.num_rows if table is not None else len(dataset)
+    stop = rows if stop is None else min(stop, rows)
+    h = xxhash.xxh3_128()
+    names = table.column_names if table is not None else dataset.column_names
+    h.update(json.dumps(list(names)).encode("utf-8"))
+    arrow = dataset.with_format("arrow") if table is None else None
+    for begin in range(start, stop, _SLICE_ROWS):
+        end = min(stop, begin + _SLICE_ROWS)
+        part = table.slice(begin, end - begin) if table is not None else arrow[begin:end]
+        for name in names:
+            h.update(_column_hashes(part.column(name)).tobytes())
+    return h.hexdigest()
+
+
+def _column_hashes(column) -> np.ndarray:
+    kind = column.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return hash_texts(column)
+    if column.null_count == 0:
+        if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type):
+            return hash_token_ids(column)
+        if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+            return np.ascontiguousarray(column.to_numpy())
+    return hash_texts([json.dumps(v, sort_keys=True, default=str) for v in column.to_pylist()])

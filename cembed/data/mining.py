@@ -49,14 +49,15 @@ import contextlib
 import gzip
 import io
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cembed.config.sources import FileSource, SourceConfig
-from cembed.errors import UserError
+from cembed.config.sources import SourceConfig, local_source
+from cembed.errors import UserError, first_line
 
 OutputFormat = Literal["columns", "rows"]
 _SKIPPED = re.compile(r"Skipped ([\d,]+) potential negatives \([^)]*\) due to the (\w+) of")
@@ -136,7 +137,9 @@ class MiningReport:
 
 def _mined_source(data):
     """``(source config, how messages name it)`` of ``mine_negatives``' ``data``: a path (or
-    ``cembed:<sample>``) is a file source; a source config of a kind that :attr:`~cembed.config.sources.SourceConfig.can_mine`.
+    ``cembed:<sample>``) is a file source, or a saved source for a ``save_to_disk`` folder
+    (:func:`cembed.config.sources.local_source`); a source config of a kind that
+    :attr:`~cembed.config.sources.SourceConfig.can_mine`.
 
     Raises:
         UserError: a source config of a kind that cannot be mined.
@@ -144,7 +147,7 @@ def _mined_source(data):
     from cembed.samples import resolve_sample
 
     if not isinstance(data, SourceConfig):  # the command line's path
-        return FileSource(path=str(resolve_sample(data) or data)), data
+        return local_source(str(resolve_sample(data) or data)), data
     if not data.can_mine:
         raise UserError(f"{data.label}: a {data.kind} source cannot be mined (mine-negatives reads text pairs)")
     return data, data.label
@@ -187,15 +190,57 @@ def canonical_texts(texts: list[str], hashes) -> tuple[dict[str, str], int]:
 
 
 def _identity_hashes(model, texts: list[str]):
-    """The texts' token-id hashes under ``model``'s tokenizer and ``max_seq_length``, as the
-    no-duplicates sampler computes them; a model without a tokenizer compares raw text."""
+    """The texts' token-id hashes as ``model`` sees them, as the no-duplicates sampler computes them.
+
+    A transformers tokenizer (the Transformer module) truncates at the model's ``max_seq_length``;
+    where the model has no finite one (None, or a module that reads any length), at the tokenizer's
+    own ``model_max_length`` when that is a real limit, else not at all (every token is seen). A
+    ``tokenizers`` tokenizer (StaticEmbedding's: its ``max_seq_length`` is infinite) gives the ids
+    its module embeds, ``encode_batch`` without special tokens and with its own truncation, if it
+    has one (:func:`_static_hashes`). A model without a tokenizer compares raw text."""
     from cembed.data.identity import hash_texts
     from cembed.data.tokens.encode import text_hashes
 
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return hash_texts(texts)
-    return text_hashes(tokenizer, texts, int(model.max_seq_length))
+    if not callable(tokenizer) and hasattr(tokenizer, "encode_batch"):  # a tokenizers.Tokenizer
+        return _static_hashes(tokenizer, texts)
+    return text_hashes(tokenizer, texts, token_limit(getattr(model, "max_seq_length", None), tokenizer))
+
+
+# transformers' VERY_LARGE_INTEGER (int(1e30)) marks a tokenizer saved without a length limit; any
+# model_max_length this large is no limit either.
+_NO_LIMIT = 10**12
+
+
+def token_limit(max_seq_length, tokenizer) -> int:
+    """Tokens per text a model with ``max_seq_length`` (a number, ``inf`` or None) and a transformers
+    ``tokenizer`` sees: the finite ``max_seq_length``, else the tokenizer's ``model_max_length`` when
+    it is a real limit, else every token (:data:`_NO_LIMIT`)."""
+    for limit in (max_seq_length, getattr(tokenizer, "model_max_length", None)):
+        if isinstance(limit, (int, float)) and math.isfinite(limit) and 0 < limit < _NO_LIMIT:
+            return int(limit)
+    return _NO_LIMIT
+
+
+def _static_hashes(tokenizer, texts: list[str]):
+    """Hashes (:func:`cembed.data.identity.hash_token_ids`) of the ids a ``tokenizers.Tokenizer``
+    gives ``texts`` the way StaticEmbedding calls it (``encode_batch``, no special tokens, the
+    tokenizer's own truncation), shape ``(len(texts),)`` uint64."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cembed.data.identity import hash_token_ids
+
+    out = np.empty(len(texts), dtype=np.uint64)
+    for start in range(0, len(texts), _HASH_SLICE):
+        part = tokenizer.encode_batch(texts[start : start + _HASH_SLICE], add_special_tokens=False)
+        out[start : start + len(part)] = hash_token_ids(pa.array([e.ids for e in part], type=pa.list_(pa.int64())))
+    return out
+
+
+_HASH_SLICE = 65_536  # texts tokenized at once (bounds the id lists held)
 
 
 def exclusion_pairs(anchors: list[str], positives: list[str], groups: list | None = None) -> tuple[list, int, int]:
@@ -301,7 +346,7 @@ def mine_negatives(
         "num_negatives": num_negatives,
         "batch_size": batch_size,
     }
-    mined, log = _run_library(mined_input, model, prompts, settings, output_format, cache)
+    mined, log = _run_library(mined_input, model, model_name, prompts, settings, output_format, cache)
     skipped, range_max = _read_library_log(log, range_max)
     rows, neg_cols, short = _output_rows(
         mined, pairs, canon, anchor_column, positive_column, num_negatives, output_format
@@ -363,9 +408,14 @@ def _check_arguments(
         )
 
 
-def _run_library(mined_input, model, prompts, settings: dict, output_format: str, cache: Path | None):
+def _run_library(mined_input, model, model_name: str, prompts, settings: dict, output_format: str, cache: Path | None):
     """sentence-transformers' ``mine_hard_negatives`` on the pairs (and the added exclusion pairs),
-    its printed statistics captured. Returns ``(mined dataset, non-empty printed lines)``."""
+    its printed statistics captured. Returns ``(mined dataset, non-empty printed lines)``.
+
+    Raises:
+        UserError: the library refused the arguments or failed (one line: its exception's type and
+            first line, naming ``--model``), never its traceback.
+    """
     from sentence_transformers.util import mine_hard_negatives
 
     captured = io.StringIO()
@@ -385,7 +435,12 @@ def _run_library(mined_input, model, prompts, settings: dict, output_format: str
                 **settings,
             )
     except ValueError as err:  # sentence-transformers' own argument checks (rank range vs corpus)
-        raise UserError(f"mine-negatives: {err}") from None
+        raise UserError(f"mine-negatives: {' '.join(str(err).split())}") from None
+    except Exception as err:  # noqa: BLE001 - any other library failure is one line, not its traceback
+        raise UserError(
+            f"mine-negatives --model {model_name}: sentence-transformers' mine_hard_negatives failed: "
+            f"{type(err).__name__}: {first_line(err)}"
+        ) from None
     return mined, [line for line in captured.getvalue().splitlines() if line.strip()]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from cembed.config.columns import ColumnMap
 from cembed.config.schema import ModelConfig
-from cembed.config.sources import FileSource, SourceConfig, infer_source_kind
+from cembed.config.sources import FileSource, SourceConfig, infer_source_kind, local_source
 from cembed.data.batching.full_table import build_batches
 from cembed.data.batching.placement import sampler_hashes
 from cembed.data.inspect import inspect_batches
@@ -197,13 +197,13 @@ def propose_batch_size(
 
 def _init_source(data: Path | SourceConfig) -> tuple[SourceConfig, Path | str]:
     """``(source config, how the report names it)`` of ``make_starter``'s ``data``: a path is a file
-    source; a source config of a kind that :attr:`~cembed.config.sources.SourceConfig.can_init`.
+    source, or a saved source for a ``save_to_disk`` folder (:func:`cembed.config.sources.local_source`); a source config of a kind that :attr:`~cembed.config.sources.SourceConfig.can_init`.
 
     Raises:
         UserError: a source config of a kind ``init`` cannot read.
     """
     if not isinstance(data, SourceConfig):  # the command line's path
-        return FileSource(path=str(data)), Path(data)
+        return local_source(str(data)), Path(data)
     if not data.can_init:
         raise UserError(f"{data.label}: cembed init cannot read a {data.kind} source (it proposes text columns)")
     return data, data.label

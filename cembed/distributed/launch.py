@@ -5,13 +5,23 @@ launcher (``torch.distributed.run``, the code behind ``torchrun``).
   ``--node-rank``, ``--rdzv-endpoint`` passed through) and turn a failed worker into
   :class:`~cembed.errors.WorkerFailed` naming the rank and its error. The launcher stops the other
   workers as soon as one fails.
+- :class:`RestartPolicy`: with ``--max-restarts``, torch's elastic agent restarts the workers after
+  any failure; cembed's agent restarts them only where a restart can help (a crash, a killed rank, a
+  collective timeout), not after a user error (exit code 2: a config or data mistake, found while
+  loading or at any later step, fails every attempt alike). Each restart is announced and recorded
+  for the run's summary (:func:`restarts_record`).
 - :func:`record_worker_error`: write a worker's exception where the launcher reads it, so the
   launching process can show the failing rank's message.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from cembed.errors import LauncherSignalled, UserError, WorkerFailed
 
@@ -23,17 +33,156 @@ from cembed.errors import LauncherSignalled, UserError, WorkerFailed
 # round's rank 0 on a fresh port; with it the restart resumes and finishes (tests/distributed/test_preemption.py).
 FRESH_STORE_PER_RESTART = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
+# Set by launch() for its workers: the launching process shows their failures and signals in one line
+# (a worker then does not print the same line again).
+LAUNCHED_BY_CEMBED = "CEMBED_LAUNCHER"
+# The restarts so far (JSON, a list of restart_entry dicts), set by the launching process for the
+# workers of each restart: run_summary.json records them.
+RESTARTS_ENV = "CEMBED_RESTARTS"
+# A worker's exit codes no restart can change: 2, a UserError (a config or data mistake).
+NO_RESTART_EXIT_CODES = frozenset({2})
 
-def record_worker_error(err: BaseException) -> None:
-    """Write ``err`` to the error file the launcher reads (``$TORCHELASTIC_ERROR_FILE``), so the
-    launching process can name the failing rank and show its message. A no-op outside a launcher."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+
+def launched_by_cembed() -> bool:
+    """Whether this process is a worker that ``cembed train --nproc-per-node``'s launcher started."""
+    return os.environ.get(LAUNCHED_BY_CEMBED) == "1"
+
+
+def restartable(exitcode: int) -> bool:
+    """Whether a worker that ended with ``exitcode`` may succeed when restarted: not after a user
+    error (:data:`NO_RESTART_EXIT_CODES`); after a crash (1), a failed run (3: a collective timeout,
+    a lost peer) or a signal (negative: a killed process) yes."""
+    return exitcode not in NO_RESTART_EXIT_CODES
+
+
+def failure_reason(rank: int, exitcode: int, message: str | None) -> str:
+    """A failed worker in a few words: ``rank 1 killed by SIGKILL``, ``rank 0 exited with code 3: <its
+    error's first line>``."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"rank {rank} killed by {name}"
+    text = (message or "").strip().splitlines()[0][:200] if (message or "").strip() else ""
+    return f"rank {rank} exited with code {exitcode}" + (f": {text}" if text else "")
+
+
+@dataclass
+class RestartPolicy:
+    """What cembed's elastic agent does when the workers fail (``--max-restarts``).
+
+    Args:
+        max_restarts: restarts allowed.
+        resume_point: the checkpoint a restart resumes from, as shown (``checkpoint-4``), or None
+            (no complete checkpoint yet: the restart starts again).
+        announce: shows one line (``restart 1 of 2: resuming from checkpoint-4 (rank 1 killed by SIGKILL)``).
+    """
+
+    max_restarts: int
+    resume_point: Callable[[], str | None] = lambda: None
+    announce: Callable[[str], None] = lambda line: None
+    restarts: list[dict] = field(default_factory=list)  # what each restart resumed from and why
+    refused: str | None = None  # why the last failure was not restarted (a user error)
+
+    def restart(self, rank: int, exitcode: int, message: str | None) -> bool:
+        """Whether to restart after rank ``rank`` (the first to fail) ended with ``exitcode`` and
+        ``message``; a restart is announced and recorded (also in ``$CEMBED_RESTARTS`` for the workers)."""
+        reason = failure_reason(rank, exitcode, message)
+        if not restartable(exitcode):
+            self.refused = reason
+            return False
+        if len(self.restarts) >= self.max_restarts:
+            return False
+        point = self.resume_point()
+        entry = {"restart": len(self.restarts) + 1, "of": self.max_restarts, "resumed_from": point, "reason": reason}
+        self.restarts.append(entry)
+        os.environ[RESTARTS_ENV] = json.dumps(self.restarts)
+        self.announce(restart_line(entry))
+        return True
+
+
+def restart_line(entry: dict) -> str:
+    """``restart k of N: resuming from checkpoint-S (reason)`` (or ``starting again``, no checkpoint yet)."""
+    point = f"resuming from {entry['resumed_from']}" if entry["resumed_from"] else "starting again (no checkpoint yet)"
+    return f"restart {entry['restart']} of {entry['of']}: {point} ({entry['reason']})"
+
+
+def restarts_record() -> list[dict]:
+    """The restarts of this job so far, for ``run_summary.json``: the launching process's record
+    (:class:`RestartPolicy`) where cembed launched it; under ``torchrun`` by hand only the count is
+    known (``$TORCHELASTIC_RESTART_COUNT``: entries without a reason). Empty on a first attempt."""
+    try:
+        recorded = json.loads(os.environ.get(RESTARTS_ENV, "") or "[]")
+    except ValueError:
+        recorded = []
+    count = restart_count()
+    if isinstance(recorded, list) and len(recorded) == count:
+        return recorded
+    return [{"restart": k, "of": None, "resumed_from": None, "reason": None} for k in range(1, count + 1)]
+
+
+def policy_agent(policy: RestartPolicy):
+    """A subclass of torch's ``LocalElasticAgent`` that asks ``policy`` before it restarts a failed
+    worker group: its check of the workers ends the restarts left when the first failure (by time)
+    is one no restart changes (:meth:`RestartPolicy.restart`); the agent then stops the workers and
+    reports that failure, as when none are left."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class PolicyAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and self._remaining_restarts > 0:
+                rank = min(result.failures, key=lambda r: result.failures[r].timestamp)
+                failure = result.failures[rank]
+                if not policy.restart(rank, failure.exitcode, _message(failure.message)):
+                    self._remaining_restarts = 0  # the agent then stops the workers and returns the failure
+            return result
+
+    return PolicyAgent
+
+
+@contextmanager
+def _agent(policy: RestartPolicy | None):
+    """torch's launcher builds its agent from ``torch.distributed.launcher.api.LocalElasticAgent``:
+    for the launch, that name is cembed's :func:`policy_agent`."""
+    if policy is None:
+        yield
         return
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = policy_agent(policy)
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original
+
+
+def _message(message) -> str:
+    """A worker's recorded error as text (the error file's ``{"message": ..., "extraInfo": ...}``)."""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if not isinstance(message, str) or "elastic/errors.html" in message:  # torch's text when none was recorded
+        return ""
+    return message
+
+
+def record_worker_error(err: BaseException) -> bool:
+    """Write ``err`` to the error file the launcher reads (``$TORCHELASTIC_ERROR_FILE``), so the
+    launching process can name the failing rank and show its message. A no-op outside a launcher.
+
+    Returns:
+        Whether cembed's own launcher will show it (the worker need not print the same line).
+    """
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return False
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     handler = get_error_handler()
     handler.initialize()
     handler.record_exception(err)
+    return launched_by_cembed()
 
 
 def restart_count() -> int:
@@ -90,6 +239,8 @@ def launch(
     rdzv_endpoint: str | None = None,
     module: str = "cembed",
     max_restarts: int = 0,
+    policy: RestartPolicy | None = None,
+    shutdown_timeout_s: int | None = None,
 ) -> None:
     """Run ``python -m <module> <module_args>`` in ``nproc_per_node`` worker processes through torch's
     elastic launcher, exactly as ``torchrun <launcher_args(...)>`` would, and wait for all of them.
@@ -98,14 +249,16 @@ def launch(
     the same command on every node with its own ``node_rank`` and node 0's ``rdzv_endpoint``.
 
     A signal to this process (SIGTERM from a scheduler's preemption, SIGINT) reaches every worker
-    (the launcher forwards it and waits ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, default 30 s, before
-    killing them): each finishes its step and saves, see :class:`cembed.train.checkpoint.InterruptCallback`.
-    With ``max_restarts``, every restart's workers meet in a store of their own (:data:`FRESH_STORE_PER_RESTART`).
+    (the launcher forwards it and waits ``shutdown_timeout_s``, default ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
+    or 30 s, before killing them): each finishes its step and saves, see
+    :class:`cembed.train.checkpoint.InterruptCallback`. With ``max_restarts``, every restart's workers
+    meet in a store of their own (:data:`FRESH_STORE_PER_RESTART`), and ``policy`` (default: restart
+    after any failure but a user error) decides each restart.
 
     Raises:
         UserError: see :func:`launcher_args`.
-        WorkerFailed: a worker exited non-zero (after ``max_restarts`` restarts); the launcher has
-            already stopped the others.
+        WorkerFailed: a worker exited non-zero and was not restarted (``max_restarts`` used up, or a
+            user error); the launcher has already stopped the others.
         LauncherSignalled: this process got a termination signal and the workers were stopped
             (``abandoned``: a second one, and the workers stopped without saving).
     """
@@ -118,10 +271,16 @@ def launch(
     # A worker killed by a fatal signal (SIGSEGV, SIGABRT from native code) prints every thread's
     # Python stack first, so the launcher's "rank N failed" comes with where it happened.
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    os.environ[LAUNCHED_BY_CEMBED] = "1"
+    os.environ.pop(RESTARTS_ENV, None)
+    if shutdown_timeout_s is not None:
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout_s))
     if max_restarts:
         os.environ.setdefault(*FRESH_STORE_PER_RESTART)
+        policy = policy or RestartPolicy(max_restarts)
     try:
-        run(args)
+        with _agent(policy if max_restarts else None):
+            run(args)
     except SignalException as err:
         # A second signal reaches the launcher while it waits for the workers to save: torch's agent
         # raises it while handling the first (its __context__) and, on the way out, signals the workers
@@ -130,9 +289,7 @@ def launch(
         raise LauncherSignalled(int(err.sigval), abandoned) from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        message = failure.message
-        if isinstance(message, dict):  # the error file's {"message": ..., "extraInfo": ...}
-            message = message.get("message", "")
-        if not isinstance(message, str) or "elastic/errors.html" in message or not message.strip():
-            message = "see its output above"
-        raise WorkerFailed(rank, failure.exitcode, message.strip()) from None
+        message = _message(failure.message).strip() or "see its output above"
+        restarts = len(policy.restarts) if policy is not None else 0
+        refused = policy is not None and policy.refused is not None
+        raise WorkerFailed(rank, failure.exitcode, message, restarts, refused) from None

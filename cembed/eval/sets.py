@@ -14,6 +14,7 @@ lives in :mod:`cembed.eval.evaluators`.
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,16 @@ class RetrievalSet:
     relevant_docs: dict[str, set[str]]
     relevance: dict[str, dict[str, int]] = field(default_factory=dict)
 
+    @property
+    def size(self) -> str:
+        """What it holds, in words (``5183 documents, 300 queries``)."""
+        return f"{len(self.corpus)} documents, {len(self.queries)} queries"
+
+    def digest(self) -> str:
+        """A hash (xxh3-128) of what it scores by: documents, queries and graded qrels, in file order."""
+        qrels = ((q, sorted(grades.items())) for q, grades in self.relevance.items())
+        return _digest(self.corpus.items(), self.queries.items(), qrels)
+
 
 @dataclass
 class StsSet:
@@ -49,6 +60,27 @@ class StsSet:
     sentences1: list[str]
     sentences2: list[str]
     scores: list[float]
+
+    @property
+    def size(self) -> str:
+        """What it holds, in words (``1379 pairs``)."""
+        return f"{len(self.scores)} pairs"
+
+    def digest(self) -> str:
+        """A hash (xxh3-128) of its pairs and gold scores, in file order."""
+        return _digest(zip(self.sentences1, self.sentences2, self.scores))
+
+
+def _digest(*sections) -> str:
+    """xxh3-128 of each section's items as JSON, one at a time, a separator after each section."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for items in sections:
+        for item in items:
+            h.update(json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n")
+        h.update(b"\x00")
+    return h.hexdigest()
 
 
 def load_beir(folder: str | Path, split: str = "test", name: str | None = None) -> RetrievalSet:

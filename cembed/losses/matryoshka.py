@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
 from torch import nn
 
+from cembed.config.loss import matryoshka_dims_problem
 from cembed.errors import UserError
 
 
@@ -32,12 +33,9 @@ class CountingMatryoshkaLoss(MatryoshkaLoss):
     """
 
     def __init__(self, model, loss: nn.Module, dims: Sequence[int], weights: Sequence[float] | None = None) -> None:
-        size = model.get_embedding_dimension()
-        if size is not None and max(dims) > size:
-            raise UserError(
-                f"loss.matryoshka.dims {list(dims)}: the model's embeddings have {size} dimensions; "
-                f"use dims up to {size}"
-            )
+        problem = matryoshka_dims_problem(list(dims), model.get_embedding_dimension())
+        if problem is not None:
+            raise UserError(f"loss.matryoshka.dims: {problem}")
         super().__init__(model, loss, list(dims), None if weights is None else list(weights))
         self.token_counts = getattr(loss, "token_counts", None)
         self.filter_counts = getattr(loss, "filter_counts", None)

@@ -57,6 +57,15 @@ class CachedMaxSimLoss(LengthSortedMixin, CachedMultiVectorMultipleNegativesRank
         )
         return embeddings[mask], mask.sum(dim=1), state
 
+    def replicate_minibatch(self, outputs: tuple, sizes: list[int]) -> list[list]:
+        """The probe's cache of a whole batch from one mini-batch's ``(values, row token counts)``: per
+        mini-batch of ``n`` rows, the first ``n`` rows' token vectors (fp32) and their counts (views:
+        the probe copies them per column)."""
+        values, lengths = outputs
+        ends = torch.cumsum(lengths, dim=0).tolist()
+        values = values.detach().float()
+        return [[values[: ends[n - 1] if n else 0] for n in sizes], [lengths[:n] for n in sizes]]
+
     def _labels(self, rows: int, columns: int, rank: int) -> torch.Tensor:
         """Each cached query's positive among the documents: queries and documents are cached in sorted
         row order (:meth:`sort_rows`), the documents column after column, rank after rank."""

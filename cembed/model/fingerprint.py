@@ -17,8 +17,13 @@ import xxhash
 def tokenizer_spec(tokenizer) -> str:
     """The tokenizer's definition as canonical JSON text: the fast tokenizer's full JSON (vocab,
     normalizer, special tokens, post-processor) without its ``truncation``/``padding`` entries, which
-    record the last call rather than the tokenizer; for a slow tokenizer, its sorted vocabulary."""
+    record the last call rather than the tokenizer; for a ``tokenizers.Tokenizer`` used as it is
+    (StaticEmbedding's), its JSON with ``truncation`` (its own limit, applied to every text the module
+    embeds) and without ``padding``; for a slow tokenizer, its sorted vocabulary."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None and hasattr(tokenizer, "to_str"):
+        spec = {k: v for k, v in json.loads(tokenizer.to_str()).items() if k != "padding"}
+        return json.dumps(spec, sort_keys=True)
     if backend is None:
         return json.dumps(sorted(tokenizer.get_vocab().items()))
     spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}

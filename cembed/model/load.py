@@ -12,7 +12,7 @@ processes and ``cembed eval`` never import the trainer.
   ``model.trust_remote_code``, saved folders of another model kind and models the kind cannot train;
   :func:`load_eval_model` checks a user-given path first (a saved model folder or a run's output).
 - :func:`quiet_libraries` silences the libraries' own logging and progress bars, which would
-  interleave with cembed's progress display.
+  interleave with cembed's progress display (their Python warnings are the CLI's to filter).
 - :func:`weight_dtypes`: the weights' stored, training and saved dtypes. A model is trained in fp32
   master weights whatever its stored dtype (``model.precision`` bf16/fp16 is autocast), and saved in
   ``model.save_dtype`` (default: the training dtype).
@@ -47,17 +47,16 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "
 
 
 def quiet_libraries() -> None:
-    """Silence transformers / sentence-transformers logging, tqdm bars and their Future/User
-    warnings. Idempotent; tqdm reads ``TQDM_DISABLE`` at import, so call this before it is imported
-    where possible (the CLI does, at start)."""
+    """Silence transformers / sentence-transformers logging and tqdm bars. Idempotent; tqdm reads
+    ``TQDM_DISABLE`` at import, so call this before it is imported where possible (the CLI does, at
+    start). Python warnings are left alone: the CLI filters the libraries' deprecation notes at its
+    edge (:func:`cembed.cli.common.filter_library_warnings`); a program that imports cembed keeps its own."""
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
     transformers.logging.set_verbosity_error()
     logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
 
 
 def packaged_model_dir() -> Path | None:
@@ -145,7 +144,7 @@ def pooling_in_effect(model, cfg: ModelConfig) -> str:
     with what cembed changed in its tokenizer for last-token pooling and, under ``model.lora``, how many
     parameters train (and which modules outside the adapters train with them)."""
     saved = has_st_config(resolve_model_path(cfg.name_or_path), cfg.revision)
-    text = kind_of(model).describe(model, cfg, saved)
+    text = kind_of(model, default="dense").describe(model, cfg, saved)
     changes = getattr(model, "cembed_tokenizer_changes", None) or {}
     text += "".join(f"; {key}: {value}" for key, value in changes.items())
     if is_lora(model):
@@ -266,14 +265,31 @@ def load_guide_model(name_or_path: str, device, max_seq_length: int | None = Non
 
     Raises:
         ModelRefused: the guide needs its own code (``auto_map``).
-        UserError: it cannot be found or loaded, naming ``loss.guide``.
+        UserError: it cannot be found or loaded, or its first module is not a transformer
+            (:func:`guide_problem`), naming ``loss.guide``.
     """
+    from sentence_transformers.models import Transformer
+
     try:
         guide = load_model(ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length), str(device), False)
     except UserError as err:
         raise UserError(str(err).replace("model.name_or_path", "loss.guide", 1)) from None
+    first = guide[0] if len(guide) else None
+    if not isinstance(first, Transformer):
+        raise UserError(f"loss.guide: {guide_problem(name_or_path, type(first).__name__)}")
     guide.requires_grad_(False)
     return guide.eval()
+
+
+def guide_problem(name_or_path: str, first_module: str) -> str:
+    """Why a model whose first module is ``first_module`` (a class name: StaticEmbedding, ...) cannot be
+    GIST's guide: sentence-transformers' GIST losses compare the guide's transformers tokenizer with the
+    trained model's (their constructor raises ValueError at the first step otherwise)."""
+    return (
+        f"{name_or_path!r} is a {first_module} model: a guide must be a transformer model with a transformers "
+        "tokenizer (sentence-transformers' GIST loss compares its vocabulary with the trained model's and "
+        "re-tokenizes the texts for it); use a transformer model as loss.guide"
+    )
 
 
 # --- weight dtypes: stored, trained, saved ---------------------------------------------------------

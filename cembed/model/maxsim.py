@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cembed.config.loss import maxsim_scoring_bytes
+
 EMPTY_DOCUMENT_SCORE = -1e9  # sentence-transformers' score of a document with no scored token
 
 
@@ -74,9 +76,9 @@ class Tiles:
     """How MaxSim is cut (see the module docstring): query tiles of at most ``query_tokens`` tokens (whole
     rows), document chunks of at most ``document_rows`` rows read in tiles of ``document_tokens`` tokens."""
 
-    query_tokens: int = 2048
+    query_tokens: int = 1024
     document_tokens: int = 8192
-    document_rows: int = 2048
+    document_rows: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("query_tokens", "document_tokens", "document_rows"):
@@ -84,9 +86,9 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be at least 1, got {getattr(self, name)}")
 
     def bound_bytes(self, longest_query: int, queries: int) -> int:
-        """The scoring memory bound of the module docstring, in bytes."""
-        sq = max(self.query_tokens, longest_query)
-        return 4 * (3 * sq * self.document_tokens + 3 * sq * self.document_rows) + 32 * queries
+        """The scoring memory bound of the module docstring, in bytes
+        (:func:`cembed.config.loss.maxsim_scoring_bytes`)."""
+        return maxsim_scoring_bytes(self.query_tokens, self.document_tokens, self.document_rows, longest_query, queries)
 
 
 def query_tiles(offsets: list[int], max_tokens: int) -> list[tuple[int, int]]:
@@ -180,21 +182,39 @@ class _Chunk:
     def backward(self, rmax: torch.Tensor, dmax: torch.Tensor, dq: torch.Tensor, dd: torch.Tensor) -> None:
         """Add to ``dq`` (this query tile's tokens, in place) and ``dd`` (all document tokens) the
         gradient of the running max, ``dmax`` ``(Sq, documents)``: each (query token, document) pair's
-        goes to the first token of the document that reached the max."""
+        goes to the first token of the document that reached the max (as ``torch.max`` picks on a tie).
+
+        Memory: the tile's similarities are turned in place into the hit mask and then the weights, so
+        at most three ``(Sq, T)`` float buffers live at once (the similarities, one gathered copy of the
+        running max or of ``dmax``, the product); a tie (two tokens of a document at its max, which
+        real vectors almost never give) costs a few more while it is resolved."""
         sq = self.q.shape[0]
-        claimed = torch.zeros(sq, self.j1 - self.j0, dtype=torch.int8, device=self.q.device)
+        spans = len(self.token_tiles) > 1  # a document may reach its max in an earlier tile
+        found = torch.zeros(sq, self.j1 - self.j0, device=self.q.device) if spans else None
         for t0, t1 in self.token_tiles:
             sim, docs, seg = self.tile(t0, t1)
             index = docs.expand(sq, -1)
-            hit = (sim == rmax.gather(1, index)) & (claimed.gather(1, index) == 0)
-            # The first hit of each document within this tile: a running count per document segment.
-            count = hit.to(torch.int32).cumsum(dim=1)
-            before = torch.where(seg > 0, count.gather(1, (seg - 1).clamp_min(0).expand(sq, -1)), 0)
-            first = hit & (count - before == 1)
-            claimed.scatter_reduce_(1, index, first.to(torch.int8), "amax", include_self=True)
-            weights = first.to(dmax.dtype) * dmax.gather(1, index)
+            hits = sim.eq_(rmax.gather(1, index))  # in place: 1 where a token holds its document's max
+            if found is not None:  # documents already served by an earlier tile take nothing here
+                hits.mul_(found.gather(1, index) == 0)
+            counts = torch.zeros_like(rmax).scatter_add_(1, index, hits)
+            if bool((counts > 1).any()):  # a tie within this tile: keep each document's first hit only
+                hits = self._first_hits(hits, seg)
+                counts = torch.zeros_like(rmax).scatter_add_(1, index, hits)
+            if found is not None:
+                found.add_(counts)
+            weights = hits.mul_(dmax.gather(1, index))
             dq += weights @ self.d[t0:t1].float()
             dd[t0:t1] += weights.T @ self.q.float()
+            del weights, hits
+
+    @staticmethod
+    def _first_hits(hits: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+        """``hits`` (0/1, ``(Sq, T)``) with only each document's first hit in the tile kept (``seg``: each
+        token's tile-local column where its document starts): a running count per document segment."""
+        count = hits.to(torch.int32).cumsum(dim=1)
+        before = torch.where(seg > 0, count.gather(1, (seg - 1).clamp_min(0).expand(hits.shape[0], -1)), 0)
+        return hits * (count - before == 1)
 
 
 def _query_tiles(queries: RaggedTokens, documents: RaggedTokens, tiles: Tiles):

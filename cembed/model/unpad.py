@@ -443,7 +443,7 @@ def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
             lengths = column_lengths(features)
             if lengths is None:
                 return False, "its tokenizer pads on the left or adds features other than token ids"
-            rows = kind_of(model).text_outputs
+            rows = kind_of(model, default="dense").text_outputs
             alone = [
                 rows(
                     model(

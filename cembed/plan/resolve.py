@@ -140,6 +140,20 @@ class Plan:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def config_as_run(self, cfg: CembedConfig) -> dict:
+        """``cfg`` as JSON (a record of the run, e.g. ``run_summary.json``'s ``config``) with the values
+        this plan resolved in place of those the config left to it: ``batch.per_device_train_batch_size``
+        the rows each process trains (derived from ``batch.global_batch_size`` when that is set, not
+        the schema's unused default) and ``batch.mini_batch_size`` / ``mini_batch_num_tokens`` the
+        probed ones once ``auto`` is probed."""
+        config = cfg.model_dump(mode="json")
+        config["batch"]["per_device_train_batch_size"] = self.per_device_train_batch_size
+        if self.mini_batch_size is not None:
+            config["batch"].update(
+                mini_batch_size=self.mini_batch_size, mini_batch_num_tokens=self.mini_batch_num_tokens
+            )
+        return config
+
 
 def valid_world_sizes(global_batch_size: int, accumulation: int, min_per_device: int = 1) -> list[int]:
     """The process counts that split ``global_batch_size`` into equal per-device batches of at least

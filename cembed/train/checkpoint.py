@@ -6,15 +6,19 @@
 - ``--resume`` picks the newest complete checkpoint; the trainer restores weights, optimizer, LR
   schedule, RNG states and skips the batches already trained in the epoch (the sampler's batches are
   a pure function of seed and epoch, so the order is the same).
-- SIGINT/SIGTERM finish the current optimizer step, save a checkpoint and stop; a second signal
-  abandons the step at once, and so does a first one after the last step (no step to finish), or
-  one held while another rank of the job has failed (the step cannot finish).
+- SIGINT/SIGTERM finish the current optimizer step, save a checkpoint and stop; during or after the
+  last step the run is finished instead when that fits in ``train.stop_grace_seconds``
+  (:mod:`cembed.train.stopping`). A second signal abandons the run at once (:class:`~cembed.errors.RunAbandoned`),
+  and so does a held one when another rank of the job has failed (the step cannot finish).
+  Data-loader workers ignore both signals: a scheduler signals every process of the job, and the
+  main process decides and ends them.
 - A non-finite loss stops the run naming the step and the last good checkpoint (or, with
   ``train.nonfinite_loss: skip``, skips that step and counts it).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -29,7 +33,7 @@ from transformers import TrainerCallback
 
 from cembed.distributed.fsdp import SHARDED_MODEL
 from cembed.distributed.peers import end_when_a_peer_fails
-from cembed.errors import UserError
+from cembed.errors import RunAbandoned, UserError
 from cembed.files import display_path, write_json_atomic
 
 MARKER = "cembed_checkpoint_complete.json"
@@ -79,6 +83,15 @@ def remove_incomplete(output_dir: str | Path) -> list[Path]:
     return removed
 
 
+def remove_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Delete every ``checkpoint-<step>`` folder in ``output_dir`` (a fresh run with ``--overwrite``:
+    a later ``--resume`` must not pick the replaced run's newest); return them."""
+    removed = checkpoints(output_dir)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
 def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None) -> str | None:
     """The checkpoint to resume from, or ``None`` for a fresh run.
 
@@ -112,28 +125,40 @@ def resume_on_restart(
     return resume, resume_from
 
 
+def run_status(output_dir: str | Path) -> str | None:
+    """The ``status`` of the run summary in ``output_dir`` (``completed``, ``interrupted``, ``failed``,
+    ``abandoned``), or None without a readable one."""
+    try:
+        return json.loads((Path(output_dir) / "run_summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
-    """Refuse to train into a folder that holds a finished model unless told to.
+    """Refuse to train into a folder that holds a finished model, or a stopped run to resume, unless told to.
 
     Raises:
         UserError: ``output_dir`` holds a finished model (a completed ``run_summary.json`` or a saved
-            SentenceTransformer) and neither ``--overwrite`` nor ``--resume`` was given.
+            SentenceTransformer), or a complete checkpoint of a run that did not finish (interrupted,
+            failed, killed), and neither ``--overwrite`` nor ``--resume`` was given.
     """
     out = Path(output_dir)
     if overwrite or resuming or not out.is_dir():
         return
-    summary = out / "run_summary.json"
-    finished = (out / "modules.json").exists()
-    if summary.exists():
-        try:
-            finished = finished or json.loads(summary.read_text()).get("status") == "completed"
-        except (OSError, ValueError):
-            pass
+    finished = (out / "modules.json").exists() or run_status(out) == "completed"
+    last = latest_complete(out)
     if finished:
-        resumable = ", --resume to continue it" if latest_complete(out) else ""
+        resumable = ", --resume to continue it" if last else ""
         raise UserError(
             f"train.output_dir {display_path(out)} holds a finished model; pass --overwrite to replace it{resumable}, "
             "or choose another output_dir"
+        )
+    if last is not None:
+        # A fresh run here would write its checkpoints beside the stopped run's, and a later --resume
+        # would pick the newest of either run.
+        raise UserError(
+            f"train.output_dir {display_path(out)} holds a stopped run's checkpoint ({last.name}): continue it with "
+            "--resume, start again with --overwrite (its checkpoints are removed), or choose another output_dir"
         )
 
 
@@ -152,17 +177,25 @@ def checkpoint_progress(checkpoint: str | Path) -> tuple[int, int]:
     return int(state.get("global_step", 0)), int(state.get("max_steps", 0))
 
 
-def check_resume_point(checkpoint: str, max_steps: int | None) -> None:
-    """Refuse a resume that cannot continue the checkpoint's run as it was.
+def check_resume_point(checkpoint: str, max_steps: int | None, finished: bool = False) -> None:
+    """Refuse a resume that cannot continue the checkpoint's run as it was. A checkpoint of the last
+    step (``step == train.max_steps``: a run stopped during its final save or evaluation) is resumed:
+    nothing is trained, the run's end is done (final model, evaluation, summary).
+
+    Args:
+        finished: the checkpoint's run completed (its summary says so): its last step has nothing left.
 
     Raises:
-        UserError: the checkpoint is already at (or past) ``train.max_steps``, or ``train.max_steps``
-            differs from the one the checkpoint's LR schedule was built for.
+        UserError: the checkpoint is past ``train.max_steps``, or at it in a finished run, or
+            ``train.max_steps`` differs from the one the checkpoint's LR schedule was built for.
     """
     step, planned = checkpoint_progress(checkpoint)
-    if max_steps is not None and step >= max_steps:
+    if max_steps is not None and (step > max_steps or (step == max_steps and finished)):
+        where = f"past train.max_steps={max_steps}"
+        if step == max_steps:
+            where = f"already at train.max_steps={max_steps} and its run finished"
         raise UserError(
-            f"{checkpoint} is at step {step}, already at train.max_steps={max_steps}; nothing to resume "
+            f"{checkpoint} is at step {step}, {where}; nothing to resume "
             "(raise train.max_steps only for a fresh run with --overwrite)"
         )
     if max_steps is not None and planned and planned != max_steps:
@@ -201,27 +234,61 @@ def reseeded(seed: int, step: int, rank: int) -> int:
     return seed + 1_000_003 * step + rank
 
 
+# A launched worker that gets the same signal again this soon after the first takes it for the same
+# one: a scheduler signals every process of the job, and the launcher forwards what it got as well.
+REPEAT_WINDOW_S = 1.0
+
+
+def _ignore_stop_signals(init: Callable[[int], None] | None, worker_id: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if init is not None:
+        init(worker_id)
+
+
+def worker_init(init: Callable[[int], None] | None = None) -> Callable[[int], None]:
+    """A data loader's ``worker_init_fn`` that makes the worker ignore SIGINT and SIGTERM, then runs
+    ``init`` (the loader's own, e.g. the trainer's ``seed_worker``).
+
+    A scheduler (Slurm, Kubernetes) and a terminal's Ctrl-C signal every process of the job or group,
+    workers included; a worker ended by it fails the step it feeds ("DataLoader worker ... is killed
+    by signal"). The main process owns the decision (:class:`InterruptCallback`) and ends its workers
+    when it stops (or they end with it: torch's workers watch their parent). Picklable, for any
+    start method."""
+    return functools.partial(_ignore_stop_signals, init)
+
+
+def _launched() -> bool:
+    """Whether this process is a worker of torch's elastic launcher (which forwards its signals)."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
 class InterruptCallback(TrainerCallback):
     """On SIGINT/SIGTERM: finish the current optimizer step, save a checkpoint, stop training.
 
-    Install with :meth:`install` (main thread only) and undo with :meth:`uninstall`. A second
-    signal restores the default handler's behaviour (KeyboardInterrupt / termination) at once.
-    Data-loader workers forked while it is installed inherit the handler: there it ignores SIGINT
-    (a terminal's Ctrl-C reaches every process of the group; the main process announces it once
-    and stops the workers) and lets SIGTERM end the worker. In a multi-process job a held signal
-    ends the process at once when another rank announces its failure
-    (:func:`cembed.distributed.peers.end_when_a_peer_fails`): the launcher signals the other ranks
-    after one failed, and a rank hung mid-step would otherwise live until its SIGKILL.
+    Install with :meth:`install` (main thread only) and undo with :meth:`uninstall`; keep it installed
+    through the run's end (final save, evaluation, summary), where a first signal is recorded as
+    ``late`` and the recipe finishes or stops the run (:mod:`cembed.train.stopping`). A second signal
+    raises :class:`~cembed.errors.RunAbandoned` at once (the step, or the run's end, is not saved);
+    in a launched worker the same signal again within :data:`REPEAT_WINDOW_S` is the same one (the
+    scheduler's and the launcher's forward of it). Data-loader workers ignore both signals
+    (:func:`worker_init`; a worker forked before that runs inherits this handler, which ignores them
+    there too). In a multi-process job a held signal ends the process at once when another rank
+    announces its failure (:func:`cembed.distributed.peers.end_when_a_peer_fails`): the launcher
+    signals the other ranks after one failed, and a rank hung mid-step would otherwise live until its SIGKILL.
 
     Args:
         on_signal: called on the first signal with ``(signum, step)``, ``step`` the optimizer step
-            being finished, so a person learns at once that the keystroke was seen (the step and the
-            save may take minutes). It runs in a thread of its own, not in the signal handler: the
-            handler may have interrupted the main thread in the middle of a write to the same stream.
+            being finished, None after the last step, so a person learns at once that the keystroke
+            was seen (the step and the save may take minutes). It runs in a thread of its own, not in
+            the signal handler: the handler may have interrupted the main thread in the middle of a
+            write to the same stream.
     """
 
-    def __init__(self, on_signal: Callable[[int, int], None] | None = None) -> None:
+    def __init__(self, on_signal: Callable[[int, int | None], None] | None = None) -> None:
         self.signum: int | None = None
+        self.at: float | None = None  # time.monotonic() of the first signal (or when a peer's was learned)
+        self.late = False  # the first signal came after the last step: no step to finish
         self.step = 0
         self.max_steps = 0
         self.trained = False  # the last optimizer step has ended: a signal has no step left to wait for
@@ -233,25 +300,20 @@ class InterruptCallback(TrainerCallback):
 
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._pid:
-            # A data-loader worker forked from the process that installed the handler: a terminal's
-            # Ctrl-C reaches the whole process group, and the main process alone announces it and
-            # stops (it shuts its workers down). A SIGTERM to the worker itself ends it as by default.
-            if signum != signal.SIGINT:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-            return
-        if self.signum is not None or self.trained:  # second signal, or no step left: give up at once
+            return  # a data-loader worker forked from the process that installed the handler: ignored
+        now = time.monotonic()
+        if self.signum is not None:
+            if _launched() and signum == self.signum and self.at is not None and now - self.at < REPEAT_WINDOW_S:
+                return
             self.uninstall()
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            os.kill(os.getpid(), signum)
-            return
-        self.signum = signum
+            # the step being trained, or the one whose checkpoint a first signal asked for; None: the run's end
+            raise RunAbandoned(signum, None if self.late else (self.step if self.trained else self.step + 1))
+        self.signum, self.at, self.late = signum, now, self.trained
         # The launcher's SIGTERM after another rank failed: this step waits on that rank and can
         # never end, so the process ends as soon as the failure is seen in the store.
         self.peer_watch = end_when_a_peer_fails(128 + signum)
         if self.on_signal is not None:
-            step = min(self.step + 1, self.max_steps) if self.max_steps else self.step + 1
+            step = None if self.trained else self.step + 1
             self.notice = threading.Thread(target=self.on_signal, args=(signum, step), daemon=True)
             self.notice.start()
 
@@ -268,6 +330,7 @@ class InterruptCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.step = state.global_step  # a resumed run's first step is the checkpoint's + 1
         self.max_steps = state.max_steps
+        self.trained = bool(self.max_steps and state.global_step >= self.max_steps)  # a resume of the last step
 
     def on_step_end(self, args, state, control, **kwargs):
         from cembed.distributed.collectives import max_over_ranks
@@ -278,20 +341,21 @@ class InterruptCallback(TrainerCallback):
         # in the next all-reduce).
         seen = max_over_ranks(self.signum or 0)
         if seen and self.signum is None:  # a peer was signalled (re-read: the handler may have run meanwhile)
-            self.signum = seen
+            self.signum, self.at = seen, time.monotonic()
         if self.signum is not None:
             control.should_save = True
             control.should_training_stop = True
-        # After the last step, what remains (the final save, loading the best checkpoint: collectives
-        # that hang if a peer died) is no step to finish: a signal there ends the process at once, so a
-        # hung worker does not outlive the launcher's SIGTERM.
+        # After the last step a first signal has no step to wait for: it is `late`, and the recipe
+        # finishes the run or stops it within train.stop_grace_seconds.
         self.trained = bool(self.max_steps and state.global_step >= self.max_steps) or control.should_training_stop
         return control
 
 
 class TimedSaveCallback(TrainerCallback):
     """Save a checkpoint at the end of the first optimizer step that ends ``minutes`` or more after
-    the last save (or the start), beside the step-count saves (``train.save_every_minutes``).
+    the last save (or the start), beside the step-count saves (``train.save_every_minutes``); and at
+    the last step, as ``train.save_steps`` does, so that a run stopped during its final save or
+    evaluation is finished by ``--resume`` without training again.
 
     Each rank reads its own clock, so the decision is taken together (a max over the ranks: one
     small all-reduce per step); a rank that saved alone would leave the others in a collective.
@@ -312,6 +376,8 @@ class TimedSaveCallback(TrainerCallback):
         from cembed.distributed.collectives import max_over_ranks
 
         if max_over_ranks(int(self.clock() - self.last >= self.seconds)):
+            control.should_save = True
+        if state is not None and state.max_steps and state.global_step >= state.max_steps:
             control.should_save = True
         return control
 

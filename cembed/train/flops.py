@@ -164,17 +164,17 @@ def encoder_shape(model) -> tuple[int, int, int]:
     return n, layers, width
 
 
-def head_flops_per_token(model) -> float:
-    """Forward FLOPs per token the model's kind adds beyond :func:`encoder_shape`'s encoder (SPLADE's tied
-    vocabulary projection, a multi-vector projection): :meth:`cembed.model.kinds.registry.ModelKind.head_flops_per_token`;
-    0 for a model of no registered kind."""
+def model_shape(model) -> tuple[int, int, int]:
+    """``(N, L, d)`` of the model a run trains: :func:`encoder_shape`'s, with ``N`` raised by the model
+    kind's weights applied per token after the encoder (a multi-vector model's token projection:
+    :meth:`cembed.model.kinds.registry.ModelKind.head_flops_per_token` / 2, as ``2 N`` counts a
+    forward's FLOPs per token); a dense model's modules after pooling act once per row and are
+    already counted per token in ``N`` (see the module docstring)."""
     from cembed.model.kinds.lookup import kind_of
 
-    try:
-        kind = kind_of(model)
-    except ValueError:
-        return 0.0
-    return float(kind.head_flops_per_token(model))
+    n, layers, width = encoder_shape(model)
+    head = kind_of(model, default="dense").head_flops_per_token(model)  # a bare transformers model: none
+    return n + int(head // 2), layers, width
 
 
 def forward_passes(cached: bool) -> int:
@@ -193,8 +193,7 @@ def build_flop_model(model, cached: bool, precision: str, device: str, peak_tflo
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``; the peak is the current CUDA device's.
         peak_tflops: ``train.peak_tflops``: the peak in TFLOP/s per device, overriding the table.
     """
-    n, layers, width = encoder_shape(model)
-    n += int(head_flops_per_token(model) // 2)  # 2 N per token: a head's FLOPs as N's weights
+    n, layers, width = model_shape(model)
     passes = forward_passes(cached)
     if peak_tflops is not None:
         peak, source = peak_tflops * 1e12, "train.peak_tflops"

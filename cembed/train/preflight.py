@@ -9,8 +9,15 @@ knowable up front:
 - the LR scheduler: its arguments (``optim.lr_scheduler_kwargs``) are tried on a one-parameter
   optimizer at the effective LR, so a missing argument or an end LR above the effective LR is found;
 - the tokenizer can pad (the collator pads every batch);
+- ``batch.pad_to_multiple_of`` is at most the texts' length (``model.max_seq_length`` or the model's
+  own): above it, no width is a multiple and every batch would be padded to the full length;
+- what the model's files say of its shape (:mod:`cembed.model.shape`, no weights read): each
+  ``loss.matryoshka.dims`` within its embedding size, each LoRA ``target_modules`` entry naming a
+  module of its backbone (peft would skip one that names none);
+- each model the loss loads besides the one trained (``cached_gist``'s ``loss.guide``) can be found;
 - each ``train.report_to`` tracker's package is installed (transformers' own availability check,
   the one its trainer callbacks run at step 0);
+- ``train.push_to_hub``: the hub is reachable (not offline; a token that the hub answers to);
 - the folders a run writes (``train.output_dir``, the cache root of ``data.cache_dir``) can be
   created: not a file, not under a file, writable.
 
@@ -32,7 +39,8 @@ from pathlib import Path
 from cembed.config.schema import CembedConfig, ModelConfig, OptimConfig
 from cembed.errors import UserError, first_line
 from cembed.files import cache_root, display_path
-from cembed.model.load import resolve_model_path
+from cembed.model.shape import model_file, read_json, transformer_folder
+from cembed.plan.resolve import per_device_batch
 
 # Models whose positions come from a learned absolute table (a longer input crashes); RoBERTa-style
 # tables reserve the first pad_token_id + 1 entries.
@@ -59,7 +67,11 @@ def preflight(cfg: CembedConfig, learning_rate: float) -> list[Finding]:
     return (
         check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps)
         + check_model(cfg.model)
+        + check_pad_multiple(cfg.batch.pad_to_multiple_of, cfg.model)
+        + check_model_shape(cfg)
+        + check_loss_models(cfg.loss)
         + check_trackers(cfg.train.report_to)
+        + check_hub(cfg.train)
         + check_writable_folders(cfg)
     )
 
@@ -191,43 +203,11 @@ def check_writable_folders(cfg: CembedConfig) -> list[Finding]:
     return findings
 
 
-def _model_file(name: str, filename: str, revision: str | None) -> Path | None:
-    """``filename`` from a model folder or (cached) hub id; None when it is not there or unreachable."""
-    if Path(name).is_dir():
-        path = Path(name) / filename
-        return path if path.is_file() else None
-    try:
-        from sentence_transformers.util import load_file_path
-
-        found = load_file_path(name, filename, revision=revision)
-        return Path(found) if found else None
-    except Exception:
-        return None
-
-
-def _read_json(path: Path | None) -> dict:
-    try:
-        return json.loads(path.read_text()) if path else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def transformer_folder(cfg: ModelConfig) -> tuple[str, int | None]:
-    """Where the model's transformer (config.json, tokenizer) lives and the model's own
-    max_seq_length (``sentence_bert_config.json``; None when it sets none)."""
-    name = resolve_model_path(cfg.name_or_path)
-    modules = _read_json(_model_file(name, "modules.json", cfg.revision))
-    sub = next((m.get("path", "") for m in modules if "Transformer" in m.get("type", "")), "") if modules else ""
-    base = str(Path(name) / sub) if sub and Path(name).is_dir() else name
-    own = _read_json(_model_file(base, "sentence_bert_config.json", cfg.revision)).get("max_seq_length")
-    return base, own
-
-
 def check_model(cfg: ModelConfig) -> list[Finding]:
     """The position table against ``model.max_seq_length`` (or the model's own), and a pad token."""
     try:
         base, own = transformer_folder(cfg)
-        hf = _read_json(_model_file(base, "config.json", cfg.revision))
+        hf = read_json(model_file(base, "config.json", cfg.revision))
     except Exception:  # an unreachable or odd model: loading it reports the problem
         return []
     findings = []
@@ -248,6 +228,123 @@ def check_model(cfg: ModelConfig) -> list[Finding]:
     if hf and not cfg.trust_remote_code:
         findings += _check_padding(base, cfg)
     return findings
+
+
+def check_pad_multiple(multiple: int | None, cfg: ModelConfig) -> list[Finding]:
+    """``batch.pad_to_multiple_of`` against ``model.max_seq_length`` (or the model's own, when it
+    sets one): the collator bounds each padded width by that length, so a larger multiple is never
+    reached and every batch is padded to the full length instead."""
+    if multiple is None:
+        return []
+    length = cfg.max_seq_length
+    if length is None:
+        try:
+            length = transformer_folder(cfg)[1]
+        except Exception:  # an unreachable or odd model: loading it reports the problem
+            return []
+    if not isinstance(length, int) or multiple <= length:
+        return []
+    what = f"model.max_seq_length {length}" if cfg.max_seq_length else f"the model's max_seq_length {length}"
+    return [
+        Finding(
+            "batch.pad_to_multiple_of",
+            f"{multiple} is above {what}: no batch width can be a multiple of it (every batch would be padded "
+            f"to {length}); set it to at most {length} or leave it unset",
+        )
+    ]
+
+
+def check_model_shape(cfg: CembedConfig) -> list[Finding]:
+    """``loss.matryoshka.dims`` against the model's embedding size and ``model.lora.target_modules``
+    against its backbone's modules, both read from its files (:mod:`cembed.model.shape`); nothing when
+    the files do not say (loading the model then says the same, in the same words)."""
+    from cembed.config.loss import matryoshka_dims_problem
+    from cembed.model.lora import target_modules_problem
+    from cembed.model.shape import backbone_modules, embedding_dimension
+
+    findings = []
+    try:
+        if cfg.loss.matryoshka is not None:
+            problem = matryoshka_dims_problem(cfg.loss.matryoshka.dims, embedding_dimension(cfg.model))
+            if problem is not None:
+                findings.append(Finding("loss.matryoshka.dims", problem))
+        lora = cfg.model.lora
+        if lora is not None and not isinstance(lora.target_modules, str):
+            modules = backbone_modules(cfg.model)
+            problem = target_modules_problem(modules, lora.target_modules) if modules else None
+            if problem is not None:
+                findings.append(Finding("model.lora.target_modules", problem))
+    except UserError:  # an unknown packaged name: loading the model reports it
+        return findings
+    return findings
+
+
+def check_loss_models(loss) -> list[Finding]:
+    """Each model the loss loads besides the one trained (its config's ``model_paths``: ``cached_gist``'s
+    ``guide``) can be found: a folder with a model, a packaged short name, a hub id in the cache (or
+    reachable), without its own code. One that cannot is loaded here, which fails at once with the
+    one line ``train`` would give when it builds the loss. One that must be a transformer (the loss
+    config's ``transformer_paths``: GIST's guide) and whose first module is not (a StaticEmbedding
+    model) is refused with ``train``'s line (:func:`cembed.model.load.guide_problem`)."""
+    from cembed.model.load import guide_problem, load_model, remote_code_entries, resolve_model_path
+    from cembed.model.shape import first_module_type
+
+    findings = []
+    for name in type(loss).model_paths:
+        value = getattr(loss, name)
+        if not isinstance(value, str):
+            continue
+        try:
+            path = resolve_model_path(value)
+            found = any(model_file(path, f, None) for f in ("modules.json", "config.json"))
+            if not found or remote_code_entries(path):
+                load_model(ModelConfig(name_or_path=value), "cpu", for_training=False)
+        except UserError as err:
+            field, _, message = str(err).replace("model.name_or_path", f"loss.{name}", 1).partition(": ")
+            findings.append(Finding(field, message))
+            continue
+        first = first_module_type(ModelConfig(name_or_path=value)) if name in type(loss).transformer_paths else None
+        if first is not None and first != "Transformer":
+            findings.append(Finding(f"loss.{name}", guide_problem(value, first)))
+    return findings
+
+
+def check_hub(train) -> list[Finding]:
+    """With ``train.push_to_hub``: the hub can be reached as it will be at the start of training
+    (the trainer creates the repo there): not in offline mode (``HF_HUB_OFFLINE`` /
+    ``TRANSFORMERS_OFFLINE``), with a token, which the hub answers to (``whoami``)."""
+    if not train.push_to_hub:
+        return []
+    from huggingface_hub import constants
+
+    fix = "or set train.push_to_hub: false (the model is saved in train.output_dir either way)"
+    if constants.HF_HUB_OFFLINE:
+        return [
+            Finding(
+                "train.push_to_hub",
+                f"the hub is unreachable: offline mode is on (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE); run with "
+                f"network access and offline mode off, {fix}",
+            )
+        ]
+    from huggingface_hub import get_token, whoami
+
+    if get_token() is None:
+        return [
+            Finding(
+                "train.push_to_hub",
+                f"no hub token to create {train.hub_model_id} with: log in (hf auth login) or set HF_TOKEN, {fix}",
+            )
+        ]
+    try:
+        whoami()
+    except Exception as err:  # noqa: BLE001 - no network, a revoked token: the hub's own words
+        return [
+            Finding(
+                "train.push_to_hub",
+                f"the hub does not answer to your token ({first_line(err)}); {fix.removeprefix('or ')}",
+            )
+        ]
+    return []
 
 
 def _check_padding(base: str, cfg: ModelConfig) -> list[Finding]:
@@ -277,6 +374,7 @@ SAFE_TO_CHANGE = (
     "train.save_steps",
     "train.save_total_limit",
     "train.save_every_minutes",
+    "train.stop_grace_seconds",
     "train.output_dir",
     "train.report_to",
     "train.dataloader_num_workers",
@@ -325,7 +423,9 @@ def training_record(
     contrast_rows: int | None = None,
 ) -> dict:
     """What a checkpoint records about its run: the config (JSON) as run, the samples per step, the
-    effective LR, the training data's fingerprint and how a step was split over processes.
+    effective LR, the training data's fingerprint and how a step was split over processes. The
+    config's ``batch.per_device_train_batch_size`` is the rows each process trains (derived from
+    ``batch.global_batch_size`` when that is set), so a resume names the per-device batch that changed.
 
     Args:
         precision: the resolved precision (``Plan.precision``), recorded as the config's
@@ -335,6 +435,8 @@ def training_record(
         contrast_rows: the rows an anchor is contrasted with (``Plan.contrast_rows``; None: not recorded).
     """
     config = cfg.model_dump(mode="json")
+    # the rows each process trains: with batch.global_batch_size, derived (not the schema's unused default)
+    config["batch"]["per_device_train_batch_size"] = per_device_batch(cfg.batch, world_size)
     if precision is not None:
         config["model"]["precision"] = precision
     return {
@@ -361,7 +463,9 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     """Compare two :func:`training_record` s.
 
     How a step is split over processes may change when what is trained does not: the world size, and
-    :data:`SPLIT_FIELDS` while ``samples_per_step`` stays. The split does change training when the
+    :data:`SPLIT_FIELDS` while ``samples_per_step`` stays. The per-device batch is named only where a
+    record set it (``batch.per_device_train_batch_size``): two ``batch.global_batch_size`` runs derive
+    it from the world size, whose change is named. The split does change training when the
     rows an anchor is contrasted with change (``loss.gather_across_devices: false`` with several
     processes): refused. A new world size re-seeds the per-process RNG streams (:func:`rng_reseeded`).
 
@@ -370,13 +474,15 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
         trained (batch, LR, schedule, loss, data, seed, model ...), ``safe`` only how it is logged,
         saved, evaluated, run or split over processes (:data:`SAFE_TO_CHANGE`).
     """
-    a, b = flatten(old), flatten(new)
+    a, b = _per_device_as_run(flatten(old)), _per_device_as_run(flatten(new))
     a |= {key: value for key, value in ADDED_FIELDS.items() if key not in a and key in b}
     same_samples = a.get("samples_per_step") == b.get("samples_per_step")
     refused, safe = [], []
     for key in sorted(set(a) | set(b)):
         if key in CARRIED or a.get(key) == b.get(key):
             continue
+        if key == PER_DEVICE and a.get(GLOBAL) is not None and b.get(GLOBAL) is not None:
+            continue  # derived from the global batch by the world size on both sides: the world size's change
         if key in SPLIT_RECORD and (a.get(key) is None or b.get(key) is None):
             continue  # (a record from before the split was recorded: nothing to compare it with)
         field = key.removeprefix("config.")
@@ -391,6 +497,17 @@ def resume_differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
     if a.get("world_size") and b.get("world_size") and a["world_size"] != b["world_size"]:
         safe.append(rng_reseeded(a["world_size"], b["world_size"]))
     return refused, safe
+
+
+def _per_device_as_run(record: dict) -> dict:
+    """A flattened record whose config set ``batch.global_batch_size`` with the per-device batch its
+    run derived (``global / (world_size x accumulation)``): records written before the derived value
+    was recorded hold the schema's unused default there, which a resume would name as a change."""
+    total, world = record.get(GLOBAL), record.get("world_size")
+    accumulation = record.get("config.batch.gradient_accumulation_steps") or 1
+    if total is None or not world:
+        return record
+    return {**record, PER_DEVICE: total // (world * accumulation)}
 
 
 def freezes_unused(old: dict | None, world_size: int) -> bool:
@@ -412,6 +529,7 @@ def freezes_unused(old: dict | None, world_size: int) -> bool:
 
 # How a step's samples are split over the processes: a resume may change them when samples_per_step stays.
 SPLIT_FIELDS = ("batch.per_device_train_batch_size", "batch.global_batch_size")
+PER_DEVICE, GLOBAL = (f"config.{f}" for f in SPLIT_FIELDS)
 # Record keys older checkpoints lack.
 SPLIT_RECORD = ("world_size", "contrast_rows")
 # Record keys a resume carries over from its checkpoint (:func:`freezes_unused`), never a change.

@@ -10,6 +10,11 @@
     train              trainer.train(), failure / interruption recorded in run_summary.json
     write_summary      model, run_summary.json, plot
 
+A stop signal is handled from the first step to the summary: before the last step it stops the run
+after a checkpoint, during or after it the run is finished within ``train.stop_grace_seconds`` or
+stopped where ``--resume`` finishes it (:mod:`cembed.train.stopping`); a second one abandons the run
+(:class:`~cembed.errors.RunAbandoned`, recorded in ``run_summary.json`` and ``train.log``).
+
 Nothing here reads the YAML again: the config's sections and the resolved :class:`~cembed.plan.resolve.Plan`
 are passed down. Nothing here prints either: what a run shows goes to the :class:`RunDisplay` it is
 handed (``cembed train``: :class:`cembed.cli.display.run.RichRunDisplay`; by default :class:`QuietRunDisplay`).
@@ -34,10 +39,11 @@ from cembed.data.batching.rules import predicted_by_placement
 from cembed.data.prompts import prompt_room_error, training_prompts
 from cembed.data.rows import TrainingData, UnloadedData, card_datasets
 from cembed.data.tokens.tokenize import tokenize_stage
+from cembed.distributed.collectives import max_over_ranks
 from cembed.distributed.ddp import freeze_parameters, ignore_in_ddp, unused_parameters
 from cembed.distributed.fsdp import gathered_model
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
-from cembed.errors import RunFailed, RunInterrupted, UserError
+from cembed.errors import RunAbandoned, RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, display_path, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
 from cembed.model.kinds.lookup import kind_of
@@ -57,10 +63,13 @@ from cembed.train.checkpoint import (
     checkpoint_progress,
     latest_complete,
     recorded_run,
+    remove_checkpoints,
     remove_incomplete,
     resolve_resume,
+    run_status,
 )
 from cembed.train.flops import build_flop_model
+from cembed.train.kinds import trainer_for_kind
 from cembed.train.meter import ThroughputMeter, plot_run
 from cembed.train.preflight import check_resume, freezes_unused, preflight, raise_findings, training_record
 from cembed.train.publish import (
@@ -73,6 +82,7 @@ from cembed.train.publish import (
     record_final_eval,
     write_model_card,
 )
+from cembed.train.stopping import EVALUATION, FINAL_SAVE, RunEnd, end_estimate
 from cembed.train.summary import Attempt, failed_summary, failures_recorded, samples_seen, source_summary, summary_base
 from cembed.train.trainer import CembedTrainer, RunLog, RunLogCallback
 
@@ -114,10 +124,12 @@ class RunDisplay(Protocol):
     def resuming(self, checkpoint: str, step: int, max_steps: int) -> None:
         """The run continues ``checkpoint``, saved at optimizer step ``step`` of ``max_steps``."""
 
-    def interrupt(self, signal_name: str, step: int) -> None:
+    def interrupt(self, signal_name: str, step: int | None, grace_s: float | None = None) -> None:
         """``signal_name`` (``SIGINT``, ``SIGTERM``) arrived: optimizer step ``step`` is being finished,
         then a checkpoint is saved and the run stops; a second one abandons the step. Called at
-        once, from a thread of its own, while the step goes on."""
+        once, from a thread of its own, while the step goes on. ``grace_s`` (the last step, or
+        ``step`` None: after it): the run is finished instead if that fits in ``grace_s`` seconds
+        (``train.stop_grace_seconds``), else stopped where ``--resume`` finishes it."""
 
     def tokenize_progress(self) -> AbstractContextManager[Callable[[int, int], None] | None]:
         """A context around pre-tokenization that yields ``progress(rows_done, rows_total)`` (called
@@ -151,7 +163,7 @@ class QuietRunDisplay:
     def resuming(self, checkpoint: str, step: int, max_steps: int) -> None:
         pass
 
-    def interrupt(self, signal_name: str, step: int) -> None:
+    def interrupt(self, signal_name: str, step: int | None, grace_s: float | None = None) -> None:
         pass
 
     def tokenize_progress(self) -> AbstractContextManager[Callable[[int, int], None] | None]:
@@ -191,7 +203,8 @@ def check_run_inputs(
         from cembed.eval.sets import load_eval_sets
         from cembed.train.evaluation import check_metric_name, training_eval_args
 
-        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval))
+        similarity = type(cfg.model).similarity
+        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval), similarity)
         training_eval_args(cfg.eval, metric, cfg.train.save_steps)
     return plan, data
 
@@ -242,12 +255,14 @@ def prepare_output(
     checkpoint = resolve_resume(out, resume, resume_from)
     changes: list[str] = []
     if checkpoint:
-        check_resume_point(checkpoint, max_steps)
+        check_resume_point(checkpoint, max_steps, finished=run_status(Path(checkpoint).parent) == "completed")
         changes = check_resume(checkpoint, recorded_run(checkpoint), record) if record else []
     run = RunDir(out, checkpoint, record, tuple(changes))
     if dist_info().is_main:
         out.mkdir(parents=True, exist_ok=True)
         remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
+        if overwrite and not checkpoint:  # a fresh run replaces the folder's run, checkpoints included
+            remove_checkpoints(out)
         start = (
             f"resume from {checkpoint}" + (f" with {'; '.join(changes)}" if changes else "")
             if checkpoint
@@ -358,7 +373,7 @@ def build_components(
     # The sampler only yields whole global batches and these never get a gradient, so DDP needs no
     # unused-parameter search: they are frozen, or (a resume of a run begun on one process, whose
     # optimizer holds them) ignored by DDP (preflight.freezes_unused).
-    outputs = kind_of(model).text_outputs
+    outputs = kind_of(model, default="dense").text_outputs
     unused = unused_parameters(model, data.sample_texts(), outputs=outputs) if freeze or plan.world_size > 1 else []
     if freeze:
         freeze_parameters(model, unused)
@@ -378,7 +393,9 @@ def build_components(
     if cfg.eval is not None:
         from cembed.train.evaluation import TrainingEvaluation
 
-        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
+        evaluation = TrainingEvaluation.from_config(
+            cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts, similarity=type(cfg.model).similarity
+        )
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
     weights = weight_dtypes(model, cfg.model, plan.precision)
@@ -419,6 +436,7 @@ class Run:
     batches_per_epoch: int | None  # per rank = optimizer steps per epoch (None: a stream, not counted)
     rows_unplaced: int  # rows the no-duplicates sampler could not place in the first epoch
     build_model: Any = None  # device -> the run's model as first loaded (FSDP's final model is gathered into it)
+    end: RunEnd | None = None  # the run's end after the last step, which a stop signal may cut short
 
 
 def build_trainer(
@@ -440,7 +458,9 @@ def build_trainer(
     is_main = dist_info().is_main
     layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
     eval_args = parts.evaluation.training_args if parts.evaluation else None
-    args = build_training_args(cfg, plan, eval_args, layers, parts.sources)
+    kind = kind_of(parts.model)
+    args = build_training_args(cfg, plan, eval_args, layers, parts.sources, kind.trainer_classes().training_args)
+    trainer_cls = trainer_for_kind(trainer_cls, kind)  # the kind's model, arguments, collator and card classes
     if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
         args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
         if parts.source_prompts is not None:  # its per-dataset form: source name -> column -> prompt
@@ -479,7 +499,16 @@ def build_trainer(
     trainer.add_callback(RunLogCallback(log, plan.samples_per_step, log_path, display.log_line, trainer.step_loss))
     if progress is not None:
         trainer.add_callback(progress)
-    interrupt = InterruptCallback(lambda signum, step: display.interrupt(signal.Signals(signum).name, step))
+    interrupt = InterruptCallback()
+    grace = cfg.train.stop_grace_seconds
+    end = RunEnd(interrupt, grace, run_dir.summary_path, run_dir.log_path, is_main)
+
+    def on_signal(signum: int, step: int | None) -> None:
+        last = step is None or bool(interrupt.max_steps and step >= interrupt.max_steps)
+        display.interrupt(signal.Signals(signum).name, step, grace if last else None)
+        end.signalled(signum, step)
+
+    interrupt.on_signal = on_signal
     trainer.add_callback(interrupt)
     if cfg.train.save_every_minutes:
         trainer.add_callback(TimedSaveCallback(cfg.train.save_every_minutes))
@@ -487,7 +516,7 @@ def build_trainer(
         trainer.add_callback(parts.evaluation.callback)
     build = lambda device: load_model(cfg.model, device, seed=cfg.train.seed)  # noqa: E731
     if trainer.streaming:  # a stream's batches are not counted ahead (train.max_steps bounds the run)
-        return Run(trainer, log, interrupt, None, 0, build)
+        return Run(trainer, log, interrupt, None, 0, build, end)
     sampler = trainer.get_train_dataloader().batch_sampler
     batches_per_epoch = len(sampler)  # per rank (accelerate's shard wrapper) = optimizer steps per epoch
     sampler = getattr(sampler, "batch_sampler", sampler)
@@ -496,7 +525,7 @@ def build_trainer(
             f"{parts.source}: the no-duplicates sampler cannot fill a single batch of {plan.per_device_train_batch_size} "
             f"rows{_no_batch_columns(sampler, plan)}; {_smaller_batch(sampler, plan)}"
         )
-    return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0), build)
+    return Run(trainer, log, interrupt, batches_per_epoch, getattr(sampler, "unplaced", 0), build, end)
 
 
 def _no_batch_columns(sampler, plan: Plan) -> str:
@@ -529,9 +558,12 @@ def _smaller_batch(sampler, plan: Plan) -> str:
     return smaller_batch_fix(largest // plan.world_size, plan.world_size)
 
 
-def train(run: Run, run_dir: RunDir, base: dict):
-    """``trainer.train()`` with signal handling; a failure or an interruption is written to the
-    summary and the log (rank 0) before it propagates.
+def train(run: Run, run_dir: RunDir, base: dict, evaluation=None):
+    """``trainer.train()``; a failure or an interruption is written to the summary and the log
+    (rank 0) before it propagates. The run's :class:`~cembed.train.checkpoint.InterruptCallback` is
+    installed by the caller (it also covers the run's end). A signal during or after the last step
+    stops the run only when its end (``evaluation``'s too) does not fit in ``train.stop_grace_seconds``
+    (:mod:`cembed.train.stopping`; all ranks decide together).
 
     Returns:
         The trainer's ``TrainOutput``.
@@ -542,9 +574,6 @@ def train(run: Run, run_dir: RunDir, base: dict):
         UserError: training ran 0 optimizer steps.
     """
     trainer, is_main = run.trainer, dist_info().is_main
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:
-        run.interrupt.install()
     trainer.meter.start()
     try:
         result = trainer.train(resume_from_checkpoint=run_dir.checkpoint)
@@ -555,23 +584,27 @@ def train(run: Run, run_dir: RunDir, base: dict):
             step = trainer.state.global_step
             write_json_atomic(run_dir.summary_path, failed_summary(base, err, step, str(last) if last else None, None))
         raise
-    except KeyboardInterrupt:  # a second Ctrl-C during the step the first one was finishing
-        if is_main:
-            append_log(
-                run_dir.log_path, f"abandoned: second SIGINT during step {trainer.state.global_step + 1}; not saved"
-            )
-        raise
-    finally:
-        if main_thread:
-            run.interrupt.uninstall()
-    state = trainer.state
-    if run.interrupt.signum is not None:
-        err = RunInterrupted(run.interrupt.signum, state.global_step, trainer.last_checkpoint)
-        if is_main:
-            append_log(run_dir.log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
-            stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
-            write_json_atomic(run_dir.summary_path, {**base, **stopped})
-        raise err
+    state, interrupt = trainer.state, run.interrupt
+    # A signal during the end of training (the last step's save, the best checkpoint's load) may have
+    # reached only some ranks so far: all go on or stop together.
+    seen = max_over_ranks(interrupt.signum or 0)
+    if seen and interrupt.signum is None:
+        interrupt.signum, interrupt.at = seen, time.monotonic()
+    last = trainer.last_checkpoint or run_dir.checkpoint  # (a resume of the last step saves none)
+    at_last_step = bool(last) and Path(last).name == f"checkpoint-{state.global_step}"
+    run.end.begin(base, state.global_step, last if at_last_step else None)  # a signal may still come
+    if interrupt.signum is not None:
+        ended = bool(state.max_steps) and state.global_step >= state.max_steps
+        needed, _ = _end_needs(trainer, evaluation)
+        if max_over_ranks(int(not ended or run.end.stops(needed))):
+            if ended:  # the trained run's end does not fit in the grace: --resume does it
+                raise run.end.stopped(FINAL_SAVE)
+            err = RunInterrupted(interrupt.signum, state.global_step, trainer.last_checkpoint)
+            if is_main:
+                append_log(run_dir.log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
+                stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
+                write_json_atomic(run_dir.summary_path, {**base, **stopped})
+            raise err
     if state.global_step == 0 and trainer.streaming:
         raise UserError(
             f"data.train.streaming: the stream gave no batch of {trainer.args.per_device_train_batch_size} rows "
@@ -581,6 +614,13 @@ def train(run: Run, run_dir: RunDir, base: dict):
     if state.global_step == 0:
         raise UserError("training ran 0 optimizer steps; check train.max_steps / num_train_epochs and the data size")
     return result
+
+
+def _end_needs(trainer: CembedTrainer, evaluation) -> tuple[float, float]:
+    """What the run's end needs in seconds, ``(final save and evaluation, evaluation)``, from the
+    last checkpoint save and the longest evaluation measured so far (:func:`cembed.train.stopping.end_estimate`)."""
+    measured = [t for t in (trainer.eval_seconds, getattr(evaluation, "seconds", None)) if t is not None]
+    return end_estimate(trainer.save_seconds, max(measured, default=None), evaluation is not None)
 
 
 def write_summary(
@@ -612,14 +652,18 @@ def write_summary(
         finish_lora(model, bool(plan.lora_merge))  # model.lora.merge: plain weights in the saved folder
         cast_for_saving(model, plan.save_dtype)  # model.save_dtype; evaluated and pushed as saved
         forget_eval_results(model)  # the card's results are the final model's, from the evaluation below
-    if is_main:
+    needs_all, needs_eval = _end_needs(trainer, evaluation)
+    if is_main:  # a signal since the last step: finish, or stop where --resume does the rest
+        run.end.enter(FINAL_SAVE, needs_all)
         save_model_atomic(model, run_dir.out)
+        if evaluation:
+            run.end.enter(EVALUATION, needs_eval)
     with trainer.eval_precision():  # as before and during training
         eval_after = evaluation.evaluate(model, "after training") if evaluation and is_main else None
     if eval_after is not None:  # its evaluators reported to the card: rewrite it (push_to_hub uploads it)
         from cembed.train.evaluation import headline_keys
 
-        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets))
+        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets, evaluation.similarity))
         write_model_card(model, run_dir.out)
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started  # this process's training time
@@ -642,13 +686,14 @@ def write_summary(
         "first_loss": log.losses[0][1] if log.losses else None,
         "last_loss": log.losses[-1][1] if log.losses else None,
         "losses": log.losses,
-        "step_losses": trainer.step_losses(),  # every optimizer step's loss (this process's)
+        "step_losses": trainer.step_losses(),  # every optimizer step's loss, the global step's (over all ranks)
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
         "throughput": trainer.meter.totals(),
         "lora": lora,
         "throughput_per_interval": trainer.meter.history,
         "eval": evaluation.summary(eval_before, eval_after, state, trainer.best_model_loaded) if evaluation else None,
     }
+    summary |= run.end.finish()  # a stop signal since the last step, and the run finished all the same
     if not is_main:
         return summary
     curves = run_dir.out / "training_curves.png"
@@ -731,5 +776,37 @@ def run_training(
         if eval_before is not None:
             mark_eval_before(parts.model)
         attempt.base = base = summary_base(cfg, plan, data, parts, run_dir, run, findings)
-        result = train(run, run_dir, base)
-        return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before, parts.prompts)
+        run.end.base = base
+        # Signals are handled from the first step to the summary (main thread only: signal handlers).
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:
+            run.interrupt.install()
+        try:
+            result = train(run, run_dir, base, parts.evaluation)
+            return write_summary(plan, run, run_dir, base, result, data, parts.evaluation, eval_before, parts.prompts)
+        except RunAbandoned as err:
+            _record_abandoned(err, run, run_dir, base)
+            raise
+        finally:
+            if main_thread:
+                run.interrupt.uninstall()
+
+
+def _record_abandoned(err: RunAbandoned, run: Run, run_dir: RunDir, base: dict) -> None:
+    """A second signal stopped the run at once: name what was abandoned on ``err`` (``err.stage``
+    after the last step) and, on rank 0, write it to ``train.log`` and ``run_summary.json``
+    (status ``abandoned``, the last complete checkpoint)."""
+    err.stage = run.end.stage
+    if not dist_info().is_main:
+        return
+    name, what = signal.Signals(err.signum).name, err.what
+    append_log(run_dir.log_path, f"abandoned: second {name} during {what}; not saved")
+    last = latest_complete(run_dir.out)
+    abandoned = {
+        "status": "abandoned",
+        "signal": name,
+        "steps": run.trainer.state.global_step,
+        "abandoned": what,
+        "last_checkpoint": str(last) if last else None,
+    }
+    write_json_atomic(run_dir.summary_path, {**base, **abandoned})

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cembed.data.batching.rules import counted_batches
+from cembed.distributed.launch import restarts_record
 from cembed.distributed.peers import collective_timeout_s
 from cembed.errors import RunFailed, RunInterrupted, UserError, first_line
 from cembed.files import append_log, write_atomic, write_json_atomic
@@ -44,9 +45,9 @@ def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...]
     and the run's findings beside the plan's warnings (data, unplaceable rows, resume changes): the
     ``plan`` entry's ``warnings`` lists both.
     """
-    # The config as run (a record, not a config to use): batch.mini_batch_size: auto shows the plan's size.
-    config = cfg.model_dump(mode="json")
-    config["batch"].update(mini_batch_size=plan.mini_batch_size, mini_batch_num_tokens=plan.mini_batch_num_tokens)
+    # The config as run (a record, not a config to use): batch.mini_batch_size: auto shows the plan's size,
+    # a batch.global_batch_size run the per-device batch it derives.
+    config = plan.config_as_run(cfg)
     streamed = getattr(data, "streamed", None) is not None  # a stream's rows are not counted ahead
     return {
         "config": config,
@@ -77,6 +78,7 @@ def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...]
             "reason": plan.precision_reason,
         },
         "distributed": parts.distributed,
+        "restarts": restarts_record(),  # --max-restarts: each restart's reason and resume point
         "mini_batch_probe": plan.mini_batch_probe,
         "versions": versions(),
         "output_dir": str(run_dir.out),
@@ -140,9 +142,10 @@ def stream_summary(trainer) -> dict:
     """A streamed source's entry (``data.train.streaming``): its window and shuffle buffer, the pass
     (epoch) being read and the window rule's counts
     (:class:`cembed.data.batching.windowed.WindowCounts`: rows read, placed, dropped, deferred, left at the end,
-    buffered) of this process's share of the stream in that pass, as far as training read it, and the
-    earlier passes' (``earlier_passes``, whole passes, oldest first). The counts are None when a
-    data-loader worker reads the stream (they live in that process)."""
+    buffered) of the global batches in that pass, as far as training read it (every rank reads the
+    whole stream and counts the same), and the earlier passes' (``earlier_passes``, whole passes,
+    oldest first). The counts are None when a data-loader worker reads the stream (they live in that
+    process)."""
     from dataclasses import asdict
 
     source = trainer.train_dataset.batches  # the StreamingSource

@@ -12,10 +12,12 @@ whose parameter ``factor`` is enqueued and asked; a finished (COMPLETE) trial is
 and not trained again, a trial left RUNNING by a killed process is marked FAIL and trained again.
 One process runs a sweep at a time: a RUNNING trial found at the start is taken to be a dead one.
 
-A study holds one sweep: the study records what its trials train (:func:`sweep_record`: the resolved
-config minus the LR factor, plus ``--steps``; each trial carries its hash), and a rerun whose record
-differs is refused naming each changed field (read back, the old trials would be another config's
-scores at another effective LR). ``overwrite`` moves the old study and its runs aside, into
+A study holds one sweep: the study records what its trials train and are scored on (:func:`sweep_record`:
+the resolved config minus the LR factor and the fields of :data:`NOT_RECORDED`, plus ``--steps`` and a
+hash of the rows of each training source and eval set, :func:`contents_record`, and of each local model
+folder's files, :func:`files_record`; each trial carries its hash), and a rerun whose record differs is
+refused naming each changed field, the data edited in place, or a model folder trained again in place
+(read back, the old trials would be another config's, other rows' or other weights' scores). ``overwrite`` moves the old study and its runs aside, into
 ``<out>/study-<time>/``, and starts a fresh one.
 
 Each trial's run is checked as ``cembed train`` checks it (:func:`cembed.train.recipe.check_run_inputs`,
@@ -41,13 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from cembed.config.file import load_config
+from cembed.data.batchable import load_checked_data
+from cembed.data.batching.rules import predicted_by_placement
 from cembed.errors import UserError
 from cembed.eval.sets import load_eval_sets
 from cembed.files import display_path, write_json_atomic
 from cembed.plan.resolve import resolve_plan
 from cembed.train.evaluation import check_metric_name, greater_is_better, headline_keys, metric_names
 from cembed.train.facts import run_facts
-from cembed.train.preflight import SAFE_TO_CHANGE, flatten
+from cembed.train.preflight import flatten
 from cembed.train.recipe import check_run_inputs, run_training
 
 STUDY_NAME = "lr-sweep"
@@ -145,9 +149,10 @@ class SweepResult:
         }
 
 
-def sweep_metric(cfg, metric: str | None) -> tuple[str, bool]:
+def sweep_metric(cfg, metric: str | None, sets=None) -> tuple[str, bool]:
     """The metric trials are compared on and whether greater is better: ``metric`` (``--metric``),
     else ``eval.metric_for_best_model``, else the first set's headline metric (NDCG@10 / Spearman).
+    ``sets``: the config's eval sets, loaded (None: loaded here).
 
     Raises:
         UserError: no eval sets in the config, or an unknown ``--metric`` (with the choices).
@@ -157,15 +162,18 @@ def sweep_metric(cfg, metric: str | None) -> tuple[str, bool]:
             "eval: the config has no eval sets; sweep scores each trial on them: add an eval section "
             "(eval.retrieval or eval.sts)"
         )
-    sets = load_eval_sets(cfg.eval)
+    sets = sets if sets is not None else load_eval_sets(cfg.eval)
     if metric is not None:
         bare = metric.removeprefix("eval_")
-        known = metric_names(sets)
+        known = metric_names(sets, cfg.model.similarity)
         if bare not in known:
             raise UserError(f"--metric: {metric!r} is not a metric of the eval sets (e.g. {', '.join(known[:6])})")
         chosen = bare
     else:
-        chosen = check_metric_name(cfg.eval.metric_for_best_model, sets) or headline_keys(sets)[0]
+        similarity = cfg.model.similarity  # the model kind's: retrieval metrics are keyed by it
+        chosen = (
+            check_metric_name(cfg.eval.metric_for_best_model, sets, similarity) or headline_keys(sets, similarity)[0]
+        )
     return chosen, greater_is_better(chosen, cfg.eval.greater_is_better)
 
 
@@ -189,33 +197,149 @@ def trial_overrides(config_lr: float, steps: int, run_dir: Path) -> list[str]:
     ]
 
 
-# Fields that do not change what a trial trains or how it is scored: where and how a run logs, saves
-# and runs (preflight.SAFE_TO_CHANGE, what a resume may change; the eval sets excepted, they are the
-# score), and what every trial's overrides set (trial_overrides; its length is --steps).
+# Fields that change neither what a trial trains nor how it is scored, each named (a field not listed,
+# a new one included, is recorded): a rerun may change them and still read its trials back. A name
+# covers the fields under it; ``data.train.<field>`` also stands for each of several sources' own.
 NOT_RECORDED = (
-    *(name for name in SAFE_TO_CHANGE if name != "eval"),
+    # what every trial's overrides set (trial_overrides; its length is --steps)
     "train.max_steps",
     "train.num_train_epochs",
+    "train.save_steps",
+    "train.push_to_hub",
+    "train.report_to",
     "eval.eval_steps",
     "eval.metric_for_best_model",
+    # where a run writes and what it keeps
+    "train.output_dir",
+    "train.save_total_limit",
+    "train.save_every_minutes",
+    "train.hub_model_id",
+    "train.hub_private_repo",
     "eval.save_total_limit",
+    "data.cache_dir",
+    # how it logs
+    "train.logging_steps",
+    "train.peak_tflops",
+    # how it runs: the same rows in the same batches for the same steps (memory, speed, processes)
+    "model.device",
+    "model.gradient_checkpointing",
+    "batch.mini_batch_size",
+    "batch.mini_batch_num_tokens",
+    "batch.sort_by_length",
+    "batch.pad_to_multiple_of",
+    "batch.unpad",
+    "train.dataloader_num_workers",
+    "train.torch_compile",
+    "data.pretokenize",
+    "data.num_proc",
     "eval.batch_size",
+    "distributed",
+    # MaxSim's scoring tiles (cached_maxsim): the same scores in other tiles (issue 40: the result does
+    # not depend on the tile sizes; tests/losses/test_maxsim_loss.py)
+    "loss.score_query_tokens",
+    "loss.score_document_tokens",
+    "loss.score_document_rows",
+    # columns declared not trained (dropped either way)
+    "data.columns.ignore",
+    "data.train.columns.ignore",
 )
 
 
-def sweep_record(cfg, precision: str, steps: int) -> dict[str, Any]:
-    """What every trial of a sweep trains, minus its LR factor: the resolved config flattened to
-    dotted fields (``optim.learning_rate`` is the base LR the factors multiply; ``model.precision``
-    as resolved, so ``auto`` equals what it chose), without :data:`NOT_RECORDED`, plus ``--steps``.
-    Two runs with equal records train the same trial at each factor."""
+def not_recorded(field: str) -> bool:
+    """Whether a dotted config field is left out of a sweep's record (:data:`NOT_RECORDED`)."""
+    return any(field == name or field.startswith(name + ".") for name in NOT_RECORDED)
+
+
+def _recorded_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The config dump's recorded fields, dotted; several sources' fields as ``data.train.<name>.<field>``."""
+    data = dict(config["data"])
+    train = data.pop("train")
+    fields = {k: v for k, v in flatten({**config, "data": data}).items() if not not_recorded(k)}
+    for source in train if isinstance(train, list) else [train]:
+        prefix = f"data.train.{source['name']}" if isinstance(train, list) else "data.train"
+        for key, value in flatten(source).items():
+            if not not_recorded(f"data.train.{key}"):
+                fields[f"{prefix}.{key}"] = value
+    return fields
+
+
+CONTENTS = " (contents)"  # the suffix of a record key that holds what a source or eval set holds
+
+
+def contents_record(data, sets=None) -> dict[str, dict[str, str]]:
+    """What a sweep's trials read, by content: each training source's rows as trained (after column
+    mapping, ``max_samples`` and dropped rows; :func:`cembed.data.identity.rows_digest`) and each eval
+    set's (:meth:`cembed.eval.sets.RetrievalSet.digest`), so that an edit in place of a file is seen.
+    A streamed source holds only its first rows here (those checked): the rest is not read.
+
+    Args:
+        data: the :class:`cembed.data.rows.TrainingData` of the sweep's config.
+        sets: its loaded eval sets (:class:`cembed.eval.sets.EvalSets`; None: none).
+
+    Returns:
+        ``{"<field> (contents)": {"source", "rows", "xxh3"}}``: a source by its config field
+        (``data.train``, ``data.train.<name>``), an eval set as ``eval.<kind>.<set name>``.
+    """
+    from cembed.data.identity import rows_digest
+
+    out: dict[str, dict[str, str]] = {}
+    spans = [(s.key, s.label, s.offset, s.rows) for s in data.sources] or [("data.train", "", 0, len(data.dataset))]
+    for key, label, offset, rows in spans:
+        what = f"first {rows} rows (streamed)" if data.streamed is not None else f"{rows} rows"
+        digest = rows_digest(data.dataset, offset, offset + rows)
+        out[key + CONTENTS] = {"source": label, "rows": what, "xxh3": digest}
+    for kind in ("retrieval", "sts"):
+        for item in getattr(sets, kind, None) or []:
+            out[f"eval.{kind}.{item.name}{CONTENTS}"] = {"source": item.path, "rows": item.size, "xxh3": item.digest()}
+    return out
+
+
+FILES = " (files)"  # the suffix of a record key that holds what a model folder holds
+
+
+def files_record(cfg) -> dict[str, dict[str, str]]:
+    """What a sweep's trials start from, by its files: each model the config names that is a local
+    folder (``model.name_or_path``; the loss's ``model_paths``, such as ``cached_gist``'s guide) as a
+    hash of its files' paths, sizes and modification times, so a folder trained again in place (the
+    same path, other weights) is another sweep. A hub id is recorded by its name (and
+    ``model.revision``) only. Nothing is read but the folders' listings.
+
+    Returns:
+        ``{"<field> (files)": {"source", "files", "xxh3"}}``: ``files`` as ``"N files, B bytes"``.
+    """
+    import xxhash
+
+    from cembed.model.load import resolve_model_path
+
+    named = {"model.name_or_path": cfg.model.name_or_path}
+    named |= {f"loss.{f}": getattr(cfg.loss, f) for f in type(cfg.loss).model_paths if getattr(cfg.loss, f, None)}
+    out: dict[str, dict[str, str]] = {}
+    for key, name in named.items():
+        try:
+            folder = Path(resolve_model_path(name))
+        except UserError:  # a packaged name without its package: loading the model says so
+            continue
+        if not isinstance(name, str) or not folder.is_dir():
+            continue
+        digest, count, size = xxhash.xxh3_64(), 0, 0
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            stat = path.stat()
+            digest.update(f"{path.relative_to(folder).as_posix()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+            count, size = count + 1, size + stat.st_size
+        out[key + FILES] = {"source": str(folder), "files": f"{count} files, {size} bytes", "xxh3": digest.hexdigest()}
+    return out
+
+
+def sweep_record(cfg, precision: str, steps: int, contents: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
+    """What every trial of a sweep trains and is scored on, minus its LR factor: the resolved config
+    flattened to dotted fields (``optim.learning_rate`` is the base LR the factors multiply;
+    ``model.precision`` as resolved, so ``auto`` equals what it chose), without :data:`NOT_RECORDED`,
+    plus ``--steps``, the data's ``contents`` (:func:`contents_record`) and the model folders' files
+    (:func:`files_record`). Two runs with equal records train the same trial at each factor and score
+    it on the same sets."""
     config = cfg.model_dump(mode="json")
     config["model"]["precision"] = precision
-    fields = {
-        key: value
-        for key, value in flatten(config).items()
-        if not any(key == name or key.startswith(name + ".") for name in NOT_RECORDED)
-    }
-    return {**fields, "--steps": steps}
+    return {**_recorded_fields(config), "--steps": steps, **(contents or {}), **files_record(cfg)}
 
 
 def record_fingerprint(record: dict[str, Any]) -> str:
@@ -249,11 +373,53 @@ def check_study_record(study, record: dict[str, Any], db: Path) -> None:
         study.set_user_attr("record", record)
         study.set_user_attr("fingerprint", record_fingerprint(record))
         return
-    changed = record_differences(old, record)
+    changed = [c for c in record_differences(old, record) if not c[0].endswith((CONTENTS, FILES))]
     if changed:
         was = ", ".join(f"{k}={_shown(a)}" for k, a, _ in changed)
         now = ", ".join(f"{k}={_shown(b)}" if len(changed) > 1 else _shown(b) for k, _, b in changed)
         raise UserError(f"sweep: {display_path(db)} was run with {was}, this config has {now}; {fix}")
+    contents = [c for c in record_differences(old, record) if c[0].endswith(CONTENTS)]
+    if contents and not any(key.endswith(CONTENTS) for key in old):
+        raise UserError(
+            f"sweep: {display_path(db)} holds trials without a record of the data they trained on (an older "
+            f"cembed); {fix}"
+        )
+    if contents:
+        raise UserError(f"sweep: {display_path(db)} was run on other data: {_contents_change(*contents[0])}; {fix}")
+    files = [c for c in record_differences(old, record) if c[0].endswith(FILES)]
+    if files and not any(key.endswith(FILES) for key in old):
+        raise UserError(
+            f"sweep: {display_path(db)} holds trials without a record of the model files they trained from (an "
+            f"older cembed); {fix}"
+        )
+    if files:
+        raise UserError(f"sweep: {display_path(db)} was run on another model: {_files_change(*files[0])}; {fix}")
+
+
+def _contents_change(key: str, old: dict | None, new: dict | None) -> str:
+    """One source's or eval set's change of contents, in words (the record keeps the full hashes)."""
+    field = key.removesuffix(CONTENTS)
+    item = new or old or {}
+    where = f"{field} ({display_path(item['source'])})" if item.get("source") else field
+
+    def held(entry: dict | None) -> str:
+        return f"{entry['rows']} (xxh3 {entry['xxh3'][:8]})" if entry else "nothing recorded"
+
+    return f"{where} held {held(old)} and holds {held(new)} now (edited in place?): its trials scored the old rows"
+
+
+def _files_change(key: str, old: dict | None, new: dict | None) -> str:
+    """One model folder's change of files, in words (the record keeps the full hashes)."""
+    field = key.removesuffix(FILES)
+    item = new or old or {}
+
+    def held(entry: dict | None) -> str:
+        return f"{entry['files']} (xxh3 {entry['xxh3'][:8]})" if entry else "no folder"
+
+    where = f"{field} ({display_path(item['source'])})" if item.get("source") else field
+    return (
+        f"{where} held {held(old)} and holds {held(new)} now (retrained in place?): its trials trained the old weights"
+    )
 
 
 SWEEP_FILES = ("study.db", "sweep.json", "sweep.png")
@@ -341,6 +507,26 @@ def record_trial(study, trial, result: SweepTrial, metric: str, steps: int, fing
     study.tell(trial, result.metric)
 
 
+def sweep_inputs(cfg, metric: str | None, steps: int):
+    """What a sweep of ``cfg`` compares and records before any trial: the metric and its direction
+    (:func:`sweep_metric`), the plan, and the study's record (:func:`sweep_record`) with the contents of
+    the training rows and eval sets, read now (:func:`contents_record`): a study's trials are read back
+    only for the same rows.
+
+    Returns:
+        ``(metric, greater_is_better, plan, record)``.
+
+    Raises:
+        UserError: no eval sets, an unknown metric, a mistake in the data (as ``cembed train`` says it).
+    """
+    sets = load_eval_sets(cfg.eval) if cfg.eval is not None else None
+    chosen, greater = sweep_metric(cfg, metric, sets)
+    plan = resolve_plan(cfg)
+    batch = plan.per_device_train_batch_size * plan.world_size
+    data = load_checked_data(cfg.data, batch, predicted_by_placement(cfg.sampler))
+    return chosen, greater, plan, sweep_record(cfg, plan.precision, steps, contents_record(data, sets))
+
+
 def run_sweep(
     config: str | Path,
     factors: list[float],
@@ -382,11 +568,10 @@ def run_sweep(
         )
     overrides = list(overrides or [])
     cfg = load_config(config, overrides)
-    chosen, greater = sweep_metric(cfg, metric)
-    plan = resolve_plan(cfg)
+    chosen, greater, plan, record = sweep_inputs(cfg, metric, steps)
     out = Path(out) if out is not None else Path(f"{cfg.train.output_dir.rstrip('/')}-lr-sweep")
     out.mkdir(parents=True, exist_ok=True)
-    study, storage, fingerprint, moved = sweep_study(out, greater, sweep_record(cfg, plan.precision, steps), overwrite)
+    study, storage, fingerprint, moved = sweep_study(out, greater, record, overwrite)
     done = completed_trials(study, chosen, steps, fingerprint)
     ran: list[float] = []
 

@@ -14,7 +14,8 @@
   collectives (DDP's all-reduce, the gathered loss's backward) whatever the loss value; only the
   optimizer update is dropped, in a way fp16's GradScaler accepts (see :meth:`CembedTrainer.skip_pending_step`);
 - every optimizer step's loss is kept (:meth:`CembedTrainer.step_losses`; detached tensors, turned
-  into numbers in bulk at each training log, so no host sync per mini-batch);
+  into numbers at each step's end, so no host sync per mini-batch): the global step's, each rank's
+  share averaged over the ranks (one all-gather per step), as the logged loss averages it;
 - checkpoints are written into a staging folder, marked complete and renamed into place, so a save
   cut short is never resumed from (see :mod:`cembed.train.checkpoint`).
 
@@ -52,6 +53,7 @@ from cembed.distributed.fsdp import (
     load_full_optimizer,
     load_sharded_model,
     load_sharded_optimizer,
+    search_final_norm_in_backbone,
 )
 from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
@@ -68,6 +70,7 @@ from cembed.train.checkpoint import (
     latest_complete,
     mark_complete,
     reseeded,
+    worker_init,
 )
 from cembed.train.flops import format_flops
 from cembed.train.meter import StepClock, ThroughputMeter
@@ -120,6 +123,8 @@ class CembedTrainer(SentenceTransformerTrainer):
         self.add_callback(SkipNonfiniteCallback(self))
         require_same_on_all_ranks(self.collective_facts())
         self.last_checkpoint: str | None = None
+        self.save_seconds: float | None = None  # how long the last checkpoint took to save (all ranks)
+        self.eval_seconds: float | None = None  # how long the last evaluation during training took
         self.best_model_loaded = False  # the best checkpoint's weights were loaded at the end of training
         self._loaded_checkpoint: str | None = None  # the checkpoint _load_from_checkpoint last loaded in full
         self.run_record: dict | None = None  # stored in each checkpoint's marker, compared on resume
@@ -128,7 +133,8 @@ class CembedTrainer(SentenceTransformerTrainer):
         self._train_dataloader = None
         self._staging_root: str | None = None
         self._pending_losses: list[tuple[int, torch.Tensor]] = []  # (step, detached loss) per micro-batch
-        self._step_losses: dict[int, float] = {}
+        self._step_losses: dict[int, float] = {}  # this process's share of each step's loss
+        self._global_losses: dict[int, float] = {}  # each step's loss over all ranks (_reduce_step_losses)
         self._skipped_steps: set[int] = set()
 
     def preprocess_dataset(self, dataset, *args, **kwargs):
@@ -201,13 +207,23 @@ class CembedTrainer(SentenceTransformerTrainer):
                 f"(train.hub_model_id; needs network access and a token with write access): {first_line(err)}"
             ) from None
 
+    def evaluate(self, *args, **kwargs):
+        """``Trainer.evaluate``, timed: :attr:`eval_seconds` is what the last evaluation during
+        training took (what finishing the run would need for its own, :mod:`cembed.train.stopping`)."""
+        started = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self.eval_seconds = time.perf_counter() - started
+
     # --- the throughput meter ----------------------------------------------------------------
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """``Trainer.train``; then the meter's totals are closed on every rank (one gather), before
-        rank 0 alone saves and evaluates."""
+        """``Trainer.train``; then the step losses are reduced over the ranks and the meter's totals
+        closed, on every rank (one gather each), before rank 0 alone saves and evaluates."""
         self._preload_full_checkpoint(resume_from_checkpoint)
         result = super().train(resume_from_checkpoint, *args, **kwargs)
+        self._reduce_step_losses()  # here, on every rank: the summary reads them while rank 0 evaluates
         if self.meter is not None:
             self.meter.finish()
         return result
@@ -221,9 +237,9 @@ class CembedTrainer(SentenceTransformerTrainer):
         # Built once: its sampler hashes every text, and the recipe reads its length before
         # train() asks for it again.
         if self._train_dataloader is None and self.streaming:
-            # Each rank reads its own split of the stream: accelerate's preparation would instead
-            # dispatch rank 0's batches (or shard them again), so the loader is not prepared; the
-            # trainer moves each batch to the device itself.
+            # Each rank's stream yields its slice of every global batch already: accelerate's
+            # preparation would instead dispatch rank 0's batches (or shard them again), so the loader
+            # is not prepared; the trainer moves each batch to the device itself.
             workers = min(self.args.dataloader_num_workers, 1)  # one reader: more would each read it all
             self._train_dataloader = StreamingLoader(
                 self.train_dataset,
@@ -232,6 +248,7 @@ class CembedTrainer(SentenceTransformerTrainer):
                 num_workers=workers,
                 pin_memory=self.args.dataloader_pin_memory,
                 prefetch_factor=self.args.dataloader_prefetch_factor if workers else None,
+                worker_init_fn=worker_init(),
             )
         if self._train_dataloader is None:
             self._train_dataloader = super().get_train_dataloader()
@@ -240,7 +257,11 @@ class CembedTrainer(SentenceTransformerTrainer):
     def _build_dataloader(self, dataset, batch_size, dataset_kind):
         # Pre-tokenized training batches are fetched a batch at a time from the Arrow table (TokenIdRows).
         loader = super()._build_dataloader(dataset, batch_size, dataset_kind)
+        # Its workers ignore SIGINT/SIGTERM, which a scheduler sends to every process of the job: the
+        # main process decides (InterruptCallback) and ends them.
+        loader.worker_init_fn = worker_init(loader.worker_init_fn)
         keep = ("batch_sampler", "collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+        keep += ("worker_init_fn",)
         if dataset_kind == "train" and isinstance(self.data_collator, TextCollator) and self.source_rows:
             # Text batches name their source, so sentence-transformers' collator picks its prompts.
             rows = SourceNamedRows(dataset, *self.source_rows)
@@ -250,6 +271,12 @@ class CembedTrainer(SentenceTransformerTrainer):
         return DataLoader(TokenIdRows(dataset, self.data_collator.roles), **{k: getattr(loader, k) for k in keep})
 
     def get_batch_samples(self, *args, **kwargs):
+        if self.state.max_steps and self.state.global_step >= self.state.max_steps:
+            # A resume from the last step's checkpoint (a run stopped during its final save or
+            # evaluation): the trainer's loop would train one step past train.max_steps before its
+            # end-of-training check; there is nothing left to train, only the run's end to do.
+            self.control.should_training_stop = True
+            return [], None
         started = time.perf_counter()
         out = super().get_batch_samples(*args, **kwargs)
         if self.meter is not None:
@@ -280,18 +307,34 @@ class CembedTrainer(SentenceTransformerTrainer):
             self._step_losses[step] = self._step_losses.get(step, 0.0) + value
         self._pending_losses.clear()
 
+    def _reduce_step_losses(self) -> None:
+        # The global step's loss: every rank's share (its rows' mean loss) averaged over the ranks, as
+        # the trainer's logged loss averages them (transformers' nested_gather(tr_loss).mean()). One
+        # all-gather for the steps not reduced yet; a collective, so every rank calls it at the same
+        # point (each step's end, the end of training), with as many steps pending.
+        self._flush_step_losses()
+        steps = sorted(s for s in self._step_losses if s not in self._global_losses)
+        if not steps:
+            return
+        rows = gather_over_ranks([self._step_losses[s] for s in steps])
+        for i, step in enumerate(steps):
+            self._global_losses[step] = sum(r[i] for r in rows) / len(rows)
+
     def step_loss(self, step: int) -> float | None:
         """Optimizer step ``step``'s loss as :meth:`step_losses` gives it (None: not trained by this
-        process). Reads the pending losses from the device: one sync, called once per step."""
-        self._flush_step_losses()
-        return self._step_losses.get(step)
+        process). Reads the pending losses from the device (one sync) and reduces them over the ranks:
+        a collective, called on every rank at every step's end (:class:`RunLogCallback`)."""
+        self._reduce_step_losses()
+        return self._global_losses.get(step)
 
     def step_losses(self) -> list[tuple[int, float]]:
-        """``(step, loss)`` for every optimizer step this process trained (the sum over its
-        accumulated mini-batches of loss / accumulation steps, as the logged loss averages it);
-        steps skipped for a non-finite loss are left out."""
-        self._flush_step_losses()
-        return [(s, v) for s, v in sorted(self._step_losses.items()) if s not in self._skipped_steps]
+        """``(step, loss)`` for every optimizer step this process trained: the global step's loss, the
+        mean over the ranks of each rank's loss (the sum over its accumulated mini-batches of loss /
+        accumulation steps), as the logged loss and ``train.log`` average it; steps skipped for a
+        non-finite loss are left out. The same on every rank. Reduced at each step's end and when
+        training ends (:meth:`train`), so reading it later issues no collective."""
+        self._reduce_step_losses()
+        return [(s, v) for s, v in sorted(self._global_losses.items()) if s not in self._skipped_steps]
 
     # --- non-finite loss: stop naming the step and the last good checkpoint, or skip -----------
 
@@ -346,6 +389,8 @@ class CembedTrainer(SentenceTransformerTrainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         enable_fsdp_on_cpu(self)  # accelerate drops the FSDP plugin on CPU (cembed.distributed.fsdp)
+        if self.is_fsdp_enabled:  # a model's last Normalize is no final norm to shard (cembed.distributed.fsdp)
+            search_final_norm_in_backbone(self.model)
 
     def _preload_full_checkpoint(self, checkpoint) -> None:
         # FSDP resuming a full checkpoint (a 1-process or DDP run's): every rank loads it into the
@@ -434,6 +479,7 @@ class CembedTrainer(SentenceTransformerTrainer):
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_utils import rotate_checkpoints
 
+        started = time.perf_counter()
         run_dir = super()._get_output_dir(trial)
         name = f"checkpoint-{self.state.global_step}"
         staging_root = os.path.join(run_dir, STAGING)
@@ -463,6 +509,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             )
         self.accelerator.wait_for_everyone()
         self.last_checkpoint = final
+        self.save_seconds = time.perf_counter() - started
 
 
 def published_best(state, staging_root: str, run_dir: str) -> str | None:
@@ -514,7 +561,7 @@ class SkipNonfiniteCallback(TrainerCallback):
 class RunLog:
     """What a run logged: ``(step, loss)`` per logging interval, the last logged loss and LR, wall
     times; and, updated at every optimizer step (for the progress line), that step's loss
-    (``step_loss``, this process's), the LR it used (``step_lr``) and the step clock
+    (``step_loss``, the global step's, over all ranks), the LR it used (``step_lr``) and the step clock
     (:class:`~cembed.train.meter.StepClock`: ETA and this process's samples/s)."""
 
     losses: list[tuple[int, float]] = field(default_factory=list)
@@ -545,9 +592,21 @@ def sparse_cache_text(stats: dict, sep: str = ", ") -> str:
     )
 
 
-def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict) -> str:
+def interval_label(step: int, since: int | None) -> str:
+    """What a logged loss is the mean of, for the line that shows it beside the progress bar's step
+    loss: ``" (mean of steps 31-40)"`` when the interval since the last log (step ``since``) holds
+    several steps; ``""`` for one step, where it is that step's loss, the bar's (both the global
+    step's, over the ranks)."""
+    return f" (mean of steps {since + 1}-{step})" if since is not None and step - since > 1 else ""
+
+
+def progress_line(
+    step: int, max_steps: int, log: RunLog, samples_per_step: int, logs: dict, since: int | None = None
+) -> str:
     """One logging interval as text: step, loss, LR, samples/s and the meter's statistics (model
-    TFLOP/s and MFU when the meter has them)."""
+    TFLOP/s and MFU when the meter has them). The loss is the trainer's logged one, the mean over the
+    steps since the last log (step ``since``), labelled so (:func:`interval_label`) where it is not the
+    one step's loss the progress bar shows."""
     meter = ""
     if "data_wait" in logs:
         meter = (
@@ -562,7 +621,8 @@ def progress_line(step: int, max_steps: int, log: RunLog, samples_per_step: int,
         meter += f"  masked {100 * logs['masked_share']:.2f}%"
     meter += sparse_cache_text(logs, "  ")
     return (
-        f"step {step}/{max_steps}  loss {log.last_loss:.4f}  lr {log.last_lr:.3e}  "
+        f"step {step}/{max_steps}  loss {log.last_loss:.4f}{interval_label(step, since)}  "
+        f"lr {log.last_lr:.3e}  "
         f"{log.samples_per_s(samples_per_step):.1f} samples/s{meter}"
     )
 
@@ -572,8 +632,9 @@ class RunLogCallback(TrainerCallback):
     :func:`progress_line` to ``log_path`` and hands it to ``on_line`` (the progress display).
 
     Args:
-        step_loss: ``step -> that optimizer step's loss`` (:meth:`CembedTrainer.step_loss`), read at
-            every step end on the main process for :attr:`RunLog.step_loss`; None: not tracked.
+        step_loss: ``step -> that optimizer step's loss`` (:meth:`CembedTrainer.step_loss`, reduced
+            over the ranks), called at every step end on every rank (it may be a collective) for
+            :attr:`RunLog.step_loss`; None: not tracked.
     """
 
     def __init__(
@@ -590,11 +651,13 @@ class RunLogCallback(TrainerCallback):
         self.on_line = on_line
         self.step_loss = step_loss
         self._lr = float("nan")  # the LR of the step in progress
+        self._logged = 0  # the step of the last logged loss (the start step before the first)
 
     def on_train_begin(self, args, state, control, **kwargs):
         # global_step is the checkpoint's on a resume (the trainer restored its state before this)
         self.log.clock.begin(state.global_step)
         self.log.started = self.log.clock.started
+        self._logged = state.global_step
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         # The LR this step uses (read before the scheduler steps), as the trainer logs it.
@@ -603,10 +666,11 @@ class RunLogCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.log.clock.step_ended(state.global_step)
+        # on every rank: the step's loss is reduced over the ranks (a collective)
+        loss = self.step_loss(state.global_step) if self.step_loss is not None else None
         if not state.is_world_process_zero:
             return
         self.log.step_lr = self._lr
-        loss = self.step_loss(state.global_step) if self.step_loss is not None else None
         if loss is not None:
             self.log.step_loss = loss
 
@@ -618,9 +682,10 @@ class RunLogCallback(TrainerCallback):
             return
         self.log.last_loss = float(logs["loss"])
         self.log.losses.append((state.global_step, self.log.last_loss))
+        since, self._logged = self._logged, state.global_step
         if not state.is_world_process_zero:
             return
-        line = progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs)
+        line = progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs, since)
         if self.on_line is not None:
             self.on_line(line)
         if self.log_path is not None:

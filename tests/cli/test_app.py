@@ -172,15 +172,18 @@ def test_a_bad_choice_is_refused_by_the_parser_naming_the_allowed_values():
 
 def test_help_lists_the_choices_and_shows_no_bool_value():
     """Choices appear as ``<a|b>``; a boolean option is a ``--flag/--no-flag`` pair, never an option
-    that seems to take a ``<bool>`` value (the help option's own row excepted)."""
+    that seems to take a ``<bool>`` value, the ``-h/--help`` row included, in every command's help
+    and the app's own."""
     from typer.testing import CliRunner
 
     helps = {name: CliRunner().invoke(app, [name, "-h"], env={"COLUMNS": "200"}).output for name in COMMANDS}
+    helps["cembed"] = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}).output
+    assert all("--help" in text for text in helps.values())
     assert "<sqrt|linear>" in helps["suggest-lr"]
     assert "<auto|fp32|bf16|fp16>" in helps["probe-minibatch"] and "<auto|cpu|cuda>" in helps["probe-minibatch"]
     assert "<auto|cpu|cuda>" in helps["eval"] and "<columns|rows>" in helps["mine-negatives"]
     for name, text in helps.items():
-        rows = [line for line in text.splitlines() if "<bool>" in line and "--help" not in line]
+        rows = [line for line in text.splitlines() if "<bool>" in line]
         assert rows == [], (name, rows)
     for name, command in _click_commands().items():
         for p in command.params:

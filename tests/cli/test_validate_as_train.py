@@ -2,7 +2,12 @@
 load, and a batch the no-duplicates sampler never fills (named with the largest size that does);
 and, over generated configs, validate OK => train gets past setup (and validate's refusal => train's).
 Issue 32 item 4: the same for every path-valued field (a file where a folder is needed, a folder
-under a file, a folder where a file is needed) and for a ``train.report_to`` tracker not installed."""
+under a file, a folder where a file is needed) and for a ``train.report_to`` tracker not installed.
+Issue 39 item 6: and for ``loss.matryoshka.dims`` above the model's dimension, a ``cached_gist`` guide
+that cannot be loaded, ``train.push_to_hub`` with no reachable hub (the tests run offline) and LoRA
+``target_modules`` naming a module the model lacks; ``batch.pad_to_multiple_of`` above ``max_seq_length``
+(item 6's follow-up); item 10's field cases: a ``cached_gist`` guide without a transformers tokenizer
+(a StaticEmbedding model) and a LoRA entry naming a module LoRA cannot adapt."""
 
 from __future__ import annotations
 
@@ -12,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import distinct_pairs
-from hypothesis import HealthCheck, event, given, settings
+from conftest import distinct_pairs, make_static_model
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -22,11 +27,11 @@ from cembed.cli.app import app
 MISSING_MODEL = "all-MiniLM-L6-v3"  # neither a folder, nor shipped, nor in the hub cache (offline)
 
 
-def _config(tmp: Path, model: str, rows: list[dict], size: int, **sections) -> Path:
+def _config(tmp: Path, name_or_path: str, rows: list[dict], size: int, **sections) -> Path:
     data = tmp / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = {
-        "model": {"name_or_path": model, "device": "cpu"},
+        "model": {"name_or_path": name_or_path, "device": "cpu", **sections.pop("model", {})},
         "data": {"train": str(data), **sections.pop("data", {})},
         "batch": {"per_device_train_batch_size": size, "mini_batch_size": 2, **sections.pop("batch", {})},
         "train": {"output_dir": str(tmp / "run"), "max_steps": 1, "seed": 42, **sections.pop("train", {})},
@@ -112,6 +117,28 @@ def _path_mistakes(tmp: Path) -> dict[str, tuple[dict, str]]:
         "sts set is a folder": ({"eval": {"sts": str(tmp)}}, "eval.sts"),
         "retrieval set is a file": ({"eval": {"retrieval": str(sts)}}, "eval.retrieval"),
         "tracker not installed": ({"train": {"report_to": ["tensorboard"]}}, "train.report_to"),
+        # issue 39 item 6: what only the model, the guide or the hub decides
+        "matryoshka dims above the model's": ({"loss": {"matryoshka": {"dims": [4096, 16]}}}, "loss.matryoshka.dims"),
+        "guide cannot be loaded": ({"loss": {"name": "cached_gist", "guide": MISSING_MODEL}}, "loss.guide"),
+        "push to an unreachable hub": (
+            {"train": {"push_to_hub": True, "hub_model_id": "me/model"}},
+            "train.push_to_hub",
+        ),
+        "LoRA target module missing": (
+            {"model": {"lora": {"target_modules": ["query", "no_such_proj"]}}},
+            "model.lora.target_modules",
+        ),
+        # item 6's follow-up: a multiple no batch width reaches (the tiny model's max_seq_length is 64)
+        "pad multiple above max_seq_length": ({"batch": {"pad_to_multiple_of": 128}}, "batch.pad_to_multiple_of"),
+        # item 10's field cases: a guide the GIST loss cannot use, a LoRA entry peft cannot adapt
+        "guide without a transformers tokenizer": (
+            {"loss": {"name": "cached_gist", "guide": str(make_static_model(tmp / "static"))}},
+            "loss.guide",
+        ),
+        "LoRA target module not adaptable": (
+            {"model": {"lora": {"target_modules": ["query", "LayerNorm"]}}},
+            "model.lora.target_modules",
+        ),
     }
 
 
@@ -123,6 +150,13 @@ MISTAKES = (
     "sts set is a folder",
     "retrieval set is a file",
     "tracker not installed",
+    "matryoshka dims above the model's",
+    "guide cannot be loaded",
+    "push to an unreachable hub",
+    "LoRA target module missing",
+    "pad multiple above max_seq_length",
+    "guide without a transformers tokenizer",
+    "LoRA target module not adaptable",
 )
 
 
@@ -160,6 +194,70 @@ def test_a_missing_tracker_names_the_package_to_install(tmp_path, tiny_model_dir
     deadline=None,
     derandomize=True,  # the same few configs every run: a failure reproduces
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+# Each of issue 39's mistakes once with a model that loads, whatever the draws above reach.
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="matryoshka dims above the model's",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="guide cannot be loaded",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="push to an unreachable hub",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="LoRA target module missing",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="pad multiple above max_seq_length",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="guide without a transformers tokenizer",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="LoRA target module not adaptable",
 )
 @given(
     pairs=st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), min_size=24, max_size=48),

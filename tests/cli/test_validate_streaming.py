@@ -51,6 +51,17 @@ def test_validate_reads_only_the_first_rows_of_a_stream(tiny_model_dir, tmp_path
     facts = json.loads(_validate(path, "--json").stdout)["data"]
     assert facts["rows"] is None and facts["batches_per_epoch"] is None
     assert facts["sources"][0]["rows_checked"] == 100 and facts["streaming"]["window_batches"] == 4
+    # Several processes: the rule holds over the global batch, and the line says what each rank reads.
+    from typer.testing import CliRunner
+
+    from cembed.cli.app import app
+
+    two = CliRunner().invoke(app, ["validate", str(path), "--nproc-per-node", "2"])
+    assert two.exit_code == 0, two.output
+    assert (
+        "no-duplicate batches (global batches of 2 processes: each reads the whole stream and trains its slice) "
+        "over a window of 4 batches"
+    ) in " ".join(two.output.split())
     # Without streaming the same file is read whole, and row 2,501 refused.
     plain = _config(tiny_model_dir, data_file, tmp_path)
     del plain["data"]["train"]["streaming"]

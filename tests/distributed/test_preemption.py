@@ -1,15 +1,18 @@
 """Runs that outlive their machines (issue 33 item 3), through the launcher (``cembed train
 --nproc-per-node 2``, 2 gloo ranks):
 
-- SIGTERM to the launcher (a scheduler's preemption): every rank finishes its step and saves the same
-  complete checkpoint, the job exits 143 (128 + SIGTERM), and ``--resume`` ends with the
-  uninterrupted run's weights.
+- SIGTERM to every process of the job, as Slurm sends it (the launcher, both ranks and their two
+  data-loader workers each; issue 38): every rank finishes its step and saves the same complete
+  checkpoint (the workers ignore the signal, a rank takes the launcher's forward of it for the same
+  one), the job exits 143 (128 + SIGTERM), and ``--resume`` ends with the uninterrupted run's weights.
 - A second SIGTERM while the ranks finish their step: they stop at once without saving it, the
-  job exits 143 saying so, and the newest checkpoint is the one before.
-- ``--max-restarts 1``: a rank killed (SIGKILL) mid-run restarts the job, which resumes from the
-  newest complete checkpoint by itself and exits 0 with the uninterrupted run's weights. (Before
-  cembed's launcher gave each restart a store of its own, the restarted ranks hung or failed to
-  connect: cembed.distributed.launch.FRESH_STORE_PER_RESTART.)
+  job exits 143 saying so, and the newest checkpoint is the one before; ``train.log`` and
+  ``run_summary.json`` (status ``abandoned``) say which step.
+- ``--max-restarts 2``: a rank killed (SIGKILL) mid-run restarts the job once, which says so
+  (``restart 1 of 2: resuming from checkpoint-S (rank 1 killed by SIGKILL)``), resumes from the newest
+  complete checkpoint by itself and exits 0 with the uninterrupted run's weights; the summary records
+  the restart. (Before cembed's launcher gave each restart a store of its own, the restarted ranks
+  hung or failed to connect: cembed.distributed.launch.FRESH_STORE_PER_RESTART.)
 
 The signals land wherever the run is (after its first checkpoint): the comparison holds for any step.
 """
@@ -44,7 +47,13 @@ def _config(write_config, tmp: Path, model_dir: Path, out: str) -> Path:
             "data": {"train": str(data), "cache_dir": str(tmp / "cache")},
             "batch": {"global_batch_size": 8, "mini_batch_size": 4},
             "optim": {"learning_rate": 1e-2, "lr_scaling": "none", "warmup_ratio": 0.25},
-            "train": {"max_steps": STEPS, "save_steps": 2, "logging_steps": 1, "output_dir": str(tmp / out)},
+            "train": {
+                "max_steps": STEPS,
+                "save_steps": 2,
+                "logging_steps": 1,
+                "output_dir": str(tmp / out),
+                "dataloader_num_workers": 2,  # as on any machine with cores to spare: a scheduler signals them too
+            },
         },
         name=f"{out}.yaml",
     )
@@ -53,7 +62,15 @@ def _config(write_config, tmp: Path, model_dir: Path, out: str) -> Path:
 def _launch(cfg: Path, *flags: str, env_extra: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **(env_extra or {})}
     cmd = [sys.executable, "-m", "cembed", "train", str(cfg), "--nproc-per-node", "2", *flags]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a job of its own, as a scheduler starts it
+    )
 
 
 def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int = 2, timeout: float = 300) -> None:
@@ -93,13 +110,28 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
     return tmp, write_config, tmp / "straight"
 
 
-def test_sigterm_to_the_launcher_saves_every_rank_and_resume_equals_uninterrupted(uninterrupted, tiny_model_dir):
+def _signal_every_process(launcher: subprocess.Popen, signum: int) -> int:
+    """Send ``signum`` to every process of the launched job, as Slurm does: the launcher's process group
+    and each rank's (torch starts each rank in a session of its own, with its data-loader workers).
+    Returns how many processes were signalled."""
+    import psutil
+
+    ranks = [p for p in psutil.Process(launcher.pid).children() if "cembed" in " ".join(p.cmdline())]
+    count = sum(1 + len(p.children(recursive=True)) for p in ranks) + 1
+    os.killpg(launcher.pid, signum)
+    for rank in ranks:
+        os.killpg(rank.pid, signum)
+    return count
+
+
+def test_sigterm_to_every_process_saves_every_rank_and_resume_equals_uninterrupted(uninterrupted, tiny_model_dir):
     tmp, write_config, straight = uninterrupted
     cfg = _config(write_config, tmp, tiny_model_dir, "preempted")
     out = tmp / "preempted"
     proc = _launch(cfg)
     _wait_for_checkpoint(out, proc)
-    proc.send_signal(signal.SIGTERM)
+    signalled = _signal_every_process(proc, signal.SIGTERM)
+    assert signalled >= 3  # the launcher, 2 ranks and their data-loader workers (2 each while an epoch runs)
     text, _ = proc.communicate(timeout=300)
     assert proc.returncode == 143, text  # 128 + SIGTERM
     summary = json.loads((out / "run_summary.json").read_text())
@@ -116,8 +148,8 @@ def test_sigterm_to_the_launcher_saves_every_rank_and_resume_equals_uninterrupte
     text, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, text
     d_w = _max_dw(straight, out)
-    print(f"\nSIGTERM at step {step}, resumed: max|dW| vs uninterrupted {d_w:.2e}")
-    assert d_w <= 1e-5
+    print(f"\nSIGTERM to {signalled} processes at step {step}, resumed: max|dW| vs uninterrupted {d_w:.2e}")
+    assert d_w <= 1e-6
 
 
 def _workers(launcher: int) -> list:
@@ -131,10 +163,11 @@ def test_max_restarts_resumes_a_killed_rank_from_the_newest_checkpoint(uninterru
     tmp, write_config, straight = uninterrupted
     cfg = _config(write_config, tmp, tiny_model_dir, "restarted")
     out = tmp / "restarted"
-    proc = _launch(cfg, "--max-restarts", "1")
+    proc = _launch(cfg, "--max-restarts", "2")
     _wait_for_checkpoint(out, proc)
     workers = _workers(proc.pid)
     assert len(workers) == 2
+    rank = int(workers[-1].environ()["RANK"])
     workers[-1].send_signal(signal.SIGKILL)
     text, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, text
@@ -142,9 +175,15 @@ def test_max_restarts_resumes_a_killed_rank_from_the_newest_checkpoint(uninterru
     assert summary["status"] == "completed" and summary["steps"] == STEPS
     resumed_from = summary["resumed_from"]
     assert resumed_from and Path(resumed_from).parent == out, summary  # the restart resumed by itself
+    name = Path(resumed_from).name
+    restart = f"restart 1 of 2: resuming from {name} (rank {rank} killed by SIGKILL)"
+    assert restart in text and "restart 2 of 2" not in text, text  # restarted once, and said so
+    assert summary["restarts"] == [
+        {"restart": 1, "of": 2, "resumed_from": name, "reason": f"rank {rank} killed by SIGKILL"}
+    ]
     d_w = _max_dw(straight, out)
-    print(f"\nSIGKILL of a rank, restarted from {Path(resumed_from).name}: max|dW| vs uninterrupted {d_w:.2e}")
-    assert d_w <= 1e-5
+    print(f"\nSIGKILL of a rank, restarted from {name}: max|dW| vs uninterrupted {d_w:.2e}")
+    assert d_w <= 1e-6
 
 
 # Loaded by every process of the launched job (a sitecustomize on PYTHONPATH): after the first signal,
@@ -200,5 +239,10 @@ def test_a_second_sigterm_to_the_launcher_abandons_the_step_without_saving(unint
     reader.join(30)
     text = " ".join("".join(lines).split())
     assert before is not None and latest_complete(out) == before  # the abandoned step saved nothing
-    assert f"interrupted again by SIGTERM: step abandoned, not saved: the last complete checkpoint is {before}" in text
+    summary = json.loads((out / "run_summary.json").read_text())
+    step = summary["steps"]  # trained, its checkpoint abandoned (the second signal came during the stop's save)
+    assert summary["status"] == "abandoned" and summary["abandoned"] == f"step {step}", summary
+    assert f"abandoned: second SIGTERM during step {step}; not saved" in (out / "train.log").read_text()
+    assert f"abandoned step {step} (SIGTERM again): not saved; the last complete checkpoint is {before}" in text
+    assert text.count("abandoned step") == 1  # the launcher's line; rank 0 does not print it again
     assert "--resume" in text and "Traceback" not in text

@@ -398,7 +398,7 @@ def test_matryoshka_cached_equals_plain(tiny_model_dir, options):
 
 def test_matryoshka_dims_beyond_the_model_are_refused(tiny_model_dir):
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")
-    with pytest.raises(UserError, match=r"loss.matryoshka.dims \[64, 16\]: the model's embeddings have 32"):
+    with pytest.raises(UserError, match=r"loss.matryoshka.dims: \[64, 16\]: the model's embeddings have 32"):
         build_loss(model, loss_config(matryoshka={"dims": [64, 16]}), 4)
 
 

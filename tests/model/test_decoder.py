@@ -306,3 +306,38 @@ def test_validate_names_tokenizer_changes_and_lora(decoder_dir):
     assert text.startswith("lasttoken (model.pooling; plain transformers checkpoint)")
     assert "eos: appended '<|endoftext|>' to every text" in text and "padding_side: left -> right" in text
     assert "; LoRA: " in text and " parameters train" in text
+
+
+@pytest.mark.parametrize("lora", [None, LoraOptions(r=2, alpha=4)], ids=["plain", "lora"])
+def test_a_decoder_with_use_cache_on_keeps_its_packing_mode(decoder_dir, lora):
+    """A decoder whose config has ``use_cache: true`` (a Qwen checkpoint's config.json; kept by
+    sentence-transformers before 6.3, e.g. 6.0 on the GPU image, which does not switch it off on load)
+    packs in ``position_ids`` mode as with the cache off: the packed forward passes ``use_cache=False``
+    (with a cache, transformers does not read packed rows from the positions and every mode would
+    disagree, silently padding). Each packed row equals the row alone; the config is left as it was."""
+    from cembed.model.packing import plan_packing
+    from cembed.model.unpad import backbone, packed_encoder, resolve_unpad
+
+    model = _load(decoder_dir, lora=lora)
+    base = backbone(model[0].auto_model)
+    base.config.use_cache = True
+    unpadding = resolve_unpad(model, True)  # True: refuses rather than pads when no mode agrees
+    assert (unpadding.enabled, unpadding.mode) == (True, "position_ids"), unpadding.description
+    model.eval()
+    features = model.preprocess(TEXTS)
+    lengths = features["attention_mask"].sum(1).tolist()
+    plan = plan_packing(lengths, 0.0, capacity=sum(lengths) // 2)
+    assert plan.packs < len(lengths)  # rows share packs
+    with torch.no_grad():
+        alone = torch.cat(
+            [
+                model({k: v[i : i + 1, :n] if torch.is_tensor(v) else v for k, v in features.items()})[
+                    "sentence_embedding"
+                ]
+                for i, n in enumerate(lengths)
+            ]
+        )
+        with packed_encoder(model, plan, unpadding) as ran:
+            packed = model(dict(features))["sentence_embedding"]
+    assert ran.count == 1 and rel_diff(packed, alone) < 1e-5
+    assert base.config.use_cache is True

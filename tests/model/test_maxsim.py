@@ -132,7 +132,7 @@ def test_tiles_cover_every_token_once():
     covered = [t for _, _, tiles in chunks for a, b in tiles for t in range(a, b)]
     assert covered == list(range(25)) and all(b - a <= 5 for _, _, tiles in chunks for a, b in tiles)
     assert M.query_tiles([0, 3, 4, 10, 12], 4) == [(0, 2), (2, 3), (3, 4)]
-    assert Tiles(10, 20, 30).bound_bytes(longest_query=12, queries=100) == 4 * (3 * 12 * 20 + 3 * 12 * 30) + 3200
+    assert Tiles(10, 20, 30).bound_bytes(longest_query=12, queries=100) == 4 * (3 * 12 * 20 + 5 * 12 * 30) + 3200
 
 
 # --- deliberately broken copies: the checks above must see each one --------------------------------------

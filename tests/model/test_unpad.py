@@ -467,3 +467,29 @@ def test_leaking_rows_are_refused(two_layer_model_dir, monkeypatch, third_only, 
     monkeypatch.setattr(unpad, "_block_mask", _leaky_block_mask(third_only, weight))
     leaky = resolve_unpad(model, "auto")
     assert not leaky.enabled and "differs from the row embedded alone" in leaky.description
+
+
+@pytest.mark.parametrize("window", [4, 16])
+def test_a_sliding_window_binds_from_one_token_past_its_length(window):
+    """The boundary at exactly the window's length: transformers' causal sliding window of ``w``
+    (``kv > q - w``) lets a row of ``w`` tokens attend as full causal attention and cuts a row of
+    ``w + 1``; so rows up to ``max_seq_length == w`` may take the block mask (full attention within a
+    row) and ``w + 1`` may not, for a ``sliding_window`` config (Mistral) and a ``layer_types`` one
+    (Qwen2 with its window on)."""
+    from transformers import MistralConfig, Qwen2Config
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    from cembed.model.unpad import local_attention_reason
+
+    def grid(fn, n):  # the (query, key) mask of a row of n tokens, as the library evaluates it
+        zero, positions = torch.tensor(0), torch.arange(n)
+        return fn(zero, zero, positions[:, None], positions[None, :]).tolist()
+
+    windowed = sliding_window_causal_mask_function(window)
+    assert grid(windowed, window) == grid(causal_mask_function, window)
+    assert grid(windowed, window + 1) != grid(causal_mask_function, window + 1)
+    qwen2 = Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=0, num_hidden_layers=2)
+    assert qwen2.layer_types == ["sliding_attention"] * 2
+    for config in (MistralConfig(sliding_window=window), qwen2):
+        assert local_attention_reason(config, window) == ""
+        assert f"{window}-token window, rows up to {window + 1} tokens" in local_attention_reason(config, window + 1)

@@ -4,6 +4,7 @@ global batch, and a world size that does not split it is refused naming the coun
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -36,6 +37,10 @@ def test_the_same_global_batch_and_lr_on_any_world_size(tmp_path, world, accumul
     plan = resolve_plan(cfg, world_size=world)
     assert (plan.per_device_train_batch_size, plan.samples_per_step, plan.global_batch_size) == (per_device, 96, 96)
     assert plan.learning_rate == pytest.approx(1e-4 * math.sqrt(96 / 32), rel=1e-12)  # the global batch's LR
+    # the resolved config (run_summary.json, validate --verbose) carries the derived batch, not the default 64
+    batch = plan.config_as_run(cfg)["batch"]
+    assert (batch["per_device_train_batch_size"], batch["global_batch_size"]) == (per_device, 96)
+    assert batch["mini_batch_size"] == 4
 
 
 def test_per_device_config_is_unchanged_and_records_no_global(tmp_path):
@@ -80,8 +85,6 @@ def test_both_batch_fields_set_is_refused_naming_both(tmp_path):
 
 
 def _write(tmp_path, tiny_model_dir, batch: dict):
-    import json
-
     import yaml
 
     rows = tmp_path / "rows.jsonl"
@@ -105,6 +108,9 @@ def test_validate_shows_both_and_refuses_a_world_size_in_one_line(tmp_path, tiny
     ok = CliRunner().invoke(app, ["validate", str(config), "--nproc-per-node", "2"])
     assert ok.exit_code == 0, ok.output
     assert "effective batch (batch.global_batch_size): 8 per device x 2 x 1 accumulation = 16 samples" in ok.output
+    shown = CliRunner().invoke(app, ["validate", str(config), "--nproc-per-node", "2", "--json"])
+    batch = json.loads(shown.output)["config"]["batch"]
+    assert (batch["per_device_train_batch_size"], batch["global_batch_size"]) == (8, 16)
     bad = CliRunner().invoke(app, ["validate", str(config), "--nproc-per-node", "3"])
     assert bad.exit_code != 0
     assert "batch.global_batch_size=16 does not split over 3 process(es)" in bad.output
@@ -121,8 +127,6 @@ def test_train_refuses_the_world_size_before_launching(tmp_path, tiny_model_dir)
 
 
 def test_estimate_shows_both(tmp_path, tiny_model_dir):
-    import json
-
     config = _write(tmp_path, tiny_model_dir, {"global_batch_size": 16, "mini_batch_size": 4})
     out = tmp_path / "estimate.json"
     result = CliRunner().invoke(

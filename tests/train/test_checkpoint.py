@@ -10,9 +10,10 @@ import signal
 import pytest
 from transformers import TrainerControl, TrainerState
 
-from cembed.errors import UserError
+from cembed.errors import RunAbandoned, UserError
 from cembed.train.checkpoint import (
     MARKER,
+    REPEAT_WINDOW_S,
     STAGING,
     InterruptCallback,
     check_output_dir,
@@ -23,8 +24,11 @@ from cembed.train.checkpoint import (
     latest_complete,
     mark_complete,
     recorded_run,
+    remove_checkpoints,
     remove_incomplete,
     resolve_resume,
+    resume_on_restart,
+    worker_init,
 )
 
 
@@ -106,6 +110,23 @@ def test_check_output_dir(tmp_path):
         check_output_dir(tmp_path, overwrite=False, resuming=False)
     check_output_dir(tmp_path, overwrite=True, resuming=False)
     check_output_dir(tmp_path, overwrite=False, resuming=True)
+    # A stopped run (interrupted, failed, or killed before any summary) with a complete checkpoint:
+    # a fresh run would mix its checkpoints with these, so it says how to continue instead.
+    for status in ("interrupted", "failed", None):
+        if status is None:
+            (tmp_path / "run_summary.json").unlink()
+        else:
+            (tmp_path / "run_summary.json").write_text(json.dumps({"status": status}))
+        with pytest.raises(UserError) as err:
+            check_output_dir(tmp_path, overwrite=False, resuming=False)
+        assert str(err.value) == (
+            f"train.output_dir {tmp_path} holds a stopped run's checkpoint (checkpoint-3): continue it with --resume, "
+            "start again with --overwrite (its checkpoints are removed), or choose another output_dir"
+        )
+        check_output_dir(tmp_path, overwrite=False, resuming=True)
+        check_output_dir(tmp_path, overwrite=True, resuming=False)
+    assert remove_checkpoints(tmp_path) == [tmp_path / "checkpoint-3"] and latest_complete(tmp_path) is None
+    check_output_dir(tmp_path, overwrite=False, resuming=False)  # nothing left to continue
     saved = tmp_path / "saved"
     saved.mkdir()
     (saved / "modules.json").write_text("[]")  # a saved SentenceTransformer, no summary
@@ -119,8 +140,13 @@ def test_check_resume_point(tmp_path):
     check_resume_point(str(ck), None)
     with pytest.raises(UserError, match="belongs to a run of 100 steps, but train.max_steps is 120"):
         check_resume_point(str(ck), 120)
-    with pytest.raises(UserError, match="is at step 40, already at train.max_steps=40"):
-        check_resume_point(str(ck), 40)
+    # The last step's checkpoint of a run stopped during its final save or evaluation: resumed (the run's
+    # end is done, nothing trained); of a finished run, or past train.max_steps: nothing to resume.
+    check_resume_point(str(_checkpoint(tmp_path, 100, state={"global_step": 100, "max_steps": 100})), 100)
+    with pytest.raises(UserError, match="is at step 40, already at train.max_steps=40 and its run finished; nothing"):
+        check_resume_point(str(ck), 40, finished=True)
+    with pytest.raises(UserError, match="is at step 40, past train.max_steps=30; nothing to resume"):
+        check_resume_point(str(ck), 30)
     with pytest.raises(UserError, match="no readable trainer_state.json"):
         check_resume_point(str(_checkpoint(tmp_path, 50)), 100)
 
@@ -139,34 +165,136 @@ def test_interrupt_finishes_the_step_then_saves_and_stops():
         state.global_step = 4
         cb.on_step_end(None, state, control)
         assert (cb.step, control.should_save, control.should_training_stop) == (4, True, True)
-        with pytest.raises(KeyboardInterrupt):  # a second signal abandons the step at once
+        with pytest.raises(RunAbandoned) as abandoned:  # a second signal abandons the step at once
             os.kill(os.getpid(), signal.SIGINT)
+        # step 4 was trained but its checkpoint not saved
+        assert (abandoned.value.signum, abandoned.value.step, abandoned.value.exit_code) == (signal.SIGINT, 4, 130)
+        assert isinstance(abandoned.value, KeyboardInterrupt)  # passes every library's `except Exception`
         assert signal.getsignal(signal.SIGINT) is before  # handlers restored
     finally:
         cb.uninstall()
 
 
-def test_a_signal_after_the_last_step_ends_the_process_at_once():
-    """After the last optimizer step there is no step to finish: what follows (loading the best
-    checkpoint, a collective that may hang when a peer died) must not hold a signal back, or a worker
-    outlives the launcher's SIGTERM. The first signal then acts as the default handler would."""
+def test_a_signal_after_the_last_step_is_late_and_a_second_abandons_the_run_end():
+    """After the last optimizer step there is no step to finish: the first signal is recorded as
+    late (the recipe finishes the run within train.stop_grace_seconds, or stops where --resume
+    finishes it: cembed.train.stopping), and is announced without a step; a second abandons."""
     notices = []
     cb = InterruptCallback(on_signal=lambda signum, step: notices.append(step))
     state, control = TrainerState(), TrainerControl()
     state.global_step, state.max_steps = 4, 5
-    before = signal.getsignal(signal.SIGINT)
+    before = signal.getsignal(signal.SIGTERM)
     cb.install()
     try:
         cb.on_train_begin(None, state, control)
         cb.on_step_end(None, state, control)  # step 4 of 5: a signal would still finish step 5
-        assert not control.should_training_stop
+        assert not control.should_training_stop and not cb.trained
         state.global_step = 5
         cb.on_step_end(None, state, control)  # the last step
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-        assert signal.getsignal(signal.SIGINT) is before and cb.signum is None and notices == []
+        os.kill(os.getpid(), signal.SIGTERM)  # the process lives on: the run's end goes on
+        cb.notice.join(5)
+        assert (cb.signum, cb.late, notices) == (signal.SIGTERM, True, [None])
+        with pytest.raises(RunAbandoned) as abandoned:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert (abandoned.value.step, abandoned.value.exit_code, abandoned.value.what) == (
+            None,
+            143,
+            "the end of training",
+        )
+        assert signal.getsignal(signal.SIGTERM) is before
     finally:
         cb.uninstall()
+
+
+def test_a_resume_of_the_last_step_starts_late():
+    cb = InterruptCallback()
+    state = TrainerState()
+    state.global_step, state.max_steps = 6, 6
+    cb.on_train_begin(None, state, TrainerControl())
+    assert cb.trained
+
+
+def test_a_launched_worker_takes_the_same_signal_again_at_once_for_the_same_one(monkeypatch):
+    """A scheduler signals every process of the job and the launcher forwards its own: a rank gets
+    SIGTERM twice within milliseconds, which must not abandon its step. Later, or another signal, does."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    now = [100.0]
+    monkeypatch.setattr("cembed.train.checkpoint.time.monotonic", lambda: now[0])
+    cb = InterruptCallback()
+    cb.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        now[0] += REPEAT_WINDOW_S / 2
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's forward: the same delivery
+        assert cb.signum == signal.SIGTERM and cb.at == 100.0
+        now[0] += REPEAT_WINDOW_S
+        with pytest.raises(RunAbandoned):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        cb.uninstall()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # one process: a repeat is a person's second signal
+    cb = InterruptCallback()
+    cb.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(RunAbandoned):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        cb.uninstall()
+
+
+def test_a_signal_that_reached_another_rank_stops_this_one_at_the_same_step(monkeypatch):
+    """The ranks agree on the signal at every step's end (a max over the ranks): a rank that did not
+    get it stops and saves with the others, or they would wait for it in the next step's all-reduce."""
+    calls = []
+
+    def peer_signalled(value):
+        calls.append(value)
+        return max(value, int(signal.SIGTERM))  # another rank reports SIGTERM
+
+    monkeypatch.setattr("cembed.distributed.collectives.max_over_ranks", peer_signalled)
+    cb = InterruptCallback()
+    state, control = TrainerState(), TrainerControl()
+    state.global_step, state.max_steps = 3, 10
+    cb.on_step_end(None, state, control)
+    assert calls == [0]  # this rank had none
+    assert (cb.signum, control.should_save, control.should_training_stop) == (signal.SIGTERM, True, True)
+    assert cb.at is not None  # the grace counts from when this rank learned of it
+
+
+def test_data_loader_workers_ignore_stop_signals():
+    """A scheduler's SIGTERM (and a terminal's Ctrl-C) reaches the data-loader workers too; they
+    ignore it and keep producing batches (the main process decides, and ends them)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(range(64), batch_size=4, num_workers=2, worker_init_fn=worker_init(_check_ignored))
+    it = iter(loader)
+    batches = [next(it), next(it)]  # one from each worker: both have run worker_init
+    for worker in it._workers:
+        os.kill(worker.pid, signal.SIGTERM)
+        os.kill(worker.pid, signal.SIGINT)
+    batches += list(it)
+    assert torch.cat(batches).tolist() == list(range(64))
+
+
+def _check_ignored(worker_id: int) -> None:
+    # the loader's own worker_init_fn runs after the signals are set to be ignored
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_a_restart_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    """torch's elastic agent restarts a failed job with TORCHELASTIC_RESTART_COUNT > 0: the attempt
+    continues from the newest complete checkpoint, whatever the command line asked; the first
+    attempt, or a restart before any complete checkpoint, runs as asked."""
+    assert resume_on_restart(tmp_path, 0, False, None) == (False, None)
+    assert resume_on_restart(tmp_path, 2, False, "elsewhere/checkpoint-4") == (False, "elsewhere/checkpoint-4")
+    _checkpoint(tmp_path, 3, complete=False)
+    assert resume_on_restart(tmp_path, 1, False, None) == (False, None)  # only a half-written one
+    _checkpoint(tmp_path, 2)
+    assert resume_on_restart(tmp_path, 1, False, None) == (True, None)
+    assert resume_on_restart(tmp_path, 3, False, "elsewhere/checkpoint-4") == (True, None)
+    assert resume_on_restart(tmp_path, 0, False, None) == (False, None)  # a first attempt as asked
 
 
 def test_output_dir_messages_name_the_folder_relative_to_the_working_directory(tmp_path, monkeypatch):
@@ -253,3 +381,29 @@ def test_a_sharded_checkpoint_is_told_by_its_model_folder(tmp_path, saved_sharde
     checkpoint = tmp_path / "checkpoint-3"
     (checkpoint / "pytorch_model_fsdp_0" if saved_sharded else checkpoint).mkdir(parents=True)
     assert is_sharded_checkpoint(checkpoint) is saved_sharded
+
+
+def test_a_resumed_runs_eval_history_keeps_the_evaluations_before_its_checkpoint():
+    """Issue 38 item 5: the trainer restores a resumed run's log history before training begins; the
+    evaluations in it stay in ``eval.during`` (not only those after the resume), without being shown
+    again, and a fresh run's history starts empty."""
+    from cembed.train.evaluation import EvalLogCallback
+
+    lines: list[str] = []
+    callback = EvalLogCallback(lines.append, ["sts_spearman_cosine"])
+    history = [
+        {"loss": 1.2, "step": 2},
+        {"eval_sts_spearman_cosine": 0.5, "eval_runtime": 0.1, "step": 2},
+        {"loss": 1.0, "step": 4},
+        {"eval_sts_spearman_cosine": 0.6, "eval_samples_per_second": 9.0, "step": 4},
+    ]
+    callback.on_train_begin(None, TrainerState(global_step=4, log_history=history), None)
+    assert callback.history == [
+        {"step": 2, "metrics": {"sts_spearman_cosine": 0.5}},
+        {"step": 4, "metrics": {"sts_spearman_cosine": 0.6}},
+    ]
+    assert lines == []
+    callback.on_log(None, TrainerState(global_step=6), None, logs={"eval_sts_spearman_cosine": 0.7})
+    assert [e["step"] for e in callback.history] == [2, 4, 6] and lines == ["eval step 6: sts_spearman_cosine 0.7000"]
+    callback.on_train_begin(None, TrainerState(), None)
+    assert callback.history == []

@@ -80,6 +80,15 @@ CASE_1 = {
         {"model": {"tokenizer_kwargs": {"pad_token": None}}},
         "model.tokenizer_kwargs: the tokenizer has no padding token",
     ),
+    "pad_to_multiple_of above max_seq_length": (
+        {"model": {"max_seq_length": 32}, "batch": {"pad_to_multiple_of": 64}},
+        "batch.pad_to_multiple_of: 64 is above model.max_seq_length 32: no batch width can be a multiple of it "
+        "(every batch would be padded to 32); set it to at most 32 or leave it unset",
+    ),
+    "pad_to_multiple_of above the model's own length": (
+        {"batch": {"pad_to_multiple_of": 48}},  # the model's own max_seq_length: 40
+        "batch.pad_to_multiple_of: 48 is above the model's max_seq_length 40:",
+    ),
     "num_train_epochs and max_steps both set": (
         {"train": {"num_train_epochs": 3, "max_steps": 2}},
         "num_train_epochs (3) and max_steps (2) are both set; max_steps would win",

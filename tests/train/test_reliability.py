@@ -281,7 +281,7 @@ BAD_INPUTS = {
     ),
     "a folder": (
         lambda p: (p / "folder.jsonl").mkdir() or p / "folder.jsonl",
-        "folder.jsonl: the folder holds no .jsonl[.gz]",
+        "folder.jsonl: the folder holds no .jsonl, .json, .csv, .tsv (each also .gz, .bz2, .xz or .zst)",
     ),  # a folder is a sharded source
 }
 
@@ -322,7 +322,9 @@ def test_resume_refuses_finished_or_changed_schedule(tiny_model_dir, write_confi
         os.umask(old_mask)
     # checkpoints get the umask's modes too (transformers writes the weights 0o600)
     assert stat.S_IMODE((tmp_path / "short" / "checkpoint-1" / "model.safetensors").stat().st_mode) == 0o644
-    with pytest.raises(UserError, match=r"checkpoint-2 is at step 2, already at train.max_steps=2; nothing to resume"):
+    with pytest.raises(
+        UserError, match=r"checkpoint-2 is at step 2, already at train.max_steps=2 and its run finished; nothing to"
+    ):
         run_training(cfg, plan, data, resume=True)
     longer = load_config(path, ["train.max_steps=4"])
     with pytest.raises(UserError, match=r"belongs to a run of 2 steps, but train.max_steps is 4"):

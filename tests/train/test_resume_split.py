@@ -59,6 +59,34 @@ def test_a_new_per_device_batch_at_the_same_samples_per_step_is_a_safe_change(tm
     ]
 
 
+def test_a_global_batch_size_resume_names_the_per_device_batch_it_derives(tmp_path):
+    """Issue 38 item 5: a batch.global_batch_size run records the per-device batch it trains, not the
+    schema's unused default (64), so a resume names only the fields that changed, with their values."""
+    old = _record(2, per_device_train_batch_size=4)
+    assert check_resume(str(tmp_path), old, _record(1)) == [
+        "batch.global_batch_size None -> 8",
+        "batch.per_device_train_batch_size 4 -> 8",
+        "world_size 2 -> 1",
+        RESEEDED_2_TO_1,
+    ]
+    assert _record(2)["config"]["batch"]["per_device_train_batch_size"] == 4
+    # both runs set the global batch: the per-device one follows the world size, whose change is named
+    assert check_resume(str(tmp_path), _record(2), _record(1)) == ["world_size 2 -> 1", RESEEDED_2_TO_1]
+    assert check_resume(str(tmp_path), _record(1), old) == [
+        "batch.global_batch_size 8 -> None",
+        "batch.per_device_train_batch_size 8 -> 4",
+        "world_size 1 -> 2",
+        "RNG streams (dropout) re-seeded per rank: the checkpoint holds 1 process(es)' RNG states, this run has 2",
+    ]
+    assert check_resume(str(tmp_path), _record(2), _record(2)) == []
+    # a record written before the derived batch was recorded: its unused default is no change either
+    older = _record(2)
+    older["config"]["batch"]["per_device_train_batch_size"] = 64
+    assert check_resume(str(tmp_path), older, _record(2)) == []
+    assert check_resume(str(tmp_path), _record(2), older) == []
+    assert check_resume(str(tmp_path), older, old) == ["batch.global_batch_size 8 -> None"]  # 4 rows per device
+
+
 def test_a_split_that_changes_the_contrast_is_refused_naming_the_field(tmp_path):
     # gather_across_devices false: each of 2 processes contrasts its own 4 rows; on 1 process all 8
     old, new = _record(2, gather=False), _record(1, gather=False)

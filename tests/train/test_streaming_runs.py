@@ -1,5 +1,6 @@
 """Training from a stream (issue 24 item 4): ``data.train.streaming`` trains on the windowed
-no-duplicate batches (:mod:`cembed.data.batching.windowed`), each rank on its own split of the stream."""
+no-duplicate batches (:mod:`cembed.data.batching.windowed`). Several ranks train their slices of the
+same global batches: tests/distributed/test_global_numbers.py (issue 38 item 6)."""
 
 from __future__ import annotations
 
@@ -222,75 +223,6 @@ def test_a_stream_killed_in_its_second_pass_and_resumed_equals_uninterrupted(
         assert after[step] == pytest.approx(losses[step], abs=1e-6), step
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "killed")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
-
-
-RECORDING_WORKER = """
-import json, os, runpy, sys
-import cembed.train.recipe as T
-from cembed.train.trainer import CembedTrainer
-
-class Recording(CembedTrainer):
-    # Appends each training batch's anchor ids (padding stripped) to <output_dir>/rank<R>.jsonl.
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        if model.training:
-            ids, mask = inputs["anchor_input_ids"], inputs["anchor_attention_mask"]
-            path = os.path.join(self.args.output_dir, "rank%s.jsonl" % os.environ["RANK"])
-            with open(path, "a") as f:
-                f.write(json.dumps([i[m.bool()].tolist() for i, m in zip(ids, mask)]) + "\\n")
-        return super().compute_loss(model, inputs, *args, **kwargs)
-
-run_training = T.run_training
-T.run_training = lambda *a, **k: run_training(*a, **{**k, "trainer_cls": Recording})
-sys.argv = ["cembed", "train", *sys.argv[1:]]
-runpy.run_module("cembed", run_name="__main__")
-"""
-
-
-@pytest.mark.slow
-def test_two_ranks_each_train_the_windowed_batches_of_their_own_shard(tiny_model_dir, tmp_path, write_config):
-    """2 gloo processes, a stream of 2 shards: each rank reads one whole shard
-    (``split_dataset_by_node``) and trains exactly its windowed batches; no row on both ranks."""
-    shards = [
-        ROWS[:36],
-        [{k: v.replace("park", "garden").replace("grass", "sand") for k, v in r.items()} for r in ROWS[36:]],
-    ]
-    (tmp_path / "shards").mkdir()
-    for i, rows in enumerate(shards):
-        _write(tmp_path / "shards" / f"part-{i}.jsonl", rows)
-    cfg = _cfg(tiny_model_dir, tmp_path, tmp_path / "out", tmp_path / "shards" / "*.jsonl", {"window_batches": 1}, 4)
-    cfg["batch"] = {"per_device_train_batch_size": 4, "mini_batch_size": 2}
-    path = write_config(cfg)
-    worker = tmp_path / "worker.py"
-    worker.write_text(RECORDING_WORKER)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(worker),
-            str(path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    seen = {
-        rank: [[tuple(a) for a in json.loads(line)] for line in (tmp_path / "out" / f"rank{rank}.jsonl").open()]
-        for rank in (0, 1)
-    }
-    for rank in (0, 1):
-        assert seen[rank] == _expected_batches(tiny_model_dir, shards[rank], 4, 1)[:4], rank
-    rows = {rank: {a for batch in seen[rank] for a in batch} for rank in (0, 1)}
-    assert [sum(map(len, seen[rank])) for rank in (0, 1)] == [16, 16] and not rows[0] & rows[1]
-    summary = json.loads((tmp_path / "out" / "run_summary.json").read_text())
-    stream = summary["data"]["sources"][0]["stream"]
-    assert (stream["rank"], stream["world_size"], summary["steps"]) == (0, 2, 4)
-    assert stream["counts"]["rows_read"] == 36  # rank 0's shard, read whole (one chunk)
 
 
 @pytest.mark.slow

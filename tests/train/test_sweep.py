@@ -4,6 +4,7 @@ study that lets a killed sweep resume with only the missing trials, and the refu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,61 @@ def test_a_changed_config_is_refused_naming_the_field(tmp_path, tiny_model_dir, 
     with pytest.raises(UserError, match=r"was run with optim.learning_rate=0.001, this config has 0.002"):
         S.run_sweep(config, [1.0], steps=1, out=out, overrides=["optim.learning_rate=0.002"])
     assert len(calls) == 1  # refused before any training
+
+
+def test_an_edit_in_place_of_the_training_file_is_refused_naming_the_data(tmp_path, tiny_model_dir, monkeypatch):
+    """Issue 39: the same config over a training file edited in place (same path, same row count) is
+    another sweep: refused naming the file, then trained afresh with --overwrite (it was read back)."""
+    config, out = _config(tmp_path, tiny_model_dir), tmp_path / "s"
+    calls = _fake_runs(monkeypatch)
+    S.run_sweep(config, [1.0], steps=1, out=out)
+    pairs = tmp_path / "pairs.jsonl"
+    lines = pairs.read_text().splitlines()
+    lines[7] = json.dumps({"anchor": "question 7 about a boat", "positive": "answer 7 on the street"})
+    pairs.write_text("\n".join(lines) + "\n")  # one cell of one row edited
+    with pytest.raises(UserError) as err:
+        S.run_sweep(config, [1.0], steps=1, out=out)
+    assert re.fullmatch(
+        rf"sweep: {re.escape(str(out / 'study.db'))} was run on other data: data.train \({re.escape(str(pairs))}\) "
+        r"held 16 rows \(xxh3 [0-9a-f]{8}\) and holds 16 rows \(xxh3 [0-9a-f]{8}\) now \(edited in place\?\): its "
+        r"trials scored the old rows; use a new --out or --overwrite to move the old study aside",
+        str(err.value),
+    ), str(err.value)
+    assert len(calls) == 1  # refused before any training
+    fresh = S.run_sweep(config, [1.0], steps=1, out=out, overwrite=True)
+    assert fresh.ran == [1.0] and len(calls) == 2
+
+
+def test_an_edit_in_place_of_an_eval_set_is_refused_naming_it(tmp_path, tiny_model_dir, monkeypatch):
+    """The eval sets are the score: an edit of one gold score is another sweep's trials."""
+    config, out = _config(tmp_path, tiny_model_dir), tmp_path / "s"
+    calls = _fake_runs(monkeypatch)
+    S.run_sweep(config, [1.0], steps=1, out=out)
+    sts = tmp_path / "sts.tsv"
+    sts.write_text(sts.read_text().replace("street 3\t3", "street 3\t0"))
+    with pytest.raises(UserError, match=rf"was run on other data: eval.sts.sts \({re.escape(str(sts))}\) held 8 pairs"):
+        S.run_sweep(config, [1.0], steps=1, out=out)
+    assert len(calls) == 1
+
+
+def test_fields_that_change_neither_trials_nor_scores_reuse_the_trials(tmp_path, tiny_model_dir, monkeypatch):
+    """Issue 39: data.num_proc, train.peak_tflops, workers, logging are not what a trial trains: the
+    trials are read back; batch.gradient_accumulation_steps and model.save_dtype (the model is scored
+    as saved) are, and are refused."""
+    config, out = _config(tmp_path, tiny_model_dir), tmp_path / "s"
+    calls = _fake_runs(monkeypatch)
+    S.run_sweep(config, [1.0], steps=1, out=out)
+    safe = ["data.num_proc=2", "train.peak_tflops=100", "train.dataloader_num_workers=3", "train.logging_steps=7"]
+    again = S.run_sweep(config, [1.0], steps=1, out=out, overrides=safe)
+    assert again.ran == [] and len(calls) == 1
+    for change, shown in [
+        ("batch.gradient_accumulation_steps=2", "batch.gradient_accumulation_steps=1, this config has 2"),
+        ("model.save_dtype=bf16", "model.save_dtype=unset, this config has bf16"),
+        ("train.nonfinite_loss=skip", "train.nonfinite_loss=stop, this config has skip"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(f"was run with {shown};")):
+            S.run_sweep(config, [1.0], steps=1, out=out, overrides=[change])
+    assert len(calls) == 1
 
 
 def test_overwrite_moves_the_old_study_aside_and_trains_fresh(tmp_path, tiny_model_dir, monkeypatch):
@@ -742,3 +798,21 @@ def test_a_trial_killed_mid_run_is_marked_failed(tmp_path, tiny_model_dir, monke
         S.run_sweep(_config(tmp_path, tiny_model_dir), [1.0], 1, out=tmp_path / "s")
     study = optuna.load_study(study_name=S.STUDY_NAME, storage=f"sqlite:///{tmp_path / 's' / 'study.db'}")
     assert [t.state.name for t in study.trials] == ["FAIL"]
+
+
+def test_a_multi_vector_sweep_compares_its_maxsim_metric(tmp_path):
+    """A multi-vector model's retrieval metrics are keyed by MaxSim (the kind's similarity): the sweep
+    picks ``<set>_maxsim_ndcg@10`` and accepts a ``--metric`` of that key; a cosine key is refused."""
+    from types import SimpleNamespace
+
+    from cembed.config.file import load_config
+
+    cfg = load_config(
+        _config(tmp_path, "some-model"),
+        ["model.kind=multi_vector", "loss.name=cached_maxsim", "eval.sts=[]", "eval.retrieval=[heldout]"],
+    )
+    sets = SimpleNamespace(retrieval=[SimpleNamespace(name="heldout")], sts=[])
+    assert S.sweep_metric(cfg, None, sets) == ("heldout_maxsim_ndcg@10", True)
+    assert S.sweep_metric(cfg, "eval_heldout_maxsim_recall@10", sets) == ("heldout_maxsim_recall@10", True)
+    with pytest.raises(UserError, match="'heldout_cosine_ndcg@10' is not a metric"):
+        S.sweep_metric(cfg, "heldout_cosine_ndcg@10", sets)

@@ -28,7 +28,9 @@ INIT_EXAMPLES = examples(
 def init_cmd(
     out: Path = typer.Argument(..., help="The config file to write (never overwritten)."),
     data: Optional[Path] = typer.Option(
-        None, "--data", help="Training data: .jsonl[.gz], .json, .csv, .tsv or .parquet."
+        None,
+        "--data",
+        help="Training data: .jsonl, .json, .csv, .tsv (plain, .gz, .bz2, .xz or .zst), .parquet, or a save_to_disk folder.",
     ),
     model: str = typer.Option("all-MiniLM-L6-v2", "--model", help="Model folder or hub id to fine-tune."),
     example: Optional[ExampleName] = typer.Option(None, "--example", help="Write a packaged example config instead."),

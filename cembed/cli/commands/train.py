@@ -6,6 +6,9 @@ Registered by :mod:`cembed.cli.app`.
 
 from __future__ import annotations
 
+import math
+import signal
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -24,15 +27,21 @@ from cembed.cli.common import (
     print_plan,
     world_size_from_flags,
 )
-from cembed.cli.display.run import RichRunDisplay, abandoned_message, print_done, print_eval_change
-from cembed.errors import RunInterrupted, UserError, WorkerFailed
+from cembed.cli.display.run import (
+    RichRunDisplay,
+    abandoned_message,
+    interrupted_before_training,
+    print_done,
+    print_eval_change,
+)
+from cembed.errors import RunAbandoned, RunInterrupted, UserError, WorkerFailed
 from cembed.files import display_path
 
 NPROC_HELP = "Processes (GPUs) per node; >1 launches them through torch.distributed.run (torchrun)."
 NNODES_HELP = "Machines taking part; run the same command on each with its own --node-rank."
 RESTARTS_HELP = (
     "Restart all processes up to this many times when one fails (torchrun's elastic agent); each restart "
-    "resumes from the newest complete checkpoint."
+    "resumes from the newest complete checkpoint. A user error (exit code 2: config or data) is not restarted."
 )
 
 TRAIN_EXAMPLES = examples(
@@ -75,12 +84,10 @@ def train_cmd(
     try:  # a config mistake answers before torch is imported (seconds)
         cfg = load(config, overrides)
     except UserError as err:
-        record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
+        if record_worker_error(err):  # in a worker of cembed's launcher, which shows this rank's error
+            raise typer.Exit(err.exit_code) from None
         raise
-    from cembed.distributed.group import dist_info, is_worker, leave_process_group
-    from cembed.distributed.peers import announce_failure
-    from cembed.train.facts import run_facts
-    from cembed.train.recipe import check_run_inputs, run_training
+    from cembed.distributed.group import is_worker
 
     if is_worker() and world is not None:
         raise UserError(
@@ -107,8 +114,26 @@ def train_cmd(
             overrides or [],
         )
         return
-    from cembed.distributed.launch import restart_count
+    _train_here(cfg, config, overrides, resume, resume_from, overwrite, max_memory)
+
+
+def _train_here(
+    cfg,
+    config: Path,
+    overrides: list[str] | None,
+    resume: bool,
+    resume_from: str | None,
+    overwrite: bool,
+    max_memory: str | None,
+) -> None:
+    """Train in this process (one process, or one launched worker): the run, then what a stopped,
+    abandoned or failed run says (exit 128 + signal, 2 or 1) or the done lines."""
+    from cembed.distributed.group import dist_info, leave_process_group
+    from cembed.distributed.launch import launched_by_cembed, record_worker_error, restart_count
+    from cembed.distributed.peers import announce_failure
     from cembed.train.checkpoint import resume_on_restart
+    from cembed.train.facts import run_facts
+    from cembed.train.recipe import check_run_inputs, run_training
 
     # A restart by the launcher (after a failure) continues from the newest complete checkpoint.
     resume, resume_from = resume_on_restart(cfg.train.output_dir, restart_count(), resume, resume_from)
@@ -132,21 +157,37 @@ def train_cmd(
         leave_process_group()  # every rank stopped at the same step (InterruptCallback)
         if dist_info().is_main:
             extra = " ".join(overrides or [])
+            # after the last step the checkpoint holds every step: --resume does the rest of the run's end
+            saved = (
+                f"{display_path(stop.checkpoint)} holds every step; --resume saves the final model, evaluates "
+                "and writes the summary"
+                if stop.stage
+                else f"checkpoint saved to {display_path(stop.checkpoint)}"
+            )
             err_console.print(
-                f"[yellow]{stop}[/]: checkpoint saved to {display_path(stop.checkpoint)}\n"
-                f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume",
+                f"[yellow]{stop}[/]: {saved}\nresume with: cembed train {config}{' ' + extra if extra else ''} --resume",
                 highlight=False,
             )
         raise typer.Exit(stop.exit_code) from None
-    except KeyboardInterrupt:  # a second Ctrl-C (or one before training): nothing more is saved
+    except RunAbandoned as stop:  # a second signal: nothing more is saved (train.log and the summary say so)
+        display.close()
+        if dist_info().is_main and not launched_by_cembed():  # (cembed's launcher says it for all ranks)
+            name = signal.Signals(stop.signum).name
+            err_console.print(
+                abandoned_message(name, stop.what, cfg.train.output_dir, config, overrides), highlight=False
+            )
+        raise typer.Exit(stop.exit_code) from None
+    except KeyboardInterrupt:  # Ctrl-C before training started: no handler saves anything yet
         display.close()
         if dist_info().is_main:
-            err_console.print(abandoned_message(display, cfg.train.output_dir, config, overrides), highlight=False)
+            err_console.print(interrupted_before_training(cfg.train.output_dir, config, overrides), highlight=False)
         raise typer.Exit(130) from None
     except Exception as err:
-        record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
+        shown = record_worker_error(err)  # in a launched worker: the launcher shows this rank's error
         announce_failure()  # a peer held by the launcher's SIGTERM mid-step ends at once (InterruptCallback)
         if isinstance(err, UserError):
+            if shown:
+                raise typer.Exit(err.exit_code) from None
             raise
         _unexpected(err, cfg.train.output_dir)
     leave_process_group()
@@ -190,9 +231,10 @@ def _launch_training(
     The data is loaded and checked by the workers only (this process holds no table, so a node's
     memory is its ranks'): a data mistake comes back as rank 0's one-line error, exit code 2.
     SIGTERM/SIGINT to this process reaches every worker, which saves and stops: exit 128 + signal,
-    naming the checkpoint to resume from. With ``max_restarts`` a failed worker restarts them all,
-    each restart resuming from the newest complete checkpoint."""
-    from cembed.distributed.launch import launch, launcher_args
+    naming the checkpoint to resume from; the workers get ``train.stop_grace_seconds`` before they
+    are killed. With ``max_restarts`` a failed worker restarts them all, each restart resuming from
+    the newest complete checkpoint, except after a user error (exit code 2), which no restart changes."""
+    from cembed.distributed.launch import RestartPolicy, launch, launcher_args
     from cembed.errors import LauncherSignalled
     from cembed.train.checkpoint import latest_complete
     from cembed.train.recipe import check_run_config
@@ -204,6 +246,15 @@ def _launch_training(
         f"launching {nproc_per_node} process(es) on node {node_rank} of {nnodes} via torch.distributed.run",
         highlight=False,
     )
+    output_dir = cfg.train.output_dir
+    policy = RestartPolicy(
+        max_restarts,
+        resume_point=lambda: getattr(latest_complete(output_dir), "name", None),
+        announce=lambda line: err_console.print(f"[yellow]{escape(line)}[/]", highlight=False),
+    )
+    extra = " ".join(shown_overrides or [])
+    resume = f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume"
+    started = time.time()
     try:
         launch(
             ["train", str(config.resolve()), *overrides],
@@ -212,27 +263,55 @@ def _launch_training(
             node_rank,
             rdzv_endpoint,
             max_restarts=max_restarts,
+            policy=policy,
+            shutdown_timeout_s=math.ceil(cfg.train.stop_grace_seconds),
         )
     except LauncherSignalled as stop:
-        found = latest_complete(cfg.train.output_dir)
-        newest = "the last complete checkpoint is" if stop.abandoned else "newest checkpoint"
-        saved = f"{newest} {display_path(found)}" if found else "no checkpoint was saved"
-        extra = " ".join(shown_overrides or [])
-        err_console.print(
-            f"[yellow]{stop}[/]: {saved}\nresume with: cembed train {config}{' ' + extra if extra else ''} --resume",
-            highlight=False,
-        )
+        name = signal.Signals(stop.signum).name
+        summary = _summary_since(output_dir, started)
+        if stop.abandoned:  # what rank 0 recorded as abandoned (a step, or a part of the run's end)
+            what = summary.get("abandoned") if summary.get("status") == "abandoned" else None
+            err_console.print(abandoned_message(name, what, output_dir, config, shown_overrides), highlight=False)
+            raise typer.Exit(stop.exit_code) from None
+        if summary.get("status") == "completed":  # the signal came after the last step, and the run was finished
+            err_console.print(
+                f"{name}: the run was finished within train.stop_grace_seconds "
+                f"({cfg.train.stop_grace_seconds:g} s); model and run_summary.json in {display_path(output_dir)}",
+                highlight=False,
+            )
+            raise typer.Exit(0) from None
+        found = latest_complete(output_dir)
+        saved = f"newest checkpoint {display_path(found)}" if found else "no checkpoint was saved"
+        err_console.print(f"[yellow]{stop}[/]: {saved}\n{resume}", highlight=False)
         raise typer.Exit(stop.exit_code) from None
     except WorkerFailed as err:
         # exit code 2: a user mistake (the data's, found by the workers); 3: the run failed (RunFailed).
         # Both are cembed's own one-line messages: shown as one process shows them, without the class name.
         message = err.message.removeprefix("UserError: ") if err.exitcode == 2 else err.message
         message = message.removeprefix("RunFailed: ") if err.exitcode == 3 else message
+        attempts = (
+            "; not restarted: a user error fails every attempt alike"
+            if err.not_restarted
+            else (f"; after {err.restarts} restart(s)" if err.restarts else "")
+        )
         err_console.print(
             f"[bold red]error:[/] rank {err.rank} failed (exit code {err.exitcode}): {escape(message)}; "
-            "the other processes were stopped",
+            f"the other processes were stopped{attempts}",
             highlight=False,
             markup=True,
             soft_wrap=True,
         )
         raise typer.Exit(2 if err.exitcode == 2 else 1) from None
+
+
+def _summary_since(output_dir: str, started: float) -> dict:
+    """The ``run_summary.json`` rank 0 wrote after ``started`` (``time.time()``: this launch), else {}."""
+    import json
+
+    summary = Path(output_dir) / "run_summary.json"
+    try:
+        if summary.stat().st_mtime < started:
+            return {}
+        return json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return {}

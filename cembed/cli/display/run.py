@@ -1,7 +1,7 @@
 """What ``cembed train`` prints: :class:`RichRunDisplay` (the :class:`cembed.train.recipe.RunDisplay`
 the recipe is handed: probe, run header, components, the tokenize and training progress bars, the
 per-interval and evaluation lines), the closing lines of a finished run (done, throughput, stream
-counts, evaluation before / after) and the line of a run stopped by Ctrl-C.
+counts, evaluation before / after) and the lines of a run stopped by a second signal or before training.
 """
 
 from __future__ import annotations
@@ -85,14 +85,28 @@ class RichRunDisplay:
         """``resuming from <checkpoint> at step <step> of <max_steps>`` (the bar then starts at ``step``)."""
         self.console.print(f"resuming from {checkpoint} at step {step} of {max_steps}", highlight=False)
 
-    def interrupt(self, signal_name: str, step: int) -> None:
-        """The acknowledgement of a first Ctrl-C (SIGINT) or SIGTERM, printed above the bar at once."""
+    def interrupt(self, signal_name: str, step: int | None, grace_s: float | None = None) -> None:
+        """The acknowledgement of a first Ctrl-C (SIGINT) or SIGTERM, printed above the bar at once;
+        during the last step (``grace_s`` given) or after it (``step`` None) it says the run is
+        finished if that fits in ``train.stop_grace_seconds``."""
         again = "Ctrl-C again" if signal_name == "SIGINT" else f"send {signal_name} again"
         who = "Ctrl-C" if signal_name == "SIGINT" else signal_name
-        self.console.print(
-            f"[yellow]{who}[/]: finishing step {step}, then saving a checkpoint; {again} to abandon",
-            highlight=False,
-        )
+        grace = f"train.stop_grace_seconds ({grace_s:g} s)" if grace_s is not None else ""
+        if step is None:
+            head = f"{who} after the last step"
+            what = (
+                f"finishing the run (final model, evaluation, summary) if that fits in {grace}, "
+                "else stopping where --resume finishes it"
+            )
+        elif grace_s is not None:
+            head = who
+            what = (
+                f"finishing step {step} (the last), then the run if that fits in {grace}, "
+                "else saving a checkpoint from which --resume finishes it"
+            )
+        else:
+            head, what = who, f"finishing step {step}, then saving a checkpoint"
+        self.console.print(f"[yellow]{head}[/]: {what}; {again} to abandon", highlight=False)
 
     @contextmanager
     def tokenize_progress(self):
@@ -309,16 +323,28 @@ def print_done(console: Console, summary: dict) -> None:
     from cembed.train.trainer import sparse_cache_text
 
     steps, here = summary["steps"], summary.get("steps_this_run", summary["steps"])
-    trained = (
-        f"{steps} steps, {summary['samples_seen']} samples"
-        if here == steps  # a resumed run: the rate is over the steps this run trained
-        else f"{steps} steps ({here} in this run, {summary['samples_this_run']} samples)"
-    )
-    console.print(
-        f"[green]done[/]: {trained} in {summary['wall_time_s']:.1f}s "
-        f"({summary['samples_per_s']:.1f} samples/s); loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}",
-        highlight=False,
-    )
+    if here == 0:  # a resume of the last step's checkpoint: only the run's end was left
+        console.print(
+            f"[green]done[/]: {steps} steps (all trained before; this run saved and evaluated)", highlight=False
+        )
+    else:
+        trained = (
+            f"{steps} steps, {summary['samples_seen']} samples"
+            if here == steps  # a resumed run: the rate is over the steps this run trained
+            else f"{steps} steps ({here} in this run, {summary['samples_this_run']} samples)"
+        )
+        console.print(
+            f"[green]done[/]: {trained} in {summary['wall_time_s']:.1f}s ({summary['samples_per_s']:.1f} samples/s); "
+            f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (first and last logged means)",
+            highlight=False,
+        )
+    stop = summary.get("stop_signal")
+    if stop:
+        console.print(
+            f"{stop['signal']} during {stop['during']}: the run was finished within train.stop_grace_seconds "
+            f"({stop['finished_within_s']:g} s)",
+            highlight=False,
+        )
     t = summary.get("throughput") or {}
     if "flops_per_s" in t:
         mfu = f", MFU {100 * t['mfu']:.1f}%" if t.get("mfu") is not None else " (no device peak: MFU not computed)"
@@ -346,8 +372,8 @@ STREAM_DROP_WARN = 0.05
 
 def print_stream_counts(console: Console, summary: dict) -> None:
     """For a run trained from a stream (``data.train.streaming``): one line with the rows it read,
-    placed in batches and dropped (the window rule's counts, every pass read so far, this process's
-    share of the stream), and a warning when more than :data:`STREAM_DROP_WARN` of them were dropped
+    placed in batches and dropped (the window rule's counts of the global batches, every pass read so
+    far; with several processes each reads the whole stream), and a warning when more than :data:`STREAM_DROP_WARN` of them were dropped
     (a file in file order with equal texts close together: sorted files need a shuffle buffer)."""
     for entry in (summary.get("data") or {}).get("sources") or []:
         stream = entry.get("stream")
@@ -356,7 +382,8 @@ def print_stream_counts(console: Console, summary: dict) -> None:
         passes = [*(stream.get("earlier_passes") or []), stream["counts"]]
         read, placed, dropped = (sum(c[k] for c in passes) for k in ("rows_read", "placed", "dropped"))
         share = dropped / read if read else 0.0
-        whose = f" (rank {stream['rank']}'s share of {stream['world_size']})" if stream.get("world_size", 1) > 1 else ""
+        world = stream.get("world_size", 1)
+        whose = f" (global batches of {world} processes, each reading the whole stream)" if world > 1 else ""
         console.print(
             f"stream: {read:,} rows read, {placed:,} placed in batches, {dropped:,} dropped ({share:.1%}){whose}",
             highlight=False,
@@ -376,8 +403,9 @@ def print_stream_counts(console: Console, summary: dict) -> None:
             )
 
 
-# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.
-COMPARED_METRICS = ("_cosine_ndcg@10", "_cosine_recall@10", "_spearman_cosine")
+# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10 (keyed by the model
+# kind's similarity: <set>_cosine_ndcg@10, <set>_maxsim_ndcg@10), STS Spearman.
+COMPARED_METRICS = ("_ndcg@10", "_recall@10", "_spearman_cosine")
 
 
 def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:
@@ -418,22 +446,30 @@ def print_eval_change(console: Console, summary: dict) -> None:
 
 
 def abandoned_message(
-    display: RichRunDisplay, output_dir: str | None, config: Path, overrides: list[str] | None
+    signal_name: str, what: str | None, output_dir: str | None, config: Path, overrides: list[str] | None
 ) -> str:
-    """The line of a run stopped by Ctrl-C outside the checkpointing handler: during a step after
-    a first Ctrl-C (the step abandoned), or before training started; then how to resume from the
-    last complete checkpoint, or that there is none."""
+    """The line of a run abandoned by a second signal, in every mode (one process, the launcher of
+    several): ``what`` was abandoned (``step 4``, ``the evaluation``; None: not known, e.g. no rank
+    recorded it), not saved; then how to resume from the last complete checkpoint, or that there is none."""
+    who = "Ctrl-C" if signal_name == "SIGINT" else signal_name
+    return f"[yellow]abandoned {what or 'the step'}[/] ({who} again): not saved; " + _resume_from_last(
+        output_dir, config, overrides
+    )
+
+
+def interrupted_before_training(output_dir: str | None, config: Path, overrides: list[str] | None) -> str:
+    """The line of a run stopped by Ctrl-C before training started (no handler saves anything yet)."""
+    return "[yellow]interrupted[/] before training started; " + _resume_from_last(output_dir, config, overrides)
+
+
+def _resume_from_last(output_dir: str | None, config: Path, overrides: list[str] | None) -> str:
     from cembed.train.checkpoint import latest_complete
 
-    if display.bar is not None and display.bar.started:
-        what = f"[yellow]abandoned step {display.bar.step + 1}[/] (Ctrl-C again): not saved"
-    else:
-        what = "[yellow]interrupted[/] before training started"
     last = latest_complete(output_dir) if output_dir else None
     if last is None:
-        return f"{what}; no checkpoint to resume from"
+        return "no checkpoint to resume from"
     extra = " ".join(overrides or [])
     return (
-        f"{what}; the last complete checkpoint is {display_path(last)}\n"
+        f"the last complete checkpoint is {display_path(last)}\n"
         f"resume with: cembed train {config}{' ' + extra if extra else ''} --resume"
     )

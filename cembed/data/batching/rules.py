@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from cembed.config.base import registered_by
 from cembed.config.schema import SamplerConfig
 from cembed.data.batching.full_table import NoDuplicatesSampler
 from cembed.data.batching.mixture import SourceMix
@@ -62,7 +63,7 @@ def register_batching_rule(
     """
     entry = BatchingRule(sampler, counted, placement)
     if RULES.get(name, entry) != entry:
-        raise ValueError(f"batching rule {name!r} is already registered")
+        raise ValueError(f"batching rule {name!r} is already registered ({registered_by(RULES[name].sampler)})")
     RULES[name] = entry
 
 

@@ -1,8 +1,8 @@
 """Training from a stream: rows read on the fly, tokenized, and cut into windowed no-duplicate batches.
 
-:class:`StreamingSource` reads a file source's shards (:mod:`cembed.data.sources.file_stream`), splits them
-between ranks, tokenizes on the fly and yields the windowed batches
-(:mod:`cembed.data.batching.windowed`); :class:`StreamingRows` hands them to a ``DataLoader``.
+:class:`StreamingSource` reads a file source's shards (:mod:`cembed.data.sources.file_stream`),
+tokenizes on the fly, builds the windowed global batches (:mod:`cembed.data.batching.windowed`) and
+yields this rank's slice of each; :class:`StreamingRows` hands them to a ``DataLoader``.
 """
 
 from __future__ import annotations
@@ -25,18 +25,25 @@ class StreamingSource:
 
     The source is opened by its kind's ``open_stream`` hook (:func:`cembed.data.sources.registry.open_stream`;
     a file source: ``datasets.load_dataset(builder, data_files=..., streaming=True)``, shards in
-    :func:`cembed.data.sources.file_kind.source_files` order) and split between processes with
-    :func:`datasets.distributed.split_dataset_by_node` (whole shards per rank when the shard count
-    divides by ``world_size``, else every ``world_size``-th row). Each chunk of ``read_rows`` rows is
+    :func:`cembed.data.sources.file_kind.source_files` order). Each chunk of ``read_rows`` rows is
     tokenized with ``tokenizer`` exactly as pre-tokenization does (special tokens, truncation to
     ``max_seq_length``; no prompts), hashed by its token ids
     (:func:`cembed.data.identity.hash_token_ids`, the text as the model sees it) and fed to a
-    :class:`WindowedBatcher`.
+    :class:`WindowedBatcher` of **global** batches (``batch_size x world_size`` rows).
 
-    Iterating yields batches as lists of row dicts: ``{column: text, column + "_input_ids": ids}``
-    for each of ``columns`` (what :class:`cembed.data.tokens.collator.PaddingCollator` pads). :attr:`counts`
-    holds the last iteration's :class:`WindowCounts`, :attr:`earlier` the iterations' before it (in
-    this process, oldest first).
+    With several processes every rank reads the whole stream (the same rows, in the same shuffled
+    order) and builds the same global batches; rank ``r`` keeps rows ``[r x B, (r + 1) x B)`` of each,
+    the slice accelerate deals a rank of a full-table global batch. So no text repeats anywhere in a
+    global batch, whatever the world size, and the global batches are one process's with
+    ``batch_size x world_size`` rows (a ``batch.global_batch_size`` run trains the same batches on any
+    world size, also across a resume that changes it). The price: each rank reads and tokenizes every
+    row, ``world_size`` times the reading of its own slice.
+
+    Iterating yields this rank's slice of each global batch, as a list of row dicts:
+    ``{column: text, column + "_input_ids": ids}`` for each of ``columns`` (what
+    :class:`cembed.data.tokens.collator.PaddingCollator` pads). :attr:`counts` holds the last
+    iteration's :class:`WindowCounts` (of the global batches: the same on every rank), :attr:`earlier`
+    the iterations' before it (in this process, oldest first).
 
     Args:
         source: a source config whose :meth:`~cembed.config.sources.SourceConfig.stream_options` is set
@@ -44,22 +51,23 @@ class StreamingSource:
         columns: the text columns, in loss order.
         tokenizer: the model's (fast) tokenizer.
         max_seq_length: tokens per text, special tokens included.
-        batch_size: ``B`` of the window rule (this rank's batch).
-        window: ``W`` of the window rule.
+        batch_size: this rank's rows per batch, ``B``; the window rule's batch is ``B x world_size``.
+        window: ``W`` of the window rule (global batches).
         rank, world_size: this process and the process count.
-        drop_last: see :class:`WindowedBatcher`.
-        shuffle_buffer: with a seed, ``IterableDataset.shuffle(seed, buffer_size)`` before the split
-            (shards are shuffled too); 0: file order.
+        drop_last: see :class:`WindowedBatcher`; with several processes always (only whole global
+            batches, as the full-table sampler deals them).
+        shuffle_buffer: with a seed, ``IterableDataset.shuffle(seed, buffer_size)`` (shards are
+            shuffled too; the same order on every rank); 0: file order.
         seed: the shuffle's seed (``seed + epoch`` via :meth:`set_epoch`).
         read_rows: rows tokenized and hashed at a time.
         names: the keys the rows carry for ``columns``, one each (default: the columns; training
             passes the role columns, ``anchor``, ``positive``, ``negative_1``...).
-        max_rows: read only the stream's first ``max_rows`` rows (before the shuffle and the split),
-            as ``data.max_samples`` cuts a table; None: every row.
+        max_rows: read only the stream's first ``max_rows`` rows (before the shuffle), as
+            ``data.max_samples`` cuts a table; None: every row.
 
     Raises:
-        UserError: the source's files are missing or of an unsupported type (from the loader).
-        ValueError: a row without one of ``columns`` (a null cell).
+        UserError: the source's files are missing or of an unsupported type (from the loader); while
+            reading, a row without one of ``columns`` (a null cell).
     """
 
     def __init__(
@@ -97,18 +105,16 @@ class StreamingSource:
         self.epoch = epoch
 
     def dataset(self):
-        """This rank's part of the source as a ``datasets.IterableDataset``."""
-        from datasets.distributed import split_dataset_by_node
-
+        """The source's rows (all of them, on every rank) as a ``datasets.IterableDataset``."""
         stream = open_stream(self.source)
         if self.max_rows is not None:
             stream = stream.take(self.max_rows)
         if self.shuffle_buffer:
             stream = stream.shuffle(seed=self.seed + self.epoch, buffer_size=self.shuffle_buffer)
-        return split_dataset_by_node(stream, rank=self.rank, world_size=self.world_size)
+        return stream
 
     def _read(self) -> Iterator[dict[str, list]]:
-        """This rank's rows, ``read_rows`` at a time; a library error while reading is a UserError in
+        """The stream's rows, ``read_rows`` at a time; a library error while reading is a UserError in
         one line with its cause and the file the library names
         (:func:`cembed.data.sources.registry.stream_read_error`)."""
         chunks = iter(self.dataset().iter(batch_size=self.read_rows))
@@ -133,9 +139,11 @@ class StreamingSource:
             ids_by_column = {}
             for j, column in enumerate(self.columns):
                 texts = chunk[column]
-                if any(t is None for t in texts):
-                    raise ValueError(
-                        f"{self.source.label}: a row has no {column!r} (null cell); streaming needs every column"
+                if any(t is None for t in texts):  # a data mistake, the same on every attempt: exit 2, no restart
+                    raise UserError(
+                        f"{self.source.label}: a row has no {column!r} (null cell); streaming needs every column "
+                        "(only the first data.train.streaming.check_rows rows are checked before training): fill "
+                        "or drop the row"
                     )
                 ids = self.tokenizer(
                     texts,
@@ -162,7 +170,10 @@ class StreamingSource:
         if self.counts.rows_read:
             self.earlier.append(self.counts)
         self.counts = WindowCounts()
-        yield from windowed_batches(self._chunks(), self.batch_size, self.window, self.drop_last, self.counts)
+        width, start = self.batch_size * self.world_size, self.rank * self.batch_size
+        drop_last = self.drop_last or self.world_size > 1  # every rank a full slice: the same steps on all
+        for batch in windowed_batches(self._chunks(), width, self.window, drop_last, self.counts):
+            yield batch[start : start + self.batch_size]
 
 
 class StreamingRows(torch.utils.data.IterableDataset):
@@ -254,7 +265,8 @@ def training_stream(
 ) -> tuple[StreamingRows, Any, dict]:
     """The training rows of ``data``'s streamed source (a :class:`cembed.data.rows.TrainingData`
     whose one source sets ``data.train.streaming``): this rank's :class:`StreamingSource` (its
-    ``batch_size`` rows per batch, the source's window, shuffle buffer and ``max_samples``; the
+    ``batch_size``-row slice of each global batch of ``batch_size x world_size`` rows, the source's
+    window, shuffle buffer and ``max_samples``; the
     shuffle seeded by ``seed``) as endless :class:`StreamingRows` (pass after pass, each pass's short
     last batch dropped), with the :class:`PaddingCollator` that pads its token ids.
 

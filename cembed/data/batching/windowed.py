@@ -27,13 +27,14 @@ sampler's permutation the batches are exactly :func:`cembed.data.batching.full_t
 same first fit with a FIFO of deferred rows, tested). The checks run vectorised on candidate chunks
 (:func:`cembed.data.batching.fits.fits`): ``scripts/bench_window.py`` measures the rows per second.
 
-In a stream the batch is what one process sees: with ``world_size`` processes each rank batches its
-own rows (:func:`datasets.distributed.split_dataset_by_node`), so the rule holds within a rank's
-batch, not across the ranks' slices of a gathered global batch.
+With several processes the rule's batch is the global one: every rank reads the whole stream, builds
+the same windowed batches of ``B x world_size`` rows and trains its slice of each
+(:class:`cembed.data.batching.stream.StreamingSource`), so the rule holds across the ranks' slices of a
+gathered global batch, as the full-table sampler's does.
 
-:class:`StreamingSource` reads a file source's shards with ``datasets``' streaming loader, splits
-them between ranks, tokenizes on the fly and yields the windowed batches; :class:`StreamingRows`
-hands them to a ``DataLoader`` (``batch_size=B``, no sampler) row by row, in batch order.
+:class:`StreamingSource` reads a file source's shards with ``datasets``' streaming loader, tokenizes
+on the fly and yields this rank's slice of each windowed batch; :class:`StreamingRows` hands them to
+a ``DataLoader`` (``batch_size=B``, no sampler) row by row, in batch order.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Where rows come from: one module per source kind (``files``, ``hub``, ``beir``, ``prepared``, the
-stream reader ``stream``) and the registry that maps a configured kind to its loader (``registry``),
+"""Where rows come from: one module per source kind (``file_kind``, ``hub``, ``beir``, ``prepared``,
+``saved``, the stream reader ``file_stream``) and the registry that maps a configured kind to its loader (``registry``),
 with the standard-library readers and diagnosis that name a bad file's line (``text``, ``diagnose``,
 ``locate``, ``logs``).
 

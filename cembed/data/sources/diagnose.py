@@ -6,7 +6,7 @@ import csv
 import json
 from pathlib import Path
 
-from cembed.data.sources.text import csv_records, delimiter_of, text_lines
+from cembed.data.sources.text import csv_records, delimiter_of, inner_name, text_lines
 from cembed.files import display_path
 
 
@@ -23,7 +23,7 @@ def diagnose_file(path: Path) -> str | None:
     """Scan a local data file with the standard library and describe its first problem, or return
     ``None`` when it parses: corrupt/truncated gzip, non-UTF-8 bytes, invalid JSON on line N, a JSON
     line that is not an object, a CSV/TSV row whose field count differs from the header's, no rows."""
-    name = path.name.lower().removesuffix(".gz")
+    name = inner_name(path)
     try:
         if name.endswith(".jsonl") or name.endswith(".json"):
             lines = list(text_lines(path))

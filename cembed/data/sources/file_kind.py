@@ -21,15 +21,21 @@ from cembed.config.sources import (
 from cembed.data.sources.diagnose import diagnosis
 from cembed.data.sources.logs import captured_library_logs, file_named_in, library_cause
 from cembed.data.sources.text import (
+    check_codec,
     csv_header,
     csv_records,
     datasets_string_features,
     delimiter_of,
+    foreign_compression,
+    inner_name,
     read_jsonl_rows,
     text_lines,
+    unreadable_compression,
 )
 from cembed.errors import UserError
 from cembed.files import display_path
+
+SUPPORTED_FILES = ".jsonl, .json, .csv, .tsv (each also .gz, .bz2, .xz or .zst) or .parquet"
 
 
 def builder_for(path: Path) -> tuple[str, dict]:
@@ -39,7 +45,7 @@ def builder_for(path: Path) -> tuple[str, dict]:
     text file carries no types: ``007`` stays ``007``) and no NA words (pandas' defaults would
     turn cells reading ``nan``, ``None``, ``NA``, ``null`` ... into missing values): only an empty
     cell is missing, so the cell checks name it as empty."""
-    name = path.name.lower().removesuffix(".gz")
+    name = inner_name(path)
     if name.endswith((".jsonl", ".json")):
         return "json", {}
     delimited = delimiter_of(path)
@@ -56,10 +62,9 @@ def builder_for(path: Path) -> tuple[str, dict]:
         }
     if name.endswith(".parquet"):
         return "parquet", {}
-    raise UserError(f"{path}: unsupported file type; use .jsonl[.gz], .json, .csv, .tsv or .parquet")
-
-
-SUPPORTED_FILES = ".jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet"
+    if foreign_compression(path):
+        raise UserError(unreadable_compression(path))
+    raise UserError(f"{path}: unsupported file type; use {SUPPORTED_FILES}")
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,9 @@ def resolve_shards(source: FileSource) -> Shards:
         pattern = os.path.join(glob.escape(str(base)), "**")
         what = "the folder holds no {} file"
     files, skipped = _resolve_pattern(pattern, base)
+    foreign = next((path for path, why in skipped if why == "type" and foreign_compression(path)), None)
+    if foreign is not None:  # a shard of the data, not a stray file: never skipped while its siblings train
+        raise UserError(unreadable_compression(foreign))
     if not files:
         shown = display_path(source.path)
         raise UserError(f"{shown}: {what.format(SUPPORTED_FILES)}" + _skipped_note(_grouped(skipped, base)))
@@ -274,7 +282,7 @@ def _read_no_rows(file: str, size: int, mtime_ns: int) -> bool:
     """:func:`_holds_no_rows` of a non-empty file (``size`` and ``mtime_ns`` key its version)."""
     path = Path(file)
     try:
-        name = path.name.lower().removesuffix(".gz")
+        name = inner_name(path)
         if name.endswith(".jsonl"):
             return not any(text.strip() for _, text in text_lines(path))
         if name.endswith(".json"):
@@ -296,7 +304,7 @@ def _read_no_rows(file: str, size: int, mtime_ns: int) -> bool:
 
 def shard_format(path: Path) -> str:
     """A shard's format for the one-format rule: ``.jsonl`` and ``.jsonl.gz`` (and ``.json``) are one."""
-    name = path.name.lower().removesuffix(".gz")
+    name = inner_name(path)
     return ".jsonl" if name.endswith(".json") else Path(name).suffix
 
 
@@ -304,7 +312,7 @@ def _shard_columns(path: Path) -> list[str] | None:
     """A shard's column names, read cheaply: a JSON Lines file's first record's keys, a CSV/TSV
     header, a parquet file's schema; None where that is unknown without reading it all (.json) or
     unreadable (the load names the problem)."""
-    name = path.name.lower().removesuffix(".gz")
+    name = inner_name(path)
     try:
         if name.endswith(".jsonl"):
             for _, text in text_lines(path):
@@ -366,6 +374,8 @@ def load_file(source: FileSource):
     datasets.disable_progress_bars()
     sharded = is_sharded(source)
     files = source_files(source)
+    for file in files:
+        check_codec(file)
     path = files[0]
     shown = display_path(source.label if sharded else path)
     if sharded:
@@ -392,7 +402,7 @@ def load_file(source: FileSource):
         return dataset
     except Exception as err:  # datasets wraps parser errors in many types
         problem = diagnosis(files)
-        if problem is None and all(f.name.lower().removesuffix(".gz").endswith(".jsonl") for f in files):
+        if problem is None and all(inner_name(f).endswith(".jsonl") for f in files):
             # datasets' mixed-type fallback chokes on blank lines; the standard library does not.
             return read_jsonl_rows(*files)
         if problem is None:

@@ -17,9 +17,12 @@ def open_file_stream(source):
     import datasets
 
     from cembed.data.sources.file_kind import builder_for, check_shards, is_sharded, source_files
+    from cembed.data.sources.text import check_codec
     from cembed.files import display_path
 
     files = source_files(source)
+    for file in files:
+        check_codec(file)
     if is_sharded(source):
         check_shards(files, display_path(source.label))
     builder, kwargs = builder_for(files[0])

@@ -10,7 +10,7 @@ from cembed.config.sources import (
     FileSource,
 )
 from cembed.data.sources.file_kind import is_sharded, source_files
-from cembed.data.sources.text import csv_records, delimiter_of, text_lines
+from cembed.data.sources.text import csv_records, delimiter_of, inner_name, text_lines
 from cembed.errors import UserError
 from cembed.files import display_path
 
@@ -49,7 +49,7 @@ def file_row_locator(source: FileSource) -> Callable[[int], str]:
 
 def _count_rows(path: Path) -> int | None:
     """The rows a data file holds, as the loader reads them (None: unknown, or unreadable)."""
-    name = path.name.lower().removesuffix(".gz")
+    name = inner_name(path)
     try:
         if name.endswith(".jsonl"):
             return sum(1 for _, text in text_lines(path) if text.strip())
@@ -87,7 +87,7 @@ def _one_file_locator(path: Path) -> Callable[[int], str]:
             return row_number(index)
 
         return locate_record
-    if not path.name.lower().removesuffix(".gz").endswith(".jsonl"):
+    if not inner_name(path).endswith(".jsonl"):
         return row_number
 
     def locate(index: int) -> str:

@@ -3,7 +3,7 @@
 A source kind is a config class in :mod:`cembed.config.sources` (a :class:`~cembed.config.sources.SourceConfig`
 subclass registered with :func:`~cembed.config.sources.register_source_config`: :class:`~cembed.config.sources.FileSource`,
 :class:`~cembed.config.sources.HubSource`, :class:`~cembed.config.sources.BeirSource`,
-:class:`~cembed.config.sources.PreparedSource`) plus a loader here registered with :func:`register_source_loader`
+:class:`~cembed.config.sources.PreparedSource`, :class:`~cembed.config.sources.SavedSource`) plus a loader here registered with :func:`register_source_loader`
 (in :data:`LOADERS`); :func:`load_source`, :func:`row_locator`, :func:`count_files` and :func:`open_stream`
 dispatch on the source's ``kind``, so no stage asks which kind a source is. A file is scanned with the
 standard library (:func:`cembed.data.sources.diagnose.diagnose_file`) so a malformed one is refused with
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cembed.config.base import registered_by
 from cembed.config.sources import (
     SourceConfig,
 )
@@ -27,6 +28,7 @@ from cembed.data.sources.hub import load_hub
 from cembed.data.sources.locate import file_row_locator, row_number
 from cembed.data.sources.logs import captured_library_logs, file_named_in, library_cause
 from cembed.data.sources.prepared import load_prepared
+from cembed.data.sources.saved import load_saved
 from cembed.errors import UserError
 from cembed.files import display_path
 
@@ -81,7 +83,7 @@ def register_source_loader(
     """
     entry = SourceLoader(load, row_locator, count_files, open_stream, skipped_files)
     if LOADERS.get(kind, entry) != entry:
-        raise ValueError(f"source kind {kind!r} already has a loader ({LOADERS[kind].load.__name__})")
+        raise ValueError(f"source kind {kind!r} already has a loader ({registered_by(LOADERS[kind].load)})")
     LOADERS[kind] = entry
 
 
@@ -193,3 +195,4 @@ register_source_loader(
 register_source_loader("hub", load_hub)
 register_source_loader("beir", load_beir_pairs)
 register_source_loader("prepared", load_prepared)
+register_source_loader("saved", load_saved)

@@ -6,17 +6,111 @@ read more than needed (a header).
 
 from __future__ import annotations
 
+import bz2
 import csv
 import gzip
+import io
 import json
+import lzma
 import zlib
 from pathlib import Path
+
+from cembed.config.sources import COMPRESSIONS
+from cembed.errors import UserError
+from cembed.files import display_path
+
+# Compression and archive suffixes a data file may carry that cembed does not read (datasets' and
+# fsspec's other codecs): such a file is refused by name, never skipped as "not a data file".
+FOREIGN_COMPRESSIONS = (".lz4", ".lzma", ".zip", ".tar", ".tgz", ".7z", ".rar", ".sz", ".snappy", ".br", ".zstd", ".bz")
+TEXT_FORMATS = (".jsonl", ".json", ".csv", ".tsv")
+READABLE = (
+    "cembed reads JSON Lines, JSON, CSV and TSV plain or compressed with "
+    + ", ".join(COMPRESSIONS[:-1])
+    + f" or {COMPRESSIONS[-1]}, and Parquet plain"
+)
+
+
+def inner_name(path: Path) -> str:
+    """A data file's name, lower-cased, without its compression suffix (``a.JSONL.zst`` -> ``a.jsonl``)."""
+    name = path.name.lower()
+    return next((name[: -len(c)] for c in COMPRESSIONS if name.endswith(c)), name)
+
+
+def foreign_compression(path: Path) -> str | None:
+    """The suffix of a data file compressed or archived in a way cembed does not read
+    (``part-1.jsonl.lz4`` -> ``.lz4``, :data:`FOREIGN_COMPRESSIONS`; a Parquet file compressed whole,
+    ``part-1.parquet.gz`` -> ``.gz``); None for any other file."""
+    name = path.name.lower()
+    suffix = next((c for c in FOREIGN_COMPRESSIONS if name.endswith(c)), None)
+    if suffix is not None and name[: -len(suffix)].endswith((*TEXT_FORMATS, ".parquet")):
+        return suffix
+    return next((c for c in COMPRESSIONS if name.endswith(".parquet" + c)), None)
+
+
+def unreadable_compression(path: Path) -> str:
+    """The one-line refusal of a file :func:`foreign_compression` names."""
+    return (
+        f"{display_path(path)}: a {foreign_compression(path)} file: {READABLE}; decompress it, or compress it "
+        "with one of those"
+    )
+
+
+def check_codec(path: Path) -> None:
+    """Refuse a file whose compression needs a package that is not installed (``.zst``: zstandard,
+    an optional dependency), in one line naming the file and the package.
+
+    Raises:
+        UserError: a ``.zst`` file without the zstandard package.
+    """
+    if path.name.lower().endswith(".zst"):
+        _zstandard(path)
+
+
+def _zstandard(path: Path):
+    try:
+        import zstandard
+    except ImportError:
+        raise UserError(
+            f"{display_path(path)}: a Zstandard-compressed file needs the zstandard package: pip install zstandard "
+            "(or pip install 'cembed[zstd]')"
+        ) from None
+    return zstandard
+
+
+def open_binary(path: Path):
+    """``path`` opened for reading bytes (line by line), decompressed by its suffix: ``.gz`` gzip,
+    ``.bz2`` bzip2, ``.xz`` xz, ``.zst`` Zstandard (the zstandard package); else as it is.
+
+    Raises:
+        UserError: a ``.zst`` file without the zstandard package (:func:`check_codec`).
+    """
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".bz2"):
+        return bz2.open(path, "rb")
+    if name.endswith(".xz"):
+        return lzma.open(path, "rb")
+    if name.endswith(".zst"):
+        reader = _zstandard(path).ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return io.BufferedReader(reader)
+    return open(path, "rb")  # the caller closes it
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (gzip.BadGzipFile, EOFError, zlib.error, lzma.LZMAError, OSError)
+    try:
+        import zstandard
+
+        return (*errors, zstandard.ZstdError)
+    except ImportError:
+        return errors
 
 
 def delimiter_of(path: Path) -> tuple[str, int] | None:
     """``(delimiter, csv quoting)`` of a CSV or TSV file, by extension; None for other files. A TSV
     cell is exactly its bytes between tabs: no quote processing (``csv.QUOTE_NONE``)."""
-    name = path.name.lower().removesuffix(".gz")
+    name = inner_name(path)
     if name.endswith(".csv"):
         return ",", csv.QUOTE_MINIMAL
     if name.endswith(".tsv"):
@@ -88,12 +182,18 @@ def read_jsonl_rows(*paths: Path):
 
 
 def text_lines(path: Path):
-    """Yield ``(line_number, text)``; raises ValueError naming the line for bad gzip or UTF-8. A
-    UTF-8 byte order mark opening the file (Excel's "CSV UTF-8", Notepad) is not text: it is left
-    out of line 1, as ``datasets``' readers leave it out. Lines keep their ending (``\n`` or ``\r\n``)."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    """Yield ``(line_number, text)`` of a text file, decompressed by its suffix (:func:`open_binary`);
+    raises ValueError naming the line for bad bytes of the compression or UTF-8. A UTF-8 byte order
+    mark opening the file (Excel's "CSV UTF-8", Notepad) is not text: it is left out of line 1, as
+    ``datasets``' readers leave it out. Lines keep their ending (``\n`` or ``\r\n``).
+
+    Raises:
+        UserError: a ``.zst`` file without the zstandard package.
+    """
+    compression = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "Zstandard"}
+    kind = next((v for k, v in compression.items() if path.name.lower().endswith(k)), None)
     try:
-        with opener(path, "rb") as f:
+        with open_binary(path) as f:
             for number, raw in enumerate(f, start=1):
                 try:
                     yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
@@ -101,7 +201,9 @@ def text_lines(path: Path):
                     raise ValueError(
                         f"line {number}: bytes that are not UTF-8 at column {err.start + 1}; re-encode the file as UTF-8"
                     ) from None
-    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
-        raise ValueError(f"corrupt or truncated gzip ({err.__class__.__name__}: {err}); re-create the file") from None
     except PermissionError:
         raise ValueError("cannot read the file: permission denied") from None
+    except _decompression_errors() as err:
+        if kind is None:
+            raise
+        raise ValueError(f"corrupt or truncated {kind} ({err.__class__.__name__}: {err}); re-create the file") from None

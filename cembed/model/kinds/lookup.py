@@ -46,13 +46,17 @@ def model_kind(name: str) -> ModelKind:
 KIND_ATTRIBUTE = "cembed_model_kind"
 
 
-def kind_of(model) -> ModelKind:
+def kind_of(model, default: str | None = None) -> ModelKind:
     """The kind ``model`` was loaded as (:data:`KIND_ATTRIBUTE`, set by ``load_model``), else the
     registered kind whose model class it is (the most derived one that matches); a DDP- or
     compile-wrapped model is looked through.
 
+    Args:
+        default: the kind of a model no registered kind's class matches (any object with the methods
+            the caller uses, e.g. a stand-in model in a test); None: refuse it.
+
     Raises:
-        ValueError: no registered kind's model class matches.
+        ValueError: no registered kind's model class matches and no ``default`` is given.
     """
     model = getattr(model, "module", model)
     model = getattr(model, "_orig_mod", model)
@@ -64,6 +68,8 @@ def kind_of(model) -> ModelKind:
         cls = kind.trainer_classes().model
         if isinstance(model, cls) and len(cls.__mro__) > depth:
             best, depth = kind, len(cls.__mro__)
+    if best is None and default is not None:
+        return model_kind(default)
     if best is None:
         raise ValueError(f"{type(model).__name__} is not the model of any registered kind ({', '.join(MODEL_KINDS)})")
     return best

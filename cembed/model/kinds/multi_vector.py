@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cembed.config.model import ModelConfig, MultiVectorModelConfig
 from cembed.errors import ModelRefused
-from cembed.model.kinds.registry import ModelKind, TrainerClasses, register_model_kind
+from cembed.model.kinds.registry import Expansion, ModelKind, TokenLayout, TrainerClasses, register_model_kind
 
 DEFAULT_DIM = 128  # sentence-transformers' projection when it makes one
 
@@ -161,7 +161,7 @@ class MultiVectorKind(ModelKind):
         expansion = getattr(transformer, "query_expansion", None)
         if expansion:
             lengths += f", queries expanded to {expansion['length']} with [MASK]"
-        skip = f", {len(mask.skiplist_words)} skiplist tokens" if mask is not None and mask.skiplist_words else ""
+        skip = f", skiplist of {len(mask.skiplist_words)} words" if mask is not None and mask.skiplist_words else ""
         source = getattr(model, "cembed_multi_vector_source", "")
         return (
             f"none: one {model.get_embedding_dimension()}-dim vector per token, {model.similarity_fn_name} "
@@ -176,12 +176,35 @@ class MultiVectorKind(ModelKind):
         # The first column is the query, the others documents (sentence-transformers' collator and loss).
         return {"task": "query" if column == 0 else "document"}
 
+    def token_layout(self, model, column: int) -> TokenLayout | None:
+        """A query: truncated to ``query_length`` (else ``max_seq_length``), or with query expansion
+        (``fixed``) to its length and padded to it with the expansion token; a document: truncated to
+        ``document_length`` (else ``max_seq_length``), as ``Transformer.preprocess`` does per task."""
+        transformer = model[0]
+        query = self.preprocess_kwargs(column)["task"] == "query"
+        expansion = getattr(transformer, "query_expansion", None) if query else None
+        if expansion is not None:
+            if expansion["strategy"] != "fixed":  # 'min' widens per batch: the collator tokenizes
+                return None
+            tokenizer = model.tokenizer
+            token = expansion.get("token")
+            token_id = tokenizer.convert_tokens_to_ids(token) if token else tokenizer.mask_token_id
+            if token_id is None:
+                token_id = tokenizer.eos_token_id
+            return TokenLayout(expansion["length"], Expansion(expansion["length"], int(token_id), expansion["attend"]))
+        length = transformer.query_length if query else transformer.document_length
+        return TokenLayout(int(length or model.max_seq_length))
+
     def embedding_dimension(self, model) -> int | None:
         return model.get_embedding_dimension()
 
     def head_flops_per_token(self, model) -> float:
         projection = _projection(model)
         return 2.0 * projection.in_features * projection.out_features if projection is not None else 0.0
+
+    def scoring_flops(self, model, query_tokens: float, document_tokens: float) -> float:
+        # MaxSim: one dot product of dim numbers per (query token, document token) pair.
+        return 2.0 * int(model.get_embedding_dimension()) * query_tokens * document_tokens
 
     def cache_bytes_per_row(self, model, tokens: int, element_bytes: int) -> int:
         # A row's scored token vectors end to end, and its offset (int64).

@@ -9,9 +9,11 @@ The contract. A kind is two halves registered under one name, and nothing else i
 * a :class:`ModelKind` instance answering, at run time: the sentence-transformers model class and the
   trainer / arguments / collator / card classes it builds on (:meth:`ModelKind.trainer_classes`), how it
   loads or builds a model (:meth:`ModelKind.load`), what the forward returns for each text
-  (:meth:`ModelKind.text_outputs`), how a column is tokenized (:meth:`ModelKind.preprocess_kwargs`), what
+  (:meth:`ModelKind.text_outputs`), how a column is tokenized (:meth:`ModelKind.preprocess_kwargs`,
+  :meth:`ModelKind.token_layout`), what
   ``validate`` says about it (:meth:`ModelKind.describe`), its FLOPs per token beyond the encoder
-  (:meth:`ModelKind.head_flops_per_token`) and its cached bytes per row (:meth:`ModelKind.cache_bytes_per_row`).
+  (:meth:`ModelKind.head_flops_per_token`), its scoring FLOPs (:meth:`ModelKind.scoring_flops`) and its
+  cached bytes per row (:meth:`ModelKind.cache_bytes_per_row`).
 
 :func:`register_model_kind` registers both; :mod:`cembed.model.kinds.lookup` answers which kind a name,
 a loaded model or a saved folder is.
@@ -38,6 +40,26 @@ class TrainerClasses:
     data_collator: type
     model_card_data: type
     model_card_callback: type
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """Query expansion as the model applies it: rows padded to ``length`` tokens with ``token_id``,
+    those positions scored (``query_expansion_positions``) and attended to when ``attend``."""
+
+    length: int
+    token_id: int
+    attend: bool
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How a column's texts become token ids for the model: truncated to ``max_length`` tokens, then
+    (``expansion``) padded as the model pads them. Pre-tokenized ids are stored truncated; the
+    collator applies the expansion."""
+
+    max_length: int
+    expansion: Expansion | None = None
 
 
 class ModelKind:
@@ -123,6 +145,12 @@ class ModelKind:
         query, the rest documents), so that pre-tokenized ids equal the model's own; default none."""
         return {}
 
+    def token_layout(self, model, column: int) -> TokenLayout | None:
+        """How training column ``column``'s texts are tokenized by ``model.preprocess`` with
+        :meth:`preprocess_kwargs`; None when cembed cannot store ids that equal it (the collator then
+        tokenizes). Default: truncated to ``model.max_seq_length``."""
+        return TokenLayout(int(model.max_seq_length))
+
     def embedding_dimension(self, model) -> int | None:
         """The size of one output vector (a token's for a multi-vector model)."""
         get = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
@@ -131,6 +159,12 @@ class ModelKind:
     def head_flops_per_token(self, model) -> float:
         """Forward FLOPs per token beyond the transformer encoder (a projection head), for the meter
         and ``estimate``; default 0."""
+        return 0.0
+
+    def scoring_flops(self, model, query_tokens: float, document_tokens: float) -> float:
+        """Forward FLOPs of scoring ``query_tokens`` query tokens against ``document_tokens`` document
+        tokens (every candidate a rank scores), beyond the encoder; default 0 (one dot product per
+        (query, document) pair is negligible next to the encoder)."""
         return 0.0
 
     def cache_bytes_per_row(self, model, tokens: int, element_bytes: int) -> int:

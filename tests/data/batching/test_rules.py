@@ -99,6 +99,20 @@ def test_the_built_in_rule_is_the_default_and_keeps_no_duplicates_meaning(tmp_pa
     assert counted_batches(counted) is counted
 
 
+def test_counted_batches_unwraps_accelerates_per_rank_sampler():
+    """With several processes the trainer's batch sampler is accelerate's per-rank shard of the rule's
+    sampler: the summary's per-source counts come from the sampler inside it (issue 38 item 7)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"anchor": [f"a{i}" for i in range(8)], "positive": [f"p{i}" for i in range(8)]})
+    counted = NoDuplicatesSampler(rows, batch_size=2, drop_last=True, world_size=2)
+    for rank in (0, 1):
+        shard = BatchSamplerShard(counted, num_processes=2, process_index=rank, even_batches=False)
+        assert counted_batches(shard) is counted
+    assert counted_batches(BatchSamplerShard(FixedOrderSampler(list(range(8)), 2, True), num_processes=2)) is None
+
+
 def test_an_unknown_rule_names_the_field_and_the_known_ones(toy_rule, tmp_path):
     cfg = _cfg(tmp_path, "fixed_ordr")
     with pytest.raises(

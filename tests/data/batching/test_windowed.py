@@ -223,34 +223,58 @@ def write_shards(folder, rows, shards):
                 f.write(json.dumps(row) + "\n")
 
 
-def test_streaming_source_tokenizes_splits_and_batches(tmp_path):
+@pytest.mark.parametrize("shuffle_buffer", [0, 50])
+def test_streaming_source_tokenizes_and_deals_each_rank_its_slice_of_the_global_batches(tmp_path, shuffle_buffer):
+    """Every rank reads the whole stream and builds the same global batches (B x world_size rows):
+    rank r trains rows [r x B, (r + 1) x B) of each, so no text repeats in a global batch and the
+    global batches are one process's of B x world_size rows (issue 38 item 6)."""
     from cembed.config.sources import FileSource
 
-    # Anchors repeat every 7 rows and differ only in case, which the uncased tokenizer removes:
+    # Anchors repeat every 11 rows and differ only in case, which the uncased tokenizer removes:
     # compared by token ids they are one text.
     rows = [
-        {"anchor": ("Caption " if i % 2 else "caption ") + str(i % 7), "positive": f"photo {i}"} for i in range(120)
+        {"anchor": ("Caption " if i % 2 else "caption ") + str(i % 11), "positive": f"photo {i}"} for i in range(120)
     ]
     write_shards(tmp_path / "shards", rows, 4)
     tok = tokenizer()
-    seen: list[str] = []
+
+    def source(batch_size, rank=0, world=1):
+        path = FileSource(path=str(tmp_path / "shards"))
+        return StreamingSource(
+            path, ["anchor", "positive"], tok, 16, batch_size, 2, rank, world, shuffle_buffer=shuffle_buffer, seed=4,
+            read_rows=9,
+        )  # fmt: skip
+
+    one = source(8)
+    whole = list(one)
+    slices = {rank: list(src) for rank, src in ((r, source(4, r, 2)) for r in range(2))}
+    assert len(whole) >= 3 and len(slices[0]) == len(slices[1]) == len(whole)
+    for step, batch in enumerate(whole):
+        assert slices[0][step] + slices[1][step] == batch  # rank 0's rows, then rank 1's: one process's batch
+        ids = [tuple(r["anchor_input_ids"]) for r in batch] + [tuple(r["positive_input_ids"]) for r in batch]
+        assert len(set(ids)) == len(ids), "a shared text (as token ids) in a global batch"
+        for r in batch:
+            assert r["anchor_input_ids"] == tok(r["anchor"], truncation=True, max_length=16)["input_ids"]
     for rank in range(2):
-        src = StreamingSource(
-            FileSource(path=str(tmp_path / "shards")), ["anchor", "positive"], tok, 16, 4, 2, rank, 2, read_rows=9
-        )
-        batches = list(src)
-        assert batches and all(len(b) == 4 for b in batches)
-        for batch in batches:
-            ids = [tuple(r["anchor_input_ids"]) for r in batch] + [tuple(r["positive_input_ids"]) for r in batch]
-            assert len(set(ids)) == len(ids), "a shared text (as token ids) in a batch"
-            for r in batch:
-                assert r["anchor_input_ids"] == tok(r["anchor"], truncation=True, max_length=16)["input_ids"]
-        seen += [r["positive"] for b in batches for r in b]
-        c = src.counts
-        assert c.rows_read == 60 and c.placed == 4 * len(batches)
-        assert c.rows_read == c.placed + c.dropped + c.left_at_end
-    # Each rank read its own 2 shards: no row twice across ranks.
-    assert len(seen) == len(set(seen))
+        src = source(4, rank, 2)
+        list(src)
+        assert src.counts == one.counts and src.counts.rows_read == 120  # the whole stream, on every rank
+    c = one.counts
+    assert c.placed == 8 * len(whole) and c.rows_read == c.placed + c.dropped + c.left_at_end
+
+
+def test_several_ranks_use_only_whole_global_batches(tmp_path):
+    """Without drop_last one process keeps a short last batch; ranks would get unequal slices of it
+    (a step on one rank only), so with several processes only whole global batches are dealt."""
+    from cembed.config.sources import FileSource
+
+    write_shards(tmp_path / "shards", [{"anchor": f"caption {i}", "positive": f"photo {i}"} for i in range(21)], 1)
+    path = FileSource(path=str(tmp_path / "shards"))
+    alone = list(StreamingSource(path, ["anchor", "positive"], tokenizer(), 16, 8, 1, drop_last=False))
+    assert [len(b) for b in alone] == [8, 8, 5]
+    for rank in range(2):
+        dealt = list(StreamingSource(path, ["anchor", "positive"], tokenizer(), 16, 4, 1, rank, 2, drop_last=False))
+        assert dealt == [b[4 * rank : 4 * rank + 4] for b in alone[:2]]
 
 
 def test_hash_of_streamed_ids_is_the_tables():
@@ -443,3 +467,19 @@ def test_without_drop_last_a_larger_later_batch_replaces_the_kept_one_and_its_ro
     assert batcher.push(_h(rows)) == []
     assert [b.tolist() for b in batcher.finish()] == [[1, 2, 3]]
     assert batcher.counts == WindowCounts(rows_read=5, batches=1, placed=3, deferred=3, left_at_end=2)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_deferred_row_joins_the_last_batch_of_its_window_and_not_one_more(window):
+    """The boundary at exactly the window's length: B = 2, rows a_1 .. a_{W+2} share their anchor
+    "a" (a batch takes one), each after a filler f_j of its own texts. Batch 1 takes a_1 and f_1 and
+    defers a_2 .. a_{W+2} (W + 1 rows, within the W x B bound); batch j + 1 takes the oldest, a_{j+1},
+    which has waited j batches. a_{W+1} waits exactly W and joins batch W + 1; a_{W+2} would need
+    W + 1 and is dropped when batch W + 1 closes (a window of W + 1 batches would place it)."""
+    n = window + 2
+    hashes = [(1, 100 + i) for i in range(n)] + [(200 + j, 300 + j) for j in range(n)]
+    batches, counts = run(_h(hashes), 2, window, chunks=(len(hashes),))
+    fillers = list(range(n, 2 * n))
+    assert batches[: window + 1] == [[0, fillers[0]]] + [[j, fillers[j]] for j in range(1, window + 1)]
+    assert not any(n - 1 in b for b in batches) and counts.dropped == 1
+    assert batches == reference(hashes, 2, window, True)[0]

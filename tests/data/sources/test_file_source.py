@@ -153,7 +153,10 @@ def test_a_file_of_another_type_is_refused_naming_the_types_read():
 
     with pytest.raises(UserError) as err:
         builder_for(Path("data/notes.txt"))
-    assert str(err.value) == "data/notes.txt: unsupported file type; use .jsonl[.gz], .json, .csv, .tsv or .parquet"
+    assert str(err.value) == (
+        "data/notes.txt: unsupported file type; use .jsonl, .json, .csv, .tsv (each also .gz, .bz2, .xz or .zst) "
+        "or .parquet"
+    )
 
 
 def test_bad_utf8_in_a_jsonl_string_or_a_csv_header_is_named_on_its_line(tmp_path):

@@ -336,13 +336,13 @@ def test_a_folder_or_glob_without_data_names_what_it_skipped(tmp_path):
     (folder / ".part-0.crc").write_text("crc")
     (folder / ".part-1.crc").write_text("crc")
     assert _refusal(load_source, FileSource(path=str(folder))) == (
-        f"{display_path(folder)}: the folder holds no .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet "
-        "file; skipped: .part-0.crc (hidden), .part-1.crc (hidden)"
+        f"{display_path(folder)}: the folder holds no .jsonl, .json, .csv, .tsv (each also .gz, .bz2, .xz or .zst) "
+        "or .parquet file; skipped: .part-0.crc (hidden), .part-1.crc (hidden)"
     )
     pattern = str(folder / "*.parquet")
     assert _refusal(load_source, FileSource(path=pattern)) == (
-        f"{display_path(pattern)}: no .jsonl[.gz], .json[.gz], .csv[.gz], .tsv[.gz] or .parquet file matches "
-        "this pattern"
+        f"{display_path(pattern)}: no .jsonl, .json, .csv, .tsv (each also .gz, .bz2, .xz or .zst) or .parquet file "
+        "matches this pattern"
     )
 
 

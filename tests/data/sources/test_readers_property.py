@@ -1,5 +1,5 @@
 """Differential property test of the file readers (issue 32 item 12a, for items 1 and 2): generated
-JSON Lines, CSV, TSV and parquet shards (a BOM, CRLF, quoted line breaks and tabs, NA-like words,
+JSON Lines, CSV, TSV and parquet shards (plain or compressed: gzip, bzip2, xz, Zstandard, mixed in one folder; a BOM, CRLF, quoted line breaks and tabs, NA-like words,
 empty cells, unicode) in a tree with hidden and underscore-prefixed folders and files, markers and
 0-row shards, each read by cembed (:func:`cembed.data.sources.registry.load_source`) and by a
 reference that shares no code with it: which files, by ``datasets``' own data-files resolution
@@ -8,14 +8,18 @@ do); their rows, by Python's ``csv`` and ``json`` and by pyarrow. The same rows 
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import io
 import json
+import lzma
 import tempfile
 from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +29,26 @@ from cembed.data.sources.registry import load_source
 COLUMNS = ["anchor", "positive"]
 NA_WORDS = ["NA", "null", "None", "", "nan", "N/A", "NULL", "#N/A"]
 SUFFIX = {"jsonl": ".jsonl", "csv": ".csv", "tsv": ".tsv", "parquet": ".parquet"}
+# The compressions a text shard may carry (issue 39 item 5), each read back by its own Python module.
+COMPRESS = {
+    "": bytes,
+    ".gz": gzip.compress,
+    ".bz2": bz2.compress,
+    ".xz": lzma.compress,
+    ".zst": lambda b: zstandard.ZstdCompressor().compress(b),
+}
+DECOMPRESS = {
+    "": bytes,
+    ".gz": gzip.decompress,
+    ".bz2": bz2.decompress,
+    ".xz": lzma.decompress,
+    ".zst": lambda b: zstandard.ZstdDecompressor().decompressobj().decompress(b),
+}
+
+
+def _compression(path: Path) -> str:
+    return next((c for c in COMPRESS if c and path.name.endswith(c)), "")
+
 
 # Any character but surrogates and lone carriage returns (a CSV line break is written whole, \r\n or
 # \n); tabs, quotes, commas, a BOM inside a text, line and paragraph separators, accents, CJK, emoji.
@@ -57,7 +81,8 @@ def shard_trees(draw):
     tree: dict[str, list | None] = {}
     for k in range(draw(st.integers(1, 3))):
         folder = draw(st.sampled_from(["", "sub/", "day=1/", "a/b/"]))
-        tree[f"{folder}part-{k}-{draw(names)}{suffix}"] = draw(rows)
+        packed = draw(st.sampled_from(list(COMPRESS))) if fmt != "parquet" else ""  # shards may mix them
+        tree[f"{folder}part-{k}-{draw(names)}{suffix}{packed}"] = draw(rows)
     for decoy in draw(st.lists(st.sampled_from(["hidden", "underscore", "marker", "empty"]), max_size=4)):
         at = draw(names)
         if decoy == "hidden":
@@ -101,7 +126,7 @@ def _write(path: Path, fmt: str, rows: list[dict], options: dict) -> None:
         text = "".join("\t".join(r[c] for c in COLUMNS) + end for r in [dict(zip(COLUMNS, COLUMNS)), *rows])
     if rows and not options["last_newline"]:
         text = text.removesuffix(end)
-    path.write_bytes((b"\xef\xbb\xbf" if options["bom"] else b"") + text.encode())
+    path.write_bytes(COMPRESS[_compression(path)]((b"\xef\xbb\xbf" if options["bom"] else b"") + text.encode()))
 
 
 def _reference_files(folder: Path) -> list[Path]:
@@ -114,7 +139,7 @@ def _reference_files(folder: Path) -> list[Path]:
         p
         for p in found
         if not any(part.startswith("_") for part in PurePosixPath(p.relative_to(folder).as_posix()).parts)
-        and p.name.endswith(tuple(SUFFIX.values()))
+        and p.name.endswith(tuple(s + c for s in SUFFIX.values() for c in COMPRESS))
     ]
     return sorted(keep)
 
@@ -124,7 +149,7 @@ def _reference_rows(path: Path, fmt: str) -> list[dict]:
     missing (None), as the only missing value a text file can write."""
     if fmt == "parquet":
         return pq.read_table(path).select(COLUMNS).to_pylist()
-    text = path.read_bytes().decode("utf-8-sig")  # no newline translation: a cell keeps its \r\n
+    text = DECOMPRESS[_compression(path)](path.read_bytes()).decode("utf-8-sig")  # a cell keeps its \r\n
     if fmt == "jsonl":
         return [json.loads(line) for line in text.split("\n") if line.strip()]  # JSON Lines end in \n alone
     quoting = csv.QUOTE_NONE if fmt == "tsv" else csv.QUOTE_MINIMAL

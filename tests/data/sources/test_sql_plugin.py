@@ -137,7 +137,7 @@ def _database(path, rows: int):
 def sqlkind(tmp_path, monkeypatch):
     """The ``sqlkind`` distribution on sys.path for one test; afterwards its modules, kinds, loss
     and the record of loaded plugins are gone."""
-    loaded = dict(plugins.LOADED)
+    loaded, modules = dict(plugins.LOADED), dict(plugins.MODULES)
     monkeypatch.syspath_prepend(str(_site(tmp_path)))
     yield
     for module in [m for m in sys.modules if m.split(".")[0] == "sqlkind"]:
@@ -148,6 +148,8 @@ def sqlkind(tmp_path, monkeypatch):
     LOSS_BUILDERS.pop("halved_mnrl", None)
     plugins.LOADED.clear()
     plugins.LOADED.update(loaded)
+    plugins.MODULES.clear()
+    plugins.MODULES.update(modules)
 
 
 COLUMNS = {"anchor": "question", "positive": "answer"}
@@ -161,7 +163,7 @@ def test_a_sql_table_from_a_plugin_validates_and_loads_its_exact_rows(sqlkind, t
     )
     source = cfg.data.train
     assert type(source).__name__ == "SqlSource" and source.path == str(db) and source.table == "pairs"
-    assert plugins.LOADED == {"sql": "sqlkind:register", "halved_mnrl": "sqlkind.loss"}
+    assert plugins.LOADED == {("sqlkind", "sql"): "sqlkind:register", ("sqlkind", "halved_mnrl"): "sqlkind.loss"}
     data = load_checked_data(cfg.data, global_batch_size=8, no_duplicates=True)
     assert (data.rows_read, data.rows_dropped, len(data.dataset)) == (24, 0, 24)
     assert data.dataset["anchor"] == [f"question {i} about a red car" for i in range(24)]
