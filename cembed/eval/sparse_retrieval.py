@@ -14,7 +14,6 @@ from sentence_transformers.sparse_encoder.evaluation import SparseInformationRet
 from cembed.eval.metrics import GradedIREvaluator
 
 SIMILARITY = "dot"
-ACTIVE_DIMS = (("active dims (queries)", "query_active_dims"), ("active dims (documents)", "corpus_active_dims"))
 
 
 class SparseIREvaluator(GradedIREvaluator, SparseInformationRetrievalEvaluator):

@@ -404,8 +404,9 @@ def print_stream_counts(console: Console, summary: dict) -> None:
 
 
 # Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10 (keyed by the model
-# kind's similarity: <set>_cosine_ndcg@10, <set>_maxsim_ndcg@10), STS Spearman.
-COMPARED_METRICS = ("_ndcg@10", "_recall@10", "_spearman_cosine")
+# kind's similarity: <set>_cosine_ndcg@10, <set>_maxsim_ndcg@10, <set>_dot_ndcg@10), a sparse model's mean
+# active dimensions of queries and documents, STS Spearman.
+COMPARED_METRICS = ("_ndcg@10", "_recall@10", "_query_active_dims", "_corpus_active_dims", "_spearman_cosine")
 
 
 def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:
@@ -440,7 +441,8 @@ def print_eval_change(console: Console, summary: dict) -> None:
         return "-" if value is None else f"{value:{sign}.4f}"
 
     for key, b, a, change in rows:
-        style = "" if change is None or change == 0 else ("green" if change > 0 else "red")
+        neutral = change is None or change == 0 or key.endswith("_active_dims")  # fewer is cheaper, not worse
+        style = "" if neutral else ("green" if change > 0 else "red")
         table.add_row(key, fmt(b), fmt(a), f"[{style}]{fmt(change, '+')}[/]" if style else fmt(change, "+"))
     console.print(table)
 

@@ -12,8 +12,9 @@ The contract. A kind is two halves registered under one name, and nothing else i
   (:meth:`ModelKind.text_outputs`), how a column is tokenized (:meth:`ModelKind.preprocess_kwargs`,
   :meth:`ModelKind.token_layout`), what
   ``validate`` says about it (:meth:`ModelKind.describe`), its FLOPs per token beyond the encoder
-  (:meth:`ModelKind.head_flops_per_token`), its scoring FLOPs (:meth:`ModelKind.scoring_flops`) and its
-  cached bytes per row (:meth:`ModelKind.cache_bytes_per_row`).
+  (:meth:`ModelKind.head_flops_per_token`), its scoring FLOPs (:meth:`ModelKind.scoring_flops`), its
+  cached bytes per row (:meth:`ModelKind.cache_bytes_per_row`) and how its evaluation corpus is encoded
+  (:meth:`ModelKind.corpus_encode_kwargs`).
 
 :func:`register_model_kind` registers both; :mod:`cembed.model.kinds.lookup` answers which kind a name,
 a loaded model or a saved folder is.
@@ -171,6 +172,12 @@ class ModelKind:
         """Bytes a cached loss holds per row between its passes: the row's output, for a row of
         ``tokens`` tokens, at ``element_bytes`` per number. Default: one vector."""
         return int(self.embedding_dimension(model) or 0) * element_bytes
+
+    def corpus_encode_kwargs(self) -> dict[str, Any]:
+        """Keywords of ``model.encode_document`` for an evaluation corpus (the embedding cache,
+        :mod:`cembed.eval.embedding_cache`, stores what they return). Default: numpy arrays (one
+        ``(texts, dim)`` array, or a multi-vector model's one ``(tokens, dim)`` array per text)."""
+        return {"convert_to_numpy": True}
 
 
 # kind name -> ModelKind; filled by register_model_kind.

@@ -296,5 +296,10 @@ class SparseKind(ModelKind):
         # dense rows): the whole width. The measured density is the probe's and the meter's.
         return int(self.embedding_dimension(model) or 0) * element_bytes
 
+    def corpus_encode_kwargs(self) -> dict:
+        # A sparse tensor on the CPU (the embedding cache stores it as CSR): a dense corpus of 30,522-wide
+        # rows would take 122 KB per document.
+        return {"convert_to_tensor": True, "convert_to_sparse_tensor": True, "save_to_cpu": True}
+
 
 register_model_kind(SparseModelConfig, SparseKind())
