@@ -38,8 +38,11 @@ def _peft():
 
 
 def backbone_holder(model):
-    """The sentence-transformers Transformer module of ``model`` (its first module)."""
-    return model[0]
+    """The sentence-transformers Transformer module of ``model``: its kind's encoder module (the first
+    module; an inference-free sparse model's document-side transformer)."""
+    from cembed.model.kinds.lookup import kind_of
+
+    return kind_of(model, default="dense").encoder_module(model)
 
 
 def is_lora(model) -> bool:

@@ -69,7 +69,7 @@ from cembed.train.checkpoint import (
     run_status,
 )
 from cembed.train.flops import build_flop_model
-from cembed.train.kinds import trainer_for_kind
+from cembed.train.kinds import column_tasks, router_mapping, trainer_for_kind
 from cembed.train.meter import ThroughputMeter, plot_run
 from cembed.train.preflight import check_resume, freezes_unused, preflight, raise_findings, training_record
 from cembed.train.publish import (
@@ -374,7 +374,9 @@ def build_components(
     # unused-parameter search: they are frozen, or (a resume of a run begun on one process, whose
     # optimizer holds them) ignored by DDP (preflight.freezes_unused).
     outputs = kind_of(model, default="dense").text_outputs
-    unused = unused_parameters(model, data.sample_texts(), outputs=outputs) if freeze or plan.world_size > 1 else []
+    tasks = column_tasks(model, data.columns)  # each column down its own route (a Router's query side)
+    check = freeze or plan.world_size > 1
+    unused = unused_parameters(model, data.sample_texts(), tasks=tasks, outputs=outputs) if check else []
     if freeze:
         freeze_parameters(model, unused)
     elif plan.world_size > 1 and cfg.distributed.strategy == "ddp":
@@ -456,13 +458,14 @@ def build_trainer(
     from transformers.trainer_callback import PrinterCallback
 
     is_main = dist_info().is_main
-    layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
-    eval_args = parts.evaluation.training_args if parts.evaluation else None
     kind = kind_of(parts.model)
+    layers = list(getattr(kind.encoder_module(parts.model).auto_model, "_no_split_modules", None) or [])
+    eval_args = parts.evaluation.training_args if parts.evaluation else None
     args = build_training_args(cfg, plan, eval_args, layers, parts.sources, kind.trainer_classes().training_args)
     trainer_cls = trainer_for_kind(trainer_cls, kind)  # the kind's model, arguments, collator and card classes
-    if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
+    if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts and routes
         args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
+        args.router_mapping = router_mapping(parts.model, parts.train_dataset.column_names) or args.router_mapping
         if parts.source_prompts is not None:  # its per-dataset form: source name -> column -> prompt
             names = list(parts.sources.names)
             args.prompts = {

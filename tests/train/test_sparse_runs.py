@@ -100,3 +100,42 @@ def test_a_sparse_run_ramps_its_regularizers_meters_its_cache_and_saves_a_sparse
     for k in ("dot_ndcg@10", "dot_mrr@10", "dot_map@100", "dot_recall@10", "query_active_dims", "corpus_active_dims"):
         assert metrics[f"{rs.name}_{k}"] == pytest.approx(stock[f"{rs.name}_{k}"], abs=1e-5), k
     assert metrics[key] == pytest.approx(ev["after"][key], abs=1e-5)  # the run's own last evaluation
+
+
+def test_an_inference_free_run_trains_its_static_query_side_the_same_from_stored_ids_and_from_texts(
+    tmp_path, pairs_file
+):
+    """Queries go down the static route (sentence-transformers' router_mapping with texts, the stored ids'
+    task otherwise): the static weights of the query tokens move, no other; the run from stored ids (the
+    query column without special tokens) trains the same weights as the collator that tokenizes."""
+    make_tiny_splade(tmp_path / "m", bias=-0.2)
+    rows = distinct_pairs(32)
+    weights = {}
+    for pretokenize in (True, False):
+        out = tmp_path / f"run-{pretokenize}"
+        cfg = config_from_dict(
+            {
+                "model": {
+                    "kind": "sparse",
+                    "name_or_path": str(tmp_path / "m" / "hf"),
+                    "device": "cpu",
+                    "architecture": "inference_free_splade",
+                },
+                "data": {"train": str(pairs_file(rows)), "pretokenize": pretokenize},
+                "batch": {"per_device_train_batch_size": 16, "mini_batch_size": 8},
+                "train": {"output_dir": str(out), "max_steps": 2, "seed": 3},
+                "optim": {"learning_rate": 1e-2, "weight_decay": 0.0},  # a weight no query has stays at 1
+            }
+        )
+        plan, data = T.check_run_inputs(cfg)
+        summary = T.run_training(cfg, plan, data)
+        assert summary["tokenization"]["pretokenized"] is pretokenize
+        weights[pretokenize] = SparseEncoder(str(out), device="cpu")
+    static = {k: m[0].sub_modules["query"][0].weight.detach() for k, m in weights.items()}
+    tokenizer = weights[True].tokenizer
+    in_queries = {t for r in rows for t in tokenizer(r["anchor"], add_special_tokens=False)["input_ids"]}
+    moved = set((static[True] != 1.0).nonzero().flatten().tolist())
+    assert moved and moved <= in_queries  # only the query tokens' weights (they start at 1)
+    torch.testing.assert_close(static[True], static[False], rtol=0, atol=1e-6)
+    a, b = (dict(m.named_parameters()) for m in (weights[True], weights[False]))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

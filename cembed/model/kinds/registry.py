@@ -57,10 +57,17 @@ class Expansion:
 class TokenLayout:
     """How a column's texts become token ids for the model: truncated to ``max_length`` tokens, then
     (``expansion``) padded as the model pads them. Pre-tokenized ids are stored truncated; the
-    collator applies the expansion."""
+    collator applies the expansion.
+
+    ``strip``: the ``(leading, trailing)`` special tokens a column is tokenized without (an inference-free
+    SPLADE's static query side tokenizes with ``add_special_tokens=False``). Stored ids always carry the
+    tokenizer's special tokens, so a text has one identity in every column (the duplicate checks hash the
+    ids); the collator drops them. ``max_length`` counts them: the stored ids are cut at ``max_length``,
+    the model's at ``max_length - leading - trailing``."""
 
     max_length: int
     expansion: Expansion | None = None
+    strip: tuple[int, int] = (0, 0)
 
 
 class ModelKind:
@@ -129,6 +136,12 @@ class ModelKind:
             "takes no token-level mini-batches with an attention mask, so cembed cannot length-sort, pad or "
             "pre-tokenize its batches; use a transformer model (or train this one with sentence-transformers directly)"
         )
+
+    def encoder_module(self, model):
+        """The sentence-transformers module that holds the transformers encoder a run trains (its
+        ``auto_model``: what LoRA adapts, FSDP wraps layer by layer and the FLOP model counts). Default:
+        the first module."""
+        return model[0]
 
     def describe(self, model, cfg: ModelConfig, saved: bool) -> str:
         """What ``validate`` prints after ``pooling:`` for the loaded ``model``: how a text becomes

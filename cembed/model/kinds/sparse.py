@@ -26,7 +26,10 @@ from pathlib import Path
 
 from cembed.config.model import ModelConfig, SparseModelConfig
 from cembed.errors import ModelRefused
-from cembed.model.kinds.registry import ModelKind, TrainerClasses, register_model_kind
+from cembed.model.kinds.registry import ModelKind, TokenLayout, TrainerClasses, register_model_kind
+
+# A tokenizer's model_max_length above this is transformers' "no limit" (VERY_LARGE_INTEGER): nothing is cut.
+UNLIMITED_LENGTH = 10**9
 
 
 def is_masked_lm(path: str, revision: str | None = None) -> bool:
@@ -62,6 +65,12 @@ def _modules_of(model) -> list:
     return out
 
 
+def route_of(router, task: str) -> str:
+    """The route a ``Router`` sends a text of ``task`` to (sentence-transformers' own resolution, a text
+    modality)."""
+    return router._resolve_route(task=task, modality="text")  # the library's rule: mappings, then the default
+
+
 def architecture_of(model) -> str:
     """``splade``, ``inference_free_splade`` or ``csr``: what a ``SparseEncoder`` is, read from its modules.
 
@@ -81,6 +90,21 @@ def architecture_of(model) -> str:
         f"a SparseEncoder of modules {[type(m).__name__ for m in modules]}: cembed trains SPLADE (SpladePooling), "
         "inference-free SPLADE (Router + SparseStaticEmbedding) and CSR (SparseAutoEncoder) models"
     )
+
+
+def special_tokens_around(tokenizer) -> tuple[int, int] | None:
+    """``(leading, trailing)``: how many special tokens ``tokenizer`` puts before and after a text's own ids
+    (BERT: ``(1, 1)``, [CLS] and [SEP]); None when its ids with special tokens are not the plain ids with
+    tokens around them."""
+    found = set()
+    for text in ("a", "a b"):
+        plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+        full = tokenizer(text, add_special_tokens=True)["input_ids"]
+        lead = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+        if lead is None or not plain:
+            return None
+        found.add((lead, len(full) - lead - len(plain)))
+    return found.pop() if len(found) == 1 else None
 
 
 def _mlm_config(model):
@@ -242,6 +266,16 @@ class SparseKind(ModelKind):
             )
         super().check_trainable(model, name)
 
+    def encoder_module(self, model):
+        """The first module, or for an inference-free model the ``Transformer`` of its document route (its
+        query side is a static weight per token, no encoder)."""
+        from sentence_transformers.base.modules import Router, Transformer
+
+        first = model[0]
+        if isinstance(first, Router):
+            return next(m for m in _modules_of(model) if isinstance(m, Transformer))
+        return first
+
     def describe(self, model, cfg: ModelConfig, saved: bool) -> str:
         from sentence_transformers.sparse_encoder.modules import SparseAutoEncoder, SpladePooling
 
@@ -267,6 +301,29 @@ class SparseKind(ModelKind):
         # The first column is the query, the others documents: an inference-free model routes by it, and
         # sentence-transformers' SparseEncoder.encode_query / encode_document pass the same task.
         return {"task": "query" if column == 0 else "document"}
+
+    def token_layout(self, model, column: int) -> TokenLayout | None:
+        """As the column's route tokenizes it. An inference-free model's static query side
+        (``SparseStaticEmbedding.preprocess``) tokenizes without special tokens, cut at its tokenizer's
+        ``model_max_length``: stored with the special tokens around (cut that many tokens later), the
+        collator drops them (:class:`TokenLayout`'s ``strip``); None (the collator tokenizes) where that
+        is not exact (a tokenizer without a length limit, special tokens not around the text). Any other
+        route or model: cut at the route's ``max_seq_length``."""
+        from sentence_transformers.base.modules import Router
+        from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding
+
+        first = model[0] if len(model) else None
+        if not isinstance(first, Router):
+            return super().token_layout(model, column)
+        route = first.sub_modules[route_of(first, self.preprocess_kwargs(column)["task"])]
+        head = route[0]
+        if not isinstance(head, SparseStaticEmbedding):
+            return TokenLayout(int(getattr(head, "max_seq_length", None) or model.max_seq_length))
+        length = int(head.tokenizer.model_max_length)
+        around = special_tokens_around(head.tokenizer)
+        if length >= UNLIMITED_LENGTH or around is None:
+            return None
+        return TokenLayout(length + sum(around), strip=around)
 
     def embedding_dimension(self, model) -> int | None:
         """The width of a text's sparse vector: the MLM vocabulary (SPLADE; sentence-transformers knows it only
