@@ -89,6 +89,10 @@ class LossConfig(_Strict):
     gather_across_devices: bool | None = None
     matryoshka: MatryoshkaConfig | None = None  # also train truncated embeddings (any loss)
 
+    def describe(self) -> str | None:
+        """What ``validate`` adds to its loss line about how this loss trains (a few words), or None."""
+        return None
+
     def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str] | None:
         """The most bytes the loss's scoring holds at once, whatever the batch, for ``queries`` query rows of
         at most ``longest_query`` tokens (besides the cached embeddings and their gradients), and how it
@@ -312,6 +316,21 @@ class CachedSpladeLossConfig(MNRLOptionsConfig):
     regularizer_warmup_ratio: float = Field(1 / 3, gt=0.0, le=1.0)
     regularizer_schedule: Literal["quadratic", "linear"] = "quadratic"
     cache_form: Literal["auto", "sparse", "dense"] = "auto"
+
+    def describe(self) -> str:
+        """The cache form, and the FLOPS regularizers' weights and warm-up."""
+        form = {
+            "auto": "each row's active coordinates (a mini-batch too dense for that kept dense)",
+            "sparse": "each row's active coordinates",
+            "dense": "dense rows",
+        }[self.cache_form]
+        weights = f"documents {self.document_regularizer_weight:g}"
+        if self.query_regularizer_weight is not None and not self.use_document_regularizer_only:
+            weights += f", queries {self.query_regularizer_weight:g}"
+        return (
+            f"cache of {form}; FLOPS over the global batch ({weights}), weights ramped from 0 over the first "
+            f"{self.regularizer_warmup_ratio:.0%} of the steps ({self.regularizer_schedule})"
+        )
 
     @model_validator(mode="after")
     def _splade_options(self) -> CachedSpladeLossConfig:

@@ -15,6 +15,7 @@ The regularizer weights' warm-up is sentence-transformers' ``SpladeRegularizerWe
 
 from __future__ import annotations
 
+import torch
 from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
 from torch import nn
 
@@ -26,6 +27,16 @@ from cembed.losses.registry import LossSettings, register_loss
 
 class LengthSortedCachedSplade(LengthSortedMixin, SparseCachedSpladeLoss):
     """:class:`SparseCachedSpladeLoss` with cembed's length-sorted, token-budget, packed mini-batches."""
+
+    def replicate_minibatch(self, outputs: tuple, sizes: list[int]) -> list[list]:
+        """The probe's cache (:mod:`cembed.probe.worst_case`) at the dense worst case: one mini-batch's rows
+        with every coordinate active (a zero becomes the smallest positive float32), as a fresh
+        masked-language model's are, so every cached mini-batch and the loss stage take the dense form
+        (the most memory the cache can hold), whatever this model's density."""
+        tiny = torch.finfo(torch.float32).tiny
+        rows = [e.detach().float() for e in outputs]
+        rows = [torch.where(e == 0, torch.full_like(e, tiny), e) if e.is_floating_point() else e for e in rows]
+        return [[full[:n] for n in sizes] for full in rows]
 
 
 def regularizer_warmup(loss: nn.Module, cfg: CachedSpladeLossConfig):

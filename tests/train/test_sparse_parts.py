@@ -34,7 +34,7 @@ ROWS = [
 @pytest.fixture(scope="module")
 def mlm(tmp_path_factory):
     folder = tmp_path_factory.mktemp("splade")
-    make_tiny_splade(folder, bias=-0.1)
+    make_tiny_splade(folder, bias=-0.2)  # about a fifth of the coordinates active
     return folder / "hf"
 
 
@@ -115,3 +115,79 @@ def test_every_parameter_of_an_inference_free_model_trains_on_several_processes(
     frozen = [n for n, p in parts.model.named_parameters() if not p.requires_grad]
     assert frozen == []
     assert any(p.requires_grad and p.dim() == 1 and p.numel() == 127 for p in parts.model[0].parameters())
+
+
+def test_the_probe_caches_every_coordinate_active_the_dense_worst_case(mlm):
+    from cembed.config.loss import loss_config
+    from cembed.losses.registry import build_loss
+    from cembed.probe.worst_case import cached_embeddings, full_length_features, worst_case_step
+
+    model = load_model(model_config(kind="sparse", name_or_path=str(mlm)), "cpu")
+    features = full_length_features(model, 2, 8)
+    loss = build_loss(model, loss_config(name="cached_splade"), 4).cached_module
+    rows, _ = next(loss.embed_minibatch_iter(features[1], False, False, ranges=[(0, 4)]))
+    assert (rows == 0).any()  # the model's own rows are sparse ...
+    (reps,) = cached_embeddings((rows,), [4, 4], 2, loss.replicate_minibatch)
+    assert [r.shape for r in reps[1]] == [(4, 127)] * 2 and all((r != 0).all() for col in reps for r in col)
+    torch.testing.assert_close(reps[0][0].detach()[rows != 0], rows[rows != 0])  # ... the probe's cache is dense
+    case = worst_case_step(model, loss_config(name="cached_splade"), 2, 8, 4, "fp32", repeats=1)
+    assert case.rows == 4 and case.tokens_per_row == 64 and case.samples_per_s > 0
+
+
+def test_estimate_counts_the_mlm_head_and_the_cache_at_measured_and_dense_density(run, tmp_path):
+    from cembed.cli.commands.estimate import build_estimate
+    from cembed.train.flops import encoder_shape
+
+    cfg, plan, data = run()
+    report = build_estimate(cfg, None, "A100", 0.3, None)  # bf16 on the target: 2 bytes per value
+    model = load_model(cfg.model, "cpu")
+    n, _, _ = encoder_shape(model)
+    assert report["flop_model"]["N"] == n + 32 * 127  # the tied MLM decoder, hidden x vocab per token
+    rows = plan.per_device_train_batch_size
+    assert report["cache_per_rank"]["value"] == 2 * rows * 2 * 127 * 2  # 2 columns x 127 x bf16, and gradients
+    sample = data.dataset.select(range(len(data.dataset)))
+    active = [
+        float((encode(list(sample[c]), convert_to_tensor=True).to_dense() != 0).sum()) / len(sample)
+        for c, encode in zip(data.columns, (model.encode_query, model.encode_document))
+    ]
+    per_row = sum(min(a * (2 + 4) + 4, 127 * 2) for a in active)
+    measured = report["cache_per_rank_measured"]
+    assert (
+        measured["value"] == pytest.approx(2 * rows * per_row) and measured["value"] < report["cache_per_rank"]["value"]
+    )
+    assert f"mean active dims {active[0]:.0f}/{active[1]:.0f} of 127" in measured["source"]
+
+
+def test_validate_states_the_kind_the_cache_and_the_regularizers(mlm, write_config, pairs_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from cembed.cli.app import app
+
+    path = write_config(
+        {
+            "model": {
+                "kind": "sparse",
+                "name_or_path": str(mlm),
+                "device": "cpu",
+                "architecture": "inference_free_splade",
+            },
+            "data": {"train": str(pairs_file(ROWS))},
+            "batch": {"global_batch_size": 8, "mini_batch_size": 4},
+            "loss": {"query_regularizer_weight": 1e-4, "regularizer_warmup_ratio": 0.25},
+            "train": {"output_dir": str(tmp_path / "out"), "max_steps": 2},
+        }
+    )
+    r = CliRunner().invoke(app, ["validate", str(path)])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].endswith(
+        "kind: sparse   pooling: inference-free SPLADE: queries a static weight per token, documents max of "
+        "log1p(relu(MLM logits)) over a text's tokens; 127-dim sparse vectors, dot (built from a plain transformers "
+        "checkpoint)"
+    )
+    assert lines[1] == (
+        "loss: cached_splade on anchor, positive; cache of each row's active coordinates (a mini-batch too dense "
+        "for that kept dense); FLOPS over the global batch (documents 3e-05, queries 0.0001), weights ramped from 0 "
+        "over the first 25% of the steps (quadratic)"
+    )
+    assert "effective batch (batch.global_batch_size): 8 per device x 1 x 1 accumulation" in r.output

@@ -186,6 +186,13 @@ class ModelKind:
         ``tokens`` tokens, at ``element_bytes`` per number. Default: one vector."""
         return int(self.embedding_dimension(model) or 0) * element_bytes
 
+    def measured_cache(self, model, columns: list[list[str]], element_bytes: int) -> tuple[list[float], str] | None:
+        """The bytes a cached loss holds per row of each training column (0: the query), measured on sample
+        texts ``columns`` of each, for a kind whose cache depends on what the model outputs (a sparse
+        model's active coordinates), and how (a phrase); None (the default) where
+        :meth:`cache_bytes_per_row` is exact."""
+        return None
+
     def corpus_encode_kwargs(self) -> dict[str, Any]:
         """Keywords of ``model.encode_document`` for an evaluation corpus (the embedding cache,
         :mod:`cembed.eval.embedding_cache`, stores what they return). Default: numpy arrays (one

@@ -353,6 +353,25 @@ class SparseKind(ModelKind):
         # dense rows): the whole width. The measured density is the probe's and the meter's.
         return int(self.embedding_dimension(model) or 0) * element_bytes
 
+    def measured_cache(self, model, columns: list[list[str]], element_bytes: int) -> tuple[list[float], str] | None:
+        """Per column, the cache's bytes per row at the density the model has on the sample texts (the query
+        column through ``encode_query``, the others ``encode_document``): each active coordinate's value and
+        int32 index, and a row offset, as :mod:`cembed.losses.sparse_rows` keeps a sparse mini-batch; at
+        most the dense row (the dense fallback)."""
+        import torch
+
+        width = int(self.embedding_dimension(model) or 0)
+        per_row, active = [], []
+        with torch.no_grad():
+            for index, texts in enumerate(columns):
+                encode = model.encode_query if index == 0 else model.encode_document
+                rows = encode(list(texts), convert_to_tensor=True, batch_size=16, show_progress_bar=False)
+                dims = float((rows.to_dense() != 0).sum()) / max(len(texts), 1)
+                active.append(dims)
+                per_row.append(min(dims * (element_bytes + 4) + 4, float(width * element_bytes)))
+        shown = "/".join(f"{a:.0f}" for a in active)
+        return per_row, f"the model's measured density: mean active dims {shown} of {width:,} per column"
+
     def corpus_encode_kwargs(self) -> dict:
         # A sparse tensor on the CPU (the embedding cache stores it as CSR): a dense corpus of 30,522-wide
         # rows would take 122 KB per document.
