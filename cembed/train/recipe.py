@@ -41,7 +41,7 @@ from cembed.data.rows import TrainingData, UnloadedData, card_datasets
 from cembed.data.tokens.tokenize import tokenize_stage
 from cembed.distributed.collectives import max_over_ranks
 from cembed.distributed.ddp import freeze_parameters, ignore_in_ddp, unused_parameters
-from cembed.distributed.fsdp import gathered_model
+from cembed.distributed.fsdp import gathered_model, shard_layer_classes
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
 from cembed.errors import RunAbandoned, RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, display_path, save_model_atomic, write_json_atomic
@@ -459,7 +459,7 @@ def build_trainer(
 
     is_main = dist_info().is_main
     kind = kind_of(parts.model)
-    layers = list(getattr(kind.encoder_module(parts.model).auto_model, "_no_split_modules", None) or [])
+    layers = shard_layer_classes(kind.encoder_module(parts.model).auto_model)  # FSDP's units
     eval_args = parts.evaluation.training_args if parts.evaluation else None
     args = build_training_args(cfg, plan, eval_args, layers, parts.sources, kind.trainer_classes().training_args)
     trainer_cls = trainer_for_kind(trainer_cls, kind)  # the kind's model, arguments, collator and card classes

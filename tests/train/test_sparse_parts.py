@@ -191,3 +191,15 @@ def test_validate_states_the_kind_the_cache_and_the_regularizers(mlm, write_conf
         "over the first 25% of the steps (quadratic)"
     )
     assert "effective batch (batch.global_batch_size): 8 per device x 1 x 1 accumulation" in r.output
+
+
+def test_fsdp_shards_a_masked_language_model_by_its_layers_keeping_tied_embeddings_in_the_root(mlm):
+    # BertForMaskedLM ties its decoder to the word embeddings: a BertEmbeddings unit of its own would put one
+    # parameter in two FSDP groups (fully_shard refuses); a plain BertModel keeps both units.
+    from transformers import BertModel
+
+    from cembed.distributed.fsdp import shard_layer_classes
+
+    model = load_model(model_config(kind="sparse", name_or_path=str(mlm)), "cpu")
+    assert shard_layer_classes(model[0].auto_model) == ["BertLayer"]
+    assert shard_layer_classes(BertModel.from_pretrained(str(mlm))) == ["BertEmbeddings", "BertLayer"]

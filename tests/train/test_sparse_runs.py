@@ -74,6 +74,9 @@ def test_a_sparse_run_ramps_its_regularizers_meters_its_cache_and_saves_a_sparse
     assert 0 < t["active_dims_query"] <= 127 and 0 < t["active_dims_document"] <= 127
     assert t["cache_bytes_per_row"] > 0 and 0.0 <= t["dense_fallback_share"] <= 1.0
     model = SparseEncoder(str(tmp_path / "run"), device="cpu")
+    card = (tmp_path / "run" / "README.md").read_text()  # sentence-transformers' sparse model card
+    assert "- **Model Type:** SPLADE Sparse Encoder" in card and '"cache_form": "auto"' in card
+    assert f"| **{key.split('_', 1)[1]}**" in card and "| corpus_active_dims" in card  # the final evaluation
     n, _, _ = encoder_shape(model)
     assert t["flop_model"]["non_embedding_params"] == n + 32 * 127  # the tied decoder's hidden x vocab
     ev = summary["eval"]
