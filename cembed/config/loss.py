@@ -324,11 +324,14 @@ class CachedSpladeLossConfig(MNRLOptionsConfig):
             "sparse": "each row's active coordinates",
             "dense": "dense rows",
         }[self.cache_form]
-        weights = f"documents {self.document_regularizer_weight:g}"
+        weights = {"documents": self.document_regularizer_weight}
         if self.query_regularizer_weight is not None and not self.use_document_regularizer_only:
-            weights += f", queries {self.query_regularizer_weight:g}"
+            weights["queries"] = self.query_regularizer_weight
+        if not any(weights.values()):
+            return f"cache of {form}; no FLOPS regularizer (its weights are 0)"
+        shown = ", ".join(f"{k} {v:g}" for k, v in weights.items())
         return (
-            f"cache of {form}; FLOPS over the global batch ({weights}), weights ramped from 0 over the first "
+            f"cache of {form}; FLOPS over the global batch ({shown}), weights ramped from 0 over the first "
             f"{self.regularizer_warmup_ratio:.0%} of the steps ({self.regularizer_schedule})"
         )
 

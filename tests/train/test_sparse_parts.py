@@ -193,6 +193,16 @@ def test_validate_states_the_kind_the_cache_and_the_regularizers(mlm, write_conf
     assert "effective batch (batch.global_batch_size): 8 per device x 1 x 1 accumulation" in r.output
 
 
+def test_validate_says_no_flops_regularizer_where_its_weights_are_0():
+    # CSR (the demo) sets its sparsity by top-k: a line promising FLOPS "ramped from 0" would describe nothing.
+    from cembed.config.loss import CachedSpladeLossConfig
+
+    off = CachedSpladeLossConfig(document_regularizer_weight=0.0, query_regularizer_weight=0.0, cache_form="sparse")
+    assert off.describe() == "cache of each row's active coordinates; no FLOPS regularizer (its weights are 0)"
+    docs_only = CachedSpladeLossConfig(query_regularizer_weight=0.0)
+    assert "FLOPS over the global batch (documents 3e-05, queries 0)" in docs_only.describe()
+
+
 def test_fsdp_shards_a_masked_language_model_by_its_layers_keeping_tied_embeddings_in_the_root(mlm):
     # BertForMaskedLM ties its decoder to the word embeddings: a BertEmbeddings unit of its own would put one
     # parameter in two FSDP groups (fully_shard refuses); a plain BertModel keeps both units.
