@@ -256,7 +256,10 @@ class CachedMaxSimLossConfig(LossConfig):
     `score_document_tokens` document tokens (`score_document_rows` documents at a time), so the scoring
     memory is bounded by the tiles, not the batch (:mod:`cembed.model.maxsim`). The tiles change memory
     and speed only, never the result. `scale`: ``1 / temperature``; MaxSim sums over query tokens, so
-    the library's default is 1, not the cosine losses' 20."""
+    the library's default is 1, not the cosine losses' 20. `score_kernel`: ``auto`` scores with a fused
+    CUDA kernel (the ``late-interaction-kernels`` package) where it imports and agrees with the tiled path
+    on the run's first batch, else with the tiled torch path; ``tiled`` always with the tiled path
+    (:mod:`cembed.model.maxsim_kernel`)."""
 
     uses_gradient_cache: ClassVar[bool] = True
     consumes: ClassVar[frozenset[str]] = frozenset({"token_vectors"})
@@ -266,6 +269,7 @@ class CachedMaxSimLossConfig(LossConfig):
     score_query_tokens: PositiveInt = 1024
     score_document_tokens: PositiveInt = 8192
     score_document_rows: PositiveInt = 1024
+    score_kernel: Literal["auto", "tiled"] = "auto"
 
     def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str]:
         """:func:`maxsim_scoring_bytes` of the tiles, and the tiles in words."""

@@ -102,6 +102,12 @@ class ModelConfig(_Strict):
         """The most tokens a query (the first column) is given, under ``max_seq_length``."""
         return max_seq_length
 
+    def length_fields(self) -> dict[str, int]:
+        """The token lengths this config sets besides ``max_seq_length`` (``{dotted field: tokens}``): each
+        must fit the model's position table as ``max_seq_length`` must (``cembed validate`` checks both).
+        None here; a kind with lengths of its own overrides it."""
+        return {}
+
     def conflicts(self, config: Any) -> list[tuple[str, str]]:
         """The options of ``config`` (a :class:`cembed.config.schema.CembedConfig`) that this kind does
         not take: ``[(dotted field, why)]``, from :attr:`not_options`. A field counts when the config
@@ -221,6 +227,11 @@ class MultiVectorModelConfig(ModelConfig):
     def query_tokens(self, max_seq_length: int) -> int:
         """``query_expansion`` (an expanded query's exact width), else ``query_length``, else ``max_seq_length``."""
         return self.query_expansion or self.query_length or max_seq_length
+
+    def length_fields(self) -> dict[str, int]:
+        """``query_length``, ``document_length`` and ``query_expansion``, where set."""
+        names = ("query_length", "document_length", "query_expansion")
+        return {f"model.{n}": getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @model_validator(mode="after")
     def _expansion_fits(self) -> MultiVectorModelConfig:

@@ -16,7 +16,10 @@ entropy at ``scale``), built from it with what cembed changes:
   (:class:`cembed.losses.length_sorted.LengthSortedMixin`). The sorted rows are never put back in order:
   the loss only needs to know where each query's positive lies among the documents (the cross entropy
   of a query does not depend on the order of its candidates), so the labels are permuted instead;
-* documents of other ranks are gathered ragged too (:func:`cembed.distributed.ragged.gather_rows`).
+* documents of other ranks are gathered ragged too (:func:`cembed.distributed.ragged.gather_rows`);
+* on CUDA a fused MaxSim kernel scores the blocks when a package provides one and it agrees with the
+  tiled path on the run's first batch (:func:`cembed.model.maxsim_kernel.choose_scoring`; the choice is
+  :attr:`CachedMaxSimLoss.scoring`, its one-line note goes to :attr:`CachedMaxSimLoss.notes`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from cembed.distributed.ragged import gather_rows, rank_and_world
 from cembed.losses.length_sorted import LengthSortedMixin
 from cembed.losses.registry import LossSettings, register_loss
 from cembed.model.maxsim import RaggedTokens, Tiles, maxsim_infonce
+from cembed.model.maxsim_kernel import ScoringChoice, choose_scoring, find_fused_maxsim
 
 
 class CachedMaxSimLoss(LengthSortedMixin, CachedMultiVectorMultipleNegativesRankingLoss):
@@ -40,13 +44,21 @@ class CachedMaxSimLoss(LengthSortedMixin, CachedMultiVectorMultipleNegativesRank
         model: a ``MultiVectorEncoder``.
         scale: ``1 / temperature``.
         tiles: the MaxSim tile sizes (memory only, never the result).
+        score_kernel: ``auto`` (a fused CUDA kernel where one imports and agrees with the tiled path on
+            the first batch) or ``tiled``.
         **kwargs: ``mini_batch_size``, ``mini_batch_num_tokens``, ``sort_by_length``, ``unpad``,
             ``gather_across_devices`` (:meth:`cembed.losses.registry.LossSettings.cached_kwargs`).
     """
 
-    def __init__(self, model, *, scale: float = 1.0, tiles: Tiles = Tiles(), **kwargs) -> None:
+    def __init__(
+        self, model, *, scale: float = 1.0, tiles: Tiles = Tiles(), score_kernel: str = "auto", **kwargs
+    ) -> None:
         super().__init__(model, scale=scale, **kwargs)
         self.tiles = tiles
+        self.score_kernel = score_kernel
+        self.find_kernel = find_fused_maxsim  # where a fused kernel comes from (tests hand a fake one)
+        self.scoring: ScoringChoice | None = None  # decided on the first batch
+        self.notes: list[str] = []  # lines for the run's log (the scoring choice), taken by the trainer
 
     def embed_minibatch(self, sentence_feature, begin, end, with_grad, copy_random_state, random_state=None):
         """One mini-batch's scored token vectors, ragged: ``(values (tokens, dim), row token counts
@@ -92,17 +104,28 @@ class CachedMaxSimLoss(LengthSortedMixin, CachedMultiVectorMultipleNegativesRank
         labels = self._labels(queries.rows, len(reps) - 1, rank).to(queries.values.device)
         model = getattr(self.model, "module", self.model)  # the trainer hands a DDP-wrapped model
         length_normalize = getattr(model, "similarity_fn_name", "maxsim") == "meanmaxsim"
-        loss = maxsim_infonce(queries, documents, labels, self.scale, length_normalize, self.tiles, queries.rows)
-        if with_backward:
+        options = dict(scale=self.scale, length_normalize=length_normalize, tiles=self.tiles)
+        if self.scoring is None:  # the first batch: a fused kernel, if any, checked against the tiled path
+            self.scoring = choose_scoring(
+                self.score_kernel, queries, documents, labels, find=self.find_kernel, **options
+            )
+            if self.scoring.note:
+                self.notes.append(self.scoring.note)
+        loss = maxsim_infonce(queries, documents, labels, divisor=queries.rows, kernel=self.scoring.kernel, **options)
+        if with_backward:  # a training step: the meter's scoring FLOPs (cembed.train.flops.scoring_flops)
+            self.token_counts.scored_pairs += queries.offsets[-1] * documents.offsets[-1]
             loss.backward()
             loss = loss.detach()
         return loss
 
 
 def build_cached_maxsim(model, cfg: CachedMaxSimLossConfig, settings: LossSettings) -> nn.Module:
-    """The ``cached_maxsim`` builder: :class:`CachedMaxSimLoss` at ``cfg.scale`` with ``cfg``'s tiles."""
+    """The ``cached_maxsim`` builder: :class:`CachedMaxSimLoss` at ``cfg.scale`` with ``cfg``'s tiles and
+    scoring kernel setting."""
     tiles = Tiles(cfg.score_query_tokens, cfg.score_document_tokens, cfg.score_document_rows)
-    return CachedMaxSimLoss(model, scale=cfg.scale, tiles=tiles, **settings.cached_kwargs())
+    return CachedMaxSimLoss(
+        model, scale=cfg.scale, tiles=tiles, score_kernel=cfg.score_kernel, **settings.cached_kwargs()
+    )
 
 
 register_loss(CachedMaxSimLossConfig, build_cached_maxsim)

@@ -27,7 +27,7 @@ The built-in losses register from their own modules, which ``cembed/losses/__ini
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, get_args
 
 from sentence_transformers.base.losses.gradcache import uses_gradient_cache
@@ -97,6 +97,9 @@ class BuiltLoss:
         sparse_counts: what a sparse model's cached loss stored (its ``sparse_counts``), for the meter.
         callbacks: trainer callbacks the loss needs (its ``trainer_callbacks``: e.g. SPLADE's
             regularizer-weight warm-up), added to the trainer's.
+        notes: lines the module writes for the run's log while it trains (e.g. the MaxSim scoring path
+            it chose on the first batch): the builder's module's ``notes`` list itself, so the trainer
+            sees each line as it is added; empty for a module without one.
     """
 
     module: nn.Module
@@ -108,6 +111,7 @@ class BuiltLoss:
     cached_module: nn.Module | None = None
     sparse_counts: SparseCounts | None = None
     callbacks: tuple = ()
+    notes: list[str] = field(default_factory=list)
 
     def collective_facts(self) -> dict[str, object]:
         """What of this loss decides the collectives a training step issues, for
@@ -190,6 +194,7 @@ def build_loss(
     filter_counts = getattr(module, "filter_counts", None)
     unpadding = getattr(module, "unpadding", None)
     sparse_counts = getattr(inner, "sparse_counts", None)
+    notes = getattr(inner, "notes", None)
     return BuiltLoss(
         module,
         token_counts,
@@ -200,4 +205,5 @@ def build_loss(
         inner if cached else None,
         sparse_counts if isinstance(sparse_counts, SparseCounts) else None,
         tuple(getattr(inner, "trainer_callbacks", ())),
+        notes if isinstance(notes, list) else [],
     )

@@ -135,6 +135,7 @@ class _Chunk:
         lengths = torch.tensor([d_offsets[j + 1] - d_offsets[j] for j in range(j0, j1)], device=q.device)
         self.empty = lengths == 0
         self.similarities: torch.Tensor | None = None  # kept when the chunk is one token tile
+        self.kept_max: torch.Tensor | None = None  # the running max, kept for block_backward
 
     def tile(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token tile ``t0:t1``: ``(similarities (Sq, T) float32, each token's chunk-local document
@@ -173,11 +174,33 @@ class _Chunk:
     def scores(self, rmax: torch.Tensor, q_rows: torch.Tensor, n_rows: int, divide: torch.Tensor | None):
         """``(query rows, documents)`` float32 MaxSim scores from the running max (``divide``: the query
         token counts, for MeanMaxSim)."""
-        total = torch.zeros(n_rows, rmax.shape[1], device=rmax.device).index_add_(
+        return finish_scores(self.sums(rmax, q_rows, n_rows), self.empty, divide)
+
+    def sums(self, rmax: torch.Tensor, q_rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+        """``(query rows, documents)``: each query's sum of its tokens' running max (0 for a document
+        without tokens)."""
+        return torch.zeros(n_rows, rmax.shape[1], device=rmax.device).index_add_(
             0, q_rows, rmax.masked_fill(self.empty, 0.0)
         )
-        total = total.masked_fill(self.empty, EMPTY_DOCUMENT_SCORE)  # then divided, as sentence-transformers does
-        return total / divide[:, None] if divide is not None else total
+
+    def block_sums(self, q_rows: torch.Tensor, n_rows: int, for_backward: bool = False) -> torch.Tensor:
+        """The block protocol's forward (:class:`FusedBlock` has the same): :meth:`sums` of the chunk's
+        running max. ``for_backward``: keep the running max (and a one-tile chunk's similarities) for
+        :meth:`block_backward`; else release them."""
+        rmax = self.running_max()
+        if for_backward:
+            self.kept_max = rmax
+        else:
+            self.release()
+        return self.sums(rmax, q_rows, n_rows)
+
+    def block_backward(self, q_rows: torch.Tensor, dsums: torch.Tensor, dq: torch.Tensor, dd: torch.Tensor) -> None:
+        """The block protocol's backward, after :meth:`block_sums` ``(for_backward=True)``: add to ``dq``
+        (the query tile's tokens) and ``dd`` (all document tokens) the gradient of the sums given
+        ``dsums``, their gradient; then release what was kept."""
+        self.backward(self.kept_max, dsums[q_rows].masked_fill(self.empty, 0.0), dq, dd)
+        self.kept_max = None
+        self.release()
 
     def backward(self, rmax: torch.Tensor, dmax: torch.Tensor, dq: torch.Tensor, dd: torch.Tensor) -> None:
         """Add to ``dq`` (this query tile's tokens, in place) and ``dd`` (all document tokens) the
@@ -215,6 +238,107 @@ class _Chunk:
         count = hits.to(torch.int32).cumsum(dim=1)
         before = torch.where(seg > 0, count.gather(1, (seg - 1).clamp_min(0).expand(hits.shape[0], -1)), 0)
         return hits * (count - before == 1)
+
+
+def finish_scores(sums: torch.Tensor, empty: torch.Tensor, divide: torch.Tensor | None) -> torch.Tensor:
+    """MaxSim scores from each query's sum of its tokens' maxima (``(query rows, documents)``): a document
+    without tokens scores ``-1e9``, then every score is divided by ``divide`` (the query token counts,
+    MeanMaxSim) when given, as sentence-transformers does."""
+    total = sums.masked_fill(empty, EMPTY_DOCUMENT_SCORE)
+    return total / divide[:, None] if divide is not None else total
+
+
+class FusedBlock:
+    """One (query tile, document chunk) scored by a fused kernel (:class:`cembed.model.maxsim_kernel.FusedMaxSim`):
+    the same block protocol as :class:`_Chunk` (``j0``, ``j1``, ``empty``, :meth:`block_sums`,
+    :meth:`block_backward`). The kernel takes the tile's and the chunk's token vectors packed with their
+    row offsets and returns each (query, document) pair's sum of maxima (0 for an empty document); its
+    backward runs here on the detached inputs, so what it keeps lives for one block only."""
+
+    def __init__(self, kernel, q: torch.Tensor, q_offsets: list[int], documents: RaggedTokens, j0: int, j1: int):
+        self.kernel, self.q, self.j0, self.j1 = kernel, q, j0, j1
+        device = q.device
+        self.t0, self.t1 = documents.offsets[j0], documents.offsets[j1]
+        self.d = documents.values[self.t0 : self.t1]
+        d_offsets = [o - self.t0 for o in documents.offsets[j0 : j1 + 1]]
+        self.q_cu = torch.tensor(q_offsets, dtype=torch.int32).to(device, non_blocking=True)
+        self.d_cu = torch.tensor(d_offsets, dtype=torch.int32).to(device, non_blocking=True)
+        self.max_q = max((b - a for a, b in zip(q_offsets, q_offsets[1:])), default=0)
+        lengths = [b - a for a, b in zip(d_offsets, d_offsets[1:])]
+        self.max_d = max(lengths, default=0)
+        self.empty = torch.tensor([n == 0 for n in lengths], device=device)
+
+    def _call(self, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        return self.kernel.scores(q, d, self.q_cu, self.d_cu, self.max_q, self.max_d).float()
+
+    def block_sums(self, q_rows: torch.Tensor, n_rows: int, for_backward: bool = False) -> torch.Tensor:
+        """Each (query, document) pair's sum of maxima; ``for_backward``: computed with the kernel's
+        autograd on detached copies of the inputs, the graph kept for :meth:`block_backward`."""
+        if not for_backward:
+            with torch.no_grad():
+                return self._call(self.q, self.d).masked_fill(self.empty, 0.0)
+        with torch.enable_grad():
+            q, d = self.q.detach().requires_grad_(), self.d.detach().requires_grad_()
+            self.graph = (q, d, self._call(q, d))
+        return self.graph[2].detach().masked_fill(self.empty, 0.0)
+
+    def block_backward(self, q_rows: torch.Tensor, dsums: torch.Tensor, dq: torch.Tensor, dd: torch.Tensor) -> None:
+        """Add the kernel's gradients of the kept sums given ``dsums`` to ``dq`` and ``dd``."""
+        q, d, sums = self.graph
+        self.graph = None
+        # allow_unused: a block of documents without tokens (or a kernel that skips them) reaches no input
+        gq, gd = torch.autograd.grad(sums, (q, d), dsums.masked_fill(self.empty, 0.0), allow_unused=True)
+        if gq is not None:
+            dq += gq.float()
+        if gd is not None:
+            dd[self.t0 : self.t1] += gd.float()
+
+
+def fused_tiles(queries: RaggedTokens, documents: RaggedTokens, tiles: Tiles) -> tuple[list, list]:
+    """How a fused kernel's blocks are cut: ``(query tiles, document chunks)``, each a list of ``(first
+    row, end row)``. A query tile holds whole queries whose count times the longest of them is at most
+    ``tiles.query_tokens`` (the kernel keeps an argmax per (query, document, query position)); a document
+    chunk whole documents, at most ``tiles.document_rows`` of them and ``tiles.document_tokens`` tokens
+    (a longer query or document alone)."""
+
+    q_off, d_off = queries.offsets, documents.offsets
+    query, begin = [], 0
+    while begin < queries.rows:  # whole queries: rows x the longest of them within query_tokens
+        end, longest = begin + 1, q_off[begin + 1] - q_off[begin]
+        while end < queries.rows:
+            wider = max(longest, q_off[end + 1] - q_off[end])
+            if (end + 1 - begin) * wider > tiles.query_tokens:
+                break
+            end, longest = end + 1, wider
+        query.append((begin, end))
+        begin = end
+    document, begin = [], 0
+    while begin < documents.rows:  # whole documents: at most document_rows of them and document_tokens
+        end = begin + 1
+        while end < documents.rows and end + 1 - begin <= tiles.document_rows:
+            if d_off[end + 1] - d_off[begin] > tiles.document_tokens:
+                break
+            end += 1
+        document.append((begin, end))
+        begin = end
+    return query, document
+
+
+def _blocks(queries: RaggedTokens, documents: RaggedTokens, tiles: Tiles, kernel=None):
+    """Each query tile ``(r0, r1, a0, a1, token rows, blocks)``; ``blocks`` yields its (query tile,
+    document chunk) blocks one at a time: tiled :class:`_Chunk` s, or :class:`FusedBlock` s with a
+    ``kernel`` (cut by :func:`fused_tiles`)."""
+    if kernel is None:
+        yield from _query_tiles(queries, documents, tiles)
+        return
+    q_tiles, d_chunks = fused_tiles(queries, documents, tiles)
+    for r0, r1 in q_tiles:
+        a0, a1 = queries.offsets[r0], queries.offsets[r1]
+        q = queries.values[a0:a1]
+        rows = _row_ids(queries.offsets, r0, r1, q.device)
+        local = [o - a0 for o in queries.offsets[r0 : r1 + 1]]
+        blocks = (FusedBlock(kernel, q, local, documents, j0, j1) for j0, j1 in d_chunks)
+        yield r0, r1, a0, a1, rows, blocks
 
 
 def _query_tiles(queries: RaggedTokens, documents: RaggedTokens, tiles: Tiles):
@@ -255,60 +379,56 @@ class _MaxSimInfoNCE(torch.autograd.Function):
     """InfoNCE over tiled MaxSim scores; see :func:`maxsim_infonce`."""
 
     @staticmethod
-    def forward(ctx, q_values, d_values, q_offsets, d_offsets, labels, scale, length_normalize, tiles, divisor):
+    def forward(ctx, q_values, d_values, q_offsets, d_offsets, labels, scale, length_normalize, tiles, divisor, kernel):
         queries, documents = RaggedTokens(q_values, q_offsets), RaggedTokens(d_values, d_offsets)
         device = q_values.device
         counts = _token_counts(queries, device) if length_normalize else None
         lse = torch.empty(queries.rows, device=device)
         positive = torch.empty(queries.rows, device=device)
-        for r0, r1, _a0, _a1, rows, chunks in _query_tiles(queries, documents, tiles):
+        for r0, r1, _a0, _a1, rows, blocks in _blocks(queries, documents, tiles, kernel):
             n = r1 - r0
             top = torch.full((n,), float("-inf"), device=device)
             total = torch.zeros(n, device=device)
             label = labels[r0:r1]
             divide = counts[r0:r1] if counts is not None else None
-            for chunk in chunks:
-                logits = scale * chunk.scores(chunk.running_max(), rows, n, divide)
-                chunk.release()
+            for block in blocks:
+                logits = scale * finish_scores(block.block_sums(rows, n), block.empty, divide)
                 new_top = torch.maximum(top, logits.max(dim=1).values)
                 total = total * torch.exp(top - new_top) + torch.exp(logits - new_top[:, None]).sum(dim=1)
                 top = new_top
-                inside = (label >= chunk.j0) & (label < chunk.j1)
-                local = (label - chunk.j0).clamp(0, chunk.j1 - chunk.j0 - 1)
+                inside = (label >= block.j0) & (label < block.j1)
+                local = (label - block.j0).clamp(0, block.j1 - block.j0 - 1)
                 positive[r0:r1] = torch.where(inside, logits.gather(1, local[:, None])[:, 0], positive[r0:r1])
             lse[r0:r1] = top + torch.log(total)
         ctx.save_for_backward(q_values, d_values, labels, lse)
-        ctx.setup = (q_offsets, d_offsets, scale, length_normalize, tiles, divisor)
+        ctx.setup = (q_offsets, d_offsets, scale, length_normalize, tiles, divisor, kernel)
         return (lse - positive).sum() / divisor
 
     @staticmethod
     def backward(ctx, grad):
         q_values, d_values, labels, lse = ctx.saved_tensors
-        q_offsets, d_offsets, scale, length_normalize, tiles, divisor = ctx.setup
+        q_offsets, d_offsets, scale, length_normalize, tiles, divisor, kernel = ctx.setup
         queries, documents = RaggedTokens(q_values, q_offsets), RaggedTokens(d_values, d_offsets)
         device = q_values.device
         dq = torch.zeros(q_values.shape, dtype=torch.float32, device=device)
         dd = torch.zeros(d_values.shape, dtype=torch.float32, device=device)
         counts = _token_counts(queries, device) if length_normalize else None
         weight = grad.float() / divisor
-        for r0, r1, a0, a1, rows, chunks in _query_tiles(queries, documents, tiles):
+        for r0, r1, a0, a1, rows, blocks in _blocks(queries, documents, tiles, kernel):
             n = r1 - r0
             label = labels[r0:r1]
             divide = counts[r0:r1] if counts is not None else None
-            for chunk in chunks:
-                rmax = chunk.running_max()
-                logits = scale * chunk.scores(rmax, rows, n, divide)
+            for block in blocks:
+                logits = scale * finish_scores(block.block_sums(rows, n, for_backward=True), block.empty, divide)
                 dlogits = torch.exp(logits - lse[r0:r1, None])
-                inside = (label >= chunk.j0) & (label < chunk.j1)
-                local = (label - chunk.j0).clamp(0, chunk.j1 - chunk.j0 - 1)
+                inside = (label >= block.j0) & (label < block.j1)
+                local = (label - block.j0).clamp(0, block.j1 - block.j0 - 1)
                 dlogits.scatter_add_(1, local[:, None], -inside.float()[:, None])
-                dscores = (dlogits * (weight * scale)).masked_fill(chunk.empty, 0.0)
+                dsums = (dlogits * (weight * scale)).masked_fill(block.empty, 0.0)
                 if divide is not None:
-                    dscores = dscores / divide[:, None]
-                dmax = dscores[rows].masked_fill(chunk.empty, 0.0)
-                chunk.backward(rmax, dmax, dq[a0:a1], dd)
-                chunk.release()
-        return dq.to(q_values.dtype), dd.to(d_values.dtype), None, None, None, None, None, None, None
+                    dsums = dsums / divide[:, None]
+                block.block_backward(rows, dsums, dq[a0:a1], dd)
+        return dq.to(q_values.dtype), dd.to(d_values.dtype), None, None, None, None, None, None, None, None
 
 
 def maxsim_infonce(
@@ -319,6 +439,7 @@ def maxsim_infonce(
     length_normalize: bool = False,
     tiles: Tiles = Tiles(),
     divisor: int | None = None,
+    kernel=None,
 ) -> torch.Tensor:
     """InfoNCE of each query against every document by MaxSim, summed and divided by ``divisor``.
 
@@ -336,6 +457,8 @@ def maxsim_infonce(
         length_normalize: MeanMaxSim (each score divided by its query's token count).
         tiles: the tile sizes (they change the memory, never the result beyond float rounding).
         divisor: what the summed loss is divided by (the local batch's rows); default the query count.
+        kernel: a fused MaxSim kernel (:class:`cembed.model.maxsim_kernel.FusedMaxSim`) that scores each
+            block of :func:`fused_tiles` in place of the tiled torch path; None (default): the tiled path.
 
     Raises:
         ValueError: ``labels`` is not one index per query, or an index is out of range.
@@ -354,4 +477,5 @@ def maxsim_infonce(
         bool(length_normalize),
         tiles,
         divisor if divisor is not None else max(queries.rows, 1),
+        kernel,
     )

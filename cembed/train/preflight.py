@@ -204,7 +204,9 @@ def check_writable_folders(cfg: CembedConfig) -> list[Finding]:
 
 
 def check_model(cfg: ModelConfig) -> list[Finding]:
-    """The position table against ``model.max_seq_length`` (or the model's own), and a pad token."""
+    """The position table against ``model.max_seq_length`` (or the model's own) and the kind's own
+    lengths (:meth:`cembed.config.model.ModelConfig.length_fields`: a multi-vector model's
+    ``query_length``, ``document_length``, ``query_expansion``), and a pad token."""
     try:
         base, own = transformer_folder(cfg)
         hf = read_json(model_file(base, "config.json", cfg.revision))
@@ -214,9 +216,9 @@ def check_model(cfg: ModelConfig) -> list[Finding]:
     kind, positions = hf.get("model_type"), hf.get("max_position_embeddings")
     absolute = kind in ABSOLUTE_POSITIONS or hf.get("position_embedding_type") == "absolute"
     length = cfg.max_seq_length or own
-    if absolute and isinstance(positions, int) and length:
+    if absolute and isinstance(positions, int):
         limit = positions - ((hf.get("pad_token_id") or 0) + 1 if kind in PADDING_OFFSET else 0)
-        if length > limit:
+        if length and length > limit:
             what = f"{length}" if cfg.max_seq_length else f"unset (the model's own {length})"
             findings.append(
                 Finding(
@@ -225,6 +227,15 @@ def check_model(cfg: ModelConfig) -> list[Finding]:
                     f"set model.max_seq_length to at most {limit}",
                 )
             )
+        findings += [
+            Finding(
+                field,
+                f"{tokens} is longer than the model's position table ({limit} positions, {kind}); "
+                f"set {field} to at most {limit}",
+            )
+            for field, tokens in cfg.length_fields().items()
+            if tokens > limit
+        ]
     if hf and not cfg.trust_remote_code:
         findings += _check_padding(base, cfg)
     return findings

@@ -24,6 +24,7 @@ the summary.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
@@ -43,6 +44,7 @@ from cembed.distributed.collectives import max_over_ranks
 from cembed.distributed.ddp import freeze_parameters, ignore_in_ddp, unused_parameters
 from cembed.distributed.fsdp import gathered_model, shard_layer_classes
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
+from cembed.distributed.launch import job_restart_count
 from cembed.errors import RunAbandoned, RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, display_path, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
@@ -61,11 +63,13 @@ from cembed.train.checkpoint import (
     check_output_dir,
     check_resume_point,
     checkpoint_progress,
+    later_checkpoints,
     latest_complete,
     recorded_run,
     remove_checkpoints,
     remove_incomplete,
     resolve_resume,
+    resume_on_restart,
     run_status,
 )
 from cembed.train.flops import build_flop_model
@@ -218,6 +222,7 @@ class RunDir:
     checkpoint: str | None
     record: dict | None = None
     resume_changes: tuple[str, ...] = ()
+    restarts: int = 0  # the job's restarts so far (cembed.distributed.launch.job_restart_count)
 
     @property
     def log_path(self) -> Path:
@@ -254,17 +259,30 @@ def prepare_output(
     check_output_dir(out, overwrite, continuing)
     checkpoint = resolve_resume(out, resume, resume_from)
     changes: list[str] = []
+    later: list[Path] = []
     if checkpoint:
         check_resume_point(checkpoint, max_steps, finished=run_status(Path(checkpoint).parent) == "completed")
         changes = check_resume(checkpoint, recorded_run(checkpoint), record) if record else []
+        later = later_checkpoints(out, checkpoint)
+        if later and not overwrite:
+            # Left beside this run's, a later --resume would take the newest of either continuation.
+            raise UserError(
+                f"--resume-from {display_path(checkpoint)}: train.output_dir also holds the later "
+                f"{', '.join(p.name for p in later)} of the run this one replaces from step "
+                f"{checkpoint_progress(checkpoint)[0]}; add --overwrite to remove them, or resume into another output_dir"
+            )
     run = RunDir(out, checkpoint, record, tuple(changes))
     if dist_info().is_main:
         out.mkdir(parents=True, exist_ok=True)
         remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
         if overwrite and not checkpoint:  # a fresh run replaces the folder's run, checkpoints included
             remove_checkpoints(out)
+        for replaced in later:  # --resume-from an earlier checkpoint with --overwrite: its later ones go
+            shutil.rmtree(replaced, ignore_errors=True)
         start = (
-            f"resume from {checkpoint}" + (f" with {'; '.join(changes)}" if changes else "")
+            f"resume from {checkpoint}"
+            + (f" with {'; '.join(changes)}" if changes else "")
+            + (f"; removed the later {', '.join(p.name for p in later)}" if later else "")
             if checkpoint
             else "fresh run"
         )
@@ -499,7 +517,9 @@ def build_trainer(
     display = display if display is not None else QuietRunDisplay()
     progress = display.progress(log, plan.samples_per_step)
     log_path = run_dir.log_path if is_main else None
-    trainer.add_callback(RunLogCallback(log, plan.samples_per_step, log_path, display.log_line, trainer.step_loss))
+    trainer.add_callback(
+        RunLogCallback(log, plan.samples_per_step, log_path, display.log_line, trainer.step_loss, parts.loss.notes)
+    )
     if progress is not None:
         trainer.add_callback(progress)
     interrupt = InterruptCallback()
@@ -603,9 +623,15 @@ def train(run: Run, run_dir: RunDir, base: dict, evaluation=None):
             if ended:  # the trained run's end does not fit in the grace: --resume does it
                 raise run.end.stopped(FINAL_SAVE)
             err = RunInterrupted(interrupt.signum, state.global_step, trainer.last_checkpoint)
+            step_losses = trainer.step_losses()  # on every rank (reduced when training ended: no collective left)
             if is_main:
                 append_log(run_dir.log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
-                stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
+                stopped = {
+                    "status": "interrupted",
+                    "steps": state.global_step,
+                    "checkpoint": trainer.last_checkpoint,
+                    "step_losses": step_losses,
+                }
                 write_json_atomic(run_dir.summary_path, {**base, **stopped})
             raise err
     if state.global_step == 0 and trainer.streaming:
@@ -691,6 +717,8 @@ def write_summary(
         "losses": log.losses,
         "step_losses": trainer.step_losses(),  # every optimizer step's loss, the global step's (over all ranks)
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
+        # what the loss chose as it ran (a MaxSim kernel, or why not)
+        "loss_notes": list(trainer.built_loss.notes) if trainer.built_loss is not None else [],
         "throughput": trainer.meter.totals(),
         "lora": lora,
         "throughput_per_interval": trainer.meter.history,
@@ -725,7 +753,9 @@ def run_training(
     Args:
         display: what the run shows (probe, header, components, progress, evaluation lines;
             default :class:`QuietRunDisplay`, which shows nothing).
-        resume: continue from the newest complete checkpoint in ``train.output_dir``.
+        resume: continue from the newest complete checkpoint in ``train.output_dir``; an attempt that
+            torch's elastic agent restarted (any rank's ``$TORCHELASTIC_RESTART_COUNT`` > 0) does
+            so without it, where such a checkpoint exists (:func:`cembed.train.checkpoint.resume_on_restart`).
         resume_from: continue from this checkpoint folder instead.
         overwrite: allow an ``output_dir`` that already holds a finished model.
         max_memory: memory budget for ``batch.mini_batch_size: auto`` (e.g. ``8GiB``).
@@ -744,6 +774,14 @@ def run_training(
     """
     display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
+    t = cfg.train
+    # An attempt that torch's elastic agent restarted after a failure continues from the newest
+    # complete checkpoint, as --resume does. The ranks decide together, in the process group (joined
+    # here, before the output folder is read): a node whose workers were healthy restarts them with
+    # a restart count of 0 (cembed.distributed.launch.job_restart_count).
+    init_distributed(plan.device, cfg.distributed.timeout_minutes)
+    restarts = job_restart_count()
+    resume, resume_from = resume_on_restart(t.output_dir, restarts, resume, resume_from)
     record = training_record(
         cfg,
         plan.samples_per_step,
@@ -753,8 +791,8 @@ def run_training(
         world_size=plan.world_size,
         contrast_rows=plan.contrast_rows,
     )
-    t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
+    run_dir.restarts = restarts
     frozen = freezes_unused(recorded_run(run_dir.checkpoint) if run_dir.checkpoint else None, plan.world_size)
     record["frozen_unused_parameters"] = frozen  # each checkpoint carries it on (its optimizer's parameters)
     findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))

@@ -239,6 +239,9 @@ NOT_RECORDED = (
     "loss.score_query_tokens",
     "loss.score_document_tokens",
     "loss.score_document_rows",
+    # and its kernel: a fused kernel is used only where it agrees with the tiled path (within a TF32 /
+    # bf16 matmul's rounding, as batch.unpad's packed rows agree with padded ones)
+    "loss.score_kernel",
     # columns declared not trained (dropped either way)
     "data.columns.ignore",
     "data.train.columns.ignore",

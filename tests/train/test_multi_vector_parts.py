@@ -56,6 +56,73 @@ def test_the_meter_counts_the_token_projection(model):
     assert (flops.layers, flops.attention_width) == (layers, width)
 
 
+QUERIES = ["a man on a bus", "two dogs", "the red car by the white one", "people"]
+DOCUMENTS = ["a man is riding the bus", "dogs playing in the park", "a red car", "people at the street with a dog"]
+
+
+def test_the_meter_counts_maxsim_scoring_as_estimate_does(model, monkeypatch):
+    """One cached_maxsim training step through the meter: its FLOPs are the encoder's (4 passes over the
+    real tokens, the projection in N) plus MaxSim's counted by hand, 4 passes (forward, the backward's
+    recompute, its two products) x 2 D x every scored query token x every scored document token; and
+    :func:`cembed.train.flops.scoring_flops`, which ``estimate`` calls, is the same count."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import cembed.train.meter as meter_module
+    from cembed.train.meter import ThroughputMeter
+
+    built = build_loss(model, loss_config(name="cached_maxsim"), 2)
+    flops = build_flop_model(model, cached=True, precision="fp32", device="cpu")
+    features = [model.preprocess(QUERIES, task="query"), model.preprocess(DOCUMENTS, task="document")]
+    with torch.no_grad():  # the scored tokens (the scoring mask the model writes), by hand
+        scored = [int(model(dict(f), task=t)["attention_mask"].sum()) for f, t in zip(features, ("query", "document"))]
+    lengths = [n for f in features for n in f["attention_mask"].sum(dim=1).tolist()]
+    now = [100.0]
+    monkeypatch.setattr(meter_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    meter = ThroughputMeter(built.token_counts, flops)
+    meter.start()
+    built.module([dict(f) for f in features], None).backward()
+    now[0] = 110.0
+    stats = meter.snapshot(step=1)
+    n, layers, width = flops.non_embedding_params, flops.layers, flops.attention_width
+    encoder = 4 * (2 * n * sum(lengths) + 4 * layers * width * sum(x * x for x in lengths))
+    maxsim = 4 * 2 * 16 * scored[0] * scored[1]
+    assert stats["flops_per_s"] == pytest.approx((encoder + maxsim) / 10, rel=1e-9)
+    assert maxsim > 1e-3 * encoder  # far above the tolerance: a meter without it fails
+    from cembed.train.flops import scoring_flops
+
+    assert scoring_flops(model, scored[0], scored[1]) == maxsim
+    assert meter.totals()["flop_model"]["scoring_flops_per_pair"] == 4 * 2 * 16
+
+
+def test_estimate_counts_maxsim_with_the_meters_formula(tiny_model_dir, write_config, pairs_file, tmp_path):
+    """``cembed estimate``'s MaxSim FLOPs per step, by hand: 4 passes x 2 D x (8 queries x their mean
+    tokens) x (8 documents x their mean tokens), the tokens as the model's own preprocess gives them."""
+    from conftest import distinct_pairs
+
+    rows = distinct_pairs(16)
+    path = write_config(
+        {
+            "model": {"kind": "multi_vector", "name_or_path": str(tiny_model_dir), "device": "cpu", "dim": 16},
+            "data": {"train": str(pairs_file(rows)), "cache_dir": str(tmp_path / "cache")},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+            "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1},
+        }
+    )
+    out = tmp_path / "estimate.json"
+    r = CliRunner().invoke(app, ["estimate", str(path), "--gpu", "A100", "--mfu", "0.5", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    built = load_model(model_config(kind="multi_vector", name_or_path=str(tiny_model_dir), dim=16), "cpu")
+    mean = {
+        column: float(built.preprocess([r[column] for r in rows], task=task)["attention_mask"].sum()) / len(rows)
+        for column, task in (("anchor", "query"), ("positive", "document"))
+    }
+    by_hand = 4 * 2 * 16 * (8 * mean["anchor"]) * (8 * mean["positive"])
+    assert report["scoring_flops_per_step"]["value"] == pytest.approx(by_hand, rel=1e-12)
+
+
 def test_estimate_adds_maxsim_flops_to_the_step():
     stats = est.TokenStats(8, 30.0, 600.0, {}, 0.0, {"anchor": 10.0, "positive": 20.0})
     base = est.estimate_run(stats, 8, 4, 4, (100, 2, 32, 4), est.Rate(1e9, "x"), 1)

@@ -59,6 +59,7 @@ SAFE = {
     "loss.score_query_tokens",
     "loss.score_document_tokens",
     "loss.score_document_rows",
+    "loss.score_kernel",
     "data.columns.ignore",
     "data.train.columns.ignore",
 }

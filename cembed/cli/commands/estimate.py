@@ -157,20 +157,22 @@ def _loss_stage(cfg, plan, model, kind, stats, columns: list[str], path, precisi
     quantity an :func:`cembed.train.estimate.number`; the cache in the target's ``precision``."""
     from cembed.plan.precision import torch_dtype
     from cembed.train import estimate as est
+    from cembed.train.flops import SCORING_PASSES, scoring_flops
 
     rows = plan.per_device_train_batch_size
     means = [stats.mean_by_column.get(c, 0.0) for c in columns]
     layout = kind.token_layout(model, 0)
     query = float(layout.expansion.length) if layout is not None and layout.expansion is not None else means[0]
     gathered = plan.world_size if plan.gather_across_devices else 1
-    forward = kind.scoring_flops(model, rows * query, gathered * rows * sum(means[1:]))
+    per_device = scoring_flops(model, rows * query, gathered * rows * sum(means[1:]))  # the meter's formula
     scoring = None
-    if forward:
+    if per_device:
         scoring = (
-            forward * path.passes * plan.world_size * plan.gradient_accumulation_steps,
-            f"{path.passes} passes x {plan.world_size} devices x {plan.gradient_accumulation_steps} accumulation x "
-            f"{forward:.4g} (a device's {rows} queries x {query:.1f} tokens against {gathered} x {rows} rows x "
-            f"{sum(means[1:]):.1f} document tokens)",
+            per_device * plan.world_size * plan.gradient_accumulation_steps,
+            f"{plan.world_size} devices x {plan.gradient_accumulation_steps} accumulation x {per_device:.4g} "
+            f"({SCORING_PASSES} passes: forward, the backward's recompute and its two products; a device's "
+            f"{rows} queries x {query:.1f} tokens against {gathered} x {rows} rows x {sum(means[1:]):.1f} "
+            "document tokens)",
         )
     element = torch_dtype(precision).itemsize  # the cache is in the run's precision (the target's)
     per_row = kind.cache_bytes_per_row(model, round(query), element)

@@ -94,7 +94,13 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
             "rows_checked": truncation.columns[0].rows if truncation.columns else 0,
             "stored_ids": truncation.stored_ids,
             "columns": [
-                {"column": c.column, "source": c.source, "truncated": c.truncated, "max_tokens": c.max_tokens}
+                {
+                    "column": c.column,
+                    "source": c.source,
+                    "truncated": c.truncated,
+                    "max_tokens": c.max_tokens,
+                    "limit": c.limit or truncation.max_seq_length,  # where this column is cut
+                }
                 for c in truncation.columns
             ],
         }
@@ -289,7 +295,9 @@ def _truncation_line(t: dict) -> str:
     rows = t["rows_checked"]
     cols = ", ".join(
         f"{c['column']} {c['truncated']} ({100 * c['truncated'] / rows if rows else 0:.1f}%; longest "
-        f"{c['max_tokens']} tokens)"
+        f"{c['max_tokens']} tokens"
+        + (f"; cut at {c['limit']} tokens" if c.get("limit", t["max_seq_length"]) != t["max_seq_length"] else "")
+        + ")"
         for c in t["columns"]
     )
     if t.get("stored_ids"):  # a prepared source: its ids are already cut; the texts' lengths are unknown

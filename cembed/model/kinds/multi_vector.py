@@ -199,8 +199,11 @@ class MultiVectorKind(ModelKind):
         return model.get_embedding_dimension()
 
     def head_flops_per_token(self, model) -> float:
-        projection = _projection(model)
-        return 2.0 * projection.in_features * projection.out_features if projection is not None else 0.0
+        # Every Dense module acts per token (a dense model's head may have several, all kept at token
+        # level): 2 x in x out each.
+        from sentence_transformers.base.modules.dense import Dense
+
+        return sum(2.0 * m.in_features * m.out_features for m in model if isinstance(m, Dense))
 
     def scoring_flops(self, model, query_tokens: float, document_tokens: float) -> float:
         # MaxSim: one dot product of dim numbers per (query token, document token) pair.

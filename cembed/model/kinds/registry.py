@@ -178,7 +178,9 @@ class ModelKind:
     def scoring_flops(self, model, query_tokens: float, document_tokens: float) -> float:
         """Forward FLOPs of scoring ``query_tokens`` query tokens against ``document_tokens`` document
         tokens (every candidate a rank scores), beyond the encoder; default 0 (one dot product per
-        (query, document) pair is negligible next to the encoder)."""
+        (query, document) pair is negligible next to the encoder). Bilinear in the two counts: the meter
+        multiplies its value at one pair by the pairs a step scored (:func:`cembed.train.flops.scoring_flops`
+        adds the backward's passes)."""
         return 0.0
 
     def cache_bytes_per_row(self, model, tokens: int, element_bytes: int) -> int:
