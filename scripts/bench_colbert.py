@@ -111,7 +111,7 @@ def batches(model, data: dict[str, list[str]], cache: Path) -> dict[str, list[di
 
     roles = ["anchor", "positive"]
     ds = Dataset.from_dict(data)
-    lengths, expansions = column_layouts(model, roles)
+    lengths, expansions, _ = column_layouts(model, roles)
     ids = pretokenize(ds, roles, model.tokenizer, model.max_seq_length, cache, role_lengths=lengths).dataset
     ours = collator_for(model, roles, expansions=expansions)(TokenIdRows(ids, roles).__getitems__(list(range(len(ds)))))
     stock = MultiVectorEncoderDataCollator(preprocess_fn=model.preprocess)([ds[i] for i in range(len(ds))])

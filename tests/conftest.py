@@ -31,6 +31,15 @@ WORDS = (
 ).split()
 
 
+def tiny_tokenizer():
+    """A WordPiece tokenizer over ``WORDS``, single characters and ``##`` characters (about 120 tokens)."""
+    from transformers import BertTokenizerFast
+
+    chars = list(string.ascii_lowercase + string.digits + ".,'!?-")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + WORDS
+    return BertTokenizerFast(vocab={t: i for i, t in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+
+
 def make_tiny_model(
     path: Path, dropout: float = 0.0, seed: int = 0, hidden: int = 32, layers: int = 1, positions: int = 256
 ) -> Path:
@@ -39,14 +48,12 @@ def make_tiny_model(
     import torch
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.models import Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel
 
     path = Path(path)
     hf_dir = path / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)
-    chars = list(string.ascii_lowercase + string.digits + ".,'!?-")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars] + WORDS
-    tokenizer = BertTokenizerFast(vocab={t: i for i, t in enumerate(dict.fromkeys(vocab))}, do_lower_case=True)
+    tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(hf_dir)
     torch.manual_seed(seed)
     config = BertConfig(
@@ -346,6 +353,48 @@ def rel_diff(a, b):
     import torch
 
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+def make_tiny_splade(
+    path: Path,
+    activation: str = "relu",
+    width: int | None = None,
+    bias: float = 0.0,
+    seed: int = 0,
+    dropout: float = 0.0,
+):
+    """A random SPLADE ``SparseEncoder`` (a 1-layer, hidden-32 ``BertForMaskedLM`` as sentence-transformers 6.3
+    builds it: ``Transformer(transformer_task="fill-mask")`` + ``SpladePooling("max", activation)``), its
+    files under ``path``. ``width``: the MLM vocabulary (the embedding's width; default the tokenizer's
+    size, larger widths only add never-typed tokens); ``bias`` is added to the MLM head's output bias,
+    which sets how many coordinates are active (negative: sparser)."""
+    import torch
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+    from transformers import BertConfig, BertForMaskedLM
+
+    hf_dir = Path(path) / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(hf_dir)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=width or len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    mlm = BertForMaskedLM(config)
+    with torch.no_grad():
+        mlm.cls.predictions.bias.add_(bias)
+    mlm.save_pretrained(hf_dir)
+    transformer = Transformer(str(hf_dir), transformer_task="fill-mask", max_seq_length=32)
+    return SparseEncoder(modules=[transformer, SpladePooling("max", activation_function=activation)], device="cpu")
 
 
 # A training run that receives a real SIGTERM at the end of step 3 (tests/train, tests/model).

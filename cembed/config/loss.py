@@ -89,6 +89,10 @@ class LossConfig(_Strict):
     gather_across_devices: bool | None = None
     matryoshka: MatryoshkaConfig | None = None  # also train truncated embeddings (any loss)
 
+    def describe(self) -> str | None:
+        """What ``validate`` adds to its loss line about how this loss trains (a few words), or None."""
+        return None
+
     def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str] | None:
         """The most bytes the loss's scoring holds at once, whatever the batch, for ``queries`` query rows of
         at most ``longest_query`` tokens (besides the cached embeddings and their gradients), and how it
@@ -288,6 +292,64 @@ class CachedMaxSimLossConfig(LossConfig):
         return self
 
 
+class CachedSpladeLossConfig(MNRLOptionsConfig):
+    """``cached_splade``: SPLADE's training loss for a sparse model (``model.kind: sparse``) with GradCache:
+    sentence-transformers' ``CachedSpladeLoss`` around ``SparseMultipleNegativesRankingLoss`` (InfoNCE on
+    dot products at ``scale``, default 1 as the library's; ``directions`` / ``partition_mode`` as
+    ``cached_mnrl``) plus the FLOPS regularizer (Paria et al. 2020, arXiv:2004.05665) on the documents
+    (``document_regularizer_weight``, lambda_d) and, with ``query_regularizer_weight`` (lambda_q), the queries;
+    a ``*_threshold`` leaves rows with at most that many active dimensions out of it (arXiv:2504.14839).
+    The weights ramp up from 0 over the first ``regularizer_warmup_ratio`` of the steps
+    (``regularizer_schedule``, sentence-transformers' ``SpladeRegularizerWeightSchedulerCallback``).
+
+    cembed's form (:class:`cembed.losses.cached_splade.SparseCachedSpladeLoss`): the cache keeps each row's
+    active coordinates only (exact), the score matrix is computed ``mini_batch_size`` anchors at a time, and
+    the FLOPS term is taken over the global batch (the same sparsity whatever the process count).
+    ``cache_form``: ``auto`` (sparse where it takes fewer bytes, per mini-batch), ``sparse`` or ``dense``."""
+
+    uses_gradient_cache: ClassVar[bool] = True
+    consumes: ClassVar[frozenset[str]] = frozenset({"sparse_vector"})
+
+    name: Literal["cached_splade"] = "cached_splade"
+    scale: PositiveFloat = 1.0
+    document_regularizer_weight: NonNegativeFloat = 3e-5
+    query_regularizer_weight: NonNegativeFloat | None = 5e-5
+    document_regularizer_threshold: PositiveInt | None = None
+    query_regularizer_threshold: PositiveInt | None = None
+    use_document_regularizer_only: bool = False
+    regularizer_warmup_ratio: float = Field(1 / 3, gt=0.0, le=1.0)
+    regularizer_schedule: Literal["quadratic", "linear"] = "quadratic"
+    cache_form: Literal["auto", "sparse", "dense"] = "auto"
+
+    def describe(self) -> str:
+        """The cache form, and the FLOPS regularizers' weights and warm-up."""
+        form = {
+            "auto": "each row's active coordinates (a mini-batch too dense for that kept dense)",
+            "sparse": "each row's active coordinates",
+            "dense": "dense rows",
+        }[self.cache_form]
+        weights = {"documents": self.document_regularizer_weight}
+        if self.query_regularizer_weight is not None and not self.use_document_regularizer_only:
+            weights["queries"] = self.query_regularizer_weight
+        if not any(weights.values()):
+            return f"cache of {form}; no FLOPS regularizer (its weights are 0)"
+        shown = ", ".join(f"{k} {v:g}" for k, v in weights.items())
+        return (
+            f"cache of {form}; FLOPS over the global batch ({shown}), weights ramped from 0 over the first "
+            f"{self.regularizer_warmup_ratio:.0%} of the steps ({self.regularizer_schedule})"
+        )
+
+    @model_validator(mode="after")
+    def _splade_options(self) -> CachedSpladeLossConfig:
+        if self.hardness_mode is not None:
+            raise ValueError("hardness_mode is not an option of cached_splade")
+        if self.matryoshka is not None:
+            raise ValueError("matryoshka is not an option of cached_splade (a sparse vector is not truncated)")
+        if self.query_regularizer_threshold is not None and self.query_regularizer_weight is None:
+            raise ValueError("query_regularizer_threshold needs query_regularizer_weight (queries are not regularized)")
+        return self
+
+
 # name -> LossConfig subclass; `loss.name` in a config picks one.
 LOSS_CONFIGS: dict[str, type[LossConfig]] = {}
 
@@ -324,3 +386,4 @@ register_loss_config(CachedMNRLLossConfig)
 register_loss_config(MNRLLossConfig)
 register_loss_config(CachedGISTLossConfig)
 register_loss_config(CachedMaxSimLossConfig)
+register_loss_config(CachedSpladeLossConfig)

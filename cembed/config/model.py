@@ -69,8 +69,8 @@ class ModelConfig(_Strict):
 
     kind: str = Field(
         DEFAULT_KIND,
-        description="what a text becomes: dense (one vector), multi_vector (one vector per token, late interaction) "
-        "or a kind a plugin registers",
+        description="what a text becomes: dense (one vector), multi_vector (one vector per token, late interaction), "
+        "sparse (one sparse vocabulary-wide vector: SPLADE, CSR) or a kind a plugin registers",
     )
     name_or_path: str = "all-MiniLM-L6-v2"  # a local folder, a hub id, or a packaged short name
     max_seq_length: PositiveInt | None = None  # tokens per text; longer texts are truncated (None: the model's)
@@ -247,5 +247,69 @@ class MultiVectorModelConfig(ModelConfig):
         return self
 
 
+SPARSE_ARCHITECTURES = ("splade", "inference_free_splade", "csr")
+
+
+class SparseModelConfig(ModelConfig):
+    """``model.kind: sparse``: one vocabulary-wide (or dictionary-wide) sparse vector per text, scored by
+    dot product, a sentence-transformers ``SparseEncoder``. A ``SparseEncoder`` folder is loaded as it is;
+    any other model is built as `architecture` says:
+
+    * ``splade`` (SPLADE, Formal et al. 2021, arXiv:2109.10086): a masked-language model's logits, pooled
+      per text by ``max`` (or ``sum``) of ``log1p(relu(logit))`` (`splade_pooling`, `splade_activation`), as
+      ``SparseEncoder(path)`` builds it from a ``...ForMaskedLM`` checkpoint;
+    * ``inference_free_splade``: SPLADE for documents and, for queries, a static weight per vocabulary token
+      (sentence-transformers' ``Router`` + ``SparseStaticEmbedding``): a query costs a look-up;
+    * ``csr`` (Contrastive Sparse Representation, Wen et al. 2025, arXiv:2503.01776): a dense model's
+      embedding through a new top-`csr_k` sparse autoencoder (``SparseAutoEncoder``), as
+      ``SparseEncoder(path)`` builds it from a ``SentenceTransformer`` or a non-MLM checkpoint.
+
+    Unset `architecture`: as sentence-transformers decides (``splade`` from a masked-language checkpoint,
+    else ``csr``)."""
+
+    output: ClassVar[str] = "sparse_vector"
+    similarity: ClassVar[str] = "dot"
+    default_loss: ClassVar[str] = "cached_splade"
+    model_types: ClassVar[tuple[str, ...]] = ("SparseEncoder", "SentenceTransformer")
+    not_options: ClassVar[dict[str, str]] = {
+        "model.pooling": "a sparse model pools by SPLADE (model.splade_pooling) or a sparse autoencoder",
+        "eval.sts": "STS scores dense vectors by cosine; evaluate a sparse model by retrieval (eval.retrieval)",
+    }
+
+    kind: Literal["sparse"] = "sparse"
+    architecture: Literal["splade", "inference_free_splade", "csr"] | None = Field(
+        None,
+        description="what to build from a model that is not a SparseEncoder: splade, inference_free_splade or csr "
+        "(unset: splade from a masked-language checkpoint, else csr); a SparseEncoder folder keeps its own",
+    )
+    splade_pooling: Literal["max", "sum"] = Field("max", description="SPLADE's pooling over a text's tokens")
+    splade_activation: Literal["relu", "log1p_relu"] = Field(
+        "relu", description="log1p(relu(logit)) (relu) or log1p applied once more (log1p_relu, OpenSearch's)"
+    )
+    csr_k: PositiveInt | None = Field(
+        None, description="active dimensions per text of a new CSR autoencoder (unset: sentence-transformers' choice)"
+    )
+    csr_hidden_dim: PositiveInt | None = Field(
+        None, description="dimensions of a new CSR autoencoder (unset: 4 x the dense embedding's)"
+    )
+
+    @model_validator(mode="after")
+    def _architecture_options(self) -> SparseModelConfig:
+        set_ = self.model_fields_set
+        splade = {"splade_pooling", "splade_activation"} & set_
+        csr = {"csr_k", "csr_hidden_dim"} & set_
+        if self.architecture == "csr" and splade:
+            raise ValueError(f"{', '.join(sorted(splade))}: not an option of architecture csr (SPLADE only)")
+        if self.architecture in ("splade", "inference_free_splade") and csr:
+            raise ValueError(f"{', '.join(sorted(csr))}: not an option of architecture {self.architecture} (csr only)")
+        if self.csr_k is not None and self.csr_hidden_dim is not None and 4 * self.csr_k > self.csr_hidden_dim:
+            raise ValueError(
+                f"csr_k ({self.csr_k}) x 4 exceeds csr_hidden_dim ({self.csr_hidden_dim}): the autoencoder's training "
+                "pass also takes the top 4k; keep csr_k <= csr_hidden_dim / 4"
+            )
+        return self
+
+
 register_model_config(DenseModelConfig)
 register_model_config(MultiVectorModelConfig)
+register_model_config(SparseModelConfig)

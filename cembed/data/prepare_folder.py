@@ -134,7 +134,7 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
     model = load_model(cfg.model, "cpu")
     roles = data.columns
     layouts = column_layouts(model, roles)
-    collator = collator_for(model, roles, expansions=layouts[1]) if layouts is not None else None
+    collator = collator_for(model, roles, expansions=layouts.expansions, strips=layouts.strips) if layouts else None
     if collator is None:
         raise UserError(
             f"model {cfg.model.name_or_path}: its inputs are more than token ids; a prepared source "
@@ -153,8 +153,8 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
     procs = resolve_num_proc(cfg.data.num_proc, len(rows))
     ids_dir.mkdir()
     groups = prompt_groups(len(rows), roles, prompts, lengths, None)
-    cut = role_lengths(layouts[0], int(model.max_seq_length))  # a multi-vector model's query / document lengths
-    lengths_by_role = layouts[0] if cut else model.max_seq_length
+    cut = role_lengths(layouts.lengths, int(model.max_seq_length))  # a multi-vector model's query / document lengths
+    lengths_by_role = layouts.lengths if cut else model.max_seq_length
     files = tokenize_into(rows, roles, model.tokenizer, lengths_by_role, ids_dir, groups, procs, progress)
     check_equivalence(model, collator, rows, ids_dir, files, prompts, cfg.model.name_or_path)
     src = data.sources[0] if data.sources else None

@@ -56,6 +56,33 @@ def fsdp_args(layer_classes: list[str]) -> dict:
     }
 
 
+def shard_layer_classes(auto_model) -> list[str]:
+    """The layer classes of a transformers model that FSDP2 can shard one unit each: its ``_no_split_modules``
+    (a head model's, e.g. ``BertForMaskedLM``, that has none: its base model's), less any class whose
+    modules hold a parameter tied to one outside them. ``fully_shard`` refuses a parameter shared by two
+    shard groups; a masked-language model ties its decoder to the word embeddings, so its
+    ``BertEmbeddings`` stays in the root unit with the decoder.
+
+    Returns:
+        Class names, in ``_no_split_modules`` order.
+    """
+    names = getattr(auto_model, "_no_split_modules", None)
+    if names is None:
+        names = getattr(getattr(auto_model, "base_model", None), "_no_split_modules", None)
+    owners: dict[int, set[str]] = {}  # parameter id -> the names it is reachable under
+    for name, param in auto_model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), set()).add(name)
+    tied_out = set()
+    for prefix, module in auto_model.named_modules():
+        if type(module).__name__ not in (names or []):
+            continue
+        inside = prefix + "."
+        for param in module.parameters():
+            if any(not n.startswith(inside) for n in owners.get(id(param), ())):
+                tied_out.add(type(module).__name__)
+    return [n for n in names or [] if n not in tied_out]
+
+
 def search_final_norm_in_backbone(model) -> None:
     """Have accelerate look for ``model``'s final norm inside its first module (the transformer).
 

@@ -3,8 +3,10 @@ sentence-transformers' own evaluators.
 
 * Retrieval: :class:`~cembed.eval.metrics.GradedIREvaluator` (sentence-transformers' evaluator, NDCG graded
   as pytrec_eval) with the similarity of the model's kind (``ModelConfig.similarity``): cosine for a
-  dense model, MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`; one factory per
-  similarity in :data:`RETRIEVAL_EVALUATORS`): NDCG@10, MRR@10, MAP@100, Recall@10, Recall@100 and others.
+  dense model, MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`), the dot product
+  of sparse vectors for a sparse one (:mod:`cembed.eval.sparse_retrieval`, which also reports the mean
+  active dimensions of queries and documents); one factory per similarity in :data:`RETRIEVAL_EVALUATORS`:
+  NDCG@10, MRR@10, MAP@100, Recall@10, Recall@100 and others.
 * STS: :class:`~sentence_transformers.sentence_transformer.evaluation.EmbeddingSimilarityEvaluator`; the
   headline is the Spearman correlation of cosine similarity with the gold scores (MTEB's STS main score).
 
@@ -30,6 +32,9 @@ RETRIEVAL_HEADLINE = (
     ("Recall@100", "cosine_recall@100"),
 )
 STS_HEADLINE = (("Spearman (cosine)", "spearman_cosine"), ("Pearson (cosine)", "pearson_cosine"))
+# Shown after a retrieval set's headline where its evaluator reports them (a sparse model's: the mean
+# non-zero coordinates of a query's and of a document's vector).
+ACTIVE_DIMS = (("active dims (queries)", "query_active_dims"), ("active dims (documents)", "corpus_active_dims"))
 
 
 def retrieval_headline(similarity: str = "cosine") -> tuple[tuple[str, str], ...]:
@@ -107,9 +112,15 @@ def retrieval_evaluator(
     )
 
 
+def _sparse_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False, prompts=None):
+    from cembed.eval.sparse_retrieval import SparseIREvaluator
+
+    return SparseIREvaluator(**_ir_arguments(rs, batch_size, write_csv, prompts))
+
+
 # similarity name (a model kind's ModelConfig.similarity) -> the factory of its retrieval evaluator, called
 # as factory(rs, batch_size, write_csv, prompts); cosine is retrieval_evaluator's own.
-RETRIEVAL_EVALUATORS = {"maxsim": _maxsim_evaluator}
+RETRIEVAL_EVALUATORS = {"maxsim": _maxsim_evaluator, "dot": _sparse_evaluator}
 
 
 def sts_evaluator(sts: StsSet, batch_size: int = 32, write_csv: bool = False):
@@ -168,6 +179,7 @@ def evaluate_sts(model, sts: StsSet, batch_size: int = 32) -> dict[str, float]:
 
 def headline(metrics: dict[str, float], name: str, kind: str, similarity: str = "cosine") -> dict[str, float]:
     """The few metrics shown for a set: label -> value (``kind`` is ``retrieval`` or ``sts``; ``similarity``
-    the retrieval metrics' score, :func:`retrieval_headline`)."""
-    rows = retrieval_headline(similarity) if kind == "retrieval" else STS_HEADLINE
+    the retrieval metrics' score, :func:`retrieval_headline`), with the :data:`ACTIVE_DIMS` where the
+    evaluator measured them."""
+    rows = (*retrieval_headline(similarity), *ACTIVE_DIMS) if kind == "retrieval" else STS_HEADLINE
     return {label: metrics[f"{name}_{suffix}"] for label, suffix in rows if f"{name}_{suffix}" in metrics}

@@ -1,5 +1,6 @@
 """The counters the throughput meter reads from a loss: token positions (real vs processed, kept on
-the device) and, for a false-negative filter, the candidates it masked.
+the device), for a false-negative filter the candidates it masked, and for a cached sparse loss what
+its cache held (:class:`SparseCounts`).
 
 The token counts are device tensors added to without a host read; :meth:`TokenCounts.read` turns
 them into numbers once per logging interval, so counting adds no host-device synchronisation per
@@ -8,7 +9,7 @@ mini-batch. :class:`FilterCounts` is filled by the guided losses of :mod:`cembed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +33,55 @@ class FilterCounts:
     def share(self) -> float | None:
         """``masked / candidates``, or None before any candidate was scored."""
         return self.masked / self.candidates if self.candidates else None
+
+
+@dataclass
+class SparseCounts:
+    """What a cached sparse loss (:mod:`cembed.losses.cached_splade`) cached since the last :meth:`reset`.
+
+    Per column (0: the anchors / queries, 1: the positives, then each negative column): rows embedded and
+    their non-zero coordinates; over all columns: the bytes the cache stored for them (values and
+    indices, :attr:`cembed.losses.sparse_rows.SparseRows.nbytes`; the cached gradient takes the values'
+    bytes again), and how many mini-batches were kept sparse or fell back to the dense form (rows too
+    dense for the sparse form to pay). Host integers: the loss reads each mini-batch's non-zero count
+    on the host anyway, to size its sparse form.
+    """
+
+    rows: dict[int, int] = field(default_factory=dict)
+    active: dict[int, int] = field(default_factory=dict)
+    stored_bytes: int = 0
+    sparse_minibatches: int = 0
+    dense_minibatches: int = 0
+
+    def reset(self) -> None:
+        self.rows, self.active = {}, {}
+        self.stored_bytes = self.sparse_minibatches = self.dense_minibatches = 0
+
+    def add(self, column: int, rows: int, active: int, nbytes: int, sparse: bool) -> None:
+        """Count one mini-batch of column ``column``: ``rows`` rows with ``active`` non-zero coordinates,
+        stored in ``nbytes`` bytes, sparse or dense."""
+        self.rows[column] = self.rows.get(column, 0) + rows
+        self.active[column] = self.active.get(column, 0) + active
+        self.stored_bytes += nbytes
+        if sparse:
+            self.sparse_minibatches += 1
+        else:
+            self.dense_minibatches += 1
+
+    def mean_active(self, column: int) -> float | None:
+        """Mean non-zero coordinates per row of ``column``, or None before any of its rows."""
+        rows = self.rows.get(column, 0)
+        return self.active[column] / rows if rows else None
+
+    def bytes_per_row(self) -> float | None:
+        """Cache bytes stored per row (all columns), or None before any row."""
+        rows = sum(self.rows.values())
+        return self.stored_bytes / rows if rows else None
+
+    def dense_share(self) -> float | None:
+        """The share of mini-batches that fell back to the dense form, or None before any."""
+        total = self.sparse_minibatches + self.dense_minibatches
+        return self.dense_minibatches / total if total else None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from sentence_transformers.base.losses.gradcache import _minibatch_ranges as _li
 from torch import nn
 
 from cembed.losses.counts import TokenCounts, count_tokens
+from cembed.losses.reps import TENSOR_ROWS, inverse_permutation
 from cembed.losses.token_budget import token_budget_ranges
 from cembed.model.unpad import PackRegistry, Unpadding, UnpadSetting, packed_encoder, resolve_unpad
 
@@ -111,6 +112,7 @@ class LengthSortedMixin:
         self.unpadding: Unpadding = resolve_unpad(self.model, unpad)
         self._packs = PackRegistry(self.unpadding)
         self._step = 0  # forwards so far: a step's release leaves a later step's state alone
+        self._cached_total = None  # the running forward's GradCache total (forward_cached)
         self._packed_runs = 0  # mini-batches embedded on packs (embed_minibatch_iter)
 
     def forward(self, sentence_features, labels):
@@ -138,6 +140,7 @@ class LengthSortedMixin:
                 processed = sum(p.processed for p in plans)
                 self.token_counts.add(sum(p.real for p in plans), processed, (lengths * lengths).sum())
         planned, self._packed_runs = self._packs.planned(), 0
+        self._cached_total = None
         try:
             loss = super().forward(features, labels)
         finally:
@@ -149,13 +152,24 @@ class LengthSortedMixin:
                 f"{self._packed_runs} ran on packs: its mini-batches reach the model without "
                 "LengthSortedMixin.embed_minibatch_iter"
             )
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        # The tensor the GradCache backward hook sits on: forward_cached's total (a loss that returns a dict
+        # of components, as SPLADE's, sums them around it), else the returned loss.
+        carrier = self._cached_total if self._cached_total is not None else loss
+        self._cached_total = None
+        if isinstance(carrier, torch.Tensor) and carrier.requires_grad:
             # The GradCache backward replays the plans: release them after it. This hook runs after
             # the library's backward hook on the same tensor (a tensor's hooks run in registration order).
-            loss.register_hook(lambda grad: self._release(step))
+            carrier.register_hook(lambda grad: self._release(step))
         else:  # no backward (evaluation): nothing replays this step
             self._release(step)
         return loss
+
+    def forward_cached(self, sentence_features, labels=None):
+        """The library's GradCache forward, its returned total remembered for :meth:`forward` (the tensor
+        whose backward hook replays the mini-batches)."""
+        total = super().forward_cached(sentence_features, labels)
+        self._cached_total = total
+        return total
 
     def _release(self, step: int) -> None:
         """Drop step ``step``'s packing plans (and the features they hold) and mini-batch ranges,
@@ -191,6 +205,29 @@ class LengthSortedMixin:
             sorted_features.append(take_rows(feature, order))
             self._inverse.append(inverse)
         return sorted_features
+
+    def column_ranges(self, feature: dict) -> list[tuple[int, int]]:
+        """The ``(begin, end)`` mini-batches of one column in this step: the token budget's (the same in the
+        no-grad pass and the replay) or ``mini_batch_size`` rows. A loss that runs its own GradCache steps
+        cuts its columns with this."""
+        return self._ranges(feature)
+
+    def to_original_order(self, index: int, column):
+        """Column ``index``'s whole cached rows (in the sorted order they were embedded in) in the original
+        row order, through the loss's ``row_ops`` (:mod:`cembed.losses.reps`); unchanged when the column
+        was not sorted."""
+        inverse = self._inverse[index] if index < len(self._inverse) else None
+        return column if inverse is None else self._row_ops().take(column, inverse)
+
+    def to_sorted_order(self, index: int, column):
+        """The inverse of :meth:`to_original_order`: rows in original order (e.g. the loss's gradient) back
+        in the sorted order of column ``index``'s mini-batches."""
+        inverse = self._inverse[index] if index < len(self._inverse) else None
+        return column if inverse is None else self._row_ops().take(column, inverse_permutation(inverse))
+
+    def _row_ops(self):
+        # A loss whose cached rows are not (rows, dim) tensors names its RowOps as `row_ops`.
+        return getattr(type(self), "row_ops", TENSOR_ROWS)
 
     def _ranges(self, feature: dict) -> list[tuple[int, int]]:
         """The mini-batches of one column: by ``token_budget`` (computed once per forward), else
@@ -276,6 +313,7 @@ class LengthSortedMixin:
                     f"column {index}: {rows} embeddings but a row order of {inv.numel()} rows; "
                     "calculate_loss reorders only the rows sort_rows sorted"
                 )
+        rows = TENSOR_ROWS  # the library's calculate_loss takes tensors
         leaves: list[torch.Tensor | None] = []
         ordered = []
         for col, inv in zip(reps, self._inverse):
@@ -284,7 +322,7 @@ class LengthSortedMixin:
                 ordered.append(col)
                 continue
             # leaf[j] = embedding of original row j = sorted row inv[j]
-            leaf = torch.cat([r.detach() for r in col]).index_select(0, inv.to(col[0].device))
+            leaf = rows.take(rows.cat([r.detach() for r in col]), inv)
             if with_backward:
                 leaf.requires_grad_()
             leaves.append(leaf)
@@ -294,8 +332,7 @@ class LengthSortedMixin:
             for col, inv, leaf in zip(reps, self._inverse, leaves):
                 if leaf is None or leaf.grad is None:
                     continue
-                grad_sorted = torch.empty_like(leaf.grad)
-                grad_sorted[inv.to(leaf.device)] = leaf.grad
-                for rep, grad in zip(col, grad_sorted.split([r.shape[0] for r in col])):
+                grad_sorted = rows.take(leaf.grad, inverse_permutation(inv.to(leaf.device)))
+                for rep, grad in zip(col, rows.split(grad_sorted, [r.shape[0] for r in col])):
                     rep.grad = grad if rep.grad is None else rep.grad + grad
         return loss

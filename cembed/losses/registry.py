@@ -12,7 +12,8 @@ The contract. A loss is three things, and nothing else in cembed names it:
   ``input_ids`` / ``attention_mask`` of shape ``(rows, seq_len)``, and it returns a scalar loss.
   The model turns a feature dict into ``sentence_embedding`` of shape ``(rows, dim)``. A module
   should carry ``token_counts`` (:class:`~cembed.losses.counts.TokenCounts`) for the throughput
-  meter. A module whose ``uses_gradient_cache`` is True must be a sentence-transformers
+  meter (a sparse cached loss also ``sparse_counts``, :class:`~cembed.losses.counts.SparseCounts`), and may
+  carry ``trainer_callbacks`` the trainer adds (a regularizer's warm-up). A module whose ``uses_gradient_cache`` is True must be a sentence-transformers
   ``CachedLossMixin`` loss (``embed_minibatch_iter``, ``calculate_loss``): the probe measures its memory
   with them, reaching it as :attr:`BuiltLoss.cached_module`;
 * one :func:`register_loss` call, in the loss's own module. :func:`build_loss` then returns a
@@ -33,7 +34,7 @@ from sentence_transformers.base.losses.gradcache import uses_gradient_cache
 from torch import nn
 
 from cembed.config.loss import LossConfig, register_loss_config
-from cembed.losses.counts import FilterCounts, TokenCounts
+from cembed.losses.counts import FilterCounts, SparseCounts, TokenCounts
 from cembed.losses.matryoshka import CountingMatryoshkaLoss
 from cembed.model.unpad import Unpadding, UnpadSetting
 
@@ -93,6 +94,9 @@ class BuiltLoss:
         cached_module: for a cached loss, the ``CachedLossMixin`` module whose ``embed_minibatch_iter``
             and ``calculate_loss`` run the mini-batches: the builder's module, which a
             ``loss.matryoshka`` wrapper (``module``) holds inside; None for a plain loss.
+        sparse_counts: what a sparse model's cached loss stored (its ``sparse_counts``), for the meter.
+        callbacks: trainer callbacks the loss needs (its ``trainer_callbacks``: e.g. SPLADE's
+            regularizer-weight warm-up), added to the trainer's.
         notes: lines the module writes for the run's log while it trains (e.g. the MaxSim scoring path
             it chose on the first batch): the builder's module's ``notes`` list itself, so the trainer
             sees each line as it is added; empty for a module without one.
@@ -105,6 +109,8 @@ class BuiltLoss:
     unpadding: Unpadding = Unpadding(False, "padded (the loss embeds whole columns)")
     settings: LossSettings | None = None
     cached_module: nn.Module | None = None
+    sparse_counts: SparseCounts | None = None
+    callbacks: tuple = ()
     notes: list[str] = field(default_factory=list)
 
     def collective_facts(self) -> dict[str, object]:
@@ -187,6 +193,7 @@ def build_loss(
         token_counts = TokenCounts()
     filter_counts = getattr(module, "filter_counts", None)
     unpadding = getattr(module, "unpadding", None)
+    sparse_counts = getattr(inner, "sparse_counts", None)
     notes = getattr(inner, "notes", None)
     return BuiltLoss(
         module,
@@ -196,5 +203,7 @@ def build_loss(
         unpadding if isinstance(unpadding, Unpadding) else BuiltLoss.unpadding,
         settings,
         inner if cached else None,
+        sparse_counts if isinstance(sparse_counts, SparseCounts) else None,
+        tuple(getattr(inner, "trainer_callbacks", ())),
         notes if isinstance(notes, list) else [],
     )

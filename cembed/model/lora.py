@@ -38,13 +38,16 @@ def _peft():
 
 
 def backbone_holder(model):
-    """The sentence-transformers Transformer module of ``model`` (its first module)."""
-    return model[0]
+    """The sentence-transformers Transformer module of ``model``: its kind's encoder module (the first
+    module; an inference-free sparse model's document-side transformer)."""
+    from cembed.model.kinds.lookup import kind_of
+
+    return kind_of(model, default="dense").encoder_module(model)
 
 
 def is_lora(model) -> bool:
     """Whether ``model``'s backbone is wrapped with LoRA adapters by :func:`apply_lora`."""
-    return type(backbone_holder(model).model).__name__.startswith("Peft")
+    return type(getattr(backbone_holder(model), "model", None)).__name__.startswith("Peft")
 
 
 # Module classes peft adapts that `all-linear` and the listing below name (transformers' GPT-2 Conv1D too).

@@ -34,6 +34,7 @@ SAMPLES: dict[str, tuple[str, str]] = {
 EXAMPLES: dict[str, str] = {
     "quickstart": "examples/quickstart.yaml",
     "colbert-quickstart": "examples/colbert-quickstart.yaml",
+    "splade-quickstart": "examples/splade-quickstart.yaml",
 }
 
 

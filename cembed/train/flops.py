@@ -158,13 +158,16 @@ class FlopModel:
 def encoder_shape(model) -> tuple[int, int, int]:
     """``(N, L, d)`` of a SentenceTransformer's (or a transformers model's) encoder.
 
-    ``N`` from ``num_parameters(exclude_embeddings=True)`` of the first module's ``auto_model``
+    ``N`` from ``num_parameters(exclude_embeddings=True)`` of the encoder module's ``auto_model`` (the model
+    kind's :meth:`~cembed.model.kinds.registry.ModelKind.encoder_module`, the first module)
     (else every parameter outside ``nn.Embedding`` modules); ``L`` and ``d`` from its config
     (``num_hidden_layers``, ``num_attention_heads`` x ``head_dim``, or ``hidden_size``), 0 when absent.
     """
+    from cembed.model.kinds.lookup import kind_of
+
     encoder = model
     try:
-        encoder = getattr(model[0], "auto_model", model)
+        encoder = getattr(kind_of(model, default="dense").encoder_module(model), "auto_model", model)
     except (TypeError, IndexError, KeyError):
         pass
     if hasattr(encoder, "num_parameters"):

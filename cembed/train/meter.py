@@ -17,6 +17,10 @@ reads them once per interval, so counting adds no host-device synchronisation pe
 
 - ``masked_share`` (with a false-negative filter, :class:`cembed.losses.counts.FilterCounts`): share
   of the in-batch candidates left out of the softmax as likely false negatives (summed over ranks).
+- with a sparse model's cached loss (:class:`cembed.losses.counts.SparseCounts`): ``active_dims_query`` and
+  ``active_dims_document``, the mean non-zero dimensions per row of the first column and of the others,
+  ``cache_bytes_per_row``, what the sparse cache stored per row (values and indices), and
+  ``dense_fallback_share``, the share of mini-batches too dense for the sparse form (over all ranks).
 
 With several processes (``gather``: one all-gather per logging interval, on every rank at the same
 step) the statistics are the job's: tokens/s summed over the ranks (each rank's tokens over its
@@ -33,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from cembed.files import write_atomic
-from cembed.losses.counts import FilterCounts, TokenCounts
+from cembed.losses.counts import FilterCounts, SparseCounts, TokenCounts
 from cembed.train.flops import FlopModel
 
 
@@ -80,6 +84,8 @@ class ThroughputMeter:
     flops: FlopModel | None = None
     gather: Callable[[list[float]], list[list[float]]] = _local
     filter_counts: FilterCounts | None = None  # the loss's false-negative filter counts, if it filters
+    sparse_counts: SparseCounts | None = None  # a sparse cached loss's cache counts
+    total_sparse: list[float] = field(default_factory=lambda: [0.0] * 7)
     total_masked: int = 0
     total_candidates: int = 0
     history: list[dict] = field(default_factory=list)
@@ -100,6 +106,36 @@ class ThroughputMeter:
         self.token_counts.reset()
         if self.filter_counts is not None:
             self.filter_counts.reset()
+        if self.sparse_counts is not None:
+            self.sparse_counts.reset()
+
+    def _sparse_row(self) -> list[float]:
+        """This interval's sparse cache counts: query rows and dims, document rows and dims, bytes, sparse and
+        dense mini-batches."""
+        c = self.sparse_counts
+        documents = [k for k in c.rows if k > 0]
+        return [
+            c.rows.get(0, 0),
+            c.active.get(0, 0),
+            sum(c.rows[k] for k in documents),
+            sum(c.active[k] for k in documents),
+            c.stored_bytes,
+            c.sparse_minibatches,
+            c.dense_minibatches,
+        ]
+
+    def _sparse_stats(self, row: list[float]) -> dict:
+        """The sparse statistics (see the module docstring) of every rank's ``row`` (:meth:`_sparse_row`;
+        one gather), or ``{}`` without sparse counts."""
+        if self.sparse_counts is None:
+            return {}
+        q_rows, q_active, d_rows, d_active, stored, sparse, dense = (sum(v) for v in zip(*self.gather(row)))
+        return {
+            "active_dims_query": round(q_active / q_rows, 2) if q_rows else None,
+            "active_dims_document": round(d_active / d_rows, 2) if d_rows else None,
+            "cache_bytes_per_row": round(stored / (q_rows + d_rows), 1) if q_rows + d_rows else None,
+            "dense_fallback_share": round(dense / (sparse + dense), 6) if sparse + dense else None,
+        }
 
     def _masked_share(self, masked: int, candidates: int) -> dict:
         """``{"masked_share": ...}`` over every rank's candidates (one gather), or ``{}`` without a filter."""
@@ -130,6 +166,11 @@ class ThroughputMeter:
             self.total_masked += fc.masked
             self.total_candidates += fc.candidates
             fc.reset()
+        if self.sparse_counts is not None:
+            row = self._sparse_row()
+            stats.update(self._sparse_stats(row))
+            self.total_sparse = [a + b for a, b in zip(self.total_sparse, row)]
+            self.sparse_counts.reset()
         self.total_real += real
         self.total_processed += processed
         self.total_real_sq += real_sq
@@ -162,6 +203,8 @@ class ThroughputMeter:
             masked = self.total_masked + self.filter_counts.masked
             candidates = self.total_candidates + self.filter_counts.candidates
             out.update(self._masked_share(masked, candidates), masked=masked, candidates=candidates)
+        if self.sparse_counts is not None:
+            out.update(self._sparse_stats([a + b for a, b in zip(self.total_sparse, self._sparse_row())]))
         if len(rows) > 1:
             out["ranks"] = len(rows)
         else:

@@ -42,7 +42,7 @@ from cembed.data.rows import TrainingData, UnloadedData, card_datasets
 from cembed.data.tokens.tokenize import tokenize_stage
 from cembed.distributed.collectives import max_over_ranks
 from cembed.distributed.ddp import freeze_parameters, ignore_in_ddp, unused_parameters
-from cembed.distributed.fsdp import gathered_model
+from cembed.distributed.fsdp import gathered_model, shard_layer_classes
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
 from cembed.distributed.launch import job_restart_count
 from cembed.errors import RunAbandoned, RunFailed, RunInterrupted, UserError
@@ -73,7 +73,7 @@ from cembed.train.checkpoint import (
     run_status,
 )
 from cembed.train.flops import build_flop_model
-from cembed.train.kinds import trainer_for_kind
+from cembed.train.kinds import column_tasks, router_mapping, trainer_for_kind
 from cembed.train.meter import ThroughputMeter, plot_run
 from cembed.train.preflight import check_resume, freezes_unused, preflight, raise_findings, training_record
 from cembed.train.publish import (
@@ -392,7 +392,9 @@ def build_components(
     # unused-parameter search: they are frozen, or (a resume of a run begun on one process, whose
     # optimizer holds them) ignored by DDP (preflight.freezes_unused).
     outputs = kind_of(model, default="dense").text_outputs
-    unused = unused_parameters(model, data.sample_texts(), outputs=outputs) if freeze or plan.world_size > 1 else []
+    tasks = column_tasks(model, data.columns)  # each column down its own route (a Router's query side)
+    check = freeze or plan.world_size > 1
+    unused = unused_parameters(model, data.sample_texts(), tasks=tasks, outputs=outputs) if check else []
     if freeze:
         freeze_parameters(model, unused)
     elif plan.world_size > 1 and cfg.distributed.strategy == "ddp":
@@ -474,13 +476,14 @@ def build_trainer(
     from transformers.trainer_callback import PrinterCallback
 
     is_main = dist_info().is_main
-    layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
-    eval_args = parts.evaluation.training_args if parts.evaluation else None
     kind = kind_of(parts.model)
+    layers = shard_layer_classes(kind.encoder_module(parts.model).auto_model)  # FSDP's units
+    eval_args = parts.evaluation.training_args if parts.evaluation else None
     args = build_training_args(cfg, plan, eval_args, layers, parts.sources, kind.trainer_classes().training_args)
     trainer_cls = trainer_for_kind(trainer_cls, kind)  # the kind's model, arguments, collator and card classes
-    if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
+    if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts and routes
         args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
+        args.router_mapping = router_mapping(parts.model, parts.train_dataset.column_names) or args.router_mapping
         if parts.source_prompts is not None:  # its per-dataset form: source name -> column -> prompt
             names = list(parts.sources.names)
             args.prompts = {
@@ -494,7 +497,13 @@ def build_trainer(
         loss=parts.loss.module,
         data_collator=parts.collator,
         evaluator=parts.evaluation.evaluator if parts.evaluation else None,
-        meter=ThroughputMeter(parts.loss.token_counts, flops, filter_counts=parts.loss.filter_counts),
+        meter=ThroughputMeter(
+            parts.loss.token_counts,
+            flops,
+            filter_counts=parts.loss.filter_counts,
+            sparse_counts=parts.loss.sparse_counts,
+        ),
+        callbacks=list(parts.loss.callbacks),
         nonfinite_policy=cfg.train.nonfinite_loss,
         built_loss=parts.loss,
         card_dataset=parts.card_dataset,

@@ -585,6 +585,19 @@ class RunLog:
         return self.clock.samples_per_s(samples_per_step)
 
 
+def sparse_cache_text(stats: dict, sep: str = ", ") -> str:
+    """A sparse model's cache statistics of the meter (``active_dims_*``, ``cache_bytes_per_row``,
+    ``dense_fallback_share``) as text, ``""`` without them."""
+    if stats.get("cache_bytes_per_row") is None:
+        return ""
+    query, document = stats.get("active_dims_query"), stats.get("active_dims_document")
+    dims = "/".join("-" if v is None else f"{v:.0f}" for v in (query, document))
+    return (
+        f"{sep}active dims {dims} (query/document){sep}cache {stats['cache_bytes_per_row']:,.0f} B/row"
+        f"{sep}dense fallback {100 * (stats.get('dense_fallback_share') or 0):.0f}%"
+    )
+
+
 def interval_label(step: int, since: int | None) -> str:
     """What a logged loss is the mean of, for the line that shows it beside the progress bar's step
     loss: ``" (mean of steps 31-40)"`` when the interval since the last log (step ``since``) holds
@@ -612,6 +625,7 @@ def progress_line(
         meter += f"  MFU {100 * logs['mfu']:.1f}%"
     if "masked_share" in logs:  # a false-negative filter: share of in-batch candidates left out
         meter += f"  masked {100 * logs['masked_share']:.2f}%"
+    meter += sparse_cache_text(logs, "  ")
     return (
         f"step {step}/{max_steps}  loss {log.last_loss:.4f}{interval_label(step, since)}  "
         f"lr {log.last_lr:.3e}  "

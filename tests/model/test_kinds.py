@@ -174,7 +174,17 @@ def test_saved_folders_say_their_type(other_kind_dirs, tiny_model_dir):
     assert {t: saved_model_type(str(p)) for t, p in other_kind_dirs.items()} == {t: t for t in OTHER_TYPES}
 
 
-@pytest.mark.parametrize("model_type", ["SparseEncoder", "CrossEncoder"])
+def test_a_sparse_folder_under_dense_is_refused_naming_the_kind_that_trains_it(other_kind_dirs):
+    folder = other_kind_dirs["SparseEncoder"]
+    with pytest.raises(ModelRefused) as err:
+        load_model(model_config(name_or_path=str(folder)), "cpu")
+    assert str(err.value).startswith(
+        f"model.name_or_path: '{folder}' is a sentence-transformers SparseEncoder folder ("
+    )
+    assert str(err.value).endswith("set model.kind: sparse to train it as one"), str(err.value)
+
+
+@pytest.mark.parametrize("model_type", ["CrossEncoder"])
 def test_a_folder_of_a_type_no_kind_trains_is_refused_naming_it(other_kind_dirs, model_type):
     folder = other_kind_dirs[model_type]
     with pytest.raises(ModelRefused) as err:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cembed.train.meter as meter_module
-from cembed.losses.counts import FilterCounts, TokenCounts
+from cembed.losses.counts import FilterCounts, SparseCounts, TokenCounts
 from cembed.train.flops import FlopModel
 from cembed.train.meter import StepClock, ThroughputMeter, format_eta, smooth
 
@@ -135,6 +135,25 @@ def test_masked_share_per_interval_and_run(clock):
     counts.masked, counts.candidates = 1, 60  # not yet snapshotted: still in the run's totals
     totals = meter.totals()
     assert (totals["masked"], totals["candidates"], totals["masked_share"]) == (4, 100, 0.04)
+
+
+def test_sparse_cache_per_interval_and_run(clock):
+    counts = SparseCounts()
+    meter = ThroughputMeter(TokenCounts(), sparse_counts=counts)
+    meter.start()
+    counts.add(0, rows=4, active=40, nbytes=400, sparse=True)  # queries: 10 dims a row
+    counts.add(1, rows=4, active=100, nbytes=600, sparse=True)
+    counts.add(2, rows=4, active=140, nbytes=1000, sparse=False)  # documents: 30 dims a row
+    meter.token_counts.add(10, 10, 100)
+    clock.now = 101.0
+    stats = meter.snapshot(step=1)
+    assert (stats["active_dims_query"], stats["active_dims_document"]) == (10.0, 30.0)
+    assert (stats["cache_bytes_per_row"], stats["dense_fallback_share"]) == (round(2000 / 12, 1), round(1 / 3, 6))
+    assert counts.rows == {}  # reset per interval
+    counts.add(0, rows=4, active=0, nbytes=100, sparse=True)  # not yet snapshotted: still in the totals
+    totals = meter.totals()
+    assert (totals["active_dims_query"], totals["active_dims_document"]) == (5.0, 30.0)
+    assert totals["dense_fallback_share"] == 0.25
 
 
 def test_smooth():

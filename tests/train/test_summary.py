@@ -258,6 +258,16 @@ def test_eval_change_rows():
     assert eval_change_rows(None) == [] and eval_change_rows({"before": None, "after": {}}) == []
 
 
+def test_eval_change_rows_show_a_sparse_models_active_dimensions():
+    before = {"h_dot_ndcg@10": 0.5, "h_corpus_active_dims": 900.0, "h_query_active_dims": 40.0, "h_avg_flops": 3.0}
+    after = {"h_dot_ndcg@10": 0.75, "h_corpus_active_dims": 300.0, "h_query_active_dims": 20.0, "h_avg_flops": 1.0}
+    assert eval_change_rows({"before": before, "after": after}) == [
+        ("h_dot_ndcg@10", 0.5, 0.75, 0.25),
+        ("h_query_active_dims", 40.0, 20.0, -20.0),
+        ("h_corpus_active_dims", 900.0, 300.0, -600.0),
+    ]
+
+
 # Entries only a completed run's summary has (beside summary_base's, status and steps).
 COMPLETED_ONLY = {
     "epochs",

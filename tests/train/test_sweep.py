@@ -816,3 +816,21 @@ def test_a_multi_vector_sweep_compares_its_maxsim_metric(tmp_path):
     assert S.sweep_metric(cfg, "eval_heldout_maxsim_recall@10", sets) == ("heldout_maxsim_recall@10", True)
     with pytest.raises(UserError, match="'heldout_cosine_ndcg@10' is not a metric"):
         S.sweep_metric(cfg, "heldout_cosine_ndcg@10", sets)
+
+
+def test_a_sparse_sweep_compares_its_dot_product_metric(tmp_path):
+    """A sparse model's retrieval metrics are keyed by the dot product (the kind's similarity): the sweep
+    picks ``<set>_dot_ndcg@10`` and accepts a ``--metric`` of that key; a cosine key is refused."""
+    from types import SimpleNamespace
+
+    from cembed.config.file import load_config
+
+    cfg = load_config(
+        _config(tmp_path, "some-model"),
+        ["model.kind=sparse", "loss.name=cached_splade", "eval.sts=[]", "eval.retrieval=[heldout]"],
+    )
+    sets = SimpleNamespace(retrieval=[SimpleNamespace(name="heldout")], sts=[])
+    assert S.sweep_metric(cfg, None, sets) == ("heldout_dot_ndcg@10", True)
+    assert S.sweep_metric(cfg, "eval_heldout_dot_map@100", sets) == ("heldout_dot_map@100", True)
+    with pytest.raises(UserError, match="'heldout_cosine_ndcg@10' is not a metric"):
+        S.sweep_metric(cfg, "heldout_cosine_ndcg@10", sets)

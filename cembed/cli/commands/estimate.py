@@ -106,7 +106,9 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     measured = calibrate_rate(cfg, calibrate) if calibrate else None
     rate, target = device_rate(cfg, plan, gpu, mfu, measured)
     kind = kind_of(model, default="dense")
-    scoring, cache, scoring_memory = _loss_stage(cfg, plan, model, kind, stats, data.columns, path)
+    precision = plan.precision if gpu is None else {"auto": "bf16"}.get(cfg.model.precision, cfg.model.precision)
+    scoring, cache, scoring_memory = _loss_stage(cfg, plan, model, kind, stats, data.columns, path, precision)
+    measured_cache = _measured_cache(plan, model, kind, data, precision)
     run = est.estimate_run(
         stats, plan.samples_per_step, steps.per_epoch or 0, steps.total or 0, (n, layers, width, path.passes), rate,
         devices, scoring,
@@ -120,7 +122,6 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     if summary_file.is_file():
         probe = json.loads(summary_file.read_text()).get("mini_batch_probe")
     params = sum(p.numel() for p in model.parameters())
-    precision = plan.precision if gpu is None else {"auto": "bf16"}.get(cfg.model.precision, cfg.model.precision)
     saved = weight_dtypes(model, cfg.model, precision).saved
     return {
         "target": {"device": target, "devices": devices, "precision": precision},
@@ -141,6 +142,7 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
         **run,
         "memory_per_rank": est.probe_memory(probe, plan.mini_batch_size),
         "cache_per_rank": cache,
+        **({"cache_per_rank_measured": measured_cache} if measured_cache is not None else {}),
         **({"scoring_memory_per_rank": scoring_memory} if scoring_memory is not None else {}),
         "data_wait_risk": est.data_wait_risk(production, run["seconds_per_step"]["value"], where),
         "checkpoint_size": est.checkpoint_bytes(params, saved),
@@ -149,10 +151,10 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     }
 
 
-def _loss_stage(cfg, plan, model, kind, stats, columns: list[str], path):
+def _loss_stage(cfg, plan, model, kind, stats, columns: list[str], path, precision: str):
     """What the loss stage of a step adds, from the model kind and the loss: ``(scoring (FLOPs per
     step, source) or None, the cache per rank, the scoring memory bound per rank or None)``, each
-    quantity an :func:`cembed.train.estimate.number`."""
+    quantity an :func:`cembed.train.estimate.number`; the cache in the target's ``precision``."""
     from cembed.plan.precision import torch_dtype
     from cembed.train import estimate as est
     from cembed.train.flops import SCORING_PASSES, scoring_flops
@@ -172,17 +174,44 @@ def _loss_stage(cfg, plan, model, kind, stats, columns: list[str], path):
             f"{rows} queries x {query:.1f} tokens against {gathered} x {rows} rows x {sum(means[1:]):.1f} "
             "document tokens)",
         )
-    element = torch_dtype(plan.precision).itemsize  # the cache is in the run's precision
+    element = torch_dtype(precision).itemsize  # the cache is in the run's precision (the target's)
     per_row = kind.cache_bytes_per_row(model, round(query), element)
     per_row += sum(kind.cache_bytes_per_row(model, round(m), element) for m in means[1:])
     cache = est.number(
         2 * rows * per_row,
         "bytes",
-        f"{rows} rows x {per_row} bytes per row (every column's cached output at the mean length) x 2 (and gradients)",
+        f"{rows} rows x {per_row} bytes per row (every column's cached output at the mean length; a sparse model's "
+        "every coordinate active, its worst case) x 2 (and gradients)",
     )
     bound = cfg.loss.scoring_memory(cfg.model.query_tokens(int(model.max_seq_length)), rows)
     scoring_memory = None if bound is None else est.number(bound[0], "bytes", f"bound: {bound[1]}, whatever the batch")
     return scoring, cache, scoring_memory
+
+
+SAMPLE_ROWS = 64  # rows whose outputs measure a sparse model's density
+
+
+def _measured_cache(plan, model, kind, data, precision: str) -> dict | None:
+    """The cache per rank at the density the model has on the first :data:`SAMPLE_ROWS` training rows
+    (:meth:`cembed.model.kinds.registry.ModelKind.measured_cache`: a sparse model's active coordinates);
+    None for a kind whose cache does not depend on its outputs. ``cache_per_rank`` is the worst case
+    (every coordinate active)."""
+    from cembed.plan.precision import torch_dtype
+    from cembed.train import estimate as est
+
+    sample = data.dataset.select(range(min(SAMPLE_ROWS, len(data.dataset))))
+    columns = [[t for t in sample[c] if t is not None] for c in data.columns]
+    element = torch_dtype(precision).itemsize
+    measured = kind.measured_cache(model, [c for c in columns if c], element)
+    if measured is None:
+        return None
+    per_row, how = measured
+    rows = plan.per_device_train_batch_size
+    return est.number(
+        2 * rows * sum(per_row),
+        "bytes",
+        f"{rows} rows x {sum(per_row):,.0f} bytes per row at {how} (first {len(sample)} rows) x 2 (and gradients)",
+    )
 
 
 def _rows_per_step_source(plan) -> str:
@@ -297,7 +326,8 @@ def print_estimate(report: dict) -> None:
     data_keys = ("rows", "rows_per_step", "per_device_batch", "batches_per_epoch", "padded_share")
     rows += [(k.replace("_", " "), report["data"][k]) for k in data_keys]
     keys = ("steps_per_epoch", "steps", "tokens", "flops", "seconds_per_step", "epoch_seconds", "run_seconds",
-            "gpu_hours", "memory_per_rank", "cache_per_rank", "scoring_memory_per_rank", "scoring_flops_per_step",
+            "gpu_hours", "memory_per_rank", "cache_per_rank", "cache_per_rank_measured", "scoring_memory_per_rank",
+            "scoring_flops_per_step",
             "data_wait_risk", "checkpoint_size")  # fmt: skip
     rows += [(k.replace("_", " "), report[k]) for k in keys if k in report]
     for label, entry in rows:

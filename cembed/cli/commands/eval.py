@@ -118,7 +118,8 @@ def print_eval_report(console: Console, report: EvalReport) -> None:
             else f"{entry['pairs']} pairs"
         )
         for i, (label, value) in enumerate(entry["headline"].items()):
-            table.add_row(name if i == 0 else "", size if i == 0 else "", label, f"{value:.5f}")
+            shown = f"{value:.1f}" if label.startswith("active dims") else f"{value:.5f}"  # a count, not a score
+            table.add_row(name if i == 0 else "", size if i == 0 else "", label, shown)
         if entry["kind"] == "retrieval":
             how = "from cache" if entry["corpus_cache_hit"] else f"encoded in {entry['encode_seconds']:.1f}s"
             table.add_row("", "", "corpus", how)

@@ -22,6 +22,7 @@ ExampleName = Literal[tuple(EXAMPLES)]  # type: ignore[valid-type]
 INIT_EXAMPLES = examples(
     "cembed init quickstart.yaml --example quickstart",
     "cembed init colbert.yaml --example colbert-quickstart",
+    "cembed init splade.yaml --example splade-quickstart",
     "cembed init my.yaml --model all-MiniLM-L6-v2 --data pairs.jsonl",
 )
 

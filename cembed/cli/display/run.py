@@ -320,6 +320,7 @@ def print_done(console: Console, summary: dict) -> None:
     """The closing lines of a completed run."""
     from cembed.files import format_bytes
     from cembed.train.flops import format_flops
+    from cembed.train.trainer import sparse_cache_text
 
     steps, here = summary["steps"], summary.get("steps_this_run", summary["steps"])
     if here == 0:  # a resume of the last step's checkpoint: only the run's end was left
@@ -349,7 +350,7 @@ def print_done(console: Console, summary: dict) -> None:
         mfu = f", MFU {100 * t['mfu']:.1f}%" if t.get("mfu") is not None else " (no device peak: MFU not computed)"
         console.print(
             f"throughput: {t['tokens_per_s']:.0f} tok/s, model {format_flops(t['flops_per_s'])}{mfu}, "
-            f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%",
+            f"padding {100 * t['padded_share']:.1f}%, data-wait {100 * t['data_wait']:.1f}%" + sparse_cache_text(t),
             highlight=False,
         )
     print_stream_counts(console, summary)
@@ -403,8 +404,9 @@ def print_stream_counts(console: Console, summary: dict) -> None:
 
 
 # Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10 (keyed by the model
-# kind's similarity: <set>_cosine_ndcg@10, <set>_maxsim_ndcg@10), STS Spearman.
-COMPARED_METRICS = ("_ndcg@10", "_recall@10", "_spearman_cosine")
+# kind's similarity: <set>_cosine_ndcg@10, <set>_maxsim_ndcg@10, <set>_dot_ndcg@10), a sparse model's mean
+# active dimensions of queries and documents, STS Spearman.
+COMPARED_METRICS = ("_ndcg@10", "_recall@10", "_query_active_dims", "_corpus_active_dims", "_spearman_cosine")
 
 
 def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:
@@ -439,7 +441,8 @@ def print_eval_change(console: Console, summary: dict) -> None:
         return "-" if value is None else f"{value:{sign}.4f}"
 
     for key, b, a, change in rows:
-        style = "" if change is None or change == 0 else ("green" if change > 0 else "red")
+        neutral = change is None or change == 0 or key.endswith("_active_dims")  # fewer is cheaper, not worse
+        style = "" if neutral else ("green" if change > 0 else "red")
         table.add_row(key, fmt(b), fmt(a), f"[{style}]{fmt(change, '+')}[/]" if style else fmt(change, "+"))
     console.print(table)
 

@@ -122,6 +122,7 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
         "loss": {
             "name": cfg.loss.name,
             "columns": roles,
+            **({"description": cfg.loss.describe()} if cfg.loss.describe() else {}),
             **_scoring_memory(cfg, plan, truncation, model_ok),
         },
         "data": data_facts,
@@ -162,6 +163,19 @@ def _scoring_memory(cfg, plan, truncation, model_ok: bool) -> dict:
     return {} if bound is None else {"scoring_memory": {"bytes": bound[0], "tiles": bound[1]}}
 
 
+def _loss_line(loss: dict) -> str:
+    """The summary's loss line: the loss, its columns, how it trains, its scoring memory bound."""
+    cols = ", ".join(role if role == src else f"{role} <- {src}" for role, src in loss["columns"].items())
+    scoring = loss.get("scoring_memory")
+    bound = (
+        f"; {scoring['tiles']}: scoring memory at most {scoring['bytes'] / 2**20:.1f} MiB, whatever the batch"
+        if scoring
+        else ""
+    )
+    how = f"; {loss['description']}" if loss.get("description") else ""
+    return f"loss: {loss['name']} on {cols}{how}{bound}"
+
+
 def _short(text: str, width: int = 60) -> str:
     return repr(text if len(text) <= width else text[: width - 3] + "...")
 
@@ -177,14 +191,7 @@ def print_validation(console: Console, report: dict) -> None:
     length = f"max_seq_length {m['max_seq_length']}" if m["max_seq_length"] else "model's max_seq_length"
     kind = f"   kind: {m['kind']}" if m.get("kind", "dense") != "dense" else ""
     p(f"model: {m['name_or_path']} ({length}){kind}   pooling: {m['pooling']}")
-    cols = ", ".join(role if role == src else f"{role} <- {src}" for role, src in report["loss"]["columns"].items())
-    scoring = report["loss"].get("scoring_memory")
-    bound = (
-        f"; {scoring['tiles']}: scoring memory at most {scoring['bytes'] / 2**20:.1f} MiB, whatever the batch"
-        if scoring
-        else ""
-    )
-    p(f"loss: {report['loss']['name']} on {cols}{bound}")
+    p(_loss_line(report["loss"]))
     if d["loaded"]:
         sources = d["sources"]
         what = _source_shown(sources[0]) if len(sources) == 1 else f"{len(sources)} sources"

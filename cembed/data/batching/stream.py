@@ -274,9 +274,11 @@ def training_stream(
         ``(rows, collator, info)``: ``info`` for ``run_summary.json``'s ``tokenization``.
 
     Raises:
-        UserError: the model's inputs are more than token ids (no PaddingCollator for it).
+        UserError: the model's inputs are more than token ids (no PaddingCollator for it), or its kind
+            tokenizes a column otherwise than the stream (another length, query expansion, no special tokens).
     """
     from cembed.data.tokens.collator import collator_for
+    from cembed.data.tokens.model_check import column_layouts
 
     src = data.sources[0]
     item = src.stream  # the TrainSource
@@ -286,6 +288,18 @@ def training_stream(
         raise UserError(
             f"{src.key}.streaming: the model's inputs are more than token ids (or its tokenizer pads on the left), "
             "which a stream cannot produce; drop streaming"
+        )
+    layouts = column_layouts(model, data.columns)
+    if (
+        layouts is None
+        or layouts.expansions
+        or layouts.strips
+        or set(layouts.lengths.values()) != {model.max_seq_length}
+    ):
+        raise UserError(
+            f"{src.key}.streaming: the model tokenizes its columns differently (e.g. an inference-free sparse model's "
+            "queries without special tokens), and a stream is tokenized one way for every column; train from the "
+            "files (or a prepared folder: cembed prepare-data)"
         )
     source = StreamingSource(
         item.source,

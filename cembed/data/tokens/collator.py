@@ -45,6 +45,15 @@ class RaggedIds:
         values = np.fromiter((t for s in seqs for t in s), dtype=np.int64, count=int(offsets[-1]))
         return cls(offsets, values)
 
+    def strip(self, leading: int, trailing: int) -> RaggedIds:
+        """Each row without its first ``leading`` and last ``trailing`` ids (the special tokens a column
+        is tokenized without; a row shorter than both together becomes empty)."""
+        lengths = np.diff(self.offsets)
+        kept = np.maximum(lengths - leading - trailing, 0)
+        offsets = np.zeros_like(self.offsets)
+        np.cumsum(kept, out=offsets[1:])
+        return RaggedIds(offsets, self.values[ragged_positions(self.offsets[:-1] + leading, kept)])
+
 
 def ragged_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``concat(arange(s, s + n) for s, n in zip(starts, lengths))`` without a Python loop, int64."""
@@ -243,6 +252,11 @@ class PaddingCollator:
     # role -> its query expansion (cembed.model.kinds.registry.Expansion): the role's rows are padded to
     # the expansion's length with its token, as the model's preprocess pads a query (ColBERT).
     expansions: dict[str, Any] = field(default_factory=dict)
+    # role -> (leading, trailing) special tokens dropped from its stored ids (a column the model tokenizes
+    # without them: an inference-free SPLADE's static query side; TokenLayout.strip).
+    strips: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # role -> its constant features where they are not ``constants`` (the task a Router routes the role by).
+    role_constants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def width(self, longest: int) -> int:
         """The padded width for a batch whose longest row has ``longest`` tokens."""
@@ -294,6 +308,8 @@ class PaddingCollator:
         batch: dict[str, Any] = {}
         for role in self.present(rows):
             seqs = rows[role] if isinstance(rows, dict) else [r[role + TOKEN_SUFFIX] for r in rows]
+            if role in self.strips:
+                seqs = (seqs if isinstance(seqs, RaggedIds) else RaggedIds.from_lists(seqs)).strip(*self.strips[role])
             ids, mask = self.pad(seqs)
             if role in self.expansions:
                 ids, mask, positions = self.expand(ids, mask, self.expansions[role])
@@ -302,7 +318,7 @@ class PaddingCollator:
             if self.token_type_ids:
                 batch[f"{role}_token_type_ids"] = _zeros(tuple(ids.shape))[0]
             batch[f"{role}_attention_mask"] = mask
-            for key, value in self.constants.items():
+            for key, value in self.role_constants.get(role, self.constants).items():
                 batch[f"{role}_{key}"] = value
             if isinstance(rows, dict) and role + PROMPT_SUFFIX in rows:
                 batch[role + PROMPT_SUFFIX] = rows[role + PROMPT_SUFFIX]
@@ -326,13 +342,23 @@ def _zeros(shape: tuple[int, int]) -> tuple[torch.Tensor, np.ndarray]:
 
 
 def collator_for(
-    model, roles: list[str], pad_to_multiple_of: int | None = None, expansions: dict[str, Any] | None = None
+    model,
+    roles: list[str],
+    pad_to_multiple_of: int | None = None,
+    expansions: dict[str, Any] | None = None,
+    strips: dict[str, tuple[int, int]] | None = None,
 ) -> PaddingCollator | None:
     """A :class:`PaddingCollator` matching ``model.preprocess`` output keys, or ``None`` when the
     model's text features are more than ids/mask/token types (then pre-tokenization is not used).
     ``pad_to_multiple_of`` (``batch.pad_to_multiple_of``) rounds each batch's width up, to at most
     ``model.max_seq_length``; ``expansions``: the roles padded with query expansion
-    (:attr:`PaddingCollator.expansions`)."""
+    (:attr:`PaddingCollator.expansions`); ``strips``: the roles whose stored special tokens are dropped
+    (:attr:`PaddingCollator.strips`). Each role's constant features are what ``model.preprocess`` gives
+    with the keywords of the model kind for that column
+    (:meth:`cembed.model.kinds.registry.ModelKind.preprocess_kwargs`): a Router's ``task``, which it routes
+    the column by."""
+    from cembed.model.kinds.lookup import kind_of
+
     sample = model.preprocess(["a"])
     tensors = {k for k, v in sample.items() if isinstance(v, torch.Tensor)}
     if not tensors <= {"input_ids", "attention_mask", "token_type_ids"} or "input_ids" not in tensors:
@@ -341,6 +367,16 @@ def collator_for(
     if getattr(tokenizer, "padding_side", "right") != "right" or tokenizer.pad_token_id is None:
         return None
     constants = {k: v for k, v in sample.items() if not isinstance(v, torch.Tensor)}
+    kind = kind_of(model, default="dense")
+    role_constants = {}
+    for column, role in enumerate(roles):
+        keywords = kind.preprocess_kwargs(column)
+        if not keywords:
+            continue
+        features = model.preprocess(["a"], **keywords)
+        own = {k: v for k, v in features.items() if not isinstance(v, torch.Tensor)}
+        if own != constants:
+            role_constants[role] = own
     return PaddingCollator(
         roles,
         tokenizer.pad_token_id,
@@ -349,6 +385,8 @@ def collator_for(
         pad_to_multiple_of=pad_to_multiple_of,
         max_length=getattr(model, "max_seq_length", None),
         expansions=dict(expansions or {}),
+        strips=dict(strips or {}),
+        role_constants=role_constants,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -39,7 +40,9 @@ def matches_model_preprocessing(
     carries a column its source does not map. The ids are fetched as training fetches them
     (:class:`TokenIdRows`) and padded to the longest row, as the model pads (``pad_to_multiple_of``
     is left out). Each column is preprocessed as the model's kind preprocesses it (a multi-vector
-    model's query / document task: its markers, lengths and query expansion)."""
+    model's query / document task: its markers, lengths and query expansion; an inference-free sparse
+    model's route: its static query side's ids without special tokens), and a batch must carry the task
+    the model routes the column by."""
     kind = kind_of(model, default="dense")
     plain = replace(collator, pad_to_multiple_of=None)
     start = 0
@@ -55,27 +58,41 @@ def matches_model_preprocessing(
                 continue
             prompt = group.prompts.get(role) or None
             task = kind.preprocess_kwargs(column)
-            ref = model.preprocess(sample[role], **({"prompt": prompt} if prompt else {}), **task)
+            ref = model.preprocess(list(sample[role]), **({"prompt": prompt} if prompt else {}), **task)
             if ("query_expansion_positions" in ref) != (f"{role}_query_expansion_positions" in batch):
                 return False
             for key in ("input_ids", "attention_mask", "token_type_ids", "query_expansion_positions"):
                 if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"].to(torch.int64)):
                     return False
+            if "task" in ref and batch.get(f"{role}_task") != ref["task"]:  # a Router's route for the column
+                return False
             if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
                 return False
     return True
 
 
-def column_layouts(model, roles: list[str]) -> tuple[dict[str, int], dict] | None:
-    """How ``model``'s kind tokenizes each training column (:meth:`cembed.model.kinds.registry.ModelKind.token_layout`):
-    ``({role: truncation length}, {role: query expansion})``, or None when a column's ids cannot be
-    stored ahead (the model tokenizes it per batch)."""
+class ColumnLayouts(NamedTuple):
+    """How a model's kind tokenizes each training column (:func:`column_layouts`): ``lengths`` ``{role:
+    the stored ids' cut}``, ``expansions`` ``{role: query expansion}`` and ``strips`` ``{role: (leading,
+    trailing) special tokens the collator drops}`` for the roles that have them."""
+
+    lengths: dict[str, int]
+    expansions: dict
+    strips: dict[str, tuple[int, int]]
+
+
+def column_layouts(model, roles: list[str]) -> ColumnLayouts | None:
+    """How ``model``'s kind tokenizes each training column (:meth:`cembed.model.kinds.registry.ModelKind.token_layout`),
+    or None when a column's ids cannot be stored ahead (the model tokenizes it per batch)."""
     kind = kind_of(model, default="dense")
     layouts = [kind.token_layout(model, i) for i in range(len(roles))]
     if any(layout is None for layout in layouts):
         return None
-    lengths = {r: layout.max_length for r, layout in zip(roles, layouts)}
-    return lengths, {r: layout.expansion for r, layout in zip(roles, layouts) if layout.expansion is not None}
+    return ColumnLayouts(
+        {r: layout.max_length for r, layout in zip(roles, layouts)},
+        {r: layout.expansion for r, layout in zip(roles, layouts) if layout.expansion is not None},
+        {r: tuple(layout.strip) for r, layout in zip(roles, layouts) if any(layout.strip)},
+    )
 
 
 def role_lengths(lengths: dict[str, int], max_seq_length: int) -> dict[str, int]:
@@ -110,7 +127,7 @@ def check_prepared_for_model(
             f"set model.max_seq_length: {manifest.max_seq_length} {redo}"
         )
     layouts = column_layouts(model, list(manifest.columns))
-    wanted = role_lengths(layouts[0], length) if layouts is not None else {}
+    wanted = role_lengths(layouts.lengths, length) if layouts is not None else {}
     for role in manifest.columns:
         mine = wanted.get(role, length)
         stored = (getattr(manifest, "role_lengths", None) or {}).get(role, manifest.max_seq_length)
@@ -165,7 +182,7 @@ def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_
     check_prepared_for_model(model, manifest, where, prompts, prompts_field(source))
     roles = list(manifest.columns)
     layouts = column_layouts(model, roles)
-    collator = collator_for(model, roles, pad_to_multiple_of, layouts[1]) if layouts is not None else None
+    collator = collator_for(model, roles, pad_to_multiple_of, layouts.expansions, layouts.strips) if layouts else None
     if collator is None:
         raise UserError(
             f"{where}: the model's features are not plain token ids (or it pads on the left), so it cannot "

@@ -278,7 +278,7 @@ def tokenize_stage(
     layouts = column_layouts(model, roles)
     if layouts is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model tokenizes a column per batch"}
-    collator = collator_for(model, roles, pad_to_multiple_of, layouts[1])
+    collator = collator_for(model, roles, pad_to_multiple_of, layouts.expansions, layouts.strips)
     if collator is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
     started = time.perf_counter()
@@ -299,7 +299,7 @@ def tokenize_stage(
         lengths,
         sources,
         progress,
-        layouts[0],
+        layouts.lengths,
     )
     if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts, sources=sources):
         reason = "stored ids differ from the model's preprocessing"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import cembed.model.kinds.dense  # noqa: F401 - registers dense
 import cembed.model.kinds.multi_vector  # noqa: F401 - registers multi_vector
+import cembed.model.kinds.sparse  # noqa: F401 - registers sparse
 from cembed.errors import ModelRefused
 from cembed.model.kinds.registry import MODEL_KINDS, ModelKind
 

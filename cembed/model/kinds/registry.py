@@ -12,8 +12,9 @@ The contract. A kind is two halves registered under one name, and nothing else i
   (:meth:`ModelKind.text_outputs`), how a column is tokenized (:meth:`ModelKind.preprocess_kwargs`,
   :meth:`ModelKind.token_layout`), what
   ``validate`` says about it (:meth:`ModelKind.describe`), its FLOPs per token beyond the encoder
-  (:meth:`ModelKind.head_flops_per_token`), its scoring FLOPs (:meth:`ModelKind.scoring_flops`) and its
-  cached bytes per row (:meth:`ModelKind.cache_bytes_per_row`).
+  (:meth:`ModelKind.head_flops_per_token`), its scoring FLOPs (:meth:`ModelKind.scoring_flops`), its
+  cached bytes per row (:meth:`ModelKind.cache_bytes_per_row`) and how its evaluation corpus is encoded
+  (:meth:`ModelKind.corpus_encode_kwargs`).
 
 :func:`register_model_kind` registers both; :mod:`cembed.model.kinds.lookup` answers which kind a name,
 a loaded model or a saved folder is.
@@ -56,10 +57,17 @@ class Expansion:
 class TokenLayout:
     """How a column's texts become token ids for the model: truncated to ``max_length`` tokens, then
     (``expansion``) padded as the model pads them. Pre-tokenized ids are stored truncated; the
-    collator applies the expansion."""
+    collator applies the expansion.
+
+    ``strip``: the ``(leading, trailing)`` special tokens a column is tokenized without (an inference-free
+    SPLADE's static query side tokenizes with ``add_special_tokens=False``). Stored ids always carry the
+    tokenizer's special tokens, so a text has one identity in every column (the duplicate checks hash the
+    ids); the collator drops them. ``max_length`` counts them: the stored ids are cut at ``max_length``,
+    the model's at ``max_length - leading - trailing``."""
 
     max_length: int
     expansion: Expansion | None = None
+    strip: tuple[int, int] = (0, 0)
 
 
 class ModelKind:
@@ -129,6 +137,12 @@ class ModelKind:
             "pre-tokenize its batches; use a transformer model (or train this one with sentence-transformers directly)"
         )
 
+    def encoder_module(self, model):
+        """The sentence-transformers module that holds the transformers encoder a run trains (its
+        ``auto_model``: what LoRA adapts, FSDP wraps layer by layer and the FLOP model counts). Default:
+        the first module."""
+        return model[0]
+
     def describe(self, model, cfg: ModelConfig, saved: bool) -> str:
         """What ``validate`` prints after ``pooling:`` for the loaded ``model``: how a text becomes
         its output and where that comes from (``saved``: from the model's own sentence-transformers
@@ -173,6 +187,19 @@ class ModelKind:
         """Bytes a cached loss holds per row between its passes: the row's output, for a row of
         ``tokens`` tokens, at ``element_bytes`` per number. Default: one vector."""
         return int(self.embedding_dimension(model) or 0) * element_bytes
+
+    def measured_cache(self, model, columns: list[list[str]], element_bytes: int) -> tuple[list[float], str] | None:
+        """The bytes a cached loss holds per row of each training column (0: the query), measured on sample
+        texts ``columns`` of each, for a kind whose cache depends on what the model outputs (a sparse
+        model's active coordinates), and how (a phrase); None (the default) where
+        :meth:`cache_bytes_per_row` is exact."""
+        return None
+
+    def corpus_encode_kwargs(self) -> dict[str, Any]:
+        """Keywords of ``model.encode_document`` for an evaluation corpus (the embedding cache,
+        :mod:`cembed.eval.embedding_cache`, stores what they return). Default: numpy arrays (one
+        ``(texts, dim)`` array, or a multi-vector model's one ``(tokens, dim)`` array per text)."""
+        return {"convert_to_numpy": True}
 
 
 # kind name -> ModelKind; filled by register_model_kind.

@@ -1,0 +1,114 @@
+"""Exact dot-product retrieval of a sparse model (issue 41 items 1, 3): the evaluator's NDCG@10 (graded) and MRR@10
+are those of ranking every document by the dot product of the model's own sparse query and document
+embeddings, and it reports the queries' and the documents' mean active dimensions; over a BEIR folder its
+metrics are sentence-transformers' ``SparseInformationRetrievalEvaluator``'s; the corpus is cached as CSR and
+read back to the same metrics; ``cembed eval`` shows the active dimensions and refuses STS and ``--dims``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import STS_TEST, TEXTS, make_tiny_splade
+
+from cembed.errors import UserError
+from cembed.eval.evaluators import evaluate_retrieval
+from cembed.eval.metrics import graded_ndcg_at_k
+from cembed.eval.score import score_dims, score_model
+from cembed.eval.sets import load_beir
+from cembed.eval.sparse_retrieval import SparseIREvaluator
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_splade(tmp_path_factory.mktemp("splade"), bias=-0.1).eval()
+
+
+def test_sparse_retrieval_ranks_by_the_dot_product_of_the_sparse_embeddings(model):
+    queries = {f"q{i}": t for i, t in enumerate(TEXTS["anchor"])}
+    corpus = {f"d{i}": t for i, t in enumerate(TEXTS["positive"] + TEXTS["negative_1"])}
+    relevant = {f"q{i}": {f"d{i}"} for i in range(len(queries))}
+    relevance = {"q0": {"d0": 2}}  # a graded qrel
+    evaluator = SparseIREvaluator(
+        queries=queries, corpus=corpus, relevant_docs=relevant, relevance=relevance, name="toy",
+        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1], precision_recall_at_k=[10], map_at_k=[100],
+    )  # fmt: skip
+    metrics = evaluator(model)
+    q = model.encode_query(list(queries.values()), convert_to_tensor=True).to_dense()
+    d = model.encode_document(list(corpus.values()), convert_to_tensor=True).to_dense()
+    scores = q @ d.T
+    ids = list(corpus)
+    ndcg, rr = [], []
+    for i, qid in enumerate(queries):
+        ranked = [ids[j] for j in sorted(range(len(ids)), key=lambda j: (-scores[i, j].item(), ids[j]))]
+        grades = {doc: relevance.get(qid, {}).get(doc, 1) for doc in relevant[qid]}
+        ndcg.append(graded_ndcg_at_k(ranked, grades, 10))
+        rank = ranked.index(f"d{i}")
+        rr.append(1 / (rank + 1) if rank < 10 else 0.0)
+    assert metrics["toy_dot_ndcg@10"] == pytest.approx(sum(ndcg) / len(ndcg), abs=1e-9)
+    assert metrics["toy_dot_mrr@10"] == pytest.approx(sum(rr) / len(rr), abs=1e-9)
+    assert metrics["toy_query_active_dims"] == pytest.approx((q != 0).sum(dim=1).float().mean().item())
+    assert metrics["toy_corpus_active_dims"] == pytest.approx((d != 0).sum(dim=1).float().mean().item())
+    assert not torch.equal((q != 0).sum(dim=1), torch.full((len(q),), q.shape[1]))  # rows are sparse
+
+
+WORDS = "man woman people dog cat train table street car room plate food bus red blue white black two".split()
+STOCK_KEYS = ("ndcg@10", "mrr@10", "map@100", "recall@10", "recall@100", "precision@1", "accuracy@3")
+
+
+@pytest.fixture(scope="module")
+def beir(tmp_path_factory):
+    """A BEIR folder: 40 documents, 12 queries with one or two relevant documents each (binary qrels, so
+    the graded NDCG and MAP are the library's)."""
+    folder = tmp_path_factory.mktemp("beir")
+    docs = {f"d{i}": " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(3 + i % 9)) for i in range(40)}
+    queries = {f"q{i}": " ".join(WORDS[(i * 5 + k * 3) % len(WORDS)] for k in range(2 + i % 3)) for i in range(12)}
+    (folder / "corpus.jsonl").write_text(
+        "".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n" for k, v in docs.items())
+    )
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
+    (folder / "qrels").mkdir()
+    lines = ["query-id\tcorpus-id\tscore"] + [f"q{i}\td{i}\t1" for i in range(12)]
+    lines += [f"q{i}\td{i + 20}\t1" for i in range(0, 12, 3)]
+    (folder / "qrels" / "test.tsv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_metrics_equal_the_stock_sparse_evaluator_and_the_csr_cache_reads_back(model, beir, tmp_path):
+    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
+
+    rs = load_beir(beir)
+    stock = SparseInformationRetrievalEvaluator(
+        rs.queries, rs.corpus, rs.relevant_docs, name=rs.name, precision_recall_at_k=[1, 3, 5, 10, 100]
+    )(model)
+    ours, corpus = evaluate_retrieval(model, rs, cache_dir=tmp_path)
+    assert not corpus.cache_hit and corpus.cache_file.endswith(".csr.npz") and corpus.indices is not None
+    for key in STOCK_KEYS:
+        assert ours[f"{rs.name}_dot_{key}"] == pytest.approx(stock[f"{rs.name}_dot_{key}"], abs=1e-6), key
+    for key in ("query_active_dims", "corpus_active_dims", "avg_flops"):
+        assert ours[f"{rs.name}_{key}"] == pytest.approx(stock[f"{rs.name}_{key}"], rel=1e-6), key
+    assert 0 < ours[f"{rs.name}_corpus_active_dims"] < 127 and ours[f"{rs.name}_dot_ndcg@10"] > 0
+    # the CSR file holds each document's active coordinates and values: the model's own sparse vectors
+    dense = model.encode_document(list(rs.corpus.values()), convert_to_tensor=True).to_dense()
+    stored = corpus.on_device("cpu").to_dense()
+    assert corpus.indices.dtype == np.int32 and len(corpus.indices) == int((dense != 0).sum())
+    torch.testing.assert_close(stored, dense, rtol=0, atol=1e-6)
+    again, corpus = evaluate_retrieval(model, rs, cache_dir=tmp_path)
+    assert corpus.cache_hit and again == ours  # the CSR cache reads back to the same scores
+
+
+def test_cembed_eval_scores_a_sparse_folder_by_dot_product_with_active_dims(model, beir, tmp_path):
+    model.save(str(tmp_path / "saved"))
+    report = score_model(str(tmp_path / "saved"), [beir], [], device="cpu", cache_dir=tmp_path / "cache")
+    entry = report.sets[load_beir(beir).name]
+    head = entry["headline"]
+    assert list(head) == [
+        "NDCG@10", "MRR@10", "MAP@100", "Recall@10", "Recall@100", "active dims (queries)", "active dims (documents)"
+    ]  # fmt: skip
+    assert head["NDCG@10"] == entry["metrics"][f"{load_beir(beir).name}_dot_ndcg@10"] > 0
+    with pytest.raises(UserError, match=r"^--sts: .* scores a query and a document by dot, not one vector per text"):
+        score_model(str(tmp_path / "saved"), [], [STS_TEST], device="cpu")
+    with pytest.raises(UserError, match=r"^--dims: .* is not a dense model \(it scores by dot\)"):
+        score_dims(str(tmp_path / "saved"), [beir], [], [8], device="cpu")
