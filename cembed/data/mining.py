@@ -314,7 +314,8 @@ def mine_negatives(
 
     Raises:
         UserError: a missing file or column, a bad cell (naming line and column), an output that is
-            not ``.jsonl[.gz]``, an impossible rank range, or a model that cannot be loaded.
+            not ``.jsonl[.gz]``, an impossible rank range, a model that cannot be loaded or that is not
+            one dense vector per text (a sparse or multi-vector model).
     """
     from datasets import Dataset
 
@@ -328,6 +329,7 @@ def mine_negatives(
     pairs = list(dict.fromkeys(zip(anchors, positives)))
     quiet_libraries()
     model = load_eval_model(model_name, device)
+    _check_dense(model, model_name)
     distinct = list(dict.fromkeys(anchors + positives))
     canon, n_variants = canonical_texts(distinct, _identity_hashes(model, distinct))
     anchors, positives = [canon[a] for a in anchors], [canon[p] for p in positives]
@@ -391,6 +393,26 @@ def mining_cache_folder(model, cache_dir: str | Path | None = None) -> Path:
     from cembed.model.fingerprint import model_fingerprint
 
     return cache_root("mining", cache_dir) / model_fingerprint(model)
+
+
+def _check_dense(model, model_name: str) -> None:
+    """Refuse a model that is not one dense vector per text: sentence-transformers' ``mine_hard_negatives``
+    ranks by such vectors (it fails on a ``SparseEncoder``'s or a ``MultiVectorEncoder``'s output).
+
+    Raises:
+        UserError: naming the model's kind and what to do instead.
+    """
+    from cembed.config.model import OUTPUT_WORDS
+    from cembed.model.kinds.lookup import kind_of
+
+    kind = kind_of(model)
+    output = kind.config_class.output
+    if output != "vector":
+        raise UserError(
+            f"--model {model_name}: a {kind.name} model ({OUTPUT_WORDS.get(output, output)}); mine-negatives ranks "
+            "candidates by one dense vector per text (sentence-transformers' mine_hard_negatives): mine with a "
+            "dense model (e.g. all-MiniLM-L6-v2), then train this one on the mined file"
+        )
 
 
 def _check_arguments(

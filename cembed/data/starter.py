@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cembed.config.columns import ColumnMap
-from cembed.config.model import model_config, model_config_class
+from cembed.config.model import OUTPUT_WORDS, model_config, model_config_class
 from cembed.config.sources import FileSource, SourceConfig, infer_source_kind, local_source
 from cembed.data.batching.full_table import build_batches
 from cembed.data.batching.placement import sampler_hashes
@@ -324,6 +324,12 @@ def _train_yaml(s: Starter) -> tuple[str, str]:
     return json.dumps({"kind": source.kind, **fields}), "paths relative to this file"
 
 
+def _folder_words(kind: str) -> str:
+    """The starter's comment on ``model.kind``: what a text of the folder's kind becomes."""
+    output = model_config_class(kind).output
+    return f"what its folder is: {OUTPUT_WORDS.get(output, output)}"
+
+
 def render_starter(s: Starter) -> str:
     """The starter config as commented YAML; ``data.train`` is relative to the config's folder."""
     q = json.dumps  # a JSON string is a valid YAML scalar, whatever the name holds
@@ -343,11 +349,7 @@ def render_starter(s: Starter) -> str:
         f"#   cembed inspect-data {s.out}",
         f"#   cembed train {s.out}",
         "model:",
-        *(
-            [_line(f"  kind: {s.kind}", "what its folder is (a MultiVectorEncoder: one vector per token)")]
-            if s.kind != "dense"
-            else []
-        ),
+        *([_line(f"  kind: {s.kind}", _folder_words(s.kind))] if s.kind != "dense" else []),
         _line(f"  name_or_path: {q(s.model)}"),
         _line("  max_seq_length: null", "null: the model's own; lower it for short texts (faster)"),
         _line("  device: auto", "auto | cpu | cuda"),

@@ -204,11 +204,17 @@ class SparseRows:
 
     def scores(self, chunk: torch.Tensor) -> torch.Tensor:
         """``chunk @ rows.T``: ``(c, rows)`` dot products of the dense ``(c, width)`` ``chunk`` with each row,
-        differentiable in ``chunk`` and ``values``. Sparse form: :func:`compute_dtype` (CSR kernels); dense
-        form: the values' precision, as a plain matmul."""
+        differentiable in ``chunk`` and ``values``, in :func:`compute_dtype` in either form (sparse: CSR
+        kernels; dense: a matmul, ``DENSE_BLOCK_ROWS`` rows at a time, outside autocast): a dense row's dot
+        products exceed float16's range (a fresh MLM: 30,522 coordinates of about 2 each)."""
         if self.is_sparse:
             return _CsrScores.apply(chunk, self.values, self.crow, self.col, self.width)
-        return chunk.to(self.values.dtype) @ self.values.t()
+        dtype = compute_dtype(self.values.dtype)
+        with torch.autocast(chunk.device.type, enabled=False):
+            if dtype == self.values.dtype:
+                return chunk.to(dtype) @ self.values.t()
+            chunk = chunk.to(dtype)
+            return torch.cat([chunk @ block.to(dtype).t() for block in self.values.split(DENSE_BLOCK_ROWS)], dim=1)
 
     def column_sums(self, row_weight: torch.Tensor | None = None) -> torch.Tensor:
         """``(width,)`` in :func:`compute_dtype`: ``sum_i row_weight_i * w_ij`` (each row's weight 1 without

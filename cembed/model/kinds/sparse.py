@@ -2,7 +2,7 @@
 ``SparseEncoder``. Registered here.
 
 Loading. A ``SparseEncoder`` folder is loaded as it is (its own architecture; ``model.architecture``, if
-set, must name it). Any other model is built as ``model.architecture`` says
+set, must name it), scored by dot product (a saved ``cosine`` is replaced: the loss trains dot). Any other model is built as ``model.architecture`` says
 (:class:`cembed.config.model.SparseModelConfig`), with sentence-transformers' own modules:
 
 * ``splade``: ``Transformer(transformer_task="fill-mask")`` + ``SpladePooling`` (what ``SparseEncoder(path)``
@@ -195,6 +195,9 @@ class SparseKind(ModelKind):
                     f"drop model.architecture (or set it to {own})"
                 )
             model.cembed_sparse_source = "the model's SparseEncoder config"
+            if model.similarity_fn_name != "dot":  # what the sparse loss trains and cembed eval scores by
+                model.cembed_sparse_source += f"; its {model.similarity_fn_name} similarity replaced by dot"
+                model.similarity_fn_name = "dot"
             return model
         mlm = model_type is None and is_masked_lm(path, cfg.revision)
         architecture = wanted or ("splade" if mlm else "csr")
