@@ -195,10 +195,12 @@ def _measured_cache(plan, model, kind, data, precision: str) -> dict | None:
     """The cache per rank at the density the model has on the first :data:`SAMPLE_ROWS` training rows
     (:meth:`cembed.model.kinds.registry.ModelKind.measured_cache`: a sparse model's active coordinates);
     None for a kind whose cache does not depend on its outputs. ``cache_per_rank`` is the worst case
-    (every coordinate active)."""
+    (every coordinate active), and for a prepared source (its rows hold token ids, not the texts to encode)."""
     from cembed.plan.precision import torch_dtype
     from cembed.train import estimate as est
 
+    if not set(c for c in data.columns if c) <= set(data.dataset.column_names):
+        return None
     sample = data.dataset.select(range(min(SAMPLE_ROWS, len(data.dataset))))
     columns = [[t for t in sample[c] if t is not None] for c in data.columns]
     element = torch_dtype(precision).itemsize
