@@ -213,6 +213,13 @@ def _scoring_child(args, path: str, rows: int, queue) -> None:
         from cembed.model.maxsim import Tiles
 
         loss.scale, loss.tiles, loss.gather_across_devices, loss._inverse, loss.model = 1.0, Tiles(), False, [], None
+        # the scoring path as training chooses it (score_kernel auto: tiled on CPU, a fused kernel where one
+        # agrees on CUDA), decided on the first batch
+        from cembed.losses.counts import TokenCounts
+        from cembed.model.maxsim_kernel import find_fused_maxsim
+
+        loss.score_kernel, loss.find_kernel, loss.scoring, loss.notes = "auto", find_fused_maxsim, None, []
+        loss.token_counts = TokenCounts()  # the meter's scored pairs
         reps = [[x.requires_grad_()] for x in (q, d)]
         masks = [[q_len.to(args.device)], [d_len.to(args.device)]]
     else:
