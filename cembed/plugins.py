@@ -78,7 +78,7 @@ def load_plugins() -> dict[tuple[str, str], str]:
             continue
         before = set(sys.modules)
         try:
-            with _stdout_to_stderr():
+            with stdout_to_stderr():
                 target = point.load()
                 if not isinstance(target, ModuleType):
                     target()
@@ -102,9 +102,11 @@ def _reason(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr():
+def stdout_to_stderr():
     """Send what runs inside to stderr instead of stdout: Python's ``sys.stdout`` and, where the
-    process has both descriptors, file descriptor 1 (a C extension's output) too."""
+    process has both descriptors, file descriptor 1 (a C extension's output) too. Plugins load
+    under it, and ``validate --json`` runs under it (a plugin's loader that prints), so a command's
+    machine-readable stdout holds only what the command writes after it."""
     sys.stdout.flush()
     try:
         saved = os.dup(1)

@@ -128,13 +128,23 @@ def _escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _own_fields(cls: type) -> dict:
+    """``cls``'s fields; a model kind's class (a ``ModelConfig`` subclass) only those it adds (the
+    ``model`` section's table lists the rest once)."""
+    from cembed.config.model import ModelConfig
+
+    if issubclass(cls, ModelConfig) and cls is not ModelConfig:
+        return {n: f for n, f in cls.model_fields.items() if n not in ModelConfig.model_fields}
+    return dict(cls.model_fields)
+
+
 def model_rows(cls: type, prefix: str) -> list[str]:
-    """One table row per field of ``cls``, named with its dotted path under ``prefix``."""
+    """One table row per field of ``cls`` (:func:`_own_fields`), named with its dotted path under ``prefix``."""
     comments: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         comments.update(_field_comments(klass))
     rows = []
-    for name, field in cls.model_fields.items():
+    for name, field in _own_fields(cls).items():
         description = field.description or comments.get(name, "")
         rows.append(
             f"| `{prefix}{name}` | {_escape(field_type(field))} | {_escape(_default(field))} | {_escape(description)} |"
@@ -152,8 +162,10 @@ def _table(title: str, doc: str | None, rows: list[str]) -> list[str]:
 def sections() -> list[tuple[str, str, type]]:
     """Every table of the reference in page order: ``(title, dotted prefix, class)``. A section class is
     documented once, at its first place (``data.columns``' ColumnMap, not again under each source
-    kind); each registered source kind and loss gets its own table."""
+    kind); each registered source kind and loss gets its own table, and each model kind that adds
+    fields a table of those."""
     from cembed.config.loss import LOSS_CONFIGS, LossConfig
+    from cembed.config.model import MODEL_CONFIGS, ModelConfig
     from cembed.config.schema import CembedConfig
     from cembed.config.sources import SOURCE_CONFIGS, SourceConfig
 
@@ -175,6 +187,10 @@ def sections() -> list[tuple[str, str, type]]:
         for model in _models_in(field.annotation):
             if not issubclass(model, LossConfig):
                 visit(f"`{name}`", f"{name}.", model)
+            if model is ModelConfig:
+                for kind, kind_cls in MODEL_CONFIGS.items():
+                    if _own_fields(kind_cls):
+                        visit(f"`model` (kind `{kind}`)", "model.", kind_cls)
     for name, loss in LOSS_CONFIGS.items():
         visit(f"`loss` (name `{name}`)", "loss.", loss)
     return out
@@ -197,19 +213,21 @@ def config_reference() -> str:
 
 def config_fields() -> set[tuple[str, str]]:
     """Every ``(class name, field name)`` of the schema: the config's sections, the classes they hold,
-    every registered source kind and loss, found by walking the pydantic models (not the page)."""
+    every registered source kind, model kind (the fields it adds) and loss, found by walking the
+    pydantic models (not the page)."""
     from cembed.config.loss import LOSS_CONFIGS, LossConfig
+    from cembed.config.model import MODEL_CONFIGS
     from cembed.config.schema import CembedConfig
     from cembed.config.sources import SOURCE_CONFIGS, SourceConfig
 
     found: set[tuple[str, str]] = set()
     todo = [*(m for f in CembedConfig.model_fields.values() for m in _models_in(f.annotation))]
-    todo += [*SOURCE_CONFIGS.values(), *LOSS_CONFIGS.values()]
+    todo += [*SOURCE_CONFIGS.values(), *LOSS_CONFIGS.values(), *MODEL_CONFIGS.values()]
     while todo:
         cls = todo.pop()
         if cls in (SourceConfig, LossConfig):  # the registries' bases: their fields are each kind's
             continue
-        for name, field in cls.model_fields.items():
+        for name, field in _own_fields(cls).items():
             if (cls.__name__, name) not in found:
                 found.add((cls.__name__, name))
                 todo += _models_in(field.annotation)

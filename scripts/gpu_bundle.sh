@@ -32,6 +32,11 @@ PACKAGES="pydantic pydantic-core annotated-types typing-inspection typing-extens
   sentence-transformers optuna alembic sqlalchemy mako colorlog typer rich pyyaml xxhash"
 # The datasets, and the fsspec its bound admits, for an image whose pyarrow is below 24 (5.0.0 needs >=21).
 FALLBACK="datasets==5.0.0 fsspec==2026.4.0"
+# Optional, not a requirement of cembed (so not in this environment): the fused MaxSim kernel the maxsim
+# stage compares with the tiled path on CUDA (pure Python + Triton; the image has triton 3.6.0).
+# Left out of a bundle that would then not fit one device call with the tree (MANIFEST.json's "kernels"
+# says which). KERNELS= (empty) builds without it.
+KERNELS=${KERNELS-late-interaction-kernels==0.4.5}
 rm -rf "$DIR" && mkdir -p "$DIR/wheels" "$DIR/fallback"
 pins=$($PY - "$PACKAGES" <<'EOF'
 import sys
@@ -48,6 +53,11 @@ download() {  # DEST SPEC...: exact wheels for CPython 3.12 on manylinux x86-64,
 }
 # shellcheck disable=SC2086
 download "$DIR/wheels" $pins
+if [ -n "$KERNELS" ]; then
+  echo "kernels: $KERNELS"
+  # shellcheck disable=SC2086
+  download "$DIR/wheels" $KERNELS
+fi
 echo "fallback: $FALLBACK"
 # shellcheck disable=SC2086
 download "$DIR/fallback" $FALLBACK
@@ -85,6 +95,24 @@ if not coco.is_file():
 
     coco = Path(samples.__file__).parent / "coco_captions" / "train_pairs.jsonl.gz"
 shutil.copyfile(coco, out / "coco_pairs.jsonl.gz")
+# The kernel wheel only where the bundle still fits one device call with the tree it travels with (the
+# tracked and untracked, not ignored, files, as tests/scripts/test_gpu_bundle.py counts them); else the
+# maxsim stage runs without it and says so.
+import subprocess
+
+tree = subprocess.run(
+    ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture_output=True, text=True, check=True
+).stdout.split("\0")
+tree_bytes = sum(Path(f).stat().st_size for f in tree if f and Path(f).is_file())
+bundle_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) + 16 * 2**10  # + the manifest
+kernels = "none asked (KERNELS empty)"
+for wheel in sorted((out / "wheels").glob("late_interaction_kernels-*.whl")):
+    if tree_bytes + bundle_bytes > 64 * 2**20:
+        wheel.unlink()
+        kernels = f"left out: the tree ({tree_bytes / 2**20:.2f} MiB) and the bundle ({bundle_bytes / 2**20:.2f} MiB) exceed one call's 64 MiB"
+    else:
+        kernels = f"included: {wheel.name}"
+print(f"kernels: {kernels}")
 files = {}
 for path in sorted(p for p in out.rglob("*") if p.is_file()):
     rel = str(path.relative_to(out))
@@ -103,6 +131,7 @@ manifest = {
     "pyarrow": {"wheels": pyarrow_floor(out / "wheels"), "fallback": pyarrow_floor(out / "fallback")},
     "files": files,
     "total_bytes": total,
+    "kernels": kernels,  # the fused MaxSim kernel's wheel (KERNELS), or why not
 }
 (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
 mib = total / 2**20

@@ -7,7 +7,8 @@
 # batch 65536 on COCO pairs, (d) stock sentence-transformers' step on the same batch and the ratio,
 # (e) GPU utilisation sampled during (c) and (d), (f) estimate --calibrate vs the real run's wall time;
 # (g) per attention implementation, packed rows vs rows alone and packed vs padded step (issue 34; alone:
-#     --stages install,env,attention); plus issue 13's CUDA-only checks.
+#     --stages install,env,attention); (h) the cached MaxSim loss: tiled vs fused kernel (if present) vs
+#     stock (issue 40; alone: --stages install,env,maxsim); plus issue 13's CUDA-only checks.
 #
 #   bash scripts/gpu_check.sh                     # in an environment where cembed is installed
 #   bash scripts/gpu_check.sh --bundle DIR        # offline: install the bundle made by gpu_bundle.sh

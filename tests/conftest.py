@@ -90,9 +90,56 @@ def make_static_model(
     return Path(path)
 
 
+def make_other_kind_folders(path: Path, st_dir: Path) -> dict[str, Path]:
+    """Save the three other sentence-transformers model types built on the tiny BERT of ``st_dir``
+    (:func:`make_tiny_model`) under ``path``: ``SparseEncoder`` (MLM head + SPLADE max pooling),
+    ``MultiVectorEncoder`` (token projection to 16, mask, normalize) and ``CrossEncoder`` (one label).
+    Returns model type -> folder."""
+    import shutil
+
+    import torch
+    from sentence_transformers import CrossEncoder, MultiVectorEncoder, SparseEncoder
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+    from transformers import BertForMaskedLM
+
+    hf = Path(st_dir).parent / "hf"
+    torch.manual_seed(1)
+    mlm = path / "mlm"
+    BertForMaskedLM.from_pretrained(str(hf)).save_pretrained(mlm)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (hf / name).is_file():
+            shutil.copy(hf / name, mlm / name)
+    out = {
+        "SparseEncoder": path / "sparse",
+        "MultiVectorEncoder": path / "multi_vector",
+        "CrossEncoder": path / "cross",
+    }
+    SparseEncoder(str(mlm), device="cpu").save(str(out["SparseEncoder"]))
+    transformer = Transformer(str(hf), max_seq_length=64)
+    dense = Dense(
+        transformer.get_embedding_dimension(),
+        16,
+        bias=False,
+        activation_function=torch.nn.Identity(),
+        module_input_name="token_embeddings",
+    )
+    mve = MultiVectorEncoder(
+        modules=[transformer, dense, MultiVectorMask(), Normalize(module_input_name="token_embeddings")], device="cpu"
+    )
+    mve.save(str(out["MultiVectorEncoder"]))
+    CrossEncoder(str(hf), num_labels=1, device="cpu").save(str(out["CrossEncoder"]))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def other_kind_dirs(tmp_path_factory, tiny_model_dir) -> dict[str, Path]:
+    return make_other_kind_folders(tmp_path_factory.mktemp("other_kinds"), tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from cembed.config.loss import DEFAULT_LOSS, LOSS_CONFIGS, LossConfig
+from cembed.config.model import DEFAULT_KIND, MODEL_CONFIGS, ModelConfig
 from cembed.config.schema import CembedConfig
 from cembed.config.sources import SourceConfig, source_config_class_of
 from cembed.errors import UserError
@@ -96,9 +97,14 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...], data: Any = None
 
     ``data`` is the validated mapping: under ``loss`` its ``name`` picks the registered loss class,
     whose own fields are the valid ones (the schema only names the :class:`LossConfig` base); under
-    ``data.train`` the source's ``kind`` (or shorthand key) picks the registered source class.
+    ``model`` its ``kind`` picks the registered model class (and, with no loss name, the kind's
+    default loss); under ``data.train`` the source's ``kind`` (or shorthand key) picks the registered
+    source class.
     """
     current: Any = model
+    model_data = data.get("model") if isinstance(data, dict) else None
+    kind = model_data.get("kind", DEFAULT_KIND) if isinstance(model_data, dict) else DEFAULT_KIND
+    kind_cls = MODEL_CONFIGS.get(kind, ModelConfig) if isinstance(kind, str) else ModelConfig
     for part in loc:
         field = getattr(current, "model_fields", {}).get(part)
         if field is None:
@@ -107,8 +113,11 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...], data: Any = None
         current = next(iter(_models_in(field.annotation)), None)
         if current is None:
             return []
-        if current is LossConfig:
-            name = data.get("name", DEFAULT_LOSS) if isinstance(data, dict) else DEFAULT_LOSS
+        if current is ModelConfig:
+            current = kind_cls
+        elif current is LossConfig:
+            default = kind_cls.default_loss if kind_cls is not ModelConfig else DEFAULT_LOSS
+            name = data.get("name", default) if isinstance(data, dict) else default
             current = LOSS_CONFIGS.get(name, LossConfig) if isinstance(name, str) else LossConfig
         elif current is SourceConfig:
             current = source_config_class_of(data)

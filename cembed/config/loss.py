@@ -65,7 +65,9 @@ class LossConfig(_Strict):
 
     Each loss is a subclass with ``name: Literal["<name>"] = "<name>"``, its own fields, and the
     ``uses_gradient_cache`` capability (True: the loss embeds in mini-batches of
-    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it). Subclasses are
+    ``batch.mini_batch_size`` rows, GradCache style, so the probe can measure it) and ``consumes``, what
+    a text must become for it to train (:attr:`cembed.config.model.ModelConfig.output`: ``vector`` by
+    default, the dense kind's; a config whose ``model.kind`` makes something else is refused). Subclasses are
     registered by name in :data:`LOSS_CONFIGS` (:func:`register_loss_config`, or
     ``cembed.losses.registry.register_loss`` with its builder); :func:`loss_config` builds the registered
     class for a ``name``.
@@ -74,6 +76,10 @@ class LossConfig(_Strict):
     uses_gradient_cache: ClassVar[bool] = False
     # Fields naming a model the loss loads besides the one trained (a guide): validate checks each loads.
     model_paths: ClassVar[tuple[str, ...]] = ()
+    # Those of them whose model must be a transformer with a transformers tokenizer (GIST's guide, whose
+    # vocabulary sentence-transformers compares with the trained model's): validate checks its modules.
+    transformer_paths: ClassVar[tuple[str, ...]] = ()
+    consumes: ClassVar[frozenset[str]] = frozenset({"vector"})
 
     name: str = DEFAULT_LOSS
     scale: PositiveFloat = 20.0
@@ -82,6 +88,13 @@ class LossConfig(_Strict):
     # None: true when training runs in more than one process.
     gather_across_devices: bool | None = None
     matryoshka: MatryoshkaConfig | None = None  # also train truncated embeddings (any loss)
+
+    def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str] | None:
+        """The most bytes the loss's scoring holds at once, whatever the batch, for ``queries`` query rows of
+        at most ``longest_query`` tokens (besides the cached embeddings and their gradients), and how it
+        is bounded; None: the loss states no bound (a dense loss's ``(rows, candidates)`` score matrix
+        grows with the batch)."""
+        return None
 
 
 class MNRLOptionsConfig(LossConfig):
@@ -153,7 +166,9 @@ class CachedGISTLossConfig(LossConfig):
     sentence-transformers' ``CachedGISTEmbedLoss``: a frozen ``guide`` model scores every in-batch
     candidate, and a candidate the guide scores above the anchor's positive (minus ``margin``) is left
     out of the softmax. ``guide`` is any model cembed loads (a folder, a hub id, a packaged short name
-    such as all-MiniLM-L6-v2); with a different tokenizer the texts are re-tokenized for it.
+    such as all-MiniLM-L6-v2) whose first module is a transformer (a StaticEmbedding model has no
+    transformers tokenizer, which the library needs); with a different tokenizer the texts are
+    re-tokenized for it.
 
     ``temperature``: the softmax temperature (default 0.01, the library's and the paper's); giving
     ``scale`` instead means ``temperature = 1 / scale`` (both are stored, resolved). ``contrast_anchors`` / ``contrast_positives``
@@ -162,6 +177,7 @@ class CachedGISTLossConfig(LossConfig):
 
     uses_gradient_cache: ClassVar[bool] = True
     model_paths: ClassVar[tuple[str, ...]] = ("guide",)
+    transformer_paths: ClassVar[tuple[str, ...]] = ("guide",)
 
     name: Literal["cached_gist"] = "cached_gist"
     guide: str
@@ -215,6 +231,63 @@ class MNRLLossConfig(MNRLOptionsConfig):
     name: Literal["mnrl"] = "mnrl"
 
 
+def maxsim_scoring_bytes(
+    query_tokens: int, document_tokens: int, document_rows: int, longest_query: int, queries: int
+) -> int:
+    """The scoring memory bound of tiled MaxSim (:mod:`cembed.model.maxsim`), in bytes:
+    ``4 x (3 Sq Td + 5 Sq Rd) + 32 x queries`` with ``Sq = max(query_tokens, longest_query)`` (a query
+    tile holds whole queries), ``Td = document_tokens``, ``Rd = document_rows``: a tile's similarities, one
+    gathered copy of a per-(query token, document) array and their product; the running max per (query
+    token, document), its gradient, the hits found so far and in the tile, and the scores; four numbers
+    per query (the running log-sum-exp, the positive). Pure arithmetic."""
+    sq = max(query_tokens, longest_query)
+    return 4 * (3 * sq * document_tokens + 5 * sq * document_rows) + 32 * queries
+
+
+class CachedMaxSimLossConfig(LossConfig):
+    """``cached_maxsim``: in-batch negatives InfoNCE over MaxSim scores for a multi-vector model
+    (``model.kind: multi_vector``), with GradCache: sentence-transformers'
+    ``CachedMultiVectorMultipleNegativesRankingLoss`` (same loss and gradients), its token vectors cached
+    ragged (no padding) and MaxSim computed in tiles of at most `score_query_tokens` query tokens by
+    `score_document_tokens` document tokens (`score_document_rows` documents at a time), so the scoring
+    memory is bounded by the tiles, not the batch (:mod:`cembed.model.maxsim`). The tiles change memory
+    and speed only, never the result. `scale`: ``1 / temperature``; MaxSim sums over query tokens, so
+    the library's default is 1, not the cosine losses' 20. `score_kernel`: ``auto`` scores with a fused
+    CUDA kernel (the ``late-interaction-kernels`` package) where it imports and agrees with the tiled path
+    on the run's first batch, else with the tiled torch path; ``tiled`` always with the tiled path
+    (:mod:`cembed.model.maxsim_kernel`)."""
+
+    uses_gradient_cache: ClassVar[bool] = True
+    consumes: ClassVar[frozenset[str]] = frozenset({"token_vectors"})
+
+    name: Literal["cached_maxsim"] = "cached_maxsim"
+    scale: PositiveFloat = 1.0
+    score_query_tokens: PositiveInt = 1024
+    score_document_tokens: PositiveInt = 8192
+    score_document_rows: PositiveInt = 1024
+    score_kernel: Literal["auto", "tiled"] = "auto"
+
+    def scoring_memory(self, longest_query: int, queries: int) -> tuple[int, str]:
+        """:func:`maxsim_scoring_bytes` of the tiles, and the tiles in words."""
+        bound = maxsim_scoring_bytes(
+            self.score_query_tokens, self.score_document_tokens, self.score_document_rows, longest_query, queries
+        )
+        return bound, (
+            f"MaxSim in tiles of {self.score_query_tokens} query x {self.score_document_tokens} document tokens, "
+            f"{self.score_document_rows} documents at a time"
+        )
+
+    @model_validator(mode="after")
+    def _maxsim_options(self) -> CachedMaxSimLossConfig:
+        if self.symmetric:
+            raise ValueError("symmetric is not an option of cached_maxsim (queries and documents are encoded apart)")
+        if self.matryoshka is not None:
+            raise ValueError(
+                "matryoshka is not an option of cached_maxsim (a multi-vector model's tokens keep their size)"
+            )
+        return self
+
+
 # name -> LossConfig subclass; `loss.name` in a config picks one.
 LOSS_CONFIGS: dict[str, type[LossConfig]] = {}
 
@@ -250,3 +323,4 @@ def loss_config(**fields: Any) -> LossConfig:
 register_loss_config(CachedMNRLLossConfig)
 register_loss_config(MNRLLossConfig)
 register_loss_config(CachedGISTLossConfig)
+register_loss_config(CachedMaxSimLossConfig)

@@ -32,6 +32,17 @@ from cembed.config.loss import (
     loss_config_class,
 )
 
+# The model section lives in cembed.config.model (with the model kinds); named here as before.
+from cembed.config.model import (
+    DEFAULT_KIND,
+    MODEL_CONFIGS,
+    OUTPUT_WORDS,
+    DenseModelConfig,
+    LoraOptions,  # noqa: F401 - re-exported: cembed.config.schema.LoraOptions
+    ModelConfig,
+    model_config_class,
+)
+
 SCHEDULERS = (
     "linear",
     "cosine",
@@ -42,50 +53,6 @@ SCHEDULERS = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-
-
-class LoraOptions(_Strict):
-    """``model.lora``: train LoRA adapters instead of every weight (Hu et al. 2021, arXiv:2106.09685),
-    through ``peft`` (``pip install 'cembed[lora]'``)."""
-
-    r: PositiveInt = Field(16, description="adapter rank")
-    alpha: PositiveFloat = Field(32.0, description="scaling numerator: the update is (alpha / r) * B @ A")
-    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the adapter's input")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]) or all-linear"
-    )
-    merge: bool = Field(
-        True, description="save the final model with the adapters merged into the weights (false: adapter only)"
-    )
-
-
-class ModelConfig(_Strict):
-    """Which model to fine-tune and how to run it."""
-
-    name_or_path: str = "all-MiniLM-L6-v2"  # a local folder, a hub id, or a packaged short name
-    max_seq_length: PositiveInt | None = None  # tokens per text; longer texts are truncated (None: the model's)
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when a GPU is visible, else cpu
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto",
-        description="compute dtype: bf16/fp16 autocast over fp32 master weights (whatever the stored dtype); "
-        "auto: bf16 on a GPU with bf16, fp32 on CPU (cembed.plan.precision)",
-    )
-    save_dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
-        None, description="dtype of the saved model's weights; unset: the training dtype (fp32 master weights)"
-    )
-    trust_remote_code: bool = Field(False, description="run the model's own code (config.json auto_map); never implied")
-    revision: str | None = Field(None, description="hub revision (branch, tag or commit) to pin")
-    model_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="passed to the transformers model, e.g. attn_implementation, torch_dtype"
-    )
-    tokenizer_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to the tokenizer")
-    pooling: Literal["mean", "cls", "lasttoken"] = Field(
-        "mean", description="pooling for a plain transformers checkpoint (no modules.json); ignored otherwise"
-    )
-    lora: LoraOptions | None = Field(None, description="train LoRA adapters only (needs peft)")
-    gradient_checkpointing: bool = Field(
-        False, description="recompute activations in the backward pass: less memory per mini-batch, more compute"
-    )
 
 
 class BatchConfig(_Strict):
@@ -300,7 +267,7 @@ class EvalConfig(_Strict):
 class CembedConfig(_Strict):
     """The whole config file. Every section has defaults except ``data.train``."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: SerializeAsAny[ModelConfig] = Field(default_factory=DenseModelConfig)
     data: DataConfig
     batch: BatchConfig = Field(default_factory=BatchConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -309,6 +276,37 @@ class CembedConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig | None = None
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_default_loss(cls, data: Any) -> Any:
+        # A config that names no loss trains with its model kind's default loss (cached_mnrl for dense).
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            return data
+        kind_cls = MODEL_CONFIGS.get(data["model"].get("kind", DEFAULT_KIND))
+        if kind_cls is None or kind_cls.default_loss == DEFAULT_LOSS:
+            return data
+        loss = data.get("loss")
+        if loss is None:
+            return {**data, "loss": {"name": kind_cls.default_loss}}
+        if isinstance(loss, dict) and "name" not in loss:
+            return {**data, "loss": {**loss, "name": kind_cls.default_loss}}
+        return data
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_class(cls, value: Any) -> Any:
+        # `model.kind` picks the registered class, which then validates (only) its own fields.
+        if not isinstance(value, dict):
+            return value
+        kind = value.get("kind", DEFAULT_KIND)
+        try:
+            model_cls = model_config_class(kind)
+        except ValueError as err:
+            raise ValidationError.from_exception_data(
+                "ModelConfig", [{"type": "value_error", "loc": ("kind",), "input": kind, "ctx": {"error": err}}]
+            ) from None
+        return model_cls.model_validate(value)
 
     @field_validator("loss", mode="before")
     @classmethod
@@ -325,6 +323,37 @@ class CembedConfig(_Strict):
                 "LossConfig", [{"type": "value_error", "loc": ("name",), "input": name, "ctx": {"error": err}}]
             ) from None
         return loss_cls.model_validate(value)
+
+    @model_validator(mode="after")
+    def _kind_takes(self) -> CembedConfig:
+        # What the model kind cannot train: a loss that needs another output, options it does not take.
+        kind, loss = self.model.kind, type(self.loss)
+        problems = list(self.model.conflicts(self))
+        if type(self.model).output not in loss.consumes:
+            makes = OUTPUT_WORDS[type(self.model).output]
+            trains = " or ".join(OUTPUT_WORDS.get(o, o) for o in sorted(loss.consumes))
+            problems.insert(
+                0,
+                (
+                    "loss.name",
+                    f"{self.loss.name} trains a model that makes {trains}, but model.kind {kind} makes {makes}; "
+                    f"use loss.name {type(self.model).default_loss} (model.kind {kind}'s loss)",
+                ),
+            )
+        if problems:
+            raise ValidationError.from_exception_data(
+                "CembedConfig",
+                [
+                    {
+                        "type": "value_error",
+                        "loc": tuple(field.split(".")),
+                        "input": _value_at(self, field),
+                        "ctx": {"error": ValueError(why)},
+                    }
+                    for field, why in problems
+                ],
+            )
+        return self
 
     @model_validator(mode="after")
     def _streaming(self) -> CembedConfig:
@@ -350,3 +379,13 @@ class CembedConfig(_Strict):
                 "the packing hooks); set batch.unpad: auto (padded under compile) or train.torch_compile: false"
             )
         return self
+
+
+def _value_at(config: CembedConfig, dotted: str) -> Any:
+    """The value at ``section.field`` of ``config`` (None where there is none), for an error's "got"; ``{}``
+    for a value that is not a number, text or flag."""
+    value: Any = config
+    for part in dotted.split("."):
+        value = getattr(value, part, None)
+    # A section or a list is not shown (the error formatter leaves out a mapping's "got").
+    return value if isinstance(value, (str, int, float, bool)) or value is None else {}

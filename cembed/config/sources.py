@@ -390,3 +390,11 @@ def infer_source_kind(path: str, base: Path | None = None) -> Literal["file", "h
     if is_sample(path) or path.lower().endswith(LOCAL_EXTENSIONS) or is_glob(path) or found:
         return "file"
     return "hub"
+
+
+def local_source(path: str) -> SourceConfig:
+    """The source a command's own data path names (``cembed init --data``, ``cembed mine-negatives``):
+    a folder ``datasets``' ``save_to_disk`` wrote is a :class:`SavedSource` (read as
+    ``datasets.load_from_disk`` reads it, not as files: its ``state.json`` is no table), anything
+    else a :class:`FileSource`."""
+    return SavedSource(path=path) if infer_source_kind(path) == "saved" else FileSource(path=path)

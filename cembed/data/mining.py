@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cembed.config.sources import FileSource, SourceConfig
+from cembed.config.sources import SourceConfig, local_source
 from cembed.errors import UserError, first_line
 
 OutputFormat = Literal["columns", "rows"]
@@ -137,7 +137,9 @@ class MiningReport:
 
 def _mined_source(data):
     """``(source config, how messages name it)`` of ``mine_negatives``' ``data``: a path (or
-    ``cembed:<sample>``) is a file source; a source config of a kind that :attr:`~cembed.config.sources.SourceConfig.can_mine`.
+    ``cembed:<sample>``) is a file source, or a saved source for a ``save_to_disk`` folder
+    (:func:`cembed.config.sources.local_source`); a source config of a kind that
+    :attr:`~cembed.config.sources.SourceConfig.can_mine`.
 
     Raises:
         UserError: a source config of a kind that cannot be mined.
@@ -145,7 +147,7 @@ def _mined_source(data):
     from cembed.samples import resolve_sample
 
     if not isinstance(data, SourceConfig):  # the command line's path
-        return FileSource(path=str(resolve_sample(data) or data)), data
+        return local_source(str(resolve_sample(data) or data)), data
     if not data.can_mine:
         raise UserError(f"{data.label}: a {data.kind} source cannot be mined (mine-negatives reads text pairs)")
     return data, data.label

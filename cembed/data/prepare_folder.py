@@ -21,6 +21,7 @@ from cembed.data.tokens.format import (
     PreparedManifest,
     write_manifest,
 )
+from cembed.data.tokens.model_check import column_layouts, role_lengths
 from cembed.data.tokens.writer import (
     PrepareResult,
     check_equivalence,
@@ -132,7 +133,8 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
     quiet_libraries()
     model = load_model(cfg.model, "cpu")
     roles = data.columns
-    collator = collator_for(model, roles)
+    layouts = column_layouts(model, roles)
+    collator = collator_for(model, roles, expansions=layouts[1]) if layouts is not None else None
     if collator is None:
         raise UserError(
             f"model {cfg.model.name_or_path}: its inputs are more than token ids; a prepared source "
@@ -151,7 +153,9 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
     procs = resolve_num_proc(cfg.data.num_proc, len(rows))
     ids_dir.mkdir()
     groups = prompt_groups(len(rows), roles, prompts, lengths, None)
-    files = tokenize_into(rows, roles, model.tokenizer, model.max_seq_length, ids_dir, groups, procs, progress)
+    cut = role_lengths(layouts[0], int(model.max_seq_length))  # a multi-vector model's query / document lengths
+    lengths_by_role = layouts[0] if cut else model.max_seq_length
+    files = tokenize_into(rows, roles, model.tokenizer, lengths_by_role, ids_dir, groups, procs, progress)
     check_equivalence(model, collator, rows, ids_dir, files, prompts, cfg.model.name_or_path)
     src = data.sources[0] if data.sources else None
     input_files = None
@@ -171,5 +175,6 @@ def _tokenize_part(cfg, k: int, n: int, ids_dir: Path, progress) -> tuple[Prepar
         rows_read=data.rows_read,
         rows_dropped=data.rows_dropped,
         input_files=input_files,
+        role_lengths=cut,
     )
     return manifest, files, procs

@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from cembed.config.columns import ColumnMap
-from cembed.config.schema import ModelConfig
-from cembed.config.sources import FileSource, SourceConfig, infer_source_kind
+from cembed.config.model import model_config, model_config_class
+from cembed.config.sources import FileSource, SourceConfig, infer_source_kind, local_source
 from cembed.data.batching.full_table import build_batches
 from cembed.data.batching.placement import sampler_hashes
+from cembed.data.column_mapping import expand_list_columns
 from cembed.data.inspect import inspect_batches
 from cembed.data.load import check_cells, map_columns
 from cembed.data.rows import TrainingData
@@ -74,6 +75,7 @@ class Starter:
     compared_as: str = "raw text"  # how texts were compared (token ids when the model loads)
     text: str = field(repr=False, default="")  # the YAML written
     source: SourceConfig | None = None  # what data.train holds (None: the file ``data``)
+    kind: str = "dense"  # the model kind the model's folder is (a MultiVectorEncoder folder: multi_vector)
 
 
 def _text_columns(dataset) -> list[str]:
@@ -83,18 +85,29 @@ def _text_columns(dataset) -> list[str]:
     ]
 
 
+def _text_list_columns(dataset) -> list[str]:
+    """Columns whose values are lists of strings (one row's hard negatives, as Tevatron and PyLate store
+    them), in file order."""
+    return [
+        name
+        for name, feat in dataset.features.items()
+        if getattr(getattr(feat, "feature", None), "dtype", None) in ("string", "large_string")
+    ]
+
+
 def _by_name(columns: list[str], names: tuple[str, ...], taken: set[str]) -> str | None:
     lowered = {c.lower(): c for c in columns if c not in taken}
     return next((lowered[n] for n in names if n in lowered), None)
 
 
-def propose_roles(columns: list[str]) -> tuple[dict[str, str], list[str], dict[str, str]]:
+def propose_roles(columns: list[str], lists: list[str] = ()) -> tuple[dict[str, str], list[str], dict[str, str]]:
     """Which text columns hold the anchor, the positive and the hard negatives.
 
     By name first (``query``/``question``/``anchor``/``sentence1``... for the anchor,
     ``positive``/``answer``/``document``/``passage``/``sentence2``... for the positive,
-    ``negative*``/``hard_negative*``/``neg*`` for negatives); a role no name matches takes the first
-    unused text column (by position).
+    ``negative*``/``hard_negative*``/``neg*`` for negatives, also among ``lists``, the columns holding
+    lists of texts: training expands each into one column per position); a role no name matches takes
+    the first unused text column (by position).
 
     Returns:
         ``(roles, negatives, how)``: ``roles`` maps ``anchor``/``positive`` to a column, ``how`` says
@@ -103,7 +116,7 @@ def propose_roles(columns: list[str]) -> tuple[dict[str, str], list[str], dict[s
     Raises:
         UserError: fewer than two text columns.
     """
-    negatives = [c for c in columns if NEGATIVE_PATTERN.match(c)]
+    negatives = [c for c in [*columns, *lists] if NEGATIVE_PATTERN.match(c)]
     roles: dict[str, str] = {}
     how: dict[str, str] = {}
     taken = set(negatives)
@@ -197,13 +210,13 @@ def propose_batch_size(
 
 def _init_source(data: Path | SourceConfig) -> tuple[SourceConfig, Path | str]:
     """``(source config, how the report names it)`` of ``make_starter``'s ``data``: a path is a file
-    source; a source config of a kind that :attr:`~cembed.config.sources.SourceConfig.can_init`.
+    source, or a saved source for a ``save_to_disk`` folder (:func:`cembed.config.sources.local_source`); a source config of a kind that :attr:`~cembed.config.sources.SourceConfig.can_init`.
 
     Raises:
         UserError: a source config of a kind ``init`` cannot read.
     """
     if not isinstance(data, SourceConfig):  # the command line's path
-        return FileSource(path=str(data)), Path(data)
+        return local_source(str(data)), Path(data)
     if not data.can_init:
         raise UserError(f"{data.label}: cembed init cannot read a {data.kind} source (it proposes text columns)")
     return data, data.label
@@ -226,13 +239,16 @@ def make_starter(out: Path, model: str, data: Path | SourceConfig, seed: int = 4
     if out.exists():
         raise UserError(f"{out}: already exists; cembed init never overwrites a file (choose another name)")
     raw = load_source(source)
+    kind = _model_kind(model)
     columns = _text_columns(raw)
-    roles, negatives, how = propose_roles(columns)
+    roles, negatives, how = propose_roles(columns, _text_list_columns(raw))
     column_map = ColumnMap(anchor=roles["anchor"], positive=roles["positive"], negatives=negatives)
-    mapped = map_columns(raw, column_map, str(data))
+    # a column of lists of negatives is measured as training reads it: one column per position
+    expanded, mapping, _ = expand_list_columns(raw, column_map, str(data), "data.train.columns")
+    mapped = map_columns(expanded, mapping, str(data))
     mapped, invalid = check_cells(mapped, str(data), {}, drop_invalid=True)
     prepared = TrainingData(mapped, str(data), len(raw), invalid)
-    hashes, compared, _ = sampler_hashes(prepared, ModelConfig(name_or_path=model))
+    hashes, compared, _ = sampler_hashes(prepared, model_config(kind=kind, name_or_path=model))
     largest = inspect_batches(hashes, batch_size=max(len(mapped), 1), drop_last=False, seed=seed)["largest_batch"]
     proposal = propose_batch_size(hashes, seed, largest)
     batch = proposal.batch_size
@@ -254,9 +270,39 @@ def make_starter(out: Path, model: str, data: Path | SourceConfig, seed: int = 4
         why=proposal.why,
         compared_as=compared,
         source=source,
+        kind=kind,
     )
     starter.text = render_starter(starter)
     return starter
+
+
+def _model_kind(model: str) -> str:
+    """The model kind that trains ``model`` as what it is: its saved folder's type
+    (:func:`cembed.model.kinds.lookup.saved_model_type`; a ColBERT / PyLate / ``MultiVectorEncoder`` folder is
+    ``multi_vector``), ``dense`` for a dense model, a plain checkpoint or a hub id not readable here.
+
+    Raises:
+        ModelRefused: a folder of a type no kind of cembed trains, naming it (``--model``).
+    """
+    from cembed.model.kinds.lookup import kind_of_folder, saved_model_type
+    from cembed.model.load import resolve_model_path
+
+    name = resolve_model_path(model)
+    return kind_of_folder(saved_model_type(name), model).name
+
+
+def _loss_lines(kind: str) -> list[str]:
+    """The starter's loss section: the dense one (``cached_mnrl`` at scale 20), else the kind's default
+    loss at its default scale."""
+    if kind == "dense":
+        return [_line("  name: cached_mnrl", "in-batch negatives InfoNCE with GradCache"), "  scale: 20"]
+    from cembed.config.loss import loss_config
+
+    default = model_config_class(kind).default_loss
+    return [
+        _line(f"  name: {default}", f"the default loss of model.kind {kind}"),
+        f"  scale: {loss_config(name=default).scale}",
+    ]
 
 
 def _line(text: str, comment: str = "") -> str:
@@ -297,6 +343,11 @@ def render_starter(s: Starter) -> str:
         f"#   cembed inspect-data {s.out}",
         f"#   cembed train {s.out}",
         "model:",
+        *(
+            [_line(f"  kind: {s.kind}", "what its folder is (a MultiVectorEncoder: one vector per token)")]
+            if s.kind != "dense"
+            else []
+        ),
         _line(f"  name_or_path: {q(s.model)}"),
         _line("  max_seq_length: null", "null: the model's own; lower it for short texts (faster)"),
         _line("  device: auto", "auto | cpu | cuda"),
@@ -323,8 +374,7 @@ def render_starter(s: Starter) -> str:
         _line("  lr_scaling: sqrt", "... scaled to the batch (`cembed validate` shows it)"),
         "  warmup_ratio: 0.1",
         "loss:",
-        _line("  name: cached_mnrl", "in-batch negatives InfoNCE with GradCache"),
-        "  scale: 20",
+        *_loss_lines(s.kind),
         "sampler:",
         _line("  no_duplicates: true", "a text never appears twice in a batch (no false negatives)"),
         "train:",

@@ -1,4 +1,6 @@
-"""Truncation reports: how many texts reach ``max_seq_length`` once tokenized, per column and source."""
+"""Truncation reports: how many texts reach ``max_seq_length`` once tokenized, per column and source (or
+the column's own length where the model kind cuts it elsewhere: a multi-vector model's queries at
+``query_length`` or their query expansion, its documents at ``document_length``)."""
 
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ from cembed.model.load import load_model, pooling_in_effect, quiet_libraries, we
 
 @dataclass
 class ColumnTruncation:
-    """How many rows of one column are longer than ``max_seq_length`` tokens (they get cut)."""
+    """How many rows of one column are longer than the tokens the model keeps of it (they get cut):
+    ``max_seq_length``, or ``limit`` where the column has a length of its own."""
 
     column: str  # role column (anchor, positive, negative_1, ...)
     source: str  # the data's column name
     rows: int  # rows checked
-    truncated: int  # rows with more than max_seq_length tokens
+    truncated: int  # rows with more tokens than the column keeps
     max_tokens: int  # longest row, tokens (special tokens included)
+    limit: int | None = None  # the column's own length (a multi-vector model's query_length ...); None: max_seq_length
 
     @property
     def fraction(self) -> float:
@@ -37,9 +41,11 @@ def truncation_report(
     roles: dict[str, str] | None = None,
     sample_rows: int = 20000,
     prompts: dict[str, str] | None = None,
+    limits: dict[str, int] | None = None,
 ) -> list[ColumnTruncation]:
     """Per column, the rows whose token count (special tokens included, as the model tokenizes)
-    exceeds ``max_seq_length``, over the first ``sample_rows`` rows of ``dataset``.
+    exceeds ``max_seq_length`` (or the column's own length in ``limits``), over the first ``sample_rows``
+    rows of ``dataset``.
 
     Args:
         dataset: a ``datasets.Dataset`` of text columns.
@@ -48,30 +54,52 @@ def truncation_report(
         roles: role column -> source column name, for display.
         sample_rows: rows checked (the first ones), to bound the time on big data.
         prompts: ``{column: prompt}`` prepended as in training (its tokens count toward the length).
+        limits: ``{column: tokens}`` for the columns the model cuts elsewhere than at ``max_seq_length``.
     """
     n = min(len(dataset), sample_rows)
     out = []
     for col in dataset.column_names:
         prompt = (prompts or {}).get(col, "")
+        limit = (limits or {}).get(col)
         cells = dataset[col][:n] if n < len(dataset) else dataset[col]
         texts = [prompt + str(t) for t in cells if t is not None]  # null: a source without this column
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]]
-        over = sum(1 for x in lengths if x > max_seq_length)
-        out.append(ColumnTruncation(col, (roles or {}).get(col, col), len(texts), over, max(lengths, default=0)))
+        over = sum(1 for x in lengths if x > (limit or max_seq_length))
+        source = (roles or {}).get(col, col)
+        out.append(ColumnTruncation(col, source, len(texts), over, max(lengths, default=0), limit))
     return out
 
 
-def stored_length_report(dataset, columns: list[str], max_seq_length: int) -> list[ColumnTruncation]:
+def stored_length_report(
+    dataset, columns: list[str], max_seq_length: int, limits: dict[str, int] | None = None
+) -> list[ColumnTruncation]:
     """Per role column of a prepared source (token ids, no text), the rows whose stored ids reach
-    ``max_seq_length`` (special tokens included: cut, or exactly that long) and the longest row, over
-    every row, with pyarrow compute (no Python object per row)."""
+    ``max_seq_length`` (or the column's own length in ``limits``; special tokens included: cut, or exactly
+    that long) and the longest row, over every row, with pyarrow compute (no Python object per row)."""
     table = arrow_table(dataset)
     out = []
     for col in columns:
+        limit = (limits or {}).get(col)
         lengths = pc.list_value_length(table.column(col + "_input_ids"))
         rows = len(lengths) - lengths.null_count
-        at_limit = pc.sum(pc.greater_equal(lengths, max_seq_length)).as_py() or 0
-        out.append(ColumnTruncation(col, col, rows, at_limit, pc.max(lengths).as_py() or 0))
+        at_limit = pc.sum(pc.greater_equal(lengths, limit or max_seq_length)).as_py() or 0
+        out.append(ColumnTruncation(col, col, rows, at_limit, pc.max(lengths).as_py() or 0, limit))
+    return out
+
+
+def column_limits(model, columns: list[str]) -> dict[str, int]:
+    """The columns the model's kind cuts elsewhere than at ``max_seq_length`` (its
+    :meth:`cembed.model.kinds.registry.ModelKind.token_layout` per column, the first the query), and
+    where: ``{column: tokens}``; empty for a dense model."""
+    from cembed.model.kinds.lookup import kind_of
+
+    kind = kind_of(model, default="dense")
+    length = int(model.max_seq_length)
+    out = {}
+    for i, col in enumerate(columns):
+        layout = kind.token_layout(model, i)
+        if layout is not None and layout.max_length != length:
+            out[col] = int(layout.max_length)
     return out
 
 
@@ -85,7 +113,12 @@ def _merged_truncation(reports: list[list[ColumnTruncation]]) -> list[ColumnTrun
                 c
                 if m is None
                 else ColumnTruncation(
-                    c.column, m.source, m.rows + c.rows, m.truncated + c.truncated, max(m.max_tokens, c.max_tokens)
+                    c.column,
+                    m.source,
+                    m.rows + c.rows,
+                    m.truncated + c.truncated,
+                    max(m.max_tokens, c.max_tokens),
+                    c.limit,
                 )
             )
     return list(merged.values())
@@ -150,18 +183,21 @@ def model_truncation_report(
         own = (resolve_source_prompts(data, model, prompts) or [prompts])[0]
         where = display_path(source.label)
         check_prepared_for_model(model, data.manifest, where, own.for_columns(data.columns), prompts_field(source))
-        report = stored_length_report(data.dataset, data.columns, length)
+        report = stored_length_report(data.dataset, data.columns, length, column_limits(model, data.columns))
         by_source = {source.name: own} if source.prompts is not None else None
         return ModelTruncation(length, report, pooling, weights, prompts, attention, by_source, True)
     per_source = resolve_source_prompts(data, model, prompts)
+    limits = column_limits(model, data.columns)
     if per_source is None:
         by_column = prompts.for_columns(data.columns)
-        report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows, by_column)
+        report = truncation_report(data.dataset, model.tokenizer, length, data.roles, sample_rows, by_column, limits)
     else:  # each source's rows with its own prompts
         views = source_views(data)
         report = _merged_truncation(
             [
-                truncation_report(v.dataset, model.tokenizer, length, data.roles, sample_rows, p.for_columns(v.columns))
+                truncation_report(
+                    v.dataset, model.tokenizer, length, data.roles, sample_rows, p.for_columns(v.columns), limits
+                )
                 for v, p in zip(views, per_source)
             ]
         )

@@ -8,10 +8,17 @@ several, DDP ignores them instead (:func:`ignore_in_ddp`), so the optimizer stat
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
-def unused_parameters(model, texts: list[str] | dict[str, list[str]], tasks: dict[str, str] | None = None) -> list[str]:
+def unused_parameters(
+    model,
+    texts: list[str] | dict[str, list[str]],
+    tasks: dict[str, str] | None = None,
+    outputs: Callable[[dict], list] | None = None,
+) -> list[str]:
     """Names of the trainable parameters of ``model`` that receive no gradient when it embeds ``texts``.
 
     One forward per column and one backward of their sum (a row or two per column suffice: which
@@ -23,6 +30,8 @@ def unused_parameters(model, texts: list[str] | dict[str, list[str]], tasks: dic
         model: a SentenceTransformer (not DDP-wrapped).
         texts: sample texts of every column (column -> texts, e.g. ``dataset[:1]``), or one list.
         tasks: column -> the task (Router route) the column is embedded with, when it has one.
+        outputs: what each text became, from the forward's output dict (the model kind's
+            ``text_outputs``); None: its ``sentence_embedding`` rows (a dense model).
 
     Returns:
         Parameter names as in ``model.named_parameters()``; empty when every parameter is used.
@@ -42,7 +51,9 @@ def unused_parameters(model, texts: list[str] | dict[str, list[str]], tasks: dic
                 task = (tasks or {}).get(column)
                 kwargs = {"task": task} if task else {}
                 features = batch_to_device(model.preprocess(list(column_texts), **kwargs), model.device)
-                total = total + model(features)["sentence_embedding"].float().sum()
+                out = model(features)
+                rows = outputs(out) if outputs is not None else [out["sentence_embedding"]]
+                total = total + sum(r.float().sum() for r in rows)
             total.backward()
         unused = [n for n, p in params if p.grad is None]
     finally:

@@ -56,6 +56,20 @@ def fsdp_args(layer_classes: list[str]) -> dict:
     }
 
 
+def search_final_norm_in_backbone(model) -> None:
+    """Have accelerate look for ``model``'s final norm inside its first module (the transformer).
+
+    accelerate (1.15, ``fsdp2_prepare_model``) shards a model's final norm as a unit of its own, found by
+    class name ("Norm" in it) among the children of ``model.base_model_prefix`` (the model itself when it
+    has none). For a sentence-transformers model that is its last ``Normalize`` (all-MiniLM-L6-v2's, every
+    multi-vector model's token normalisation), which has no weights and which ``fully_shard`` cannot wrap
+    (``'FSDPNormalize' object layout differs from 'Normalize'``): the run fails before its first step.
+    Pointing ``base_model_prefix`` at the first module makes accelerate look among the transformer's
+    children, as for a transformers model. Only set on a sentence-transformers model without one."""
+    if getattr(model, "base_model_prefix", None) is None and hasattr(model, "_modules") and "0" in model._modules:
+        model.base_model_prefix = "0"
+
+
 def enable_fsdp_on_cpu(trainer) -> bool:
     """Give a CPU job's accelerator the FSDP plugin that accelerate dropped (see the module notes).
 

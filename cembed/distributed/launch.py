@@ -108,15 +108,21 @@ def restart_line(entry: dict) -> str:
     return f"restart {entry['restart']} of {entry['of']}: {point} ({entry['reason']})"
 
 
-def restarts_record() -> list[dict]:
+def restarts_record(count: int | None = None) -> list[dict]:
     """The restarts of this job so far, for ``run_summary.json``: the launching process's record
-    (:class:`RestartPolicy`) where cembed launched it; under ``torchrun`` by hand only the count is
-    known (``$TORCHELASTIC_RESTART_COUNT``: entries without a reason). Empty on a first attempt."""
+    (:class:`RestartPolicy`) where cembed launched it; under ``torchrun`` by hand, or on a node whose
+    launcher restarted healthy workers (:func:`job_restart_count`), only the count is known (entries
+    without a reason). Empty on a first attempt.
+
+    Args:
+        count: the job's restarts (:func:`job_restart_count`); None: this worker's own
+            ``$TORCHELASTIC_RESTART_COUNT``.
+    """
     try:
         recorded = json.loads(os.environ.get(RESTARTS_ENV, "") or "[]")
     except ValueError:
         recorded = []
-    count = restart_count()
+    count = restart_count() if count is None else count
     if isinstance(recorded, list) and len(recorded) == count:
         return recorded
     return [{"restart": k, "of": None, "resumed_from": None, "reason": None} for k in range(1, count + 1)]
@@ -194,6 +200,20 @@ def restart_count() -> int:
         return 0
 
 
+def job_restart_count() -> int:
+    """How often the job's workers have been restarted after a failure, as the whole job counts it:
+    the largest :func:`restart_count` over the ranks (a collective: every rank calls it at the same
+    point, in the process group; this worker's own count without one).
+
+    Why not each worker's own: torch's elastic agent counts a restart on the node whose worker failed
+    only. The agents of the other nodes see the failed node back in the rendezvous and restart their
+    healthy workers without counting it (pytorch/pytorch#108158), so those would start the run afresh
+    while the failed node's resume it."""
+    from cembed.distributed.collectives import max_over_ranks
+
+    return max_over_ranks(restart_count())
+
+
 def launcher_args(
     module: str,
     module_args: list[str],
@@ -205,7 +225,8 @@ def launcher_args(
 ) -> list[str]:
     """The ``torchrun`` command line (without the program name) that runs ``python -m module module_args``
     in ``nproc_per_node`` processes on each of ``nnodes`` nodes; when a worker fails, the launcher
-    restarts them all up to ``max_restarts`` times (torchrun's ``--max-restarts``).
+    restarts them all up to ``max_restarts`` times (torchrun's ``--max-restarts``; across nodes through
+    torchrun's c10d rendezvous, which re-forms the group after a restart).
 
     Raises:
         UserError: a count below 1 (below 0 for ``max_restarts``), a node rank outside ``[0, nnodes)``,
@@ -228,6 +249,11 @@ def launcher_args(
         argv += ["--rdzv-endpoint", rdzv_endpoint]
     if max_restarts:
         argv += ["--max-restarts", str(max_restarts)]
+    if max_restarts and nnodes > 1:
+        # torchrun's default with --rdzv-endpoint is the static rendezvous, whose restarted workers on
+        # several nodes never connected again (Gloo connectFullMesh failed, measured on two nodes);
+        # the c10d rendezvous re-forms the group (docs/preemptible.md)
+        argv += ["--rdzv-backend", "c10d"]
     return argv + ["--module", module, *module_args]
 
 

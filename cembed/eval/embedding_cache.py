@@ -4,8 +4,11 @@ A retrieval corpus is encoded once per (model, corpus): the cache file is named 
 :func:`cembed.model.fingerprint.model_fingerprint` (weights, module stack, max_seq_length, tokenizer,
 prompts, device type) and :func:`corpus_fingerprint` (document ids and texts in order, the prompt),
 salted with :data:`CACHE_FORMAT` (:func:`cache_path`), so any change misses and the same model on the
-same corpus never re-encodes. Files are float32 ``.npy`` arrays written atomically, in
-:func:`cembed.files.cache_root` ``("embeddings", ...)``.
+same corpus never re-encodes. Files are float32 ``.npy`` arrays ``(documents, dim)`` written atomically, in
+:func:`cembed.files.cache_root` ``("embeddings", ...)``; a model that makes token vectors (a multi-vector
+model: ``encode_document`` gives one ``(tokens, dim)`` array per document) is cached ragged, without
+padding, as ``.npz`` with ``values`` (every document's tokens end to end, float32) and ``offsets``
+(int64, documents + 1).
 """
 
 from __future__ import annotations
@@ -61,6 +64,32 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
     write_atomic(path, lambda f: np.save(f, array), binary=True)
 
 
+def ragged_path(path: Path) -> Path:
+    """The ragged cache file beside the one-vector file ``path`` (:func:`cache_path`)."""
+    return path.with_suffix(".npz")
+
+
+def _save_ragged_atomic(path: Path, values: np.ndarray, offsets: np.ndarray) -> None:
+    from cembed.files import write_atomic
+
+    write_atomic(path, lambda f: np.savez(f, values=values, offsets=offsets), binary=True)
+
+
+def _load_ragged(path: Path, rows: int, dim: int | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(values, offsets)`` of a ragged cache file if it reads and fits ``rows`` documents, else None."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            values, offsets = stored["values"], stored["offsets"]
+    except (OSError, ValueError, EOFError, KeyError):
+        return None
+    fits = offsets.shape == (rows + 1,) and values.ndim == 2 and int(offsets[-1]) == values.shape[0]
+    if not fits or values.dtype != np.float32 or (dim is not None and values.shape[1] != dim):
+        return None
+    return values, offsets
+
+
 def _load_cached(path: Path, rows: int, dim: int | None) -> np.ndarray | None:
     """The cached array if it is readable and has the expected shape, else None (re-encode)."""
     if not path.is_file():
@@ -79,15 +108,17 @@ ProgressFn = Callable[[int, int], None]  # (done, total) -> None
 
 def encode_documents(
     model, texts: list[str], batch_size: int = 32, progress: ProgressFn | None = None, prompt: str | None = None
-) -> np.ndarray:
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Encode ``texts`` with ``model.encode_document`` (``prompt`` prepended; None: the model's
-    document prompt); returns float32 ``(len(texts), dim)``.
+    document prompt); returns float32 ``(len(texts), dim)``, or for a model of token vectors
+    ``(values, offsets)``: every text's ``(tokens, dim)`` vectors end to end and int64 row offsets.
 
     Texts are sorted by length (longest first, as ``encode`` does internally) and encoded in chunks
     of ``batch_size * 8`` so ``progress(done, total)`` can be reported; the output is in input order.
     Padding is masked, so chunking does not change the embeddings beyond float rounding.
     """
     order = np.argsort([-len(t) for t in texts], kind="stable")
+    rows: list[np.ndarray | None] = [None] * len(texts)  # a token-vector model's per-text arrays
     out: np.ndarray | None = None
     chunk = batch_size * 8
     done = 0
@@ -101,13 +132,22 @@ def encode_documents(
             convert_to_numpy=True,
             show_progress_bar=False,
             prompt=prompt,
-        ).astype(np.float32, copy=False)
-        if out is None:
-            out = np.empty((len(texts), emb.shape[1]), dtype=np.float32)
-        out[idx] = emb
+        )
         done += len(idx)
+        if isinstance(emb, list):  # one (tokens, dim) array per text
+            for i, tokens in zip(idx, emb):
+                rows[i] = np.asarray(tokens, dtype=np.float32)
+        else:
+            emb = emb.astype(np.float32, copy=False)
+            if out is None:
+                out = np.empty((len(texts), emb.shape[1]), dtype=np.float32)
+            out[idx] = emb
         if progress:
             progress(done, len(texts))
+    if out is None and texts:
+        offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+        np.cumsum([len(r) for r in rows], out=offsets[1:])
+        return np.concatenate(rows).astype(np.float32, copy=False), offsets
     assert out is not None
     return out
 
@@ -116,10 +156,21 @@ def encode_documents(
 class CorpusEmbeddings:
     """Corpus embeddings plus where they came from."""
 
-    embeddings: np.ndarray  # float32 (n_docs, dim), in corpus order
+    embeddings: np.ndarray  # float32 (n_docs, dim), in corpus order; ragged: every document's tokens end to end
     cache_file: str | None
     cache_hit: bool
     encode_seconds: float
+    offsets: np.ndarray | None = None  # ragged (token vectors): int64 (n_docs + 1), document i's rows
+
+    def on_device(self, device):
+        """What an evaluator takes as ``corpus_embeddings`` on ``device``: a ``(n_docs, dim)`` tensor, or
+        one ``(tokens, dim)`` tensor per document."""
+        import torch
+
+        values = torch.from_numpy(self.embeddings).to(device)
+        if self.offsets is None:
+            return values
+        return [values[a:b] for a, b in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist())]
 
 
 def corpus_embeddings(
@@ -148,18 +199,26 @@ def corpus_embeddings(
         )
         dim = get_dim() if get_dim else None
         cached = _load_cached(path, len(texts), dim)
-        if cached is not None:
+        stored = _load_ragged(ragged_path(path), len(texts), dim) if cached is None else None
+        if cached is not None or stored is not None:
             if progress:
                 progress(len(texts), len(texts))
-            return CorpusEmbeddings(cached, str(path), True, 0.0)
+            if cached is not None:
+                return CorpusEmbeddings(cached, str(path), True, 0.0)
+            return CorpusEmbeddings(stored[0], str(ragged_path(path)), True, 0.0, stored[1])
     t0 = time.perf_counter()
     emb = encode_documents(model, texts, batch_size, progress, prompt)
     seconds = time.perf_counter() - t0
+    values, offsets = emb if isinstance(emb, tuple) else (emb, None)
     if path is not None:
+        path = path if offsets is None else ragged_path(path)
         try:
-            _save_npy_atomic(path, emb)
+            if offsets is None:
+                _save_npy_atomic(path, values)
+            else:
+                _save_ragged_atomic(path, values, offsets)
         except OSError as err:
             raise UserError(
                 f"{path.parent}: cannot write the embedding cache ({err}); use another --cache-dir or --no-cache"
             ) from None
-    return CorpusEmbeddings(emb, str(path) if path else None, False, seconds)
+    return CorpusEmbeddings(values, str(path) if path else None, False, seconds, offsets)

@@ -2,7 +2,9 @@
 sentence-transformers' own evaluators.
 
 * Retrieval: :class:`~cembed.eval.metrics.GradedIREvaluator` (sentence-transformers' evaluator, NDCG graded
-  as pytrec_eval) with cosine similarity: NDCG@10, MRR@10, MAP@100, Recall@10, Recall@100 and others.
+  as pytrec_eval) with the similarity of the model's kind (``ModelConfig.similarity``): cosine for a
+  dense model, MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`; one factory per
+  similarity in :data:`RETRIEVAL_EVALUATORS`): NDCG@10, MRR@10, MAP@100, Recall@10, Recall@100 and others.
 * STS: :class:`~sentence_transformers.sentence_transformer.evaluation.EmbeddingSimilarityEvaluator`; the
   headline is the Spearman correlation of cosine similarity with the gold scores (MTEB's STS main score).
 
@@ -30,12 +32,57 @@ RETRIEVAL_HEADLINE = (
 STS_HEADLINE = (("Spearman (cosine)", "spearman_cosine"), ("Pearson (cosine)", "pearson_cosine"))
 
 
-def retrieval_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False, prompts=None):
-    """A :class:`~cembed.eval.metrics.GradedIREvaluator` for ``rs`` with cosine similarity (as MTEB), metrics
-    Accuracy/Precision/Recall@{1,3,5,10,100}, MRR@10, NDCG@10 (graded by ``rs.relevance``) and MAP@100.
-    Its metric keys are ``<rs.name>_cosine_<metric>@<k>``; its primary metric ``<rs.name>_cosine_ndcg@10``.
+def retrieval_headline(similarity: str = "cosine") -> tuple[tuple[str, str], ...]:
+    """:data:`RETRIEVAL_HEADLINE` for the metric keys of ``similarity`` (``maxsim_ndcg@10``, ...)."""
+    return tuple((label, suffix.replace("cosine_", f"{similarity}_", 1)) for label, suffix in RETRIEVAL_HEADLINE)
+
+
+def _ir_arguments(rs: RetrievalSet, batch_size: int, write_csv: bool, prompts) -> dict:
+    """The evaluator arguments every similarity shares: the set, the metrics, the prompts."""
+    return dict(
+        queries=rs.queries,
+        corpus=rs.corpus,
+        relevant_docs=rs.relevant_docs,
+        relevance=rs.relevance,
+        mrr_at_k=[10],
+        ndcg_at_k=[10],
+        accuracy_at_k=[1, 3, 5, 10],
+        precision_recall_at_k=[1, 3, 5, 10, 100],
+        map_at_k=[100],
+        batch_size=batch_size,
+        name=rs.name,
+        write_csv=write_csv,
+        query_prompt=prompts.anchor if prompts else None,
+        corpus_prompt=prompts.positive if prompts else None,
+    )
+
+
+def _maxsim_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False, prompts=None):
+    from cembed.eval.maxsim_retrieval import MaxSimIREvaluator
+
+    return MaxSimIREvaluator(**_ir_arguments(rs, batch_size, write_csv, prompts))
+
+
+def retrieval_evaluator(
+    rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False, prompts=None, similarity: str = "cosine"
+):
+    """A :class:`~cembed.eval.metrics.GradedIREvaluator` for ``rs`` with ``similarity`` (the model kind's:
+    cosine, as MTEB, or a similarity of :data:`RETRIEVAL_EVALUATORS`), metrics Accuracy/Precision/Recall@{1,3,5,10,100},
+    MRR@10, NDCG@10 (graded by ``rs.relevance``) and MAP@100. Its metric keys are
+    ``<rs.name>_<similarity>_<metric>@<k>``; its primary metric ``<rs.name>_<similarity>_ndcg@10``.
     ``prompts`` (:class:`cembed.model.prompts.RolePrompts`): queries get the anchor's prompt, the corpus
-    the positive's (None: the model's ``encode_query`` / ``encode_document`` defaults)."""
+    the positive's (None: the model's ``encode_query`` / ``encode_document`` defaults).
+
+    Raises:
+        ValueError: no evaluator for ``similarity``.
+    """
+    if similarity != "cosine":
+        factory = RETRIEVAL_EVALUATORS.get(similarity)
+        if factory is None:
+            raise ValueError(
+                f"no retrieval evaluator for similarity {similarity!r}; known: cosine, {', '.join(RETRIEVAL_EVALUATORS)}"
+            )
+        return factory(rs, batch_size, write_csv, prompts)
     from sentence_transformers.util import cos_sim
 
     from cembed.eval.metrics import GradedIREvaluator  # imports sentence-transformers
@@ -58,6 +105,11 @@ def retrieval_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool 
         query_prompt=prompts.anchor if prompts else None,
         corpus_prompt=prompts.positive if prompts else None,
     )
+
+
+# similarity name (a model kind's ModelConfig.similarity) -> the factory of its retrieval evaluator, called
+# as factory(rs, batch_size, write_csv, prompts); cosine is retrieval_evaluator's own.
+RETRIEVAL_EVALUATORS = {"maxsim": _maxsim_evaluator}
 
 
 def sts_evaluator(sts: StsSet, batch_size: int = 32, write_csv: bool = False):
@@ -90,15 +142,22 @@ def evaluate_retrieval(
     the evaluator, metrics by ``InformationRetrievalEvaluator``; ``prompts`` as in :func:`retrieval_evaluator`.
 
     Returns:
-        ``(metrics, corpus_embeddings)``; metrics keyed ``<rs.name>_cosine_<metric>@<k>``.
+        ``(metrics, corpus_embeddings)``; metrics keyed ``<rs.name>_<similarity>_<metric>@<k>``
+        (:func:`similarity_of` the model).
     """
-    import torch
-
     prompt = prompts.positive if prompts else None
     ce = corpus_embeddings(model, rs.corpus, batch_size, cache_dir, progress, model_fp, prompt)
-    evaluator = retrieval_evaluator(rs, batch_size, prompts=prompts)
-    metrics = evaluator(model, corpus_embeddings=torch.from_numpy(ce.embeddings).to(model.device))
+    evaluator = retrieval_evaluator(rs, batch_size, prompts=prompts, similarity=similarity_of(model))
+    metrics = evaluator(model, corpus_embeddings=ce.on_device(model.device))
     return {k: float(v) for k, v in metrics.items()}, ce
+
+
+def similarity_of(model) -> str:
+    """The similarity ``model`` is scored by: its model kind's (``ModelConfig.similarity``); cosine for a
+    model of no registered kind (any object with ``encode_query`` / ``encode_document`` giving one vector)."""
+    from cembed.model.kinds.lookup import kind_of
+
+    return kind_of(model, default="dense").config_class.similarity
 
 
 def evaluate_sts(model, sts: StsSet, batch_size: int = 32) -> dict[str, float]:
@@ -107,7 +166,8 @@ def evaluate_sts(model, sts: StsSet, batch_size: int = 32) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
-def headline(metrics: dict[str, float], name: str, kind: str) -> dict[str, float]:
-    """The few metrics shown for a set: label -> value (``kind`` is ``retrieval`` or ``sts``)."""
-    rows = RETRIEVAL_HEADLINE if kind == "retrieval" else STS_HEADLINE
+def headline(metrics: dict[str, float], name: str, kind: str, similarity: str = "cosine") -> dict[str, float]:
+    """The few metrics shown for a set: label -> value (``kind`` is ``retrieval`` or ``sts``; ``similarity``
+    the retrieval metrics' score, :func:`retrieval_headline`)."""
+    rows = retrieval_headline(similarity) if kind == "retrieval" else STS_HEADLINE
     return {label: metrics[f"{name}_{suffix}"] for label, suffix in rows if f"{name}_{suffix}" in metrics}

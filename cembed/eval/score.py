@@ -30,7 +30,7 @@ from typing import Any
 
 from cembed.errors import UserError
 from cembed.eval.embedding_cache import ProgressFn, corpus_embeddings
-from cembed.eval.evaluators import evaluate_retrieval, evaluate_sts, headline, retrieval_evaluator
+from cembed.eval.evaluators import evaluate_retrieval, evaluate_sts, headline, retrieval_evaluator, similarity_of
 from cembed.eval.sets import RetrievalSet, StsSet, load_beir, load_sts
 from cembed.files import cache_root
 from cembed.model.fingerprint import model_fingerprint
@@ -94,6 +94,11 @@ def prepare_eval(
         raise UserError(f"cembed eval: two sets are named {dup!r}; rename one folder/file")
     quiet_libraries()
     model = load_eval_model(model_name, device, max_seq_length)
+    if ssets and similarity_of(model) != "cosine":
+        raise UserError(
+            f"--sts: {model_name} scores a query and a document by {similarity_of(model)}, not one vector per text; "
+            "STS is for dense models: evaluate it with --retrieval"
+        )
     cache = None if no_cache else cache_root("embeddings", cache_dir)
     return EvalSetup(rsets, ssets, model, model_fingerprint(model), cache, resolve_prompts(None, model))
 
@@ -168,7 +173,7 @@ def score_model(
             "split": rs.split,
             "queries": len(rs.queries),
             "documents": len(rs.corpus),
-            "headline": headline(metrics, rs.name, "retrieval"),
+            "headline": headline(metrics, rs.name, "retrieval", similarity_of(model)),
             "metrics": metrics,
             "corpus_cache": ce.cache_file,
             "corpus_cache_hit": ce.cache_hit,
@@ -245,6 +250,10 @@ def score_dims(
 
     setup = prepare_eval(model_name, retrieval, sts, split, json_out, max_seq_length, device, cache_dir, no_cache)
     model, prompts = setup.model, setup.prompts
+    if similarity_of(model) != "cosine":
+        raise UserError(
+            f"--dims: {model_name} is not a dense model (it scores by {similarity_of(model)}); --dims truncates one vector per text"
+        )
     full = model.get_embedding_dimension()
     if max(dims) > full:
         raise UserError(f"--dims {','.join(map(str, dims))}: the model's embeddings have {full} dimensions")

@@ -8,4 +8,5 @@ built-in loss modules, so that they register.
 """
 
 import cembed.losses.gist  # noqa: F401 - registers cached_gist
+import cembed.losses.maxsim  # noqa: F401 - registers cached_maxsim
 import cembed.losses.mnrl  # noqa: F401 - registers cached_mnrl and mnrl

@@ -47,9 +47,13 @@ class TokenCounts:
     real: int | torch.Tensor = 0  # non-padding tokens
     processed: int | torch.Tensor = 0  # positions the encoder ran on (rows x padded width, per mini-batch)
     real_sq: int | torch.Tensor = 0  # sum over rows of (non-padding tokens)^2: attention's FLOPs
+    # (query token, document token) pairs a late-interaction loss scored in its training steps (a host
+    # int: the ragged cache's offsets are host lists), for the scoring FLOPs (cembed.train.flops.scoring_flops)
+    scored_pairs: int = 0
 
     def reset(self) -> None:
         self.real = self.processed = self.real_sq = 0
+        self.scored_pairs = 0
 
     def add(self, real, processed, real_sq) -> None:
         """Add one column's counts (ints or 0-dim tensors; no host read)."""

@@ -245,6 +245,14 @@ class LengthSortedMixin:
             self._packed_runs += 1
             yield item
 
+    def replicate_minibatch(self, outputs: tuple, sizes: list[int]) -> list[list]:
+        """One mini-batch's embedding outputs (:meth:`embed_minibatch_iter`'s item without its RNG
+        state: the embeddings ``(rows, dim)``, a guide's) cut to mini-batches of ``sizes`` rows, fp32
+        (views: the probe copies them per column): what the probe caches for a whole batch of rows alike
+        (:mod:`cembed.probe.worst_case`). A loss whose items are laid out otherwise (ragged token
+        vectors) overrides this."""
+        return [[full[:n] for n in sizes] for full in (e.detach().float() for e in outputs)]
+
     def calculate_loss(self, reps, labels=None, *, with_backward: bool = False):
         """Run the parent's loss on the embeddings in original row order.
 

@@ -26,7 +26,7 @@ The built-in losses register from their own modules, which ``cembed/losses/__ini
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, get_args
 
 from sentence_transformers.base.losses.gradcache import uses_gradient_cache
@@ -93,6 +93,9 @@ class BuiltLoss:
         cached_module: for a cached loss, the ``CachedLossMixin`` module whose ``embed_minibatch_iter``
             and ``calculate_loss`` run the mini-batches: the builder's module, which a
             ``loss.matryoshka`` wrapper (``module``) holds inside; None for a plain loss.
+        notes: lines the module writes for the run's log while it trains (e.g. the MaxSim scoring path
+            it chose on the first batch): the builder's module's ``notes`` list itself, so the trainer
+            sees each line as it is added; empty for a module without one.
     """
 
     module: nn.Module
@@ -102,6 +105,7 @@ class BuiltLoss:
     unpadding: Unpadding = Unpadding(False, "padded (the loss embeds whole columns)")
     settings: LossSettings | None = None
     cached_module: nn.Module | None = None
+    notes: list[str] = field(default_factory=list)
 
     def collective_facts(self) -> dict[str, object]:
         """What of this loss decides the collectives a training step issues, for
@@ -183,6 +187,7 @@ def build_loss(
         token_counts = TokenCounts()
     filter_counts = getattr(module, "filter_counts", None)
     unpadding = getattr(module, "unpadding", None)
+    notes = getattr(inner, "notes", None)
     return BuiltLoss(
         module,
         token_counts,
@@ -191,4 +196,5 @@ def build_loss(
         unpadding if isinstance(unpadding, Unpadding) else BuiltLoss.unpadding,
         settings,
         inner if cached else None,
+        notes if isinstance(notes, list) else [],
     )

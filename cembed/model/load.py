@@ -1,4 +1,4 @@
-"""Loading the model: the one place that knows how a name becomes a SentenceTransformer.
+"""Loading the model: the one place that knows how a name becomes a model of its kind (``model.kind``).
 
 Near the bottom of the import graph (it imports ``errors``, ``config`` and ``plan.precision`` from cembed):
 training, evaluation, the probe and the scripts all load models through it, so the probe's child
@@ -9,7 +9,7 @@ processes and ``cembed eval`` never import the trainer.
   the short name is a one-line error naming ``pip install 'cembed[demo]'``.
 - :func:`load_model` loads for training (``model.name_or_path``, ``max_seq_length``, device, the
   remote-code / revision / kwargs / pooling options), refusing remote code without
-  ``model.trust_remote_code`` and models cembed cannot train (:func:`check_trainable`);
+  ``model.trust_remote_code``, saved folders of another model kind and models the kind cannot train;
   :func:`load_eval_model` checks a user-given path first (a saved model folder or a run's output).
 - :func:`quiet_libraries` silences the libraries' own logging and progress bars, which would
   interleave with cembed's progress display (their Python warnings are the CLI's to filter).
@@ -28,9 +28,17 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from cembed.config.schema import ModelConfig
+from cembed.config.model import ModelConfig, model_config
 from cembed.errors import ModelRefused, UserError, first_line
 from cembed.model.decoder import prepare_last_token_model
+from cembed.model.kinds.lookup import (
+    KIND_ATTRIBUTE,
+    check_folder_kind,
+    kind_of,
+    kind_of_folder,
+    model_kind,
+    saved_model_type,
+)
 from cembed.model.lora import apply_lora, is_lora, parameter_counts, trainable_parts
 from cembed.plan.precision import MASTER_DTYPE, autocast_name, resolve_device, resolve_precision, save_dtype
 
@@ -130,59 +138,13 @@ def _remote_code_refusal(name: str, detail: str) -> ModelRefused:
     )
 
 
-def _plain_checkpoint(path: str, cfg: ModelConfig, device: str, model_kwargs: dict):
-    """A plain transformers checkpoint as Transformer + Pooling(``cfg.pooling``)."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Pooling, Transformer
-
-    shared = {"trust_remote_code": cfg.trust_remote_code, "revision": cfg.revision}
-    transformer = Transformer(
-        path,
-        model_kwargs={**shared, **model_kwargs},
-        processor_kwargs={**shared, **cfg.tokenizer_kwargs},
-        config_kwargs=shared,
-    )
-    pooling = Pooling(transformer.get_embedding_dimension(), cfg.pooling)
-    return SentenceTransformer(modules=[transformer, pooling], device=device)
-
-
-def check_trainable(model, name: str) -> None:
-    """Refuse a model whose first module is not a transformer (a StaticEmbedding, a bag of words,
-    CLIP, ...): cembed's mini-batches are token sequences with an attention mask, sorted by length
-    and padded, which such a module does not take.
-
-    Raises:
-        ModelRefused: naming the module type and why (exit 2).
-    """
-    from sentence_transformers import models
-    from sentence_transformers.models import Transformer
-
-    first = model[0] if len(model) else None
-    if first is None or isinstance(first, Transformer):
-        return
-    name_ = type(first).__name__
-    kind = (
-        f"sentence_transformers.models.{name_}"
-        if getattr(models, name_, None) is type(first)
-        else type(first).__module__ + "." + name_
-    )
-    raise ModelRefused(
-        f"model.name_or_path: {name!r} is a {name_} model ({kind}); cembed cannot train it: it "
-        "takes no token-level mini-batches with an attention mask, so cembed cannot length-sort, pad or "
-        "pre-tokenize its batches; use a transformer model (or train this one with sentence-transformers directly)"
-    )
-
-
 def pooling_in_effect(model, cfg: ModelConfig) -> str:
-    """The pooling the loaded ``model`` uses and where it comes from, for ``cembed validate``, with
-    what cembed changed in its tokenizer for last-token pooling and, under ``model.lora``, how many
+    """How the loaded ``model`` turns a text into its output (for a dense model: the pooling) and where
+    that comes from (:meth:`cembed.model.kinds.registry.ModelKind.describe`), for ``cembed validate``,
+    with what cembed changed in its tokenizer for last-token pooling and, under ``model.lora``, how many
     parameters train (and which modules outside the adapters train with them)."""
-    modes = [m.pooling_mode for m in model if hasattr(m, "pooling_mode")]
-    mode = "none (no Pooling module)" if not modes else str(modes[0])
-    if has_st_config(resolve_model_path(cfg.name_or_path), cfg.revision):
-        text = f"{mode} (the model's sentence-transformers config; model.pooling is not used)"
-    else:
-        text = f"{mode} (model.pooling; plain transformers checkpoint)"
+    saved = has_st_config(resolve_model_path(cfg.name_or_path), cfg.revision)
+    text = kind_of(model, default="dense").describe(model, cfg, saved)
     changes = getattr(model, "cembed_tokenizer_changes", None) or {}
     text += "".join(f"; {key}: {value}" for key, value in changes.items())
     if is_lora(model):
@@ -196,27 +158,28 @@ def pooling_in_effect(model, cfg: ModelConfig) -> str:
 
 
 def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: int = 0):
-    """Load the SentenceTransformer named by ``cfg`` on ``device`` (``"cpu"`` or ``"cuda"``) and apply
-    ``cfg.max_seq_length`` (tokens) when set.
+    """Load the model named by ``cfg`` as its ``model.kind`` (a ``SentenceTransformer`` for ``dense``)
+    on ``device`` (``"cpu"`` or ``"cuda"``) and apply ``cfg.max_seq_length`` (tokens) when set.
 
     ``cfg.revision``, ``trust_remote_code``, ``model_kwargs`` and ``tokenizer_kwargs`` go to
-    sentence-transformers; a plain transformers checkpoint (no ``modules.json``) is built as
-    Transformer + Pooling(``cfg.pooling``).
+    sentence-transformers; a plain transformers checkpoint (no ``modules.json``) is built as the kind
+    builds one (dense: Transformer + Pooling(``cfg.pooling``)). A saved folder of a type the kind does
+    not train (a ``SparseEncoder`` folder under ``model.kind: dense``) is refused naming its type
+    (:func:`cembed.model.kinds.lookup.check_folder_kind`).
 
     Args:
         for_training: enable ``cfg.gradient_checkpointing``; refuse a model cembed cannot train
-            (:func:`check_trainable`) and load its weights
+            (the kind's ``check_trainable``) and load its weights
             in float32 (master weights) whatever dtype they are stored in, unless ``model_kwargs`` names
             a ``dtype``; False (to evaluate) keeps the stored dtype.
-        seed: seeds new trainable weights (``model.lora`` adapters); the run's ``train.seed``.
+        seed: seeds new trainable weights (``model.lora`` adapters, a multi-vector projection); the run's ``train.seed``.
 
     Raises:
         ModelRefused: the model needs its own code (``auto_map``) and ``model.trust_remote_code`` is
-            off, or (``for_training``) it is not a transformer model.
+            off, it is a saved folder of another kind, or (``for_training``) the kind cannot train it.
         UserError: the model cannot be found or loaded (naming ``model.name_or_path``).
     """
-    from sentence_transformers import SentenceTransformer
-
+    kind = model_kind(cfg.kind)
     path = resolve_model_path(cfg.name_or_path)
     custom = remote_code_entries(path)
     if custom and not cfg.trust_remote_code:
@@ -226,20 +189,15 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
         # transformers loads the stored dtype by default: bf16 weights would train in bf16, where an
         # update smaller than the weight's precision rounds away.
         model_kwargs["dtype"] = MASTER_DTYPE
+    model_type = saved_model_type(path, cfg.revision)
+    check_folder_kind(model_type, kind, cfg.name_or_path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if has_st_config(path, cfg.revision):
-                model = SentenceTransformer(
-                    path,
-                    device=device,
-                    trust_remote_code=cfg.trust_remote_code,
-                    revision=cfg.revision,
-                    model_kwargs=model_kwargs or None,
-                    processor_kwargs=cfg.tokenizer_kwargs or None,
-                )
-            else:
-                model = _plain_checkpoint(path, cfg, device, model_kwargs)
+            saved = has_st_config(path, cfg.revision)
+            model = kind.load(path, cfg, device, model_kwargs, saved, model_type, seed)
+    except UserError:  # the kind's own refusal (a model.* option the model contradicts), already one line
+        raise
     except Exception as err:
         if "trust_remote_code" in str(err) and not cfg.trust_remote_code:
             raise _remote_code_refusal(cfg.name_or_path, "the library asks for trust_remote_code") from None
@@ -250,8 +208,9 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
             "download the model once with network access)"
         )
         raise UserError(f"model.name_or_path: cannot load {cfg.name_or_path!r}{hint}: {first_line(err)}") from None
+    setattr(model, KIND_ATTRIBUTE, kind.name)
     if for_training:
-        check_trainable(model, cfg.name_or_path)
+        kind.check_trainable(model, cfg.name_or_path)
         if cfg.gradient_checkpointing:  # non-reentrant: torch replays each block's RNG state (exact with dropout)
             model.gradient_checkpointing_enable({"use_reentrant": False})
     if cfg.max_seq_length is not None:
@@ -269,8 +228,9 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def load_eval_model(name_or_path: str, device: str = "auto", max_seq_length: int | None = None, flag: str = "--model"):
-    """Load a SentenceTransformer to evaluate: a saved model folder, a run's ``output_dir`` (the
-    final model is saved there) or the packaged short name ``all-MiniLM-L6-v2``.
+    """Load a model to evaluate: a saved model folder, a run's ``output_dir`` (the final model is saved
+    there) or the packaged short name ``all-MiniLM-L6-v2``, as the kind it is (a ``MultiVectorEncoder``
+    folder as ``multi_vector``; a plain checkpoint as ``dense``; a folder of a type no kind owns is refused).
 
     Args:
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
@@ -292,7 +252,8 @@ def load_eval_model(name_or_path: str, device: str = "auto", max_seq_length: int
             f"{flag} {name_or_path}: no such folder; give a saved model folder, a run's output_dir or all-MiniLM-L6-v2"
         )
     try:
-        cfg = ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length)
+        kind = kind_of_folder(saved_model_type(resolve_model_path(name_or_path, flag)), name_or_path, flag)
+        cfg = model_config(kind=kind.name, name_or_path=name_or_path, max_seq_length=max_seq_length)
         return load_model(cfg, resolve_device(device), for_training=False)
     except UserError as err:
         raise UserError(str(err).replace("model.name_or_path", flag, 1)) from None
@@ -304,14 +265,31 @@ def load_guide_model(name_or_path: str, device, max_seq_length: int | None = Non
 
     Raises:
         ModelRefused: the guide needs its own code (``auto_map``).
-        UserError: it cannot be found or loaded, naming ``loss.guide``.
+        UserError: it cannot be found or loaded, or its first module is not a transformer
+            (:func:`guide_problem`), naming ``loss.guide``.
     """
+    from sentence_transformers.models import Transformer
+
     try:
         guide = load_model(ModelConfig(name_or_path=name_or_path, max_seq_length=max_seq_length), str(device), False)
     except UserError as err:
         raise UserError(str(err).replace("model.name_or_path", "loss.guide", 1)) from None
+    first = guide[0] if len(guide) else None
+    if not isinstance(first, Transformer):
+        raise UserError(f"loss.guide: {guide_problem(name_or_path, type(first).__name__)}")
     guide.requires_grad_(False)
     return guide.eval()
+
+
+def guide_problem(name_or_path: str, first_module: str) -> str:
+    """Why a model whose first module is ``first_module`` (a class name: StaticEmbedding, ...) cannot be
+    GIST's guide: sentence-transformers' GIST losses compare the guide's transformers tokenizer with the
+    trained model's (their constructor raises ValueError at the first step otherwise)."""
+    return (
+        f"{name_or_path!r} is a {first_module} model: a guide must be a transformer model with a transformers "
+        "tokenizer (sentence-transformers' GIST loss compares its vocabulary with the trained model's and "
+        "re-tokenizes the texts for it); use a transformer model as loss.guide"
+    )
 
 
 # --- weight dtypes: stored, trained, saved ---------------------------------------------------------

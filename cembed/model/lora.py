@@ -49,25 +49,42 @@ def is_lora(model) -> bool:
 
 # Module classes peft adapts that `all-linear` and the listing below name (transformers' GPT-2 Conv1D too).
 LINEAR_CLASSES = ("Linear", "Conv1D")
+# Module classes peft's LoRA adapts at all (its "Target module ... is not supported" names them); an
+# entry matching a module of another class (a LayerNorm, a Dropout, a whole attention block) fails.
+ADAPTABLE_CLASSES = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention")
+
+
+def _matches(name: str, entry: str) -> bool:
+    # peft's rule for a list entry: the module's name, or its last dotted parts
+    return name == entry or name.endswith("." + entry)
 
 
 def target_modules_problem(modules: dict[str, str], target_modules: list[str] | str) -> str | None:
     """Why ``model.lora.target_modules`` does not fit a backbone's ``modules`` (name -> class name, as
-    ``named_modules()`` gives them): the entries that match no module, as peft matches a list entry
-    (the module's name, or its last dotted parts: ``q_proj`` matches ``layers.0.self_attn.q_proj``),
-    which peft would ignore while it adapts the rest; None when every entry matches, or for
-    ``all-linear`` (peft picks the linear layers itself)."""
+    ``named_modules()`` gives them), as peft matches a list entry (the module's name, or its last
+    dotted parts: ``q_proj`` matches ``layers.0.self_attn.q_proj``): the entries that match no module,
+    which peft would ignore while it adapts the rest; else the first entry that matches a module LoRA
+    cannot adapt (:data:`ADAPTABLE_CLASSES`), on which peft fails with a message cut at the module's
+    repr. None when every entry fits, or for ``all-linear`` (peft picks the linear layers itself)."""
     if isinstance(target_modules, str):
         return None
-    missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in modules)]
-    if not missing:
-        return None
     linear = sorted({n.rsplit(".", 1)[-1] for n, kind in modules.items() if kind in LINEAR_CLASSES})
-    return (
-        f"{', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no module of the model (peft would "
-        f"adapt the others and skip {'it' if len(missing) == 1 else 'them'}); its linear layers are named "
-        f"{', '.join(linear) or 'nothing'}: name those, or use all-linear"
-    )
+    fix = f"its linear layers are named {', '.join(linear) or 'nothing'}: name those, or use all-linear"
+    missing = [t for t in target_modules if not any(_matches(n, t) for n in modules)]
+    if missing:
+        one = len(missing) == 1
+        return (
+            f"{', '.join(missing)} {'matches' if one else 'match'} no module of the model (peft would "
+            f"adapt the others and skip {'it' if one else 'them'}); {fix}"
+        )
+    for entry in target_modules:
+        other = next((n for n in modules if _matches(n, entry) and modules[n] not in ADAPTABLE_CLASSES), None)
+        if other is not None:
+            return (
+                f"{entry} matches {modules[other]} modules ({other}), which LoRA cannot adapt (peft adapts "
+                f"{', '.join(ADAPTABLE_CLASSES[:-1])} and {ADAPTABLE_CLASSES[-1]} layers); {fix}"
+            )
+    return None
 
 
 def apply_lora(model, options, seed: int = 0) -> None:
@@ -81,7 +98,7 @@ def apply_lora(model, options, seed: int = 0) -> None:
 
     Raises:
         UserError: peft is not installed, or an entry of ``model.lora.target_modules`` matches no
-            module (:func:`target_modules_problem`).
+            module or a module LoRA cannot adapt (:func:`target_modules_problem`).
     """
     peft = _peft()
     holder = backbone_holder(model)

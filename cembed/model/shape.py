@@ -66,6 +66,18 @@ def transformer_folder(cfg: ModelConfig) -> tuple[str, int | None]:
     return base, own
 
 
+def first_module_type(cfg: ModelConfig) -> str | None:
+    """The class name of the model's first module as its files say (``Transformer``,
+    ``StaticEmbedding``, ...): ``modules.json``'s first entry, ``Transformer`` for a plain transformers
+    checkpoint (a ``config.json``, no ``modules.json``); None when the files say neither."""
+    name = resolve_model_path(cfg.name_or_path)
+    modules = read_json(model_file(name, "modules.json", cfg.revision))
+    if isinstance(modules, list) and modules:
+        first = min(modules, key=lambda m: m.get("idx", 0)) if all(isinstance(m, dict) for m in modules) else {}
+        return first.get("type", "").rsplit(".", 1)[-1] or None
+    return "Transformer" if read_json(model_file(name, "config.json", cfg.revision)) else None
+
+
 def _hidden_size(config: dict) -> int | None:
     return next((config[k] for k in _HIDDEN_KEYS if isinstance(config.get(k), int)), None)
 

@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 
 from cembed.errors import ModelRefused, first_line
+from cembed.model.kinds.lookup import kind_of
 from cembed.model.packing import PackPlan, attention_cost, plan_packing
 
 # Keys a packed column may carry besides its per-token tensors: sentence-transformers' bookkeeping.
@@ -240,7 +241,9 @@ def packed_encoder(model, plan: PackPlan, unpadding: Unpadding):
 def column_lengths(feature: dict) -> list[int] | None:
     """Each row's token count when ``feature`` can be packed, else None: an ``attention_mask`` of
     shape ``(rows, width)`` with right padding, and besides it only per-token tensors of the same
-    shape and sentence-transformers' bookkeeping keys. One host read of the lengths."""
+    shape and sentence-transformers' bookkeeping keys; no position outside the attention mask that is
+    embedded all the same (a multi-vector query's expansion tokens, ``query_expansion_positions``, when
+    they are not attended to: a pack would drop them). One host read of the lengths."""
     mask = feature.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] == 0:
         return None
@@ -252,6 +255,9 @@ def column_lengths(feature: dict) -> list[int] | None:
     lengths = mask.sum(dim=1)
     right = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
     not_right = (mask.bool() != right).any() | (lengths == 0).any()
+    expansion = feature.get("query_expansion_positions")
+    if isinstance(expansion, torch.Tensor):  # ColBERT query expansion: positions embedded but not attended to
+        not_right = not_right | (expansion.bool() & ~mask.bool()).any()
     host = torch.cat([lengths, not_right.to(lengths.dtype).view(1)]).tolist()
     return None if host[-1] else [int(n) for n in host[:-1]]
 
@@ -424,8 +430,9 @@ def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
     the rows outreach the model's widest local window (:func:`widest_window`) where it has one.
 
     Returns:
-        (True, "") when every packed row's sentence embedding is within the dtype's tolerance of the
-        row embedded alone (relative L2), else (False, why).
+        (True, "") when what every packed row became (its kind's ``text_outputs``: a sentence
+        embedding, a row's token vectors) is within the dtype's tolerance of the row embedded alone
+        (relative L2), else (False, why).
     """
     parameter = next(first.parameters())
     device = parameter.device
@@ -436,24 +443,29 @@ def _agrees(model, first, unpadding: Unpadding) -> tuple[bool, str]:
             lengths = column_lengths(features)
             if lengths is None:
                 return False, "its tokenizer pads on the left or adds features other than token ids"
-            alone = torch.cat(
-                [
+            rows = kind_of(model, default="dense").text_outputs
+            alone = [
+                rows(
                     model(
                         {
                             k: v[i : i + 1, : lengths[i]] if isinstance(v, torch.Tensor) else v
                             for k, v in features.items()
                         }
-                    )["sentence_embedding"].float()
-                    for i in range(len(lengths))
-                ]
-            )
+                    )
+                )[0]
+                for i in range(len(lengths))
+            ]
             capacity = max(max(lengths), -(-sum(lengths) // 2))
             plan = plan_packing(lengths, 0.0, device, capacity=capacity)
             with packed_encoder(model, plan, unpadding):
-                packed = model(dict(features))["sentence_embedding"].float()
+                packed = rows(model(dict(features)))
     except Exception as err:  # noqa: BLE001 - any failure means: not supported, fall back
         return False, f"the packed forward fails ({type(err).__name__}: {first_line(err, 120)})"
-    rel = (packed - alone).norm(dim=1) / alone.norm(dim=1).clamp_min(1e-12)
+    if [p.shape for p in packed] != [a.shape for a in alone]:  # e.g. a token vector more or less in a row
+        return False, "a packed row's output has another shape than the row's alone"
+    rel = torch.stack(
+        [(p.float() - a.float()).norm() / a.float().norm().clamp_min(1e-12) for p, a in zip(packed, alone)]
+    )
     worst = int(rel.argmax())
     tolerance = _TOLERANCE.get(parameter.dtype, _HALF_TOLERANCE)
     if not float(rel[worst]) <= tolerance:

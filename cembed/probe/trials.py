@@ -87,9 +87,9 @@ class TrialSpec:
 
 
 def _load(spec: TrialSpec):
-    from cembed.config.schema import ModelConfig
+    from cembed.config.model import model_config
 
-    return load_model(ModelConfig(**spec.model), spec.device)
+    return load_model(model_config(**spec.model), spec.device)
 
 
 def _proc_rss(pid: int | str = "self", key: str = "VmRSS") -> int:

@@ -113,14 +113,22 @@ def worst_case_step(
         raise TypeError(f"loss {loss_cfg.name!r} does not use gradient caching: the probe measures cached losses")
     # training holds the features and their sorted copy; the loss stage then builds its restored-order leaves
     sorted_copies = loss.sort_rows(features) if getattr(loss, "sort_by_length", False) else None
-    width = int(features[0].get("attention_mask", features[0]["input_ids"]).shape[1])
-    if mini_batch_num_tokens is not None:  # the budget's first range over full-length rows
-        mini_batch_size = token_budget_ranges(features[0], mini_batch_num_tokens)[0][1]
+    width = max(int(f.get("attention_mask", f["input_ids"]).shape[1]) for f in features)
+    if mini_batch_num_tokens is not None:  # the budget's first range over the longest column's full-length rows
+        mini_batch_size = min(token_budget_ranges(f, mini_batch_num_tokens)[0][1] for f in features)
     mini = min(mini_batch_size, batch_size)
     repeats = max(1, repeats)
     t_nograd, outputs = time_nograd_pass(loss, features[0], mini, repeats, autocast, sync)
     sizes = [min(b + mini, batch_size) - b for b in range(0, batch_size, mini)]
-    reps, *extras = cached_embeddings(outputs, sizes, n_columns)
+    replicate = getattr(loss, "replicate_minibatch", None)
+    reps, *extras = cached_embeddings(outputs, sizes, n_columns, replicate)
+    for col in range(1, n_columns):  # a column tokenized otherwise (a multi-vector query vs its documents)
+        if not torch.equal(features[col]["input_ids"], features[0]["input_ids"]):
+            with autocast():
+                own = first_minibatch(loss, features[col], mini, with_grad=False)[:-1]
+            for cache, cut in zip([reps, *extras], cached_embeddings(own, sizes, 1, replicate)):
+                cache[col] = cut[0]
+            del own
     del outputs
     t_loss = time_loss_stage(loss, reps, extras, world_size, sync)
     t_grad = time_grad_passes(loss, features, reps, mini, repeats, autocast, sync)
@@ -156,22 +164,29 @@ def allocated_optimizer(model):
 
 
 def full_length_features(model, n_columns: int, batch_size: int) -> list[dict]:
-    """``n_columns`` columns of ``batch_size`` rows, every text tokenized to ``model.max_seq_length``
-    tokens (a long text truncated), on the model's device.
+    """``n_columns`` columns of ``batch_size`` rows, every text tokenized to its column's full length
+    (``model.max_seq_length``; a multi-vector model's query / document length, as its kind tokenizes each
+    column: :meth:`cembed.model.kinds.registry.ModelKind.preprocess_kwargs`), on the model's device.
 
     Returns:
         One feature dict per column, tensors of shape ``(batch_size, tokens)`` (contiguous copies).
     """
     import torch
 
+    from cembed.model.kinds.lookup import kind_of
+
+    kind = kind_of(model, default="dense")
     preprocess = getattr(model, "preprocess", None) or model.tokenize
-    one = preprocess(["a " * (4 * model.max_seq_length + 8)])  # truncated to max_seq_length tokens
+    longest = [
+        "a " * (4 * max(model.max_seq_length, *(kind.token_layout(model, i).max_length for i in range(n_columns))) + 8)
+    ]
+    columns = [preprocess(longest, **kind.preprocess_kwargs(i)) for i in range(n_columns)]  # truncated per column
     return [
         {
             k: v.expand(batch_size, *v.shape[1:]).contiguous().to(model.device) if torch.is_tensor(v) else v
             for k, v in one.items()
         }
-        for _ in range(n_columns)
+        for one in columns
     ]
 
 
@@ -204,11 +219,16 @@ def time_nograd_pass(loss, feature: dict, mini: int, repeats: int, autocast, syn
     return t_nograd, (emb, *extras)
 
 
-def cached_embeddings(outputs: tuple, sizes: list[int], n_columns: int) -> list[list[list]]:
+def cached_embeddings(outputs: tuple, sizes: list[int], n_columns: int, replicate=None) -> list[list[list]]:
     """The whole batch's cached embeddings, replicated from one mini-batch's ``outputs``: per output
-    (the model's, then a guide's), per column, one fp32 tensor per mini-batch of ``sizes`` rows (as
-    accelerate returns them); the model's require gradients (the GradCache cache)."""
-    reps, *extras = [[[e.detach().float()[:n].clone() for n in sizes] for _ in range(n_columns)] for e in outputs]
+    (the model's, then a guide's, or a multi-vector loss's row token counts), per column, one tensor per
+    mini-batch of ``sizes`` rows (as accelerate returns them); the model's require gradients (the
+    GradCache cache). ``replicate``: the loss's own cut of one mini-batch's outputs
+    (``LengthSortedMixin.replicate_minibatch``); None: fp32 copies of the first ``n`` rows."""
+    if replicate is None:
+        replicate = lambda outs, sizes: [[e.detach().float()[:n] for n in sizes] for e in outs]  # noqa: E731
+    per_output = replicate(outputs, sizes)
+    reps, *extras = [[[t.clone() for t in cut] for _ in range(n_columns)] for cut in per_output]
     [r.requires_grad_() for col in reps for r in col]
     return [reps, *extras]
 
@@ -247,22 +267,32 @@ def time_grad_passes(loss, features, reps, mini: int, repeats: int, autocast, sy
 
 @contextlib.contextmanager
 def simulated_gather(loss, world_size: int):
-    """Inside the block, ``loss``'s cross-rank gathers (``all_gather_with_grad`` / ``all_gather``
-    as its modules imported them) return ``world_size`` local copies of the tensor instead of
-    gathering: the memory of ``world_size`` ranks' candidates, with gradients, and no collective
-    (probe trials run a different number of times on different ranks)."""
+    """Inside the block, ``loss``'s cross-rank gathers (``all_gather_with_grad`` / ``all_gather``, and
+    ``gather_rows`` / ``rank_and_world`` of a ragged cache, as its modules imported them) return
+    ``world_size`` local copies of the tensor instead of gathering: the memory of ``world_size`` ranks'
+    candidates, with gradients, and no collective (probe trials run a different number of times on
+    different ranks)."""
     import torch
 
     def copies(tensor, *args, **kwargs):
         return torch.cat([tensor] * world_size)
 
+    def ragged_copies(tensor):  # cembed.distributed.ragged.gather_rows: (rows of every rank, each rank's count)
+        return copies(tensor), [tensor.shape[0]] * world_size
+
+    stand_ins = {
+        "all_gather_with_grad": copies,
+        "all_gather": copies,
+        "gather_rows": ragged_copies,
+        "rank_and_world": lambda: (0, world_size),
+    }
     patched = []
     for cls in type(loss).__mro__:
         module = sys.modules.get(cls.__module__)
-        for name in ("all_gather_with_grad", "all_gather"):
+        for name, stand_in in stand_ins.items():
             if module is not None and callable(getattr(module, name, None)):
                 patched.append((module, name, getattr(module, name)))
-                setattr(module, name, copies)
+                setattr(module, name, stand_in)
     try:
         yield
     finally:

@@ -31,7 +31,10 @@ SAMPLES: dict[str, tuple[str, str]] = {
 # `cembed init OUT --example <name>`: ready-to-run configs shipped with the package. Each is the
 # repo's configs/<name>.yaml with output_dir relative to where it is written (tests/samples/test_samples.py
 # checks they do not drift apart).
-EXAMPLES: dict[str, str] = {"quickstart": "examples/quickstart.yaml"}
+EXAMPLES: dict[str, str] = {
+    "quickstart": "examples/quickstart.yaml",
+    "colbert-quickstart": "examples/colbert-quickstart.yaml",
+}
 
 
 def example_config(name: str) -> str:

@@ -1,4 +1,5 @@
-"""The trainer's arguments: ``SentenceTransformerTrainingArguments`` from the config and the plan."""
+"""The trainer's arguments (the model kind's class, ``SentenceTransformerTrainingArguments`` for dense) from
+the config and the plan."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ def build_training_args(
     eval_args: dict | None = None,
     fsdp_layers: list[str] | None = None,
     sources: SourceMix | None = None,
+    args_class: type | None = None,
 ):
-    """SentenceTransformerTrainingArguments from the config and the resolved plan (scaled LR);
+    """The trainer's arguments (``args_class``, the model kind's: default
+    ``SentenceTransformerTrainingArguments``) from the config and the resolved plan (scaled LR);
     ``eval_args`` (from :func:`cembed.train.evaluation.training_eval_args`) override the save/eval settings;
     ``fsdp_layers`` (the backbone's layer classes) with ``distributed.strategy: fsdp``;
     ``sources`` (several training sources): the mix the batching rule (``sampler.rule``,
@@ -29,6 +32,7 @@ def build_training_args(
     """
     from sentence_transformers import SentenceTransformerTrainingArguments
 
+    args_class = args_class or SentenceTransformerTrainingArguments
     t = cfg.train
     sampler = batch_sampler(cfg.sampler, sources)
     length = {"max_steps": t.max_steps} if t.max_steps else {"num_train_epochs": t.num_train_epochs}
@@ -72,7 +76,7 @@ def build_training_args(
     )
     kwargs.update(eval_args or {})
     try:
-        return SentenceTransformerTrainingArguments(**kwargs)
+        return args_class(**kwargs)
     except (ValueError, ImportError, RuntimeError) as err:
         if t.report_to != ["none"] and any(name in str(err) for name in t.report_to):
             raise UserError(f"train.report_to: {first_line(err)}") from None

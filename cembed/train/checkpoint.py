@@ -37,6 +37,7 @@ from cembed.errors import RunAbandoned, UserError
 from cembed.files import display_path, write_json_atomic
 
 MARKER = "cembed_checkpoint_complete.json"
+STEP_LOSSES = "cembed_step_losses.json"
 STAGING = ".staging"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
@@ -53,6 +54,21 @@ def recorded_run(checkpoint_dir: str | Path) -> dict | None:
         return json.loads((Path(checkpoint_dir) / MARKER).read_text()).get("run")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def write_step_losses(checkpoint_dir: str | Path, step_losses: list[tuple[int, float]]) -> None:
+    """Keep every optimizer step's loss so far (``[(step, loss)]``, the global step's) in a checkpoint
+    being written, so that a resumed run's ``run_summary.json`` has the steps before it too."""
+    write_json_atomic(Path(checkpoint_dir) / STEP_LOSSES, [[step, loss] for step, loss in step_losses])
+
+
+def read_step_losses(checkpoint_dir: str | Path) -> dict[int, float]:
+    """``{step: loss}`` kept by :func:`write_step_losses`; empty for a checkpoint without them (an older
+    cembed's) or an unreadable file."""
+    try:
+        return {int(step): float(loss) for step, loss in json.loads((Path(checkpoint_dir) / STEP_LOSSES).read_text())}
+    except (OSError, ValueError, TypeError):
+        return {}
 
 
 def is_complete(checkpoint_dir: str | Path) -> bool:
@@ -112,6 +128,17 @@ def resolve_resume(output_dir: str | Path, resume: bool, resume_from: str | None
     if found is None:
         raise UserError(f"--resume: no complete checkpoint in {display_path(output_dir)}; start without --resume")
     return str(found)
+
+
+def later_checkpoints(output_dir: str | Path, checkpoint: str | Path) -> list[Path]:
+    """The complete checkpoints of ``output_dir`` saved at a later step than ``checkpoint``, when
+    ``checkpoint`` is one of that folder's (a ``--resume-from`` an earlier step of the run): a
+    continuation that a run resumed from ``checkpoint`` replaces. Oldest step first; empty otherwise."""
+    start = Path(checkpoint)
+    if start.resolve().parent != Path(output_dir).resolve() or not _CHECKPOINT_RE.match(start.name):
+        return []
+    step = int(start.name.split("-")[1])
+    return [p for p in checkpoints(output_dir) if int(p.name.split("-")[1]) > step and is_complete(p)]
 
 
 def resume_on_restart(

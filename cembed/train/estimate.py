@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cembed.errors import UserError
 from cembed.train.flops import PEAKS, FlopModel, device_peak
@@ -76,6 +76,7 @@ class TokenStats:
         histogram: per column ``{bucket upper bound (tokens): rows}`` (powers of two).
         padded_share: share of the encoder's positions that are padding on the configured path
             (see :func:`token_stats`), 0..1.
+        mean_by_column: per column, the mean real tokens of the rows that have it.
     """
 
     rows: int
@@ -83,6 +84,7 @@ class TokenStats:
     mean_tokens_sq: float
     histogram: dict[str, dict[int, int]]
     padded_share: float
+    mean_by_column: dict[str, float] = field(default_factory=dict)
 
 
 def token_stats(
@@ -112,8 +114,11 @@ def token_stats(
     histogram: dict[str, dict[int, int]] = {}
     real = positions = 0
     rng = random.Random(seed)
+    means: dict[str, float] = {}
     for column in columns:
         present = [n for n in lengths[column] if n is not None]
+        if present:
+            means[column] = sum(present) / len(present)
         total += sum(present)
         total_sq += sum(n * n for n in present)
         buckets: dict[int, int] = {}
@@ -139,6 +144,7 @@ def token_stats(
         mean_tokens_sq=total_sq / rows if rows else 0.0,
         histogram=histogram,
         padded_share=1 - real / positions if positions else 0.0,
+        mean_by_column=means,
     )
 
 
@@ -181,6 +187,7 @@ def estimate_run(
     flop_constants: tuple[int, int, int, int],
     rate: Rate,
     devices: int,
+    scoring: tuple[float, str] | None = None,
 ) -> dict:
     """Steps, tokens, FLOPs and wall time of a run.
 
@@ -191,25 +198,34 @@ def estimate_run(
         flop_constants: ``(N, L, d, passes)`` of :class:`cembed.train.flops.FlopModel`.
         rate: FLOP/s of one device.
         devices: devices of the run (world size).
+        scoring: ``(FLOPs per step, source)`` of the loss's scoring beyond the encoder (a multi-vector
+            model's MaxSim: :meth:`cembed.model.kinds.registry.ModelKind.scoring_flops`), added to the
+            step's FLOPs; None: none counted (a dense loss's score matrix is negligible next to the encoder).
 
     Returns:
         ``{steps_per_epoch, steps, tokens_per_step, tokens, flops_per_step, flops, seconds_per_step,
-        epoch_seconds, run_seconds, gpu_hours}``, each a :func:`number`.
+        epoch_seconds, run_seconds, gpu_hours}`` (and ``scoring_flops_per_step`` with ``scoring``),
+        each a :func:`number`.
     """
     n, layers, width, passes = flop_constants
     tokens_step = samples_per_step * stats.mean_tokens
     sq_step = samples_per_step * stats.mean_tokens_sq
     flops_step = FlopModel(n, layers, width, passes).flops(tokens_step, sq_step)  # the meter's own count
+    encoder_source = f"{passes} x (2 N sum(l) + 4 L d sum(l^2)), N={n} L={layers} d={width}"
+    extra = {}
+    if scoring is not None:
+        flops_step += scoring[0]
+        encoder_source += " + scoring FLOPs per step"
+        extra = {"scoring_flops_per_step": number(scoring[0], "FLOP", scoring[1])}
     seconds_step = flops_step / (rate.flops_per_s * devices)
     data = f"mean real tokens per row over {stats.rows} rows of the pre-tokenized data"
     return {
+        **extra,
         "steps_per_epoch": number(steps_per_epoch, "steps", "config and rows the sampler places"),
         "steps": number(total_steps, "steps", "train.max_steps or epochs x steps per epoch"),
         "tokens_per_step": number(tokens_step, "tokens", f"{samples_per_step} rows x {data}"),
         "tokens": number(tokens_step * total_steps, "tokens", "tokens per step x steps"),
-        "flops_per_step": number(
-            flops_step, "FLOP", f"{passes} x (2 N sum(l) + 4 L d sum(l^2)), N={n} L={layers} d={width}"
-        ),
+        "flops_per_step": number(flops_step, "FLOP", encoder_source),
         "flops": number(flops_step * total_steps, "FLOP", "FLOPs per step x steps"),
         "seconds_per_step": number(seconds_step, "s", f"FLOPs per step / ({rate.source} x {devices} devices)"),
         "epoch_seconds": number(seconds_step * steps_per_epoch, "s", "seconds per step x steps per epoch"),

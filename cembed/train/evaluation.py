@@ -23,11 +23,11 @@ from transformers import TrainerCallback
 
 from cembed.errors import UserError
 from cembed.eval.evaluators import (
-    RETRIEVAL_HEADLINE,
     STS_HEADLINE,
     evaluate_retrieval,
     evaluate_sts,
     retrieval_evaluator,
+    retrieval_headline,
     sts_evaluator,
 )
 from cembed.eval.sets import EvalSets, load_eval_sets
@@ -36,35 +36,35 @@ from cembed.model.fingerprint import model_fingerprint
 LineFn = Callable[[str], None]  # receives one finished text line to show
 
 
-def build_training_evaluator(sets: EvalSets, batch_size: int = 32, prompts=None):
+def build_training_evaluator(sets: EvalSets, batch_size: int = 32, prompts=None, similarity: str = "cosine"):
     """One evaluator for the trainer: the sets' evaluators in a ``SequentialEvaluator`` (metrics of
-    all sets, each prefixed by its set name; retrieval ``prompts`` as in
-    :func:`cembed.eval.evaluators.retrieval_evaluator`).
+    all sets, each prefixed by its set name; retrieval ``prompts`` and ``similarity``, the model kind's,
+    as in :func:`cembed.eval.evaluators.retrieval_evaluator`).
     Corpus embeddings are not cached here: the weights change between evaluations."""
     from sentence_transformers.base.evaluation import SequentialEvaluator
 
-    evaluators = [retrieval_evaluator(r, batch_size, prompts=prompts) for r in sets.retrieval]
+    evaluators = [retrieval_evaluator(r, batch_size, prompts=prompts, similarity=similarity) for r in sets.retrieval]
     evaluators += [sts_evaluator(s, batch_size) for s in sets.sts]
     return SequentialEvaluator(evaluators)
 
 
-def metric_names(sets: EvalSets) -> list[str]:
+def metric_names(sets: EvalSets, similarity: str = "cosine") -> list[str]:
     """Metric names usable as ``eval.metric_for_best_model`` (the trainer logs them with an
-    ``eval_`` prefix)."""
+    ``eval_`` prefix); retrieval metrics are keyed by ``similarity`` (the model kind's: ``cosine``, ``maxsim``)."""
     names = []
     for r in sets.retrieval:
-        names += [f"{r.name}_{suffix}" for _, suffix in RETRIEVAL_HEADLINE]
-        names += [f"{r.name}_cosine_{m}@{k}" for m in ("accuracy", "precision") for k in (1, 3, 5, 10)]
-        names += [f"{r.name}_cosine_recall@{k}" for k in (1, 3, 5)]
-        names += [f"{r.name}_cosine_precision@100"]
+        names += [f"{r.name}_{suffix}" for _, suffix in retrieval_headline(similarity)]
+        names += [f"{r.name}_{similarity}_{m}@{k}" for m in ("accuracy", "precision") for k in (1, 3, 5, 10)]
+        names += [f"{r.name}_{similarity}_recall@{k}" for k in (1, 3, 5)]
+        names += [f"{r.name}_{similarity}_precision@100"]
     for s in sets.sts:
         names += [f"{s.name}_{suffix}" for _, suffix in STS_HEADLINE]
     return names
 
 
-def check_metric_name(metric: str | None, sets: EvalSets) -> str | None:
+def check_metric_name(metric: str | None, sets: EvalSets, similarity: str = "cosine") -> str | None:
     """Normalise ``eval.metric_for_best_model`` (an optional ``eval_`` prefix is dropped) and check it
-    is a metric the sets produce.
+    is a metric the sets produce (retrieval metrics keyed by ``similarity``, :func:`metric_names`).
 
     Raises:
         UserError: unknown metric (or `loss`, which no eval set produces), with a did-you-mean and choices.
@@ -74,7 +74,7 @@ def check_metric_name(metric: str | None, sets: EvalSets) -> str | None:
     if metric is None:
         return None
     bare = metric.removeprefix("eval_")
-    known = metric_names(sets)
+    known = metric_names(sets, similarity)
     if bare in known:
         return bare
     if bare == "loss":  # the trainer's eval_loss needs an eval dataset; cembed evaluates with evaluators only
@@ -167,9 +167,9 @@ class EvalLogCallback(TrainerCallback):
             self.on_line(f"eval step {state.global_step}: {text}")
 
 
-def headline_keys(sets: EvalSets) -> list[str]:
-    """The primary metric of each set: ``<name>_cosine_ndcg@10`` / ``<name>_spearman_cosine``."""
-    return [f"{r.name}_cosine_ndcg@10" for r in sets.retrieval] + [f"{s.name}_spearman_cosine" for s in sets.sts]
+def headline_keys(sets: EvalSets, similarity: str = "cosine") -> list[str]:
+    """The primary metric of each set: ``<name>_<similarity>_ndcg@10`` / ``<name>_spearman_cosine``."""
+    return [f"{r.name}_{similarity}_ndcg@10" for r in sets.retrieval] + [f"{s.name}_spearman_cosine" for s in sets.sts]
 
 
 def run_evaluator(evaluator, model) -> dict[str, float]:
@@ -191,13 +191,15 @@ class TrainingEvaluation:
     batch_size: int = 32
     prompts: Any = None  # cembed.model.prompts.RolePrompts: query = anchor prompt, corpus = positive prompt
     seconds: float | None = None  # how long the last evaluate() took (a stop signal's grace estimate)
+    similarity: str = "cosine"  # how retrieval scores: the model kind's (ModelConfig.similarity)
 
     @classmethod
     def from_config(
-        cls, eval_cfg, save_steps: int | None, on_line: LineFn | None = None, prompts=None
+        cls, eval_cfg, save_steps: int | None, on_line: LineFn | None = None, prompts=None, similarity: str = "cosine"
     ) -> TrainingEvaluation:
         """Load the sets of ``eval_cfg`` and build evaluator, training-argument overrides and log
-        callback; retrieval queries get ``prompts.anchor``, corpora ``prompts.positive``.
+        callback; retrieval queries get ``prompts.anchor``, corpora ``prompts.positive``, scored by
+        ``similarity`` (the model kind's).
 
         ``on_line`` receives the evaluation lines (see :class:`EvalLogCallback` and :meth:`evaluate`).
 
@@ -206,15 +208,16 @@ class TrainingEvaluation:
                 :func:`training_eval_args`.
         """
         sets = load_eval_sets(eval_cfg)
-        metric = check_metric_name(eval_cfg.metric_for_best_model, sets)
+        metric = check_metric_name(eval_cfg.metric_for_best_model, sets, similarity)
         return cls(
             sets=sets,
-            evaluator=build_training_evaluator(sets, eval_cfg.batch_size, prompts),
+            evaluator=build_training_evaluator(sets, eval_cfg.batch_size, prompts, similarity),
             metric=metric,
             training_args=training_eval_args(eval_cfg, metric, save_steps),
-            callback=EvalLogCallback(on_line, headline_keys(sets)),
+            callback=EvalLogCallback(on_line, headline_keys(sets, similarity)),
             batch_size=eval_cfg.batch_size,
             prompts=prompts,
+            similarity=similarity,
         )
 
     def evaluate(self, model, label: str, cache_dir: str | Path | None = None) -> dict[str, float]:
@@ -236,7 +239,9 @@ class TrainingEvaluation:
                 metrics.update(evaluate_sts(model, ss, self.batch_size))
         self.seconds = time.perf_counter() - started
         if self.callback.on_line is not None:
-            shown = "  ".join(f"{k} {metrics[k]:.4f}" for k in headline_keys(self.sets) if k in metrics)
+            shown = "  ".join(
+                f"{k} {metrics[k]:.4f}" for k in headline_keys(self.sets, self.similarity) if k in metrics
+            )
             self.callback.on_line(f"eval {label}: {shown}")
         return metrics
 

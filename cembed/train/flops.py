@@ -16,6 +16,17 @@ The FLOPs a training step needs, counted on real (non-padding) tokens only, for 
   GradCache's first pass is counted here because the loss cannot do without it, so a cached run's
   MFU reads 4/3 of what a 6N convention would give.
 
+Scoring. A multi-vector (late-interaction) model's MaxSim is work beyond the encoder that grows with
+the batch squared: each query token meets each document token it is scored against in one dot product of
+``D`` numbers, ``2 D`` FLOPs (the kind's :meth:`cembed.model.kinds.registry.ModelKind.scoring_flops`, the
+forward; ``B^2 Lq Ld D`` multiply-adds for ``B`` queries against ``B`` documents). A training step of the
+tiled loss (:mod:`cembed.model.maxsim`) costs :data:`SCORING_PASSES` = 4 such forwards: the forward, the
+backward's recompute of the similarities (nothing of them is kept), and the backward's two products (the
+gradients of the query and of the document tokens). :func:`scoring_flops` is that count; the meter
+(:attr:`FlopModel.scoring_flops_per_pair` times the pairs the loss scored) and ``estimate`` both use it.
+A chunk whose documents span several token tiles recomputes its similarities once more in the backward
+(kernel work, not model work: not counted).
+
 ``N`` is transformers' ``PreTrainedModel.num_parameters(exclude_embeddings=True)`` (the ``N`` of its
 own ``floating_point_ops``): all parameters except the ``nn.Embedding`` tables. Modules that act on
 one vector per row (the BERT pooler, a Dense head) are counted per token too, which overstates the
@@ -115,6 +126,8 @@ class FlopModel:
         passes: forward-pass equivalents per row: 4 for a cached loss, 3 for a plain one.
         peak_flops: the device's dense peak in FLOP/s, or None (CPU, unknown GPU): MFU is then None.
         peak_source: where the peak comes from (datasheet part, ``train.peak_tflops``) or why none.
+        scoring_flops_per_pair: training FLOPs per (query token, document token) pair a late-interaction
+            loss scores (:func:`scoring_flops` of one pair; 0 for a dense model).
     """
 
     non_embedding_params: int
@@ -123,18 +136,22 @@ class FlopModel:
     passes: int
     peak_flops: float | None = None
     peak_source: str = "cpu: no peak"
+    scoring_flops_per_pair: float = 0.0
 
-    def flops(self, real_tokens: float, real_tokens_sq: float) -> float:
-        """Model FLOPs for rows with ``sum(l) = real_tokens`` and ``sum(l^2) = real_tokens_sq``:
-        ``passes x (2 N sum(l) + 4 L d sum(l^2))``."""
+    def flops(self, real_tokens: float, real_tokens_sq: float, scored_pairs: float = 0.0) -> float:
+        """Model FLOPs for rows with ``sum(l) = real_tokens`` and ``sum(l^2) = real_tokens_sq``, and
+        ``scored_pairs`` (query token, document token) pairs scored by a late-interaction loss:
+        ``passes x (2 N sum(l) + 4 L d sum(l^2)) + scoring_flops_per_pair x scored_pairs``."""
         n, layers, width = self.non_embedding_params, self.layers, self.attention_width
-        return self.passes * (2.0 * n * real_tokens + 4.0 * layers * width * real_tokens_sq)
+        encoder = self.passes * (2.0 * n * real_tokens + 4.0 * layers * width * real_tokens_sq)
+        return encoder + self.scoring_flops_per_pair * scored_pairs
 
     def to_dict(self) -> dict:
         """The model's constants and the formula, for ``run_summary.json``."""
         return {
             **asdict(self),
-            "formula": "passes * (2 * N * sum(l) + 4 * L * d * sum(l^2)) over the real lengths l",
+            "formula": "passes * (2 * N * sum(l) + 4 * L * d * sum(l^2)) over the real lengths l"
+            + " + scoring_flops_per_pair * (query token, document token) pairs scored",
         }
 
 
@@ -164,6 +181,34 @@ def encoder_shape(model) -> tuple[int, int, int]:
     return n, layers, width
 
 
+def model_shape(model) -> tuple[int, int, int]:
+    """``(N, L, d)`` of the model a run trains: :func:`encoder_shape`'s, with ``N`` raised by the model
+    kind's weights applied per token after the encoder (a multi-vector model's token projection:
+    :meth:`cembed.model.kinds.registry.ModelKind.head_flops_per_token` / 2, as ``2 N`` counts a
+    forward's FLOPs per token); a dense model's modules after pooling act once per row and are
+    already counted per token in ``N`` (see the module docstring)."""
+    from cembed.model.kinds.lookup import kind_of
+
+    n, layers, width = encoder_shape(model)
+    head = kind_of(model, default="dense").head_flops_per_token(model)  # a bare transformers model: none
+    return n + int(head // 2), layers, width
+
+
+SCORING_PASSES = 4  # the forward, the backward's recompute, its query and document products
+
+
+def scoring_flops(model, query_tokens: float, document_tokens: float) -> float:
+    """Training FLOPs of scoring ``query_tokens`` query tokens against ``document_tokens`` document tokens
+    (every candidate a rank scores) in one step: :data:`SCORING_PASSES` x the model kind's forward
+    scoring FLOPs (:meth:`cembed.model.kinds.registry.ModelKind.scoring_flops`; MaxSim:
+    ``8 D x query_tokens x document_tokens``); 0 for a kind whose scoring is negligible (dense). The one
+    formula of the meter and ``estimate`` (see the module docstring)."""
+    from cembed.model.kinds.lookup import kind_of
+
+    kind = kind_of(model, default="dense")
+    return SCORING_PASSES * kind.scoring_flops(model, float(query_tokens), float(document_tokens))
+
+
 def forward_passes(cached: bool) -> int:
     """Forward-pass equivalents per row of a step: 4 for a loss that caches gradients (a no-grad
     forward, then forward and backward), 3 for one forward/backward (a backward costs two forwards)."""
@@ -180,7 +225,7 @@ def build_flop_model(model, cached: bool, precision: str, device: str, peak_tflo
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"``; the peak is the current CUDA device's.
         peak_tflops: ``train.peak_tflops``: the peak in TFLOP/s per device, overriding the table.
     """
-    n, layers, width = encoder_shape(model)
+    n, layers, width = model_shape(model)
     passes = forward_passes(cached)
     if peak_tflops is not None:
         peak, source = peak_tflops * 1e12, "train.peak_tflops"
@@ -188,4 +233,4 @@ def build_flop_model(model, cached: bool, precision: str, device: str, peak_tflo
         peak, source = device_peak(torch.cuda.get_device_name(), matmul_precision(precision, device))
     else:
         peak, source = None, f"{device}: no peak (FLOP/s only)"
-    return FlopModel(n, layers, width, passes, peak, source)
+    return FlopModel(n, layers, width, passes, peak, source, scoring_flops(model, 1, 1))

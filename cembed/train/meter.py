@@ -7,8 +7,10 @@ Per logging interval (the trainer's ``logging_steps``):
 - ``tokens_per_s``: non-padding tokens embedded per second (each text counted once per step);
 - ``padded_share``: share of the token positions the encoder processed that were padding;
 - with a :class:`~cembed.train.flops.FlopModel`: ``flops_per_s``, the model FLOPs of the real tokens per
-  second (formula and sources in :mod:`cembed.train.flops`), and ``mfu``, that over the device's dense
-  peak (None without a known peak, e.g. on a CPU).
+  second, with a late-interaction loss's MaxSim scoring (the (query token, document token) pairs it
+  scored, :attr:`cembed.losses.counts.TokenCounts.scored_pairs`; formula and sources in
+  :mod:`cembed.train.flops`), and ``mfu``, that over the device's dense peak (None without a known
+  peak, e.g. on a CPU).
 
 The loss keeps its token counts as device tensors (:class:`~cembed.losses.counts.TokenCounts`); the meter
 reads them once per interval, so counting adds no host-device synchronisation per mini-batch.
@@ -36,14 +38,14 @@ from cembed.train.flops import FlopModel
 
 
 def _combine(rows: list[list[float]], flops: FlopModel | None = None) -> dict:
-    """Per-rank ``[real, processed, wait, wall, real_sq]`` rows -> the job's statistics and each
-    rank's own (with ``flops``: also FLOP/s and MFU)."""
+    """Per-rank ``[real, processed, wait, wall, real_sq, scored_pairs]`` rows -> the job's statistics and
+    each rank's own (with ``flops``: also FLOP/s and MFU)."""
     per_rank = []
-    for real, _, wait, wall, real_sq in rows:
+    for real, _, wait, wall, real_sq, pairs in rows:
         wall = max(wall, 1e-9)
         rank = {"tokens_per_s": real / wall, "data_wait": wait / wall}
         if flops is not None:
-            rank["flops_per_s"] = flops.flops(real, real_sq) / wall
+            rank["flops_per_s"] = flops.flops(real, real_sq, pairs) / wall
         per_rank.append(rank)
     real, processed = sum(r[0] for r in rows), sum(r[1] for r in rows)
     out = {
@@ -85,6 +87,7 @@ class ThroughputMeter:
     total_real: int = 0
     total_processed: int = 0
     total_real_sq: int = 0
+    total_scored_pairs: int = 0
     _wait: float = 0.0
     _start: float = field(default_factory=time.perf_counter)
     _first: float | None = None
@@ -118,7 +121,8 @@ class ThroughputMeter:
         now = time.perf_counter()
         wall = max(now - self._start, 1e-9)
         real, processed, real_sq = self.token_counts.read()
-        stats = _combine(self.gather([real, processed, self._wait, wall, real_sq]), self.flops)
+        pairs = self.token_counts.scored_pairs
+        stats = _combine(self.gather([real, processed, self._wait, wall, real_sq, pairs]), self.flops)
         del stats["per_rank"]
         if self.filter_counts is not None:
             fc = self.filter_counts
@@ -129,6 +133,7 @@ class ThroughputMeter:
         self.total_real += real
         self.total_processed += processed
         self.total_real_sq += real_sq
+        self.total_scored_pairs += pairs
         self.history.append({"step": step, **stats})
         self._start, self._wait = now, 0.0
         self.token_counts.reset()
@@ -150,7 +155,8 @@ class ThroughputMeter:
         wall = max(time.perf_counter() - (self._first or self._start), 1e-9)
         real, processed, real_sq = self.token_counts.read()
         row = [self.total_real + real, self.total_processed + processed, self.total_wait, wall]
-        rows = self.gather([*row, self.total_real_sq + real_sq])
+        pairs = self.total_scored_pairs + self.token_counts.scored_pairs
+        rows = self.gather([*row, self.total_real_sq + real_sq, pairs])
         out = _combine(rows, self.flops)
         if self.filter_counts is not None:
             masked = self.total_masked + self.filter_counts.masked

@@ -204,7 +204,9 @@ def check_writable_folders(cfg: CembedConfig) -> list[Finding]:
 
 
 def check_model(cfg: ModelConfig) -> list[Finding]:
-    """The position table against ``model.max_seq_length`` (or the model's own), and a pad token."""
+    """The position table against ``model.max_seq_length`` (or the model's own) and the kind's own
+    lengths (:meth:`cembed.config.model.ModelConfig.length_fields`: a multi-vector model's
+    ``query_length``, ``document_length``, ``query_expansion``), and a pad token."""
     try:
         base, own = transformer_folder(cfg)
         hf = read_json(model_file(base, "config.json", cfg.revision))
@@ -214,9 +216,9 @@ def check_model(cfg: ModelConfig) -> list[Finding]:
     kind, positions = hf.get("model_type"), hf.get("max_position_embeddings")
     absolute = kind in ABSOLUTE_POSITIONS or hf.get("position_embedding_type") == "absolute"
     length = cfg.max_seq_length or own
-    if absolute and isinstance(positions, int) and length:
+    if absolute and isinstance(positions, int):
         limit = positions - ((hf.get("pad_token_id") or 0) + 1 if kind in PADDING_OFFSET else 0)
-        if length > limit:
+        if length and length > limit:
             what = f"{length}" if cfg.max_seq_length else f"unset (the model's own {length})"
             findings.append(
                 Finding(
@@ -225,6 +227,15 @@ def check_model(cfg: ModelConfig) -> list[Finding]:
                     f"set model.max_seq_length to at most {limit}",
                 )
             )
+        findings += [
+            Finding(
+                field,
+                f"{tokens} is longer than the model's position table ({limit} positions, {kind}); "
+                f"set {field} to at most {limit}",
+            )
+            for field, tokens in cfg.length_fields().items()
+            if tokens > limit
+        ]
     if hf and not cfg.trust_remote_code:
         findings += _check_padding(base, cfg)
     return findings
@@ -283,8 +294,11 @@ def check_loss_models(loss) -> list[Finding]:
     """Each model the loss loads besides the one trained (its config's ``model_paths``: ``cached_gist``'s
     ``guide``) can be found: a folder with a model, a packaged short name, a hub id in the cache (or
     reachable), without its own code. One that cannot is loaded here, which fails at once with the
-    one line ``train`` would give when it builds the loss."""
-    from cembed.model.load import load_model, remote_code_entries, resolve_model_path
+    one line ``train`` would give when it builds the loss. One that must be a transformer (the loss
+    config's ``transformer_paths``: GIST's guide) and whose first module is not (a StaticEmbedding
+    model) is refused with ``train``'s line (:func:`cembed.model.load.guide_problem`)."""
+    from cembed.model.load import guide_problem, load_model, remote_code_entries, resolve_model_path
+    from cembed.model.shape import first_module_type
 
     findings = []
     for name in type(loss).model_paths:
@@ -294,12 +308,15 @@ def check_loss_models(loss) -> list[Finding]:
         try:
             path = resolve_model_path(value)
             found = any(model_file(path, f, None) for f in ("modules.json", "config.json"))
-            if found and not remote_code_entries(path):
-                continue
-            load_model(ModelConfig(name_or_path=value), "cpu", for_training=False)
+            if not found or remote_code_entries(path):
+                load_model(ModelConfig(name_or_path=value), "cpu", for_training=False)
         except UserError as err:
             field, _, message = str(err).replace("model.name_or_path", f"loss.{name}", 1).partition(": ")
             findings.append(Finding(field, message))
+            continue
+        first = first_module_type(ModelConfig(name_or_path=value)) if name in type(loss).transformer_paths else None
+        if first is not None and first != "Transformer":
+            findings.append(Finding(f"loss.{name}", guide_problem(value, first)))
     return findings
 
 

@@ -24,6 +24,7 @@ the summary.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
@@ -43,9 +44,11 @@ from cembed.distributed.collectives import max_over_ranks
 from cembed.distributed.ddp import freeze_parameters, ignore_in_ddp, unused_parameters
 from cembed.distributed.fsdp import gathered_model
 from cembed.distributed.group import backend_for, dist_info, init_distributed, local_main_first
+from cembed.distributed.launch import job_restart_count
 from cembed.errors import RunAbandoned, RunFailed, RunInterrupted, UserError
 from cembed.files import append_log, display_path, save_model_atomic, write_json_atomic
 from cembed.losses.registry import build_loss
+from cembed.model.kinds.lookup import kind_of
 from cembed.model.load import cast_for_saving, load_model, quiet_libraries, weight_dtypes
 from cembed.model.lora import adapter_facts, finish_lora, is_lora
 from cembed.model.prompts import RolePrompts, set_trained_prompts
@@ -60,14 +63,17 @@ from cembed.train.checkpoint import (
     check_output_dir,
     check_resume_point,
     checkpoint_progress,
+    later_checkpoints,
     latest_complete,
     recorded_run,
     remove_checkpoints,
     remove_incomplete,
     resolve_resume,
+    resume_on_restart,
     run_status,
 )
 from cembed.train.flops import build_flop_model
+from cembed.train.kinds import trainer_for_kind
 from cembed.train.meter import ThroughputMeter, plot_run
 from cembed.train.preflight import check_resume, freezes_unused, preflight, raise_findings, training_record
 from cembed.train.publish import (
@@ -201,7 +207,8 @@ def check_run_inputs(
         from cembed.eval.sets import load_eval_sets
         from cembed.train.evaluation import check_metric_name, training_eval_args
 
-        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval))
+        similarity = type(cfg.model).similarity
+        metric = check_metric_name(cfg.eval.metric_for_best_model, load_eval_sets(cfg.eval), similarity)
         training_eval_args(cfg.eval, metric, cfg.train.save_steps)
     return plan, data
 
@@ -215,6 +222,7 @@ class RunDir:
     checkpoint: str | None
     record: dict | None = None
     resume_changes: tuple[str, ...] = ()
+    restarts: int = 0  # the job's restarts so far (cembed.distributed.launch.job_restart_count)
 
     @property
     def log_path(self) -> Path:
@@ -251,17 +259,30 @@ def prepare_output(
     check_output_dir(out, overwrite, continuing)
     checkpoint = resolve_resume(out, resume, resume_from)
     changes: list[str] = []
+    later: list[Path] = []
     if checkpoint:
         check_resume_point(checkpoint, max_steps, finished=run_status(Path(checkpoint).parent) == "completed")
         changes = check_resume(checkpoint, recorded_run(checkpoint), record) if record else []
+        later = later_checkpoints(out, checkpoint)
+        if later and not overwrite:
+            # Left beside this run's, a later --resume would take the newest of either continuation.
+            raise UserError(
+                f"--resume-from {display_path(checkpoint)}: train.output_dir also holds the later "
+                f"{', '.join(p.name for p in later)} of the run this one replaces from step "
+                f"{checkpoint_progress(checkpoint)[0]}; add --overwrite to remove them, or resume into another output_dir"
+            )
     run = RunDir(out, checkpoint, record, tuple(changes))
     if dist_info().is_main:
         out.mkdir(parents=True, exist_ok=True)
         remove_incomplete(out)  # a half-written checkpoint from a killed run is never used
         if overwrite and not checkpoint:  # a fresh run replaces the folder's run, checkpoints included
             remove_checkpoints(out)
+        for replaced in later:  # --resume-from an earlier checkpoint with --overwrite: its later ones go
+            shutil.rmtree(replaced, ignore_errors=True)
         start = (
-            f"resume from {checkpoint}" + (f" with {'; '.join(changes)}" if changes else "")
+            f"resume from {checkpoint}"
+            + (f" with {'; '.join(changes)}" if changes else "")
+            + (f"; removed the later {', '.join(p.name for p in later)}" if later else "")
             if checkpoint
             else "fresh run"
         )
@@ -370,7 +391,8 @@ def build_components(
     # The sampler only yields whole global batches and these never get a gradient, so DDP needs no
     # unused-parameter search: they are frozen, or (a resume of a run begun on one process, whose
     # optimizer holds them) ignored by DDP (preflight.freezes_unused).
-    unused = unused_parameters(model, data.sample_texts()) if freeze or plan.world_size > 1 else []  # every column
+    outputs = kind_of(model, default="dense").text_outputs
+    unused = unused_parameters(model, data.sample_texts(), outputs=outputs) if freeze or plan.world_size > 1 else []
     if freeze:
         freeze_parameters(model, unused)
     elif plan.world_size > 1 and cfg.distributed.strategy == "ddp":
@@ -389,7 +411,9 @@ def build_components(
     if cfg.eval is not None:
         from cembed.train.evaluation import TrainingEvaluation
 
-        evaluation = TrainingEvaluation.from_config(cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts)
+        evaluation = TrainingEvaluation.from_config(
+            cfg.eval, cfg.train.save_steps, on_line=on_line, prompts=prompts, similarity=type(cfg.model).similarity
+        )
     parts = (model, train_dataset, collator, loss, evaluation, token_info, distributed, data.source)
     mix = SourceMix.from_data(data, cfg.data.sampling)
     weights = weight_dtypes(model, cfg.model, plan.precision)
@@ -452,7 +476,9 @@ def build_trainer(
     is_main = dist_info().is_main
     layers = list(getattr(parts.model[0].auto_model, "_no_split_modules", None) or [])
     eval_args = parts.evaluation.training_args if parts.evaluation else None
-    args = build_training_args(cfg, plan, eval_args, layers, parts.sources)
+    kind = kind_of(parts.model)
+    args = build_training_args(cfg, plan, eval_args, layers, parts.sources, kind.trainer_classes().training_args)
+    trainer_cls = trainer_for_kind(trainer_cls, kind)  # the kind's model, arguments, collator and card classes
     if parts.collator is None:  # sentence-transformers' collator tokenizes, with the same prompts
         args.prompts = parts.prompts.for_columns(parts.train_dataset.column_names) or None
         if parts.source_prompts is not None:  # its per-dataset form: source name -> column -> prompt
@@ -482,7 +508,9 @@ def build_trainer(
     display = display if display is not None else QuietRunDisplay()
     progress = display.progress(log, plan.samples_per_step)
     log_path = run_dir.log_path if is_main else None
-    trainer.add_callback(RunLogCallback(log, plan.samples_per_step, log_path, display.log_line, trainer.step_loss))
+    trainer.add_callback(
+        RunLogCallback(log, plan.samples_per_step, log_path, display.log_line, trainer.step_loss, parts.loss.notes)
+    )
     if progress is not None:
         trainer.add_callback(progress)
     interrupt = InterruptCallback()
@@ -586,9 +614,15 @@ def train(run: Run, run_dir: RunDir, base: dict, evaluation=None):
             if ended:  # the trained run's end does not fit in the grace: --resume does it
                 raise run.end.stopped(FINAL_SAVE)
             err = RunInterrupted(interrupt.signum, state.global_step, trainer.last_checkpoint)
+            step_losses = trainer.step_losses()  # on every rank (reduced when training ended: no collective left)
             if is_main:
                 append_log(run_dir.log_path, f"{err}; checkpoint {trainer.last_checkpoint}")
-                stopped = {"status": "interrupted", "steps": state.global_step, "checkpoint": trainer.last_checkpoint}
+                stopped = {
+                    "status": "interrupted",
+                    "steps": state.global_step,
+                    "checkpoint": trainer.last_checkpoint,
+                    "step_losses": step_losses,
+                }
                 write_json_atomic(run_dir.summary_path, {**base, **stopped})
             raise err
     if state.global_step == 0 and trainer.streaming:
@@ -649,7 +683,7 @@ def write_summary(
     if eval_after is not None:  # its evaluators reported to the card: rewrite it (push_to_hub uploads it)
         from cembed.train.evaluation import headline_keys
 
-        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets))
+        record_final_eval(model, eval_before, eval_after, headline_keys(evaluation.sets, evaluation.similarity))
         write_model_card(model, run_dir.out)
     push_final_model(trainer)  # train.push_to_hub: every rank calls it, rank 0 uploads
     wall = (log.ended or time.perf_counter()) - log.started  # this process's training time
@@ -674,6 +708,8 @@ def write_summary(
         "losses": log.losses,
         "step_losses": trainer.step_losses(),  # every optimizer step's loss, the global step's (over all ranks)
         "nonfinite_steps_skipped": trainer.nonfinite_skipped,
+        # what the loss chose as it ran (a MaxSim kernel, or why not)
+        "loss_notes": list(trainer.built_loss.notes) if trainer.built_loss is not None else [],
         "throughput": trainer.meter.totals(),
         "lora": lora,
         "throughput_per_interval": trainer.meter.history,
@@ -708,7 +744,9 @@ def run_training(
     Args:
         display: what the run shows (probe, header, components, progress, evaluation lines;
             default :class:`QuietRunDisplay`, which shows nothing).
-        resume: continue from the newest complete checkpoint in ``train.output_dir``.
+        resume: continue from the newest complete checkpoint in ``train.output_dir``; an attempt that
+            torch's elastic agent restarted (any rank's ``$TORCHELASTIC_RESTART_COUNT`` > 0) does
+            so without it, where such a checkpoint exists (:func:`cembed.train.checkpoint.resume_on_restart`).
         resume_from: continue from this checkpoint folder instead.
         overwrite: allow an ``output_dir`` that already holds a finished model.
         max_memory: memory budget for ``batch.mini_batch_size: auto`` (e.g. ``8GiB``).
@@ -727,6 +765,14 @@ def run_training(
     """
     display = display if display is not None else QuietRunDisplay()
     is_main = dist_info().is_main
+    t = cfg.train
+    # An attempt that torch's elastic agent restarted after a failure continues from the newest
+    # complete checkpoint, as --resume does. The ranks decide together, in the process group (joined
+    # here, before the output folder is read): a node whose workers were healthy restarts them with
+    # a restart count of 0 (cembed.distributed.launch.job_restart_count).
+    init_distributed(plan.device, cfg.distributed.timeout_minutes)
+    restarts = job_restart_count()
+    resume, resume_from = resume_on_restart(t.output_dir, restarts, resume, resume_from)
     record = training_record(
         cfg,
         plan.samples_per_step,
@@ -736,8 +782,8 @@ def run_training(
         world_size=plan.world_size,
         contrast_rows=plan.contrast_rows,
     )
-    t = cfg.train
     run_dir = prepare_output(t.output_dir, t.max_steps, plan, resume, resume_from, overwrite, record)
+    run_dir.restarts = restarts
     frozen = freezes_unused(recorded_run(run_dir.checkpoint) if run_dir.checkpoint else None, plan.world_size)
     record["frozen_unused_parameters"] = frozen  # each checkpoint carries it on (its optimizer's parameters)
     findings = (*data.warnings, *warnings, *(f"resume applies {c}" for c in run_dir.resume_changes))

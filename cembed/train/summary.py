@@ -78,7 +78,7 @@ def summary_base(cfg, plan, data, parts, run_dir, run, warnings: tuple[str, ...]
             "reason": plan.precision_reason,
         },
         "distributed": parts.distributed,
-        "restarts": restarts_record(),  # --max-restarts: each restart's reason and resume point
+        "restarts": restarts_record(run_dir.restarts),  # --max-restarts: each restart's reason and resume point
         "mini_batch_probe": plan.mini_batch_probe,
         "versions": versions(),
         "output_dir": str(run_dir.out),

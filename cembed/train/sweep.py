@@ -14,9 +14,10 @@ One process runs a sweep at a time: a RUNNING trial found at the start is taken 
 
 A study holds one sweep: the study records what its trials train and are scored on (:func:`sweep_record`:
 the resolved config minus the LR factor and the fields of :data:`NOT_RECORDED`, plus ``--steps`` and a
-hash of the rows of each training source and eval set, :func:`contents_record`; each trial carries its
-hash), and a rerun whose record differs is refused naming each changed field, or the data edited in
-place (read back, the old trials would be another config's or other rows' scores). ``overwrite`` moves the old study and its runs aside, into
+hash of the rows of each training source and eval set, :func:`contents_record`, and of each local model
+folder's files, :func:`files_record`; each trial carries its hash), and a rerun whose record differs is
+refused naming each changed field, the data edited in place, or a model folder trained again in place
+(read back, the old trials would be another config's, other rows' or other weights' scores). ``overwrite`` moves the old study and its runs aside, into
 ``<out>/study-<time>/``, and starts a fresh one.
 
 Each trial's run is checked as ``cembed train`` checks it (:func:`cembed.train.recipe.check_run_inputs`,
@@ -164,12 +165,15 @@ def sweep_metric(cfg, metric: str | None, sets=None) -> tuple[str, bool]:
     sets = sets if sets is not None else load_eval_sets(cfg.eval)
     if metric is not None:
         bare = metric.removeprefix("eval_")
-        known = metric_names(sets)
+        known = metric_names(sets, cfg.model.similarity)
         if bare not in known:
             raise UserError(f"--metric: {metric!r} is not a metric of the eval sets (e.g. {', '.join(known[:6])})")
         chosen = bare
     else:
-        chosen = check_metric_name(cfg.eval.metric_for_best_model, sets) or headline_keys(sets)[0]
+        similarity = cfg.model.similarity  # the model kind's: retrieval metrics are keyed by it
+        chosen = (
+            check_metric_name(cfg.eval.metric_for_best_model, sets, similarity) or headline_keys(sets, similarity)[0]
+        )
     return chosen, greater_is_better(chosen, cfg.eval.greater_is_better)
 
 
@@ -230,6 +234,14 @@ NOT_RECORDED = (
     "data.num_proc",
     "eval.batch_size",
     "distributed",
+    # MaxSim's scoring tiles (cached_maxsim): the same scores in other tiles (issue 40: the result does
+    # not depend on the tile sizes; tests/losses/test_maxsim_loss.py)
+    "loss.score_query_tokens",
+    "loss.score_document_tokens",
+    "loss.score_document_rows",
+    # and its kernel: a fused kernel is used only where it agrees with the tiled path (within a TF32 /
+    # bf16 matmul's rounding, as batch.unpad's packed rows agree with padded ones)
+    "loss.score_kernel",
     # columns declared not trained (dropped either way)
     "data.columns.ignore",
     "data.train.columns.ignore",
@@ -285,15 +297,52 @@ def contents_record(data, sets=None) -> dict[str, dict[str, str]]:
     return out
 
 
+FILES = " (files)"  # the suffix of a record key that holds what a model folder holds
+
+
+def files_record(cfg) -> dict[str, dict[str, str]]:
+    """What a sweep's trials start from, by its files: each model the config names that is a local
+    folder (``model.name_or_path``; the loss's ``model_paths``, such as ``cached_gist``'s guide) as a
+    hash of its files' paths, sizes and modification times, so a folder trained again in place (the
+    same path, other weights) is another sweep. A hub id is recorded by its name (and
+    ``model.revision``) only. Nothing is read but the folders' listings.
+
+    Returns:
+        ``{"<field> (files)": {"source", "files", "xxh3"}}``: ``files`` as ``"N files, B bytes"``.
+    """
+    import xxhash
+
+    from cembed.model.load import resolve_model_path
+
+    named = {"model.name_or_path": cfg.model.name_or_path}
+    named |= {f"loss.{f}": getattr(cfg.loss, f) for f in type(cfg.loss).model_paths if getattr(cfg.loss, f, None)}
+    out: dict[str, dict[str, str]] = {}
+    for key, name in named.items():
+        try:
+            folder = Path(resolve_model_path(name))
+        except UserError:  # a packaged name without its package: loading the model says so
+            continue
+        if not isinstance(name, str) or not folder.is_dir():
+            continue
+        digest, count, size = xxhash.xxh3_64(), 0, 0
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            stat = path.stat()
+            digest.update(f"{path.relative_to(folder).as_posix()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+            count, size = count + 1, size + stat.st_size
+        out[key + FILES] = {"source": str(folder), "files": f"{count} files, {size} bytes", "xxh3": digest.hexdigest()}
+    return out
+
+
 def sweep_record(cfg, precision: str, steps: int, contents: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
     """What every trial of a sweep trains and is scored on, minus its LR factor: the resolved config
     flattened to dotted fields (``optim.learning_rate`` is the base LR the factors multiply;
     ``model.precision`` as resolved, so ``auto`` equals what it chose), without :data:`NOT_RECORDED`,
-    plus ``--steps`` and the data's ``contents`` (:func:`contents_record`). Two runs with equal
-    records train the same trial at each factor and score it on the same sets."""
+    plus ``--steps``, the data's ``contents`` (:func:`contents_record`) and the model folders' files
+    (:func:`files_record`). Two runs with equal records train the same trial at each factor and score
+    it on the same sets."""
     config = cfg.model_dump(mode="json")
     config["model"]["precision"] = precision
-    return {**_recorded_fields(config), "--steps": steps, **(contents or {})}
+    return {**_recorded_fields(config), "--steps": steps, **(contents or {}), **files_record(cfg)}
 
 
 def record_fingerprint(record: dict[str, Any]) -> str:
@@ -327,7 +376,7 @@ def check_study_record(study, record: dict[str, Any], db: Path) -> None:
         study.set_user_attr("record", record)
         study.set_user_attr("fingerprint", record_fingerprint(record))
         return
-    changed = [c for c in record_differences(old, record) if not c[0].endswith(CONTENTS)]
+    changed = [c for c in record_differences(old, record) if not c[0].endswith((CONTENTS, FILES))]
     if changed:
         was = ", ".join(f"{k}={_shown(a)}" for k, a, _ in changed)
         now = ", ".join(f"{k}={_shown(b)}" if len(changed) > 1 else _shown(b) for k, _, b in changed)
@@ -340,6 +389,14 @@ def check_study_record(study, record: dict[str, Any], db: Path) -> None:
         )
     if contents:
         raise UserError(f"sweep: {display_path(db)} was run on other data: {_contents_change(*contents[0])}; {fix}")
+    files = [c for c in record_differences(old, record) if c[0].endswith(FILES)]
+    if files and not any(key.endswith(FILES) for key in old):
+        raise UserError(
+            f"sweep: {display_path(db)} holds trials without a record of the model files they trained from (an "
+            f"older cembed); {fix}"
+        )
+    if files:
+        raise UserError(f"sweep: {display_path(db)} was run on another model: {_files_change(*files[0])}; {fix}")
 
 
 def _contents_change(key: str, old: dict | None, new: dict | None) -> str:
@@ -352,6 +409,20 @@ def _contents_change(key: str, old: dict | None, new: dict | None) -> str:
         return f"{entry['rows']} (xxh3 {entry['xxh3'][:8]})" if entry else "nothing recorded"
 
     return f"{where} held {held(old)} and holds {held(new)} now (edited in place?): its trials scored the old rows"
+
+
+def _files_change(key: str, old: dict | None, new: dict | None) -> str:
+    """One model folder's change of files, in words (the record keeps the full hashes)."""
+    field = key.removesuffix(FILES)
+    item = new or old or {}
+
+    def held(entry: dict | None) -> str:
+        return f"{entry['files']} (xxh3 {entry['xxh3'][:8]})" if entry else "no folder"
+
+    where = f"{field} ({display_path(item['source'])})" if item.get("source") else field
+    return (
+        f"{where} held {held(old)} and holds {held(new)} now (retrained in place?): its trials trained the old weights"
+    )
 
 
 SWEEP_FILES = ("study.db", "sweep.json", "sweep.png")

@@ -53,6 +53,7 @@ from cembed.distributed.fsdp import (
     load_full_optimizer,
     load_sharded_model,
     load_sharded_optimizer,
+    search_final_norm_in_backbone,
 )
 from cembed.distributed.group import main_first
 from cembed.errors import RunFailed, UserError, first_line
@@ -68,8 +69,10 @@ from cembed.train.checkpoint import (
     is_sharded_checkpoint,
     latest_complete,
     mark_complete,
+    read_step_losses,
     reseeded,
     worker_init,
+    write_step_losses,
 )
 from cembed.train.flops import format_flops
 from cembed.train.meter import StepClock, ThroughputMeter
@@ -388,6 +391,8 @@ class CembedTrainer(SentenceTransformerTrainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         enable_fsdp_on_cpu(self)  # accelerate drops the FSDP plugin on CPU (cembed.distributed.fsdp)
+        if self.is_fsdp_enabled:  # a model's last Normalize is no final norm to shard (cembed.distributed.fsdp)
+            search_final_norm_in_backbone(self.model)
 
     def _preload_full_checkpoint(self, checkpoint) -> None:
         # FSDP resuming a full checkpoint (a 1-process or DDP run's): every rank loads it into the
@@ -399,6 +404,8 @@ class CembedTrainer(SentenceTransformerTrainer):
             self._preloaded_checkpoint = checkpoint
 
     def _load_from_checkpoint(self, checkpoint_path, *args, **kwargs) -> None:
+        # The steps trained before the checkpoint keep their losses in the summary (and its plot).
+        self._global_losses.update(read_step_losses(checkpoint_path))
         if self._preloaded_checkpoint == checkpoint_path:
             self._loaded_checkpoint = checkpoint_path
             return
@@ -484,6 +491,7 @@ class CembedTrainer(SentenceTransformerTrainer):
         if self.args.should_save:
             shutil.rmtree(staged, ignore_errors=True)
         self._staging_root = staging_root
+        step_losses = self.step_losses()  # on every rank: reducing the pending steps is a collective
         try:
             super()._save_checkpoint(model, trial)
         finally:
@@ -494,6 +502,7 @@ class CembedTrainer(SentenceTransformerTrainer):
             apply_umask(staged)  # the weights were written through a private 0o600 temporary file
             # the trainer wrote its state with the staging path (or none): a resume reads this one
             self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+            write_step_losses(staged, step_losses)
             mark_complete(staged, self.state.global_step, self.run_record)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staged, final)
@@ -618,6 +627,8 @@ class RunLogCallback(TrainerCallback):
         step_loss: ``step -> that optimizer step's loss`` (:meth:`CembedTrainer.step_loss`, reduced
             over the ranks), called at every step end on every rank (it may be a collective) for
             :attr:`RunLog.step_loss`; None: not tracked.
+        notes: the loss's notes (:attr:`cembed.losses.registry.BuiltLoss.notes`): each line added to it is
+            shown and logged like an interval's line, once, at the end of the step that added it.
     """
 
     def __init__(
@@ -627,12 +638,15 @@ class RunLogCallback(TrainerCallback):
         log_path: Path | None = None,
         on_line: Callable[[str], None] | None = None,
         step_loss: Callable[[int], float | None] | None = None,
+        notes: list[str] | None = None,
     ) -> None:
         self.log = log
         self.samples_per_step = samples_per_step
         self.log_path = log_path
         self.on_line = on_line
         self.step_loss = step_loss
+        self.notes = notes if notes is not None else []
+        self._noted = 0  # notes shown so far
         self._lr = float("nan")  # the LR of the step in progress
         self._logged = 0  # the step of the last logged loss (the start step before the first)
 
@@ -641,6 +655,9 @@ class RunLogCallback(TrainerCallback):
         self.log.clock.begin(state.global_step)
         self.log.started = self.log.clock.started
         self._logged = state.global_step
+        # A resumed run's log history (restored from the checkpoint) holds the losses logged before it.
+        history = getattr(state, "log_history", ())  # (a TrainerState has one; a bare state in a test may not)
+        self.log.losses = [(e["step"], float(e["loss"])) for e in history if "loss" in e and "step" in e]
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         # The LR this step uses (read before the scheduler steps), as the trainer logs it.
@@ -656,6 +673,15 @@ class RunLogCallback(TrainerCallback):
         self.log.step_lr = self._lr
         if loss is not None:
             self.log.step_loss = loss
+        for line in self.notes[self._noted :]:
+            self._emit(line)
+        self._noted = len(self.notes)
+
+    def _emit(self, line: str) -> None:
+        if self.on_line is not None:
+            self.on_line(line)
+        if self.log_path is not None:
+            append_log(self.log_path, line)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}
@@ -668,11 +694,7 @@ class RunLogCallback(TrainerCallback):
         since, self._logged = self._logged, state.global_step
         if not state.is_world_process_zero:
             return
-        line = progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs, since)
-        if self.on_line is not None:
-            self.on_line(line)
-        if self.log_path is not None:
-            append_log(self.log_path, line)
+        self._emit(progress_line(state.global_step, state.max_steps, self.log, self.samples_per_step, logs, since))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.ended = self.log.clock.clock()

@@ -17,7 +17,12 @@ pass/fail status per stage with its seconds, CPU seconds and budget and, under `
       within 15 % on the GPU; reported, not judged, with ``--quick``);
   (g) ``attention``: per attention implementation (sdpa, eager, flash attention 2/3 when importable,
       flex attention with its kernel compiled and not), for all-MiniLM-L6-v2 and a small Qwen2
-      decoder: packed rows vs each row alone, packed vs padded step on skewed lengths, the fastest.
+      decoder: packed rows vs each row alone, packed vs padded step on skewed lengths, the fastest;
+  (h) ``maxsim``: the cached MaxSim loss of all-MiniLM-L6-v2 as a ColBERT model (issue 40): cembed's tiled
+      path, the fused kernel of late-interaction-kernels (when it imports on CUDA: the bundle carries its
+      wheel) and stock sentence-transformers on the same batch, loss and gradients against stock, the path
+      ``loss.score_kernel: auto`` chose; MaxSim alone (tiled vs fused, fp32 and bf16): step time, peak
+      memory, agreement (alone: ``--stages install,env,maxsim``).
 
 Also issue 13's CUDA-only checks (a sticky CUDA error, fp16 + nonfinite_loss: skip under the real
 GradScaler, the probe's gathered loss stage). Every run writes under a fresh folder
@@ -66,7 +71,8 @@ STAGES_PY = Path(__file__).resolve().with_name("stages.py")  # run, never import
 # to the later ones. attention (issue 34, added later): 16 s wall on the CPU at a load of ~4 (sdpa and
 # eager, never measured on a GPU); with it the GPU column sums to 680 s, over the 570 s deadline, so a
 # full run shrinks every budget in proportion (stage_budgets): on a GPU run it alone with
-# ``--stages install,env,attention``.
+# ``--stages install,env,attention``. maxsim (issue 40, added later): 82 s wall / 43 CPU s on the CPU at a
+# load of ~4 (never measured on a GPU); run it alone on a GPU with ``--stages install,env,maxsim``.
 STAGES = (
     ("install", 30, 20, "install the bundle's wheels (no index), report the image's versions and unmet pins"),
     ("env", 20, 10, "CUDA device, driver, torch/cembed versions, /dev/shm, precision auto resolution"),
@@ -79,6 +85,12 @@ STAGES = (
     ("stock", 70, 75, "(d) stock sentence-transformers step vs cembed's on the same batch, each side's attention path"),
     ("estimate", 100, 45, "issue 26: estimate --calibrate 2 predicts the same config's train wall time (15 %)"),
     ("attention", 120, 20, "issue 34: per attention implementation, packed rows == rows alone, packed vs padded step"),
+    (
+        "maxsim",
+        60,
+        45,
+        "issue 40: the cached MaxSim loss, tiled vs fused kernel (if present) vs stock, and MaxSim alone",
+    ),
 )
 DEADLINES = {"full": 570.0, "quick": 360.0}  # seconds for the whole check, per size
 # --quick: small sizes for a CPU smoke run of the same stages (CI); the full sizes are the GPU's.
@@ -306,6 +318,7 @@ def run_report(stages: dict, util: dict, selected: list[tuple], run_dir: Path, s
             "attention_paths": stages.get("stock", {}).get("paths"),
             "estimate": stages.get("estimate", {}).get("estimate"),
             "attention_fastest": stages.get("attention", {}).get("fastest"),
+            "maxsim": stages.get("maxsim", {}).get("loss"),
             "gpu_util": util,
         },
         "stages": stages,

@@ -38,6 +38,9 @@ BUNDLE_PACKAGES = (
     "xxhash",
     "cembed",
 )
+# At most one wheel each, not required: the fused MaxSim kernel (scripts/gpu_bundle.sh's KERNELS), which
+# the maxsim stage uses on CUDA where it imports.
+OPTIONAL_PACKAGES = ("late_interaction_kernels",)
 # fallback/ holds these for an image whose pyarrow is below wheels/' datasets' floor (its pyarrow wheel,
 # 53 MiB, does not fit beside the model): installed in place of wheels/' own (``chosen_wheels``).
 FALLBACK_PACKAGES = ("datasets", "fsspec")
@@ -78,6 +81,9 @@ def check_bundle(bundle: Path | None) -> dict:
         count = names.count(pkg)
         if count != 1:
             problems.append(f"wheels/: {count} wheels of {pkg} (need exactly 1)")
+    for pkg in OPTIONAL_PACKAGES:
+        if names.count(pkg) > 1:
+            problems.append(f"wheels/: {names.count(pkg)} wheels of {pkg} (at most 1)")
     if manifest.get("fallback"):
         fallback = [_dist_name(p.name) for p in (bundle / "fallback").glob("*.whl")]
         for pkg in FALLBACK_PACKAGES:

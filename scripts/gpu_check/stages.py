@@ -680,6 +680,165 @@ def stage_stock(ctx: dict, work: Path) -> dict:
     return {"status": "pass" if ok else "fail", "comparison": comparison, "paths": paths}
 
 
+# --- late interaction: the cached MaxSim loss, tiled vs fused kernel vs stock (issue 40) -------------
+
+MAXSIM_SIZES = {
+    # loss level: COCO rows, mini-batch, tokens per text, the token dimension; op level: queries x documents
+    # of random unit token vectors (lengths up to q_len / d_len), scored by InfoNCE alone
+    "full": {"rows": 512, "mini": 64, "seq": 64, "dim": 128, "op_rows": 4096, "q_len": 32, "d_len": 128},
+    "quick": {"rows": 8, "mini": 4, "seq": 32, "dim": 32, "op_rows": 32, "q_len": 8, "d_len": 24},
+}
+
+
+def _timed(fn, sync, rounds: int) -> tuple[float, object]:
+    """The median seconds of ``rounds`` calls of ``fn`` after one warm-up, and its last result."""
+    out, times = fn(), []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def _peak_bytes(fn, dev: str):
+    """``(result, peak CUDA bytes allocated above what was allocated before)`` of ``fn()``; None on CPU."""
+    import torch
+
+    if dev != "cuda":
+        return fn(), None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before
+
+
+def maxsim_op_level(size: dict, dev: str, kernel, rounds: int) -> dict:
+    """InfoNCE over MaxSim alone (no encoder) on random unit token vectors, per dtype (fp32, bf16): the
+    tiled path's and (with ``kernel``) the fused kernel's step (forward + backward) seconds and peak
+    memory, and the kernel's agreement with the tiled path on the whole batch."""
+    import torch
+    import torch.nn.functional as F
+
+    from cembed.model.maxsim import RaggedTokens, maxsim_infonce
+    from cembed.model.maxsim_kernel import check_agreement
+
+    g = torch.Generator().manual_seed(0)
+    n = size["op_rows"]
+    q_lengths = torch.randint(1, size["q_len"] + 1, (n,), generator=g).tolist()
+    d_lengths = torch.randint(1, size["d_len"] + 1, (n,), generator=g).tolist()
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    labels = torch.arange(n, device=dev)
+    out = {"queries": n, "documents": n, "query_tokens": sum(q_lengths), "document_tokens": sum(d_lengths)}
+    for dtype in (torch.float32, torch.bfloat16):
+        q = F.normalize(torch.randn(sum(q_lengths), size["dim"], generator=g), dim=-1).to(dev, dtype)
+        d = F.normalize(torch.randn(sum(d_lengths), size["dim"], generator=g), dim=-1).to(dev, dtype)
+        queries, documents = RaggedTokens.from_lengths(q, q_lengths), RaggedTokens.from_lengths(d, d_lengths)
+
+        def step(k, queries=queries, documents=documents):
+            qv, dv = queries.values.detach().requires_grad_(), documents.values.detach().requires_grad_()
+            loss = maxsim_infonce(
+                RaggedTokens(qv, queries.offsets), RaggedTokens(dv, documents.offsets), labels, kernel=k
+            )
+            loss.backward()
+            return float(loss)
+
+        row = {}
+        for label, k in (("tiled", None), ("fused", kernel)):
+            if label == "fused" and kernel is None:
+                continue
+            seconds, _ = _timed(lambda k=k: step(k), sync, rounds)
+            _, peak = _peak_bytes(lambda k=k: step(k), dev)
+            row[label] = {"step_s": round(seconds, 4), "peak_bytes": peak}
+        if kernel is not None:
+            agreement = check_agreement(kernel, queries, documents, labels, check_queries=n, check_documents=n)
+            row["agreement"] = {"ok": agreement.ok, "loss_rel": agreement.loss_rel, "grad_rel": agreement.gradient_rel}
+            row["speedup"] = round(row["tiled"]["step_s"] / row["fused"]["step_s"], 3)
+        out[str(dtype).replace("torch.", "")] = row
+    return out
+
+
+def stage_maxsim(ctx: dict, work: Path) -> dict:
+    """Issue 40: the cached MaxSim loss of a multi-vector model (all-MiniLM-L6-v2 turned into a ColBERT model,
+    a ``dim``-dimensional projection) on the device, on one batch of COCO pairs, fp32, dropout off, TF32 off:
+    stock sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss``, cembed's ``cached_maxsim``
+    on the tiled path (``loss.score_kernel: tiled``) and with ``auto`` (the fused kernel of
+    late-interaction-kernels where it imports on CUDA and agrees on the first batch): each side's loss and
+    parameter gradients against stock's, step seconds, the path ``auto`` chose and its note; then MaxSim alone
+    on random token vectors (:func:`maxsim_op_level`). Passes when the tiled path equals stock (loss 1e-5,
+    gradient 1e-4 relative L2), and, where the kernel is found, when ``auto`` chose it and it is within its
+    tolerance of stock (loss 1e-3, gradient 2e-2); fails where the package is installed but its kernel
+    cannot be found on CUDA."""
+    from importlib import metadata
+
+    import torch
+    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+    from cembed.config.loss import loss_config
+    from cembed.config.model import model_config
+    from cembed.losses.registry import build_loss
+    from cembed.model.load import load_model
+    from cembed.model.maxsim_kernel import GRADIENT_TOLERANCE, LOSS_TOLERANCE, PACKAGE, find_fused_maxsim
+
+    size = MAXSIM_SIZES["quick" if ctx.get("quick") else "full"]
+    dev, rounds = ctx["device"], 1 if ctx.get("quick") else 3
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 equivalence (the kernel computes in half anyway)
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = model_config(kind="multi_vector", name_or_path=ctx["model"], dim=size["dim"], max_seq_length=size["seq"])
+    model = load_model(cfg, dev, seed=0).eval()
+    rows = coco_rows(ctx, size["rows"])
+    feats = [
+        _to([model.preprocess(rows["anchor"], task="query")], dev)[0],
+        _to([model.preprocess(rows["positive"], task="document")], dev)[0],
+    ]
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    kernel, why = find_fused_maxsim(dev)
+    try:
+        installed = metadata.version(PACKAGE)
+    except metadata.PackageNotFoundError:
+        installed = None
+
+    def run(loss):
+        model.zero_grad(set_to_none=True)
+        value = loss([dict(f) for f in feats], None)
+        value.backward()
+        return value.detach().double(), _grads(model)
+
+    sides = {"stock": CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=size["mini"])}
+    built = {}
+    for setting in ("tiled", "auto"):
+        built[setting] = build_loss(model, loss_config(name="cached_maxsim", score_kernel=setting), size["mini"])
+        sides[setting] = built[setting].module
+    results = {}
+    for label, loss in sides.items():
+        seconds, (value, grad) = _timed(lambda loss=loss: run(loss), sync, rounds)
+        results[label] = {"step_s": round(seconds, 4), "loss": float(value), "grad": grad}
+    stock = results.pop("stock")
+    comparison = {"stock": {"step_s": stock["step_s"], "loss": stock["loss"]}}
+    for label, r in results.items():
+        comparison[label] = {
+            "step_s": r["step_s"],
+            "loss": r["loss"],
+            "loss_rel": abs(r["loss"] - stock["loss"]) / abs(stock["loss"]),
+            "grad_rel_l2": rel_l2(r.pop("grad"), stock["grad"]),
+        }
+    scoring = built["auto"].cached_module.scoring
+    comparison["auto"] |= {"path": scoring.path, "note": scoring.note}
+    kernel_found = {"found": kernel is not None, "installed": installed, "why_not": why or None}
+    op_level = maxsim_op_level(size, dev, kernel, rounds)
+    tiled, auto = comparison["tiled"], comparison["auto"]
+    ok = tiled["loss_rel"] <= 1e-5 and tiled["grad_rel_l2"] <= 1e-4
+    if kernel is not None:
+        ok = ok and scoring.kernel is not None and auto["loss_rel"] <= LOSS_TOLERANCE
+        ok = ok and auto["grad_rel_l2"] <= GRADIENT_TOLERANCE
+    elif dev == "cuda" and installed:
+        ok = False  # installed, but its kernel cannot be used here: say so by failing
+    return {"status": "pass" if ok else "fail", "kernel": kernel_found, "loss": comparison, "op_level": op_level}
+
+
 # --- attention implementations: packed vs each row alone, packed vs padded (issue 34) ---------------
 
 # label -> (attn_implementation, the flex kernel compiled): transformers compiles flex_attention's

@@ -5,7 +5,9 @@ Issue 32 item 4: the same for every path-valued field (a file where a folder is 
 under a file, a folder where a file is needed) and for a ``train.report_to`` tracker not installed.
 Issue 39 item 6: and for ``loss.matryoshka.dims`` above the model's dimension, a ``cached_gist`` guide
 that cannot be loaded, ``train.push_to_hub`` with no reachable hub (the tests run offline) and LoRA
-``target_modules`` naming a module the model lacks."""
+``target_modules`` naming a module the model lacks; ``batch.pad_to_multiple_of`` above ``max_seq_length``
+(item 6's follow-up); item 10's field cases: a ``cached_gist`` guide without a transformers tokenizer
+(a StaticEmbedding model) and a LoRA entry naming a module LoRA cannot adapt."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import distinct_pairs
+from conftest import distinct_pairs, make_static_model
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -126,6 +128,17 @@ def _path_mistakes(tmp: Path) -> dict[str, tuple[dict, str]]:
             {"model": {"lora": {"target_modules": ["query", "no_such_proj"]}}},
             "model.lora.target_modules",
         ),
+        # item 6's follow-up: a multiple no batch width reaches (the tiny model's max_seq_length is 64)
+        "pad multiple above max_seq_length": ({"batch": {"pad_to_multiple_of": 128}}, "batch.pad_to_multiple_of"),
+        # item 10's field cases: a guide the GIST loss cannot use, a LoRA entry peft cannot adapt
+        "guide without a transformers tokenizer": (
+            {"loss": {"name": "cached_gist", "guide": str(make_static_model(tmp / "static"))}},
+            "loss.guide",
+        ),
+        "LoRA target module not adaptable": (
+            {"model": {"lora": {"target_modules": ["query", "LayerNorm"]}}},
+            "model.lora.target_modules",
+        ),
     }
 
 
@@ -141,6 +154,9 @@ MISTAKES = (
     "guide cannot be loaded",
     "push to an unreachable hub",
     "LoRA target module missing",
+    "pad multiple above max_seq_length",
+    "guide without a transformers tokenizer",
+    "LoRA target module not adaptable",
 )
 
 
@@ -215,6 +231,33 @@ def test_a_missing_tracker_names_the_package_to_install(tmp_path, tiny_model_dir
     drop_last=True,
     model_ok=True,
     mistake="LoRA target module missing",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="pad multiple above max_seq_length",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="guide without a transformers tokenizer",
+)
+@example(
+    pairs=[(i, 50 + i) for i in range(24)],
+    vocabulary=100,
+    batch=4,
+    no_duplicates=True,
+    drop_last=True,
+    model_ok=True,
+    mistake="LoRA target module not adaptable",
 )
 @given(
     pairs=st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), min_size=24, max_size=48),

@@ -417,6 +417,15 @@ def test_launcher_args_and_validate_show_world_size(write_config, pairs_file, tm
         "train",
         "c.yaml",
     ]
+    # restarts across nodes meet in torchrun's c10d rendezvous (its static one never re-formed the group)
+    assert launcher_args("cembed", ["train"], 1, 2, 0, "node0:29400", max_restarts=2)[-5:] == [
+        "--rdzv-backend",
+        "c10d",
+        "--module",
+        "cembed",
+        "train",
+    ]
+    assert "--rdzv-backend" not in launcher_args("cembed", ["train"], 2, max_restarts=2)  # one node: torchrun's own
     with pytest.raises(UserError, match="--rdzv-endpoint"):
         launcher_args("cembed", [], 2, nnodes=2)
     with pytest.raises(UserError, match="--node-rank"):

@@ -95,35 +95,54 @@ def test_the_agent_asks_the_policy_before_it_restarts(monkeypatch):
     assert agent._remaining_restarts == 1 and len(policy.restarts) == 1  # a healthy group: nothing asked
 
 
-def test_a_restarted_worker_resumes_from_the_newest_complete_checkpoint_without_a_flag(
-    write_config, pairs_file, tmp_path, monkeypatch
-):
-    """The worker of a restart (TORCHELASTIC_RESTART_COUNT > 0) trains with --resume though its command
-    line has none; the first attempt as asked."""
+def _asked_resume(monkeypatch, path, counts: dict[str, int]) -> list[tuple]:
+    """Train ``path`` through the CLI with each of ``counts`` (a name -> (this worker's
+    ``$TORCHELASTIC_RESTART_COUNT``, the largest over the job's ranks)); return the ``(resume,
+    resume_from)`` the run's output folder was prepared with, for each. The ranks' maximum is faked
+    (the collective returns it), and the run stops there."""
+    import cembed.distributed.collectives
     import cembed.train.facts
     import cembed.train.recipe
     from cembed.cli.app import app
 
+    asked = []
+
+    def prepare_output(output_dir, max_steps, plan, resume, resume_from, overwrite, record=None):
+        asked.append((resume, resume_from))
+        raise UserError("stop here")
+
+    plan = SimpleNamespace(
+        device="cpu", samples_per_step=8, learning_rate=1e-3, precision="fp32", world_size=2, contrast_rows=8
+    )
+    monkeypatch.setattr(cembed.train.recipe, "check_run_inputs", lambda cfg: (plan, SimpleNamespace(dataset=None)))
+    monkeypatch.setattr(cembed.train.facts, "run_facts", lambda *args: SimpleNamespace(warnings=()))
+    monkeypatch.setattr(cembed.train.recipe, "training_record", lambda *args, **kwargs: {})
+    monkeypatch.setattr(cembed.train.recipe, "prepare_output", prepare_output)
+    for own, job in counts.values():
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(own))
+        monkeypatch.setattr(cembed.distributed.collectives, "max_over_ranks", lambda value, job=job: max(value, job))
+        r = CliRunner().invoke(app, ["train", str(path)])
+        assert r.exit_code == 2 and "stop here" in r.output, r.output
+    return asked
+
+
+def test_a_restarted_worker_resumes_from_the_newest_complete_checkpoint_without_a_flag(
+    write_config, pairs_file, tmp_path, monkeypatch
+):
+    """The worker of a restart (TORCHELASTIC_RESTART_COUNT > 0) trains with --resume though its command
+    line has none; the first attempt as asked. pytorch/pytorch#108158: torch's agent counts a restart
+    on the failed worker's node only; the other nodes' agents restart their healthy workers with a
+    count of 0. Such a worker (0 here, 1 on another rank) resumes too, with the job: before, it started
+    afresh (here: refused, the folder holding the failed attempt's checkpoint) while the failed node's
+    workers resumed."""
     out = tmp_path / "out"
     (out / "checkpoint-2").mkdir(parents=True)
     mark_complete(out / "checkpoint-2", 2)
     path = write_config(
         {"data": {"train": str(pairs_file([{"anchor": "a", "positive": "b"}]))}, "train": {"output_dir": str(out)}}
     )
-    asked = []
-
-    def run_training(*args, **kwargs):
-        asked.append((kwargs["resume"], kwargs["resume_from"]))
-        raise UserError("stop here")
-
-    monkeypatch.setattr(cembed.train.recipe, "check_run_inputs", lambda cfg: (None, None))
-    monkeypatch.setattr(cembed.train.facts, "run_facts", lambda *args: SimpleNamespace(warnings=()))
-    monkeypatch.setattr(cembed.train.recipe, "run_training", run_training)
-    for count in ("0", "1"):
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
-        r = CliRunner().invoke(app, ["train", str(path)])
-        assert r.exit_code == 2 and "stop here" in r.output, r.output
-    assert asked == [(False, None), (True, None)]
+    counts = {"first attempt": (0, 0), "restarted here": (1, 1), "healthy node's worker restarted": (0, 1)}
+    assert _asked_resume(monkeypatch, path, counts) == [(False, None), (True, None), (True, None)]
 
 
 # --- launched jobs: one process through the launcher (--max-restarts without --nproc-per-node) ------
@@ -189,3 +208,37 @@ def test_a_data_mistake_ends_the_job_at_once_with_its_one_line(tiny_model_dir, t
     assert text.count(expected) == 1, text  # one line: the worker does not print it again
     if mistake != "bad file":  # the stream failed after some steps: their checkpoints are there
         assert (out / "checkpoint-2").is_dir(), text
+
+
+def test_the_launcher_gives_signalled_workers_train_stop_grace_seconds_before_sigkill(
+    tiny_model_dir, write_config, pairs_file, monkeypatch
+):
+    """pytorch/pytorch#119856: torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM, while
+    Slurm's --signal=TERM@120 leaves minutes for a step and a save. ``cembed train --nproc-per-node``
+    hands torch's launcher ``train.stop_grace_seconds`` (rounded up) as its shutdown timeout; the
+    reference is torch's own reading of the arguments (``config_from_args``), with no
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` set, and a value set by the user is kept."""
+    import torch.distributed.run as torchrun
+
+    from cembed.cli.app import app
+
+    seen = []
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.append(torchrun.config_from_args(args)[0].shutdown_timeout))
+    for name in ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "CEMBED_LAUNCHER", "PYTHONFAULTHANDLER", RESTARTS_ENV):
+        monkeypatch.setenv(name, "")  # restored (to unset) after the test: launch() sets them
+        monkeypatch.delenv(name)
+    rows = [{"anchor": f"question {i}", "positive": f"answer {i}"} for i in range(16)]
+    path = write_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "device": "cpu"},
+            "data": {"train": str(pairs_file(rows))},
+            "batch": {"global_batch_size": 8, "mini_batch_size": 4},
+            "train": {"stop_grace_seconds": 149.5},
+        }
+    )
+    r = CliRunner().invoke(app, ["train", str(path), "--nproc-per-node", "2"])
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")  # the user's own
+    r = CliRunner().invoke(app, ["train", str(path), "--nproc-per-node", "2"])
+    assert r.exit_code == 0, r.output
+    assert seen == [150, 600]

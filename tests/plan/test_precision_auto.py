@@ -136,7 +136,7 @@ def test_run_summary_records_the_precision_and_a_resume_compares_it_resolved(tin
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in distinct_pairs(16)))
 
-    def run(resume_from: str | None, **model):
+    def run(resume_from: str | None, **model):  # (resumed with --overwrite: the folder's checkpoint-2 is replaced)
         data = {
             "model": {"name_or_path": str(tiny_model_dir), "device": "cpu", **model},
             "data": {"train": str(pairs), "pretokenize": False},
@@ -145,7 +145,7 @@ def test_run_summary_records_the_precision_and_a_resume_compares_it_resolved(tin
         }
         config = config_from_dict(data, base=tmp_path)
         plan, prepared = check_run_inputs(config)
-        run_training(config, plan, prepared, resume_from=resume_from)
+        run_training(config, plan, prepared, resume_from=resume_from, overwrite=resume_from is not None)
         return json.loads((tmp_path / "out" / "run_summary.json").read_text())
 
     first = run(None, precision="fp32")

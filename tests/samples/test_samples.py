@@ -142,11 +142,36 @@ def test_packaged_quickstart_example_is_the_repo_config_and_validates(tmp_path, 
     assert again.exit_code == 2 and "already exists; cembed init never overwrites a file" in again.output
     unknown = runner.invoke(app, ["init", "other.yaml", "--example", "nope"])
     assert unknown.exit_code == 2 and "'--example'" in unknown.output and "'quickstart'" in unknown.output  # a choice
-    with pytest.raises(UserError, match="--example nope: no such example; known: quickstart"):
+    with pytest.raises(UserError, match="--example nope: no such example; known: quickstart, colbert-quickstart"):
         example_config("nope")
     cfg = load_config(tmp_path / "quick.yaml")
     assert cfg.train.output_dir == str(tmp_path / "runs" / "quickstart")
     assert cfg.data.train.path == str(resolve_sample("cembed:coco-captions"))
+
+
+def test_packaged_colbert_example_is_the_repo_config_and_runs_without_a_clone(tmp_path, monkeypatch):
+    """``cembed init --example colbert-quickstart`` writes the repo's ColBERT demo (output under the folder
+    it is written to), a multi-vector config whose data and evaluation set are the packaged ones."""
+    from typer.testing import CliRunner
+
+    from cembed.cli.app import app
+    from cembed.samples import example_config
+
+    repo = (REPO / "configs" / "colbert-quickstart.yaml").read_text().splitlines()
+    packaged = example_config("colbert-quickstart").splitlines()
+    differ = [(a, b) for a, b in zip(repo, packaged) if a != b]
+    assert len(repo) == len(packaged) and differ == [
+        ("  output_dir: ../runs/colbert-quickstart", "  output_dir: runs/colbert-quickstart")
+    ]
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["init", "colbert.yaml", "--example", "colbert-quickstart"])
+    assert r.exit_code == 0, r.output
+    assert "wrote colbert.yaml (example colbert-quickstart); next: cembed train colbert.yaml" in r.output
+    cfg = load_config(tmp_path / "colbert.yaml")
+    assert cfg.model.kind == "multi_vector" and cfg.loss.name == "cached_maxsim"
+    assert cfg.train.output_dir == str(tmp_path / "runs" / "colbert-quickstart")
+    assert cfg.data.train.path == str(resolve_sample("cembed:coco-captions"))
+    assert cfg.eval.retrieval[0].path == str(resolve_sample("cembed:coco-captions-heldout"))
 
 
 def test_quickstart_data_trains_without_a_warning_about_its_own_columns():

@@ -32,6 +32,7 @@ STAGES = [
     "stock",
     "estimate",
     "attention",
+    "maxsim",
 ]
 WHEELS = [
     "pydantic-2.14.4-py3-none-any.whl",
@@ -362,6 +363,32 @@ def test_the_check_runs_end_to_end_on_cpu(tmp_path, capsys):
         assert best["step_s"] == cases[best["variant"]][f"{best['path']}_step_s"]
 
 
+@pytest.mark.slow
+def test_the_maxsim_stage_runs_end_to_end_on_cpu(tmp_path):
+    """``scripts/gpu_check.sh --device cpu --quick --stages install,env,maxsim`` (issue 40): the cached MaxSim
+    loss of all-MiniLM-L6-v2 as a ColBERT model on COCO pairs, cembed's tiled path against stock
+    sentence-transformers' (loss equal, gradients within 1e-4 relative L2); ``auto`` keeps the tiled path
+    on a CPU and says nothing; MaxSim alone timed per dtype; no kernel looked for on a CPU."""
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--stages", "install,env,maxsim"]
+        + ["--out", str(tmp_path / "run"), "--root", str(tmp_path), "--timeout-scale", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    report = json.loads(r.stdout)
+    stage = report["stages"]["maxsim"]
+    assert r.returncode == 0 and report["ok"] is True, (stage["status"], stage.get("log_tail"))
+    loss = stage["loss"]
+    assert loss["tiled"]["loss_rel"] <= 1e-5 and loss["tiled"]["grad_rel_l2"] <= 1e-4
+    assert loss["auto"]["path"] == "tiled (torch)" and loss["auto"]["note"] is None
+    assert loss["auto"]["loss"] == loss["tiled"]["loss"] and loss["stock"]["step_s"] > 0
+    assert stage["kernel"] == {"found": False, "installed": None, "why_not": None}
+    for dtype in ("float32", "bfloat16"):
+        assert stage["op_level"][dtype]["tiled"]["step_s"] > 0 and "fused" not in stage["op_level"][dtype]
+
+
 @pytest.mark.parametrize(
     ("pyarrow", "datasets", "fsspec"),
     [
@@ -397,6 +424,18 @@ def test_the_bundle_check_wants_one_wheel_of_each_fallback_package(tmp_path):
         "fallback/: 0 wheels of fsspec (need exactly 1)",
         "missing fallback/fsspec-2026.4.0-py3-none-any.whl",
     ]
+
+
+def test_the_kernel_wheel_is_optional_and_at_most_one(tmp_path):
+    """The bundle may carry the fused MaxSim kernel's wheel (scripts/gpu_bundle.sh's KERNELS), or not; two
+    versions of it are refused."""
+    one = "late_interaction_kernels-0.4.5-py3-none-any.whl"
+    for extra, problems in (((), None), ((one,), None), ((one, one.replace("0.4.5", "0.4.4")), 1)):
+        rc, plan = dry_run("--bundle", str(fake_bundle(tmp_path / f"bundle{len(extra)}", extra)))
+        found = plan["bundle_check"]["problems"]
+        assert (rc, found) == (
+            (0, []) if problems is None else (1, ["wheels/: 2 wheels of late_interaction_kernels (at most 1)"])
+        )
 
 
 CPU_QUICK = {"device": "cpu", "quick": True, "model": "all-MiniLM-L6-v2", "precision": "bf16"}

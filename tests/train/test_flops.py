@@ -69,7 +69,7 @@ def test_meter_flops_and_mfu_by_hand(monkeypatch):
 def test_meter_mfu_over_ranks():
     """Two ranks: FLOP/s summed over the ranks, MFU over both devices' peaks."""
     fm = FlopModel(1000, 0, 0, 3, peak_flops=1e6)
-    m = ThroughputMeter(TokenCounts(), fm, gather=lambda v: [[100, 100, 0, 1.0, 0], [100, 100, 0, 2.0, 0]])
+    m = ThroughputMeter(TokenCounts(), fm, gather=lambda v: [[100, 100, 0, 1.0, 0, 0], [100, 100, 0, 2.0, 0, 0]])
     stats = m.snapshot(step=1)
     assert stats["flops_per_s"] == 3 * 2 * 1000 * 100 * (1 / 1 + 1 / 2)
     assert stats["mfu"] == round(stats["flops_per_s"] / 2e6, 6)
@@ -150,6 +150,7 @@ def test_training_reports_flops_and_mfu(tiny_model_dir, write_config, pairs_file
         "passes": 4,
         "peak_flops": 1e9,
         "peak_source": "train.peak_tflops",
+        "scoring_flops_per_pair": 0.0,  # a dense model: no late-interaction scoring
         "formula": None,
     }
     model = SentenceTransformer(str(tiny_model_dir), device="cpu")

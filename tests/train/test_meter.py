@@ -100,7 +100,7 @@ def test_without_flop_model_or_peak(clock):
 
 def test_two_ranks_summed_and_averaged(clock):
     # the peer rank: 100 real of 200 positions, 5 s waited of 10 s, sum l^2 = 0 (800 kFLOP)
-    peer = [100, 200, 5.0, 10.0, 0]
+    peer = [100, 200, 5.0, 10.0, 0, 0]
     meter = ThroughputMeter(TokenCounts(), FLOPS, gather=lambda values: [list(values), peer])
     meter.start()
     meter.waited(2.0)

@@ -194,8 +194,9 @@ def test_resume_refuses_a_changed_config(tiny_model_dir, write_config, pairs_fil
     data.write_text(data.read_text() + json.dumps({"anchor": "new question", "positive": "new answer"}) + "\n")
     _one_error(_invoke("train", path, "--resume-from", ckpt), 2, "data_fingerprint '16 rows, ")
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    # A change that does not alter training is applied and recorded.
-    r = _invoke("train", path, "train.logging_steps=2", "--resume-from", ckpt)
+    # A change that does not alter training is applied and recorded (--overwrite: the folder's
+    # checkpoint-4 belongs to the run this one replaces from step 2).
+    r = _invoke("train", path, "train.logging_steps=2", "--resume-from", ckpt, "--overwrite")
     assert r.exit_code == 0, r.output
     assert "resume applies train.logging_steps 1 -> 2" in r.output
     summary = json.loads((out / "run_summary.json").read_text())

@@ -126,7 +126,7 @@ def test_summary_base_entries(tmp_path, sampler, monkeypatch):
         loss=SimpleNamespace(unpadding=SimpleNamespace(to_dict=lambda: {"mode": "padded"})),
         distributed=None,
     )
-    run_dir = SimpleNamespace(checkpoint="ck-3", resume_changes=("x",), out=tmp_path / "out")
+    run_dir = SimpleNamespace(checkpoint="ck-3", resume_changes=("x",), out=tmp_path / "out", restarts=0)
     run = SimpleNamespace(batches_per_epoch=4, rows_unplaced=0, trainer=_trainer(sampler))
     base = summary_base(cfg, plan, data, parts, run_dir, run)
     assert base["config"]["batch"]["mini_batch_size"] == 16  # the config as run: auto shows the probed size
@@ -264,6 +264,7 @@ COMPLETED_ONLY = {
     "samples_seen",
     "steps_this_run",
     "samples_this_run",
+    "loss_notes",
     "wall_time_s",
     "samples_per_s",
     "train_loss",
@@ -335,7 +336,9 @@ def test_completed_interrupted_and_failed_runs(tiny_model_dir, write_config, pai
     # step 2 finished, was saved as a complete checkpoint, and the summary has every base entry
     assert (stopped["status"], stopped["steps"], stopped["checkpoint"]) == ("interrupted", 2, str(out / "checkpoint-2"))
     assert latest_complete(out) == out / "checkpoint-2"
-    assert set(stopped) == {k for k in done if k not in COMPLETED_ONLY} | {"checkpoint"}
+    # and every step's loss so far (the resume reads them back from the checkpoint)
+    assert set(stopped) == {k for k in done if k not in COMPLETED_ONLY} | {"checkpoint", "step_losses"}
+    assert [step for step, _ in stopped["step_losses"]] == [1, 2]
     assert "status" not in json.loads((out / "checkpoint-2" / MARKER).read_text())  # the marker is not a summary
 
     cfg, plan, data, out = _tiny_run(
@@ -379,7 +382,8 @@ def test_a_resumed_run_reports_its_own_rate(tiny_model_dir, tmp_path):
             self.told = (checkpoint, step, max_steps)
 
     display = Resuming()
-    summary = run_training(cfg, plan, data, display, resume_from=str(out / "checkpoint-2"))
+    # (--overwrite: the folder's later checkpoint-4 belongs to the run this one replaces from step 2)
+    summary = run_training(cfg, plan, data, display, resume_from=str(out / "checkpoint-2"), overwrite=True)
     assert summary["samples_per_s"] == pytest.approx(16 / summary["wall_time_s"], rel=0.01)
     assert (summary["steps"], summary["samples_seen"]) == (4, 32)
     assert (summary["steps_this_run"], summary["samples_this_run"]) == (2, 16)

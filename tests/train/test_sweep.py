@@ -798,3 +798,21 @@ def test_a_trial_killed_mid_run_is_marked_failed(tmp_path, tiny_model_dir, monke
         S.run_sweep(_config(tmp_path, tiny_model_dir), [1.0], 1, out=tmp_path / "s")
     study = optuna.load_study(study_name=S.STUDY_NAME, storage=f"sqlite:///{tmp_path / 's' / 'study.db'}")
     assert [t.state.name for t in study.trials] == ["FAIL"]
+
+
+def test_a_multi_vector_sweep_compares_its_maxsim_metric(tmp_path):
+    """A multi-vector model's retrieval metrics are keyed by MaxSim (the kind's similarity): the sweep
+    picks ``<set>_maxsim_ndcg@10`` and accepts a ``--metric`` of that key; a cosine key is refused."""
+    from types import SimpleNamespace
+
+    from cembed.config.file import load_config
+
+    cfg = load_config(
+        _config(tmp_path, "some-model"),
+        ["model.kind=multi_vector", "loss.name=cached_maxsim", "eval.sts=[]", "eval.retrieval=[heldout]"],
+    )
+    sets = SimpleNamespace(retrieval=[SimpleNamespace(name="heldout")], sts=[])
+    assert S.sweep_metric(cfg, None, sets) == ("heldout_maxsim_ndcg@10", True)
+    assert S.sweep_metric(cfg, "eval_heldout_maxsim_recall@10", sets) == ("heldout_maxsim_recall@10", True)
+    with pytest.raises(UserError, match="'heldout_cosine_ndcg@10' is not a metric"):
+        S.sweep_metric(cfg, "heldout_cosine_ndcg@10", sets)

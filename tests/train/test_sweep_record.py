@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 import cembed.train.sweep as S
 from cembed.config.loss import LOSS_CONFIGS, LossConfig
+from cembed.config.model import MODEL_CONFIGS, ModelConfig
 from cembed.config.schema import CembedConfig
 from cembed.config.sources import SOURCE_CONFIGS, SourceConfig
 from cembed.train.preflight import flatten
@@ -55,6 +56,10 @@ SAFE = {
     "data.num_proc",
     "eval.batch_size",
     "distributed",
+    "loss.score_query_tokens",
+    "loss.score_document_tokens",
+    "loss.score_document_rows",
+    "loss.score_kernel",
     "data.columns.ignore",
     "data.train.columns.ignore",
 }
@@ -92,7 +97,7 @@ def _is_model(annotation) -> bool:
 
 def _variants(cls: type[BaseModel]) -> list[type[BaseModel]]:
     """A registry's base stands for each of cembed's own registered classes (a plugin's are its own)."""
-    registry = {LossConfig: LOSS_CONFIGS, SourceConfig: SOURCE_CONFIGS}.get(cls)
+    registry = {LossConfig: LOSS_CONFIGS, SourceConfig: SOURCE_CONFIGS, ModelConfig: MODEL_CONFIGS}.get(cls)
     if registry is None:
         return [cls]
     return [c for c in registry.values() if c.__module__.startswith("cembed.")]
@@ -206,6 +211,9 @@ SPECIAL: dict[str, st.SearchStrategy] = {
     "data.sampling.strategy": st.sampled_from(["proportional", "round_robin"]).map(
         lambda s: {"data.sampling.strategy": s}
     ),
+    "model.kind": st.sampled_from([k for k, c in MODEL_CONFIGS.items() if c.__module__.startswith("cembed.")]).map(
+        lambda k: {"model.kind": k, "loss.name": MODEL_CONFIGS[k].default_loss, "eval.sts": []}
+    ),
     "eval.retrieval": st.lists(NAMES, max_size=2).map(lambda p: {"eval.retrieval": p}),
     "eval.sts": st.lists(NAMES, max_size=2).map(lambda p: {"eval.sts": p}),
 }
@@ -234,9 +242,22 @@ def _baseline(sections: tuple) -> dict:
             node = node.setdefault(part, {})
         present = node.get(last) if isinstance(node.get(last), dict) else {}
         node[last] = {**present, **MINIMAL.get(cls.__name__, {})}
+        if path in ("data.train", "model"):  # a registry's class is picked by its literal
+            literal = "kind"
+            node[last] = {**node[last], literal: typing.get_args(cls.model_fields[literal].annotation)[0]}
         if path == "data.train":
-            node[last] = {**node[last], "kind": typing.get_args(cls.model_fields["kind"].annotation)[0]}
             node[last].setdefault("path", "pairs.jsonl")
+        if path == "model" and cls.default_loss != "cached_mnrl":  # the kind's own loss trains it
+            config.setdefault("loss", {}).setdefault("name", cls.default_loss)
+        if path == "model" and "eval.sts" in cls.not_options:
+            config["eval"]["sts"] = []
+        if path == "loss" and cls.consumes != frozenset({"vector"}):  # a model kind whose output it trains
+            kind = next(
+                k for k, c in MODEL_CONFIGS.items() if c.output in cls.consumes and c.__module__.startswith("cembed.")
+            )
+            config["model"]["kind"] = kind
+            if "eval.sts" in MODEL_CONFIGS[kind].not_options:
+                config["eval"]["sts"] = []
     return config
 
 
@@ -287,6 +308,9 @@ def test_the_walk_finds_the_fields_of_every_section_loss_and_source_kind():
         "train.peak_tflops",
         "eval.batch_size",
         "distributed.strategy",
+        "model.kind",
+        "model.query_length",
+        "loss.score_document_tokens",
     ):
         assert path in LEAVES, path
     assert len(LEAVES) > 90

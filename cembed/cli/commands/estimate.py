@@ -71,10 +71,11 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
     from cembed.data.identity import TOKEN_SUFFIX
     from cembed.data.prompts import training_prompts
     from cembed.data.tokens.tokenize import tokenize_stage
+    from cembed.model.kinds.lookup import kind_of
     from cembed.model.load import load_model, quiet_libraries, weight_dtypes
     from cembed.train import estimate as est
     from cembed.train.facts import run_facts
-    from cembed.train.flops import encoder_shape
+    from cembed.train.flops import model_shape
     from cembed.train.recipe import check_run_inputs
 
     transformers_logging.disable_progress_bar()
@@ -99,14 +100,16 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
         lengths, path.mini_batch_size, cfg.train.seed, plan.per_device_train_batch_size, path.sort_by_length,
         bool(path.packed), None if path.cached else collator.width,
     )  # fmt: skip
-    n, layers, width = encoder_shape(model)
+    n, layers, width = model_shape(model)
     devices = plan.world_size
 
     measured = calibrate_rate(cfg, calibrate) if calibrate else None
     rate, target = device_rate(cfg, plan, gpu, mfu, measured)
+    kind = kind_of(model, default="dense")
+    scoring, cache, scoring_memory = _loss_stage(cfg, plan, model, kind, stats, data.columns, path)
     run = est.estimate_run(
         stats, plan.samples_per_step, steps.per_epoch or 0, steps.total or 0, (n, layers, width, path.passes), rate,
-        devices,
+        devices, scoring,
     )  # fmt: skip
     production = None
     if measured is not None:
@@ -137,11 +140,49 @@ def build_estimate(cfg, world: int | None, gpu: str | None, mfu: float | None, c
         },
         **run,
         "memory_per_rank": est.probe_memory(probe, plan.mini_batch_size),
+        "cache_per_rank": cache,
+        **({"scoring_memory_per_rank": scoring_memory} if scoring_memory is not None else {}),
         "data_wait_risk": est.data_wait_risk(production, run["seconds_per_step"]["value"], where),
         "checkpoint_size": est.checkpoint_bytes(params, saved),
         "flop_model": {"N": n, "L": layers, "d": width, "passes": path.passes},
         "calibration": measured,
     }
+
+
+def _loss_stage(cfg, plan, model, kind, stats, columns: list[str], path):
+    """What the loss stage of a step adds, from the model kind and the loss: ``(scoring (FLOPs per
+    step, source) or None, the cache per rank, the scoring memory bound per rank or None)``, each
+    quantity an :func:`cembed.train.estimate.number`."""
+    from cembed.plan.precision import torch_dtype
+    from cembed.train import estimate as est
+    from cembed.train.flops import SCORING_PASSES, scoring_flops
+
+    rows = plan.per_device_train_batch_size
+    means = [stats.mean_by_column.get(c, 0.0) for c in columns]
+    layout = kind.token_layout(model, 0)
+    query = float(layout.expansion.length) if layout is not None and layout.expansion is not None else means[0]
+    gathered = plan.world_size if plan.gather_across_devices else 1
+    per_device = scoring_flops(model, rows * query, gathered * rows * sum(means[1:]))  # the meter's formula
+    scoring = None
+    if per_device:
+        scoring = (
+            per_device * plan.world_size * plan.gradient_accumulation_steps,
+            f"{plan.world_size} devices x {plan.gradient_accumulation_steps} accumulation x {per_device:.4g} "
+            f"({SCORING_PASSES} passes: forward, the backward's recompute and its two products; a device's "
+            f"{rows} queries x {query:.1f} tokens against {gathered} x {rows} rows x {sum(means[1:]):.1f} "
+            "document tokens)",
+        )
+    element = torch_dtype(plan.precision).itemsize  # the cache is in the run's precision
+    per_row = kind.cache_bytes_per_row(model, round(query), element)
+    per_row += sum(kind.cache_bytes_per_row(model, round(m), element) for m in means[1:])
+    cache = est.number(
+        2 * rows * per_row,
+        "bytes",
+        f"{rows} rows x {per_row} bytes per row (every column's cached output at the mean length) x 2 (and gradients)",
+    )
+    bound = cfg.loss.scoring_memory(cfg.model.query_tokens(int(model.max_seq_length)), rows)
+    scoring_memory = None if bound is None else est.number(bound[0], "bytes", f"bound: {bound[1]}, whatever the batch")
+    return scoring, cache, scoring_memory
 
 
 def _rows_per_step_source(plan) -> str:
@@ -256,7 +297,8 @@ def print_estimate(report: dict) -> None:
     data_keys = ("rows", "rows_per_step", "per_device_batch", "batches_per_epoch", "padded_share")
     rows += [(k.replace("_", " "), report["data"][k]) for k in data_keys]
     keys = ("steps_per_epoch", "steps", "tokens", "flops", "seconds_per_step", "epoch_seconds", "run_seconds",
-            "gpu_hours", "memory_per_rank", "data_wait_risk", "checkpoint_size")  # fmt: skip
-    rows += [(k.replace("_", " "), report[k]) for k in keys]
+            "gpu_hours", "memory_per_rank", "cache_per_rank", "scoring_memory_per_rank", "scoring_flops_per_step",
+            "data_wait_risk", "checkpoint_size")  # fmt: skip
+    rows += [(k.replace("_", " "), report[k]) for k in keys if k in report]
     for label, entry in rows:
         console.print(f"  {label:<18} {_fmt(entry):<28} [dim]{entry['source']}[/]", highlight=False)

@@ -21,6 +21,7 @@ ExampleName = Literal[tuple(EXAMPLES)]  # type: ignore[valid-type]
 
 INIT_EXAMPLES = examples(
     "cembed init quickstart.yaml --example quickstart",
+    "cembed init colbert.yaml --example colbert-quickstart",
     "cembed init my.yaml --model all-MiniLM-L6-v2 --data pairs.jsonl",
 )
 
@@ -45,7 +46,7 @@ def init_cmd(
         console.print(f"wrote {out} (example {example}); next: cembed train {out}", highlight=False)
         return
     if data is None:
-        raise UserError("cembed init: give --data FILE (or --example quickstart)")
+        raise UserError(f"cembed init: give --data FILE (or --example {' | '.join(EXAMPLES)})")
     from cembed.data.starter import make_starter, write_starter
 
     starter = make_starter(out, model, data)

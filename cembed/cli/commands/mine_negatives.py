@@ -20,7 +20,11 @@ MINE_NEGATIVES_EXAMPLES = examples(
 
 
 def mine_negatives_cmd(
-    data: str = typer.Argument(..., help="Pair file (.jsonl[.gz], .json, .csv, .tsv, .parquet) or cembed:<sample>."),
+    data: str = typer.Argument(
+        ...,
+        help="Pair file (.jsonl, .json, .csv, .tsv: plain, .gz, .bz2, .xz or .zst; .parquet), a save_to_disk folder, "
+        "or cembed:<sample>.",
+    ),
     model: str = typer.Option("all-MiniLM-L6-v2", "--model", help="Model that ranks the candidates (folder or name)."),
     output: Path = typer.Option(..., "--output", "-o", help="File to write: .jsonl or .jsonl.gz."),
     anchor_column: str = typer.Option("anchor", "--anchor-column", help="Column of the anchors (queries)."),

@@ -119,7 +119,7 @@ def model_config_from_flags(
     """
     from pydantic import ValidationError
 
-    from cembed.config.schema import ModelConfig
+    from cembed.config.model import model_config
 
     fields = base.model_dump() if base is not None else {}
     flags = {
@@ -132,7 +132,7 @@ def model_config_from_flags(
         if value is not None:
             fields[key] = value
     try:
-        return ModelConfig(**fields)
+        return model_config(**fields)
     except ValidationError as err:
         e = err.errors()[0]
         flag = flags.get(str(e["loc"][0]), (str(e["loc"][0]), None))[0]

@@ -60,7 +60,11 @@ def train_cmd(
         False, "--resume/--no-resume", help="Continue from the newest complete checkpoint in output_dir."
     ),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="Continue from this checkpoint folder."),
-    overwrite: bool = flag(False, "--overwrite/--no-overwrite", help="Replace a finished model in output_dir."),
+    overwrite: bool = flag(
+        False,
+        "--overwrite/--no-overwrite",
+        help="Replace a finished model or a stopped run in output_dir (with --resume-from: the later checkpoints).",
+    ),
     max_memory: Optional[str] = typer.Option(
         None, "--max-memory", help="Memory budget for mini_batch_size: auto, e.g. 8GiB."
     ),
@@ -129,14 +133,13 @@ def _train_here(
     """Train in this process (one process, or one launched worker): the run, then what a stopped,
     abandoned or failed run says (exit 128 + signal, 2 or 1) or the done lines."""
     from cembed.distributed.group import dist_info, leave_process_group
-    from cembed.distributed.launch import launched_by_cembed, record_worker_error, restart_count
+    from cembed.distributed.launch import launched_by_cembed, record_worker_error
     from cembed.distributed.peers import announce_failure
-    from cembed.train.checkpoint import resume_on_restart
     from cembed.train.facts import run_facts
     from cembed.train.recipe import check_run_inputs, run_training
 
-    # A restart by the launcher (after a failure) continues from the newest complete checkpoint.
-    resume, resume_from = resume_on_restart(cfg.train.output_dir, restart_count(), resume, resume_from)
+    # (A restart by the launcher, after a failure, continues from the newest complete checkpoint:
+    # run_training decides it with the other ranks.)
     out = console if dist_info().is_main else make_console(quiet=True)  # only rank 0 prints
     display = RichRunDisplay(out)
     try:

@@ -4,6 +4,7 @@ print the summary (:mod:`cembed.cli.display.validate`) or its JSON. Registered b
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Optional
 
@@ -44,6 +45,33 @@ def validate_cmd(
 
     Refuses what train refuses: a model that cannot be loaded, a batch the sampler never fills.
     A hub dataset that cannot be reached (offline) is reported as a warning; the rest is checked."""
+    from cembed.plugins import stdout_to_stderr
+
+    # --json: what plugins and libraries print while the inputs are checked (a plugin's loader, a C
+    # extension) goes to stderr, so stdout holds the JSON alone.
+    with stdout_to_stderr() if as_json else contextlib.nullcontext():
+        cfg, data, truncation, report = _checked(config, overrides, world_size_from_flags(nproc_per_node, nnodes))
+    if as_json:  # stdout holds the JSON alone, for `| jq`
+        typer.echo(json.dumps(report, indent=2))
+        return
+    print_validation(console, report)
+    if verbose:
+        console.print("[bold]resolved config[/]")
+        console.print_json(json.dumps(report["config"]))
+        if hasattr(data, "dataset"):
+            print_first_row(console, data)
+        if not isinstance(truncation, Exception) and truncation.columns:
+            console.print(truncation_table(truncation.max_seq_length, truncation.columns))
+    more = "" if verbose else " (full resolved config: --verbose; machine-readable: --json)"
+    console.print(f"[green]config OK[/]{more}", highlight=False)
+
+
+def _checked(config, overrides, world_size):
+    """Load and check everything ``validate`` reports on: ``(config, data, truncation, report)``.
+
+    Raises:
+        UserError: whatever ``cembed train`` would refuse before training.
+    """
     cfg = load(config, overrides)  # a config mistake answers before the data libraries are imported
     from transformers.utils import logging as transformers_logging
 
@@ -55,7 +83,7 @@ def validate_cmd(
     # The summary is validate's output: transformers' "Loading weights" bars (on or off depending on
     # which library was imported first) would open it with noise.
     transformers_logging.disable_progress_bar()
-    plan, data = check_run_inputs(cfg, world_size_from_flags(nproc_per_node, nnodes), allow_unloaded=True)
+    plan, data = check_run_inputs(cfg, world_size, allow_unloaded=True)
     # Loaded once, for the report and the sampler's hashes; train loads it first too, so a model it
     # cannot load is refused here with train's own error.
     quiet_libraries()
@@ -73,16 +101,4 @@ def validate_cmd(
     facts = run_facts(cfg, plan, data, model=model, attention=getattr(truncation, "attention", None))
     found = (*getattr(data, "warnings", ()), *facts.warnings)
     report = validation_report(cfg, plan, data, facts, truncation, found)
-    if as_json:  # stdout holds the JSON alone, for `| jq`
-        typer.echo(json.dumps(report, indent=2))
-        return
-    print_validation(console, report)
-    if verbose:
-        console.print("[bold]resolved config[/]")
-        console.print_json(json.dumps(report["config"]))
-        if hasattr(data, "dataset"):
-            print_first_row(console, data)
-        if not isinstance(truncation, Exception) and truncation.columns:
-            console.print(truncation_table(truncation.max_seq_length, truncation.columns))
-    more = "" if verbose else " (full resolved config: --verbose; machine-readable: --json)"
-    console.print(f"[green]config OK[/]{more}", highlight=False)
+    return cfg, data, truncation, report

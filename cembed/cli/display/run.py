@@ -402,8 +402,9 @@ def print_stream_counts(console: Console, summary: dict) -> None:
             )
 
 
-# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10, STS Spearman.
-COMPARED_METRICS = ("_cosine_ndcg@10", "_cosine_recall@10", "_spearman_cosine")
+# Metrics compared before / after training, per set: retrieval NDCG@10 and Recall@10 (keyed by the model
+# kind's similarity: <set>_cosine_ndcg@10, <set>_maxsim_ndcg@10), STS Spearman.
+COMPARED_METRICS = ("_ndcg@10", "_recall@10", "_spearman_cosine")
 
 
 def eval_change_rows(block: dict | None) -> list[tuple[str, float | None, float | None, float | None]]:

@@ -21,6 +21,8 @@ def truncation_table(max_seq_length: int, report: list) -> Table:
     )
     for c in report:
         name = c.column if c.column == c.source else f"{c.column} ({c.source})"
+        if c.limit is not None and c.limit != max_seq_length:  # a column cut at its own length
+            name += f" (cut at {c.limit})"
         table.add_row(name, str(c.truncated), f"{100 * c.fraction:.1f}%", str(c.max_tokens))
     return table
 

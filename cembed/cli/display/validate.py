@@ -94,13 +94,20 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
             "rows_checked": truncation.columns[0].rows if truncation.columns else 0,
             "stored_ids": truncation.stored_ids,
             "columns": [
-                {"column": c.column, "source": c.source, "truncated": c.truncated, "max_tokens": c.max_tokens}
+                {
+                    "column": c.column,
+                    "source": c.source,
+                    "truncated": c.truncated,
+                    "max_tokens": c.max_tokens,
+                    "limit": c.limit or truncation.max_seq_length,  # where this column is cut
+                }
                 for c in truncation.columns
             ],
         }
     weights = truncation.weights if model_ok else None
     return {
         "model": {
+            "kind": cfg.model.kind,
             "name_or_path": cfg.model.name_or_path,
             "max_seq_length": truncation.max_seq_length if model_ok else cfg.model.max_seq_length,
             "pooling": truncation.pooling
@@ -112,7 +119,11 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
             "attention": truncation.attention.description if model_ok and truncation.attention is not None else None,
             "load_error": None if model_ok else str(truncation),
         },
-        "loss": {"name": cfg.loss.name, "columns": roles},
+        "loss": {
+            "name": cfg.loss.name,
+            "columns": roles,
+            **_scoring_memory(cfg, plan, truncation, model_ok),
+        },
         "data": data_facts,
         "batch": {
             "per_device_train_batch_size": plan.per_device_train_batch_size,
@@ -140,6 +151,17 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
     }
 
 
+def _scoring_memory(cfg, plan, truncation, model_ok: bool) -> dict:
+    """``{"scoring_memory": {bytes, tiles}}``: the loss's scoring memory bound (``LossConfig.scoring_memory``)
+    for this run's per-device batch and query length; empty when the loss states none (or the length
+    is unknown)."""
+    length = truncation.max_seq_length if model_ok else cfg.model.max_seq_length
+    if length is None:
+        return {}
+    bound = cfg.loss.scoring_memory(cfg.model.query_tokens(int(length)), plan.per_device_train_batch_size)
+    return {} if bound is None else {"scoring_memory": {"bytes": bound[0], "tiles": bound[1]}}
+
+
 def _short(text: str, width: int = 60) -> str:
     return repr(text if len(text) <= width else text[: width - 3] + "...")
 
@@ -153,9 +175,16 @@ def print_validation(console: Console, report: dict) -> None:
     m, d, b, st, dev = report["model"], report["data"], report["batch"], report["steps"], report["device"]
     p = lambda text: console.print(text, highlight=False)  # noqa: E731
     length = f"max_seq_length {m['max_seq_length']}" if m["max_seq_length"] else "model's max_seq_length"
-    p(f"model: {m['name_or_path']} ({length})   pooling: {m['pooling']}")
+    kind = f"   kind: {m['kind']}" if m.get("kind", "dense") != "dense" else ""
+    p(f"model: {m['name_or_path']} ({length}){kind}   pooling: {m['pooling']}")
     cols = ", ".join(role if role == src else f"{role} <- {src}" for role, src in report["loss"]["columns"].items())
-    p(f"loss: {report['loss']['name']} on {cols}")
+    scoring = report["loss"].get("scoring_memory")
+    bound = (
+        f"; {scoring['tiles']}: scoring memory at most {scoring['bytes'] / 2**20:.1f} MiB, whatever the batch"
+        if scoring
+        else ""
+    )
+    p(f"loss: {report['loss']['name']} on {cols}{bound}")
     if d["loaded"]:
         sources = d["sources"]
         what = _source_shown(sources[0]) if len(sources) == 1 else f"{len(sources)} sources"
@@ -259,7 +288,9 @@ def _truncation_line(t: dict) -> str:
     rows = t["rows_checked"]
     cols = ", ".join(
         f"{c['column']} {c['truncated']} ({100 * c['truncated'] / rows if rows else 0:.1f}%; longest "
-        f"{c['max_tokens']} tokens)"
+        f"{c['max_tokens']} tokens"
+        + (f"; cut at {c['limit']} tokens" if c.get("limit", t["max_seq_length"]) != t["max_seq_length"] else "")
+        + ")"
         for c in t["columns"]
     )
     if t.get("stored_ids"):  # a prepared source: its ids are already cut; the texts' lengths are unknown

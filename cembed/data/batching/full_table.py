@@ -14,7 +14,13 @@ Contract:
   the batch size the plan states (and scales the learning rate for) is the one that trains.
   :attr:`unplaced` counts the unused rows.
 - ``len(sampler)`` is exactly the number of batches ``iter(sampler)`` yields for the current epoch,
-  so the trainer's step count and LR schedule match the data.
+  so the trainer's step count and LR schedule match the data, and it is the same in every epoch:
+  the trainer plans each epoch, ``train.max_steps`` and a resume's place with the first epoch's
+  length (transformers' loop runs that many steps per epoch). On duplicate-heavy data the rows a
+  first fit leaves over depend on the shuffle, so an epoch's own first fit can give a batch more or
+  less than the first epoch's (sentence-transformers#3348): a longer epoch keeps its first batches
+  (the rest count as unplaced), a shorter one is completed with full batches of a further shuffle
+  (:data:`REFILL_SEED_STRIDE`; their rows train twice that epoch), each batch duplicate-free.
 - Same seed and epoch -> same batches; a new epoch -> a new shuffle.
 
 Each text is hashed once at construction (token ids: :func:`hash_token_ids`, vectorised; raw
@@ -44,6 +50,8 @@ from cembed.data.identity import TOKEN_SUFFIX, compared_columns, row_hashes
 
 # Source i of a mixture is shuffled with seed + epoch + i x this (source 0: the single-source shuffle).
 SOURCE_SEED_STRIDE = 1_000_003
+# The k-th further shuffle that completes an epoch shorter than the first: seed + epoch + k x this.
+REFILL_SEED_STRIDE = 7_919_993
 
 
 @dataclass(frozen=True)
@@ -310,17 +318,14 @@ class NoDuplicatesSampler(DefaultBatchSampler):
     def _build(self, epoch: int) -> tuple[np.ndarray, np.ndarray, int]:
         """Each source's batches (seed + epoch + i x SOURCE_SEED_STRIDE) in the mix's schedule order,
         as ``(rows, bounds, unplaced)`` (see :func:`build_batches_flat`; ``rows`` int32 below 2^31
-        rows); rows of batches the schedule leaves out (round_robin, weighted) count as unplaced."""
+        rows); rows of batches the schedule leaves out (round_robin, weighted) count as unplaced.
+        After epoch 0, as many global batches as epoch 0 has (:meth:`_to_first_length`)."""
         size, drop = self.batch_size * self.world_size, self.drop_last or self.world_size > 1
-        plan = plan_epoch(self.hashes, self.sources, size, drop, self.seed + epoch)
-        order = plan.order
-        taken = [0] * len(plan.rows)
-        pieces = []
-        for i in order:
-            rows, bounds = plan.rows[i], plan.bounds[i]
-            pieces.append(rows[bounds[taken[i]] : bounds[taken[i] + 1]])
-            taken[i] += 1
-        unplaced = sum(plan.unused)
+        pieces, order, unplaced = self._scheduled(size, drop, self.seed + epoch)
+        if epoch > 0:
+            if 0 not in self._sizes:
+                self._build(0)
+            pieces, order, unplaced = self._to_first_length(pieces, order, unplaced, epoch, size)
         dtype = np.int32 if len(self.hashes) < 2**31 else np.int64
         rows = np.concatenate(pieces, dtype=dtype) if pieces else np.empty(0, dtype=dtype)
         sizes = [len(p) for p in pieces]
@@ -328,6 +333,46 @@ class NoDuplicatesSampler(DefaultBatchSampler):
         np.cumsum(sizes, out=bounds[1:])
         self._sizes[epoch], self._origin[epoch] = sizes, order
         return rows, bounds, unplaced
+
+    def _scheduled(self, size: int, drop: bool, seed: int) -> tuple[list[np.ndarray], list[int], int]:
+        """One shuffle's global batches in the mix's schedule order: ``(batches, their source
+        indices, rows left out)`` (:func:`plan_epoch`)."""
+        plan = plan_epoch(self.hashes, self.sources, size, drop, seed)
+        taken = [0] * len(plan.rows)
+        pieces = []
+        for i in plan.order:
+            rows, bounds = plan.rows[i], plan.bounds[i]
+            pieces.append(rows[bounds[taken[i]] : bounds[taken[i] + 1]])
+            taken[i] += 1
+        return pieces, list(plan.order), sum(plan.unused)
+
+    def _to_first_length(
+        self, pieces: list[np.ndarray], order: list[int], unplaced: int, epoch: int, size: int
+    ) -> tuple[list[np.ndarray], list[int], int]:
+        """Epoch ``epoch``'s batches cut or completed to epoch 0's count (see the module docstring):
+        a longer epoch keeps its first ones; a shorter one gets full batches of further shuffles
+        (seed + epoch + k x :data:`REFILL_SEED_STRIDE`, k = 1, 2, ...) before its short last batch,
+        if it has one. A further shuffle without a full batch ends the completion (the data has none)."""
+        target = len(self._sizes[0])
+        if len(pieces) == target:
+            return pieces, order, unplaced
+        if len(pieces) > target:
+            pieces, order = pieces[:target], order[:target]
+        else:
+            tail = [(pieces.pop(), order.pop())] if pieces and len(pieces[-1]) < size else []
+            k = 0
+            while len(pieces) + len(tail) < target:
+                k += 1
+                more, sources, _ = self._scheduled(size, True, self.seed + epoch + k * REFILL_SEED_STRIDE)
+                if not more:
+                    break
+                need = target - len(pieces) - len(tail)
+                pieces, order = pieces + more[:need], order + sources[:need]
+            for piece, source in tail:
+                pieces.append(piece)
+                order.append(source)
+        used = np.unique(np.concatenate(pieces)) if pieces else np.empty(0, dtype=np.int64)
+        return pieces, order, len(self.hashes) - len(used)
 
     def _epoch_batches(self) -> tuple[np.ndarray, np.ndarray, int]:
         """This epoch's ``(rows, bounds, unplaced)``, built once per epoch."""

@@ -277,5 +277,8 @@ def sampler_hashes(data: TrainingData, model_cfg, data_cfg=None, model=None) -> 
     if not info["pretokenized"]:
         compared = f"raw text, as the sampler compares them ({info['reason']})"
         return row_hashes(data.dataset, data.columns), compared, info.get("warning")
+    from cembed.data.truncation import column_limits
+
     length = int(model.max_seq_length)
-    return row_hashes(dataset, data.columns), f"token ids ({model_cfg.name_or_path}, max_seq_length {length})", None
+    cuts = "".join(f", {col} cut at {n}" for col, n in column_limits(model, data.columns).items())
+    return row_hashes(dataset, data.columns), f"token ids ({model_cfg.name_or_path}, max_seq_length {length}{cuts})", None

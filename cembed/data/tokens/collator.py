@@ -240,6 +240,9 @@ class PaddingCollator:
     valid_label_columns: list[str] = field(default_factory=list)  # read by the trainer
     pad_to_multiple_of: int | None = None  # batch.pad_to_multiple_of
     max_length: int | None = None  # the width's bound for pad_to_multiple_of (the model's max_seq_length)
+    # role -> its query expansion (cembed.model.kinds.registry.Expansion): the role's rows are padded to
+    # the expansion's length with its token, as the model's preprocess pads a query (ColBERT).
+    expansions: dict[str, Any] = field(default_factory=dict)
 
     def width(self, longest: int) -> int:
         """The padded width for a batch whose longest row has ``longest`` tokens."""
@@ -264,6 +267,21 @@ class PaddingCollator:
         np.copyto(attention_np, mask)
         return ids, attention
 
+    def expand(self, ids: torch.Tensor, mask: torch.Tensor, expansion) -> tuple[torch.Tensor, ...]:
+        """A query role's ``(input_ids, attention_mask, query_expansion_positions)`` at the expansion's
+        fixed width: every position after a row's tokens holds the expansion token, is marked in
+        ``query_expansion_positions`` (bool) and attended to only when the expansion says so
+        (sentence-transformers' ``Transformer.preprocess``, strategy ``fixed``)."""
+        rows, width = ids.shape
+        if width < expansion.length:  # the stored ids are cut at the expansion length: never wider
+            ids = torch.nn.functional.pad(ids, (0, expansion.length - width), value=self.pad_token_id)
+            mask = torch.nn.functional.pad(mask, (0, expansion.length - width), value=0)
+        positions = mask == 0
+        ids = ids.masked_fill(positions, expansion.token_id)
+        if expansion.attend:
+            mask = mask.masked_fill(positions, 1)
+        return ids, mask, positions
+
     def present(self, rows: dict[str, RaggedIds] | list[dict[str, Any]]) -> list[str]:
         """The roles the batch carries, in loss order: a batch holds one source's rows, and a role
         that source does not map (null ids, see :func:`cembed.data.load.load_training_data`) is left
@@ -277,6 +295,9 @@ class PaddingCollator:
         for role in self.present(rows):
             seqs = rows[role] if isinstance(rows, dict) else [r[role + TOKEN_SUFFIX] for r in rows]
             ids, mask = self.pad(seqs)
+            if role in self.expansions:
+                ids, mask, positions = self.expand(ids, mask, self.expansions[role])
+                batch[f"{role}_query_expansion_positions"] = positions
             batch[f"{role}_input_ids"] = ids
             if self.token_type_ids:
                 batch[f"{role}_token_type_ids"] = _zeros(tuple(ids.shape))[0]
@@ -304,11 +325,14 @@ def _zeros(shape: tuple[int, int]) -> tuple[torch.Tensor, np.ndarray]:
     return tensor, tensor.numpy()
 
 
-def collator_for(model, roles: list[str], pad_to_multiple_of: int | None = None) -> PaddingCollator | None:
+def collator_for(
+    model, roles: list[str], pad_to_multiple_of: int | None = None, expansions: dict[str, Any] | None = None
+) -> PaddingCollator | None:
     """A :class:`PaddingCollator` matching ``model.preprocess`` output keys, or ``None`` when the
     model's text features are more than ids/mask/token types (then pre-tokenization is not used).
     ``pad_to_multiple_of`` (``batch.pad_to_multiple_of``) rounds each batch's width up, to at most
-    ``model.max_seq_length``."""
+    ``model.max_seq_length``; ``expansions``: the roles padded with query expansion
+    (:attr:`PaddingCollator.expansions`)."""
     sample = model.preprocess(["a"])
     tensors = {k for k, v in sample.items() if isinstance(v, torch.Tensor)}
     if not tensors <= {"input_ids", "attention_mask", "token_type_ids"} or "input_ids" not in tensors:
@@ -324,6 +348,7 @@ def collator_for(model, roles: list[str], pad_to_multiple_of: int | None = None)
         constants,
         pad_to_multiple_of=pad_to_multiple_of,
         max_length=getattr(model, "max_seq_length", None),
+        expansions=dict(expansions or {}),
     )
 
 

@@ -57,7 +57,7 @@ def _tokenize_batch(
     indices: list[int],
     roles: list[str],
     tokenizer,
-    max_length: int,
+    max_length: int | dict[str, int],
     starts: list[int],
     prompts: list[dict[str, str]],
     lengths: list[dict[str, int]] | None = None,
@@ -66,7 +66,8 @@ def _tokenize_batch(
     # the source whose first row is the last of ``starts`` <= i, and takes that source's prompts; a
     # null cell (a source without the column) stays null. Returns an arrow table (the ids converted
     # once, here, and handed to the map's writer as they are): ``<role>_input_ids``, ``<role>_hash``
-    # per role, then ``<role>_prompt_length`` for the roles some source prompts.
+    # per role, then ``<role>_prompt_length`` for the roles some source prompts. ``max_length``: one for
+    # every role, or per role (a multi-vector model's query and document lengths).
     groups = [bisect.bisect_right(starts, i) - 1 for i in indices]
     out = {}
     for role in roles:
@@ -76,7 +77,7 @@ def _tokenize_batch(
         enc = tokenizer(
             texts,
             truncation=True,
-            max_length=max_length,
+            max_length=max_length[role] if isinstance(max_length, dict) else max_length,
             add_special_tokens=True,
             return_attention_mask=False,
             return_token_type_ids=False,
@@ -225,7 +226,7 @@ def tokenize_into(
     dataset,
     roles: list[str],
     tokenizer,
-    max_seq_length: int,
+    max_seq_length: int | dict[str, int],
     folder: Path,
     sources: list[SourcePrompts],
     num_proc: int | str | None = None,
@@ -241,7 +242,8 @@ def tokenize_into(
         dataset: a ``datasets.Dataset`` with one text column per role.
         roles: the text columns, in loss order.
         tokenizer: the model's (fast) tokenizer.
-        max_seq_length: truncation length in tokens, special tokens included.
+        max_seq_length: truncation length in tokens, special tokens included; or one per role
+            (:meth:`cembed.model.kinds.registry.ModelKind.token_layout`).
         folder: where the files go (it exists; a ``progress`` folder is made and removed inside).
         sources: each source's prompts, in row order (:func:`prompt_groups`); each row's source's
             prompt is prepended before tokenizing, as sentence-transformers'

@@ -101,6 +101,9 @@ class PreparedManifest:
     data_fingerprint: str = ""  # datasets' fingerprint of the rows it tokenized
     text_columns: list[str] = field(default_factory=list)  # the rows' own columns the parts also hold
     source_prompts: list[PromptedRows] = field(default_factory=list)  # per source, where they differ (prompts: {})
+    # role -> tokens it is cut at, for the roles cut elsewhere than at max_seq_length (a multi-vector model's
+    # query / document lengths, cembed.model.kinds.registry.ModelKind.token_layout); empty: every role at it.
+    role_lengths: dict[str, int] = field(default_factory=dict)
     format: str = FORMAT
     version: int = VERSION
 
@@ -124,6 +127,8 @@ def parts_fingerprint(manifest: PreparedManifest) -> str:
     }
     if manifest.source_prompts:
         key["source_prompts"] = [[g.rows, g.prompts] for g in manifest.source_prompts]
+    if manifest.role_lengths:  # only where some role is cut elsewhere, so other folders keep their fingerprint
+        key["role_lengths"] = manifest.role_lengths
     return xxhash.xxh64_hexdigest(json.dumps(key, sort_keys=True).encode("utf-8"))
 
 

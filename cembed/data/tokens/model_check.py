@@ -22,6 +22,7 @@ from cembed.data.tokens.encode import SourcePrompts, prompt_groups
 from cembed.errors import UserError
 from cembed.files import display_path
 from cembed.model.fingerprint import tokenizer_fingerprint
+from cembed.model.kinds.lookup import kind_of
 
 
 def matches_model_preprocessing(
@@ -37,7 +38,9 @@ def matches_model_preprocessing(
     attention mask, token types, prompt length), for the columns the source maps, and no batch
     carries a column its source does not map. The ids are fetched as training fetches them
     (:class:`TokenIdRows`) and padded to the longest row, as the model pads (``pad_to_multiple_of``
-    is left out)."""
+    is left out). Each column is preprocessed as the model's kind preprocesses it (a multi-vector
+    model's query / document task: its markers, lengths and query expansion)."""
+    kind = kind_of(model, default="dense")
     plain = replace(collator, pad_to_multiple_of=None)
     start = 0
     for group in prompt_groups(len(dataset), collator.roles, prompts, None, sources):
@@ -45,19 +48,39 @@ def matches_model_preprocessing(
         start += group.rows
         sample = dataset.select(indices)
         batch = plain(TokenIdRows(dataset, collator.roles).__getitems__(indices))
-        for role in collator.roles:
+        for column, role in enumerate(collator.roles):
             if sample[0][role] is None:  # a column this source does not map is left out of its batches
                 if any(k.startswith(role + "_") for k in batch):
                     return False
                 continue
             prompt = group.prompts.get(role) or None
-            ref = model.preprocess(sample[role], prompt=prompt) if prompt else model.preprocess(sample[role])
-            for key in ("input_ids", "attention_mask", "token_type_ids"):
-                if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"]):
+            task = kind.preprocess_kwargs(column)
+            ref = model.preprocess(sample[role], **({"prompt": prompt} if prompt else {}), **task)
+            if ("query_expansion_positions" in ref) != (f"{role}_query_expansion_positions" in batch):
+                return False
+            for key in ("input_ids", "attention_mask", "token_type_ids", "query_expansion_positions"):
+                if key in ref and not torch.equal(ref[key].to(torch.int64), batch[f"{role}_{key}"].to(torch.int64)):
                     return False
             if ref.get("prompt_length") != batch.get(role + PROMPT_SUFFIX):
                 return False
     return True
+
+
+def column_layouts(model, roles: list[str]) -> tuple[dict[str, int], dict] | None:
+    """How ``model``'s kind tokenizes each training column (:meth:`cembed.model.kinds.registry.ModelKind.token_layout`):
+    ``({role: truncation length}, {role: query expansion})``, or None when a column's ids cannot be
+    stored ahead (the model tokenizes it per batch)."""
+    kind = kind_of(model, default="dense")
+    layouts = [kind.token_layout(model, i) for i in range(len(roles))]
+    if any(layout is None for layout in layouts):
+        return None
+    lengths = {r: layout.max_length for r, layout in zip(roles, layouts)}
+    return lengths, {r: layout.expansion for r, layout in zip(roles, layouts) if layout.expansion is not None}
+
+
+def role_lengths(lengths: dict[str, int], max_seq_length: int) -> dict[str, int]:
+    """The roles cut elsewhere than at ``max_seq_length`` (what a prepared source's manifest records)."""
+    return {r: n for r, n in lengths.items() if n != max_seq_length}
 
 
 def check_prepared_for_model(
@@ -86,6 +109,16 @@ def check_prepared_for_model(
             f"{where}: max_seq_length: the model's is {length}, the prepared source's {manifest.max_seq_length}; "
             f"set model.max_seq_length: {manifest.max_seq_length} {redo}"
         )
+    layouts = column_layouts(model, list(manifest.columns))
+    wanted = role_lengths(layouts[0], length) if layouts is not None else {}
+    for role in manifest.columns:
+        mine = wanted.get(role, length)
+        stored = (getattr(manifest, "role_lengths", None) or {}).get(role, manifest.max_seq_length)
+        if mine != stored:
+            raise UserError(
+                f"{where}: column {role!r} is cut at {stored} tokens in the prepared source, at {mine} for this model "
+                f"(its query/document length); set the model's lengths as they were {redo}"
+            )
     tokenizer = tokenizer_fingerprint(model.tokenizer)
     if tokenizer != manifest.tokenizer:
         made_for = f" (prepared for {manifest.model})" if manifest.model else ""
@@ -131,7 +164,8 @@ def prepared_stage(model, data, prompts: dict[str, str] | None, pad_to_multiple_
     where = display_path(source.label)
     check_prepared_for_model(model, manifest, where, prompts, prompts_field(source))
     roles = list(manifest.columns)
-    collator = collator_for(model, roles, pad_to_multiple_of)
+    layouts = column_layouts(model, roles)
+    collator = collator_for(model, roles, pad_to_multiple_of, layouts[1]) if layouts is not None else None
     if collator is None:
         raise UserError(
             f"{where}: the model's features are not plain token ids (or it pads on the left), so it cannot "

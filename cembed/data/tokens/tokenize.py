@@ -44,7 +44,7 @@ from cembed.data.tokens.format import (
     read_folder,
     write_manifest,
 )
-from cembed.data.tokens.model_check import matches_model_preprocessing, prepared_stage
+from cembed.data.tokens.model_check import column_layouts, matches_model_preprocessing, prepared_stage
 from cembed.data.tokens.writer import move_parts
 from cembed.files import cache_root, file_lock
 from cembed.model.fingerprint import tokenizer_fingerprint
@@ -63,12 +63,20 @@ IDS_DIFFER_WARNING = (
 
 
 def cache_key(
-    data_fingerprint: str, tokenizer, max_seq_length: int, roles: list[str], prompts: dict | None = None
+    data_fingerprint: str,
+    tokenizer,
+    max_seq_length: int,
+    roles: list[str],
+    prompts: dict | None = None,
+    role_lengths: dict[str, int] | None = None,
 ) -> str:
-    """The cache folder name for one (data, tokenizer, max_seq_length, columns, prompts) combination."""
+    """The cache folder name for one (data, tokenizer, max_seq_length, columns, prompts, per-role
+    lengths) combination."""
     parts = [FORMAT_VERSION, data_fingerprint, tokenizer_fingerprint(tokenizer), str(max_seq_length), ",".join(roles)]
     if prompts:  # absent for no prompts, so caches made before prompts existed stay valid
         parts.append(json.dumps(prompts, sort_keys=True))
+    if role_lengths:  # absent when every role is cut at max_seq_length (a dense model's keys stay as they were)
+        parts.append("lengths " + json.dumps(role_lengths, sort_keys=True))
     return xxhash.xxh64_hexdigest("|".join(parts).encode("utf-8"))
 
 
@@ -117,6 +125,7 @@ def pretokenize(
     prompt_lengths: dict[str, int] | None = None,
     sources: list[SourcePrompts] | None = None,
     progress=None,
+    role_lengths: dict[str, int] | None = None,
 ) -> Pretokenized:
     """Tokenize each role column once (or load the cached result). A null cell (a source that does
     not map the column) stays null.
@@ -156,6 +165,8 @@ def pretokenize(
             no prompt for the role).
         progress: called as ``progress(rows_done, rows_total)`` about twice a second while
             tokenizing (from another thread); not called when the entry is loaded.
+        role_lengths: ``{role: tokens}`` where a role is cut elsewhere than at ``max_seq_length`` (a
+            multi-vector model's query / document lengths; part of the cache key).
 
     Returns:
         :class:`Pretokenized`; ``from_cache`` tells whether tokenization was skipped.
@@ -167,7 +178,10 @@ def pretokenize(
         prompted = {"prompts": groups[0].prompts, "prompt_lengths": groups[0].lengths}
     elif not same:
         prompted = {"sources": [[g.rows, g.prompts, g.lengths] for g in groups]}
-    key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted)
+    lengths = {r: int(role_lengths.get(r, max_seq_length)) for r in roles} if role_lengths else None
+    if lengths is not None and all(n == max_seq_length for n in lengths.values()):
+        lengths = None
+    key = cache_key(dataset._fingerprint, tokenizer, max_seq_length, roles, prompted, lengths)
     if len(dataset) == 0:
         return Pretokenized(_with_empty_ids(dataset, roles, groups), roles, None, False)
     root = cache_root("tokenized", cache_dir)
@@ -185,7 +199,7 @@ def pretokenize(
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
-            _write_entry(dataset, key, roles, tokenizer, max_seq_length, groups, num_proc, tmp, progress)
+            _write_entry(dataset, key, roles, tokenizer, max_seq_length, groups, num_proc, tmp, progress, lengths)
             os.replace(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -197,12 +211,14 @@ def pretokenize(
     return Pretokenized(loaded, roles, path, False)
 
 
-def _write_entry(dataset, key: str, roles, tokenizer, max_seq_length, groups, num_proc, tmp: Path, progress) -> None:
+def _write_entry(
+    dataset, key: str, roles, tokenizer, max_seq_length, groups, num_proc, tmp: Path, progress, lengths=None
+) -> None:
     # Writes the entry into ``tmp`` as prepare-data writes a folder: the map's own files become the
     # parts (no second copy), then the typed manifest, last, completes it.
     ids = tmp / "ids"
     ids.mkdir()
-    files = tokenize_into(dataset, roles, tokenizer, max_seq_length, ids, groups, num_proc, progress)
+    files = tokenize_into(dataset, roles, tokenizer, lengths or max_seq_length, ids, groups, num_proc, progress)
     parts = move_parts(ids, files, tmp)
     shutil.rmtree(ids)
     same = all(g.prompts == groups[0].prompts for g in groups)
@@ -259,7 +275,10 @@ def tokenize_stage(
     roles = data.columns
     if not enabled:
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
-    collator = collator_for(model, roles, pad_to_multiple_of)
+    layouts = column_layouts(model, roles)
+    if layouts is None:
+        return data.dataset, None, {"pretokenized": False, "reason": "the model tokenizes a column per batch"}
+    collator = collator_for(model, roles, pad_to_multiple_of, layouts[1])
     if collator is None:
         return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
     started = time.perf_counter()
@@ -280,6 +299,7 @@ def tokenize_stage(
         lengths,
         sources,
         progress,
+        layouts[0],
     )
     if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts, sources=sources):
         reason = "stored ids differ from the model's preprocessing"

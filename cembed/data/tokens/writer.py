@@ -310,8 +310,8 @@ def join_parts(folder: Path, n: int, result: PrepareResult) -> None:
         first = envelopes[0]["manifest"]
         for k, env in enumerate(envelopes):
             m = env["manifest"]
-            for key in ("columns", "tokenizer", "max_seq_length", "prompts", "rows_read", "source"):
-                if m[key] != first[key]:
+            for key in ("columns", "tokenizer", "max_seq_length", "role_lengths", "prompts", "rows_read", "source"):
+                if m.get(key) != first.get(key):
                     raise UserError(
                         f"{display_path(folder)}: {key} differs between the parts: {manifest_value(m[key])} in "
                         f"part {k} of {n} ({part_manifest_name(k, n)}), {manifest_value(first[key])} in part 0; "

@@ -242,3 +242,45 @@ def test_every_batch_but_the_last_is_full(drop_last):
             batches, unplaced = build_batches(h, bs, drop_last, seed)
             assert all(len(b) == bs for b in batches[:-1]), (seed, bs, [len(b) for b in batches])
             assert all(len(b) >= 2 for b in batches) and sum(map(len, batches)) + unplaced == len(h)
+
+
+def _dense_rows(anchors: int, positives: int, rows: int = 48) -> Dataset:
+    import random
+
+    pick = random.Random(0)
+    pairs = [(f"topic {pick.randrange(anchors)}", f"answer {pick.randrange(positives)}") for _ in range(rows)]
+    return Dataset.from_dict({"anchor": [a for a, _ in pairs], "positive": [p for _, p in pairs]})
+
+
+@pytest.mark.parametrize(("anchors", "positives", "seed"), [(12, 30, 2), (14, 40, 0), (10, 60, 3)])
+def test_every_epoch_has_the_first_epochs_number_of_batches(anchors, positives, seed):
+    """sentence-transformers#3348 (its NoDuplicatesBatchSampler's length above what a pass yields;
+    fixed by #3946's resampling): duplicate-heavy data leaves a shuffle-dependent number of rows over,
+    so a first fit gives some epochs a batch more or less than the first (12 anchors x 30 positives,
+    seed 2: 5, 5, 4, 5, 5 batches of 8; 14 x 40, seed 0: 4, 5, 5, 5). transformers plans every epoch
+    with the first epoch's length: a shorter epoch ended the run short of train.max_steps (15 steps
+    asked, 14 trained, "completed") and misplaced a resume after it; a longer one lost its last batch
+    while the summary counted it. Every epoch now yields the first epoch's count, each batch
+    duplicate-free; the reference is the plain first fit of each epoch's shuffle."""
+    from cembed.data.batching.full_table import build_batches_flat
+    from cembed.data.identity import row_hashes
+
+    ds = _dense_rows(anchors, positives)
+    sampler = NoDuplicatesSampler(ds, batch_size=8, drop_last=True, seed=seed)
+    hashes = row_hashes(ds, sampler.columns)
+    first_fit = [len(build_batches_flat(hashes, 8, True, seed + epoch)[1]) - 1 for epoch in range(5)]
+    assert len(set(first_fit)) > 1, first_fit  # the data does make epochs of different lengths
+    target = first_fit[0]
+    for epoch in range(5):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == len(sampler) == target, (epoch, first_fit)
+        assert all(len(b) == 8 for b in batches)
+        for b in batches:
+            texts = _texts(ds, b)
+            assert len(texts) == len(set(texts))
+        assert sampler.unplaced == 48 - len({i for b in batches for i in b})
+        if first_fit[epoch] >= target:  # an epoch long enough is its own first fit's first batches
+            plain, bounds, _ = build_batches_flat(hashes, 8, True, seed + epoch)
+            assert batches == [plain[a:b].tolist() for a, b in zip(bounds[:target], bounds[1 : target + 1])]
+    assert sampler.rows_trained(5 * target) == 5 * target * 8  # the counts follow what trains

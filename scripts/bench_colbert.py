@@ -1,0 +1,316 @@
+#!/usr/bin/env python
+"""Late-interaction (ColBERT) benchmark: sentence-transformers' stock path vs cembed, side by side.
+
+Stock path: ``MultiVectorEncoderDataCollator`` (tokenizes every batch) and
+``CachedMultiVectorMultipleNegativesRankingLoss`` (padded token cache, chunked padded MaxSim). cembed:
+pre-tokenized ids + ``PaddingCollator`` and ``cached_maxsim`` (:class:`cembed.losses.maxsim.CachedMaxSimLoss`:
+sorted, packed mini-batches, ragged token cache, tiled MaxSim). Every measurement of memory runs in a
+fresh child process (one path at a time, nothing else alive).
+
+Sections (``--sections``, default both):
+  step     all-MiniLM-L6-v2 turned into a 128-dim MultiVectorEncoder, one training step (forward +
+           backward) at batch 256 (``--batch``), mini-batch 32, on the seeded skewed-length pairs of
+           scripts/bench_throughput.py: step time (median of ``--rounds``), padded share of the encoder's
+           positions, the memory the step allocates above the model and the optimizer state, and the
+           loss (the paths must agree within 1e-5 relative: the script exits 1 after its tables if not).
+  scoring  the loss stage alone (MaxSim + cross entropy + backward into the cache) on synthetic cached
+           token vectors (dim 8, queries 4..12 tokens, documents 8..40; the sizes of a tiny model) at
+           1k, 4k, 16k and 65k rows (``--rows``): the memory it allocates above the cache, stock vs cembed.
+
+Memory: on CUDA the peak of ``torch.cuda.max_memory_allocated`` above what was allocated before the
+measured stage; on CPU the peak resident memory (``VmHWM``, reset through ``/proc/self/clear_refs``)
+above the resident memory before it.
+
+Usage: ``python scripts/bench_colbert.py [--rounds 3] [--sections step,scoring] [--device cpu]``
+(``--quick``: a tiny random model, small batches and rows, for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_throughput import skewed_pairs  # noqa: E402
+
+LOSS_TOLERANCE = 1e-5
+PATHS = ("stock", "cembed")
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+def _rss(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_mark(device: str) -> int:
+    """What is held now, and the peak counter restarted (CUDA: allocated bytes; CPU: resident bytes)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current resident size
+        f.write("5")
+    return _rss("VmRSS")
+
+
+def memory_peak(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _rss("VmHWM")
+
+
+# --- the models and the two paths -----------------------------------------------------------------
+
+
+def load_model(quick: bool, tmp: Path, device: str):
+    """A MultiVectorEncoder built by cembed's multi-vector kind: from all-MiniLM-L6-v2 (dim 128), or with
+    ``quick`` from a tiny random BERT (dim 16); dropout off (eval mode: the paths must agree)."""
+    from cembed.config.model import model_config
+    from cembed.model.load import load_model as cembed_load
+
+    if quick:
+        sys.path.insert(0, str(REPO / "tests"))
+        from conftest import make_tiny_model
+
+        cfg = model_config(kind="multi_vector", name_or_path=str(make_tiny_model(tmp / "tiny")), dim=16)
+    else:
+        cfg = model_config(kind="multi_vector", name_or_path="all-MiniLM-L6-v2", dim=128, max_seq_length=256)
+    return cembed_load(cfg, device, seed=0).eval()
+
+
+def batches(model, data: dict[str, list[str]], cache: Path) -> dict[str, list[dict]]:
+    """One step's features per path: stock tokenizes with its collator, cembed pads its stored ids."""
+    from datasets import Dataset
+    from sentence_transformers.multi_vector_encoder import MultiVectorEncoderDataCollator
+
+    from cembed.data.tokens.collator import TokenIdRows, collator_for
+    from cembed.data.tokens.model_check import column_layouts
+    from cembed.data.tokens.tokenize import pretokenize
+
+    roles = ["anchor", "positive"]
+    ds = Dataset.from_dict(data)
+    lengths, expansions = column_layouts(model, roles)
+    ids = pretokenize(ds, roles, model.tokenizer, model.max_seq_length, cache, role_lengths=lengths).dataset
+    ours = collator_for(model, roles, expansions=expansions)(TokenIdRows(ids, roles).__getitems__(list(range(len(ds)))))
+    stock = MultiVectorEncoderDataCollator(preprocess_fn=model.preprocess)([ds[i] for i in range(len(ds))])
+
+    def split(batch):
+        return [{k.removeprefix(f"{r}_"): v for k, v in batch.items() if k.startswith(f"{r}_")} for r in roles]
+
+    return {"stock": split(stock), "cembed": split(ours)}
+
+
+def build_loss(model, path: str, mini_batch: int):
+    if path == "stock":
+        from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+        return CachedMultiVectorMultipleNegativesRankingLoss(model, scale=1.0, mini_batch_size=mini_batch)
+    from cembed.config.loss import loss_config
+    from cembed.losses.registry import build_loss as cembed_build
+
+    return cembed_build(model, loss_config(name="cached_maxsim"), mini_batch).module
+
+
+def positions(features: list[dict], path: str, mini_batch: int) -> tuple[int, int]:
+    """``(real, processed)`` encoder positions of a path's mini-batches: stock pads each mini-batch to its
+    longest row in data order; cembed sorts and packs (no padding)."""
+    real = processed = 0
+    for f in features:
+        lengths = f["attention_mask"].sum(1).tolist()
+        real += sum(lengths)
+        if path == "cembed":
+            processed += sum(lengths)
+            continue
+        for b in range(0, len(lengths), mini_batch):
+            chunk = lengths[b : b + mini_batch]
+            processed += max(chunk) * len(chunk)
+    return real, processed
+
+
+def _move(features, device):
+    import torch
+
+    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in f.items()} for f in features]
+
+
+def _step_child(args, path: str, queue) -> None:
+    """One path's step in a fresh process: the loss value, the step times, and the memory the step
+    allocates above the model and its (allocated) AdamW state."""
+    import torch
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(args.quick, Path(tmp), args.device)
+        features = _move(batches(model, skewed_pairs(args.batch, seed=1), Path(tmp) / "cache")[path], args.device)
+        loss = build_loss(model, path, args.mini_batch)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=0.0)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()  # the AdamW state allocated, as after a first step
+        optimizer.zero_grad(set_to_none=True)
+        times, value, above = [], None, None
+        for i in range(args.rounds + 1):  # the first round warms up and is the one measured for memory
+            base = memory_mark(args.device) if i == 0 else None
+            start = time.perf_counter()
+            out = loss([dict(f) for f in features], None)
+            out.backward()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if i == 0:
+                above = memory_peak(args.device) - base
+            else:
+                times.append(elapsed)
+            value = float(out.detach())
+            optimizer.zero_grad(set_to_none=True)
+        real, processed = positions(features, path, args.mini_batch)
+        queue.put({"loss": value, "step_s": statistics.median(times), "above": above, "padded": 1 - real / processed})
+
+
+def _scoring_child(args, path: str, rows: int, queue) -> None:
+    """The loss stage alone for ``rows`` rows of synthetic cached token vectors: the bytes it allocates
+    above the cache (and the loss)."""
+    import torch
+
+    g = torch.Generator().manual_seed(rows)
+    dim = 8
+    q_len = torch.randint(4, 13, (rows,), generator=g)
+    d_len = torch.randint(8, 41, (rows,), generator=g)
+
+    def ragged(lengths):
+        return torch.nn.functional.normalize(torch.randn(int(lengths.sum()), dim, generator=g), dim=-1).to(args.device)
+
+    q, d = ragged(q_len), ragged(d_len)
+    mini = args.mini_batch
+    if path == "cembed":
+        from cembed.losses.maxsim import CachedMaxSimLoss
+
+        loss = object.__new__(CachedMaxSimLoss)  # its calculate_loss needs no model: only scale, tiles, gathering
+        torch.nn.Module.__init__(loss)
+        from cembed.model.maxsim import Tiles
+
+        loss.scale, loss.tiles, loss.gather_across_devices, loss._inverse, loss.model = 1.0, Tiles(), False, [], None
+        reps = [[x.requires_grad_()] for x in (q, d)]
+        masks = [[q_len.to(args.device)], [d_len.to(args.device)]]
+    else:
+        from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+        class _Similarity:  # the model's MaxSim, as the stock loss calls model.similarity
+            def similarity(self, *a, **k):
+                from sentence_transformers.util import maxsim
+
+                return maxsim(*a, **k)
+
+        loss = CachedMultiVectorMultipleNegativesRankingLoss(_Similarity(), scale=1.0, mini_batch_size=mini)
+
+        def padded(values, lengths):  # the cache as the stock loss holds it: one padded tensor per mini-batch
+            parts = list(torch.split(values, lengths.tolist()))
+            emb, masks = [], []
+            for b in range(0, rows, mini):
+                chunk = parts[b : b + mini]
+                emb.append(torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True).requires_grad_())
+                width = emb[-1].shape[1]
+                masks.append(
+                    torch.arange(width, device=values.device)[None, :] < lengths[b : b + mini, None].to(values.device)
+                )
+            return emb, masks
+
+        (qe, qm), (de, dm) = padded(q, q_len), padded(d, d_len)
+        reps, masks = [qe, de], [qm, dm]
+    base = memory_mark(args.device)
+    value = loss.calculate_loss(reps, masks, with_backward=True)
+    queue.put({"above": memory_peak(args.device) - base, "loss": float(value)})
+
+
+def in_child(target, *args):
+    queue = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=target, args=(*args, queue))
+    proc.start()
+    out = queue.get()
+    proc.join()
+    return out
+
+
+def mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def section_step(args) -> bool:
+    results = {path: in_child(_step_child, args, path) for path in PATHS}
+    stock, ours = results["stock"], results["cembed"]
+    agree = abs(ours["loss"] - stock["loss"]) <= LOSS_TOLERANCE * abs(stock["loss"])
+    model = "tiny random BERT (dim 16)" if args.quick else "all-MiniLM-L6-v2 -> 128-dim ColBERT"
+    print(f"\n## step: {model}, batch {args.batch}, mini-batch {args.mini_batch}, skewed pairs, {args.device}")
+    print("| path | step (median) | padded share | memory above model + optimizer | loss |")
+    print("|---|---|---|---|---|")
+    for path in PATHS:
+        r = results[path]
+        print(f"| {path} | {r['step_s']:.3f} s | {r['padded']:.1%} | {mib(r['above'])} | {r['loss']:.7f} |")
+    print(
+        f"cembed / stock: speed {stock['step_s'] / ours['step_s']:.2f}x, memory {ours['above'] / max(stock['above'], 1):.2f}x; "
+        f"losses {'agree' if agree else 'DIFFER'} (|d| {abs(ours['loss'] - stock['loss']):.2e})"
+    )
+    return agree
+
+
+def section_scoring(args) -> None:
+    print(f"\n## scoring: the loss stage alone (dim 8, queries 4-12 tokens, documents 8-40), {args.device}")
+    print("| rows | stock | cembed |")
+    print("|---|---|---|")
+    for rows in args.rows:
+        cells = [mib(in_child(_scoring_child, args, path, rows)["above"]) for path in PATHS]
+        print(f"| {rows:,} | {cells[0]} | {cells[1]} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sections", default="step,scoring")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--mini-batch", type=int, default=32)
+    parser.add_argument("--rows", default="1024,4096,16384,65536")
+    parser.add_argument("--device", default="cuda" if "--device" not in sys.argv and _has_cuda() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    args = parser.parse_args()
+    args.rows = [int(r) for r in args.rows.split(",")]
+    if args.quick:
+        args.batch, args.mini_batch, args.rounds, args.rows = 16, 4, 1, [64, 256]
+    ok = True
+    if "step" in args.sections:
+        ok = section_step(args)
+    if "scoring" in args.sections:
+        section_scoring(args)
+    sys.exit(0 if ok else 1)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    main()
