@@ -16,6 +16,7 @@ from cembed.train.checkpoint import (
     MARKER,
     REPEAT_WINDOW_S,
     STAGING,
+    STEP_LOSSES,
     InterruptCallback,
     check_output_dir,
     check_resume_point,
@@ -23,14 +24,17 @@ from cembed.train.checkpoint import (
     checkpoints,
     is_complete,
     is_sharded_checkpoint,
+    later_checkpoints,
     latest_complete,
     mark_complete,
+    read_step_losses,
     recorded_run,
     remove_checkpoints,
     remove_incomplete,
     resolve_resume,
     resume_on_restart,
     worker_init,
+    write_step_losses,
 )
 
 
@@ -528,3 +532,30 @@ def test_a_checkpoint_that_cannot_be_removed_does_not_stop_the_cleanup(tmp_path)
     done = _checkpoint(run, 6)
     assert remove_checkpoints(run) == [run / "checkpoint-4", done]
     assert not done.exists() and (elsewhere / "checkpoint-4" / "model.safetensors").exists()
+
+
+def test_step_losses_kept_in_a_checkpoint_read_back_and_nothing_from_a_bad_file(tmp_path):
+    folder = _checkpoint(tmp_path, 2)
+    assert read_step_losses(folder) == {}  # an older cembed's checkpoint: none kept
+    write_step_losses(folder, [(1, 2.5), (2, 2.25)])
+    assert json.loads((folder / STEP_LOSSES).read_text()) == [[1, 2.5], [2, 2.25]]
+    assert read_step_losses(str(folder)) == {1: 2.5, 2: 2.25}
+    for bad in ("not json", '[["one", 2.5]]', "[[1]]", "[1]"):  # unreadable, a bad step, a pair short, no pair
+        (folder / STEP_LOSSES).write_text(bad)
+        assert read_step_losses(folder) == {}, bad
+
+
+def test_later_checkpoints_are_the_complete_ones_after_a_checkpoint_of_the_same_folder(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    for step, complete in ((2, True), (4, True), (6, False), (10, True)):
+        _checkpoint(run, step, complete=complete)
+    assert later_checkpoints(run, run / "checkpoint-2") == [run / "checkpoint-4", run / "checkpoint-10"]
+    assert later_checkpoints(str(run), str(run / "checkpoint-4")) == [run / "checkpoint-10"]  # not itself
+    assert later_checkpoints(run, run / "checkpoint-10") == []
+    monkeypatch.chdir(tmp_path)  # a relative --resume-from names the same folder
+    assert later_checkpoints(run, "run/checkpoint-4") == [run / "checkpoint-10"]
+    other = _checkpoint(tmp_path / "other", 1)  # another run's checkpoint: nothing of this one replaced
+    assert later_checkpoints(run, other) == []
+    best = run / "best-checkpoint-2"  # in the folder, not a step folder
+    best.mkdir()
+    assert later_checkpoints(run, best) == []
