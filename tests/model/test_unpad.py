@@ -21,7 +21,7 @@ from cembed.config.loss import CachedMNRLLossConfig
 from cembed.errors import ModelRefused
 from cembed.losses.registry import build_loss
 from cembed.model.packing import attention_cost, pack_rows, plan_packing
-from cembed.model.unpad import packed_encoder, resolve_unpad
+from cembed.model.unpad import PackRegistry, Unpadding, column_lengths, packed_encoder, resolve_unpad
 
 WORDS = "a man dog on the street with two red car cat table people sitting near white plate".split()
 
@@ -496,3 +496,63 @@ def test_a_sliding_window_binds_from_one_token_past_its_length(window):
     for config in (MistralConfig(sliding_window=window), qwen2):
         assert local_attention_reason(config, window) == ""
         assert f"{window}-token window, rows up to {window + 1} tokens" in local_attention_reason(config, window + 1)
+
+
+# --- which columns pack, read from the features alone (no model): every row right-padded and not empty,
+# every other tensor per token, no embedded position outside the mask
+
+
+def _column(mask, **extra):
+    mask = torch.tensor(mask)
+    return {"input_ids": torch.arange(mask.numel()).view(mask.shape), "attention_mask": mask, **extra}
+
+
+def test_column_lengths_are_each_rows_tokens_where_the_column_packs():
+    mask = [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    plain = column_lengths(_column(mask))
+    assert plain == [3, 1, 4] and all(type(n) is int for n in plain)
+    per_token = {"token_type_ids": torch.zeros(3, 4, dtype=torch.long), "inputs_embeds": torch.zeros(3, 4, 2)}
+    bookkeeping = {"task": "query", "modality": "text", "prompt_length": torch.tensor([1, 1, 1])}
+    assert column_lengths(_column(mask, **per_token, **bookkeeping)) == [3, 1, 4]
+    expanded = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 1, 1]])  # every expansion token attended to
+    assert column_lengths(_column(mask, query_expansion_positions=expanded)) == [3, 1, 4]
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [
+        {"input_ids": torch.ones(2, 3, dtype=torch.long)},  # no mask
+        _column([1, 1, 0]),  # a mask of one dimension
+        {"input_ids": torch.ones(0, 3, dtype=torch.long), "attention_mask": torch.ones(0, 3, dtype=torch.long)},
+        _column([[1, 1, 0], [0, 1, 1]]),  # left padding
+        _column([[1, 0, 1], [1, 1, 1]]),  # a hole
+        _column([[1, 1, 0], [0, 0, 0]]),  # an empty row
+        _column([[1, 1, 0], [1, 1, 1]], labels=torch.ones(2)),  # a tensor not per token
+        _column([[1, 1, 0], [1, 1, 1]], token_type_ids=torch.zeros(2, 4, dtype=torch.long)),  # another width
+        _column([[1, 1, 0], [1, 1, 1]], token_type_ids=torch.zeros(3, 3, dtype=torch.long)),  # other rows
+        _column([[1, 1, 0], [1, 1, 1]], query_expansion_positions=torch.tensor([[0, 1, 1], [0, 0, 1]])),
+    ],
+    ids=["no-mask", "1d", "no-rows", "left", "hole", "empty-row", "per-row", "width", "rows", "expansion-unattended"],
+)
+def test_a_column_that_cannot_pack_has_no_lengths(feature):
+    assert column_lengths(feature) is None
+
+
+def test_pack_registry_replays_the_plans_of_a_column_and_recomputes_a_miss():
+    registry = PackRegistry(Unpadding(True, "packed", cost_per_width=0.0))
+    feature = _column([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    plans = registry.plan_column(feature, [(0, 2), (2, 5), (5, 5)])  # an empty range is not planned
+    assert [(p.rows, p.real) for p in plans] == [(2, 4), (3, 10)] and registry.planned() == 2
+    assert registry.plan_for(feature, 0, 2) is plans[0] and registry.plan_for(feature, 2, 5) is plans[1]
+    assert registry.plan_for(feature, 5, 5) is None  # registered, not planned
+    again = registry.plan_for(feature, 1, 9)  # a range not registered: rows 1..4, the plan packing gives
+    expected = plan_packing([1, 4, 2, 4], 0.0)
+    assert (again.rows, again.real, again.packs) == (4, 11, expected.packs)
+    assert torch.equal(again.gather, expected.gather) and torch.equal(again.segments, expected.segments)
+    assert registry.plan_for(dict(feature), 0, 2) is not plans[0]  # another dict of the same tensors: recomputed
+    assert registry.plan_for(feature, 3, 3) is None and registry.plan_for(feature, 4, 2) is None
+    unpackable = _column([[0, 1], [1, 1]])
+    assert registry.plan_column(unpackable, [(0, 2)]) is None and registry.plan_for(unpackable, 0, 2) is None
+    assert registry.planned() == 2  # the unpackable column's range counts for nothing
+    registry.reset()
+    assert registry.planned() == 0 and registry.plan_for(feature, 0, 2) is not plans[0]
