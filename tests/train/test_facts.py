@@ -227,8 +227,12 @@ CASED = ("A Popular Answer", "a popular ANSWER")
 
 
 def test_with_the_model_the_sampler_compares_token_ids_as_training_does(
-    write_config, pairs_file, tiny_model_dir, tiny_model, tmp_path
+    write_config, pairs_file, tiny_model_dir, tiny_model, tmp_path, monkeypatch
 ):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model given is loaded again")
+
+    monkeypatch.setattr("cembed.model.load.load_model", load_model)  # validate's model is the one compared
     rows = [{"anchor": f"question {i}", "positive": CASED[i % 2] if i < 8 else f"answer {i}"} for i in range(12)]
     cfg = _model_config(write_config, tiny_model_dir, tmp_path, str(pairs_file(rows)))
     plan, data = check_run_inputs(cfg)
