@@ -281,4 +281,8 @@ def sampler_hashes(data: TrainingData, model_cfg, data_cfg=None, model=None) -> 
 
     length = int(model.max_seq_length)
     cuts = "".join(f", {col} cut at {n}" for col, n in column_limits(model, data.columns).items())
-    return row_hashes(dataset, data.columns), f"token ids ({model_cfg.name_or_path}, max_seq_length {length}{cuts})", None
+    return (
+        row_hashes(dataset, data.columns),
+        f"token ids ({model_cfg.name_or_path}, max_seq_length {length}{cuts})",
+        None,
+    )
