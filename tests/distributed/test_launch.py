@@ -56,8 +56,17 @@ def test_launcher_args_are_torchruns_command_line():
     ]
     assert launcher_args("cembed", ["train", "c.yaml"], 4, 2, 1, "node0:29400", max_restarts=3) == [
         *("--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1"),
-        *("--rdzv-endpoint", "node0:29400", "--max-restarts", "3", "--module", "cembed", "train", "c.yaml"),
+        *("--rdzv-endpoint", "node0:29400", "--max-restarts", "3", "--rdzv-backend", "c10d"),
+        *("--module", "cembed", "train", "c.yaml"),
     ]
+    # torchrun's static rendezvous unless restarts cross nodes: one node with restarts, nodes without
+    assert launcher_args("cembed", [], 4, 1, 0, None, max_restarts=3)[-4:] == [
+        "--max-restarts",
+        "3",
+        "--module",
+        "cembed",
+    ]
+    assert "--rdzv-backend" not in launcher_args("cembed", [], 4, 2, 1, "node0:29400")
     # the smallest counts are allowed: one process, one node, node rank 0
     assert launcher_args("m", [], 1, 1, 0)[:6] == ["--nproc-per-node", "1", "--nnodes", "1", "--node-rank", "0"]
 
