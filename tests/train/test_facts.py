@@ -9,6 +9,7 @@ from conftest import distinct_pairs
 
 from cembed.config.data import SamplingConfig
 from cembed.config.file import load_config
+from cembed.data.batching.placement import sampler_hashes
 from cembed.data.rows import UnloadedData
 from cembed.errors import UserError
 from cembed.model.unpad import Unpadding
@@ -229,10 +230,15 @@ CASED = ("A Popular Answer", "a popular ANSWER")
 def test_with_the_model_the_sampler_compares_token_ids_as_training_does(
     write_config, pairs_file, tiny_model_dir, tiny_model, tmp_path, monkeypatch
 ):
-    def load_model(*args, **kwargs):
-        raise AssertionError("the model given is loaded again")
+    import cembed.train.facts as facts
 
-    monkeypatch.setattr("cembed.model.load.load_model", load_model)  # validate's model is the one compared
+    given = []  # validate's model is the one whose tokenizer compares the rows, not loaded a second time
+
+    def spy(data, model_cfg, data_cfg=None, model=None):
+        given.append(model)
+        return sampler_hashes(data, model_cfg, data_cfg, model=model)
+
+    monkeypatch.setattr(facts, "sampler_hashes", spy)
     rows = [{"anchor": f"question {i}", "positive": CASED[i % 2] if i < 8 else f"answer {i}"} for i in range(12)]
     cfg = _model_config(write_config, tiny_model_dir, tmp_path, str(pairs_file(rows)))
     plan, data = check_run_inputs(cfg)
@@ -251,6 +257,7 @@ def test_with_the_model_the_sampler_compares_token_ids_as_training_does(
     assert ids == "8 of 12 rows cannot be placed in a duplicate-free batch of 4 (1 batches per epoch) " + tail.format(
         text=CASED[1], n=8
     )
+    assert given == [tiny_model]
     # data.pretokenize false: the sampler sees the texts, and so does the count
     plain = _model_config(write_config, tiny_model_dir, tmp_path, str(pairs_file(rows)), data={"pretokenize": False})
     assert run_facts(plain, plan, data, model=tiny_model).warnings == (raw,)
