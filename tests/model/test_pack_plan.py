@@ -49,6 +49,7 @@ def test_rows_are_dealt_longest_first_to_the_emptiest_pack():
     # one row a round (2 packs): 8 -> 0, 7 -> 1, 6 -> 1, 5 -> 0, 4 -> 0 (a tie: the first), 3 -> 1, 2 -> 1, 1 -> 0
     assert deal_rows(lengths, 2).tolist() == [0, 1, 1, 0, 0, 1, 1, 0]
     assert deal_rows(lengths, 1).tolist() == [0] * 8
+    assert deal_rows(np.array([10, 1, 1, 1]), 2).tolist() == [0, 1, 1, 1]  # 2 packs: one row a round
     # 8 packs, 2 rows a round: a round's rows go to the two emptiest packs, even where the first would
     # still be the emptiest after its row: the last round's 2 + 2 go to pack 7 (2 tokens) and pack 6 (5),
     # where one row at a time would put both in pack 7 (2, then 4 < 5)
@@ -70,3 +71,15 @@ def test_a_plan_moves_each_token_to_its_packed_place():
     assert (short.packs, short.pack_width, short.real, short.processed) == (2, 3, 4, 6)
     assert short.gather.tolist() == [0, 1, 2, 3, 0, 0] and short.scatter.tolist() == [0, 1, 2, 3, 0, 0]
     assert short.segments.tolist() == [[0, 0, 0], [1, -1, -1]] and short.positions.tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_more_rows_than_best_fit_takes_are_dealt_over_the_pack_count_of_least_cost():
+    # 66 rows (over BEST_FIT_MAX_ROWS): two of 32 tokens, 64 of 1. Dealt over 4 packs: 32 each (the two
+    # long rows alone, 32 short ones in each other pack), 4 x 32 x (1 + 32 c); over 2 packs 2 x 64,
+    # 3 packs 3 x 43, 1 pack 1 x 128: with width free (c = 0) 1, 2 and 4 packs tie at 128 and the
+    # fewest packs is kept
+    lengths = [32, 32] + [1] * 64
+    dear = plan_packing(lengths, 0.01)
+    assert (dear.packs, dear.pack_width, dear.real) == (4, 32, 128)
+    free = plan_packing(lengths, 0.0)
+    assert (free.packs, free.pack_width) == (1, 128)
