@@ -556,3 +556,32 @@ def test_pack_registry_replays_the_plans_of_a_column_and_recomputes_a_miss():
     assert registry.planned() == 2  # the unpackable column's range counts for nothing
     registry.reset()
     assert registry.planned() == 0 and registry.plan_for(feature, 0, 2) is not plans[0]
+
+
+def test_local_attention_reasons_name_the_layers_and_the_window():
+    from types import SimpleNamespace as Config
+
+    from cembed.model.unpad import local_attention_reason
+
+    mixed = Config(sliding_window=64, layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+    assert local_attention_reason(mixed, 512) == (
+        "2 of its 3 layers use sliding-window attention (64-token window, rows up to 512 tokens)"
+    )
+    assert local_attention_reason(Config(layer_types=["full_attention", "sliding_attention"]), 512) == (
+        "1 of its 2 layers use sliding-window attention (a window, rows up to 512 tokens)"
+    )
+    chunked = Config(sliding_window=64, layer_types=["full_attention", "chunked_attention", "sliding_attention"])
+    assert local_attention_reason(chunked, 512) == (
+        "its layers include chunked_attention, sliding_attention (layer_types), not full attention within a row"
+    )
+    assert local_attention_reason(Config(sliding_window=16, use_sliding_window=False), 512) == ""
+    # a nested config (a text_config) is looked at after a parent whose own layers do not bind
+    text = Config(model_type="text", to_dict=dict, sliding_window=16)
+    reason = "it uses sliding-window attention (sliding_window: 16-token window, rows up to {} tokens)"
+    assert local_attention_reason(Config(layer_types=["full_attention"], text_config=text), 512) == reason.format(512)
+    windowed = Config(sliding_window=64, layer_types=["sliding_attention"], text_config=text)
+    assert local_attention_reason(windowed, 64) == reason.format(64)
+
+
+def test_the_summary_names_the_unpadded_path():
+    assert Unpadding(True, "packed (position_ids)").to_dict() == {"unpadded": True, "path": "packed (position_ids)"}
