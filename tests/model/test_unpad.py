@@ -585,3 +585,16 @@ def test_local_attention_reasons_name_the_layers_and_the_window():
 
 def test_the_summary_names_the_unpadded_path():
     assert Unpadding(True, "packed (position_ids)").to_dict() == {"unpadded": True, "path": "packed (position_ids)"}
+
+
+def test_the_widest_window_a_config_declares_in_tokens_to_one_side():
+    from types import SimpleNamespace as Config
+
+    from cembed.model.unpad import widest_window
+
+    assert widest_window(Config()) == 0
+    assert widest_window(Config(sliding_window=64, attention_window=[32, 128], attention_chunk_size=96)) == 128
+    assert widest_window(Config(attention_chunk_size=96, sliding_window=None)) == 96
+    assert widest_window(Config(local_attention=129)) == 64  # ModernBERT's is both sides
+    text = Config(model_type="text", to_dict=dict, sliding_window=200)  # nested: counted too
+    assert widest_window(Config(sliding_window=16, text_config=text)) == 200
