@@ -420,12 +420,18 @@ def test_local_attention_config_rule():
     from cembed.model.unpad import local_attention_reason
 
     assert local_attention_reason(ModernBertConfig(global_attn_every_n_layers=1), 512) == ""
-    assert "sliding-window attention" in local_attention_reason(ModernBertConfig(), 512)  # 128 wide, every 3rd global
+    assert local_attention_reason(ModernBertConfig(), 512) == (  # 128 wide, every 3rd layer global
+        "14 of its 22 layers use sliding-window attention (64-token window, rows up to 512 tokens)"
+    )
     assert local_attention_reason(Qwen2Config(), 512) == ""  # use_sliding_window: false
     assert local_attention_reason(MistralConfig(sliding_window=4096), 512) == ""  # no row reaches the window
-    assert "4096" in local_attention_reason(MistralConfig(sliding_window=4096), 8192)
-    assert "attention_window" in local_attention_reason(LongformerConfig(), 512)
-    assert "block_sparse" in local_attention_reason(BigBirdConfig(attention_type="block_sparse"), 512)
+    assert local_attention_reason(MistralConfig(sliding_window=4096), 8192) == (
+        "it uses sliding-window attention (sliding_window: 4096-token window, rows up to 8192 tokens)"
+    )
+    assert local_attention_reason(LongformerConfig(), 512) == "it uses local attention (attention_window: 512)"
+    assert local_attention_reason(BigBirdConfig(attention_type="block_sparse"), 512) == (
+        "it uses block-sparse attention (attention_type: block_sparse)"
+    )
     assert local_attention_reason(BigBirdConfig(attention_type="original_full"), 512) == ""
 
 
@@ -575,6 +581,14 @@ def test_local_attention_reasons_name_the_layers_and_the_window():
         "its layers include chunked_attention, sliding_attention (layer_types), not full attention within a row"
     )
     assert local_attention_reason(Config(sliding_window=16, use_sliding_window=False), 512) == ""
+    assert local_attention_reason(Config(attention_chunk_size=8192), 512) == (
+        "it uses chunked attention (attention_chunk_size: 8192)"
+    )
+    # ModernBERT-style local_attention (both sides) without layer_types: binds past half its width
+    modern = Config(local_attention=128, global_attn_every_n_layers=3)
+    assert local_attention_reason(modern, 64) == ""
+    assert local_attention_reason(modern, 65) == "it uses sliding-window attention (local_attention: 128 tokens)"
+    assert local_attention_reason(Config(local_attention=128), 512) == ""  # every layer global
     # a nested config (a text_config) is looked at after a parent whose own layers do not bind
     text = Config(model_type="text", to_dict=dict, sliding_window=16)
     reason = "it uses sliding-window attention (sliding_window: 16-token window, rows up to {} tokens)"
