@@ -37,6 +37,9 @@ def test_the_packs_of_least_estimated_cost():
     # width dear: capacity 6 gives 3 packs of width 6 (3 x 6 x 2.2 = 39.6) against 4 x 5 x 2 = 40 (one
     # row a pack), 2 x 8 x 2.6 = 41.6 and 1 x 14 x 3.8 = 53.2
     assert choose_packs([5, 3, 3, 3], 0.2) == ([[0], [1, 2], [3]], 6)
+    plan = plan_packing([5, 3, 3, 3], 0.2)  # a few rows: best fit, as chosen here
+    assert (plan.packs, plan.pack_width) == (3, 6)
+    assert plan.segments.tolist() == [[0, 0, 0, 0, 0, -1], [1, 1, 1, 2, 2, 2], [3, 3, 3, -1, -1, -1]]
     # a tie keeps the smaller capacity: 2 packs of 4 and 1 of 8 both cost 8
     assert choose_packs([4, 4], 0.0) == ([[0], [1]], 4)
     # capacity 6 packs 5 + 1 and 4 + 2: 2 x 6 x 4 = 48, against 3 x 5 x 3.5 = 52.5 (capacity 5) and
