@@ -284,3 +284,54 @@ def test_two_plugins_registering_one_kind_is_one_line_naming_both(plugin_site, t
         f"failed to load: ValueError: source kind 'sql' is already registered ({cls}, from cembed plugin 'sql' of "
         f"distribution '{first}')"
     )
+
+
+# --- what load_plugins records: the loop goes on past a loaded plugin, an entry point of no known
+# distribution, and cembed's own modules never counted as a plugin's
+
+
+def test_a_plugin_installed_later_loads_past_the_ones_already_loaded(plugin_site, tmp_path, monkeypatch):
+    import importlib
+
+    plugin_site("kind-alpha", {"kind_alpha.py": _kind_plugin("alpha", "Alpha")}, {"alpha": "kind_alpha:register"})
+    assert ("kind-alpha", "alpha") in plugins.load_plugins()
+    later = tmp_path / "later-site"  # after the first on sys.path: its plugin comes after the loaded one
+    later.mkdir()
+    install_distribution(
+        later,
+        "kind-beta",
+        {"kind_beta.py": _kind_plugin("beta", "Beta")},
+        {plugins.GROUP: {"beta": "kind_beta:register"}},
+    )
+    monkeypatch.setattr(sys, "path", [*sys.path, str(later)])
+    importlib.invalidate_caches()
+    try:
+        assert plugins.load_plugins()[("kind-beta", "beta")] == "kind_beta:register"
+        assert "beta" in SOURCE_CONFIGS
+    finally:
+        sys.modules.pop("kind_beta", None)
+
+
+def test_an_entry_point_of_no_known_distribution_is_named_unknown(plugin_site, monkeypatch):
+    from importlib.metadata import EntryPoint
+
+    loose = EntryPoint(name="loose", value="json", group=plugins.GROUP)  # no distribution: a module
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [loose] if group == plugins.GROUP else [])
+    assert plugins.load_plugins()[("unknown", "loose")] == "json"
+
+
+def test_cembeds_own_modules_a_plugin_imports_are_not_the_plugins(plugin_site, monkeypatch):
+    """A plugin whose loading first imports a cembed module (a loss plugin imports cembed's loss
+    registry) does not own what that module defines: a clash with a built-in names the built-in alone."""
+    import cembed.data.sources as package
+    import cembed.data.sources.file_stream  # noqa: F401 - imported before the plugin, as the CLI does
+
+    name = "cembed.data.sources.file_stream"  # a module of functions only: importing it again is harmless
+    monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(package, "file_stream", package.file_stream)  # put back after the test
+    importer = "import cembed.data.sources.file_stream\n\n\ndef register():\n    pass\n"
+    plugin_site("importer", {"importer.py": importer}, {"importer": "importer:register"})
+    plugins.load_plugins()
+    assert plugins.plugin_of(sys.modules[name].open_file_stream) is None
+    assert plugins.plugin_of(sys.modules["importer"].register) == "cembed plugin 'importer' of distribution 'importer'"
+    assert plugins.plugin_of(object()) is None  # an object of no module

@@ -256,8 +256,9 @@ def holds_rng_states(checkpoint: str | Path, world_size: int) -> bool:
 
 def reseeded(seed: int, step: int, rank: int) -> int:
     """The seed of process ``rank``'s RNG streams on a resume at ``step`` that has no RNG state for it
-    (a checkpoint of another world size): a function of the run's seed, the step and the rank, so that
-    the resume is reproducible and each process draws its own dropout masks."""
+    (a checkpoint of another world size): ``seed + 1_000_003 x step + rank``, a function of the run's
+    seed, the step and the rank, so that the resume is reproducible and each process draws its own
+    dropout masks (distinct for every step and rank below 1,000,003)."""
     return seed + 1_000_003 * step + rank
 
 

@@ -21,7 +21,7 @@ from cembed.config.loss import CachedMNRLLossConfig
 from cembed.errors import ModelRefused
 from cembed.losses.registry import build_loss
 from cembed.model.packing import attention_cost, pack_rows, plan_packing
-from cembed.model.unpad import packed_encoder, resolve_unpad
+from cembed.model.unpad import PackRegistry, Unpadding, column_lengths, packed_encoder, resolve_unpad
 
 WORDS = "a man dog on the street with two red car cat table people sitting near white plate".split()
 
@@ -181,11 +181,14 @@ def test_large_minibatch_plan_round_trips_and_balances(rows):
     packed = values.reshape(rows * width, 3)[plan.gather].view(plan.packs, plan.pack_width, 3)
     assert torch.equal(packed.reshape(-1, 3)[plan.scatter].view(rows, width, 3) * mask[..., None], values)
     segments, positions = plan.segments.flatten(), plan.positions.flatten()
-    for r in range(rows):
-        at = (segments == r).nonzero().flatten()
-        assert at.numel() == lengths[r] and bool((at.diff() == 1).all())  # contiguous, in one pack
-        assert int(at[0]) // plan.pack_width == int(at[-1]) // plan.pack_width
-        assert positions[at].tolist() == list(range(lengths[r]))
+    # each row's packed positions in order (a stable sort by row; one pass, not a scan per row)
+    at = torch.argsort(segments, stable=True)[int((segments < 0).sum()) :]
+    assert torch.equal(segments[at], torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths)))
+    starts = torch.cumsum(torch.tensor(lengths), 0) - torch.tensor(lengths)  # each row's first entry in `at`
+    first, last = at[starts], at[starts + torch.tensor(lengths) - 1]
+    assert torch.equal(last - first + 1, torch.tensor(lengths))  # contiguous (the row's positions ascend)
+    assert torch.equal(first // plan.pack_width, last // plan.pack_width)  # in one pack
+    assert torch.equal(positions[at], torch.cat([torch.arange(n) for n in lengths]))
     fills = np.bincount(deal_rows(np.asarray(lengths), plan.packs), weights=lengths, minlength=plan.packs)
     assert fills.max() - fills.min() <= width and fills.max() == plan.pack_width
     assert plan.real == sum(lengths) and 1 - plan.real / plan.processed < 0.05
@@ -417,12 +420,18 @@ def test_local_attention_config_rule():
     from cembed.model.unpad import local_attention_reason
 
     assert local_attention_reason(ModernBertConfig(global_attn_every_n_layers=1), 512) == ""
-    assert "sliding-window attention" in local_attention_reason(ModernBertConfig(), 512)  # 128 wide, every 3rd global
+    assert local_attention_reason(ModernBertConfig(), 512) == (  # 128 wide, every 3rd layer global
+        "14 of its 22 layers use sliding-window attention (64-token window, rows up to 512 tokens)"
+    )
     assert local_attention_reason(Qwen2Config(), 512) == ""  # use_sliding_window: false
     assert local_attention_reason(MistralConfig(sliding_window=4096), 512) == ""  # no row reaches the window
-    assert "4096" in local_attention_reason(MistralConfig(sliding_window=4096), 8192)
-    assert "attention_window" in local_attention_reason(LongformerConfig(), 512)
-    assert "block_sparse" in local_attention_reason(BigBirdConfig(attention_type="block_sparse"), 512)
+    assert local_attention_reason(MistralConfig(sliding_window=4096), 8192) == (
+        "it uses sliding-window attention (sliding_window: 4096-token window, rows up to 8192 tokens)"
+    )
+    assert local_attention_reason(LongformerConfig(), 512) == "it uses local attention (attention_window: 512)"
+    assert local_attention_reason(BigBirdConfig(attention_type="block_sparse"), 512) == (
+        "it uses block-sparse attention (attention_type: block_sparse)"
+    )
     assert local_attention_reason(BigBirdConfig(attention_type="original_full"), 512) == ""
 
 
@@ -493,3 +502,113 @@ def test_a_sliding_window_binds_from_one_token_past_its_length(window):
     for config in (MistralConfig(sliding_window=window), qwen2):
         assert local_attention_reason(config, window) == ""
         assert f"{window}-token window, rows up to {window + 1} tokens" in local_attention_reason(config, window + 1)
+
+
+# --- which columns pack, read from the features alone (no model): every row right-padded and not empty,
+# every other tensor per token, no embedded position outside the mask
+
+
+def _column(mask, **extra):
+    mask = torch.tensor(mask)
+    return {"input_ids": torch.arange(mask.numel()).view(mask.shape), "attention_mask": mask, **extra}
+
+
+def test_column_lengths_are_each_rows_tokens_where_the_column_packs():
+    mask = [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    plain = column_lengths(_column(mask))
+    assert plain == [3, 1, 4] and all(type(n) is int for n in plain)
+    per_token = {"token_type_ids": torch.zeros(3, 4, dtype=torch.long), "inputs_embeds": torch.zeros(3, 4, 2)}
+    bookkeeping = {"task": "query", "modality": "text", "prompt_length": torch.tensor([1, 1, 1])}
+    assert column_lengths(_column(mask, **per_token, **bookkeeping)) == [3, 1, 4]
+    expanded = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 1, 1]])  # every expansion token attended to
+    assert column_lengths(_column(mask, query_expansion_positions=expanded)) == [3, 1, 4]
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [
+        {"input_ids": torch.ones(2, 3, dtype=torch.long)},  # no mask
+        _column([1, 1, 0]),  # a mask of one dimension
+        {"input_ids": torch.ones(0, 3, dtype=torch.long), "attention_mask": torch.ones(0, 3, dtype=torch.long)},
+        _column([[1, 1, 0], [0, 1, 1]]),  # left padding
+        _column([[1, 0, 1], [1, 1, 1]]),  # a hole
+        _column([[1, 1, 0], [0, 0, 0]]),  # an empty row
+        _column([[1, 1, 0], [1, 1, 1]], labels=torch.ones(2)),  # a tensor not per token
+        _column([[1, 1, 0], [1, 1, 1]], token_type_ids=torch.zeros(2, 4, dtype=torch.long)),  # another width
+        _column([[1, 1, 0], [1, 1, 1]], token_type_ids=torch.zeros(3, 3, dtype=torch.long)),  # other rows
+        _column([[1, 1, 0], [1, 1, 1]], query_expansion_positions=torch.tensor([[0, 1, 1], [0, 0, 1]])),
+    ],
+    ids=["no-mask", "1d", "no-rows", "left", "hole", "empty-row", "per-row", "width", "rows", "expansion-unattended"],
+)
+def test_a_column_that_cannot_pack_has_no_lengths(feature):
+    assert column_lengths(feature) is None
+
+
+def test_pack_registry_replays_the_plans_of_a_column_and_recomputes_a_miss():
+    registry = PackRegistry(Unpadding(True, "packed", cost_per_width=0.0))
+    feature = _column([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]])
+    plans = registry.plan_column(feature, [(0, 2), (2, 5), (5, 5)])  # an empty range is not planned
+    assert [(p.rows, p.real) for p in plans] == [(2, 4), (3, 10)] and registry.planned() == 2
+    assert registry.plan_for(feature, 0, 2) is plans[0] and registry.plan_for(feature, 2, 5) is plans[1]
+    assert registry.plan_for(feature, 5, 5) is None  # registered, not planned
+    again = registry.plan_for(feature, 1, 9)  # a range not registered: rows 1..4, the plan packing gives
+    expected = plan_packing([1, 4, 2, 4], 0.0)
+    assert (again.rows, again.real, again.packs) == (4, 11, expected.packs)
+    assert torch.equal(again.gather, expected.gather) and torch.equal(again.segments, expected.segments)
+    assert registry.plan_for(dict(feature), 0, 2) is not plans[0]  # another dict of the same tensors: recomputed
+    assert registry.plan_for(feature, 3, 3) is None and registry.plan_for(feature, 4, 2) is None
+    unpackable = _column([[0, 1], [1, 1]])
+    assert registry.plan_column(unpackable, [(0, 2)]) is None and registry.plan_for(unpackable, 0, 2) is None
+    assert registry.planned() == 2  # the unpackable column's range counts for nothing
+    registry.reset()
+    assert registry.planned() == 0 and registry.plan_for(feature, 0, 2) is not plans[0]
+
+
+def test_local_attention_reasons_name_the_layers_and_the_window():
+    from types import SimpleNamespace as Config
+
+    from cembed.model.unpad import local_attention_reason
+
+    mixed = Config(sliding_window=64, layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+    assert local_attention_reason(mixed, 512) == (
+        "2 of its 3 layers use sliding-window attention (64-token window, rows up to 512 tokens)"
+    )
+    assert local_attention_reason(Config(layer_types=["full_attention", "sliding_attention"]), 512) == (
+        "1 of its 2 layers use sliding-window attention (a window, rows up to 512 tokens)"
+    )
+    chunked = Config(sliding_window=64, layer_types=["full_attention", "chunked_attention", "sliding_attention"])
+    assert local_attention_reason(chunked, 512) == (
+        "its layers include chunked_attention, sliding_attention (layer_types), not full attention within a row"
+    )
+    assert local_attention_reason(Config(sliding_window=16, use_sliding_window=False), 512) == ""
+    assert local_attention_reason(Config(attention_chunk_size=8192), 512) == (
+        "it uses chunked attention (attention_chunk_size: 8192)"
+    )
+    # ModernBERT-style local_attention (both sides) without layer_types: binds past half its width
+    modern = Config(local_attention=128, global_attn_every_n_layers=3)
+    assert local_attention_reason(modern, 64) == ""
+    assert local_attention_reason(modern, 65) == "it uses sliding-window attention (local_attention: 128 tokens)"
+    assert local_attention_reason(Config(local_attention=128), 512) == ""  # every layer global
+    # a nested config (a text_config) is looked at after a parent whose own layers do not bind
+    text = Config(model_type="text", to_dict=dict, sliding_window=16)
+    reason = "it uses sliding-window attention (sliding_window: 16-token window, rows up to {} tokens)"
+    assert local_attention_reason(Config(layer_types=["full_attention"], text_config=text), 512) == reason.format(512)
+    windowed = Config(sliding_window=64, layer_types=["sliding_attention"], text_config=text)
+    assert local_attention_reason(windowed, 64) == reason.format(64)
+
+
+def test_the_summary_names_the_unpadded_path():
+    assert Unpadding(True, "packed (position_ids)").to_dict() == {"unpadded": True, "path": "packed (position_ids)"}
+
+
+def test_the_widest_window_a_config_declares_in_tokens_to_one_side():
+    from types import SimpleNamespace as Config
+
+    from cembed.model.unpad import widest_window
+
+    assert widest_window(Config()) == 0
+    assert widest_window(Config(sliding_window=64, attention_window=[32, 128], attention_chunk_size=96)) == 128
+    assert widest_window(Config(attention_chunk_size=96, sliding_window=None)) == 96
+    assert widest_window(Config(local_attention=129)) == 64  # ModernBERT's is both sides
+    text = Config(model_type="text", to_dict=dict, sliding_window=200)  # nested: counted too
+    assert widest_window(Config(sliding_window=16, text_config=text)) == 200

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 from transformers import TrainerControl, TrainerState
@@ -15,21 +16,35 @@ from cembed.train.checkpoint import (
     MARKER,
     REPEAT_WINDOW_S,
     STAGING,
+    STEP_LOSSES,
     InterruptCallback,
     check_output_dir,
     check_resume_point,
+    checkpoint_progress,
     checkpoints,
     is_complete,
     is_sharded_checkpoint,
+    later_checkpoints,
     latest_complete,
     mark_complete,
+    read_step_losses,
     recorded_run,
     remove_checkpoints,
     remove_incomplete,
     resolve_resume,
     resume_on_restart,
     worker_init,
+    write_step_losses,
 )
+
+
+def _send(signum: int) -> None:
+    """Signal this process where the callback must not abandon the run (a RunAbandoned, a
+    KeyboardInterrupt, would end pytest's session instead of failing the test)."""
+    try:
+        os.kill(os.getpid(), signum)
+    except RunAbandoned as err:
+        pytest.fail(f"abandoned where it must not be: {err!r}")
 
 
 def _checkpoint(root, step, complete=True, state=None):
@@ -67,6 +82,7 @@ def test_marker_records_step_and_run(tmp_path):
     folder = _checkpoint(tmp_path, 12)
     marker = json.loads((folder / MARKER).read_text())
     assert marker["step"] == 12 and marker["run"] == {"samples_per_step": 64}
+    assert set(marker) == {"step", "time", "run"} and abs(marker["time"] - time.time()) < 600  # when it was written
     assert recorded_run(folder) == {"samples_per_step": 64}
     (folder / MARKER).write_text("{not json")
     assert recorded_run(folder) is None  # unreadable marker
@@ -143,10 +159,18 @@ def test_check_resume_point(tmp_path):
     # The last step's checkpoint of a run stopped during its final save or evaluation: resumed (the run's
     # end is done, nothing trained); of a finished run, or past train.max_steps: nothing to resume.
     check_resume_point(str(_checkpoint(tmp_path, 100, state={"global_step": 100, "max_steps": 100})), 100)
-    with pytest.raises(UserError, match="is at step 40, already at train.max_steps=40 and its run finished; nothing"):
+    with pytest.raises(UserError) as err:
         check_resume_point(str(ck), 40, finished=True)
-    with pytest.raises(UserError, match="is at step 40, past train.max_steps=30; nothing to resume"):
+    assert str(err.value) == (
+        f"{ck} is at step 40, already at train.max_steps=40 and its run finished; nothing to resume "
+        "(raise train.max_steps only for a fresh run with --overwrite)"
+    )
+    with pytest.raises(UserError) as err:
         check_resume_point(str(ck), 30)
+    assert str(err.value) == (
+        f"{ck} is at step 40, past train.max_steps=30; nothing to resume "
+        "(raise train.max_steps only for a fresh run with --overwrite)"
+    )
     with pytest.raises(UserError, match="no readable trainer_state.json"):
         check_resume_point(str(_checkpoint(tmp_path, 50)), 100)
 
@@ -156,11 +180,13 @@ def test_interrupt_finishes_the_step_then_saves_and_stops():
     state, control = TrainerState(), TrainerControl()
     state.global_step = 3
     before = signal.getsignal(signal.SIGINT)
+    before_term = signal.getsignal(signal.SIGTERM)
     cb.install()
     try:
+        assert signal.getsignal(signal.SIGINT) != before and signal.getsignal(signal.SIGTERM) != before_term
         assert cb.on_step_end(None, state, control) is control
         assert (cb.step, control.should_save, control.should_training_stop) == (3, False, False)
-        os.kill(os.getpid(), signal.SIGTERM)  # handled: recorded, the process lives on
+        _send(signal.SIGTERM)  # handled: recorded, the process lives on
         assert cb.signum == signal.SIGTERM
         state.global_step = 4
         cb.on_step_end(None, state, control)
@@ -191,7 +217,7 @@ def test_a_signal_after_the_last_step_is_late_and_a_second_abandons_the_run_end(
         assert not control.should_training_stop and not cb.trained
         state.global_step = 5
         cb.on_step_end(None, state, control)  # the last step
-        os.kill(os.getpid(), signal.SIGTERM)  # the process lives on: the run's end goes on
+        _send(signal.SIGTERM)  # the process lives on: the run's end goes on
         cb.notice.join(5)
         assert (cb.signum, cb.late, notices) == (signal.SIGTERM, True, [None])
         with pytest.raises(RunAbandoned) as abandoned:
@@ -223,11 +249,11 @@ def test_a_launched_worker_takes_the_same_signal_again_at_once_for_the_same_one(
     cb = InterruptCallback()
     cb.install()
     try:
-        os.kill(os.getpid(), signal.SIGTERM)
+        _send(signal.SIGTERM)
         now[0] += REPEAT_WINDOW_S / 2
-        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's forward: the same delivery
+        _send(signal.SIGTERM)  # the launcher's forward: the same delivery
         assert cb.signum == signal.SIGTERM and cb.at == 100.0
-        now[0] += REPEAT_WINDOW_S
+        now[0] = 100.0 + REPEAT_WINDOW_S  # the window is over: a signal of its own
         with pytest.raises(RunAbandoned):
             os.kill(os.getpid(), signal.SIGTERM)
     finally:
@@ -236,7 +262,7 @@ def test_a_launched_worker_takes_the_same_signal_again_at_once_for_the_same_one(
     cb = InterruptCallback()
     cb.install()
     try:
-        os.kill(os.getpid(), signal.SIGTERM)
+        _send(signal.SIGTERM)
         with pytest.raises(RunAbandoned):
             os.kill(os.getpid(), signal.SIGTERM)
     finally:
@@ -319,11 +345,13 @@ def test_the_first_signal_is_acknowledged_at_once_with_the_step_being_finished()
     cb.on_train_begin(None, state, TrainerControl())
     cb.install()
     try:
-        os.kill(os.getpid(), signal.SIGINT)
+        _send(signal.SIGINT)
         cb.notice.join(5)
         assert heard == [(signal.SIGINT, 21)]
-        with pytest.raises(KeyboardInterrupt):
+        assert cb.notice.daemon  # the notice never keeps the process alive
+        with pytest.raises(KeyboardInterrupt) as abandoned:
             os.kill(os.getpid(), signal.SIGINT)
+        assert abandoned.value.step == 21  # step 21 was being trained: abandoned, not saved
         assert heard == [(signal.SIGINT, 21)]  # the second signal is not announced as a first
     finally:
         cb.uninstall()
@@ -407,3 +435,127 @@ def test_a_resumed_runs_eval_history_keeps_the_evaluations_before_its_checkpoint
     assert [e["step"] for e in callback.history] == [2, 4, 6] and lines == ["eval step 6: sts_spearman_cosine 0.7000"]
     callback.on_train_begin(None, TrainerState(), None)
     assert callback.history == []
+
+
+def test_a_signal_before_the_first_step_is_for_step_one():
+    """Installed before the trainer starts (the model and data still loading): a signal then asks
+    for the first step's checkpoint, not for the end of training."""
+    heard = []
+    cb = InterruptCallback(on_signal=lambda signum, step: heard.append((signum, step)))
+    cb.install()
+    try:
+        _send(signal.SIGTERM)
+        cb.notice.join(5)
+        assert (heard, cb.late) == ([(signal.SIGTERM, 1)], False)
+    finally:
+        cb.uninstall()
+
+
+def test_the_first_signal_starts_the_watch_for_a_failed_peer(monkeypatch):
+    """In a multi-process job the launcher signals the other ranks after one failed; a signalled
+    rank watches for that failure and ends with 128 + the signal's number (its step can never end)."""
+    watched = []
+    monkeypatch.setattr(
+        "cembed.train.checkpoint.end_when_a_peer_fails", lambda exit_code: watched.append(exit_code) or "watcher"
+    )
+    cb = InterruptCallback()
+    cb.install()
+    try:
+        _send(signal.SIGTERM)
+        assert (watched, cb.peer_watch) == ([143], "watcher")
+    finally:
+        cb.uninstall()
+
+
+def test_a_forked_process_ignores_the_handler_it_inherited():
+    """A data-loader worker forked after install() inherits the handler: it ignores the signal there
+    (the main process decides), and the main process's callback records nothing."""
+    cb = InterruptCallback()
+    cb.install()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the inherited handler must neither record nor abandon
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+                os._exit(0 if cb.signum is None else 1)
+            except BaseException:  # noqa: BLE001 - any way out of here is a failure, and only the child's
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        assert cb.signum is None
+    finally:
+        cb.uninstall()
+
+
+def test_worker_init_ignores_both_signals_then_runs_the_loaders_own():
+    """What a data-loader worker runs first (tests/train/test_checkpoint.py's loader test shows the
+    workers surviving the signals; here in this process, so the calls are seen directly)."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    seen = []
+    try:
+        worker_init(seen.append)(7)
+        assert seen == [7]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        worker_init()(3)  # the loader has none of its own
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_checkpoint_progress_reads_the_trainer_state(tmp_path):
+    ck = _checkpoint(tmp_path, 7, state={"global_step": 7, "max_steps": 20})
+    assert checkpoint_progress(ck) == (7, 20)
+    assert checkpoint_progress(_checkpoint(tmp_path, 8, state={"global_step": 8})) == (8, 0)  # planned unknown
+    assert checkpoint_progress(_checkpoint(tmp_path, 9, state={})) == (0, 0)
+    check_resume_point(str(tmp_path / "checkpoint-8"), 100)  # an unknown plan is not refused
+    missing = _checkpoint(tmp_path, 10)
+    with pytest.raises(UserError) as err:
+        checkpoint_progress(missing)
+    assert str(err.value) == f"{missing}: no readable trainer_state.json; resume from another checkpoint"
+
+
+def test_a_checkpoint_that_cannot_be_removed_does_not_stop_the_cleanup(tmp_path):
+    """``--overwrite`` and a fresh start remove what they can; a link named like a checkpoint (which
+    ``shutil.rmtree`` refuses to follow) is left, and so is the folder it points to."""
+    elsewhere = tmp_path / "elsewhere"
+    _checkpoint(elsewhere, 4, complete=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint-4").symlink_to(elsewhere / "checkpoint-4", target_is_directory=True)
+    half = _checkpoint(run, 5, complete=False)
+    assert remove_incomplete(run) == [run / "checkpoint-4", half]
+    assert not half.exists() and (elsewhere / "checkpoint-4" / "model.safetensors").exists()
+    done = _checkpoint(run, 6)
+    assert remove_checkpoints(run) == [run / "checkpoint-4", done]
+    assert not done.exists() and (elsewhere / "checkpoint-4" / "model.safetensors").exists()
+
+
+def test_step_losses_kept_in_a_checkpoint_read_back_and_nothing_from_a_bad_file(tmp_path):
+    folder = _checkpoint(tmp_path, 2)
+    assert read_step_losses(folder) == {}  # an older cembed's checkpoint: none kept
+    write_step_losses(folder, [(1, 2.5), (2, 2.25)])
+    assert json.loads((folder / STEP_LOSSES).read_text()) == [[1, 2.5], [2, 2.25]]
+    assert read_step_losses(str(folder)) == {1: 2.5, 2: 2.25}
+    for bad in ("not json", '[["one", 2.5]]', "[[1]]", "[1]"):  # unreadable, a bad step, a pair short, no pair
+        (folder / STEP_LOSSES).write_text(bad)
+        assert read_step_losses(folder) == {}, bad
+
+
+def test_later_checkpoints_are_the_complete_ones_after_a_checkpoint_of_the_same_folder(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    for step, complete in ((2, True), (4, True), (6, False), (10, True)):
+        _checkpoint(run, step, complete=complete)
+    assert later_checkpoints(run, run / "checkpoint-2") == [run / "checkpoint-4", run / "checkpoint-10"]
+    assert later_checkpoints(str(run), str(run / "checkpoint-4")) == [run / "checkpoint-10"]  # not itself
+    assert later_checkpoints(run, run / "checkpoint-10") == []
+    monkeypatch.chdir(tmp_path)  # a relative --resume-from names the same folder
+    assert later_checkpoints(run, "run/checkpoint-4") == [run / "checkpoint-10"]
+    other = _checkpoint(tmp_path / "other", 1)  # another run's checkpoint: nothing of this one replaced
+    assert later_checkpoints(run, other) == []
+    best = run / "best-checkpoint-2"  # in the folder, not a step folder
+    best.mkdir()
+    assert later_checkpoints(run, best) == []

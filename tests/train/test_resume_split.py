@@ -118,6 +118,8 @@ def test_rng_file_names_and_reseeding():
     ]
     seeds = {reseeded(42, step, rank) for step in (3, 4) for rank in range(4)}
     assert len(seeds) == 8 and reseeded(42, 3, 1) == reseeded(42, 3, 1)
+    # the documented seed: a resume at step 3 on rank 1 of a run seeded 42
+    assert [reseeded(42, 3, 0), reseeded(42, 3, 1), reseeded(7, 0, 5)] == [3_000_051, 3_000_052, 12]
 
 
 @pytest.mark.parametrize(
