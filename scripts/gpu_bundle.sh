@@ -6,7 +6,8 @@
 #             versions of the environment this script runs in, plus the cembed wheel of this tree
 #   all-MiniLM-L6-v2-fp16/   the packaged all-MiniLM-L6-v2 with fp16 weights (cembed trains it in
 #             fp32 master weights; the original fp32 copy, 88 MB, is too big to carry)
-#   coco_pairs.jsonl.gz      real COCO caption pairs (val2017, 50,071 rows; else the packaged train slice)
+#   coco_pairs.jsonl.gz      real COCO caption pairs (val2017, 50,071 rows; without ../shared the manifest
+#                            points at the packaged train slice in the tree instead of a second copy)
 #   MANIFEST.json            every file with its size and sha256, the wheel versions, the total
 # pyarrow: the image's version was never read (KINDS.md lists pyarrow without one) and its wheel (53 MiB)
 # does not fit beside the model, so the bundle adapts instead: wheels/ holds the datasets of this
@@ -94,7 +95,13 @@ if not coco.is_file():
     import cembed.samples as samples
 
     coco = Path(samples.__file__).parent / "coco_captions" / "train_pairs.jsonl.gz"
-shutil.copyfile(coco, out / "coco_pairs.jsonl.gz")
+# The packaged slice travels with the tree already (cembed/samples/): the manifest points at it from the
+# bundle's folder at the repository root instead of carrying a second copy (the tree and the bundle must
+# fit one device call's 64 MiB together).
+packaged = coco.name == "train_pairs.jsonl.gz"
+coco_pairs = "../cembed/samples/coco_captions/train_pairs.jsonl.gz" if packaged else "coco_pairs.jsonl.gz"
+if not packaged:
+    shutil.copyfile(coco, out / "coco_pairs.jsonl.gz")
 # The kernel wheel only where the bundle still fits one device call with the tree it travels with (the
 # tracked and untracked, not ignored, files, as tests/scripts/test_gpu_bundle.py counts them); else the
 # maxsim stage runs without it and says so.
@@ -105,6 +112,12 @@ tree = subprocess.run(
 ).stdout.split("\0")
 tree_bytes = sum(Path(f).stat().st_size for f in tree if f and Path(f).is_file())
 bundle_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) + 16 * 2**10  # + the manifest
+if not packaged and tree_bytes + bundle_bytes > 64 * 2**20:  # the val2017 pairs do not fit beside the tree
+    bundle_bytes -= (out / "coco_pairs.jsonl.gz").stat().st_size
+    (out / "coco_pairs.jsonl.gz").unlink()
+    coco = Path(__import__("cembed.samples").samples.__file__).parent / "coco_captions" / "train_pairs.jsonl.gz"
+    packaged, coco_pairs = True, "../cembed/samples/coco_captions/train_pairs.jsonl.gz"
+    print("coco pairs: the packaged slice in the tree (val2017's would not fit one device call)")
 kernels = "none asked (KERNELS empty)"
 for wheel in sorted((out / "wheels").glob("late_interaction_kernels-*.whl")):
     if tree_bytes + bundle_bytes > 64 * 2**20:
@@ -124,7 +137,7 @@ manifest = {
     "torch_used_to_convert": torch.__version__,
     "wheels": sorted(p for p in files if p.startswith("wheels/")),
     "model": "all-MiniLM-L6-v2-fp16",
-    "coco_pairs": "coco_pairs.jsonl.gz",
+    "coco_pairs": coco_pairs,
     "coco_source": coco.name,
     "fallback": sorted(p for p in files if p.startswith("fallback/")),
     # the pyarrow each datasets needs: the install stage picks fallback/ below the first (bundle.py)

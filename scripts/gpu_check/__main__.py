@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -57,7 +58,7 @@ import time
 from pathlib import Path
 
 # Run as ``python scripts/gpu_check``: this folder is sys.path[0], so its stdlib modules import by name.
-from bundle import check_bundle, install_command
+from bundle import check_bundle, coco_pairs_of, install_command
 from sampler import GpuSampler
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +104,8 @@ def stage_budgets(selected: list[tuple], deadline: float, quick: bool, scale: fl
     budgets = {s[0]: (s[2] if quick else s[1]) * scale for s in selected}
     total = sum(budgets.values())
     shrink = min(1.0, deadline / total) if total else 1.0
-    return {name: round(b * shrink, 1) for name, b in budgets.items()}
+    # rounded down to 0.1 s: rounded to nearest, 12 shrunk budgets summed to 100.1 for a 100 s deadline
+    return {name: math.floor(b * shrink * 10) / 10 for name, b in budgets.items()}
 
 
 SAMPLED = ("train", "stock")  # (e) GPU utilisation sampled while these run
@@ -205,7 +207,7 @@ def stage_context(args, root: Path, bundle: Path | None, bundle_check: dict) -> 
         "bundle": str(bundle) if bundle else None,
         "bundle_wheels_installed": installs_wheels(args, bundle),
         "model": bundle_check.get("model") or "all-MiniLM-L6-v2",
-        "coco": str(bundle / "coco_pairs.jsonl.gz") if bundle else None,
+        "coco": str(bundle / coco_pairs_of(bundle)) if bundle else None,
     }
 
 

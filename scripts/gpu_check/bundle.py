@@ -51,6 +51,15 @@ def _dist_name(wheel: str) -> str:
     return wheel.split("/")[-1].split("-")[0].lower().replace("-", "_").replace(".", "_")
 
 
+def coco_pairs_of(bundle: Path) -> str:
+    """The COCO pairs file's path relative to ``bundle`` as its manifest names it: the bundle's own copy
+    (``coco_pairs.jsonl.gz``), or the packaged slice in the tree it travels with
+    (``../cembed/samples/...``), which the bundle does not carry twice."""
+    manifest = bundle / "MANIFEST.json"
+    names = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    return names.get("coco_pairs", "coco_pairs.jsonl.gz")
+
+
 def check_bundle(bundle: Path | None) -> dict:
     """Check a bundle against its ``MANIFEST.json``: every listed file present with its size and
     sha256, the total within 60 MiB, one wheel per needed package (at most one of each optional
@@ -91,7 +100,7 @@ def check_bundle(bundle: Path | None) -> dict:
                 problems.append(f"fallback/: {fallback.count(pkg)} wheels of {pkg} (need exactly 1)")
     model = bundle / manifest.get("model", "all-MiniLM-L6-v2-fp16")
     problems += [f"model folder lacks {f}" for f in MODEL_FILES if not any(model.rglob(f))]
-    if not (bundle / manifest.get("coco_pairs", "coco_pairs.jsonl.gz")).is_file():
+    if not (bundle / coco_pairs_of(bundle)).is_file():
         problems.append("coco pairs file missing")
     total = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     if total > BUNDLE_LIMIT:
