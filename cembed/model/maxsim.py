@@ -249,7 +249,7 @@ def finish_scores(sums: torch.Tensor, empty: torch.Tensor, divide: torch.Tensor 
 
 
 class FusedBlock:
-    """One (query tile, document chunk) scored by a fused kernel (:class:`cembed.model.maxsim_kernel.FusedMaxSim`):
+    """One (query tile, document chunk) scored by a fused kernel (``FusedMaxSim``, the protocol the kernel finder returns):
     the same block protocol as :class:`_Chunk` (``j0``, ``j1``, ``empty``, :meth:`block_sums`,
     :meth:`block_backward`). The kernel takes the tile's and the chunk's token vectors packed with their
     row offsets and returns each (query, document) pair's sum of maxima (0 for an empty document); its
@@ -457,7 +457,7 @@ def maxsim_infonce(
         length_normalize: MeanMaxSim (each score divided by its query's token count).
         tiles: the tile sizes (they change the memory, never the result beyond float rounding).
         divisor: what the summed loss is divided by (the local batch's rows); default the query count.
-        kernel: a fused MaxSim kernel (:class:`cembed.model.maxsim_kernel.FusedMaxSim`) that scores each
+        kernel: a fused MaxSim kernel (``FusedMaxSim``, the protocol the kernel finder returns) that scores each
             block of :func:`fused_tiles` in place of the tiled torch path; None (default): the tiled path.
 
     Raises:
