@@ -64,7 +64,8 @@ def shard_layer_classes(auto_model) -> list[str]:
     ``BertEmbeddings`` stays in the root unit with the decoder.
 
     Returns:
-        Class names, in ``_no_split_modules`` order.
+        Class names, sorted: transformers 5 keeps ``_no_split_modules`` as a set, whose order changes with
+        the process's string hash seed.
     """
     names = getattr(auto_model, "_no_split_modules", None)
     if names is None:
@@ -80,7 +81,7 @@ def shard_layer_classes(auto_model) -> list[str]:
         for param in module.parameters():
             if any(not n.startswith(inside) for n in owners.get(id(param), ())):
                 tied_out.add(type(module).__name__)
-    return [n for n in names or [] if n not in tied_out]
+    return sorted(n for n in names or [] if n not in tied_out)
 
 
 def search_final_norm_in_backbone(model) -> None:
