@@ -15,6 +15,12 @@ import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch (OpenMP) thread per test process and, through the environment, per CLI subprocess and rank
+# it starts: `make test` runs 2 xdist workers on CI's 2 cores, and 2 threads each (torch's default there)
+# oversubscribe them: OpenMP's waiting threads spin. Four heavy test files (test_packed_paths,
+# test_packed_models, test_sweep, test_loss_options; 148 tests, -n 2, 2 cores) took 555 s with the
+# default and 90 s with one thread. Set OMP_NUM_THREADS to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"  # optional: full SciFact, the batch-size study

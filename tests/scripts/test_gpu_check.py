@@ -361,25 +361,12 @@ def test_the_check_runs_end_to_end_on_cpu(tmp_path, capsys):
         assert cases["flex_attention (kernel compiled)"]["not_run"].startswith("not with --quick on CPU")
         best = summary["attention_fastest"][name]
         assert best["step_s"] == cases[best["variant"]][f"{best['path']}_step_s"]
-
-
-@pytest.mark.slow
-def test_the_maxsim_stage_runs_end_to_end_on_cpu(tmp_path):
-    """``scripts/gpu_check.sh --device cpu --quick --stages install,env,maxsim`` (issue 40): the cached MaxSim
-    loss of all-MiniLM-L6-v2 as a ColBERT model on COCO pairs, cembed's tiled path against stock
-    sentence-transformers' (loss equal, gradients within 1e-4 relative L2); ``auto`` keeps the tiled path
-    on a CPU and says nothing; MaxSim alone timed per dtype; no kernel looked for on a CPU."""
-    r = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--quick", "--stages", "install,env,maxsim"]
-        + ["--out", str(tmp_path / "run"), "--root", str(tmp_path), "--timeout-scale", "2"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHON": sys.executable},
-    )
-    report = json.loads(r.stdout)
+    # issue 40's maxsim stage: the cached MaxSim loss of all-MiniLM-L6-v2 as a ColBERT model on COCO pairs,
+    # cembed's tiled path against stock sentence-transformers' (loss equal, gradients within 1e-4 relative
+    # L2); ``auto`` keeps the tiled path on a CPU and says nothing; MaxSim alone timed per dtype; no kernel
+    # looked for on a CPU. (Checked here, in the one run of every stage: a second run of the check for this
+    # stage alone cost the suite a minute.)
     stage = report["stages"]["maxsim"]
-    assert r.returncode == 0 and report["ok"] is True, (stage["status"], stage.get("log_tail"))
     loss = stage["loss"]
     assert loss["tiled"]["loss_rel"] <= 1e-5 and loss["tiled"]["grad_rel_l2"] <= 1e-4
     assert loss["auto"]["path"] == "tiled (torch)" and loss["auto"]["note"] is None
