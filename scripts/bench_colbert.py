@@ -14,12 +14,20 @@ Sections (``--sections``, default both):
            positions, the memory the step allocates above the model and the optimizer state, and the
            loss (the paths must agree within 1e-5 relative: the script exits 1 after its tables if not).
   scoring  the loss stage alone (MaxSim + cross entropy + backward into the cache) on synthetic cached
-           token vectors (dim 8, queries 4..12 tokens, documents 8..40; the sizes of a tiny model) at
-           1k, 4k, 16k and 65k rows (``--rows``): the memory it allocates above the cache, stock vs cembed.
+           token vectors (``--score-dim`` 8, queries of ``--query-tokens`` 4..12 tokens, documents of
+           ``--document-tokens`` 8..40; the sizes of a tiny model; smaller ones make 65k rows feasible on a
+           CPU, whose tiled path costs about a pair of tokens per few ns) at 1k, 4k, 16k and 65k rows
+           (``--rows``): the memory it allocates above the cache and the cache's gradient (allocated
+           before the mark, as the step section allocates the optimizer state: both grow with the
+           rows and are the step's inputs and outputs, not scoring), stock vs cembed. Stock rows whose
+           score matrix alone would pass ``--stock-max-gib`` are not run.
 
 Memory: on CUDA the peak of ``torch.cuda.max_memory_allocated`` above what was allocated before the
 measured stage; on CPU the peak resident memory (``VmHWM``, reset through ``/proc/self/clear_refs``)
-above the resident memory before it.
+above the resident memory before it, with glibc told (``mallopt``, as scripts/bench_sparse.py does) to
+serve every allocation of 64 KiB or more by ``mmap`` and trim its heap at once, so that freed tiles leave
+the resident set (with glibc's default, its growing mmap threshold keeps freed tiles in the heap: the
+resident peak then grows with the number of tiles run, not with what is alive).
 
 Usage: ``python scripts/bench_colbert.py [--rounds 3] [--sections step,scoring] [--device cpu]``
 (``--quick``: a tiny random model, small batches and rows, for a smoke run).
@@ -195,10 +203,14 @@ def _scoring_child(args, path: str, rows: int, queue) -> None:
     above the cache (and the loss)."""
     import torch
 
+    if args.device == "cpu":
+        from bench_sparse import configure_malloc
+
+        configure_malloc()
     g = torch.Generator().manual_seed(rows)
-    dim = 8
-    q_len = torch.randint(4, 13, (rows,), generator=g)
-    d_len = torch.randint(8, 41, (rows,), generator=g)
+    dim = args.score_dim
+    q_len = torch.randint(args.query_tokens[0], args.query_tokens[1] + 1, (rows,), generator=g)
+    d_len = torch.randint(args.document_tokens[0], args.document_tokens[1] + 1, (rows,), generator=g)
 
     def ragged(lengths):
         return torch.nn.functional.normalize(torch.randn(int(lengths.sum()), dim, generator=g), dim=-1).to(args.device)
@@ -247,6 +259,9 @@ def _scoring_child(args, path: str, rows: int, queue) -> None:
 
         (qe, qm), (de, dm) = padded(q, q_len), padded(d, d_len)
         reps, masks = [qe, de], [qm, dm]
+    for column in reps:  # the cache's gradient, allocated first (autograd accumulates into it in place)
+        for leaf in column:
+            leaf.grad = torch.zeros_like(leaf)
     base = memory_mark(args.device)
     value = loss.calculate_loss(reps, masks, with_backward=True)
     queue.put({"above": memory_peak(args.device) - base, "loss": float(value)})
@@ -284,12 +299,29 @@ def section_step(args) -> bool:
 
 
 def section_scoring(args) -> None:
-    print(f"\n## scoring: the loss stage alone (dim 8, queries 4-12 tokens, documents 8-40), {args.device}")
-    print("| rows | stock | cembed |")
-    print("|---|---|---|")
+    (q0, q1), (d0, d1) = args.query_tokens, args.document_tokens
+    print(
+        f"\n## scoring: the loss stage alone (dim {args.score_dim}, queries {q0}-{q1} tokens, documents {d0}-{d1}), "
+        f"memory above the cache and its gradient, {args.device}"
+    )
+    print("| rows | stock | cembed | loss (cembed) | stock - cembed loss |")
+    print("|---|---|---|---|---|")
     for rows in args.rows:
-        cells = [mib(in_child(_scoring_child, args, path, rows)["above"]) for path in PATHS]
-        print(f"| {rows:,} | {cells[0]} | {cells[1]} |")
+        outs = {}
+        for path in PATHS:
+            if path == "stock" and 4 * rows * rows > args.stock_max_gib * 2**30:
+                continue  # its (rows x rows) score matrix alone would pass the cap
+            outs[path] = in_child(_scoring_child, args, path, rows)
+        stock = (
+            mib(outs["stock"]["above"])
+            if "stock" in outs
+            else f"not run (score matrix {4 * rows * rows / 2**30:.0f} GiB)"
+        )
+        delta = f"{abs(outs['stock']['loss'] - outs['cembed']['loss']):.1e}" if "stock" in outs else "-"
+        print(
+            f"| {rows:,} | {stock} | {mib(outs['cembed']['above'])} | {outs['cembed']['loss']:.6f} | {delta} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -299,10 +331,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--mini-batch", type=int, default=32)
     parser.add_argument("--rows", default="1024,4096,16384,65536")
+    parser.add_argument("--score-dim", type=int, default=8)
+    parser.add_argument("--query-tokens", default="4,12", help="scoring: min,max tokens per query")
+    parser.add_argument("--document-tokens", default="8,40", help="scoring: min,max tokens per document")
+    parser.add_argument("--stock-max-gib", type=float, default=8.0, help="scoring: skip stock above this")
     parser.add_argument("--device", default="cuda" if "--device" not in sys.argv and _has_cuda() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     args = parser.parse_args()
     args.rows = [int(r) for r in args.rows.split(",")]
+    args.query_tokens = tuple(int(t) for t in args.query_tokens.split(","))
+    args.document_tokens = tuple(int(t) for t in args.document_tokens.split(","))
     if args.quick:
         args.batch, args.mini_batch, args.rounds, args.rows = 16, 4, 1, [64, 256]
     ok = True
