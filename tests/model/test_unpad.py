@@ -349,9 +349,9 @@ def test_support_check_keeps_every_module_mode(tiny_dropout_model_dir):
         torch.set_float32_matmul_precision("highest")
 
 
-def _sliding_modernbert(folder, tokenizer_dir, every: int):
-    """A tiny ModernBERT (rotary positions, takes position_ids, sdpa): local attention of 32 tokens
-    (16 each side) in every layer but each ``every``-th; rows up to 64 tokens."""
+def _sliding_modernbert(folder, tokenizer_dir, every: int, local: int = 32, longest: int = 64):
+    """A tiny ModernBERT (rotary positions, takes position_ids, sdpa): local attention of ``local`` tokens
+    (half each side) in every layer but each ``every``-th; rows up to ``longest`` tokens."""
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import AutoTokenizer, ModernBertConfig, ModernBertModel
 
@@ -364,9 +364,9 @@ def _sliding_modernbert(folder, tokenizer_dir, every: int):
         intermediate_size=64,
         num_hidden_layers=3,
         num_attention_heads=2,
-        local_attention=32,
+        local_attention=local,
         global_attn_every_n_layers=every,
-        max_position_embeddings=128,
+        max_position_embeddings=2 * longest,
         pad_token_id=tokenizer.pad_token_id,
         cls_token_id=tokenizer.cls_token_id,
         sep_token_id=tokenizer.sep_token_id,
@@ -374,7 +374,7 @@ def _sliding_modernbert(folder, tokenizer_dir, every: int):
         eos_token_id=tokenizer.sep_token_id,
     )
     ModernBertModel(config).save_pretrained(folder)
-    transformer = Transformer(str(folder), max_seq_length=64, model_kwargs={"attn_implementation": "sdpa"})
+    transformer = Transformer(str(folder), max_seq_length=longest, model_kwargs={"attn_implementation": "sdpa"})
     return SentenceTransformer(modules=[transformer, Pooling(32, "mean")], device="cpu")
 
 
@@ -612,3 +612,100 @@ def test_the_widest_window_a_config_declares_in_tokens_to_one_side():
     assert widest_window(Config(local_attention=129)) == 64  # ModernBERT's is both sides
     text = Config(model_type="text", to_dict=dict, sliding_window=200)  # nested: counted too
     assert widest_window(Config(sliding_window=16, text_config=text)) == 200
+
+
+def test_a_left_padding_tokenizer_pads_saying_so(two_layer_model_dir):
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    model.tokenizer.padding_side = "left"
+    unpadding = resolve_unpad(model, "auto")
+    why = "its tokenizer pads on the left or adds features other than token ids"
+    assert not unpadding.enabled
+    assert unpadding.description == (
+        f"padded mini-batches, sorted by length (packing unsupported: position_ids: {why}; block mask: {why})"
+    )
+
+
+def test_a_packed_forward_that_fails_pads_quoting_the_errors_first_line(two_layer_model_dir, monkeypatch):
+    from cembed.model import unpad
+
+    def failing_mask(plan, kind, dtype):
+        raise RuntimeError("x" * 150 + "\nits second line")
+
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    monkeypatch.setattr(unpad, "_block_mask", failing_mask)
+    unpadding = resolve_unpad(model, "auto")
+    assert not unpadding.enabled
+    assert unpadding.description == (  # the first line, cut to 120 characters
+        f"padded mini-batches, sorted by length (packing unsupported: block mask: the packed forward fails "
+        f"(RuntimeError: {'x' * 120}))"
+    )
+
+
+def test_a_packed_row_of_another_shape_than_alone_pads(two_layer_model_dir, monkeypatch):
+    """A kind whose rows are the padded token vectors (a packed row comes back as wide as its batch, a
+    row alone as long as itself): the check compares shapes before values."""
+    from types import SimpleNamespace
+
+    from cembed.model import unpad
+
+    padded_tokens = SimpleNamespace(text_outputs=lambda output: list(output["token_embeddings"]))
+    monkeypatch.setattr(unpad, "kind_of", lambda model, default=None: padded_tokens)
+    unpadding = resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto")
+    assert not unpadding.enabled
+    assert "position_ids: a packed row's output has another shape than the row's alone" in unpadding.description
+
+
+def test_a_multi_vector_model_is_checked_on_its_token_vectors(tiny_model_dir):
+    """The check compares what the model's kind outputs per row: a multi-vector model's token vectors (it
+    has no sentence embedding to compare)."""
+    from cembed.config.model import model_config
+    from cembed.model.load import load_model
+
+    model = load_model(model_config(kind="multi_vector", name_or_path=str(tiny_model_dir), dim=16), "cpu", seed=7)
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled and unpadding.mode == "position_ids", unpadding.description
+
+
+def test_the_check_packs_its_rows_two_packs_of_several_rows(two_layer_model_dir, monkeypatch):
+    """The start-up check's rows (their token counts with the tiny tokenizer: 64 for the truncated 96 words,
+    63, 42, 29, 20, 14, 10, 7, 5, 4, 3; 261 in all) are packed best fit at half the tokens, 131: rows 0, 1
+    and 9 (64 + 63 + 4) in one pack, the 8 others (130) in the other, so a leak between a pack's rows
+    shows in several rows."""
+    from cembed.model import unpad
+
+    plans = []
+
+    def recording(lengths, cost_per_width, device="cpu", capacity=None):
+        plans.append((list(lengths), capacity, plan_packing(lengths, cost_per_width, device, capacity=capacity)))
+        return plans[-1][2]
+
+    monkeypatch.setattr(unpad, "plan_packing", recording)
+    assert resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto").enabled
+    [(lengths, capacity, plan)] = plans
+    assert lengths == [64, 63, 42, 29, 20, 14, 10, 7, 5, 4, 3] and capacity == 131
+    rows = [sorted(set(pack) - {-1}) for pack in plan.segments.tolist()]
+    assert rows == [[0, 1, 9], [2, 3, 4, 5, 6, 7, 8, 10]]
+
+
+def test_the_check_rows_outreach_a_window_wider_than_its_longest_text(tiny_model_dir, tmp_path, monkeypatch):
+    """A ModernBERT with a 128-token window to each side and rows up to 256 tokens: the check's 96-word
+    rows fit in the window, so it adds two rows of 128 + 32 words, where the hand-built block mask (full
+    attention within a row) differs from the model's own window (the config rule switched off here)."""
+    from cembed.model import unpad
+
+    model = _sliding_modernbert(tmp_path / "wide", tiny_model_dir, every=3, local=256, longest=256)
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    monkeypatch.setattr(unpad, "local_attention_reason", lambda config, max_seq_length: "")
+    checked = resolve_unpad(model, "auto")
+    assert not checked.enabled and "block mask: a packed row (162 tokens) differs" in checked.description
+
+
+def test_a_stand_in_model_no_kind_claims_is_checked_as_a_dense_one(two_layer_model_dir):
+    """A plain torch Sequential of a SentenceTransformer's modules (as tests build stand-ins): no registered
+    kind's model class matches it, and the check compares its sentence embeddings."""
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    stand_in = torch.nn.Sequential(*model)
+    stand_in.preprocess = model.preprocess
+    unpadding = resolve_unpad(stand_in, "auto")
+    assert unpadding.enabled and unpadding.mode == "position_ids", unpadding.description
