@@ -681,7 +681,10 @@ def test_the_check_packs_its_rows_two_packs_of_several_rows(two_layer_model_dir,
         return plans[-1][2]
 
     monkeypatch.setattr(unpad, "plan_packing", recording)
-    assert resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto").enabled
+    unpadding = resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto")
+    assert unpadding.description == (  # BertModel itself: no "through ..."
+        "packed rows, no padding (sdpa attention, transformers' packed-sequence masks from position_ids restarting per row)"
+    )
     [(lengths, capacity, plan)] = plans
     assert lengths == [64, 63, 42, 29, 20, 14, 10, 7, 5, 4, 3] and capacity == 131
     rows = [sorted(set(pack) - {-1}) for pack in plan.segments.tolist()]
@@ -709,3 +712,55 @@ def test_a_stand_in_model_no_kind_claims_is_checked_as_a_dense_one(two_layer_mod
     stand_in.preprocess = model.preprocess
     unpadding = resolve_unpad(stand_in, "auto")
     assert unpadding.enabled and unpadding.mode == "position_ids", unpadding.description
+
+
+def test_mode_obstacles_before_any_measurement():
+    from types import SimpleNamespace as Config
+
+    from cembed.model.unpad import mode_obstacle
+
+    full, window = Config(), Config(sliding_window=4096)
+    assert (
+        mode_obstacle("block", full, "flash_attention_2", 512)
+        == "flash_attention_2 attention takes no hand-built 4D mask"
+    )
+    assert mode_obstacle("block", window, "sdpa", 512) == ""  # rows up to 512 tokens: the window never binds
+    assert mode_obstacle("block", window, "eager", 8192).startswith("it uses sliding-window attention")
+    for mode in ("position_ids", "layer_masks"):
+        assert mode_obstacle(mode, full, "flash_attention_2", 512) == (
+            "flash_attention_2 reads packed rows from position_ids only as one flattened sequence (not done here)"
+        )
+        assert mode_obstacle(mode, full, "custom", 512) == (
+            "its attention (custom) builds no packed masks (only sdpa, eager, flex_attention do)"
+        )
+    assert mode_obstacle("position_ids", window, "sdpa", 8192) == ""  # the library builds the window per row
+    assert mode_obstacle("layer_masks", full, "sdpa", 512) is None  # no layer_types: the mode does not concern it
+    assert mode_obstacle("layer_masks", Config(layer_types=["full_attention", "sliding_attention"]), "eager", 512) == ""
+    mixed = Config(layer_types=["linear_attention", "full_attention", "chunked_attention", "linear_attention"])
+    assert mode_obstacle("layer_masks", mixed, "sdpa", 512) == (
+        "no packed mask for its layer types chunked_attention, linear_attention"
+    )
+
+
+@pytest.mark.parametrize("scale,leaky", [(1e3, False), (1e-3, True)], ids=["large", "small-and-leaky"])
+def test_the_check_measures_a_relative_difference(two_layer_model_dir, monkeypatch, scale, leaky):
+    """Rows scaled by 1,000 (a packed row off by float rounding only) still agree, and rows scaled by 1/1,000
+    that leak (the faint leak, about 1e-4 relative) are still refused: the difference is relative to each
+    row's own norm, however small."""
+    from types import SimpleNamespace
+
+    from cembed.model import unpad
+
+    scaled = SimpleNamespace(text_outputs=lambda output: list(output["sentence_embedding"] * scale))
+    monkeypatch.setattr(unpad, "kind_of", lambda model, default=None: scaled)
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    if leaky:
+        monkeypatch.setattr(unpad, "_block_mask", _leaky_block_mask(False, 4.0))
+    unpadding = resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto")
+    assert unpadding.enabled is not leaky, unpadding.description
+
+
+def test_a_half_precision_model_is_checked_at_the_half_tolerance(two_layer_model_dir):
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu").to(torch.bfloat16)
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled, unpadding.description
