@@ -520,6 +520,7 @@ def test_column_lengths_are_each_rows_tokens_where_the_column_packs():
     per_token = {"token_type_ids": torch.zeros(3, 4, dtype=torch.long), "inputs_embeds": torch.zeros(3, 4, 2)}
     bookkeeping = {"task": "query", "modality": "text", "prompt_length": torch.tensor([1, 1, 1])}
     assert column_lengths(_column(mask, **per_token, **bookkeeping)) == [3, 1, 4]
+    assert column_lengths(_column(mask, sentence_ids=[7, 8, 9])) == [3, 1, 4]  # a value that is no tensor: left as is
     expanded = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 1, 1]])  # every expansion token attended to
     assert column_lengths(_column(mask, query_expansion_positions=expanded)) == [3, 1, 4]
 
@@ -758,6 +759,11 @@ def test_the_check_measures_a_relative_difference(two_layer_model_dir, monkeypat
         monkeypatch.setattr(unpad, "_block_mask", _leaky_block_mask(False, 4.0))
     unpadding = resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto")
     assert unpadding.enabled is not leaky, unpadding.description
+    if not leaky:
+        assert (
+            unpadding.description
+            == "packed rows, no padding (sdpa attention, block-diagonal mask, position_ids per row)"
+        )
 
 
 def test_a_half_precision_model_is_checked_at_the_half_tolerance(two_layer_model_dir):
