@@ -770,3 +770,58 @@ def test_a_half_precision_model_is_checked_at_the_half_tolerance(two_layer_model
     model = SentenceTransformer(str(two_layer_model_dir), device="cpu").to(torch.bfloat16)
     unpadding = resolve_unpad(model, "auto")
     assert unpadding.enabled, unpadding.description
+
+
+class _Wrapped(torch.nn.Module):
+    """A model held as DDP holds it (``module``) or torch.compile does (``_orig_mod``)."""
+
+    def __init__(self, inner, attribute: str):
+        super().__init__()
+        self.attribute = attribute
+        setattr(self, attribute, inner)
+        self.preprocess = inner.preprocess
+
+    def forward(self, features):
+        return getattr(self, self.attribute)(features)
+
+
+@pytest.mark.parametrize("attribute", ["module", "_orig_mod"])
+def test_a_wrapped_model_is_judged_by_the_model_inside(two_layer_model_dir, attribute):
+    wrapped = _Wrapped(SentenceTransformer(str(two_layer_model_dir), device="cpu"), attribute)
+    unpadding = resolve_unpad(wrapped, "auto")
+    assert unpadding.enabled and unpadding.mode == "position_ids", unpadding.description
+
+
+def test_the_decisions_made_before_any_check():
+    assert resolve_unpad(None, False) == Unpadding(
+        False, "padded mini-batches (batch.unpad: false, or train.torch_compile: true)"
+    )
+    static = torch.nn.Sequential(torch.nn.Identity())
+    assert resolve_unpad(static, "auto").description == (
+        "padded mini-batches, sorted by length (packing unsupported: its first module is Identity, not a "
+        "transformers encoder)"
+    )
+
+
+def test_a_window_wider_than_every_row_allows_the_block_mask(tiny_model_dir, tmp_path, monkeypatch):
+    """ModernBERT with a 128-token window to each side and rows up to 64 tokens: no row reaches the window,
+    so the hand-built block mask is allowed (and agrees)."""
+    from cembed.model import unpad
+
+    model = _sliding_modernbert(tmp_path / "short", tiny_model_dir, every=3, local=256, longest=64)
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled and unpadding.mode == "block", unpadding.description
+
+
+def test_nested_configs_are_each_walked_once():
+    from types import SimpleNamespace as Config
+
+    from cembed.model.unpad import widest_window
+
+    text = Config(model_type="text", to_dict=dict, sliding_window=16)
+    vision = Config(model_type="vision", to_dict=dict, sliding_window=300)
+    # the text config reached twice before the vision one is: the walk goes on past the repeat
+    assert widest_window(Config(vision_config=vision, text_config=text, decoder=text)) == 300
+    # a value with to_dict but no model_type (a quantization config) is not a model's config
+    assert widest_window(Config(sliding_window=16, quantization_config=Config(to_dict=dict, sliding_window=999))) == 16
