@@ -764,6 +764,7 @@ def test_the_check_measures_a_relative_difference(two_layer_model_dir, monkeypat
             unpadding.description
             == "packed rows, no padding (sdpa attention, block-diagonal mask, position_ids per row)"
         )
+        assert unpadding.mask == "bool"  # sdpa: True = attend
 
 
 def test_a_half_precision_model_is_checked_at_the_half_tolerance(two_layer_model_dir):
@@ -825,3 +826,26 @@ def test_nested_configs_are_each_walked_once():
     assert widest_window(Config(vision_config=vision, text_config=text, decoder=text)) == 300
     # a value with to_dict but no model_type (a quantization config) is not a model's config
     assert widest_window(Config(sliding_window=16, quantization_config=Config(to_dict=dict, sliding_window=999))) == 16
+
+
+def test_roberta_positions_start_after_the_padding_index(tiny_model_dir, tmp_path):
+    """A RoBERTa model numbers positions from padding_idx + 1: the packed rows' offset (one layer, no weights
+    compared)."""
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoTokenizer, RobertaConfig, RobertaModel
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tokenizer.save_pretrained(tmp_path / "hf")
+    config = RobertaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=80,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    RobertaModel(config).save_pretrained(tmp_path / "hf")
+    model = SentenceTransformer(modules=[Transformer(str(tmp_path / "hf"), max_seq_length=32), Pooling(32, "mean")])
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled and unpadding.position_offset == tokenizer.pad_token_id + 1, unpadding.description
