@@ -798,10 +798,26 @@ def test_the_decisions_made_before_any_check():
         False, "padded mini-batches (batch.unpad: false, or train.torch_compile: true)"
     )
     static = torch.nn.Sequential(torch.nn.Identity())
-    assert resolve_unpad(static, "auto").description == (
+    padded = resolve_unpad(static, "auto")
+    assert padded.enabled is False and padded.description == (
         "padded mini-batches, sorted by length (packing unsupported: its first module is Identity, not a "
         "transformers encoder)"
     )
+    with pytest.raises(ModelRefused) as refused:
+        resolve_unpad(static, True)
+    assert str(refused.value) == (
+        "batch.unpad: true, but this model cannot run packed rows: its first module is Identity, not a transformers "
+        "encoder; set batch.unpad: auto (pads where packing is unsupported) or false"
+    )
+
+
+def test_eager_attention_gets_an_additive_block_mask(two_layer_model_dir, monkeypatch):
+    from cembed.model import unpad
+
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu", model_kwargs={"attn_implementation": "eager"})
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled and unpadding.mask == "additive", unpadding.description
 
 
 def test_a_window_wider_than_every_row_allows_the_block_mask(tiny_model_dir, tmp_path, monkeypatch):
