@@ -349,9 +349,9 @@ def test_support_check_keeps_every_module_mode(tiny_dropout_model_dir):
         torch.set_float32_matmul_precision("highest")
 
 
-def _sliding_modernbert(folder, tokenizer_dir, every: int):
-    """A tiny ModernBERT (rotary positions, takes position_ids, sdpa): local attention of 32 tokens
-    (16 each side) in every layer but each ``every``-th; rows up to 64 tokens."""
+def _sliding_modernbert(folder, tokenizer_dir, every: int, local: int = 32, longest: int = 64):
+    """A tiny ModernBERT (rotary positions, takes position_ids, sdpa): local attention of ``local`` tokens
+    (half each side) in every layer but each ``every``-th; rows up to ``longest`` tokens."""
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import AutoTokenizer, ModernBertConfig, ModernBertModel
 
@@ -364,9 +364,9 @@ def _sliding_modernbert(folder, tokenizer_dir, every: int):
         intermediate_size=64,
         num_hidden_layers=3,
         num_attention_heads=2,
-        local_attention=32,
+        local_attention=local,
         global_attn_every_n_layers=every,
-        max_position_embeddings=128,
+        max_position_embeddings=2 * longest,
         pad_token_id=tokenizer.pad_token_id,
         cls_token_id=tokenizer.cls_token_id,
         sep_token_id=tokenizer.sep_token_id,
@@ -374,7 +374,7 @@ def _sliding_modernbert(folder, tokenizer_dir, every: int):
         eos_token_id=tokenizer.sep_token_id,
     )
     ModernBertModel(config).save_pretrained(folder)
-    transformer = Transformer(str(folder), max_seq_length=64, model_kwargs={"attn_implementation": "sdpa"})
+    transformer = Transformer(str(folder), max_seq_length=longest, model_kwargs={"attn_implementation": "sdpa"})
     return SentenceTransformer(modules=[transformer, Pooling(32, "mean")], device="cpu")
 
 
@@ -520,6 +520,7 @@ def test_column_lengths_are_each_rows_tokens_where_the_column_packs():
     per_token = {"token_type_ids": torch.zeros(3, 4, dtype=torch.long), "inputs_embeds": torch.zeros(3, 4, 2)}
     bookkeeping = {"task": "query", "modality": "text", "prompt_length": torch.tensor([1, 1, 1])}
     assert column_lengths(_column(mask, **per_token, **bookkeeping)) == [3, 1, 4]
+    assert column_lengths(_column(mask, sentence_ids=[7, 8, 9])) == [3, 1, 4]  # a value that is no tensor: left as is
     expanded = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 1, 1]])  # every expansion token attended to
     assert column_lengths(_column(mask, query_expansion_positions=expanded)) == [3, 1, 4]
 
@@ -612,3 +613,255 @@ def test_the_widest_window_a_config_declares_in_tokens_to_one_side():
     assert widest_window(Config(local_attention=129)) == 64  # ModernBERT's is both sides
     text = Config(model_type="text", to_dict=dict, sliding_window=200)  # nested: counted too
     assert widest_window(Config(sliding_window=16, text_config=text)) == 200
+
+
+def test_a_left_padding_tokenizer_pads_saying_so(two_layer_model_dir):
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    model.tokenizer.padding_side = "left"
+    unpadding = resolve_unpad(model, "auto")
+    why = "its tokenizer pads on the left or adds features other than token ids"
+    assert not unpadding.enabled
+    assert unpadding.description == (
+        f"padded mini-batches, sorted by length (packing unsupported: position_ids: {why}; block mask: {why})"
+    )
+
+
+def test_a_packed_forward_that_fails_pads_quoting_the_errors_first_line(two_layer_model_dir, monkeypatch):
+    from cembed.model import unpad
+
+    def failing_mask(plan, kind, dtype):
+        raise RuntimeError("x" * 150 + "\nits second line")
+
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    monkeypatch.setattr(unpad, "_block_mask", failing_mask)
+    unpadding = resolve_unpad(model, "auto")
+    assert not unpadding.enabled
+    assert unpadding.description == (  # the first line, cut to 120 characters
+        f"padded mini-batches, sorted by length (packing unsupported: block mask: the packed forward fails "
+        f"(RuntimeError: {'x' * 120}))"
+    )
+
+
+def test_a_packed_row_of_another_shape_than_alone_pads(two_layer_model_dir, monkeypatch):
+    """A kind whose rows are the padded token vectors (a packed row comes back as wide as its batch, a
+    row alone as long as itself): the check compares shapes before values."""
+    from types import SimpleNamespace
+
+    from cembed.model import unpad
+
+    padded_tokens = SimpleNamespace(text_outputs=lambda output: list(output["token_embeddings"]))
+    monkeypatch.setattr(unpad, "kind_of", lambda model, default=None: padded_tokens)
+    unpadding = resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto")
+    assert not unpadding.enabled
+    assert "position_ids: a packed row's output has another shape than the row's alone" in unpadding.description
+
+
+def test_a_multi_vector_model_is_checked_on_its_token_vectors(tiny_model_dir):
+    """The check compares what the model's kind outputs per row: a multi-vector model's token vectors (it
+    has no sentence embedding to compare)."""
+    from cembed.config.model import model_config
+    from cembed.model.load import load_model
+
+    model = load_model(model_config(kind="multi_vector", name_or_path=str(tiny_model_dir), dim=16), "cpu", seed=7)
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled and unpadding.mode == "position_ids", unpadding.description
+
+
+def test_the_check_packs_its_rows_two_packs_of_several_rows(two_layer_model_dir, monkeypatch):
+    """The start-up check's rows (their token counts with the tiny tokenizer: 64 for the truncated 96 words,
+    63, 42, 29, 20, 14, 10, 7, 5, 4, 3; 261 in all) are packed best fit at half the tokens, 131: rows 0, 1
+    and 9 (64 + 63 + 4) in one pack, the 8 others (130) in the other, so a leak between a pack's rows
+    shows in several rows."""
+    from cembed.model import unpad
+
+    plans = []
+
+    def recording(lengths, cost_per_width, device="cpu", capacity=None):
+        plans.append((list(lengths), capacity, plan_packing(lengths, cost_per_width, device, capacity=capacity)))
+        return plans[-1][2]
+
+    monkeypatch.setattr(unpad, "plan_packing", recording)
+    unpadding = resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto")
+    assert unpadding.description == (  # BertModel itself: no "through ..."
+        "packed rows, no padding (sdpa attention, transformers' packed-sequence masks from position_ids restarting per row)"
+    )
+    [(lengths, capacity, plan)] = plans
+    assert lengths == [64, 63, 42, 29, 20, 14, 10, 7, 5, 4, 3] and capacity == 131
+    rows = [sorted(set(pack) - {-1}) for pack in plan.segments.tolist()]
+    assert rows == [[0, 1, 9], [2, 3, 4, 5, 6, 7, 8, 10]]
+
+
+def test_the_check_rows_outreach_a_window_wider_than_its_longest_text(tiny_model_dir, tmp_path, monkeypatch):
+    """A ModernBERT with a 128-token window to each side and rows up to 256 tokens: the check's 96-word
+    rows fit in the window, so it adds two rows of 128 + 32 words, where the hand-built block mask (full
+    attention within a row) differs from the model's own window (the config rule switched off here)."""
+    from cembed.model import unpad
+
+    model = _sliding_modernbert(tmp_path / "wide", tiny_model_dir, every=3, local=256, longest=256)
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    monkeypatch.setattr(unpad, "local_attention_reason", lambda config, max_seq_length: "")
+    checked = resolve_unpad(model, "auto")
+    assert not checked.enabled and "block mask: a packed row (162 tokens) differs" in checked.description
+
+
+def test_a_stand_in_model_no_kind_claims_is_checked_as_a_dense_one(two_layer_model_dir):
+    """A plain torch Sequential of a SentenceTransformer's modules (as tests build stand-ins): no registered
+    kind's model class matches it, and the check compares its sentence embeddings."""
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu")
+    stand_in = torch.nn.Sequential(*model)
+    stand_in.preprocess = model.preprocess
+    unpadding = resolve_unpad(stand_in, "auto")
+    assert unpadding.enabled and unpadding.mode == "position_ids", unpadding.description
+
+
+def test_mode_obstacles_before_any_measurement():
+    from types import SimpleNamespace as Config
+
+    from cembed.model.unpad import mode_obstacle
+
+    full, window = Config(), Config(sliding_window=4096)
+    assert (
+        mode_obstacle("block", full, "flash_attention_2", 512)
+        == "flash_attention_2 attention takes no hand-built 4D mask"
+    )
+    assert mode_obstacle("block", window, "sdpa", 512) == ""  # rows up to 512 tokens: the window never binds
+    assert mode_obstacle("block", window, "eager", 8192).startswith("it uses sliding-window attention")
+    for mode in ("position_ids", "layer_masks"):
+        assert mode_obstacle(mode, full, "flash_attention_2", 512) == (
+            "flash_attention_2 reads packed rows from position_ids only as one flattened sequence (not done here)"
+        )
+        assert mode_obstacle(mode, full, "custom", 512) == (
+            "its attention (custom) builds no packed masks (only sdpa, eager, flex_attention do)"
+        )
+    assert mode_obstacle("position_ids", window, "sdpa", 8192) == ""  # the library builds the window per row
+    assert mode_obstacle("layer_masks", full, "sdpa", 512) is None  # no layer_types: the mode does not concern it
+    assert mode_obstacle("layer_masks", Config(layer_types=["full_attention", "sliding_attention"]), "eager", 512) == ""
+    mixed = Config(layer_types=["linear_attention", "full_attention", "chunked_attention", "linear_attention"])
+    assert mode_obstacle("layer_masks", mixed, "sdpa", 512) == (
+        "no packed mask for its layer types chunked_attention, linear_attention"
+    )
+
+
+@pytest.mark.parametrize("scale,leaky", [(1e3, False), (1e-3, True)], ids=["large", "small-and-leaky"])
+def test_the_check_measures_a_relative_difference(two_layer_model_dir, monkeypatch, scale, leaky):
+    """Rows scaled by 1,000 (a packed row off by float rounding only) still agree, and rows scaled by 1/1,000
+    that leak (the faint leak, about 1e-4 relative) are still refused: the difference is relative to each
+    row's own norm, however small."""
+    from types import SimpleNamespace
+
+    from cembed.model import unpad
+
+    scaled = SimpleNamespace(text_outputs=lambda output: list(output["sentence_embedding"] * scale))
+    monkeypatch.setattr(unpad, "kind_of", lambda model, default=None: scaled)
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    if leaky:
+        monkeypatch.setattr(unpad, "_block_mask", _leaky_block_mask(False, 4.0))
+    unpadding = resolve_unpad(SentenceTransformer(str(two_layer_model_dir), device="cpu"), "auto")
+    assert unpadding.enabled is not leaky, unpadding.description
+    if not leaky:
+        assert (
+            unpadding.description
+            == "packed rows, no padding (sdpa attention, block-diagonal mask, position_ids per row)"
+        )
+        assert unpadding.mask == "bool"  # sdpa: True = attend
+
+
+def test_a_half_precision_model_is_checked_at_the_half_tolerance(two_layer_model_dir):
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu").to(torch.bfloat16)
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled, unpadding.description
+
+
+class _Wrapped(torch.nn.Module):
+    """A model held as DDP holds it (``module``) or torch.compile does (``_orig_mod``)."""
+
+    def __init__(self, inner, attribute: str):
+        super().__init__()
+        self.attribute = attribute
+        setattr(self, attribute, inner)
+        self.preprocess = inner.preprocess
+
+    def forward(self, features):
+        return getattr(self, self.attribute)(features)
+
+
+@pytest.mark.parametrize("attribute", ["module", "_orig_mod"])
+def test_a_wrapped_model_is_judged_by_the_model_inside(two_layer_model_dir, attribute):
+    wrapped = _Wrapped(SentenceTransformer(str(two_layer_model_dir), device="cpu"), attribute)
+    unpadding = resolve_unpad(wrapped, "auto")
+    assert unpadding.enabled and unpadding.mode == "position_ids", unpadding.description
+
+
+def test_the_decisions_made_before_any_check():
+    assert resolve_unpad(None, False) == Unpadding(
+        False, "padded mini-batches (batch.unpad: false, or train.torch_compile: true)"
+    )
+    static = torch.nn.Sequential(torch.nn.Identity())
+    padded = resolve_unpad(static, "auto")
+    assert padded.enabled is False and padded.description == (
+        "padded mini-batches, sorted by length (packing unsupported: its first module is Identity, not a "
+        "transformers encoder)"
+    )
+    with pytest.raises(ModelRefused) as refused:
+        resolve_unpad(static, True)
+    assert str(refused.value) == (
+        "batch.unpad: true, but this model cannot run packed rows: its first module is Identity, not a transformers "
+        "encoder; set batch.unpad: auto (pads where packing is unsupported) or false"
+    )
+
+
+def test_eager_attention_gets_an_additive_block_mask(two_layer_model_dir, monkeypatch):
+    from cembed.model import unpad
+
+    model = SentenceTransformer(str(two_layer_model_dir), device="cpu", model_kwargs={"attn_implementation": "eager"})
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled and unpadding.mask == "additive", unpadding.description
+
+
+def test_a_window_wider_than_every_row_allows_the_block_mask(tiny_model_dir, tmp_path, monkeypatch):
+    """ModernBERT with a 128-token window to each side and rows up to 64 tokens: no row reaches the window,
+    so the hand-built block mask is allowed (and agrees)."""
+    from cembed.model import unpad
+
+    model = _sliding_modernbert(tmp_path / "short", tiny_model_dir, every=3, local=256, longest=64)
+    monkeypatch.setattr(unpad, "PACK_MODES", ("block",))
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled and unpadding.mode == "block", unpadding.description
+
+
+def test_nested_configs_are_each_walked_once():
+    from types import SimpleNamespace as Config
+
+    from cembed.model.unpad import widest_window
+
+    text = Config(model_type="text", to_dict=dict, sliding_window=16)
+    vision = Config(model_type="vision", to_dict=dict, sliding_window=300)
+    # the text config reached twice before the vision one is: the walk goes on past the repeat
+    assert widest_window(Config(vision_config=vision, text_config=text, decoder=text)) == 300
+    # a value with to_dict but no model_type (a quantization config) is not a model's config
+    assert widest_window(Config(sliding_window=16, quantization_config=Config(to_dict=dict, sliding_window=999))) == 16
+
+
+def test_roberta_positions_start_after_the_padding_index(tiny_model_dir, tmp_path):
+    """A RoBERTa model numbers positions from padding_idx + 1: the packed rows' offset (one layer, no weights
+    compared)."""
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import AutoTokenizer, RobertaConfig, RobertaModel
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tokenizer.save_pretrained(tmp_path / "hf")
+    config = RobertaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=80,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    RobertaModel(config).save_pretrained(tmp_path / "hf")
+    model = SentenceTransformer(modules=[Transformer(str(tmp_path / "hf"), max_seq_length=32), Pooling(32, "mean")])
+    unpadding = resolve_unpad(model, "auto")
+    assert unpadding.enabled and unpadding.position_offset == tokenizer.pad_token_id + 1, unpadding.description
