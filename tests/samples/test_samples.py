@@ -177,7 +177,7 @@ def test_packaged_colbert_example_is_the_repo_config_and_runs_without_a_clone(tm
 
 
 def test_packaged_splade_example_is_the_repo_config_and_runs_without_a_clone(tmp_path, monkeypatch):
-    """``cembed init --example splade-quickstart`` writes the repo's sparse (CSR) demo (output under the
+    """``cembed init --example splade-quickstart`` writes the repo's sparse (SPLADE) demo (output under the
     folder it is written to), a sparse config whose data and evaluation set are the packaged ones."""
     from typer.testing import CliRunner
 
@@ -195,7 +195,8 @@ def test_packaged_splade_example_is_the_repo_config_and_runs_without_a_clone(tmp
     assert r.exit_code == 0, r.output
     assert "wrote splade.yaml (example splade-quickstart); next: cembed train splade.yaml" in r.output
     cfg = load_config(tmp_path / "splade.yaml")
-    assert cfg.model.kind == "sparse" and cfg.model.architecture == "csr" and cfg.loss.name == "cached_splade"
+    assert cfg.model.kind == "sparse" and cfg.model.architecture == "splade" and cfg.loss.name == "cached_splade"
+    assert cfg.model.name_or_path == "splade-tiny"
     assert cfg.train.output_dir == str(tmp_path / "runs" / "splade-quickstart")
     assert cfg.data.train.path == str(resolve_sample("cembed:coco-captions"))
     assert cfg.eval.retrieval[0].path == str(resolve_sample("cembed:coco-captions-heldout"))
