@@ -39,6 +39,7 @@ import torch
 from cembed.config.loss import maxsim_scoring_bytes
 
 EMPTY_DOCUMENT_SCORE = -1e9  # sentence-transformers' score of a document with no scored token
+TIE_ROWS = 64  # query tokens whose ties in a tile are resolved at once (the buffers are (TIE_ROWS, T))
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,10 @@ class _Chunk:
 
         Memory: the tile's similarities are turned in place into the hit mask and then the weights, so
         at most three ``(Sq, T)`` float buffers live at once (the similarities, one gathered copy of the
-        running max or of ``dmax``, the product); a tie (two tokens of a document at its max, which
-        real vectors almost never give) costs a few more while it is resolved."""
+        running max or of ``dmax``, the product). A tie (two tokens of a document at its max: float32
+        similarities tie by chance about once per 10^7 comparisons, bf16 ones far more often) is resolved
+        for the tied query tokens only, ``TIE_ROWS`` at a time: a few ``(TIE_ROWS, T)`` buffers, not
+        ``(Sq, T)`` ones (resolving the whole tile at once doubled the loss stage's peak on a tie)."""
         sq = self.q.shape[0]
         spans = len(self.token_tiles) > 1  # a document may reach its max in an earlier tile
         found = torch.zeros(sq, self.j1 - self.j0, device=self.q.device) if spans else None
@@ -222,8 +225,10 @@ class _Chunk:
                 hits.mul_(found.gather(1, index) == 0)
             counts = torch.zeros_like(rmax).scatter_add_(1, index, hits)
             if bool((counts > 1).any()):  # a tie within this tile: keep each document's first hit only
-                hits = self._first_hits(hits, seg)
-                counts = torch.zeros_like(rmax).scatter_add_(1, index, hits)
+                tied = (counts > 1).any(dim=1).nonzero().flatten()  # the query tokens with a tie
+                for part in tied.split(TIE_ROWS):
+                    hits[part] = self._first_hits(hits[part], seg)
+                counts.zero_().scatter_add_(1, index, hits)
             if found is not None:
                 found.add_(counts)
             weights = hits.mul_(dmax.gather(1, index))
@@ -399,6 +404,7 @@ class _MaxSimInfoNCE(torch.autograd.Function):
                 inside = (label >= block.j0) & (label < block.j1)
                 local = (label - block.j0).clamp(0, block.j1 - block.j0 - 1)
                 positive[r0:r1] = torch.where(inside, logits.gather(1, local[:, None])[:, 0], positive[r0:r1])
+                del logits  # freed before the next block's tile is allocated, not after: the bound counts one block
             lse[r0:r1] = top + torch.log(total)
         ctx.save_for_backward(q_values, d_values, labels, lse)
         ctx.setup = (q_offsets, d_offsets, scale, length_normalize, tiles, divisor, kernel)
@@ -428,6 +434,7 @@ class _MaxSimInfoNCE(torch.autograd.Function):
                 if divide is not None:
                     dsums = dsums / divide[:, None]
                 block.block_backward(rows, dsums, dq[a0:a1], dd)
+                del logits, dlogits, dsums  # as in the forward: one block's buffers alive at a time
         return dq.to(q_values.dtype), dd.to(d_values.dtype), None, None, None, None, None, None, None, None
 
 

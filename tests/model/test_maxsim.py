@@ -115,6 +115,30 @@ def test_a_tie_sends_the_gradient_to_the_first_token_as_torch_max_does():
     assert d.grad[3].abs().max() == 0  # the later copy of the tie gets nothing
 
 
+def test_ties_are_resolved_for_the_tied_query_tokens_only_a_few_at_a_time(monkeypatch):
+    # Document 0's tokens 0 and 1 are the same vector and token 2 another: the query tokens whose max over
+    # it is token 0 tie there, the others do not. Resolving a tie used to allocate several (Sq, T) buffers
+    # for the whole tile (float32 similarities tie by chance about once per 10^7 comparisons: the loss
+    # stage's peak then doubled); now only the tied query tokens are resolved, TIE_ROWS at a time.
+    queries = ragged([3, 4, 2, 5], 7)
+    documents = ragged([3, 2, 4, 3], 8)
+    values = documents.values.clone()
+    values[1] = values[0]
+    documents = RaggedTokens(values, documents.offsets)
+    labels = torch.tensor([0, 1, 2, 3])
+    sims = queries.values @ values[:3].T
+    tied = int((sims[:, 0] >= sims[:, 2]).sum())
+    assert 0 < tied < queries.values.shape[0]  # some query tokens tie, some do not
+    rows_seen = []
+    first_hits = M._Chunk._first_hits
+    monkeypatch.setattr(M, "TIE_ROWS", 2, raising=False)
+    monkeypatch.setattr(
+        M._Chunk, "_first_hits", staticmethod(lambda h, seg: rows_seen.append(len(h)) or first_hits(h, seg))
+    )
+    assert infonce_error(queries, documents, labels, 2.0, Tiles()) < 1e-5
+    assert max(rows_seen) <= 2 and sum(rows_seen) == tied
+
+
 def test_ragged_tokens_from_padded_keeps_only_the_masked_tokens():
     emb = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 3, 2)
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
