@@ -200,7 +200,10 @@ def _step_child(args, path: str, queue) -> None:
 
 def _scoring_child(args, path: str, rows: int, queue) -> None:
     """The loss stage alone for ``rows`` rows of synthetic cached token vectors: the bytes it allocates
-    above the cache (and the loss)."""
+    above the cache and the cache's gradient (and the loss). One call on the first 1,024 rows runs first:
+    the library code it touches, torch's worker threads (started by the first op large enough to run in
+    parallel; their stacks are resident) and lazily loaded kernels are resident before the mark, as they
+    are in training after its first step."""
     import torch
 
     if args.device == "cpu":
@@ -216,55 +219,73 @@ def _scoring_child(args, path: str, rows: int, queue) -> None:
         return torch.nn.functional.normalize(torch.randn(int(lengths.sum()), dim, generator=g), dim=-1).to(args.device)
 
     q, d = ragged(q_len), ragged(d_len)
-    mini = args.mini_batch
-    if path == "cembed":
-        from cembed.losses.maxsim import CachedMaxSimLoss
-
-        loss = object.__new__(CachedMaxSimLoss)  # its calculate_loss needs no model: only scale, tiles, gathering
-        torch.nn.Module.__init__(loss)
-        from cembed.model.maxsim import Tiles
-
-        loss.scale, loss.tiles, loss.gather_across_devices, loss._inverse, loss.model = 1.0, Tiles(), False, [], None
-        # the scoring path as training chooses it (score_kernel auto: tiled on CPU, a fused kernel where one
-        # agrees on CUDA), decided on the first batch
-        from cembed.losses.counts import TokenCounts
-        from cembed.model.maxsim_kernel import find_fused_maxsim
-
-        loss.score_kernel, loss.find_kernel, loss.scoring, loss.notes = "auto", find_fused_maxsim, None, []
-        loss.token_counts = TokenCounts()  # the meter's scored pairs
-        reps = [[x.requires_grad_()] for x in (q, d)]
-        masks = [[q_len.to(args.device)], [d_len.to(args.device)]]
-    else:
-        from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
-
-        class _Similarity:  # the model's MaxSim, as the stock loss calls model.similarity
-            def similarity(self, *a, **k):
-                from sentence_transformers.util import maxsim
-
-                return maxsim(*a, **k)
-
-        loss = CachedMultiVectorMultipleNegativesRankingLoss(_Similarity(), scale=1.0, mini_batch_size=mini)
-
-        def padded(values, lengths):  # the cache as the stock loss holds it: one padded tensor per mini-batch
-            parts = list(torch.split(values, lengths.tolist()))
-            emb, masks = [], []
-            for b in range(0, rows, mini):
-                chunk = parts[b : b + mini]
-                emb.append(torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True).requires_grad_())
-                width = emb[-1].shape[1]
-                masks.append(
-                    torch.arange(width, device=values.device)[None, :] < lengths[b : b + mini, None].to(values.device)
-                )
-            return emb, masks
-
-        (qe, qm), (de, dm) = padded(q, q_len), padded(d, d_len)
-        reps, masks = [qe, de], [qm, dm]
+    loss, inputs = _scoring_loss(args, path)
+    warm = min(rows, 1024)  # full-size tiles, and torch's worker threads started (their stacks are resident)
+    loss.calculate_loss(
+        *inputs(q[: int(q_len[:warm].sum())], q_len[:warm], d[: int(d_len[:warm].sum())], d_len[:warm]),
+        with_backward=True,
+    )
+    reps, masks = inputs(q, q_len, d, d_len)
     for column in reps:  # the cache's gradient, allocated first (autograd accumulates into it in place)
         for leaf in column:
             leaf.grad = torch.zeros_like(leaf)
     base = memory_mark(args.device)
     value = loss.calculate_loss(reps, masks, with_backward=True)
     queue.put({"above": memory_peak(args.device) - base, "loss": float(value)})
+
+
+def _scoring_loss(args, path: str):
+    """``(loss, inputs)``: the path's loss stage and ``inputs(q, q_len, d, d_len)`` -> its ``(reps, masks)``
+    for ragged query and document vectors (cembed: the ragged cache; stock: one padded tensor and mask per
+    mini-batch, as its cache holds them), every tensor a fresh leaf."""
+    import torch
+
+    mini = args.mini_batch
+    if path == "cembed":
+        from cembed.losses.counts import TokenCounts
+        from cembed.losses.maxsim import CachedMaxSimLoss
+        from cembed.model.maxsim import Tiles
+        from cembed.model.maxsim_kernel import find_fused_maxsim
+
+        loss = object.__new__(CachedMaxSimLoss)  # its calculate_loss needs no model: only scale, tiles, gathering
+        torch.nn.Module.__init__(loss)
+        loss.scale, loss.tiles, loss.gather_across_devices, loss._inverse, loss.model = 1.0, Tiles(), False, [], None
+        # the scoring path as training chooses it (score_kernel auto: tiled on CPU, a fused kernel where one
+        # agrees on CUDA), decided on the first batch
+        loss.score_kernel, loss.find_kernel, loss.scoring, loss.notes = "auto", find_fused_maxsim, None, []
+        loss.token_counts = TokenCounts()  # the meter's scored pairs
+
+        def inputs(q, q_len, d, d_len):
+            return [[q.detach().clone().requires_grad_()], [d.detach().clone().requires_grad_()]], [[q_len], [d_len]]
+
+        return loss, inputs
+    from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
+
+    class _Similarity:  # the model's MaxSim, as the stock loss calls model.similarity
+        def similarity(self, *a, **k):
+            from sentence_transformers.util import maxsim
+
+            return maxsim(*a, **k)
+
+    loss = CachedMultiVectorMultipleNegativesRankingLoss(_Similarity(), scale=1.0, mini_batch_size=mini)
+
+    def padded(values, lengths):  # the cache as the stock loss holds it: one padded tensor per mini-batch
+        parts = list(torch.split(values, lengths.tolist()))
+        emb, masks = [], []
+        for b in range(0, len(parts), mini):
+            chunk = parts[b : b + mini]
+            emb.append(torch.nn.utils.rnn.pad_sequence(chunk, batch_first=True).detach().requires_grad_())
+            width = emb[-1].shape[1]
+            masks.append(
+                torch.arange(width, device=values.device)[None, :] < lengths[b : b + mini, None].to(values.device)
+            )
+        return emb, masks
+
+    def inputs(q, q_len, d, d_len):
+        (qe, qm), (de, dm) = padded(q, q_len), padded(d, d_len)
+        return [qe, de], [qm, dm]
+
+    return loss, inputs
 
 
 def in_child(target, *args):
