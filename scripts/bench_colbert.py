@@ -3,7 +3,7 @@
 
 Stock path: ``MultiVectorEncoderDataCollator`` (tokenizes every batch) and
 ``CachedMultiVectorMultipleNegativesRankingLoss`` (padded token cache, chunked padded MaxSim). cembed:
-pre-tokenized ids + ``PaddingCollator`` and ``cached_maxsim`` (:class:`cembed.losses.maxsim.CachedMaxSimLoss`:
+pre-tokenized ids + ``PaddingCollator`` and ``cached_maxsim`` (:class:`cembed.losses.cached_maxsim.CachedMaxSimLoss`:
 sorted, packed mini-batches, ragged token cache, tiled MaxSim). Every measurement of memory runs in a
 fresh child process (one path at a time, nothing else alive).
 
@@ -242,8 +242,8 @@ def _scoring_loss(args, path: str):
 
     mini = args.mini_batch
     if path == "cembed":
+        from cembed.losses.cached_maxsim import CachedMaxSimLoss
         from cembed.losses.counts import TokenCounts
-        from cembed.losses.maxsim import CachedMaxSimLoss
         from cembed.model.maxsim import Tiles
         from cembed.model.maxsim_kernel import find_fused_maxsim
 

@@ -7,7 +7,7 @@ May import: ``cembed.model``, ``cembed.plan``, ``cembed.config``, ``cembed.files
 built-in loss modules, so that they register.
 """
 
+import cembed.losses.cached_maxsim  # noqa: F401 - registers cached_maxsim
 import cembed.losses.gist  # noqa: F401 - registers cached_gist
-import cembed.losses.maxsim  # noqa: F401 - registers cached_maxsim
 import cembed.losses.mnrl  # noqa: F401 - registers cached_mnrl and mnrl
 import cembed.losses.splade  # noqa: F401 - registers cached_splade

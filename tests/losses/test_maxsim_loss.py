@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cembed.losses.maxsim as L
+import cembed.losses.cached_maxsim as L
 from cembed.config.loss import loss_config
 from cembed.config.model import model_config
 from cembed.losses.registry import build_loss
