@@ -229,15 +229,14 @@ def test_unsupported_model_falls_back(t5_model_dir):
         resolve_unpad(model, True)
 
 
-@pytest.mark.slow
-def test_roberta_style_positions_pack(tmp_path):
-    """A RoBERTa model numbers positions from padding_idx + 1: packed rows get the same offset."""
+def _tiny_roberta(tokenizer_dir, folder):
+    """A one-layer RoBERTa sentence-transformer (seed 0, no dropout) with ``tokenizer_dir``'s tokenizer,
+    saved in ``folder``; RoBERTa numbers positions from ``padding_idx + 1``. Returns (model, tokenizer)."""
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     from transformers import AutoTokenizer, RobertaConfig, RobertaModel
 
-    tiny = make_tiny_model(tmp_path / "bert")
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
-    tokenizer.save_pretrained(tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
     config = RobertaConfig(
         vocab_size=len(tokenizer),
@@ -250,8 +249,15 @@ def test_roberta_style_positions_pack(tmp_path):
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    RobertaModel(config).save_pretrained(tmp_path / "hf")
-    model = SentenceTransformer(modules=[Transformer(str(tmp_path / "hf"), max_seq_length=32), Pooling(32, "mean")])
+    RobertaModel(config).save_pretrained(folder)
+    model = SentenceTransformer(modules=[Transformer(str(folder), max_seq_length=32), Pooling(32, "mean")])
+    return model, tokenizer
+
+
+@pytest.mark.slow
+def test_roberta_style_positions_pack(tmp_path):
+    """A RoBERTa model numbers positions from padding_idx + 1: packed rows get the same offset."""
+    model, tokenizer = _tiny_roberta(make_tiny_model(tmp_path / "bert"), tmp_path / "hf")
     unpadding = resolve_unpad(model, True)
     assert unpadding.enabled and unpadding.position_offset == tokenizer.pad_token_id + 1
     features = _features(model)
@@ -847,21 +853,6 @@ def test_nested_configs_are_each_walked_once():
 def test_roberta_positions_start_after_the_padding_index(tiny_model_dir, tmp_path):
     """A RoBERTa model numbers positions from padding_idx + 1: the packed rows' offset (one layer, no weights
     compared)."""
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from transformers import AutoTokenizer, RobertaConfig, RobertaModel
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    tokenizer.save_pretrained(tmp_path / "hf")
-    config = RobertaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=80,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    RobertaModel(config).save_pretrained(tmp_path / "hf")
-    model = SentenceTransformer(modules=[Transformer(str(tmp_path / "hf"), max_seq_length=32), Pooling(32, "mean")])
+    model, tokenizer = _tiny_roberta(tiny_model_dir, tmp_path / "hf")
     unpadding = resolve_unpad(model, "auto")
     assert unpadding.enabled and unpadding.position_offset == tokenizer.pad_token_id + 1, unpadding.description
