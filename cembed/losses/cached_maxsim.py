@@ -8,7 +8,8 @@ entropy at ``scale``), built from it with what cembed changes:
 
 * the cache is ragged: each mini-batch's token vectors are kept as the scored tokens end to end
   (:meth:`CachedMaxSimLoss.embed_minibatch`: ``values`` and each row's count, from the model's scoring
-  mask), never re-padded to the column's longest row, nor stacked per document column;
+  mask), never re-padded to the column's longest row, nor concatenated (the loss reads the mini-batches
+  in place, :class:`cembed.model.maxsim.TokenPieces`, and their gradients are views of one buffer);
 * scoring is tiled (:func:`cembed.model.maxsim.maxsim_infonce`): no score matrix and no similarity
   tensor beyond one tile, so the scoring memory is bounded by ``loss.score_*`` and not by the batch;
   the backward reaches the cached token vectors through the same tiles;
@@ -32,7 +33,7 @@ from cembed.config.loss import CachedMaxSimLossConfig
 from cembed.distributed.ragged import gather_rows, rank_and_world
 from cembed.losses.length_sorted import LengthSortedMixin
 from cembed.losses.registry import LossSettings, register_loss
-from cembed.model.maxsim import RaggedTokens, Tiles, maxsim_infonce
+from cembed.model.maxsim import RaggedTokens, Tiles, TokenPieces, maxsim_infonce
 from cembed.model.maxsim_kernel import ScoringChoice, choose_scoring, find_fused_maxsim
 
 
@@ -92,15 +93,17 @@ class CachedMaxSimLoss(LengthSortedMixin, CachedMultiVectorMultipleNegativesRank
         """The loss from the ragged cache: ``reps[c]`` the mini-batches' token vectors of column ``c``,
         ``masks_chunks[c]`` their rows' token counts (:meth:`embed_minibatch`). With ``with_backward``
         the gradients reach ``reps``' leaves and the detached loss is returned."""
-        queries = RaggedTokens.from_lengths(torch.cat(reps[0]), torch.cat(masks_chunks[0]))
-        doc_values = torch.cat([v for column in reps[1:] for v in column])
+        # the mini-batches are scored as they are cached (TokenPieces): concatenating them would copy the cache
+        queries = RaggedTokens.from_lengths(TokenPieces(reps[0]), torch.cat(masks_chunks[0]))
+        doc_values = TokenPieces([v for column in reps[1:] for v in column])
         doc_lengths = torch.cat([n for column in masks_chunks[1:] for n in column])
         rank = 0
-        if self.gather_across_devices:
-            doc_values, _ = gather_rows(doc_values)
+        if self.gather_across_devices:  # every rank's documents: a new tensor in any case
+            doc_values, _ = gather_rows(doc_values[:])
             doc_lengths, _ = gather_rows(doc_lengths)
             rank, _ = rank_and_world()
         documents = RaggedTokens.from_lengths(doc_values, doc_lengths)
+        del doc_lengths  # its offsets are kept (8 bytes a row); the lengths need not live through the scoring
         labels = self._labels(queries.rows, len(reps) - 1, rank).to(queries.values.device)
         model = getattr(self.model, "module", self.model)  # the trainer hands a DDP-wrapped model
         length_normalize = getattr(model, "similarity_fn_name", "maxsim") == "meanmaxsim"

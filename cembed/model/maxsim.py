@@ -32,6 +32,7 @@ without the full similarity tensor. :func:`maxsim_scores` is the forward alone, 
 from __future__ import annotations
 
 import bisect
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -42,25 +43,88 @@ EMPTY_DOCUMENT_SCORE = -1e9  # sentence-transformers' score of a document with n
 TIE_ROWS = 64  # query tokens whose ties in a tile are resolved at once (the buffers are (TIE_ROWS, T))
 
 
+class TokenPieces:
+    """Token vectors held as consecutive pieces (a cache's mini-batches, ``(tokens_i, dim)`` each) and read as
+    one ``(tokens, dim)`` array without concatenating them: a slice within one piece is a view of it, a
+    slice across pieces a copy of that slice only (a tile, never the cache).
+
+    Raises:
+        ValueError: no piece, or pieces that differ in width, dtype or device.
+    """
+
+    def __init__(self, parts) -> None:
+        self.parts = tuple(parts)
+        if not self.parts:
+            raise ValueError("TokenPieces needs at least one piece")
+        first = self.parts[0]
+        for p in self.parts:
+            if p.dim() != 2 or p.shape[1] != first.shape[1] or p.dtype != first.dtype or p.device != first.device:
+                raise ValueError("TokenPieces: every piece must be (tokens, dim) of one width, dtype and device")
+        self.starts = array("q", [0])
+        for p in self.parts:
+            self.starts.append(self.starts[-1] + p.shape[0])
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.starts[-1], self.parts[0].shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        """Rows ``key`` (a slice with step 1) as one tensor: a view when they lie in one piece."""
+        start, stop, step = key.indices(self.starts[-1])
+        if step != 1:
+            raise ValueError("TokenPieces: only slices with step 1")
+        out = []
+        while start < stop:
+            i = bisect.bisect_right(self.starts, start) - 1  # the (non-empty) piece holding row `start`
+            end = min(stop, self.starts[i + 1])
+            out.append(self.parts[i][start - self.starts[i] : end - self.starts[i]])
+            start = end
+        if not out:
+            return self.parts[0][:0]
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _pieces(values) -> TokenPieces:
+    return values if isinstance(values, TokenPieces) else TokenPieces([values])
+
+
 @dataclass(frozen=True)
 class RaggedTokens:
-    """Token vectors of ``rows`` texts end to end: ``values`` ``(tokens, dim)`` and ``offsets`` (a
-    host list of ``rows + 1`` ints: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``)."""
+    """Token vectors of ``rows`` texts end to end: ``values`` ``(tokens, dim)`` (a tensor, or the cache's
+    mini-batches as :class:`TokenPieces`) and ``offsets`` (``rows + 1`` ints on the host, kept as an
+    ``array('q')``: 8 bytes a row; row ``i`` is ``values[offsets[i]:offsets[i + 1]]``). A list of offsets is
+    converted.
 
-    values: torch.Tensor
-    offsets: list[int]
+    Raises:
+        ValueError: the offsets do not end at the number of token vectors."""
+
+    values: torch.Tensor | TokenPieces
+    offsets: array
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offsets, array) or self.offsets.typecode != "q":
+            object.__setattr__(self, "offsets", array("q", [int(o) for o in self.offsets]))
+        if self.offsets[-1] != self.values.shape[0]:
+            raise ValueError(f"{self.values.shape[0]} token vectors but the offsets end at {self.offsets[-1]}")
 
     @property
     def rows(self) -> int:
         return len(self.offsets) - 1
 
     @classmethod
-    def from_lengths(cls, values: torch.Tensor, lengths) -> RaggedTokens:
-        """From ``values`` and each row's token count (a tensor or a list)."""
-        counts = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
-        offsets = [0]
-        for n in counts:
-            offsets.append(offsets[-1] + int(n))
+    def from_lengths(cls, values, lengths) -> RaggedTokens:
+        """From ``values`` (a tensor or :class:`TokenPieces`) and each row's token count (a tensor or a list)."""
+        counts = torch.as_tensor(lengths if isinstance(lengths, torch.Tensor) else list(lengths), dtype=torch.int64)
+        offsets = array("q", [0])
+        offsets.frombytes(torch.cumsum(counts.detach().cpu(), dim=0).numpy().tobytes())
         if offsets[-1] != values.shape[0]:
             raise ValueError(f"{values.shape[0]} token vectors but the lengths sum to {offsets[-1]}")
         return cls(values, offsets)
@@ -70,6 +134,11 @@ class RaggedTokens:
         """From a padded ``(rows, width, dim)`` tensor and its ``(rows, width)`` scoring mask."""
         mask = mask.bool()
         return cls.from_lengths(embeddings[mask], mask.sum(dim=1))
+
+    def lengths(self, device=None) -> torch.Tensor:
+        """Each row's token count, ``(rows,)`` int64."""
+        offsets = torch.frombuffer(self.offsets, dtype=torch.int64) if self.rows else torch.zeros(1, dtype=torch.int64)
+        return (offsets[1:] - offsets[:-1]).to(device)
 
 
 @dataclass(frozen=True)
@@ -359,8 +428,7 @@ def _query_tiles(queries: RaggedTokens, documents: RaggedTokens, tiles: Tiles):
 
 
 def _token_counts(queries: RaggedTokens, device) -> torch.Tensor:
-    counts = torch.tensor(queries.offsets[1:], device=device) - torch.tensor(queries.offsets[:-1], device=device)
-    return counts.float().clamp_min(1.0)
+    return queries.lengths(device).float().clamp_min(1.0)
 
 
 @torch.no_grad()
@@ -381,10 +449,15 @@ def maxsim_scores(
 
 
 class _MaxSimInfoNCE(torch.autograd.Function):
-    """InfoNCE over tiled MaxSim scores; see :func:`maxsim_infonce`."""
+    """InfoNCE over tiled MaxSim scores; see :func:`maxsim_infonce`. The inputs are the pieces of the
+    queries' and then the documents' values (``setup`` says how many are the queries'), so a cache of
+    mini-batches is scored as it is held, and each piece gets its own gradient (views of one float32
+    buffer per column, which autograd keeps as the pieces' ``.grad``: no copy of the cache is made)."""
 
     @staticmethod
-    def forward(ctx, q_values, d_values, q_offsets, d_offsets, labels, scale, length_normalize, tiles, divisor, kernel):
+    def forward(ctx, setup, labels, *parts):
+        n_q, q_offsets, d_offsets, scale, length_normalize, tiles, divisor, kernel = setup
+        q_values, d_values = TokenPieces(parts[:n_q]), TokenPieces(parts[n_q:])
         queries, documents = RaggedTokens(q_values, q_offsets), RaggedTokens(d_values, d_offsets)
         device = q_values.device
         counts = _token_counts(queries, device) if length_normalize else None
@@ -406,14 +479,15 @@ class _MaxSimInfoNCE(torch.autograd.Function):
                 positive[r0:r1] = torch.where(inside, logits.gather(1, local[:, None])[:, 0], positive[r0:r1])
                 del logits  # freed before the next block's tile is allocated, not after: the bound counts one block
             lse[r0:r1] = top + torch.log(total)
-        ctx.save_for_backward(q_values, d_values, labels, lse)
-        ctx.setup = (q_offsets, d_offsets, scale, length_normalize, tiles, divisor, kernel)
+        ctx.save_for_backward(labels, lse, *parts)
+        ctx.setup = setup
         return (lse - positive).sum() / divisor
 
     @staticmethod
     def backward(ctx, grad):
-        q_values, d_values, labels, lse = ctx.saved_tensors
-        q_offsets, d_offsets, scale, length_normalize, tiles, divisor, kernel = ctx.setup
+        labels, lse, *parts = ctx.saved_tensors
+        n_q, q_offsets, d_offsets, scale, length_normalize, tiles, divisor, kernel = ctx.setup
+        q_values, d_values = TokenPieces(parts[:n_q]), TokenPieces(parts[n_q:])
         queries, documents = RaggedTokens(q_values, q_offsets), RaggedTokens(d_values, d_offsets)
         device = q_values.device
         dq = torch.zeros(q_values.shape, dtype=torch.float32, device=device)
@@ -435,7 +509,11 @@ class _MaxSimInfoNCE(torch.autograd.Function):
                     dsums = dsums / divide[:, None]
                 block.block_backward(rows, dsums, dq[a0:a1], dd)
                 del logits, dlogits, dsums  # as in the forward: one block's buffers alive at a time
-        return dq.to(q_values.dtype), dd.to(d_values.dtype), None, None, None, None, None, None, None, None
+        grads = []
+        for buffer, pieces in ((dq, q_values), (dd, d_values)):
+            sizes = [p.shape[0] for p in pieces.parts]
+            grads += [g.to(p.dtype) for g, p in zip(buffer.split(sizes), pieces.parts)]
+        return (None, None, *grads)
 
 
 def maxsim_infonce(
@@ -474,15 +552,15 @@ def maxsim_infonce(
         raise ValueError(f"labels: expected ({queries.rows},) positives, got {tuple(labels.shape)}")
     if queries.rows and (int(labels.min()) < 0 or int(labels.max()) >= documents.rows):
         raise ValueError(f"labels must index the {documents.rows} documents")
-    return _MaxSimInfoNCE.apply(
-        queries.values,
-        documents.values,
+    q_values, d_values = _pieces(queries.values), _pieces(documents.values)
+    setup = (
+        len(q_values.parts),
         queries.offsets,
         documents.offsets,
-        labels,
         float(scale),
         bool(length_normalize),
         tiles,
         divisor if divisor is not None else max(queries.rows, 1),
         kernel,
     )
+    return _MaxSimInfoNCE.apply(setup, labels, *q_values.parts, *d_values.parts)

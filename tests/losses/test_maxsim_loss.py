@@ -153,3 +153,24 @@ def test_a_re_padded_cache_fails_the_check(model, monkeypatch):
     monkeypatch.setattr(L.CachedMaxSimLoss, "embed_minibatch", re_padded)
     built = cembed_loss(model, 1.0, mini_batch_size=3)
     assert worst_error(model, built.module, stock(model, 1.0), columns(model, 1)) > 1e-3
+
+
+def test_the_cache_is_never_concatenated(model, monkeypatch):
+    # The loss reads the cached mini-batches in place: no tensor as long as a whole column of the cache is
+    # made (the old code concatenated each column, a copy of the cache). Every concatenation is of one
+    # tile at most (tiles of 5 document tokens, 3 query tokens... here: at most 7 rows).
+    features = columns(model, 1)
+    loss = cembed_loss(model, 5.0, **CUT).module
+    cache_rows = []
+    real_cat = torch.cat
+
+    def cat(tensors, *args, **kwargs):
+        out = real_cat(tensors, *args, **kwargs)
+        if out.dim() == 2 and out.shape[1] == 16:  # token vectors (dim 16)
+            cache_rows.append(out.shape[0])
+        return out
+
+    monkeypatch.setattr(torch, "cat", cat)
+    value = loss([dict(f) for f in features], None)
+    value.backward()
+    assert cache_rows and max(cache_rows) <= 7

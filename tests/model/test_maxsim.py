@@ -139,11 +139,53 @@ def test_ties_are_resolved_for_the_tied_query_tokens_only_a_few_at_a_time(monkey
     assert max(rows_seen) <= 2 and sum(rows_seen) == tied
 
 
+# Cut points of the 56 document tokens (DOC_LENGTHS): inside documents, at a document's end, an empty piece.
+PIECE_CUTS = [0, 3, 3, 20, 21, 40, 56]
+
+
+def pieces(values: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
+    return [values[a:b].clone().requires_grad_() for a, b in zip(cuts, cuts[1:])]
+
+
+@pytest.mark.parametrize("tiles", SOME_TILES + [Tiles(4, 9, 4)])
+def test_a_cache_of_pieces_scores_as_its_concatenation_and_each_piece_gets_its_gradient(batch, tiles):
+    # The loss reads the cache's mini-batches in place (TokenPieces): tiles that cross a piece's end, pieces
+    # that end inside a document, an empty piece; the pieces' gradients are those of the concatenation.
+    queries, documents, labels = batch
+    q_cuts = [0, 2, 9, 12, queries.offsets[-1]]
+    q_parts, d_parts = pieces(queries.values, q_cuts), pieces(documents.values, PIECE_CUTS)
+    loss = maxsim_infonce(
+        RaggedTokens(M.TokenPieces(q_parts), queries.offsets),
+        RaggedTokens(M.TokenPieces(d_parts), documents.offsets),
+        labels,
+        3.0,
+        tiles=tiles,
+    )
+    loss.backward()
+    loss_ref, gq_ref, gd_ref = reference(queries, documents, labels, 3.0)
+    assert relative(loss.detach(), loss_ref) < 1e-6
+    assert relative(torch.cat([p.grad for p in q_parts]), gq_ref) < 1e-5
+    assert relative(torch.cat([p.grad for p in d_parts]), gd_ref) < 1e-5
+    assert [p.grad.shape[0] for p in d_parts] == [3, 0, 17, 1, 19, 16]
+
+
+def test_token_pieces_read_a_slice_as_a_view_within_a_piece_and_a_copy_of_it_across():
+    parts = [torch.arange(6.0).view(3, 2), torch.zeros(0, 2), torch.arange(6.0, 14.0).view(4, 2)]
+    values = M.TokenPieces(parts)
+    assert values.shape == (7, 2) and values.dtype == torch.float32
+    within = values[4:6]
+    assert within.tolist() == [[8, 9], [10, 11]] and within.data_ptr() == parts[2][1].data_ptr()
+    assert values[2:4].tolist() == [[4, 5], [6, 7]] and values[:].tolist() == torch.cat(parts).tolist()
+    assert values[7:7].shape == (0, 2) and values[-2:].tolist() == [[10, 11], [12, 13]]
+    with pytest.raises(ValueError, match="one width, dtype and device"):
+        M.TokenPieces([torch.zeros(2, 2), torch.zeros(2, 3)])
+
+
 def test_ragged_tokens_from_padded_keeps_only_the_masked_tokens():
     emb = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 3, 2)
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
     tokens = RaggedTokens.from_padded(emb, mask)
-    assert tokens.offsets == [0, 2, 4]
+    assert list(tokens.offsets) == [0, 2, 4]
     assert tokens.values.tolist() == [[0, 1], [2, 3], [8, 9], [10, 11]]
     with pytest.raises(ValueError, match="5 token vectors but the lengths sum to 4"):
         RaggedTokens.from_lengths(torch.zeros(5, 2), [1, 3])
