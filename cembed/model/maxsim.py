@@ -14,13 +14,17 @@ document: a long document spans tiles). For each (query tile, document chunk) a 
 (query token, document) is kept over the chunk's token tiles, and the chunk's scores update a running
 (online) log-sum-exp per query (Milakov & Gimelshein 2018, arXiv:1805.02867), so neither the
 ``(queries, documents)`` score matrix nor any ``(query tokens, document tokens)`` similarity beyond one
-tile is ever materialised. Scoring memory, besides the inputs and their gradients, is bounded by the tiles:
+tile is ever materialised. Scoring memory, besides the inputs and their gradients, is bounded by the tiles
+(:func:`cembed.config.loss.maxsim_scoring_bytes`; ``validate`` and ``estimate`` state it):
 
-    at most 4 bytes x (3 x Sq x Td + 3 x Sq x Rd) + 32 bytes x queries
+    at most 4 bytes x (3 x Sq x Td + 5 x Sq x Rd) + 32 bytes x queries
 
-for ``Sq = max(query_tokens, longest query)``, ``Td = document_tokens``, ``Rd = document_rows`` (the
-tile's similarities, their hit mask and weights; the running max, its gradient and a claim mask; four
-numbers per query), whatever the batch.
+for ``Sq = max(query_tokens, longest query)``, ``Td = document_tokens``, ``Rd = document_rows`` (a tile's
+similarities, one gathered copy of a per-(query token, document) array and their product; the running
+max, its gradient, the hits found so far and in the tile, the scores; per query its running log-sum-exp,
+positive and label, and the row offsets, kept on the host as 8-byte ints), whatever the batch. The inputs
+are read in place: a cache of mini-batches is :class:`TokenPieces`, never concatenated (a tile that spans
+two mini-batches is copied, the tile only).
 
 :func:`maxsim_infonce` is InfoNCE over these scores (``CachedMultiVectorMultipleNegativesRankingLoss``'s
 loss: ``mean_i [logsumexp_j(scale s_ij) - scale s_i,label_i]``) as one autograd Function whose backward
