@@ -112,3 +112,18 @@ def test_cembed_eval_scores_a_sparse_folder_by_dot_product_with_active_dims(mode
         score_model(str(tmp_path / "saved"), [], [STS_TEST], device="cpu")
     with pytest.raises(UserError, match=r"^--dims: .* is not a dense model \(it scores by dot\)"):
         score_dims(str(tmp_path / "saved"), [beir], [], [8], device="cpu")
+
+
+def test_a_second_cembed_eval_of_a_splade_folder_reads_its_corpus_from_the_csr_cache(beir, tmp_path):
+    """A SPLADE folder saved before any forward (its ``SpladePooling`` config has no ``embedding_dimension``, so
+    sentence-transformers' ``get_embedding_dimension`` answers the hidden size until a forward): each ``cembed
+    eval`` loads it afresh, and the second run reads the first run's CSR file (vocabulary-wide rows) instead of
+    encoding the corpus again, to the same metrics."""
+    make_tiny_splade(tmp_path / "src", bias=-0.1).save(str(tmp_path / "saved"))
+    name = load_beir(beir).name
+    first = score_model(str(tmp_path / "saved"), [beir], [], device="cpu", cache_dir=tmp_path / "cache").sets[name]
+    second = score_model(str(tmp_path / "saved"), [beir], [], device="cpu", cache_dir=tmp_path / "cache").sets[name]
+    assert not first["corpus_cache_hit"] and first["corpus_cache"].endswith(".csr.npz")
+    assert second["corpus_cache_hit"] and second["corpus_cache"] == first["corpus_cache"]
+    assert second["encode_seconds"] == 0 and second["metrics"] == first["metrics"]
+
