@@ -1,8 +1,9 @@
-"""``model.kind: sparse``: one sparse vector per text, scored by dot product, a sentence-transformers
+"""``model.kind: sparse``: one sparse vector per text, trained by dot product, a sentence-transformers
 ``SparseEncoder``. Registered here.
 
 Loading. A ``SparseEncoder`` folder is loaded as it is (its own architecture; ``model.architecture``, if
-set, must name it), scored by dot product (a saved ``cosine`` is replaced: the loss trains dot). Any other model is built as ``model.architecture`` says
+set, must name it) and scored by its own similarity (``cembed eval``, ``mine-negatives``); to train, by dot
+product (:meth:`SparseKind.prepare_training`: a saved ``cosine`` is replaced, the loss trains dot). Any other model is built as ``model.architecture`` says
 (:class:`cembed.config.model.SparseModelConfig`), with sentence-transformers' own modules:
 
 * ``splade``: ``Transformer(transformer_task="fill-mask")`` + ``SpladePooling`` (what ``SparseEncoder(path)``
@@ -138,7 +139,7 @@ def _autoencoder(input_dim: int, cfg: ModelConfig, default_k: int):
 
 class SparseKind(ModelKind):
     """One sparse vector per text: the ``sentence_embedding`` of a ``SparseEncoder`` (vocabulary-wide for
-    SPLADE, the autoencoder's width for CSR), scored by dot product."""
+    SPLADE, the autoencoder's width for CSR), trained by dot product, evaluated by the model's own similarity."""
 
     def trainer_classes(self) -> TrainerClasses:
         from sentence_transformers.sparse_encoder import (
@@ -194,10 +195,9 @@ class SparseKind(ModelKind):
                     f"model.architecture: {wanted}, but {cfg.name_or_path!r} is a {own} SparseEncoder; "
                     f"drop model.architecture (or set it to {own})"
                 )
+            # Its own similarity, as sentence-transformers scores it (cembed eval, mine-negatives);
+            # prepare_training makes it the dot product the loss trains.
             model.cembed_sparse_source = "the model's SparseEncoder config"
-            if model.similarity_fn_name != "dot":  # what the sparse loss trains and cembed eval scores by
-                model.cembed_sparse_source += f"; its {model.similarity_fn_name} similarity replaced by dot"
-                model.similarity_fn_name = "dot"
             return model
         mlm = model_type is None and is_masked_lm(path, cfg.revision)
         architecture = wanted or ("splade" if mlm else "csr")
@@ -268,6 +268,19 @@ class SparseKind(ModelKind):
                 "Router whose routes start with a Transformer or a SparseStaticEmbedding (inference-free SPLADE)"
             )
         super().check_trainable(model, name)
+
+    def prepare_training(self, model) -> None:
+        """Score ``model`` by the dot product the sparse loss trains (InfoNCE on dot products): a folder saved with
+        another similarity (cosine) is trained, evaluated during training and saved as dot, and ``validate``
+        says it was replaced."""
+        if model.similarity_fn_name != "dot":
+            model.cembed_sparse_source += f"; its {model.similarity_fn_name} similarity replaced by dot"
+            model.similarity_fn_name = "dot"
+
+    def similarity_name(self, model) -> str:
+        """The model's own ``similarity_fn_name`` (dot, or the cosine a folder was saved with), as
+        sentence-transformers' ``SparseEncoder.similarity`` and its evaluator score it."""
+        return str(model.similarity_fn_name)
 
     def encoder_module(self, model):
         """The first module, or for an inference-free model the ``Transformer`` of its document route (its
