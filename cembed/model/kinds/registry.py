@@ -12,7 +12,8 @@ The contract. A kind is two halves registered under one name, and nothing else i
   (:meth:`ModelKind.text_outputs`), how a column is tokenized (:meth:`ModelKind.preprocess_kwargs`,
   :meth:`ModelKind.token_layout`), what
   ``validate`` says about it (:meth:`ModelKind.describe`), what training it changes on a loaded model
-  (:meth:`ModelKind.prepare_training`), the similarity a loaded model scores by (:meth:`ModelKind.similarity_name`), its FLOPs per token beyond the encoder
+  (:meth:`ModelKind.prepare_training`), the similarity a loaded model scores by (:meth:`ModelKind.similarity_name`), the settings beyond its
+  weights that change what it encodes (:meth:`ModelKind.encode_settings`), its FLOPs per token beyond the encoder
   (:meth:`ModelKind.head_flops_per_token`), its scoring FLOPs (:meth:`ModelKind.scoring_flops`), its
   cached bytes per row (:meth:`ModelKind.cache_bytes_per_row`) and how its evaluation corpus is encoded
   (:meth:`ModelKind.corpus_encode_kwargs`).
@@ -142,6 +143,13 @@ class ModelKind:
         """Set on a model loaded to train (``load_model(..., for_training=True)``) what training it as this kind
         changes, before ``validate`` describes it; a model loaded to evaluate or mine is left as it was saved.
         Default: nothing."""
+
+    def encode_settings(self, model) -> dict[str, Any]:
+        """Settings of the loaded ``model``, beyond its modules and weights, that change what it encodes (a
+        ``SparseEncoder``'s ``max_active_dims``), by name: ``validate --json`` reports them under ``model``,
+        :func:`cembed.model.fingerprint.model_fingerprint` hashes them (cached embeddings follow them).
+        Default: none."""
+        return {}
 
     def similarity_name(self, model) -> str:
         """The similarity the loaded ``model`` scores a query and a document by, which names its retrieval
