@@ -193,3 +193,26 @@ def test_the_sparse_evaluator_scores_each_model_by_its_own_similarity(cosine_fol
     ours = evaluator(plain)
     assert ours[f"{rs.name}_dot_ndcg@10"] == pytest.approx(dot[f"{rs.name}_dot_ndcg@10"], abs=1e-6)
     assert not any("_cosine_" in key for key in ours)
+
+
+def test_a_folder_with_another_max_active_dims_does_not_read_the_others_corpus_cache(beir, tmp_path):
+    """Two folders that differ only in ``max_active_dims: 3`` in ``config_sentence_transformers.json`` (encode keeps
+    each vector's 3 largest coordinates; a copy whose config was edited): ``cembed eval`` of the capped one after
+    the uncapped one, with one cache, encodes its corpus capped (its own cache entry), so its metrics and active
+    dimensions are plain sentence-transformers' on that folder, not the uncapped corpus's."""
+    import shutil
+
+    make_tiny_splade(tmp_path / "src", bias=-0.1).save(str(tmp_path / "uncapped"))
+    shutil.copytree(tmp_path / "uncapped", tmp_path / "capped")
+    config = tmp_path / "capped" / "config_sentence_transformers.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_active_dims": 3}))
+    rs = load_beir(beir)
+    _, stock = _stock(tmp_path / "capped", rs)
+    uncapped = score_model(str(tmp_path / "uncapped"), [beir], [], device="cpu", cache_dir=tmp_path / "cache")
+    capped = score_model(str(tmp_path / "capped"), [beir], [], device="cpu", cache_dir=tmp_path / "cache")
+    first, second = uncapped.sets[rs.name], capped.sets[rs.name]
+    assert first["metrics"][f"{rs.name}_corpus_active_dims"] > 3
+    assert not second["corpus_cache_hit"] and second["corpus_cache"] != first["corpus_cache"]
+    for key in ("dot_ndcg@10", "dot_mrr@10", "query_active_dims", "corpus_active_dims"):
+        assert second["metrics"][f"{rs.name}_{key}"] == pytest.approx(stock[f"{rs.name}_{key}"], abs=1e-6), key
+    assert second["metrics"][f"{rs.name}_corpus_active_dims"] <= 3
