@@ -396,12 +396,17 @@ def mining_cache_folder(model, cache_dir: str | Path | None = None) -> Path:
 
 
 def _check_dense(model, model_name: str) -> None:
-    """Refuse a model that is not one dense vector per text: sentence-transformers' ``mine_hard_negatives``
-    ranks by such vectors (it fails on a ``SparseEncoder``'s or a ``MultiVectorEncoder``'s output).
+    """Refuse a model that is not one dense vector per text: the installed sentence-transformers'
+    ``mine_hard_negatives`` (6.3) encodes with ``normalize_embeddings=True, convert_to_numpy=True`` and ranks
+    one dense vector per text: ``SparseEncoder.encode`` refuses those keywords (ValueError), a
+    ``MultiVectorEncoder``'s ragged token arrays do not stack (tests/data/test_field_cases_sparse_data.py
+    checks that the library still fails with a sparse model).
 
     Raises:
-        UserError: naming the model's kind and what to do instead.
+        UserError: naming the model's kind, that the installed library cannot mine with it, and what to do instead.
     """
+    import sentence_transformers
+
     from cembed.config.model import OUTPUT_WORDS
     from cembed.model.kinds.lookup import kind_of
 
@@ -409,9 +414,10 @@ def _check_dense(model, model_name: str) -> None:
     output = kind.config_class.output
     if output != "vector":
         raise UserError(
-            f"--model {model_name}: a {kind.name} model ({OUTPUT_WORDS.get(output, output)}); mine-negatives ranks "
-            "candidates by one dense vector per text (sentence-transformers' mine_hard_negatives): mine with a "
-            "dense model (e.g. all-MiniLM-L6-v2), then train this one on the mined file"
+            f"--model {model_name}: a {kind.name} model ({OUTPUT_WORDS.get(output, output)}); the installed "
+            f"sentence-transformers {sentence_transformers.__version__} cannot mine with a {kind.name} model (its "
+            "mine_hard_negatives ranks one dense vector per text, encoded with normalize_embeddings, convert_to_numpy): "
+            "mine with a dense model (e.g. all-MiniLM-L6-v2), then train this one on the mined file"
         )
 
 

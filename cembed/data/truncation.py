@@ -136,6 +136,7 @@ class ModelTruncation(NamedTuple):
     attention: Any = None  # cembed.model.unpad.Unpadding: packed rows or padded mini-batches (batch.unpad)
     source_prompts: Any = None  # {source name: RolePrompts} when a source sets prompts of its own, else None
     stored_ids: bool = False  # a prepared source: ``columns`` count rows whose stored ids reach max_seq_length
+    encode_settings: Any = None  # {name: value}: what the model's kind says changes its encoding (max_active_dims)
 
 
 def model_truncation_report(
@@ -151,7 +152,8 @@ def model_truncation_report(
     the pooling the model uses, its stored / training / saved dtypes, each role's prompt
     (``prompts_cfg``, the ``data.prompts`` section, resolved against the model; a source's own
     ``prompts`` for its rows, :func:`resolve_source_prompts`; prompt tokens count toward the length)
-    and the attention path ``unpad`` (``batch.unpad``) gives it; the per-column
+    and the attention path ``unpad`` (``batch.unpad``) gives it, and the settings its kind says change its
+    encoding (``max_active_dims``; :meth:`cembed.model.kinds.registry.ModelKind.encode_settings`); the per-column
     report is empty for :class:`UnloadedData` (only the model is checked). ``precision`` is the run's
     resolved precision for the dtypes' autocast (``Plan.precision``; None: ``model_cfg.precision``
     resolved on CPU, where the model is loaded). ``model``: the model already loaded on CPU from
@@ -161,6 +163,7 @@ def model_truncation_report(
         UserError: the model cannot be loaded; ModelRefused (a UserError) when cembed refuses it,
             ``data.prompts`` names a prompt it lacks, or ``unpad`` is True and it cannot run packed rows.
     """
+    from cembed.model.kinds.lookup import kind_of
     from cembed.model.prompts import resolve_prompts
     from cembed.model.unpad import resolve_unpad
 
@@ -172,8 +175,9 @@ def model_truncation_report(
     weights = weight_dtypes(model, model_cfg, precision)
     prompts = resolve_prompts(prompts_cfg, model)
     attention = resolve_unpad(model, unpad)
+    settings = kind_of(model, default="dense").encode_settings(model)
     if isinstance(data, UnloadedData):  # the model loads; there are no rows to measure
-        return ModelTruncation(length, [], pooling, weights, prompts, attention)
+        return ModelTruncation(length, [], pooling, weights, prompts, attention, encode_settings=settings)
     if data.manifest is not None:  # token ids, no text: rows whose ids reach the length (maybe cut)
         from cembed.data.tokens.model_check import check_prepared_for_model, prompts_field
         from cembed.files import display_path
@@ -185,7 +189,9 @@ def model_truncation_report(
         check_prepared_for_model(model, data.manifest, where, own.for_columns(data.columns), prompts_field(source))
         report = stored_length_report(data.dataset, data.columns, length, column_limits(model, data.columns))
         by_source = {source.name: own} if source.prompts is not None else None
-        return ModelTruncation(length, report, pooling, weights, prompts, attention, by_source, True)
+        return ModelTruncation(
+            length, report, pooling, weights, prompts, attention, by_source, True, encode_settings=settings
+        )
     per_source = resolve_source_prompts(data, model, prompts)
     limits = column_limits(model, data.columns)
     if per_source is None:
@@ -202,4 +208,4 @@ def model_truncation_report(
             ]
         )
     by_source = None if per_source is None else {s.name: p for s, p in zip(data.sources, per_source)}
-    return ModelTruncation(length, report, pooling, weights, prompts, attention, by_source)
+    return ModelTruncation(length, report, pooling, weights, prompts, attention, by_source, encode_settings=settings)

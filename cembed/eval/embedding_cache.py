@@ -281,6 +281,19 @@ class CorpusEmbeddings:
         return [values[a:b] for a, b in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist())]
 
 
+def _embedding_dimension(model) -> int | None:
+    """The width of one stored vector, as the model's kind knows it
+    (:meth:`cembed.model.kinds.registry.ModelKind.embedding_dimension`: a SPLADE model's vocabulary even before
+    its first forward, when sentence-transformers still answers its hidden size); None where the object has
+    no such method (a stand-in model)."""
+    from cembed.model.kinds.lookup import kind_of
+
+    try:
+        return kind_of(model, default="dense").embedding_dimension(model)
+    except AttributeError:
+        return None
+
+
 def corpus_embeddings(
     model,
     corpus: dict[str, str],
@@ -302,10 +315,7 @@ def corpus_embeddings(
     path = None
     if cache_dir is not None:
         path = cache_path(cache_dir, model_fp or model_fingerprint(model), corpus_fingerprint(corpus, prompt))
-        get_dim = getattr(model, "get_embedding_dimension", None) or getattr(
-            model, "get_sentence_embedding_dimension", None
-        )
-        dim = get_dim() if get_dim else None
+        dim = _embedding_dimension(model)
         for found, load in ((path, _load_cached), (ragged_path(path), _load_ragged), (sparse_path(path), _load_sparse)):
             stored = load(found, len(texts), dim)
             if stored is not None:

@@ -3,10 +3,11 @@ sentence-transformers' own evaluators.
 
 * Retrieval: :class:`~cembed.eval.metrics.GradedIREvaluator` (sentence-transformers' evaluator, NDCG graded
   as pytrec_eval) with the similarity of the model's kind (``ModelConfig.similarity``): cosine for a
-  dense model, MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`), the dot product
-  of sparse vectors for a sparse one (:mod:`cembed.eval.sparse_retrieval`, which also reports the mean
-  active dimensions of queries and documents); one factory per similarity in :data:`RETRIEVAL_EVALUATORS`:
-  NDCG@10, MRR@10, MAP@100, Recall@10, Recall@100 and others.
+  dense model, MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`), sparse vectors
+  by the model's own similarity for a sparse one (:mod:`cembed.eval.sparse_retrieval`: the dot product, or
+  the cosine a folder is saved with; it also reports the mean active dimensions of queries and documents);
+  one factory per kind's similarity in :data:`RETRIEVAL_EVALUATORS`: NDCG@10, MRR@10, MAP@100, Recall@10,
+  Recall@100 and others. Metric keys name the similarity the model was scored by (:func:`scored_by`).
 * STS: :class:`~sentence_transformers.sentence_transformer.evaluation.EmbeddingSimilarityEvaluator`; the
   headline is the Spearman correlation of cosine similarity with the gold scores (MTEB's STS main score).
 
@@ -154,7 +155,7 @@ def evaluate_retrieval(
 
     Returns:
         ``(metrics, corpus_embeddings)``; metrics keyed ``<rs.name>_<similarity>_<metric>@<k>``
-        (:func:`similarity_of` the model).
+        (:func:`scored_by` the model).
     """
     prompt = prompts.positive if prompts else None
     ce = corpus_embeddings(model, rs.corpus, batch_size, cache_dir, progress, model_fp, prompt)
@@ -164,11 +165,21 @@ def evaluate_retrieval(
 
 
 def similarity_of(model) -> str:
-    """The similarity ``model`` is scored by: its model kind's (``ModelConfig.similarity``); cosine for a
-    model of no registered kind (any object with ``encode_query`` / ``encode_document`` giving one vector)."""
+    """The similarity of ``model``'s kind (``ModelConfig.similarity``), which picks its retrieval evaluator
+    (:data:`RETRIEVAL_EVALUATORS`); cosine for a model of no registered kind (any object with
+    ``encode_query`` / ``encode_document`` giving one vector)."""
     from cembed.model.kinds.lookup import kind_of
 
     return kind_of(model, default="dense").config_class.similarity
+
+
+def scored_by(model) -> str:
+    """The similarity the loaded ``model`` scores by, which names its retrieval metrics
+    (``<set>_<name>_ndcg@10``): its kind's answer (:meth:`cembed.model.kinds.registry.ModelKind.similarity_name`;
+    a sparse model's own ``similarity_fn_name``); cosine for a model of no registered kind."""
+    from cembed.model.kinds.lookup import kind_of
+
+    return kind_of(model, default="dense").similarity_name(model)
 
 
 def evaluate_sts(model, sts: StsSet, batch_size: int = 32) -> dict[str, float]:

@@ -30,7 +30,14 @@ from typing import Any
 
 from cembed.errors import UserError
 from cembed.eval.embedding_cache import ProgressFn, corpus_embeddings
-from cembed.eval.evaluators import evaluate_retrieval, evaluate_sts, headline, retrieval_evaluator, similarity_of
+from cembed.eval.evaluators import (
+    evaluate_retrieval,
+    evaluate_sts,
+    headline,
+    retrieval_evaluator,
+    scored_by,
+    similarity_of,
+)
 from cembed.eval.sets import RetrievalSet, StsSet, load_beir, load_sts
 from cembed.files import cache_root
 from cembed.model.fingerprint import model_fingerprint
@@ -96,7 +103,7 @@ def prepare_eval(
     model = load_eval_model(model_name, device, max_seq_length)
     if ssets and similarity_of(model) != "cosine":
         raise UserError(
-            f"--sts: {model_name} scores a query and a document by {similarity_of(model)}, not one vector per text; "
+            f"--sts: {model_name} scores a query and a document by {scored_by(model)}, not one vector per text; "
             "STS is for dense models: evaluate it with --retrieval"
         )
     cache = None if no_cache else cache_root("embeddings", cache_dir)
@@ -173,7 +180,7 @@ def score_model(
             "split": rs.split,
             "queries": len(rs.queries),
             "documents": len(rs.corpus),
-            "headline": headline(metrics, rs.name, "retrieval", similarity_of(model)),
+            "headline": headline(metrics, rs.name, "retrieval", scored_by(model)),
             "metrics": metrics,
             "corpus_cache": ce.cache_file,
             "corpus_cache_hit": ce.cache_hit,
@@ -252,7 +259,7 @@ def score_dims(
     model, prompts = setup.model, setup.prompts
     if similarity_of(model) != "cosine":
         raise UserError(
-            f"--dims: {model_name} is not a dense model (it scores by {similarity_of(model)}); --dims truncates one vector per text"
+            f"--dims: {model_name} is not a dense model (it scores by {scored_by(model)}); --dims truncates one vector per text"
         )
     full = model.get_embedding_dimension()
     if max(dims) > full:

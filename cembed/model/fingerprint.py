@@ -41,8 +41,10 @@ def model_fingerprint(model) -> str:
 
     Covers every weight (name, dtype, shape, bytes), the module stack as printed (pooling mode,
     normalisation), max_seq_length, the tokenizer (vocabulary and rules, not its last
-    padding/truncation state), the prompts and the device type. Two loads of the same saved
-    model give the same fingerprint; any weight change gives another.
+    padding/truncation state), the prompts, the device type and what the model's kind says changes its
+    encoding beyond those (:meth:`cembed.model.kinds.registry.ModelKind.encode_settings`: a sparse model's
+    ``max_active_dims``). Two loads of the same saved model give the same fingerprint; any weight change
+    gives another.
 
     Returns:
         32 hex characters (xxh3-128).
@@ -61,4 +63,16 @@ def model_fingerprint(model) -> str:
         h.update(tokenizer_spec(tokenizer).encode())
     prompts = getattr(model, "prompts", None)
     h.update(json.dumps(prompts or {}, sort_keys=True).encode())
+    settings = _encode_settings(model)
+    if settings:  # none for a dense model: its fingerprints (and cache entries) stay as they were
+        h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+def _encode_settings(model) -> dict:
+    from cembed.model.kinds.lookup import kind_of
+
+    try:
+        return kind_of(model, default="dense").encode_settings(model)
+    except AttributeError:  # a stand-in object without what its kind reads
+        return {}

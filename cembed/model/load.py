@@ -201,7 +201,8 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
 
     Args:
         for_training: enable ``cfg.gradient_checkpointing``; refuse a model cembed cannot train
-            (the kind's ``check_trainable``) and load its weights
+            (the kind's ``check_trainable``), set what training changes (the kind's ``prepare_training``:
+            a sparse folder's cosine becomes the dot product the loss trains) and load its weights
             in float32 (master weights) whatever dtype they are stored in, unless ``model_kwargs`` names
             a ``dtype``; False (to evaluate) keeps the stored dtype.
         seed: seeds new trainable weights (``model.lora`` adapters, a multi-vector projection); the run's ``train.seed``.
@@ -243,6 +244,7 @@ def load_model(cfg: ModelConfig, device: str, for_training: bool = True, seed: i
     setattr(model, KIND_ATTRIBUTE, kind.name)
     if for_training:
         kind.check_trainable(model, cfg.name_or_path)
+        kind.prepare_training(model)
         if cfg.gradient_checkpointing:  # non-reentrant: torch replays each block's RNG state (exact with dropout)
             model.gradient_checkpointing_enable({"use_reentrant": False})
     if cfg.max_seq_length is not None:

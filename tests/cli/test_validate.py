@@ -78,3 +78,43 @@ def test_json_prints_one_object_and_nothing_else(write_config, pairs_file, tiny_
     assert report["learning_rate"]["effective"] == 4e-05
     assert report["loss"] == {"name": "cached_mnrl", "columns": {"anchor": "anchor", "positive": "positive"}}
     assert len(report["warnings"]) == 1 and "column(s) id are not mapped" in report["warnings"][0]
+
+
+def test_a_sparse_folders_max_active_dims_is_shown_on_the_model_line_and_in_json(write_config, pairs_file, tmp_path):
+    """A ``SparseEncoder`` folder saved with ``max_active_dims`` (its ``config_sentence_transformers.json``):
+    encoding keeps each vector's largest coordinates only, which changes retrieval. ``validate``'s model line
+    states the cap and where it comes from, ``--json`` has it as ``model.max_active_dims``; a folder without
+    one: null, and the line says nothing of a cap."""
+    from conftest import make_tiny_splade
+
+    splade = make_tiny_splade(tmp_path / "src", bias=-0.1)
+    splade.max_active_dims = 5
+    splade.save(str(tmp_path / "capped"))
+    splade.max_active_dims = None
+    splade.save(str(tmp_path / "uncapped"))
+    assert json.loads((tmp_path / "capped" / "config_sentence_transformers.json").read_text())["max_active_dims"] == 5
+    data = str(pairs_file(distinct_pairs(16)))
+    for name, cap in (("capped", 5), ("uncapped", None)):
+        config = write_config(
+            {
+                "model": {"kind": "sparse", "name_or_path": str(tmp_path / name), "device": "cpu"},
+                "data": {"train": data, "cache_dir": str(tmp_path / "cache")},
+                "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+                "train": {"output_dir": str(tmp_path / f"run_{name}"), "max_steps": 1},
+            }
+        )
+        r = CliRunner().invoke(app, ["validate", str(config)])
+        assert r.exit_code == 0, r.output
+        line = r.output.splitlines()[0]
+        assert line.startswith(f"model: {tmp_path / name} ") and "kind: sparse" in line, line
+        if cap is None:
+            assert "max_active_dims" not in line, line
+        else:
+            assert line.endswith(
+                "127-dim sparse vectors, dot (the model's SparseEncoder config); max_active_dims 5 (the folder's "
+                "config): encoding keeps each text's 5 largest coordinates (retrieval and cembed eval; the loss "
+                "trains on every active one)"
+            ), line
+        r = CliRunner().invoke(app, ["validate", str(config), "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output)["model"]["max_active_dims"] == cap

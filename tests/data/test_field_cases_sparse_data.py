@@ -62,8 +62,12 @@ def test_mine_negatives_refuses_a_sparse_model_in_one_line(tmp_path, pairs_file)
     """embeddings-benchmark/mteb#2873 (a SparseEncoder's output handed to code written for dense
     embeddings: ``.numpy()`` on a sparse tensor breaks). ``cembed mine-negatives --model`` a SPLADE folder.
     Reference: plain sentence-transformers' ``mine_hard_negatives`` with the same model fails
-    (``SparseEncoder.encode() has been called with additional keyword arguments ... convert_to_numpy``);
-    cembed refuses before encoding, in one line naming the kind and what to do, and writes nothing."""
+    (``SparseEncoder.encode() has been called with additional keyword arguments ... convert_to_numpy``: the
+    installed library cannot mine with a sparse model; when a release can, the ``pytest.raises`` below fails
+    and cembed should mine with it); cembed refuses before encoding, in one line naming the kind, saying that
+    the installed sentence-transformers (its version) cannot mine with it and why, and the workaround, and
+    writes nothing."""
+    import sentence_transformers
     from datasets import Dataset
     from sentence_transformers import SparseEncoder
     from sentence_transformers.util import mine_hard_negatives
@@ -81,4 +85,8 @@ def test_mine_negatives_refuses_a_sparse_model_in_one_line(tmp_path, pairs_file)
     lines = [line for line in r.output.splitlines() if line.strip()]
     assert len(lines) == 1, r.output
     assert "a sparse model (one vocabulary-wide sparse vector per text)" in lines[0]
-    assert "mine with a dense model" in lines[0] and "keyword arguments" not in lines[0]
+    version = sentence_transformers.__version__
+    assert f"the installed sentence-transformers {version} cannot mine with a sparse model" in lines[0]
+    assert "normalize_embeddings, convert_to_numpy" in lines[0]
+    assert "mine with a dense model (e.g. all-MiniLM-L6-v2), then train this one on the mined file" in lines[0]
+    assert "keyword arguments" not in lines[0]

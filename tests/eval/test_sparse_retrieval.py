@@ -112,3 +112,107 @@ def test_cembed_eval_scores_a_sparse_folder_by_dot_product_with_active_dims(mode
         score_model(str(tmp_path / "saved"), [], [STS_TEST], device="cpu")
     with pytest.raises(UserError, match=r"^--dims: .* is not a dense model \(it scores by dot\)"):
         score_dims(str(tmp_path / "saved"), [beir], [], [8], device="cpu")
+
+
+def test_a_second_cembed_eval_of_a_splade_folder_reads_its_corpus_from_the_csr_cache(beir, tmp_path):
+    """A SPLADE folder saved before any forward (its ``SpladePooling`` config has no ``embedding_dimension``, so
+    sentence-transformers' ``get_embedding_dimension`` answers the hidden size until a forward): each ``cembed
+    eval`` loads it afresh, and the second run reads the first run's CSR file (vocabulary-wide rows) instead of
+    encoding the corpus again, to the same metrics."""
+    make_tiny_splade(tmp_path / "src", bias=-0.1).save(str(tmp_path / "saved"))
+    name = load_beir(beir).name
+    first = score_model(str(tmp_path / "saved"), [beir], [], device="cpu", cache_dir=tmp_path / "cache").sets[name]
+    second = score_model(str(tmp_path / "saved"), [beir], [], device="cpu", cache_dir=tmp_path / "cache").sets[name]
+    assert not first["corpus_cache_hit"] and first["corpus_cache"].endswith(".csr.npz")
+    assert second["corpus_cache_hit"] and second["corpus_cache"] == first["corpus_cache"]
+    assert second["encode_seconds"] == 0 and second["metrics"] == first["metrics"]
+
+
+@pytest.fixture(scope="module")
+def cosine_folder(tmp_path_factory):
+    """A SPLADE ``SparseEncoder`` folder saved with ``similarity_fn_name: cosine`` (as some published sparse
+    models are), and its files."""
+    root = tmp_path_factory.mktemp("cosine_splade")
+    splade = make_tiny_splade(root / "src", bias=-0.1, seed=3)
+    splade.similarity_fn_name = "cosine"
+    splade.save(str(root / "model"))
+    return root / "model"
+
+
+def _stock(folder, rs, similarity: str | None = None):
+    """Plain sentence-transformers' ``SparseInformationRetrievalEvaluator`` on the folder as
+    ``SparseEncoder(folder)`` loads it; ``similarity`` replaces the folder's own."""
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
+
+    plain = SparseEncoder(str(folder), device="cpu")
+    if similarity is not None:
+        plain.similarity_fn_name = similarity
+    evaluator = SparseInformationRetrievalEvaluator(
+        rs.queries, rs.corpus, rs.relevant_docs, name=rs.name, precision_recall_at_k=[1, 3, 5, 10, 100]
+    )
+    return plain, evaluator(plain)
+
+
+def test_cembed_eval_scores_a_cosine_sparse_folder_by_cosine_as_sentence_transformers_does(
+    cosine_folder, beir, tmp_path
+):
+    """A folder whose ``similarity_fn_name`` is cosine: ``cembed eval`` ranks by the model's own similarity,
+    as plain sentence-transformers' ``SparseInformationRetrievalEvaluator`` (``model.similarity``) does on the
+    same folder: every metric equal, keyed ``<set>_cosine_*``, the headline the cosine NDCG@10; the folder
+    scored by dot product instead ranks differently (so a dot-product eval fails here)."""
+    rs = load_beir(beir)
+    plain, stock = _stock(cosine_folder, rs)
+    assert plain.similarity_fn_name == "cosine"
+    _, dot = _stock(cosine_folder, rs, similarity="dot")
+    assert stock[f"{rs.name}_cosine_ndcg@10"] != pytest.approx(dot[f"{rs.name}_dot_ndcg@10"], abs=1e-3)
+    report = score_model(str(cosine_folder), [beir], [], device="cpu", cache_dir=tmp_path / "cache")
+    ours = report.sets[rs.name]["metrics"]
+    for key in STOCK_KEYS:
+        assert ours[f"{rs.name}_cosine_{key}"] == pytest.approx(stock[f"{rs.name}_cosine_{key}"], abs=1e-6), key
+    for key in ("query_active_dims", "corpus_active_dims"):
+        assert ours[f"{rs.name}_{key}"] == pytest.approx(stock[f"{rs.name}_{key}"], rel=1e-6), key
+    assert not any("_dot_" in key for key in ours)
+    assert report.sets[rs.name]["headline"]["NDCG@10"] == ours[f"{rs.name}_cosine_ndcg@10"]
+
+
+def test_the_sparse_evaluator_scores_each_model_by_its_own_similarity(cosine_folder, beir):
+    """The retrieval evaluator of the sparse kind (``similarity="dot"``: what evaluation during training
+    builds once and calls on the model) scores a model by that model's similarity: a cosine model as plain
+    sentence-transformers' evaluator does, then the same model set to dot by dot product."""
+    from cembed.eval.evaluators import retrieval_evaluator
+
+    rs = load_beir(beir)
+    plain, stock = _stock(cosine_folder, rs)
+    evaluator = retrieval_evaluator(rs, similarity="dot")
+    ours = evaluator(plain)
+    for key in ("ndcg@10", "mrr@10", "map@100", "recall@10"):
+        assert ours[f"{rs.name}_cosine_{key}"] == pytest.approx(stock[f"{rs.name}_cosine_{key}"], abs=1e-6), key
+    _, dot = _stock(cosine_folder, rs, similarity="dot")
+    plain.similarity_fn_name = "dot"
+    ours = evaluator(plain)
+    assert ours[f"{rs.name}_dot_ndcg@10"] == pytest.approx(dot[f"{rs.name}_dot_ndcg@10"], abs=1e-6)
+    assert not any("_cosine_" in key for key in ours)
+
+
+def test_a_folder_with_another_max_active_dims_does_not_read_the_others_corpus_cache(beir, tmp_path):
+    """Two folders that differ only in ``max_active_dims: 3`` in ``config_sentence_transformers.json`` (encode keeps
+    each vector's 3 largest coordinates; a copy whose config was edited): ``cembed eval`` of the capped one after
+    the uncapped one, with one cache, encodes its corpus capped (its own cache entry), so its metrics and active
+    dimensions are plain sentence-transformers' on that folder, not the uncapped corpus's."""
+    import shutil
+
+    make_tiny_splade(tmp_path / "src", bias=-0.1).save(str(tmp_path / "uncapped"))
+    shutil.copytree(tmp_path / "uncapped", tmp_path / "capped")
+    config = tmp_path / "capped" / "config_sentence_transformers.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_active_dims": 3}))
+    rs = load_beir(beir)
+    _, stock = _stock(tmp_path / "capped", rs)
+    uncapped = score_model(str(tmp_path / "uncapped"), [beir], [], device="cpu", cache_dir=tmp_path / "cache")
+    capped = score_model(str(tmp_path / "capped"), [beir], [], device="cpu", cache_dir=tmp_path / "cache")
+    first, second = uncapped.sets[rs.name], capped.sets[rs.name]
+    assert first["metrics"][f"{rs.name}_corpus_active_dims"] > 3
+    assert not second["corpus_cache_hit"] and second["corpus_cache"] != first["corpus_cache"]
+    for key in ("dot_ndcg@10", "dot_mrr@10", "query_active_dims", "corpus_active_dims"):
+        assert second["metrics"][f"{rs.name}_{key}"] == pytest.approx(stock[f"{rs.name}_{key}"], abs=1e-6), key
+    assert second["metrics"][f"{rs.name}_corpus_active_dims"] <= 3

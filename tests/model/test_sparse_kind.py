@@ -95,6 +95,8 @@ def test_a_dense_model_becomes_csr_as_sparse_encoder_converts_it(tiny_model_dir)
     assert model.similarity_fn_name == "dot"
     sae = model[-1]
     assert isinstance(sae, SparseAutoEncoder) and (sae.input_dim, sae.hidden_dim, sae.k) == (32, 128, 8)
+    assert kind_of(model).encode_settings(model) == {"max_active_dims": 8}  # SparseEncoder caps CSR at k
+    assert "; max_active_dims 8 (the autoencoder's k): encoding keeps" in kind_of(model).describe(model, None, False)
     resized = _sparse(tiny_model_dir, csr_k=4, csr_hidden_dim=64)
     assert (resized[-1].hidden_dim, resized[-1].k, resized[-1].k_aux) == (64, 4, 8)
     active = (resized.encode_document(TEXTS, convert_to_tensor=True).to_dense() != 0).sum(dim=1)

@@ -44,7 +44,8 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
         a short last batch counted unless ``drop_last``, per source, in the sampling schedule); the
         no-duplicates sampler can build fewer, and then a warning says how many. ``steps.total`` is
         ``train.max_steps``, else epochs x ``ceil(batches / accumulation)``; None when the rows are
-        unknown (unloaded hub data).
+        unknown (unloaded hub data). ``model`` also holds what the model's kind says changes its encoding
+        (``ModelKind.encode_settings``: a sparse model's ``max_active_dims``, null where there is no cap).
     """
     loaded = hasattr(data, "dataset")
     model_ok = not isinstance(truncation, Exception)
@@ -118,6 +119,8 @@ def validation_report(cfg, plan, data, facts, truncation, warnings: tuple[str, .
             "prompts": truncation.prompts.to_dict() if model_ok and truncation.prompts is not None else None,
             "attention": truncation.attention.description if model_ok and truncation.attention is not None else None,
             "load_error": None if model_ok else str(truncation),
+            # what the kind says changes its encoding, e.g. a sparse model's max_active_dims (null: no cap)
+            **((truncation.encode_settings or {}) if model_ok else {}),
         },
         "loss": {
             "name": cfg.loss.name,

@@ -11,7 +11,9 @@ The contract. A kind is two halves registered under one name, and nothing else i
   loads or builds a model (:meth:`ModelKind.load`), what the forward returns for each text
   (:meth:`ModelKind.text_outputs`), how a column is tokenized (:meth:`ModelKind.preprocess_kwargs`,
   :meth:`ModelKind.token_layout`), what
-  ``validate`` says about it (:meth:`ModelKind.describe`), its FLOPs per token beyond the encoder
+  ``validate`` says about it (:meth:`ModelKind.describe`), what training it changes on a loaded model
+  (:meth:`ModelKind.prepare_training`), the similarity a loaded model scores by (:meth:`ModelKind.similarity_name`), the settings beyond its
+  weights that change what it encodes (:meth:`ModelKind.encode_settings`), its FLOPs per token beyond the encoder
   (:meth:`ModelKind.head_flops_per_token`), its scoring FLOPs (:meth:`ModelKind.scoring_flops`), its
   cached bytes per row (:meth:`ModelKind.cache_bytes_per_row`) and how its evaluation corpus is encoded
   (:meth:`ModelKind.corpus_encode_kwargs`).
@@ -136,6 +138,23 @@ class ModelKind:
             "takes no token-level mini-batches with an attention mask, so cembed cannot length-sort, pad or "
             "pre-tokenize its batches; use a transformer model (or train this one with sentence-transformers directly)"
         )
+
+    def prepare_training(self, model) -> None:
+        """Set on a model loaded to train (``load_model(..., for_training=True)``) what training it as this kind
+        changes, before ``validate`` describes it; a model loaded to evaluate or mine is left as it was saved.
+        Default: nothing."""
+
+    def encode_settings(self, model) -> dict[str, Any]:
+        """Settings of the loaded ``model``, beyond its modules and weights, that change what it encodes (a
+        ``SparseEncoder``'s ``max_active_dims``), by name: ``validate --json`` reports them under ``model``,
+        :func:`cembed.model.fingerprint.model_fingerprint` hashes them (cached embeddings follow them).
+        Default: none."""
+        return {}
+
+    def similarity_name(self, model) -> str:
+        """The similarity the loaded ``model`` scores a query and a document by, which names its retrieval
+        metrics (``<set>_<name>_ndcg@10``). Default: the kind's (``ModelConfig.similarity``)."""
+        return self.config_class.similarity
 
     def encoder_module(self, model):
         """The sentence-transformers module that holds the transformers encoder a run trains (its

@@ -1,8 +1,9 @@
-"""``model.kind: sparse``: one sparse vector per text, scored by dot product, a sentence-transformers
+"""``model.kind: sparse``: one sparse vector per text, trained by dot product, a sentence-transformers
 ``SparseEncoder``. Registered here.
 
 Loading. A ``SparseEncoder`` folder is loaded as it is (its own architecture; ``model.architecture``, if
-set, must name it), scored by dot product (a saved ``cosine`` is replaced: the loss trains dot). Any other model is built as ``model.architecture`` says
+set, must name it) and scored by its own similarity (``cembed eval``, ``mine-negatives``); to train, by dot
+product (:meth:`SparseKind.prepare_training`: a saved ``cosine`` is replaced, the loss trains dot). Any other model is built as ``model.architecture`` says
 (:class:`cembed.config.model.SparseModelConfig`), with sentence-transformers' own modules:
 
 * ``splade``: ``Transformer(transformer_task="fill-mask")`` + ``SpladePooling`` (what ``SparseEncoder(path)``
@@ -32,22 +33,28 @@ from cembed.model.kinds.registry import ModelKind, TokenLayout, TrainerClasses, 
 UNLIMITED_LENGTH = 10**9
 
 
-def is_masked_lm(path: str, revision: str | None = None) -> bool:
-    """Whether the transformers checkpoint at ``path`` (a folder or a hub id) is a masked-language model
-    (``config.json`` ``architectures`` ending in ``ForMaskedLM``), as ``SparseEncoder`` decides."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
+def _json_file(path: str, name: str, revision: str | None = None) -> dict:
+    """The JSON file ``name`` of the model at ``path`` (a folder or a hub id); {} where it is absent or unreadable."""
+    found = Path(path) / name
+    if not found.is_file():
         try:
             from sentence_transformers.util import load_file_path
 
-            found = load_file_path(path, "config.json", revision=revision)
-        except Exception:  # noqa: BLE001 - unreadable: not known to be one
-            return False
-        config = Path(found) if found else None
+            hub = load_file_path(path, name, revision=revision)
+        except Exception:  # noqa: BLE001 - unreadable: nothing known
+            return {}
+        found = Path(hub) if hub else None
     try:
-        architectures = json.loads(config.read_text()).get("architectures") or [] if config else []
+        loaded = json.loads(found.read_text()) if found else {}
     except (OSError, ValueError):
-        return False
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def is_masked_lm(path: str, revision: str | None = None) -> bool:
+    """Whether the transformers checkpoint at ``path`` (a folder or a hub id) is a masked-language model
+    (``config.json`` ``architectures`` ending in ``ForMaskedLM``), as ``SparseEncoder`` decides."""
+    architectures = _json_file(path, "config.json", revision).get("architectures") or []
     return any(str(a).endswith("ForMaskedLM") for a in architectures)
 
 
@@ -138,7 +145,7 @@ def _autoencoder(input_dim: int, cfg: ModelConfig, default_k: int):
 
 class SparseKind(ModelKind):
     """One sparse vector per text: the ``sentence_embedding`` of a ``SparseEncoder`` (vocabulary-wide for
-    SPLADE, the autoencoder's width for CSR), scored by dot product."""
+    SPLADE, the autoencoder's width for CSR), trained by dot product, evaluated by the model's own similarity."""
 
     def trainer_classes(self) -> TrainerClasses:
         from sentence_transformers.sparse_encoder import (
@@ -194,10 +201,11 @@ class SparseKind(ModelKind):
                     f"model.architecture: {wanted}, but {cfg.name_or_path!r} is a {own} SparseEncoder; "
                     f"drop model.architecture (or set it to {own})"
                 )
+            # Its own similarity, as sentence-transformers scores it (cembed eval, mine-negatives);
+            # prepare_training makes it the dot product the loss trains.
             model.cembed_sparse_source = "the model's SparseEncoder config"
-            if model.similarity_fn_name != "dot":  # what the sparse loss trains and cembed eval scores by
-                model.cembed_sparse_source += f"; its {model.similarity_fn_name} similarity replaced by dot"
-                model.similarity_fn_name = "dot"
+            saved_cap = "max_active_dims" in _json_file(path, "config_sentence_transformers.json", cfg.revision)
+            model.cembed_cap_source = "the folder's config" if saved_cap else "the autoencoder's k"
             return model
         mlm = model_type is None and is_masked_lm(path, cfg.revision)
         architecture = wanted or ("splade" if mlm else "csr")
@@ -219,6 +227,7 @@ class SparseKind(ModelKind):
         model.similarity_fn_name = "dot"  # what the sparse loss trains (a dense model's cosine is not kept)
         source = "SentenceTransformer" if model_type else "plain transformers checkpoint"
         model.cembed_sparse_source = f"built from a {source}"
+        model.cembed_cap_source = "the autoencoder's k"  # SparseEncoder sets max_active_dims only for CSR
         return model
 
     @staticmethod
@@ -269,6 +278,19 @@ class SparseKind(ModelKind):
             )
         super().check_trainable(model, name)
 
+    def prepare_training(self, model) -> None:
+        """Score ``model`` by the dot product the sparse loss trains (InfoNCE on dot products): a folder saved with
+        another similarity (cosine) is trained, evaluated during training and saved as dot, and ``validate``
+        says it was replaced."""
+        if model.similarity_fn_name != "dot":
+            model.cembed_sparse_source += f"; its {model.similarity_fn_name} similarity replaced by dot"
+            model.similarity_fn_name = "dot"
+
+    def similarity_name(self, model) -> str:
+        """The model's own ``similarity_fn_name`` (dot, or the cosine a folder was saved with), as
+        sentence-transformers' ``SparseEncoder.similarity`` and its evaluator score it."""
+        return str(model.similarity_fn_name)
+
     def encoder_module(self, model):
         """The first module, or for an inference-free model the ``Transformer`` of its document route (its
         query side is a static weight per token, no encoder)."""
@@ -295,7 +317,20 @@ class SparseKind(ModelKind):
             if architecture == "inference_free_splade":
                 how = "inference-free SPLADE: queries a static weight per token, documents " + how.split(": ", 1)[1]
         source = getattr(model, "cembed_sparse_source", "")
-        return f"{how}; {self.embedding_dimension(model):,}-dim sparse vectors, {model.similarity_fn_name} ({source})"
+        text = f"{how}; {self.embedding_dimension(model):,}-dim sparse vectors, {model.similarity_fn_name} ({source})"
+        cap = model.max_active_dims
+        if cap is not None:  # applied by encode only: sentence-transformers' training forward is not capped
+            where = getattr(model, "cembed_cap_source", "the model")
+            text += (
+                f"; max_active_dims {cap} ({where}): encoding keeps each text's {cap} largest coordinates "
+                "(retrieval and cembed eval; the loss trains on every active one)"
+            )
+        return text
+
+    def encode_settings(self, model) -> dict:
+        """``max_active_dims``: the cap ``SparseEncoder.encode`` applies to each vector's active coordinates (the
+        folder's ``config_sentence_transformers.json``, or a CSR autoencoder's k), None where there is none."""
+        return {"max_active_dims": model.max_active_dims}
 
     def text_outputs(self, outputs: dict) -> list:
         return list(outputs["sentence_embedding"])
