@@ -129,7 +129,7 @@ class RunDisplay(Protocol):
         """The run continues ``checkpoint``, saved at optimizer step ``step`` of ``max_steps``."""
 
     def interrupt(self, signal_name: str, step: int | None, grace_s: float | None = None) -> None:
-        """``signal_name`` (``SIGINT``, ``SIGTERM``) arrived: optimizer step ``step`` is being finished,
+        """``signal_name`` (``SIGINT``, ``SIGTERM``, ``SIGUSR1``, ``SIGHUP``) arrived: optimizer step ``step`` is being finished,
         then a checkpoint is saved and the run stops; a second one abandons the step. Called at
         once, from a thread of its own, while the step goes on. ``grace_s`` (the last step, or
         ``step`` None: after it): the run is finished instead if that fits in ``grace_s`` seconds
