@@ -161,6 +161,23 @@ def run_status(output_dir: str | Path) -> str | None:
         return None
 
 
+def completed_run(output_dir: str | Path, max_steps: int | None, num_train_epochs: float | None) -> bool:
+    """Whether ``output_dir`` holds this run finished: its ``run_summary.json`` says ``completed``, its
+    final model is saved (``modules.json``), and the summary's config asked for the same length
+    (``train.max_steps``, ``train.num_train_epochs``). A requeued job's ``--resume`` of such a run has
+    nothing left to do; a run asked to be longer is not this one (its resume is refused, naming why).
+    False for a folder without a readable summary that records its config."""
+    out = Path(output_dir)
+    try:
+        summary = json.loads((out / "run_summary.json").read_text())
+        train = summary["config"]["train"]
+        length = (train["max_steps"], train["num_train_epochs"])
+        status = summary["status"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    return status == "completed" and (out / "modules.json").is_file() and length == (max_steps, num_train_epochs)
+
+
 def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
     """Refuse to train into a folder that holds a finished model, or a stopped run to resume, unless told to.
 

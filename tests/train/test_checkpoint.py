@@ -22,6 +22,7 @@ from cembed.train.checkpoint import (
     check_resume_point,
     checkpoint_progress,
     checkpoints,
+    completed_run,
     is_complete,
     is_sharded_checkpoint,
     later_checkpoints,
@@ -148,6 +149,32 @@ def test_check_output_dir(tmp_path):
     (saved / "modules.json").write_text("[]")  # a saved SentenceTransformer, no summary
     with pytest.raises(UserError, match="holds a finished model"):
         check_output_dir(saved, overwrite=False, resuming=False)
+
+
+def test_a_completed_run_is_one_whose_summary_model_and_length_say_so(tmp_path):
+    """What makes a --resume of the folder a no-op (cembed train says "run already complete", exit 0)."""
+
+    def summary(status="completed", max_steps=4, epochs=None, config=True):
+        train = {"max_steps": max_steps, "num_train_epochs": epochs}
+        (tmp_path / "run_summary.json").write_text(
+            json.dumps({"status": status, **({"config": {"train": train}} if config else {})})
+        )
+
+    assert not completed_run(tmp_path, 4, None)  # no summary
+    summary()
+    assert not completed_run(tmp_path, 4, None)  # no final model
+    (tmp_path / "modules.json").write_text("[]")
+    assert completed_run(tmp_path, 4, None)
+    assert not completed_run(tmp_path, 8, None)  # a longer run asked: not this one (its resume refuses)
+    summary(max_steps=None, epochs=1.0)
+    assert completed_run(tmp_path, None, 1.0) and not completed_run(tmp_path, None, 2.0)
+    for status in ("interrupted", "failed", "abandoned"):
+        summary(status=status)
+        assert not completed_run(tmp_path, 4, None), status
+    summary(config=False)  # a summary that does not record its config
+    assert not completed_run(tmp_path, 4, None)
+    (tmp_path / "run_summary.json").write_text("{not json")
+    assert not completed_run(tmp_path, 4, None)
 
 
 def test_check_resume_point(tmp_path):
