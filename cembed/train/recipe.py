@@ -279,6 +279,9 @@ def prepare_output(
             remove_checkpoints(out)
         for replaced in later:  # --resume-from an earlier checkpoint with --overwrite: its later ones go
             shutil.rmtree(replaced, ignore_errors=True)
+        if run_status(out) == "completed":  # this run replaces a finished one (--overwrite, --resume-from): a
+            # later --resume must not take that run's summary for this one's end (checkpoint.completed_run)
+            run.summary_path.unlink(missing_ok=True)
         start = (
             f"resume from {checkpoint}"
             + (f" with {'; '.join(changes)}" if changes else "")

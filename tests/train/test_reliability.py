@@ -235,6 +235,26 @@ def test_a_requeued_resume_of_a_completed_run_says_so_and_exits_0_rewriting_noth
     assert outputs() == before
 
 
+def test_a_run_that_replaces_a_completed_one_removes_its_summary(tmp_path):
+    """`--overwrite` starts a new run in a finished folder: were that run killed (SIGKILL, a lost node)
+    before its end, the old run's "completed" summary and model would make a requeued `--resume`
+    answer "run already complete" and drop the new run's checkpoints."""
+    from types import SimpleNamespace
+
+    from cembed.train.checkpoint import completed_run
+    from cembed.train.recipe import prepare_output
+
+    out = tmp_path / "done"
+    out.mkdir()
+    (out / "modules.json").write_text("[]")
+    train = {"max_steps": 4, "num_train_epochs": None}
+    (out / "run_summary.json").write_text(json.dumps({"status": "completed", "config": {"train": train}}))
+    assert completed_run(out, 4, None)
+    prepare_output(str(out), 4, SimpleNamespace(lr_derivation="0.01"), False, None, overwrite=True)
+    assert not (out / "run_summary.json").exists() and not completed_run(out, 4, None)
+    assert "start: fresh run" in (out / "train.log").read_text()
+
+
 def _validate(write_config, train_path, **data):
     path = write_config(
         {"data": {"train": str(train_path), **data}, "batch": {"per_device_train_batch_size": 2, "mini_batch_size": 1}}
