@@ -7,9 +7,10 @@
 - :class:`HubUnavailable`: a :class:`UserError` for a hub dataset the hub cannot serve (offline,
   unreachable); ``validate`` warns and goes on, ``train`` stops.
 - :class:`RunFailed`: training stopped on a problem in the run itself (a non-finite loss); exit 3.
-- :class:`RunInterrupted`: SIGINT/SIGTERM stopped training after a checkpoint; exit 128 + signal.
-- :class:`RunAbandoned`: a second SIGINT/SIGTERM stopped the run at once, nothing more saved; exit 128 + signal.
-- :class:`LauncherSignalled`: the launcher of several processes got SIGTERM/SIGINT; exit 128 + signal.
+- :class:`RunInterrupted`: a stop signal (SIGINT, SIGTERM, SIGUSR1, SIGHUP) stopped training after a checkpoint;
+  exit 128 + signal.
+- :class:`RunAbandoned`: a second stop signal stopped the run at once, nothing more saved; exit 128 + signal.
+- :class:`LauncherSignalled`: the launcher of several processes got a stop signal; exit 128 + signal.
 - :class:`WorkerFailed`: a launched worker process failed and the launcher stopped the others.
 """
 
@@ -50,7 +51,7 @@ class RunFailed(UserError):
 
 
 class RunInterrupted(Exception):
-    """Training stopped on SIGINT/SIGTERM after saving a checkpoint.
+    """Training stopped on a stop signal (SIGINT, SIGTERM, SIGUSR1, SIGHUP) after saving a checkpoint.
 
     Attributes:
         stage: None for a stop after a step; after the last step, the part of the run's end that was
@@ -64,11 +65,11 @@ class RunInterrupted(Exception):
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum  # shell convention: 130 for SIGINT, 143 for SIGTERM
+        return 128 + self.signum  # shell convention: 130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1
 
 
 class RunAbandoned(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM while the run finished its step, or its end after the last step: it stops
+    """A second stop signal while the run finished its step, or its end after the last step: it stops
     at once and saves nothing more. A KeyboardInterrupt, so that no library's ``except Exception``
     takes it for an error of its own.
 
@@ -97,7 +98,7 @@ class RunAbandoned(KeyboardInterrupt):
 
 
 class LauncherSignalled(Exception):
-    """The process that launched the workers got a termination signal (SIGTERM, SIGINT) and forwarded
+    """The process that launched the workers got a stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) and forwarded
     it: each worker finished its step and saved a checkpoint. Exit 128 + signal, as a single process.
 
     Attributes:

@@ -158,9 +158,9 @@ class TrainConfig(_Strict):
     save_total_limit: PositiveInt | None = None  # keep at most this many checkpoints
     # Also save when this many minutes of wall time passed since the last save (preemptible machines).
     save_every_minutes: PositiveFloat | None = None
-    # Seconds a stop signal (SIGTERM, Ctrl-C) leaves before the process is killed: a signal during or
+    # Seconds a stop signal (SIGTERM, SIGUSR1, Ctrl-C) leaves before the process is killed: a signal during or
     # after the last step finishes the run (final model, evaluation, summary) when that fits, else it
-    # stops where --resume finishes it. 90: Slurm's --signal=TERM@120 less a margin.
+    # stops where --resume finishes it. 90: Slurm's --signal=TERM@120 (or USR1@120) less a margin.
     stop_grace_seconds: PositiveFloat = 90.0
     nonfinite_loss: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss: stop, or skip the step and count it
     # Processes producing batches ahead of the training loop; auto: workers for large batches when the

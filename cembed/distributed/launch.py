@@ -41,6 +41,24 @@ LAUNCHED_BY_CEMBED = "CEMBED_LAUNCHER"
 RESTARTS_ENV = "CEMBED_RESTARTS"
 # A worker's exit codes no restart can change: 2, a UserError (a config or data mistake).
 NO_RESTART_EXIT_CODES = frozenset({2})
+# The signals torch's launcher catches and forwards to its workers (torchrun's --signals-to-handle):
+# torch's default and SIGUSR1, which Slurm's --signal=USR1@120 and submitit send before a time limit
+# (pytorch/pytorch#154849). The workers stop on each as on SIGTERM (cembed.train.checkpoint.STOP_SIGNALS);
+# without it in the list the launcher dies of SIGUSR1 at once and its workers save nothing.
+LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+
+
+def launcher_signals() -> str:
+    """torchrun's ``--signals-to-handle`` for cembed's launcher: :data:`LAUNCHER_SIGNALS` that this
+    platform has, less SIGHUP where this process ignores it (``nohup``: the job is meant to outlive its
+    terminal, and the workers inherit the ignored signal). ``$PET_SIGNALS_TO_HANDLE`` (torchrun's own
+    variable) replaces the list."""
+    if os.environ.get("PET_SIGNALS_TO_HANDLE"):
+        return os.environ["PET_SIGNALS_TO_HANDLE"]
+    names = [name for name in LAUNCHER_SIGNALS if hasattr(signal, name)]
+    if "SIGHUP" in names and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        names.remove("SIGHUP")
+    return ",".join(names)
 
 
 def launched_by_cembed() -> bool:
@@ -269,12 +287,14 @@ def launch(
     shutdown_timeout_s: int | None = None,
 ) -> None:
     """Run ``python -m <module> <module_args>`` in ``nproc_per_node`` worker processes through torch's
-    elastic launcher, exactly as ``torchrun <launcher_args(...)>`` would, and wait for all of them.
+    elastic launcher, as ``torchrun --signals-to-handle <launcher_signals()> <launcher_args(...)>``
+    would, and wait for all of them.
 
     Single node without ``rdzv_endpoint``: the launcher picks a free local port. Several nodes: run
     the same command on every node with its own ``node_rank`` and node 0's ``rdzv_endpoint``.
 
-    A signal to this process (SIGTERM from a scheduler's preemption, SIGINT) reaches every worker
+    A signal to this process (SIGTERM from a scheduler's preemption, SIGINT, SIGUSR1 from Slurm's
+    ``--signal``, SIGHUP; :func:`launcher_signals`) reaches every worker
     (the launcher forwards it and waits ``shutdown_timeout_s``, default ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``
     or 30 s, before killing them): each finishes its step and saves, see
     :class:`cembed.train.checkpoint.InterruptCallback`. With ``max_restarts``, every restart's workers
@@ -294,6 +314,7 @@ def launch(
 
     argv = launcher_args(module, module_args, nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts)
     args = get_args_parser().parse_args(argv)
+    args.signals_to_handle = launcher_signals()
     # A worker killed by a fatal signal (SIGSEGV, SIGABRT from native code) prints every thread's
     # Python stack first, so the launcher's "rank N failed" comes with where it happened.
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")

@@ -6,12 +6,12 @@
 - ``--resume`` picks the newest complete checkpoint; the trainer restores weights, optimizer, LR
   schedule, RNG states and skips the batches already trained in the epoch (the sampler's batches are
   a pure function of seed and epoch, so the order is the same).
-- SIGINT/SIGTERM finish the current optimizer step, save a checkpoint and stop; during or after the
-  last step the run is finished instead when that fits in ``train.stop_grace_seconds``
-  (:mod:`cembed.train.stopping`). A second signal abandons the run at once (:class:`~cembed.errors.RunAbandoned`),
-  and so does a held one when another rank of the job has failed (the step cannot finish).
-  Data-loader workers ignore both signals: a scheduler signals every process of the job, and the
-  main process decides and ends them.
+- A stop signal (:data:`STOP_SIGNALS`: SIGINT, SIGTERM, SIGUSR1, SIGHUP) finishes the current optimizer
+  step, saves a checkpoint and stops; during or after the last step the run is finished instead when
+  that fits in ``train.stop_grace_seconds`` (:mod:`cembed.train.stopping`). A second signal abandons
+  the run at once (:class:`~cembed.errors.RunAbandoned`), and so does a held one when another rank of
+  the job has failed (the step cannot finish). Data-loader workers ignore the stop signals: a
+  scheduler signals every process of the job, and the main process decides and ends them.
 - A non-finite loss stops the run naming the step and the last good checkpoint (or, with
   ``train.nonfinite_loss: skip``, skips that step and counts it).
 """
@@ -161,6 +161,23 @@ def run_status(output_dir: str | Path) -> str | None:
         return None
 
 
+def completed_run(output_dir: str | Path, max_steps: int | None, num_train_epochs: float | None) -> bool:
+    """Whether ``output_dir`` holds this run finished: its ``run_summary.json`` says ``completed``, its
+    final model is saved (``modules.json``), and the summary's config asked for the same length
+    (``train.max_steps``, ``train.num_train_epochs``). A requeued job's ``--resume`` of such a run has
+    nothing left to do; a run asked to be longer is not this one (its resume is refused, naming why).
+    False for a folder without a readable summary that records its config."""
+    out = Path(output_dir)
+    try:
+        summary = json.loads((out / "run_summary.json").read_text())
+        train = summary["config"]["train"]
+        length = (train["max_steps"], train["num_train_epochs"])
+        status = summary["status"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    return status == "completed" and (out / "modules.json").is_file() and length == (max_steps, num_train_epochs)
+
+
 def check_output_dir(output_dir: str | Path, overwrite: bool, resuming: bool) -> None:
     """Refuse to train into a folder that holds a finished model, or a stopped run to resume, unless told to.
 
@@ -262,20 +279,37 @@ def reseeded(seed: int, step: int, rank: int) -> int:
     return seed + 1_000_003 * step + rank
 
 
+# The signals that stop a run as SIGTERM does (finish the step, save, print the --resume command):
+# SIGTERM (schedulers, Kubernetes), SIGINT (Ctrl-C), SIGUSR1 (Slurm's --signal=USR1@120, submitit's
+# default, PyTorch Lightning's Slurm support: pytorch/pytorch#154849, facebookincubator/submitit#1701)
+# and SIGHUP (a closed terminal or ssh session; torchrun forwards it). Without a handler SIGUSR1 and
+# SIGHUP end the process at once, and every step since the last checkpoint is lost. (Windows has
+# neither of the last two.)
+STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP") if hasattr(signal, name)
+)
+
+
+def _kept_ignored(sig: int) -> bool:
+    """Whether ``sig`` stays ignored rather than stop the run: SIGHUP where the process was started
+    ignoring it (``nohup``: the run is meant to outlive its terminal)."""
+    return sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) is signal.SIG_IGN
+
+
 # A launched worker that gets the same signal again this soon after the first takes it for the same
 # one: a scheduler signals every process of the job, and the launcher forwards what it got as well.
 REPEAT_WINDOW_S = 1.0
 
 
 def _ignore_stop_signals(init: Callable[[int], None] | None, worker_id: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     if init is not None:
         init(worker_id)
 
 
 def worker_init(init: Callable[[int], None] | None = None) -> Callable[[int], None]:
-    """A data loader's ``worker_init_fn`` that makes the worker ignore SIGINT and SIGTERM, then runs
+    """A data loader's ``worker_init_fn`` that makes the worker ignore the :data:`STOP_SIGNALS`, then runs
     ``init`` (the loader's own, e.g. the trainer's ``seed_worker``).
 
     A scheduler (Slurm, Kubernetes) and a terminal's Ctrl-C signal every process of the job or group,
@@ -292,14 +326,15 @@ def _launched() -> bool:
 
 
 class InterruptCallback(TrainerCallback):
-    """On SIGINT/SIGTERM: finish the current optimizer step, save a checkpoint, stop training.
+    """On a stop signal (:data:`STOP_SIGNALS`; SIGHUP not under ``nohup``): finish the current optimizer
+    step, save a checkpoint, stop training.
 
     Install with :meth:`install` (main thread only) and undo with :meth:`uninstall`; keep it installed
     through the run's end (final save, evaluation, summary), where a first signal is recorded as
     ``late`` and the recipe finishes or stops the run (:mod:`cembed.train.stopping`). A second signal
     raises :class:`~cembed.errors.RunAbandoned` at once (the step, or the run's end, is not saved);
     in a launched worker the same signal again within :data:`REPEAT_WINDOW_S` is the same one (the
-    scheduler's and the launcher's forward of it). Data-loader workers ignore both signals
+    scheduler's and the launcher's forward of it). Data-loader workers ignore the stop signals
     (:func:`worker_init`; a worker forked before that runs inherits this handler, which ignores them
     there too). In a multi-process job a held signal ends the process at once when another rank
     announces its failure (:func:`cembed.distributed.peers.end_when_a_peer_fails`): the launcher
@@ -347,8 +382,9 @@ class InterruptCallback(TrainerCallback):
 
     def install(self) -> None:
         self._pid = os.getpid()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        for sig in STOP_SIGNALS:
+            if not _kept_ignored(sig):
+                self._previous[sig] = signal.signal(sig, self._handle)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

@@ -129,7 +129,7 @@ class RunDisplay(Protocol):
         """The run continues ``checkpoint``, saved at optimizer step ``step`` of ``max_steps``."""
 
     def interrupt(self, signal_name: str, step: int | None, grace_s: float | None = None) -> None:
-        """``signal_name`` (``SIGINT``, ``SIGTERM``) arrived: optimizer step ``step`` is being finished,
+        """``signal_name`` (``SIGINT``, ``SIGTERM``, ``SIGUSR1``, ``SIGHUP``) arrived: optimizer step ``step`` is being finished,
         then a checkpoint is saved and the run stops; a second one abandons the step. Called at
         once, from a thread of its own, while the step goes on. ``grace_s`` (the last step, or
         ``step`` None: after it): the run is finished instead if that fits in ``grace_s`` seconds
@@ -279,6 +279,9 @@ def prepare_output(
             remove_checkpoints(out)
         for replaced in later:  # --resume-from an earlier checkpoint with --overwrite: its later ones go
             shutil.rmtree(replaced, ignore_errors=True)
+        if run_status(out) == "completed":  # this run replaces a finished one (--overwrite, --resume-from): a
+            # later --resume must not take that run's summary for this one's end (checkpoint.completed_run)
+            run.summary_path.unlink(missing_ok=True)
         start = (
             f"resume from {checkpoint}"
             + (f" with {'; '.join(changes)}" if changes else "")

@@ -1,4 +1,4 @@
-"""How a run ends when a stop signal (SIGTERM, SIGINT) comes during or after its last optimizer step.
+"""How a run ends when a stop signal (SIGTERM, SIGINT, SIGUSR1, SIGHUP) comes during or after its last optimizer step.
 
 Before the last step a signal finishes the step, saves a checkpoint and stops
 (:class:`cembed.train.checkpoint.InterruptCallback`). At the end there is no step left to stop

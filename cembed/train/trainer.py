@@ -259,7 +259,7 @@ class CembedTrainer(SentenceTransformerTrainer):
     def _build_dataloader(self, dataset, batch_size, dataset_kind):
         # Pre-tokenized training batches are fetched a batch at a time from the Arrow table (TokenIdRows).
         loader = super()._build_dataloader(dataset, batch_size, dataset_kind)
-        # Its workers ignore SIGINT/SIGTERM, which a scheduler sends to every process of the job: the
+        # Its workers ignore the stop signals (SIGTERM, SIGUSR1, ...), which a scheduler sends to every process of the job: the
         # main process decides (InterruptCallback) and ends them.
         loader.worker_init_fn = worker_init(loader.worker_init_fn)
         keep = ("batch_sampler", "collate_fn", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor")

@@ -207,6 +207,24 @@ def test_launch_runs_torchs_launcher_with_the_workers_environment(monkeypatch):
     assert seen["agent"] is torchs_agent and FRESH_STORE_PER_RESTART[0] not in seen["env"]
 
 
+def test_the_launcher_forwards_sigusr1_and_leaves_sighup_ignored_under_nohup(monkeypatch):
+    """Slurm's --signal=USR1@120 and submitit send SIGUSR1: torch's launcher handles only SIGTERM, SIGINT,
+    SIGHUP and SIGQUIT by default, and died of it at once, its workers unsaved."""
+    seen = _fake_run(monkeypatch)
+    monkeypatch.delenv("PET_SIGNALS_TO_HANDLE", raising=False)
+    launch(["train"], 2)
+    assert seen["args"].signals_to_handle.split(",") == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1"]
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts it
+    try:
+        launch(["train"], 2)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert seen["args"].signals_to_handle.split(",") == ["SIGTERM", "SIGINT", "SIGQUIT", "SIGUSR1"]
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR2")  # torchrun's own variable: the user's list
+    launch(["train"], 2)
+    assert seen["args"].signals_to_handle == "SIGTERM,SIGUSR2"
+
+
 def test_launch_with_restarts_puts_cembeds_agent_in_for_the_launch(monkeypatch):
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState

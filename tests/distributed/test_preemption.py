@@ -5,6 +5,7 @@
   data-loader workers each; issue 38): every rank finishes its step and saves the same complete
   checkpoint (the workers ignore the signal, a rank takes the launcher's forward of it for the same
   one), the job exits 143 (128 + SIGTERM), and ``--resume`` ends with the uninterrupted run's weights.
+  SIGUSR1 (Slurm's ``--signal=USR1@120``) the same, exit 138.
 - A second SIGTERM while the ranks finish their step: they stop at once without saving it, the
   job exits 143 saying so, and the newest checkpoint is the one before; ``train.log`` and
   ``run_summary.json`` (status ``abandoned``) say which step.
@@ -150,6 +151,29 @@ def test_sigterm_to_every_process_saves_every_rank_and_resume_equals_uninterrupt
     d_w = _max_dw(straight, out)
     print(f"\nSIGTERM to {signalled} processes at step {step}, resumed: max|dW| vs uninterrupted {d_w:.2e}")
     assert d_w <= 1e-6
+
+
+def test_sigusr1_to_every_process_saves_every_rank_as_sigterm_does(uninterrupted, tiny_model_dir):
+    """Slurm's --signal=USR1@120 (submitit's default) signals every process of the job step: the
+    launcher forwards SIGUSR1 as it does SIGTERM and every rank saves the same checkpoint, exit 138
+    (128 + SIGUSR1). Before, the launcher, the ranks and their workers died of it, nothing saved. The
+    resume of such a checkpoint is the SIGTERM test's (the same checkpoint, the same code)."""
+    tmp, write_config, _ = uninterrupted
+    cfg = _config(write_config, tmp, tiny_model_dir, "usr1")
+    out = tmp / "usr1"
+    proc = _launch(cfg)
+    _wait_for_checkpoint(out, proc)
+    _signal_every_process(proc, signal.SIGUSR1)
+    text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 138, text
+    summary = json.loads((out / "run_summary.json").read_text())
+    step = summary["steps"]
+    assert summary["status"] == "interrupted" and 2 <= step < STEPS, summary
+    checkpoint = out / f"checkpoint-{step}"
+    assert json.loads((checkpoint / "cembed_checkpoint_complete.json").read_text())["step"] == step
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in checkpoint.iterdir()}  # both ranks saved it
+    assert f"interrupted by SIGUSR1: newest checkpoint {checkpoint}" in " ".join(text.split()), text
+    assert "--resume" in text and "Traceback" not in text
 
 
 def _workers(launcher: int) -> list:

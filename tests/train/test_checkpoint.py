@@ -22,6 +22,7 @@ from cembed.train.checkpoint import (
     check_resume_point,
     checkpoint_progress,
     checkpoints,
+    completed_run,
     is_complete,
     is_sharded_checkpoint,
     later_checkpoints,
@@ -148,6 +149,32 @@ def test_check_output_dir(tmp_path):
     (saved / "modules.json").write_text("[]")  # a saved SentenceTransformer, no summary
     with pytest.raises(UserError, match="holds a finished model"):
         check_output_dir(saved, overwrite=False, resuming=False)
+
+
+def test_a_completed_run_is_one_whose_summary_model_and_length_say_so(tmp_path):
+    """What makes a --resume of the folder a no-op (cembed train says "run already complete", exit 0)."""
+
+    def summary(status="completed", max_steps=4, epochs=None, config=True):
+        train = {"max_steps": max_steps, "num_train_epochs": epochs}
+        (tmp_path / "run_summary.json").write_text(
+            json.dumps({"status": status, **({"config": {"train": train}} if config else {})})
+        )
+
+    assert not completed_run(tmp_path, 4, None)  # no summary
+    summary()
+    assert not completed_run(tmp_path, 4, None)  # no final model
+    (tmp_path / "modules.json").write_text("[]")
+    assert completed_run(tmp_path, 4, None)
+    assert not completed_run(tmp_path, 8, None)  # a longer run asked: not this one (its resume refuses)
+    summary(max_steps=None, epochs=1.0)
+    assert completed_run(tmp_path, None, 1.0) and not completed_run(tmp_path, None, 2.0)
+    for status in ("interrupted", "failed", "abandoned"):
+        summary(status=status)
+        assert not completed_run(tmp_path, 4, None), status
+    summary(config=False)  # a summary that does not record its config
+    assert not completed_run(tmp_path, 4, None)
+    (tmp_path / "run_summary.json").write_text("{not json")
+    assert not completed_run(tmp_path, 4, None)
 
 
 def test_check_resume_point(tmp_path):
@@ -298,15 +325,16 @@ def test_data_loader_workers_ignore_stop_signals():
     it = iter(loader)
     batches = [next(it), next(it)]  # one from each worker: both have run worker_init
     for worker in it._workers:
-        os.kill(worker.pid, signal.SIGTERM)
-        os.kill(worker.pid, signal.SIGINT)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):  # USR1: Slurm's --signal
+            os.kill(worker.pid, sig)
     batches += list(it)
     assert torch.cat(batches).tolist() == list(range(64))
 
 
 def _check_ignored(worker_id: int) -> None:
     # the loader's own worker_init_fn runs after the signals are set to be ignored
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+        assert signal.getsignal(sig) is signal.SIG_IGN, sig
 
 
 def test_a_restart_resumes_from_the_newest_complete_checkpoint(tmp_path):
@@ -467,6 +495,46 @@ def test_the_first_signal_starts_the_watch_for_a_failed_peer(monkeypatch):
         cb.uninstall()
 
 
+@pytest.mark.parametrize(("first", "second"), [(signal.SIGUSR1, signal.SIGUSR1), (signal.SIGHUP, signal.SIGTERM)])
+def test_sigusr1_and_sighup_stop_the_run_as_sigterm_does(first, second):
+    """Slurm's --signal=USR1@120 and submitit send SIGUSR1 before a time limit, a closed terminal or ssh
+    session SIGHUP: each finishes the step and saves (exit 128 + the signal), a second signal abandons.
+    Without a handler either one ends the process at once, the steps since the last checkpoint lost."""
+    cb = InterruptCallback()
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 3
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGHUP)}
+    cb.install()
+    try:
+        for sig in before:  # (were one not handled, the signal below would end pytest itself)
+            assert signal.getsignal(sig) not in (signal.SIG_DFL, signal.SIG_IGN, None), signal.Signals(sig).name
+        _send(first)
+        assert cb.signum == first
+        cb.on_step_end(None, state, control)
+        assert (control.should_save, control.should_training_stop) == (True, True)
+        with pytest.raises(RunAbandoned) as abandoned:
+            os.kill(os.getpid(), second)
+        assert (abandoned.value.signum, abandoned.value.exit_code) == (second, 128 + second)
+        assert {sig: signal.getsignal(sig) for sig in before} == before  # handlers restored
+    finally:
+        cb.uninstall()
+
+
+def test_sighup_stays_ignored_under_nohup():
+    """``nohup cembed train ...`` starts the process with SIGHUP ignored: the run outlives its terminal."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    cb = InterruptCallback()
+    try:
+        cb.install()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        cb.uninstall()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        cb.uninstall()
+        signal.signal(signal.SIGHUP, previous)
+
+
 def test_a_forked_process_ignores_the_handler_it_inherited():
     """A data-loader worker forked after install() inherits the handler: it ignores the signal there
     (the main process decides), and the main process's callback records nothing."""
@@ -491,7 +559,7 @@ def test_a_forked_process_ignores_the_handler_it_inherited():
 def test_worker_init_ignores_both_signals_then_runs_the_loaders_own():
     """What a data-loader worker runs first (tests/train/test_checkpoint.py's loader test shows the
     workers surviving the signals; here in this process, so the calls are seen directly)."""
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)}
     seen = []
     try:
         worker_init(seen.append)(7)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -194,6 +195,64 @@ def test_finished_output_dir_not_overwritten(tiny_model_dir, write_config, tmp_p
     assert (tmp_path / "done" / "model.safetensors").read_bytes() == before
     summary = run_training(cfg, plan, data, overwrite=True)
     assert summary["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_a_requeued_resume_of_a_completed_run_says_so_and_exits_0_rewriting_nothing(
+    tiny_model_dir, write_config, tmp_path
+):
+    """A Slurm requeue runs the same `cembed train cfg --resume` again after the run finished (before:
+    refused, exit 2, "already at train.max_steps=1 and its run finished"). A longer run is still refused."""
+    import hashlib
+
+    out = tmp_path / "requeued"
+    path = _config(write_config, tmp_path, tiny_model_dir, out, max_steps=1, save_steps=1)
+    first = CliRunner().invoke(app, ["train", str(path)])
+    assert first.exit_code == 0, first.output
+
+    def outputs() -> dict:
+        return {
+            f.relative_to(out).as_posix(): (f.stat().st_mtime_ns, hashlib.sha256(f.read_bytes()).hexdigest())
+            for f in sorted(out.rglob("*"))
+            if f.is_file()
+        }
+
+    before = outputs()
+    assert {"model.safetensors", "run_summary.json", "train.log", "checkpoint-1/model.safetensors"} <= set(before)
+    again = CliRunner().invoke(app, ["train", str(path), "--resume"])
+    assert again.exit_code == 0, again.output
+    assert again.output.strip().splitlines() == [
+        f"run already complete: {out} holds its final model and run_summary.json (status completed); nothing to resume"
+    ]
+    assert outputs() == before  # every file, the weights, the summary and train.log included, untouched
+    longer = CliRunner().invoke(app, ["train", str(path), "train.max_steps=2", "--resume"])
+    assert longer.exit_code == 2 and "belongs to a run of 1 steps, but train.max_steps is 2" in longer.output
+    # the same without a checkpoint (no train.save_steps): before, "--resume: no complete checkpoint"
+    shutil.rmtree(out / "checkpoint-1")
+    before = outputs()
+    again = CliRunner().invoke(app, ["train", str(path), "--resume"])
+    assert again.exit_code == 0 and "run already complete" in again.output, again.output
+    assert outputs() == before
+
+
+def test_a_run_that_replaces_a_completed_one_removes_its_summary(tmp_path):
+    """`--overwrite` starts a new run in a finished folder: were that run killed (SIGKILL, a lost node)
+    before its end, the old run's "completed" summary and model would make a requeued `--resume`
+    answer "run already complete" and drop the new run's checkpoints."""
+    from types import SimpleNamespace
+
+    from cembed.train.checkpoint import completed_run
+    from cembed.train.recipe import prepare_output
+
+    out = tmp_path / "done"
+    out.mkdir()
+    (out / "modules.json").write_text("[]")
+    train = {"max_steps": 4, "num_train_epochs": None}
+    (out / "run_summary.json").write_text(json.dumps({"status": "completed", "config": {"train": train}}))
+    assert completed_run(out, 4, None)
+    prepare_output(str(out), 4, SimpleNamespace(lr_derivation="0.01"), False, None, overwrite=True)
+    assert not (out / "run_summary.json").exists() and not completed_run(out, 4, None)
+    assert "start: fresh run" in (out / "train.log").read_text()
 
 
 def _validate(write_config, train_path, **data):

@@ -3,7 +3,8 @@ the last step, and twice.
 
 - SIGTERM to the whole process group (Slurm, Kubernetes: every process of the job, the data-loader
   workers included) at step 3: the workers ignore it, the main process saves checkpoint-3 and exits
-  143, and ``--resume`` ends with the uninterrupted run's weights.
+  143, and ``--resume`` ends with the uninterrupted run's weights. The same with SIGUSR1 (Slurm's
+  ``--signal=USR1@120``, submitit's default), exit 138: before, it killed every process unsaved.
 - SIGTERM during the last step, or 0.5 s after it (in the final save): with the default
   ``train.stop_grace_seconds`` the run is finished (model, evaluation, summary, exit 0); with a grace
   the run's end does not fit in, it stops with a checkpoint of the last step and prints a command
@@ -187,24 +188,26 @@ def test_a_second_sigterm_in_one_process_abandons_the_step_and_says_so(straight,
     assert not (out / "checkpoint-3").exists()
 
 
-# During step 3 the run has `kill -TERM -- -PGID` sent to its process group from outside it, as a
-# scheduler signals every process of a job: the data-loader workers get SIGTERM too. The step then
+# During step 3 the run has `kill -<SIGNAL> -- -PGID` sent to its process group from outside it, as a
+# scheduler signals every process of a job: the data-loader workers get the signal too. The step then
 # goes on for a second, as a real model's does. (From outside: torch's workers end quietly on a
 # SIGTERM from their parent, the main process, not on the scheduler's.)
-SIGTERM_TO_THE_GROUP_AT_STEP_3 = textwrap.dedent(
+SIGNAL_TO_THE_GROUP_AT_STEP_3 = textwrap.dedent(
     """
     import os, subprocess, sys, time
     import cembed.train.recipe as T
 
-    class GroupSigtermAtStep3(T.InterruptCallback):
+    SIGNAL = sys.argv.pop(1)  # TERM, USR1
+
+    class GroupSignalAtStep3(T.InterruptCallback):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 2 and self.signum is None:
                 group = os.getpgid(0)
-                subprocess.run(["kill", "-TERM", "--", f"-{group}"], start_new_session=True, check=True)
+                subprocess.run(["kill", f"-{SIGNAL}", "--", f"-{group}"], start_new_session=True, check=True)
                 time.sleep(1)
             return control
 
-    T.InterruptCallback = GroupSigtermAtStep3
+    T.InterruptCallback = GroupSignalAtStep3
     from cembed.cli.app import main
     sys.argv = ["cembed", "train", *sys.argv[1:]]
     main()
@@ -212,14 +215,16 @@ SIGTERM_TO_THE_GROUP_AT_STEP_3 = textwrap.dedent(
 )
 
 
-def test_sigterm_to_the_whole_process_group_with_data_loader_workers_saves_and_resumes_exactly(
-    straight, tiny_model_dir
+@pytest.mark.parametrize(("name", "code"), [("TERM", 143), ("USR1", 138)])
+def test_a_stop_signal_to_the_whole_process_group_with_data_loader_workers_saves_and_resumes_exactly(
+    straight, tiny_model_dir, name, code
 ):
     folder, reference = straight
-    path = _config(folder, tiny_model_dir, "group", dataloader_num_workers=2)
+    run = f"group-{name.lower()}"
+    path = _config(folder, tiny_model_dir, run, dataloader_num_workers=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     r = subprocess.run(
-        [sys.executable, "-c", SIGTERM_TO_THE_GROUP_AT_STEP_3, str(path)],
+        [sys.executable, "-c", SIGNAL_TO_THE_GROUP_AT_STEP_3, name, str(path)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -227,11 +232,11 @@ def test_sigterm_to_the_whole_process_group_with_data_loader_workers_saves_and_r
         env=env,
         start_new_session=True,  # its own process group: the signal reaches it and its workers only
     )
-    out = folder / "group"
-    assert r.returncode == 143, r.stdout[-2000:] + r.stderr[-3000:]
+    out = folder / run
+    assert r.returncode == code, r.stdout[-2000:] + r.stderr[-3000:]  # 128 + the signal
     assert (out / "checkpoint-3" / MARKER).exists()
     assert r.stderr.splitlines()[-2:] == [
-        f"interrupted by SIGTERM at step 3: checkpoint saved to {out / 'checkpoint-3'}",
+        f"interrupted by SIG{name} at step 3: checkpoint saved to {out / 'checkpoint-3'}",
         f"resume with: cembed train {path} --resume",
     ], r.stderr
     resumed = _train(path, "--resume")
@@ -239,5 +244,5 @@ def test_sigterm_to_the_whole_process_group_with_data_loader_workers_saves_and_r
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["status"] == "completed" and summary["resumed_from"] == str(out / "checkpoint-3")
     d_w = _max_dw(reference, out)
-    print(f"\nSIGTERM to the process group at step 3 (2 data-loader workers), resumed: max|dW| {d_w:.1e}")
+    print(f"\nSIG{name} to the process group at step 3 (2 data-loader workers), resumed: max|dW| {d_w:.1e}")
     assert d_w <= 1e-6

@@ -97,6 +97,8 @@ def train_cmd(
         raise UserError(
             "--nproc-per-node/--nnodes: this process was already started by a launcher (torchrun); drop them"
         )
+    if resume and not (resume_from or overwrite) and _already_complete(cfg):
+        return  # a requeued job's --resume of a run that finished: nothing to do, nothing rewritten
     # Flags every worker process must see as well.
     worker_flags = (
         (["--resume"] if resume else [])
@@ -119,6 +121,25 @@ def train_cmd(
         )
         return
     _train_here(cfg, config, overrides, resume, resume_from, overwrite, max_memory)
+
+
+def _already_complete(cfg) -> bool:
+    """Whether ``train.output_dir`` holds this run finished (:func:`cembed.train.checkpoint.completed_run`);
+    then one line says so (on rank 0 under ``torchrun`` by hand) and the command exits 0. A Slurm
+    requeue runs the same ``--resume`` command again after the run finished in an earlier slot."""
+    from cembed.distributed.group import dist_info
+    from cembed.train.checkpoint import completed_run
+
+    t = cfg.train
+    if not completed_run(t.output_dir, t.max_steps, t.num_train_epochs):
+        return False
+    if dist_info().is_main:
+        console.print(
+            f"run already complete: {display_path(t.output_dir)} holds its final model and run_summary.json "
+            "(status completed); nothing to resume",
+            highlight=False,
+        )
+    return True
 
 
 def _train_here(
