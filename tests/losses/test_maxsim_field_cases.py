@@ -6,9 +6,14 @@ or autograd through sentence-transformers' padded ``maxsim``. docs/development.m
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import end_gloo_rank, free_port, join_gloo_rank
+from sentence_transformers.multi_vector_encoder.losses import CachedMultiVectorMultipleNegativesRankingLoss
 from sentence_transformers.util import maxsim
 
 from cembed.config.model import model_config
@@ -289,3 +294,57 @@ def test_meanmaxsim_with_query_expansion_under_a_token_budget(tiny_model_dir):
     assert "query_expansion_positions" in features[0]
     built = cembed_loss(model, 8.0, budget=30, tiles=(13, 7, 2))
     assert worst_error(model, built.module, stock(model, 8.0), features) < 1e-5
+
+
+# --- 2 gloo ranks: gathered documents over several mini-batches per column ---------------------------------
+
+WORLD = 2
+RANK_TEXTS = [  # (queries, positives, negatives) per rank; rank 1's negatives have no scored token at all
+    (
+        ["a man on a bus", "two dogs", "the red car"],
+        ["a man is riding the bus to the street", "dogs playing", "a red car near a small white car"],
+        ["blue room", "the table, with a cat", "top"],
+    ),
+    (
+        ["a cat on a table", "people", "food"],
+        ["cat sitting on the table", "people at the street with a dog", "a plate of food on a table"],
+        ["!!!", "?", ""],
+    ),
+]
+
+
+def _rank_worker(rank: int, tmp: str, model_dir: str, port: int) -> None:
+    join_gloo_rank(rank, WORLD, port, 600)
+    import torch.distributed as dist
+
+    from cembed.config.loss import loss_config
+    from cembed.losses.registry import build_loss
+
+    dist.init_process_group("gloo")
+    model = _multi_vector(model_dir, skiplist=EVERYTHING_OUT)
+    features = [model.preprocess(t, task="query" if i == 0 else "document") for i, t in enumerate(RANK_TEXTS[rank])]
+    cfg = loss_config(name="cached_maxsim", scale=2.0, score_query_tokens=4, score_document_tokens=5)
+    mine = build_loss(model, cfg, 1, gather_across_devices=True).module
+    theirs = CachedMultiVectorMultipleNegativesRankingLoss(
+        model, scale=2.0, mini_batch_size=1, gather_across_devices=True
+    )
+    results = {"scored": _scored_tokens(model, features[2]), "error": worst_error(model, mine, theirs, features)}
+    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    end_gloo_rank()
+
+
+@pytest.mark.slow
+def test_gathered_documents_over_several_mini_batches_per_rank(tiny_model_dir, tmp_path):
+    """lightonai/pylate#100 "Add gathering to (cached) contrastive loss", NVIDIA-NeMo/Automodel#2283 (are
+    other ranks' gathered ColBERT passages given their gradient, as one process with the whole batch would
+    give them?): 2 gloo ranks, triplets, mini-batches of one row (3 per column), one rank's negatives without
+    a single scored token (empty pieces of that rank's cache: gathered from a slice of the cache, which skips
+    them, they got no gradient and the library refused the column as "not used"). Reference: the stock
+    gathered loss on each rank."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_worker, args=(str(tmp_path), str(tiny_model_dir), free_port()), nprocs=WORLD, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert results[1]["scored"] == [0, 0, 0] and min(results[0]["scored"]) > 0
+    assert all(r["error"] < 1e-5 for r in results), results
