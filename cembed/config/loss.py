@@ -243,7 +243,7 @@ def maxsim_scoring_bytes(
     tile holds whole queries), ``Td = document_tokens``, ``Rd = document_rows``: a tile's similarities, one
     gathered copy of a per-(query token, document) array and their product; the running max per (query
     token, document), its gradient, the hits found so far and in the tile, and the scores; four numbers
-    per query (the running log-sum-exp, the positive). Pure arithmetic."""
+    per query (the largest logit, the log-sum, the label, the row offset). Pure arithmetic."""
     sq = max(query_tokens, longest_query)
     return 4 * (3 * sq * document_tokens + 5 * sq * document_rows) + 32 * queries
 

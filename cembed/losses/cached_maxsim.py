@@ -99,7 +99,9 @@ class CachedMaxSimLoss(LengthSortedMixin, CachedMultiVectorMultipleNegativesRank
         doc_lengths = torch.cat([n for column in masks_chunks[1:] for n in column])
         rank = 0
         if self.gather_across_devices:  # every rank's documents: a new tensor in any case
-            doc_values, _ = gather_rows(doc_values[:])
+            # Every piece in the graph, empty ones too (a mini-batch whose documents the skiplist emptied): a
+            # slice skips them, and a piece left without a gradient is a column "not used" for the library.
+            doc_values, _ = gather_rows(torch.cat(doc_values.parts))
             doc_lengths, _ = gather_rows(doc_lengths)
             rank, _ = rank_and_world()
         documents = RaggedTokens.from_lengths(doc_values, doc_lengths)

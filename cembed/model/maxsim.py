@@ -21,9 +21,9 @@ tile is ever materialised. Scoring memory, besides the inputs and their gradient
 
 for ``Sq = max(query_tokens, longest query)``, ``Td = document_tokens``, ``Rd = document_rows`` (a tile's
 similarities, one gathered copy of a per-(query token, document) array and their product; the running
-max, its gradient, the hits found so far and in the tile, the scores; per query its running log-sum-exp,
-positive and label, and the row offsets, kept on the host as 8-byte ints), whatever the batch. The inputs
-are read in place: a cache of mini-batches is :class:`TokenPieces`, never concatenated (a tile that spans
+max, its gradient, the hits found so far and in the tile, the scores; per query its largest logit and
+log-sum (the log-sum-exp in two parts), its label, and the row offsets, kept on the host as 8-byte ints),
+whatever the batch. The inputs are read in place: a cache of mini-batches is :class:`TokenPieces`, never concatenated (a tile that spans
 two mini-batches is copied, the tile only).
 
 :func:`maxsim_infonce` is InfoNCE over these scores (``CachedMultiVectorMultipleNegativesRankingLoss``'s
@@ -465,12 +465,18 @@ class _MaxSimInfoNCE(torch.autograd.Function):
         queries, documents = RaggedTokens(q_values, q_offsets), RaggedTokens(d_values, d_offsets)
         device = q_values.device
         counts = _token_counts(queries, device) if length_normalize else None
-        lse = torch.empty(queries.rows, device=device)
-        positive = torch.empty(queries.rows, device=device)
+        # Per query its largest logit and the log of sum(exp(logit - largest)), kept apart: the loss is
+        # (largest - positive) + log-sum, as cross_entropy's log_softmax takes it. Their sum (the log-sum-exp)
+        # rounds at the logits' magnitude (256 at the -2e9 of documents without tokens, ~2e-6 at 30), which
+        # swamps a small loss (a trained model's) once the positive is subtracted.
+        tops = torch.empty(queries.rows, device=device)
+        log_totals = torch.empty(queries.rows, device=device)
+        loss = torch.zeros((), device=device)
         for r0, r1, _a0, _a1, rows, blocks in _blocks(queries, documents, tiles, kernel):
             n = r1 - r0
             top = torch.full((n,), float("-inf"), device=device)
             total = torch.zeros(n, device=device)
+            positive = torch.empty(n, device=device)
             label = labels[r0:r1]
             divide = counts[r0:r1] if counts is not None else None
             for block in blocks:
@@ -480,16 +486,17 @@ class _MaxSimInfoNCE(torch.autograd.Function):
                 top = new_top
                 inside = (label >= block.j0) & (label < block.j1)
                 local = (label - block.j0).clamp(0, block.j1 - block.j0 - 1)
-                positive[r0:r1] = torch.where(inside, logits.gather(1, local[:, None])[:, 0], positive[r0:r1])
+                positive = torch.where(inside, logits.gather(1, local[:, None])[:, 0], positive)
                 del logits  # freed before the next block's tile is allocated, not after: the bound counts one block
-            lse[r0:r1] = top + torch.log(total)
-        ctx.save_for_backward(labels, lse, *parts)
+            tops[r0:r1], log_totals[r0:r1] = top, torch.log(total)
+            loss += ((top - positive) + log_totals[r0:r1]).sum()
+        ctx.save_for_backward(labels, tops, log_totals, *parts)
         ctx.setup = setup
-        return (lse - positive).sum() / divisor
+        return loss / divisor
 
     @staticmethod
     def backward(ctx, grad):
-        labels, lse, *parts = ctx.saved_tensors
+        labels, tops, log_totals, *parts = ctx.saved_tensors
         n_q, q_offsets, d_offsets, scale, length_normalize, tiles, divisor, kernel = ctx.setup
         q_values, d_values = TokenPieces(parts[:n_q]), TokenPieces(parts[n_q:])
         queries, documents = RaggedTokens(q_values, q_offsets), RaggedTokens(d_values, d_offsets)
@@ -504,7 +511,7 @@ class _MaxSimInfoNCE(torch.autograd.Function):
             divide = counts[r0:r1] if counts is not None else None
             for block in blocks:
                 logits = scale * finish_scores(block.block_sums(rows, n, for_backward=True), block.empty, divide)
-                dlogits = torch.exp(logits - lse[r0:r1, None])
+                dlogits = torch.exp((logits - tops[r0:r1, None]) - log_totals[r0:r1, None])  # softmax, as forward
                 inside = (label >= block.j0) & (label < block.j1)
                 local = (label - block.j0).clamp(0, block.j1 - block.j0 - 1)
                 dlogits.scatter_add_(1, local[:, None], -inside.float()[:, None])
