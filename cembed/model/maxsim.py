@@ -22,7 +22,7 @@ tile is ever materialised. Scoring memory, besides the inputs and their gradient
 for ``Sq = max(query_tokens, longest query)``, ``Td = document_tokens``, ``Rd = document_rows`` (a tile's
 similarities, one gathered copy of a per-(query token, document) array and their product; the running
 max, its gradient, the hits found so far and in the tile, the scores; per query its largest logit and
-log-sum (the log-sum-exp in two parts), its label, and the row offsets, kept on the host as 8-byte ints),
+log-sum (the log-sum-exp in two parts), its label, and the row offsets, kept on the host as 4-byte ints),
 whatever the batch. The inputs are read in place: a cache of mini-batches is :class:`TokenPieces`, never concatenated (a tile that spans
 two mini-batches is copied, the tile only).
 
@@ -96,6 +96,20 @@ class TokenPieces:
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
+# Row offsets on the host: int32 while they fit (half the bytes a row), else int64.
+OFFSET_DTYPES = {"i": torch.int32, "q": torch.int64}
+assert array("i").itemsize == 4 and array("q").itemsize == 8
+
+
+def offset_array(offsets: torch.Tensor) -> array:
+    """``offsets`` (a 1-D integer tensor, starting at 0) as a host ``array``: typecode ``i`` (int32) when its
+    last value fits in int32, else ``q`` (int64)."""
+    code = "i" if int(offsets[-1]) < 2**31 else "q"
+    out = array(code)
+    out.frombytes(offsets.to(OFFSET_DTYPES[code]).cpu().numpy().tobytes())
+    return out
+
+
 def _pieces(values) -> TokenPieces:
     return values if isinstance(values, TokenPieces) else TokenPieces([values])
 
@@ -104,8 +118,8 @@ def _pieces(values) -> TokenPieces:
 class RaggedTokens:
     """Token vectors of ``rows`` texts end to end: ``values`` ``(tokens, dim)`` (a tensor, or the cache's
     mini-batches as :class:`TokenPieces`) and ``offsets`` (``rows + 1`` ints on the host, kept as an
-    ``array('q')``: 8 bytes a row; row ``i`` is ``values[offsets[i]:offsets[i + 1]]``). A list of offsets is
-    converted.
+    ``array``: 4 bytes a row while the tokens fit in int32, else 8 (:func:`offset_array`); row ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]``). A list of offsets is converted.
 
     Raises:
         ValueError: the offsets do not end at the number of token vectors."""
@@ -114,8 +128,8 @@ class RaggedTokens:
     offsets: array
 
     def __post_init__(self) -> None:
-        if not isinstance(self.offsets, array) or self.offsets.typecode != "q":
-            object.__setattr__(self, "offsets", array("q", [int(o) for o in self.offsets]))
+        if not isinstance(self.offsets, array) or self.offsets.typecode not in OFFSET_DTYPES:
+            object.__setattr__(self, "offsets", offset_array(torch.tensor([int(o) for o in self.offsets])))
         if self.offsets[-1] != self.values.shape[0]:
             raise ValueError(f"{self.values.shape[0]} token vectors but the offsets end at {self.offsets[-1]}")
 
@@ -127,8 +141,8 @@ class RaggedTokens:
     def from_lengths(cls, values, lengths) -> RaggedTokens:
         """From ``values`` (a tensor or :class:`TokenPieces`) and each row's token count (a tensor or a list)."""
         counts = torch.as_tensor(lengths if isinstance(lengths, torch.Tensor) else list(lengths), dtype=torch.int64)
-        offsets = array("q", [0])
-        offsets.frombytes(torch.cumsum(counts.detach().cpu(), dim=0).numpy().tobytes())
+        ends = torch.cumsum(counts.detach().cpu(), dim=0)
+        offsets = offset_array(torch.cat([ends.new_zeros(1), ends]))
         if offsets[-1] != values.shape[0]:
             raise ValueError(f"{values.shape[0]} token vectors but the lengths sum to {offsets[-1]}")
         return cls(values, offsets)
@@ -141,7 +155,7 @@ class RaggedTokens:
 
     def lengths(self, device=None) -> torch.Tensor:
         """Each row's token count, ``(rows,)`` int64."""
-        offsets = torch.frombuffer(self.offsets, dtype=torch.int64) if self.rows else torch.zeros(1, dtype=torch.int64)
+        offsets = torch.frombuffer(self.offsets, dtype=OFFSET_DTYPES[self.offsets.typecode]).long()
         return (offsets[1:] - offsets[:-1]).to(device)
 
 

@@ -169,6 +169,16 @@ def test_a_cache_of_pieces_scores_as_its_concatenation_and_each_piece_gets_its_g
     assert [p.grad.shape[0] for p in d_parts] == [3, 0, 17, 1, 19, 16]
 
 
+def test_offsets_are_int32_while_they_fit_and_int64_beyond():
+    small = M.offset_array(torch.tensor([0, 3, 2**31 - 1]))
+    large = M.offset_array(torch.tensor([0, 3, 2**31]))
+    assert (small.typecode, small.itemsize, list(small)) == ("i", 4, [0, 3, 2**31 - 1])
+    assert (large.typecode, large.itemsize, list(large)) == ("q", 8, [0, 3, 2**31])
+    tokens = RaggedTokens(torch.zeros(5, 2), [0, 2, 2, 5])
+    assert tokens.offsets.typecode == "i" and tokens.lengths().tolist() == [2, 0, 3]
+    assert RaggedTokens.from_lengths(torch.zeros(5, 2), torch.tensor([2, 0, 3])).offsets.typecode == "i"
+
+
 def test_token_pieces_read_a_slice_as_a_view_within_a_piece_and_a_copy_of_it_across():
     parts = [torch.arange(6.0).view(3, 2), torch.zeros(0, 2), torch.arange(6.0, 14.0).view(4, 2)]
     values = M.TokenPieces(parts)
