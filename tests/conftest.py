@@ -437,3 +437,16 @@ def pytest_collection_modifyitems(config, items):
     except (OSError, ValueError, KeyError):
         return
     items.sort(key=lambda item: ("tiny_model_dir" in item.fixturenames, durations.get(item.nodeid, 1.0)))
+
+
+@pytest.fixture
+def sighup_default():
+    """SIGHUP at its default disposition, as a process started from a terminal has it, for the test only:
+    a suite started under ``nohup`` inherits SIGHUP ignored, which cembed keeps ignored by design."""
+    import signal
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -207,7 +207,7 @@ def test_launch_runs_torchs_launcher_with_the_workers_environment(monkeypatch):
     assert seen["agent"] is torchs_agent and FRESH_STORE_PER_RESTART[0] not in seen["env"]
 
 
-def test_the_launcher_forwards_sigusr1_and_leaves_sighup_ignored_under_nohup(monkeypatch):
+def test_the_launcher_forwards_sigusr1_and_leaves_sighup_ignored_under_nohup(monkeypatch, sighup_default):
     """Slurm's --signal=USR1@120 and submitit send SIGUSR1: torch's launcher handles only SIGTERM, SIGINT,
     SIGHUP and SIGQUIT by default, and died of it at once, its workers unsaved."""
     seen = _fake_run(monkeypatch)

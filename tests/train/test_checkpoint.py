@@ -496,7 +496,7 @@ def test_the_first_signal_starts_the_watch_for_a_failed_peer(monkeypatch):
 
 
 @pytest.mark.parametrize(("first", "second"), [(signal.SIGUSR1, signal.SIGUSR1), (signal.SIGHUP, signal.SIGTERM)])
-def test_sigusr1_and_sighup_stop_the_run_as_sigterm_does(first, second):
+def test_sigusr1_and_sighup_stop_the_run_as_sigterm_does(first, second, sighup_default):
     """Slurm's --signal=USR1@120 and submitit send SIGUSR1 before a time limit, a closed terminal or ssh
     session SIGHUP: each finishes the step and saves (exit 128 + the signal), a second signal abandons.
     Without a handler either one ends the process at once, the steps since the last checkpoint lost."""
