@@ -188,6 +188,8 @@ def _step_child(args, path: str, queue) -> None:
         times, value, above = [], None, None
         for i in range(args.rounds + 1):  # the first round warms up and is the one measured for memory
             base = memory_mark(args.device) if i == 0 else None
+            if i == 0:  # lets an observer bound a long run's peak from outside: VmHWM of this pid - base
+                print(f"[{path}] pid {os.getpid()} memory mark {base} bytes", file=sys.stderr, flush=True)
             start = time.perf_counter()
             out = loss([dict(f) for f in features], None)
             out.backward()
@@ -310,7 +312,7 @@ def mib(n: int | None) -> str:
 
 
 def section_step(args) -> bool:
-    results = {path: in_child(_step_child, args, path) for path in PATHS}
+    results = {path: in_child(_step_child, args, path) for path in args.paths}
     stock, ours = results["stock"], results["cembed"]
     agree = abs(ours["loss"] - stock["loss"]) <= LOSS_TOLERANCE * abs(stock["loss"])
     model = "tiny random BERT (dim 16)" if args.quick else "all-MiniLM-L6-v2 -> 128-dim ColBERT"
@@ -371,7 +373,9 @@ def main() -> None:
     parser.add_argument("--stock-max-gib", type=float, default=8.0, help="scoring: skip stock above this")
     parser.add_argument("--device", default="cuda" if "--device" not in sys.argv and _has_cuda() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--paths", default="stock,cembed", help="step: the paths, in the order run")
     args = parser.parse_args()
+    args.paths = tuple(args.paths.split(","))
     args.rows = [int(r) for r in args.rows.split(",")]
     args.query_tokens = tuple(int(t) for t in args.query_tokens.split(","))
     args.document_tokens = tuple(int(t) for t in args.document_tokens.split(","))

@@ -67,7 +67,7 @@ class BatchConfig(_Strict):
     mini_batch_num_tokens: PositiveInt | None = None  # token budget: rows x padded width per mini-batch
     sort_by_length: bool = True  # sort each column by length before cutting mini-batches
     # Pad each batch's width up to a multiple of this (at most model.max_seq_length): fewer distinct
-    # shapes, e.g. for train.torch_compile. None: the longest row.
+    # shapes, e.g. for train.torch_compile. None: the longest row. Needs data.pretokenize (cembed's collator).
     pad_to_multiple_of: PositiveInt | None = None
     # pack each cached-loss mini-batch's rows without padding: auto where the model supports it
     # (cembed.model.unpad.resolve_unpad), true (refuse a model that does not), false (sorted padding)

@@ -68,6 +68,7 @@ def preflight(cfg: CembedConfig, learning_rate: float) -> list[Finding]:
         check_scheduler(cfg.optim, learning_rate, cfg.train.max_steps)
         + check_model(cfg.model)
         + check_pad_multiple(cfg.batch.pad_to_multiple_of, cfg.model)
+        + check_pad_tokenized(cfg)
         + check_model_shape(cfg)
         + check_loss_models(cfg.loss)
         + check_trackers(cfg.train.report_to)
@@ -261,6 +262,24 @@ def check_pad_multiple(multiple: int | None, cfg: ModelConfig) -> list[Finding]:
             "batch.pad_to_multiple_of",
             f"{multiple} is above {what}: no batch width can be a multiple of it (every batch would be padded "
             f"to {length}); set it to at most {length} or leave it unset",
+        )
+    ]
+
+
+def check_pad_tokenized(cfg: CembedConfig) -> list[Finding]:
+    """``batch.pad_to_multiple_of`` with ``data.pretokenize: false``: sentence-transformers' collator then
+    tokenizes each batch and pads it to its longest row; it has no such setting, so the multiple would be
+    silently ignored (a streamed source is padded by cembed's collator and keeps it)."""
+    if cfg.batch.pad_to_multiple_of is None or cfg.data.pretokenize:
+        return []
+    if any(s.source.stream_options() is not None for s in cfg.data.sources()):
+        return []
+    return [
+        Finding(
+            "batch.pad_to_multiple_of",
+            f"{cfg.batch.pad_to_multiple_of} has no effect with data.pretokenize: false (sentence-transformers' "
+            "collator tokenizes each batch and pads it to its longest row); set data.pretokenize: true or leave "
+            "batch.pad_to_multiple_of unset",
         )
     ]
 

@@ -29,7 +29,7 @@ def short_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny40"), positions=40)
 
 
-def _cfg(model_dir, data, out, **sections):
+def _cfg(model_dir, data, out, /, **sections):
     cfg = {
         "model": {"name_or_path": str(model_dir), "device": "cpu"},
         "data": {"train": str(data), "pretokenize": False},
@@ -81,13 +81,19 @@ CASE_1 = {
         "model.tokenizer_kwargs: the tokenizer has no padding token",
     ),
     "pad_to_multiple_of above max_seq_length": (
-        {"model": {"max_seq_length": 32}, "batch": {"pad_to_multiple_of": 64}},
+        {"model": {"max_seq_length": 32}, "batch": {"pad_to_multiple_of": 64}, "data": {"pretokenize": True}},
         "batch.pad_to_multiple_of: 64 is above model.max_seq_length 32: no batch width can be a multiple of it "
         "(every batch would be padded to 32); set it to at most 32 or leave it unset",
     ),
     "pad_to_multiple_of above the model's own length": (
-        {"batch": {"pad_to_multiple_of": 48}},  # the model's own max_seq_length: 40
+        {"batch": {"pad_to_multiple_of": 48}, "data": {"pretokenize": True}},  # the model's own max_seq_length: 40
         "batch.pad_to_multiple_of: 48 is above the model's max_seq_length 40:",
+    ),
+    "pad_to_multiple_of where sentence-transformers' collator tokenizes": (
+        {"batch": {"pad_to_multiple_of": 8}},  # _cfg's data.pretokenize: false
+        "batch.pad_to_multiple_of: 8 has no effect with data.pretokenize: false (sentence-transformers' collator "
+        "tokenizes each batch and pads it to its longest row); set data.pretokenize: true or leave "
+        "batch.pad_to_multiple_of unset",
     ),
     "num_train_epochs and max_steps both set": (
         {"train": {"num_train_epochs": 3, "max_steps": 2}},

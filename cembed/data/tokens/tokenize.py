@@ -248,6 +248,20 @@ def _with_empty_ids(dataset, roles, groups):
     return Dataset.from_dict({c: [] for c in features}, features=features)
 
 
+def _collator_tokenizes(data, reason: str, pad_to_multiple_of: int | None, warning: str | None = None):
+    """:func:`tokenize_stage`'s answer when sentence-transformers' collator tokenizes (``reason``: why): the
+    ``warning`` to print, with a line that ``batch.pad_to_multiple_of`` is not applied where it is set (that
+    collator pads each batch to its longest row and has no such setting)."""
+    if pad_to_multiple_of is not None:
+        ignored = (
+            f"batch.pad_to_multiple_of {pad_to_multiple_of} is not applied: sentence-transformers' collator "
+            f"tokenizes each batch ({reason}) and pads it to its longest row"
+        )
+        warning = f"{warning}; {ignored}" if warning else ignored
+    info = {"pretokenized": False, "reason": reason}
+    return data.dataset, None, info if warning is None else {**info, "warning": warning}
+
+
 def tokenize_stage(
     model,
     data,
@@ -277,10 +291,10 @@ def tokenize_stage(
         return data.dataset, None, {"pretokenized": False, "reason": "data.pretokenize is false"}
     layouts = column_layouts(model, roles)
     if layouts is None:
-        return data.dataset, None, {"pretokenized": False, "reason": "the model tokenizes a column per batch"}
+        return _collator_tokenizes(data, "the model tokenizes a column per batch", pad_to_multiple_of)
     collator = collator_for(model, roles, pad_to_multiple_of, layouts.expansions, layouts.strips)
     if collator is None:
-        return data.dataset, None, {"pretokenized": False, "reason": "the model's features are not plain token ids"}
+        return _collator_tokenizes(data, "the model's features are not plain token ids", pad_to_multiple_of)
     started = time.perf_counter()
     lengths = prompt_lengths(model, prompts or {})  # ``Pooling(include_prompt=False)`` needs them
     # One group per source, so the check below covers each source's rows (and layout).
@@ -303,7 +317,7 @@ def tokenize_stage(
     )
     if not matches_model_preprocessing(model, collator, result.dataset, prompts=prompts, sources=sources):
         reason = "stored ids differ from the model's preprocessing"
-        return data.dataset, None, {"pretokenized": False, "reason": reason, "warning": IDS_DIFFER_WARNING}
+        return _collator_tokenizes(data, reason, pad_to_multiple_of, IDS_DIFFER_WARNING)
     info = {
         "pretokenized": True,
         "from_cache": result.from_cache,

@@ -203,3 +203,39 @@ def test_a_second_writer_waits_for_the_first_and_loads_its_entry(model, tmp_path
         fcntl.flock(held, fcntl.LOCK_UN)
     waiter.join(60)
     assert results and results[0].cache_path == root / key and not results[0].from_cache
+
+
+@pytest.mark.parametrize("multiple", [None, 8])
+def test_where_the_collator_tokenizes_an_ignored_pad_to_multiple_of_is_said(model, tmp_path, monkeypatch, multiple):
+    # sentence-transformers' collator pads each batch to its longest row: batch.pad_to_multiple_of would do
+    # nothing, so the fallback's warning says so (and only when it is set).
+    import cembed.data.tokens.tokenize as tokenize
+    from cembed.data.rows import TrainingData
+
+    monkeypatch.setattr(tokenize, "matches_model_preprocessing", lambda *args, **kwargs: False)
+    ds = Dataset.from_dict({"anchor": [f"q {i}" for i in range(8)], "positive": [f"d {i}" for i in range(8)]})
+    dataset, collator, info = tokenize.tokenize_stage(
+        model, TrainingData(ds, "pairs", 8), True, tmp_path, None, multiple
+    )
+    assert collator is None and dataset is ds
+    ignored = (
+        "batch.pad_to_multiple_of 8 is not applied: sentence-transformers' collator tokenizes each batch "
+        "(stored ids differ from the model's preprocessing) and pads it to its longest row"
+    )
+    expected = tokenize.IDS_DIFFER_WARNING + (f"; {ignored}" if multiple else "")
+    assert info == {
+        "pretokenized": False,
+        "reason": "stored ids differ from the model's preprocessing",
+        "warning": expected,
+    }
+
+    monkeypatch.setattr(tokenize, "column_layouts", lambda *args, **kwargs: None)  # the model tokenizes per batch
+    info = tokenize.tokenize_stage(model, TrainingData(ds, "pairs", 8), True, tmp_path, None, multiple)[2]
+    reason = "the model tokenizes a column per batch"
+    if multiple is None:
+        assert info == {"pretokenized": False, "reason": reason}
+    else:
+        assert info["warning"] == (
+            f"batch.pad_to_multiple_of 8 is not applied: sentence-transformers' collator tokenizes each batch "
+            f"({reason}) and pads it to its longest row"
+        )
