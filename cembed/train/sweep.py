@@ -304,8 +304,10 @@ def files_record(cfg) -> dict[str, dict[str, str]]:
     """What a sweep's trials start from, by its files: each model the config names that is a local
     folder (``model.name_or_path``; the loss's ``model_paths``, such as ``cached_gist``'s guide) as a
     hash of its files' paths, sizes and modification times, so a folder trained again in place (the
-    same path, other weights) is another sweep. A hub id is recorded by its name (and
-    ``model.revision``) only. Nothing is read but the folders' listings.
+    same path, other weights) is another sweep. A hub id is recorded by the snapshot of it in the local
+    hub cache that loading it offline reads (``model.revision``, else the cache's ``main``: its folder
+    names the commit), so a newer snapshot fetched since is another sweep; a hub id not in the cache is
+    recorded by its name (and ``model.revision``) only. Nothing is read but the folders' listings.
 
     Returns:
         ``{"<field> (files)": {"source", "files", "xxh3"}}``: ``files`` as ``"N files, B bytes"``.
@@ -318,11 +320,15 @@ def files_record(cfg) -> dict[str, dict[str, str]]:
     named |= {f"loss.{f}": getattr(cfg.loss, f) for f in type(cfg.loss).model_paths if getattr(cfg.loss, f, None)}
     out: dict[str, dict[str, str]] = {}
     for key, name in named.items():
+        if not isinstance(name, str):
+            continue
         try:
             folder = Path(resolve_model_path(name))
         except UserError:  # a packaged name without its package: loading the model says so
             continue
-        if not isinstance(name, str) or not folder.is_dir():
+        if not folder.is_dir():
+            folder = _cached_snapshot(name, cfg.model.revision if key == "model.name_or_path" else None)
+        if folder is None:
             continue
         digest, count, size = xxhash.xxh3_64(), 0, 0
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
@@ -331,6 +337,18 @@ def files_record(cfg) -> dict[str, dict[str, str]]:
             count, size = count + 1, size + stat.st_size
         out[key + FILES] = {"source": str(folder), "files": f"{count} files, {size} bytes", "xxh3": digest.hexdigest()}
     return out
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The folder of ``repo_id``'s snapshot at ``revision`` (None: ``main``) in the local hub cache
+    (``.../models--org--name/snapshots/<commit>``), read without the network; None when it is not
+    cached or ``repo_id`` is not a hub id."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:  # not cached, or not a repo id: recorded by its name
+        return None
 
 
 def sweep_record(cfg, precision: str, steps: int, contents: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
@@ -419,6 +437,11 @@ def _files_change(key: str, old: dict | None, new: dict | None) -> str:
     def held(entry: dict | None) -> str:
         return f"{entry['files']} (xxh3 {entry['xxh3'][:8]})" if entry else "no folder"
 
+    if old and new and old.get("source") != new.get("source"):  # a hub id resolved to another cached snapshot
+        return (
+            f"{field} was read from {display_path(old['source'])} and is read from {display_path(new['source'])} "
+            "now (another snapshot?): its trials trained the old weights"
+        )
     where = f"{field} ({display_path(item['source'])})" if item.get("source") else field
     return (
         f"{where} held {held(old)} and holds {held(new)} now (retrained in place?): its trials trained the old weights"

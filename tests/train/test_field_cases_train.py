@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 import cembed.train.sweep as S
 from cembed.cli.app import app
+from cembed.config.file import load_config
 from cembed.errors import UserError
 
 
@@ -125,6 +126,40 @@ def test_a_model_folder_retrained_in_place_is_another_sweep(tmp_path, monkeypatc
     ), message
     assert len(calls) == 1
     assert S.run_sweep(config, [1.0], steps=1, out=out, overwrite=True).ran == [1.0] and len(calls) == 2
+
+
+def test_a_hub_id_is_recorded_by_its_cached_snapshot(tmp_path, monkeypatch):
+    """The same report for a hub id: recorded by its name only, a newer snapshot fetched into the cache
+    since (``refs/main`` moved: what loading it offline now reads) read the old trials back. The reference:
+    the hub cache's own layout (``models--org--name/refs/main`` names ``snapshots/<commit>``). The sweep
+    is refused naming both snapshot folders; a cache without the model records it by name (no entry)."""
+    import huggingface_hub.constants as hub_constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    for commit, seed in (("a" * 40, 0), ("b" * 40, 1)):
+        make_tiny_model(repo / "snapshots" / commit, seed=seed)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    config, out = _sweep_config(tmp_path, "org/tiny"), tmp_path / "s"
+    record = S.files_record(load_config(config))
+    assert record["model.name_or_path (files)"]["source"] == str(repo / "snapshots" / ("a" * 40))
+    calls = _fake_runs(monkeypatch)
+    S.run_sweep(config, [1.0], steps=1, out=out)
+    assert S.run_sweep(config, [1.0], steps=1, out=out).ran == [] and len(calls) == 1  # unchanged: read back
+    (repo / "refs" / "main").write_text("b" * 40)  # a newer snapshot fetched since
+    with pytest.raises(UserError) as err:
+        S.run_sweep(config, [1.0], steps=1, out=out)
+    assert f"model.name_or_path was read from {repo / 'snapshots' / ('a' * 40)} and is read from " in str(err.value)
+    assert str(err.value).endswith(
+        f"{repo / 'snapshots' / ('b' * 40)} now (another snapshot?): its trials trained the old weights; use a new "
+        "--out or --overwrite to move the old study aside"
+    ), str(err.value)
+    assert len(calls) == 1
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    assert S.files_record(load_config(config)) == {}  # not cached: by name only
 
 
 # --- the step line's labelled interval mean against the trainer's own log --------------------------
