@@ -2,8 +2,8 @@
 sentence-transformers' own evaluators.
 
 * Retrieval: :class:`~cembed.eval.metrics.GradedIREvaluator` (sentence-transformers' evaluator, NDCG graded
-  as pytrec_eval) with the similarity of the model's kind (``ModelConfig.similarity``): cosine for a
-  dense model, MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`), sparse vectors
+  as pytrec_eval) with the similarity of the model's kind (``ModelConfig.similarity``): a dense model's
+  own (cosine, as cembed trains it; the dot product or distance a folder saved with one is evaluated by), MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`), sparse vectors
   by the model's own similarity for a sparse one (:mod:`cembed.eval.sparse_retrieval`: the dot product, or
   the cosine a folder is saved with; it also reports the mean active dimensions of queries and documents);
   one factory per kind's similarity in :data:`RETRIEVAL_EVALUATORS`: NDCG@10, MRR@10, MAP@100, Recall@10,
@@ -73,9 +73,11 @@ def retrieval_evaluator(
     rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False, prompts=None, similarity: str = "cosine"
 ):
     """A :class:`~cembed.eval.metrics.GradedIREvaluator` for ``rs`` with ``similarity`` (the model kind's:
-    cosine, as MTEB, or a similarity of :data:`RETRIEVAL_EVALUATORS`), metrics Accuracy/Precision/Recall@{1,3,5,10,100},
-    MRR@10, NDCG@10 (graded by ``rs.relevance``) and MAP@100. Its metric keys are
-    ``<rs.name>_<similarity>_<metric>@<k>``; its primary metric ``<rs.name>_<similarity>_ndcg@10``.
+    ``cosine``, a dense model's, which scores each model by its own ``similarity_fn_name``, cosine unless a
+    folder is saved with another; or a similarity of :data:`RETRIEVAL_EVALUATORS`), metrics
+    Accuracy/Precision/Recall@{1,3,5,10,100}, MRR@10, NDCG@10 (graded by ``rs.relevance``) and MAP@100. Its
+    metric keys are ``<rs.name>_<scored by>_<metric>@<k>`` (:func:`scored_by`); its primary metric
+    ``<rs.name>_<scored by>_ndcg@10``.
     ``prompts`` (:class:`cembed.model.prompts.RolePrompts`): queries get the anchor's prompt, the corpus
     the positive's (None: the model's ``encode_query`` / ``encode_document`` defaults).
 
@@ -89,28 +91,12 @@ def retrieval_evaluator(
                 f"no retrieval evaluator for similarity {similarity!r}; known: cosine, {', '.join(RETRIEVAL_EVALUATORS)}"
             )
         return factory(rs, batch_size, write_csv, prompts)
-    from sentence_transformers.util import cos_sim
-
     from cembed.eval.metrics import GradedIREvaluator  # imports sentence-transformers
 
-    return GradedIREvaluator(
-        queries=rs.queries,
-        corpus=rs.corpus,
-        relevant_docs=rs.relevant_docs,
-        relevance=rs.relevance,
-        mrr_at_k=[10],
-        ndcg_at_k=[10],
-        accuracy_at_k=[1, 3, 5, 10],
-        precision_recall_at_k=[1, 3, 5, 10, 100],
-        map_at_k=[100],
-        batch_size=batch_size,
-        name=rs.name,
-        write_csv=write_csv,
-        score_functions={"cosine": cos_sim},
-        main_score_function="cosine",
-        query_prompt=prompts.anchor if prompts else None,
-        corpus_prompt=prompts.positive if prompts else None,
-    )
+    # No score_functions: the library scores each model it is called on by that model's own similarity
+    # (``model.similarity``, named by ``model.similarity_fn_name``): cosine for a model cembed trains (the
+    # dense kind's prepare_training), the dot product a folder saved with it is evaluated by.
+    return GradedIREvaluator(**_ir_arguments(rs, batch_size, write_csv, prompts))
 
 
 def _sparse_evaluator(rs: RetrievalSet, batch_size: int = 32, write_csv: bool = False, prompts=None):

@@ -68,6 +68,16 @@ class GradedIREvaluator(InformationRetrievalEvaluator):
         super().__init__(*args, **kwargs)
         self.relevance = relevance or {}
 
+    def _model_score_functions(self, model) -> dict:
+        """The library's per-call similarity (``{model.similarity_fn_name: model.similarity}``, used when no
+        ``score_functions`` are given), or cosine for a model without one (any object whose ``encode_query`` /
+        ``encode_document`` give one vector per text)."""
+        if hasattr(model, "similarity"):
+            return super()._model_score_functions(model)
+        from sentence_transformers.util import cos_sim
+
+        return {"cosine": cos_sim}
+
     def grades(self, query_id: str) -> dict[str, int]:
         """The grades of ``query_id``'s relevant documents (1 for those without one)."""
         graded = self.relevance.get(query_id, {})

@@ -10,7 +10,7 @@ the same rule as training), so the numbers are those of the model as it is used.
 keyed by the model fingerprint and the corpus with that document prompt, the same key with and
 without ``--dims``: ``cembed eval --dims`` after ``cembed eval`` reads the corpus from the cache.
 
-``--dims 384,128,64`` scores truncated embeddings (the first ``d`` dimensions; cosine similarity
+``--dims 384,128,64`` scores truncated embeddings (the first ``d`` dimensions; by the model's similarity: cosine
 normalizes them), as a Matryoshka-trained model is used (Kusupati et al. 2022, arXiv:2205.13147).
 Queries and STS sentences are encoded through sentence-transformers' ``truncate_dim``; the corpus is
 encoded (or read from the cache) once at full size and sliced, so the cache keeps full-size embeddings.
@@ -279,7 +279,9 @@ def score_dims(
             for rs in setup.retrieval:
                 emb = torch.from_numpy(corpora[rs.name][:, :dim]).to(model.device)
                 metrics = retrieval_evaluator(rs, batch_size, prompts=prompts)(model, corpus_embeddings=emb)
-                scores[rs.name] = headline({k: float(v) for k, v in metrics.items()}, rs.name, "retrieval")
+                scores[rs.name] = headline(
+                    {k: float(v) for k, v in metrics.items()}, rs.name, "retrieval", scored_by(model)
+                )
             for ss in setup.sts:
                 scores[ss.name] = headline(evaluate_sts(model, ss, batch_size), ss.name, "sts")
     finally:

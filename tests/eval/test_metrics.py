@@ -87,12 +87,13 @@ GRADED = (
 def library_evaluator(rs):
     """sentence-transformers' own evaluator, binary NDCG: what `cembed eval` used before."""
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+    from sentence_transformers.util import cos_sim
 
     ev = retrieval_evaluator(rs)
     kwargs = {k: getattr(ev, k) for k in ("mrr_at_k", "ndcg_at_k", "accuracy_at_k", "precision_recall_at_k")}
     return InformationRetrievalEvaluator(
         rs.queries, rs.corpus, rs.relevant_docs, map_at_k=ev.map_at_k, name=rs.name, write_csv=False,
-        score_functions=ev.score_functions, main_score_function="cosine", **kwargs,
+        score_functions={"cosine": cos_sim}, main_score_function="cosine", **kwargs,
     )  # fmt: skip
 
 

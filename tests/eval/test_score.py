@@ -68,3 +68,36 @@ def test_eval_dims_has_the_same_checks_as_eval(tiny_model_dir, tmp_path):
             score(retrieval=[beir, copy], sts=[])
         with pytest.raises(UserError, match=r"give at least one --retrieval FOLDER or --sts FILE"):
             score(retrieval=[], sts=[])
+
+
+def _saved_with(tiny_model_dir, folder, similarity: str):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(tiny_model_dir), device="cpu", similarity_fn_name=similarity)
+    model.save(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("similarity", ["dot", "euclidean"])
+def test_a_dense_folder_is_evaluated_by_its_own_similarity(tiny_model_dir, tmp_path, similarity):
+    """A folder saved with ``similarity_fn_name: dot`` (msmarco-*-dot, TAS-B) was scored by cosine. The
+    reference: sentence-transformers' own InformationRetrievalEvaluator (no score_functions: the model's
+    similarity) on the same folder; binary qrels, so its NDCG is cembed's graded one."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    folder = _saved_with(tiny_model_dir, tmp_path / "model", similarity)
+    beir = _beir(tmp_path / "toy")
+    report = score_model(str(folder), [beir], [], device="cpu", cache_dir=tmp_path / "cache")
+    stock = InformationRetrievalEvaluator(
+        QUERIES, DOCS, {"q1": {"d0"}, "q2": {"d3"}}, mrr_at_k=[10], ndcg_at_k=[10], name="toy-test"
+    )(SentenceTransformer(str(folder), device="cpu"))
+    assert stock[f"toy-test_{similarity}_ndcg@10"] == pytest.approx(
+        report.sets["toy-test"]["headline"]["NDCG@10"], abs=1e-9
+    )
+    assert stock[f"toy-test_{similarity}_mrr@10"] == pytest.approx(
+        report.sets["toy-test"]["headline"]["MRR@10"], abs=1e-9
+    )
+    assert f"toy-test_{similarity}_ndcg@10" in report.sets["toy-test"]["metrics"]
+    dims = score_dims(str(folder), [beir], [], [32, 8], device="cpu", cache_dir=tmp_path / "cache")
+    assert dims.scores[32]["toy-test"] == pytest.approx(report.sets["toy-test"]["headline"], abs=1e-9)

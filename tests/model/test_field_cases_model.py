@@ -139,3 +139,31 @@ def test_padding_to_a_multiple_stops_at_the_models_length(tmp_path):
         ours = model(features)["sentence_embedding"]
     reference = model.encode(texts, convert_to_tensor=True)
     assert torch.allclose(ours, reference, atol=1e-5)
+
+
+def test_a_dot_dense_folder_trains_and_saves_as_cosine(tiny_model_dir, write_config, pairs_file, tmp_path):
+    """The dense twin of neuml/txtai#946: a SentenceTransformer folder saved with ``similarity_fn_name: dot``
+    (msmarco-*-dot-*, TAS-B) trained by ``cached_mnrl``, whose scores are cosine (sentence-transformers'
+    ``CachedMultipleNegativesRankingLoss`` default). Kept as dot, plain sentence-transformers would rank the
+    trained model by vector norms the loss never saw. The saved folder says ``cosine``; ``validate`` says the
+    dot was replaced. Reference: the saved ``config_sentence_transformers.json`` read by plain
+    ``SentenceTransformer``."""
+    from sentence_transformers import SentenceTransformer
+
+    SentenceTransformer(str(tiny_model_dir), device="cpu", similarity_fn_name="dot").save(str(tmp_path / "dot"))
+    config = write_config(
+        {
+            "model": {"name_or_path": str(tmp_path / "dot"), "device": "cpu"},
+            "data": {"train": str(pairs_file(distinct_pairs(16))), "cache_dir": str(tmp_path / "cache")},
+            "batch": {"per_device_train_batch_size": 8, "mini_batch_size": 4},
+            "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1},
+        }
+    )
+    r = CliRunner().invoke(app, ["validate", str(config)])
+    assert r.exit_code == 0, r.output
+    assert "model.pooling is not used); its dot similarity replaced by cosine (what the loss trains)" in r.output
+    r = CliRunner().invoke(app, ["train", str(config)])
+    assert r.exit_code == 0, r.output
+    saved = json.loads((tmp_path / "run" / "config_sentence_transformers.json").read_text())
+    assert saved["similarity_fn_name"] == "cosine"
+    assert SentenceTransformer(str(tmp_path / "run"), device="cpu").similarity_fn_name == "cosine"

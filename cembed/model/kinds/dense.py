@@ -66,12 +66,29 @@ class DenseKind(ModelKind):
             processor_kwargs=cfg.tokenizer_kwargs or None,
         )
 
+    def prepare_training(self, model) -> None:
+        """Score ``model`` by the cosine the dense losses train (sentence-transformers' cached losses and GIST
+        score by cosine): a folder saved with another similarity (``dot``, ``euclidean``, ``manhattan``) is
+        trained, evaluated during training and saved as cosine, and ``validate`` says it was replaced; kept,
+        the saved model would rank by what the loss never trained (a dot product's vector norms)."""
+        if model.similarity_fn_name != "cosine":
+            model.cembed_similarity_replaced = str(model.similarity_fn_name)
+            model.similarity_fn_name = "cosine"
+
+    def similarity_name(self, model) -> str:
+        """The model's own ``similarity_fn_name`` (cosine, or the dot / euclidean / manhattan a folder was saved
+        with, when it is evaluated rather than trained), as sentence-transformers' ``model.similarity`` and its
+        retrieval evaluator score it."""
+        return str(getattr(model, "similarity_fn_name", None) or "cosine")
+
     def describe(self, model, cfg: ModelConfig, saved: bool) -> str:
         modes = [m.pooling_mode for m in model if hasattr(m, "pooling_mode")]
         mode = "none (no Pooling module)" if not modes else str(modes[0])
+        replaced = getattr(model, "cembed_similarity_replaced", None)
+        similarity = f"; its {replaced} similarity replaced by cosine (what the loss trains)" if replaced else ""
         if saved:
-            return f"{mode} (the model's sentence-transformers config; model.pooling is not used)"
-        return f"{mode} (model.pooling; plain transformers checkpoint)"
+            return f"{mode} (the model's sentence-transformers config; model.pooling is not used){similarity}"
+        return f"{mode} (model.pooling; plain transformers checkpoint){similarity}"
 
     def text_outputs(self, outputs: dict) -> list:
         return list(outputs["sentence_embedding"])
