@@ -14,7 +14,9 @@ Sections (``--sections``, default both):
            positions, the memory the step allocates above the model and the optimizer state, and the
            loss (the paths must agree within 1e-5 relative: the script exits 1 after its tables if not).
            The memory is that of the first step (before any timed round); ``--rounds 0`` measures it and
-           the loss only (batch 4,096 on a CPU: one step per path).
+           the loss only (batch 4,096 on a CPU: one step per path). ``--paths cembed,stock`` picks the paths
+           and their order; each child prints its pid and memory mark on stderr, so a long run's peak so far
+           can be read from outside (``VmHWM`` in ``/proc/<pid>/status`` minus the mark).
   scoring  the loss stage alone (MaxSim + cross entropy + backward into the cache) on synthetic cached
            token vectors (``--score-dim`` 8, queries of ``--query-tokens`` 4..12 tokens, documents of
            ``--document-tokens`` 8..40; the sizes of a tiny model; smaller ones make 65k rows feasible on a
