@@ -206,7 +206,9 @@ def _step_child(args, path: str, queue) -> None:
             optimizer.zero_grad(set_to_none=True)
         real, processed = positions(features, path, args.mini_batch)
         step_s = statistics.median(times) if times else None  # --rounds 0: memory and loss only
-        queue.put({"loss": value, "step_s": step_s, "above": above, "padded": 1 - real / processed})
+        result = {"loss": value, "step_s": step_s, "above": above, "padded": 1 - real / processed}
+        print(f"[{path}] {result}", file=sys.stderr, flush=True)  # kept if the other path never finishes
+        queue.put(result)
 
 
 def _scoring_child(args, path: str, rows: int, queue) -> None:
