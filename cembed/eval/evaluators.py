@@ -3,7 +3,8 @@ sentence-transformers' own evaluators.
 
 * Retrieval: :class:`~cembed.eval.metrics.GradedIREvaluator` (sentence-transformers' evaluator, NDCG graded
   as pytrec_eval) with the similarity of the model's kind (``ModelConfig.similarity``): a dense model's
-  own (cosine, as cembed trains it; the dot product or distance a folder saved with one is evaluated by), MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`), sparse vectors
+  own (cosine, as cembed trains it; the dot product or distance a folder saved with one is evaluated by),
+  MaxSim in tiles for a multi-vector one (:mod:`cembed.eval.maxsim_retrieval`), sparse vectors
   by the model's own similarity for a sparse one (:mod:`cembed.eval.sparse_retrieval`: the dot product, or
   the cosine a folder is saved with; it also reports the mean active dimensions of queries and documents);
   one factory per kind's similarity in :data:`RETRIEVAL_EVALUATORS`: NDCG@10, MRR@10, MAP@100, Recall@10,
