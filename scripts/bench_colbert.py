@@ -380,6 +380,8 @@ def main() -> None:
     parser.add_argument("--paths", default="stock,cembed", help="step: the paths, in the order run")
     args = parser.parse_args()
     args.paths = tuple(args.paths.split(","))
+    if sorted(args.paths) != sorted(PATHS):  # the step table compares the two
+        parser.error(f"--paths: both of {', '.join(PATHS)}, in the order to run them")
     args.rows = [int(r) for r in args.rows.split(",")]
     args.query_tokens = tuple(int(t) for t in args.query_tokens.split(","))
     args.document_tokens = tuple(int(t) for t in args.document_tokens.split(","))

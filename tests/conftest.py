@@ -189,6 +189,31 @@ def distinct_pairs(n: int) -> list[dict]:
     return [{"anchor": f"question number {i}", "positive": f"answer text {i}"} for i in range(n)]
 
 
+def write_toy_beir(root: Path, docs: dict[str, str], queries: dict[str, str], qrels: dict[str, set[str]]) -> Path:
+    """A BEIR folder at ``root``: ``corpus.jsonl`` (``_id``, ``text``), ``queries.jsonl`` and
+    ``qrels/test.tsv`` (every pair in ``qrels`` graded 1). Returns ``root``."""
+    root.mkdir(parents=True)
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in docs.items()))
+    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in queries.items()))
+    (root / "qrels").mkdir()
+    rows = "".join(f"{q}\t{d}\t1\n" for q, ds in qrels.items() for d in sorted(ds))
+    (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + rows)
+    return root
+
+
+def save_with_similarity(model_dir: Path, folder: Path, similarity: str | None, normalize=False, prompts=None) -> Path:
+    """The SentenceTransformer at ``model_dir`` saved to ``folder`` declaring ``similarity_fn_name``
+    ``similarity`` (a ``Normalize`` module appended with ``normalize``; ``prompts`` saved with it)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Normalize
+
+    model = SentenceTransformer(str(model_dir), device="cpu", similarity_fn_name=similarity, prompts=prompts)
+    if normalize:
+        model.append(Normalize())
+    model.save(str(folder))
+    return folder
+
+
 def install_distribution(site: Path, name: str, files: dict[str, str], entry_points: dict[str, dict[str, str]]) -> Path:
     """Write an installed distribution ``name`` 0.1 into the folder ``site`` (as pip would into
     site-packages): its ``files`` (path under ``site`` -> source) and ``<name>-0.1.dist-info`` with

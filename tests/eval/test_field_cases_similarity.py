@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import save_with_similarity, write_toy_beir
 from typer.testing import CliRunner
 
 from cembed.cli.app import app
@@ -19,13 +20,7 @@ QRELS = {"q1": {"d0"}, "q2": {"d3"}, "q3": {"d4"}}
 
 
 def _beir(root):
-    root.mkdir(parents=True)
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in DOCS.items()))
-    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in QUERIES.items()))
-    (root / "qrels").mkdir()
-    rows = "".join(f"{q}\t{d}\t1\n" for q, ds in QRELS.items() for d in ds)
-    (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + rows)
-    return root
+    return write_toy_beir(root, DOCS, QUERIES, QRELS)
 
 
 def _stock(folder, **model_kwargs) -> dict:
@@ -38,23 +33,12 @@ def _stock(folder, **model_kwargs) -> dict:
     return evaluator(model)
 
 
-def _save(tiny_model_dir, folder, similarity, normalize=False, prompts=None):
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.models import Normalize
-
-    model = SentenceTransformer(str(tiny_model_dir), device="cpu", similarity_fn_name=similarity, prompts=prompts)
-    if normalize:
-        model.append(Normalize())
-    model.save(str(folder))
-    return folder
-
-
 def test_a_dot_folder_with_a_normalize_module_is_scored_by_dot(tiny_model_dir, tmp_path):
     """embeddings-benchmark/mteb#1731 (non-cosine similarity of SentenceTransformer models ignored, always
     cos_sim) and huggingface/sentence-transformers#2467 (a dot model whose embeddings are normalized: dot and
     cosine agree). A folder with a Normalize module saved as ``dot``: the keys say dot, the numbers equal
     sentence-transformers' evaluator."""
-    folder = _save(tiny_model_dir, tmp_path / "m", "dot", normalize=True)
+    folder = save_with_similarity(tiny_model_dir, tmp_path / "m", "dot", normalize=True)
     report = score_model(str(folder), [_beir(tmp_path / "toy")], [], device="cpu", cache_dir=tmp_path / "c")
     stock = _stock(folder)
     metrics = report.sets["toy-test"]["metrics"]
@@ -67,7 +51,7 @@ def test_a_folder_saved_without_a_similarity_is_scored_by_cosine(tiny_model_dir,
     """embeddings-benchmark/mteb#1731: older folders (facebook/contriever-msmarco) carry no
     ``similarity_fn_name`` (null in config_sentence_transformers.json). sentence-transformers reads that as
     cosine; so must cembed (cosine keys, equal numbers), not fail on a None name."""
-    folder = _save(tiny_model_dir, tmp_path / "m", "cosine")
+    folder = save_with_similarity(tiny_model_dir, tmp_path / "m", "cosine")
     config = folder / "config_sentence_transformers.json"
     data = json.loads(config.read_text())
     data["similarity_fn_name"] = None
@@ -82,7 +66,7 @@ def test_a_folder_saved_without_a_similarity_is_scored_by_cosine(tiny_model_dir,
 def test_eval_json_of_a_dot_folder_names_its_metrics_by_dot(tiny_model_dir, tmp_path):
     """The same report through the CLI a user runs: ``cembed eval --json`` of a dot folder writes
     ``<set>_dot_*`` keys whose values are sentence-transformers' evaluator's."""
-    folder = _save(tiny_model_dir, tmp_path / "m", "dot")
+    folder = save_with_similarity(tiny_model_dir, tmp_path / "m", "dot")
     out = tmp_path / "eval.json"
     args = ["eval", "-m", str(folder), "-r", str(_beir(tmp_path / "toy")), "--device", "cpu"]
     r = CliRunner().invoke(app, [*args, "--json", str(out), "--cache-dir", str(tmp_path / "c")])
@@ -100,7 +84,7 @@ def test_a_dot_folder_with_prompts_is_scored_as_stock(tiny_model_dir, tmp_path):
         ``encode_query`` / ``encode_document`` (the prompts) and scores by dot; cembed must give the same numbers
     (here the prompts change NDCG@10: 0.833 with them, 1.0 without)."""
     prompts = {"query": "query: ", "document": "passage: "}
-    folder = _save(tiny_model_dir, tmp_path / "m", "dot", prompts=prompts)
+    folder = save_with_similarity(tiny_model_dir, tmp_path / "m", "dot", prompts=prompts)
     report = score_model(str(folder), [_beir(tmp_path / "toy")], [], device="cpu", cache_dir=tmp_path / "c")
     stock = _stock(folder)
     assert report.prompts["query"]["prompt"] == "query: " and report.prompts["document"]["prompt"] == "passage: "
@@ -115,7 +99,7 @@ def test_eval_dims_of_a_dot_folder_equals_stock_truncate_dim(tiny_model_dir, tmp
     sentence-transformers' ``truncate_dim``?): ``cembed eval --dims 8`` of a dot folder slices the cached
     full-size corpus; the reference loads the folder with ``truncate_dim=8`` and runs the stock evaluator,
     the dot product of the first 8 dimensions (not renormalized)."""
-    folder = _save(tiny_model_dir, tmp_path / "m", "dot")
+    folder = save_with_similarity(tiny_model_dir, tmp_path / "m", "dot")
     dims = score_dims(str(folder), [_beir(tmp_path / "toy")], [], [8], device="cpu", cache_dir=tmp_path / "c")
     stock = _stock(folder, truncate_dim=8)
     assert dims.scores[8]["toy-test"]["NDCG@10"] == pytest.approx(stock["toy-test_dot_ndcg@10"], abs=1e-9)

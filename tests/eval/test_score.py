@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from conftest import save_with_similarity, write_toy_beir
 
 import cembed.eval.embedding_cache as embedding_cache
 from cembed.errors import UserError
@@ -15,12 +14,7 @@ QUERIES = {"q1": "cats", "q2": "boats"}
 
 
 def _beir(root):
-    root.mkdir(parents=True)
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in DOCS.items()))
-    (root / "queries.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in QUERIES.items()))
-    (root / "qrels").mkdir()
-    (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td0\t1\nq2\td3\t1\n")
-    return root
+    return write_toy_beir(root, DOCS, QUERIES, {"q1": {"d0"}, "q2": {"d3"}})
 
 
 @pytest.fixture
@@ -70,14 +64,6 @@ def test_eval_dims_has_the_same_checks_as_eval(tiny_model_dir, tmp_path):
             score(retrieval=[], sts=[])
 
 
-def _saved_with(tiny_model_dir, folder, similarity: str):
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(tiny_model_dir), device="cpu", similarity_fn_name=similarity)
-    model.save(str(folder))
-    return folder
-
-
 @pytest.mark.parametrize("similarity", ["dot", "euclidean"])
 def test_a_dense_folder_is_evaluated_by_its_own_similarity(tiny_model_dir, tmp_path, similarity):
     """A folder saved with ``similarity_fn_name: dot`` (msmarco-*-dot, TAS-B) was scored by cosine. The
@@ -86,7 +72,7 @@ def test_a_dense_folder_is_evaluated_by_its_own_similarity(tiny_model_dir, tmp_p
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    folder = _saved_with(tiny_model_dir, tmp_path / "model", similarity)
+    folder = save_with_similarity(tiny_model_dir, tmp_path / "model", similarity)
     beir = _beir(tmp_path / "toy")
     report = score_model(str(folder), [beir], [], device="cpu", cache_dir=tmp_path / "cache")
     stock = InformationRetrievalEvaluator(

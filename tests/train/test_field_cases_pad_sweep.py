@@ -9,7 +9,7 @@ import json
 import math
 
 import pytest
-from conftest import distinct_pairs, make_tiny_model
+from conftest import distinct_pairs, make_tiny_model, write_toy_beir
 from typer.testing import CliRunner
 
 import cembed.train.recipe as T
@@ -27,12 +27,7 @@ def _pairs(tmp, n=16):
 
 def _beir(root):
     docs = {f"d{i}": f"document {i} about {t}" for i, t in enumerate(["cats", "dogs", "cars", "boats"])}
-    root.mkdir(parents=True)
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in docs.items()))
-    (root / "queries.jsonl").write_text(json.dumps({"_id": "q1", "text": "cats"}) + "\n")
-    (root / "qrels").mkdir()
-    (root / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td0\t1\n")
-    return root
+    return write_toy_beir(root, docs, {"q1": "cats"}, {"q1": {"d0"}})
 
 
 class LogsKept(CembedTrainer):
